@@ -1,0 +1,269 @@
+"""Every input check of gpurouter, and the only place where error text is written.
+
+The public ops (every backend) and the reference call these at trace time, on
+static shapes, dtypes and Python scalars, before any callback is built: nothing
+is ever raised inside a callback (CONTRACT section 6).
+
+Exceptions:
+- ``ValueError`` for shapes and configuration,
+- ``TypeError`` for dtypes,
+- ``NotImplementedError`` for valid inputs beyond a kernel's limits.
+
+Each message names the function, the argument, the value seen and the rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+
+TOPK_OP = "fused_topk_with_score_function"
+AUX_LOSS_OP = "fused_moe_aux_loss"
+
+
+class ScoreFunction(enum.IntEnum):
+    """Router score function; the values are TransformerEngine's codes.
+
+    Accepts the lower-case names too: ``ScoreFunction("sigmoid")``.
+    """
+
+    SIGMOID = 0
+    SOFTMAX = 1
+    SQRTSOFTPLUS = 2
+
+    @classmethod
+    def _missing_(cls, value: object) -> ScoreFunction | None:
+        if isinstance(value, str):
+            member = cls.__members__.get(value.upper())
+            if member is not None:
+                return member
+        return None
+
+
+_FLOAT_NAMES = ("float32", "bfloat16", "float16")
+_TPE_NAMES = ("int32", "int64", "float32", "bfloat16")
+BACKENDS = ("auto", "jax", "numba")
+
+
+def _dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def _as_int(op: str, name: str, value) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be an int, got bool {value!r}.")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{op}: {name} must be an int, got {type(value).__name__} {value!r}."
+        ) from None
+
+
+def _as_float(op: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(
+            f"{op}: {name} must be a Python int or float, got {type(value).__name__} {value!r}."
+        )
+    return float(value)
+
+
+def score_function_of(op: str, score_function) -> ScoreFunction:
+    """Normalises ``score_function`` (enum, TE code or lower-case name)."""
+    try:
+        if isinstance(score_function, bool):
+            raise ValueError
+        return ScoreFunction(score_function)
+    except ValueError:
+        raise ValueError(
+            f"{op}: score_function ({score_function!r}) must be one of "
+            "'softmax', 'sigmoid', 'sqrtsoftplus' or a gpurouter.ScoreFunction."
+        ) from None
+
+
+def check_float_dtype(op: str, name: str, dtype) -> None:
+    """``name`` must be float32, bfloat16 or float16 (float64 too for the jax backend)."""
+    got = _dtype_name(dtype)
+    if got not in _FLOAT_NAMES and got != "float64":
+        raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16, got {got}.")
+
+
+def check_backend(op: str, backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend ({backend!r}) must be one of {', '.join(map(repr, BACKENDS))}.")
+    return backend
+
+
+def check_kernel_dtype(op: str, name: str, dtype) -> None:
+    """The numba kernels compute in fp32 and take 32- and 16-bit floats only."""
+    got = _dtype_name(dtype)
+    if got == "float64":
+        raise TypeError(
+            f"{op}: {name} is float64, which the numba kernels do not take "
+            "(they compute in float32); cast to float32 or use backend=\"jax\"."
+        )
+
+
+@dataclass(frozen=True)
+class TopkConfig:
+    """Validated, hashable static configuration of one top-k call."""
+
+    topk: int
+    use_pre_softmax: bool
+    num_groups: int
+    group_topk: int
+    scaling_factor: float
+    score_function: ScoreFunction
+    compute_aux_scores: bool
+
+    @property
+    def grouped(self) -> bool:
+        # Grouping is on iff group_topk > 0 (TE's sentinel is -1).
+        return self.group_topk > 0 and not self.compute_aux_scores
+
+
+def check_topk_args(
+    logits_shape: tuple[int, ...],
+    logits_dtype,
+    topk,
+    use_pre_softmax,
+    num_groups,
+    group_topk,
+    scaling_factor,
+    score_function,
+    expert_bias_shape: tuple[int, ...] | None,
+    expert_bias_dtype,
+    compute_aux_scores,
+    op: str = TOPK_OP,
+) -> TopkConfig:
+    """Checks the arguments of ``fused_topk_with_score_function``; returns the config."""
+    if len(logits_shape) == 0:
+        raise ValueError(f"{op}: logits must have rank >= 1 ([..., num_experts]), got rank 0.")
+    check_float_dtype(op, "logits", logits_dtype)
+    num_experts = logits_shape[-1]
+    if num_experts == 0:
+        raise ValueError(f"{op}: num_experts (logits.shape[-1] = 0) must be >= 1.")
+    topk = _as_int(op, "topk", topk)
+    if topk < 1:
+        raise ValueError(f"{op}: topk ({topk}) must be >= 1.")
+    if topk > num_experts:
+        raise ValueError(f"{op}: topk ({topk}) must be <= num_experts ({num_experts}).")
+    sf = score_function_of(op, score_function)
+    scaling_factor = _as_float(op, "scaling_factor", scaling_factor)
+    num_groups = _as_int(op, "num_groups", num_groups)
+    group_topk = _as_int(op, "group_topk", group_topk)
+    compute_aux_scores = bool(compute_aux_scores)
+    if group_topk > 0 and not compute_aux_scores:
+        if num_groups <= 0:
+            raise ValueError(
+                f"{op}: num_groups ({num_groups}) must be >= 1 when group_topk ({group_topk}) > 0."
+            )
+        if num_experts % num_groups != 0:
+            raise ValueError(
+                f"{op}: num_experts ({num_experts}) must be divisible by num_groups ({num_groups})."
+            )
+        if group_topk > num_groups:
+            raise ValueError(
+                f"{op}: group_topk ({group_topk}) must be <= num_groups ({num_groups})."
+            )
+        if topk % group_topk != 0:
+            raise ValueError(
+                f"{op}: topk ({topk}) must be divisible by group_topk ({group_topk})."
+            )
+        if topk // group_topk > num_experts // num_groups:
+            raise ValueError(
+                f"{op}: topk / group_topk ({topk // group_topk}) must be <= "
+                f"num_experts / num_groups ({num_experts // num_groups})."
+            )
+    if expert_bias_shape is not None and not compute_aux_scores:
+        if sf == ScoreFunction.SOFTMAX:
+            raise ValueError(
+                f"{op}: expert_bias must be None with score_function 'softmax' "
+                "(the bias is for sigmoid and sqrtsoftplus only)."
+            )
+        if tuple(expert_bias_shape) != (num_experts,):
+            raise ValueError(
+                f"{op}: expert_bias shape {tuple(expert_bias_shape)} must be "
+                f"(num_experts,) = ({num_experts},)."
+            )
+        check_float_dtype(op, "expert_bias", expert_bias_dtype)
+    return TopkConfig(
+        topk=topk,
+        use_pre_softmax=bool(use_pre_softmax),
+        num_groups=num_groups,
+        group_topk=group_topk,
+        scaling_factor=scaling_factor,
+        score_function=sf,
+        compute_aux_scores=compute_aux_scores,
+    )
+
+
+@dataclass(frozen=True)
+class AuxLossConfig:
+    """Validated, hashable static configuration of one aux-loss call."""
+
+    topk: int
+    coeff: float
+    total_num_tokens: int
+    num_experts: int
+
+
+def check_aux_loss_args(
+    probs_shape: tuple[int, ...],
+    probs_dtype,
+    tpe_shape: tuple[int, ...],
+    tpe_dtype,
+    topk,
+    coeff,
+    total_num_tokens,
+    num_experts,
+    op: str = AUX_LOSS_OP,
+) -> AuxLossConfig:
+    """Checks the arguments of ``fused_moe_aux_loss``; returns the config."""
+    if len(probs_shape) != 2:
+        raise ValueError(
+            f"{op}: probs must have rank 2 ([num_tokens, num_cols]), got shape {tuple(probs_shape)}."
+        )
+    check_float_dtype(op, "probs", probs_dtype)
+    rows, cols = probs_shape
+    if cols == 0:
+        raise ValueError(f"{op}: num_cols (probs.shape[1] = 0) must be >= 1.")
+    if tuple(tpe_shape) != (cols,):
+        raise ValueError(
+            f"{op}: tokens_per_expert shape {tuple(tpe_shape)} must be (num_cols,) = ({cols},)."
+        )
+    got = _dtype_name(tpe_dtype)
+    if got not in _TPE_NAMES:
+        raise TypeError(
+            f"{op}: tokens_per_expert must be int32, int64, float32 or bfloat16, got {got}."
+        )
+    topk = _as_int(op, "topk", topk)
+    if topk < 1:
+        raise ValueError(f"{op}: topk ({topk}) must be >= 1.")
+    coeff = _as_float(op, "coeff", coeff)
+    if num_experts is None:
+        num_experts = cols
+    num_experts = _as_int(op, "num_experts", num_experts)
+    if num_experts < 1:
+        raise ValueError(f"{op}: num_experts ({num_experts}) must be >= 1.")
+    if cols % num_experts != 0:
+        raise ValueError(
+            f"{op}: num_cols (probs.shape[1] = {cols}) must be a multiple of "
+            f"num_experts ({num_experts})."
+        )
+    if total_num_tokens is None:
+        total_num_tokens = rows
+        if rows == 0:
+            raise ValueError(
+                f"{op}: total_num_tokens defaults to probs.shape[0] = 0 and must be > 0; "
+                "pass the global token count."
+            )
+    total_num_tokens = _as_int(op, "total_num_tokens", total_num_tokens)
+    if total_num_tokens <= 0:
+        raise ValueError(f"{op}: total_num_tokens ({total_num_tokens}) must be > 0.")
+    return AuxLossConfig(
+        topk=topk, coeff=coeff, total_num_tokens=total_num_tokens, num_experts=num_experts
+    )

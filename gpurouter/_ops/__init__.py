@@ -1,0 +1,1 @@
+"""Bindings: the only place where the reference and the numba kernels meet."""

@@ -1,0 +1,88 @@
+"""Public aux-loss op: backend choice and the ``jax.custom_vjp`` around the kernels."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .. import _backend, reference
+from .._callback import kernel_call
+from .._checks import AUX_LOSS_OP, AuxLossConfig, check_aux_loss_args, check_kernel_dtype
+
+
+def fused_moe_aux_loss(
+    probs: jax.typing.ArrayLike,
+    tokens_per_expert: jax.typing.ArrayLike,
+    topk: int,
+    coeff: float,
+    *,
+    total_num_tokens: int | None = None,
+    num_experts: int | None = None,
+    backend: str = "auto",
+) -> jax.Array:
+    """Switch load-balancing aux loss; drop-in for TE's JAX ``fused_moe_aux_loss``.
+
+    Same arguments and result as :func:`gpurouter.reference.fused_moe_aux_loss`
+    (see its docstring for the formula), plus:
+
+    Args:
+      backend: ``"jax"``, ``"numba"`` or ``"auto"`` (CONTRACT section 5).
+
+    The numba forward is deterministic: bit-identical from run to run.
+    """
+    cfg = check_aux_loss_args(
+        jnp.shape(probs), jnp.result_type(probs), jnp.shape(tokens_per_expert),
+        jnp.result_type(tokens_per_expert), topk, coeff, total_num_tokens, num_experts,
+    )
+    if _backend.resolve(AUX_LOSS_OP, backend) == "jax":
+        return reference.fused_moe_aux_loss(
+            probs, tokens_per_expert, topk, coeff,
+            total_num_tokens=total_num_tokens, num_experts=num_experts,
+        )
+    probs = jnp.asarray(probs)
+    check_kernel_dtype(AUX_LOSS_OP, "probs", probs.dtype)
+    return _aux_loss(probs, jnp.asarray(tokens_per_expert), cfg)
+
+
+def _fwd_launch(cfg: AuxLossConfig, probs, tokens_per_expert):
+    return _backend.kernels().moe_aux_loss_fwd(
+        probs, tokens_per_expert, cfg.topk, cfg.coeff, cfg.total_num_tokens, cfg.num_experts
+    )
+
+
+def _bwd_launch(num_rows: int, saved_coeff, tokens_per_expert, grad_loss):
+    return (
+        _backend.kernels().moe_aux_loss_bwd(saved_coeff, tokens_per_expert, grad_loss, num_rows),
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _aux_loss(probs, tokens_per_expert, cfg: AuxLossConfig):
+    return _aux_loss_fwd(probs, tokens_per_expert, cfg)[0]
+
+
+def _aux_loss_fwd(probs, tokens_per_expert, cfg: AuxLossConfig):
+    specs = (jax.ShapeDtypeStruct((), probs.dtype), jax.ShapeDtypeStruct((), jnp.float32))
+    loss, saved_coeff = kernel_call(
+        functools.partial(_fwd_launch, cfg), specs, [], [probs, tokens_per_expert]
+    )
+    # An empty [T, 0] array carries the row count and dtype of probs into the
+    # backward (residuals must be arrays; it also follows vmap's batching).
+    like = jnp.zeros((probs.shape[0], 0), probs.dtype)
+    return loss, (saved_coeff, tokens_per_expert, like)
+
+
+def _aux_loss_bwd(cfg: AuxLossConfig, res, grad_loss):
+    saved_coeff, tokens_per_expert, like = res
+    num_rows, dtype = like.shape[0], like.dtype
+    spec = jax.ShapeDtypeStruct((num_rows, tokens_per_expert.shape[0]), dtype)
+    (grad_probs,) = kernel_call(
+        functools.partial(_bwd_launch, num_rows), [spec], [],
+        [saved_coeff, tokens_per_expert, grad_loss.astype(dtype)],
+    )
+    return grad_probs, None
+
+
+_aux_loss.defvjp(_aux_loss_fwd, _aux_loss_bwd)

@@ -1,0 +1,167 @@
+"""Public router top-k op: backend choice and the ``jax.custom_vjp`` around the kernels."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .. import _backend, reference
+from .._callback import kernel_call
+from .._checks import TOPK_OP, ScoreFunction, TopkConfig, check_kernel_dtype, check_topk_args
+
+
+def fused_topk_with_score_function(
+    logits: jax.typing.ArrayLike,
+    topk: int,
+    use_pre_softmax: bool = False,
+    num_groups: int = -1,
+    group_topk: int = -1,
+    scaling_factor: float = 1.0,
+    score_function: str | ScoreFunction = "softmax",
+    expert_bias: jax.typing.ArrayLike | None = None,
+    compute_aux_scores: bool = False,
+    *,
+    backend: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """Routes each token to ``topk`` experts; drop-in for TE's JAX router.
+
+    Same arguments, defaults and results as
+    :func:`gpurouter.reference.fused_topk_with_score_function` (see its
+    docstring for the algorithm), plus:
+
+    Args:
+      backend: ``"jax"`` (the pure-jnp reference), ``"numba"`` (the Numba-CUDA
+        kernels through ``jax.custom_vjp``) or ``"auto"`` (CONTRACT section 5).
+
+    Raises:
+      ValueError, TypeError: bad shapes, config or dtypes (at trace time).
+      NotImplementedError: valid input beyond a kernel's limits (numba only).
+      ImportError: ``backend="numba"`` without numba-cuda installed.
+    """
+    args = (logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
+            score_function, expert_bias, compute_aux_scores)
+    cfg = check_topk_args(
+        jnp.shape(logits), jnp.result_type(logits), topk, use_pre_softmax, num_groups,
+        group_topk, scaling_factor, score_function,
+        None if expert_bias is None else jnp.shape(expert_bias),
+        None if expert_bias is None else jnp.result_type(expert_bias),
+        compute_aux_scores,
+    )
+    if _backend.resolve(TOPK_OP, backend) == "jax":
+        return reference.fused_topk_with_score_function(*args)
+    logits = jnp.asarray(logits)
+    check_kernel_dtype(TOPK_OP, "logits", logits.dtype)
+    num_experts = logits.shape[-1]
+    _backend.kernels().check_limits(TOPK_OP, num_experts, cfg.topk, cfg.num_groups if cfg.grouped else 1)
+    shape = logits.shape
+    x = logits.reshape(-1, num_experts)
+    out_dtype = jnp.float32 if cfg.compute_aux_scores else logits.dtype
+    if x.shape[0] == 0:
+        return jnp.zeros(shape, out_dtype), jnp.zeros(shape, bool)
+    if cfg.compute_aux_scores:
+        probs, routing_map = _aux_scores(x, cfg, logits.dtype)
+    else:
+        bias = None
+        if expert_bias is not None and cfg.score_function != ScoreFunction.SOFTMAX:
+            bias = jnp.asarray(expert_bias)
+            check_kernel_dtype(TOPK_OP, "expert_bias", bias.dtype)
+        probs, routing_map = _topk(x, bias, cfg)
+    return probs.reshape(shape), routing_map.reshape(shape)
+
+
+# ----------------------------------------------------------------------------
+# custom_vjp wiring: forward and backward each call the kernels through
+# kernel_call, nothing else.
+# ----------------------------------------------------------------------------
+
+
+def _specs(x: jax.Array, probs_dtype):
+    t, e = x.shape
+    return (
+        jax.ShapeDtypeStruct((t, e), probs_dtype),
+        jax.ShapeDtypeStruct((t, e), jnp.bool_),
+        jax.ShapeDtypeStruct((t, e), jnp.float32),
+    )
+
+
+def _topk_launch(cfg: TopkConfig, logits, *bias):
+    k = _backend.kernels()
+    return k.topk_with_score_function_fwd(
+        logits, cfg.topk, cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk,
+        cfg.scaling_factor, int(cfg.score_function), bias[0] if bias else None,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _topk(x, bias, cfg: TopkConfig):
+    return _topk_fwd(x, bias, cfg)[0]
+
+
+def _topk_fwd(x, bias, cfg: TopkConfig):
+    launcher = functools.partial(_topk_launch, cfg)
+    probs, routing_map, saved = kernel_call(
+        launcher, _specs(x, x.dtype), [x], [] if bias is None else [bias]
+    )
+    return (probs, routing_map), (routing_map, saved, bias)
+
+
+def _topk_bwd_launch(cfg: TopkConfig, routing_map, saved, grad_probs):
+    return (
+        _backend.kernels().topk_with_score_function_bwd(
+            routing_map, saved, grad_probs, cfg.topk, cfg.use_pre_softmax,
+            cfg.scaling_factor, int(cfg.score_function),
+        ),
+    )
+
+
+def _topk_bwd(cfg: TopkConfig, res, cts):
+    routing_map, saved, bias = res
+    grad_probs = cts[0]
+    (grad_logits,) = kernel_call(
+        functools.partial(_topk_bwd_launch, cfg),
+        [jax.ShapeDtypeStruct(grad_probs.shape, grad_probs.dtype)],
+        [routing_map, saved, grad_probs],
+    )
+    return grad_logits, None if bias is None else jnp.zeros_like(bias)
+
+
+_topk.defvjp(_topk_fwd, _topk_bwd)
+
+
+def _aux_launch(cfg: TopkConfig, logits):
+    return _backend.kernels().score_for_aux_loss_fwd(logits, cfg.topk, int(cfg.score_function))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _aux_scores(x, cfg: TopkConfig, dtype):
+    return _aux_scores_fwd(x, cfg, dtype)[0]
+
+
+def _aux_scores_fwd(x, cfg: TopkConfig, dtype):
+    scores, routing_map, saved = kernel_call(
+        functools.partial(_aux_launch, cfg), _specs(x, jnp.float32), [x]
+    )
+    return (scores, routing_map), saved
+
+
+def _aux_bwd_launch(cfg: TopkConfig, out_dtype, saved, grad_scores):
+    return (
+        _backend.kernels().score_for_aux_loss_bwd(
+            saved, grad_scores, int(cfg.score_function), out_dtype
+        ),
+    )
+
+
+def _aux_scores_bwd(cfg: TopkConfig, dtype, saved, cts):
+    grad_scores = cts[0].astype(jnp.float32)
+    (grad_logits,) = kernel_call(
+        functools.partial(_aux_bwd_launch, cfg, dtype),
+        [jax.ShapeDtypeStruct(saved.shape, dtype)],
+        [saved, grad_scores],
+    )
+    return (grad_logits,)
+
+
+_aux_scores.defvjp(_aux_scores_fwd, _aux_scores_bwd)

@@ -1,0 +1,31 @@
+"""Pure-jnp reference of every gpurouter op: the executable specification.
+
+Same names and signatures as :mod:`gpurouter` (minus ``backend=``); plain
+``jnp``, differentiable by JAX autodiff, runs on any JAX platform, never
+imports numba. The low-level ``*_fwd``/``*_bwd`` pairs are what the numba
+kernels mirror.
+"""
+
+from .._checks import ScoreFunction as ScoreFunction
+from .aux_loss import aux_loss_coeff as aux_loss_coeff
+from .aux_loss import fused_moe_aux_loss as fused_moe_aux_loss
+from .aux_loss import moe_aux_loss_bwd as moe_aux_loss_bwd
+from .aux_loss import moe_aux_loss_fwd as moe_aux_loss_fwd
+from .topk import fused_topk_with_score_function as fused_topk_with_score_function
+from .topk import score_for_aux_loss_bwd as score_for_aux_loss_bwd
+from .topk import score_for_aux_loss_fwd as score_for_aux_loss_fwd
+from .topk import topk_with_score_function_bwd as topk_with_score_function_bwd
+from .topk import topk_with_score_function_fwd as topk_with_score_function_fwd
+
+__all__ = [
+    "ScoreFunction",
+    "aux_loss_coeff",
+    "fused_moe_aux_loss",
+    "fused_topk_with_score_function",
+    "moe_aux_loss_bwd",
+    "moe_aux_loss_fwd",
+    "score_for_aux_loss_bwd",
+    "score_for_aux_loss_fwd",
+    "topk_with_score_function_bwd",
+    "topk_with_score_function_fwd",
+]

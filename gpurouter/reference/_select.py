@@ -1,0 +1,70 @@
+"""The selection rule of CONTRACT section 2, in plain jnp.
+
+One function, :func:`topk_mask`, picks exactly ``k`` entries per row:
+larger value first, the lower index among equal values, NaN counted as
+``-inf``, ``-0.0`` equal to ``+0.0``, and entries outside ``eligible`` never
+picked (not even as fillers). It never depends on the tie order of
+``jax.lax.top_k``: ``lax.top_k`` only finds the k-th largest *key* (a value,
+which is unique whatever the tie order), and the tied entries at that key are
+then taken in index order with a cumulative sum.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_INELIGIBLE = jnp.iinfo(jnp.int32).min
+
+
+def _order_key(values: jax.Array) -> jax.Array:
+    """Maps float32 values to int32 keys with the same order, NaN as -inf.
+
+    Non-negative floats keep their bits; negative floats flip their magnitude
+    bits, so the int32 order equals the float order. ``-0.0`` is first folded
+    into ``+0.0`` (they compare equal as floats), and NaN becomes ``-inf``.
+    The key of ``-inf`` is ``-2**31 + 2**23 - 1``, above ``_INELIGIBLE``.
+    """
+    v = values.astype(jnp.float32)
+    v = jnp.where(jnp.isnan(v), -jnp.inf, v)
+    v = jnp.where(v == 0, jnp.float32(0), v)
+    bits = lax.bitcast_convert_type(v, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def topk_mask(values: jax.Array, k: int, eligible: jax.Array | None = None) -> jax.Array:
+    """Boolean mask of the top ``k`` entries of each row of ``values``.
+
+    Args:
+      values: ``[..., N]`` floats (any float dtype; compared as float32).
+      k: static int, ``1 <= k <= number of eligible entries per row``.
+      eligible: optional ``[..., N]`` bool; ineligible entries are never picked.
+
+    Returns:
+      ``[..., N]`` bool with exactly ``k`` True per row.
+    """
+    key = _order_key(lax.stop_gradient(values))
+    if eligible is not None:
+        key = jnp.where(eligible, key, _INELIGIBLE)
+    kth = lax.top_k(key, k)[0][..., k - 1 : k]  # the k-th largest key, [..., 1]
+    above = key > kth
+    at = key == kth
+    need = k - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
+    rank_at = jnp.cumsum(at, axis=-1, dtype=jnp.int32)  # 1-based rank among ties, by index
+    return above | (at & (rank_at <= need))
+
+
+def sum_topk_values(values: jax.Array, k: int) -> jax.Array:
+    """Sum of the ``k`` largest values of each row, NaN counted as ``-inf``.
+
+    The sum is taken left to right in descending order, ``((v0 + v1) + v2) ...``,
+    the order the kernels use, so group scores agree bit for bit.
+    """
+    v = values.astype(jnp.float32)
+    v = jnp.where(jnp.isnan(v), -jnp.inf, v)
+    top = lax.top_k(v, k)[0]
+    total = top[..., 0]
+    for i in range(1, k):
+        total = total + top[..., i]
+    return total

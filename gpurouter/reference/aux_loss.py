@@ -1,0 +1,102 @@
+"""Pure-jnp reference of the switch load-balancing aux loss (CONTRACT section 4)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .._checks import AuxLossConfig, check_aux_loss_args
+
+
+def aux_loss_coeff(num_experts, coeff, topk, total_num_tokens) -> jax.Array:
+    """``C = num_experts * coeff / (topk * T * T)`` in float32, divided in TE's order.
+
+    ``total_num_tokens`` may be a Python int or a traced scalar (a psum of
+    local counts under sharding); the float32 operations are the same.
+    """
+    f32 = jnp.float32
+    c = f32(num_experts) * f32(coeff)
+    c = c / f32(topk)
+    t = jnp.asarray(total_num_tokens).astype(f32)
+    return (c / t) / t
+
+
+def _config(probs, tokens_per_expert, topk, coeff, total_num_tokens, num_experts, op):
+    return check_aux_loss_args(
+        jnp.shape(probs), jnp.result_type(probs), jnp.shape(tokens_per_expert),
+        jnp.result_type(tokens_per_expert), topk, coeff, total_num_tokens, num_experts, op=op,
+    )
+
+
+def _loss(probs, tokens_per_expert, cfg: AuxLossConfig) -> jax.Array:
+    column_sums = jnp.sum(probs.astype(jnp.float32), axis=0)  # [C]
+    tpe = jax.lax.stop_gradient(jnp.asarray(tokens_per_expert).astype(jnp.float32))
+    c = aux_loss_coeff(cfg.num_experts, cfg.coeff, cfg.topk, cfg.total_num_tokens)
+    return c * jnp.sum(column_sums * tpe)
+
+
+def fused_moe_aux_loss(
+    probs: jax.typing.ArrayLike,
+    tokens_per_expert: jax.typing.ArrayLike,
+    topk: int,
+    coeff: float,
+    *,
+    total_num_tokens: int | None = None,
+    num_experts: int | None = None,
+) -> jax.Array:
+    """Switch load-balancing aux loss (pure-jnp reference).
+
+    ``loss = C * sum_c (sum_r probs[r, c]) * tokens_per_expert[c]`` with
+    ``C = num_experts * coeff / (topk * T * T)`` and ``T = total_num_tokens``,
+    all in float32.
+
+    Args:
+      probs: ``[T, C]`` float32, bfloat16 or float16 router scores;
+        ``C % num_experts == 0`` (``C = B * E`` for a sequence aux loss).
+      tokens_per_expert: ``[C]`` int32, int64, float32 or bfloat16 counts; no
+        gradient flows to them.
+      topk: experts per token.
+      coeff: the loss coefficient.
+      total_num_tokens: ``T`` in ``C``; defaults to ``probs.shape[0]``. Under
+        token sharding pass the GLOBAL count together with global counts.
+      num_experts: ``E``; defaults to ``probs.shape[1]``.
+
+    Returns:
+      A scalar in the dtype of ``probs``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from gpurouter import reference as ref
+      >>> probs = jnp.full((4, 2), 0.5)
+      >>> float(ref.fused_moe_aux_loss(probs, jnp.array([3, 1]), topk=1, coeff=1.0))
+      1.0
+    """
+    cfg = _config(probs, tokens_per_expert, topk, coeff, total_num_tokens, num_experts,
+                  "fused_moe_aux_loss")
+    probs = jnp.asarray(probs)
+    return _loss(probs, tokens_per_expert, cfg).astype(probs.dtype)
+
+
+def moe_aux_loss_fwd(probs, tokens_per_expert, topk, coeff, total_num_tokens=None,
+                     num_experts=None):
+    """Forward: ``(loss () dtype of probs, saved_coeff () float32)``."""
+    cfg = _config(probs, tokens_per_expert, topk, coeff, total_num_tokens, num_experts,
+                  "moe_aux_loss_fwd")
+    probs = jnp.asarray(probs)
+    c = aux_loss_coeff(cfg.num_experts, cfg.coeff, cfg.topk, cfg.total_num_tokens)
+    return _loss(probs, tokens_per_expert, cfg).astype(probs.dtype), c
+
+
+def moe_aux_loss_bwd(saved_coeff, tokens_per_expert, grad_loss, num_rows):
+    """Backward: ``grad_probs[r, c] = C * tokens_per_expert[c] * grad_loss``.
+
+    Returns:
+      ``grad_probs [num_rows, C]`` in the dtype of ``grad_loss``.
+    """
+    grad_loss = jnp.asarray(grad_loss)
+    tpe = jnp.asarray(tokens_per_expert).astype(jnp.float32)
+    row = jnp.asarray(saved_coeff, jnp.float32) * tpe * grad_loss.astype(jnp.float32)
+    return jnp.broadcast_to(row, (num_rows, tpe.shape[0])).astype(grad_loss.dtype)
+
+
+__all__ = ["fused_moe_aux_loss", "moe_aux_loss_fwd", "moe_aux_loss_bwd", "aux_loss_coeff"]

@@ -1,0 +1,334 @@
+"""Pure-jnp reference of the router top-k op and of the aux-loss scores.
+
+This file is the executable specification of CONTRACT sections 2 and 3. The
+public function :func:`fused_topk_with_score_function` is differentiable by
+plain JAX autodiff (no custom VJP); the low-level pairs
+``topk_with_score_function_fwd/_bwd`` and ``score_for_aux_loss_fwd/_bwd``
+spell out what the kernels compute, saved fp32 intermediate included, and the
+backward formulas of section 3 written by hand. The tests check that the
+hand-written backward equals ``jax.vjp`` of the forward.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._checks import ScoreFunction, TopkConfig, check_topk_args, score_function_of
+from ._select import sum_topk_values, topk_mask
+
+EPS = 1e-20  # TE's epsilon in every normalisation denominator
+SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above this (PyTorch's threshold)
+
+
+# ----------------------------------------------------------------------------
+# Score functions (fp32)
+# ----------------------------------------------------------------------------
+
+
+def sigmoid(x: jax.Array) -> jax.Array:
+    """``1 / (1 + exp(-x))`` with derivative ``a (1 - a)``."""
+    return jax.nn.sigmoid(x)
+
+
+@jax.custom_jvp
+def sqrtsoftplus(x: jax.Array) -> jax.Array:
+    """``sqrt(softplus(x))``, softplus taking ``x`` itself above 20.
+
+    Its derivative is CONTRACT section 3's: ``sigmoid(x) / (2 v + eps)`` for
+    ``x <= 20`` and ``1 / (2 v + eps)`` above (the ``eps`` keeps it finite
+    where ``v`` underflows to 0).
+    """
+    big = x > SOFTPLUS_THRESHOLD
+    safe = jnp.where(big, jnp.zeros_like(x), x)  # keeps exp() finite in the unused branch
+    return jnp.sqrt(jnp.where(big, x, jnp.log1p(jnp.exp(safe))))
+
+
+@sqrtsoftplus.defjvp
+def _sqrtsoftplus_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    v = sqrtsoftplus(x)
+    return v, t * sqrtsoftplus_grad(x, v)
+
+
+def sqrtsoftplus_grad(x: jax.Array, v: jax.Array) -> jax.Array:
+    """``d sqrtsoftplus / dx`` given ``v = sqrtsoftplus(x)``."""
+    num = jnp.where(x > SOFTPLUS_THRESHOLD, jnp.ones_like(x), sigmoid(x))
+    return num / (2 * v + EPS)
+
+
+def _activation(x: jax.Array, sf: ScoreFunction) -> jax.Array:
+    return sigmoid(x) if sf == ScoreFunction.SIGMOID else sqrtsoftplus(x)
+
+
+def _normalise(v: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """``v / (sum v + eps)`` over the row, restricted to ``mask`` when given."""
+    if mask is not None:
+        v = jnp.where(mask, v, 0)
+    return v / (jnp.sum(v, axis=-1, keepdims=True) + EPS)
+
+
+# ----------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------
+
+
+def _select(r: jax.Array, cfg: TopkConfig) -> jax.Array:
+    """Routing mask from the selection scores ``r`` [T, E] (fp32), groups included."""
+    if not cfg.grouped:
+        return topk_mask(r, cfg.topk)
+    num_tokens, num_experts = r.shape
+    group_size = num_experts // cfg.num_groups
+    per_group = cfg.topk // cfg.group_topk
+    grouped = r.reshape(num_tokens, cfg.num_groups, group_size)
+    group_scores = sum_topk_values(lax.stop_gradient(grouped), per_group)  # [T, G]
+    kept = topk_mask(group_scores, cfg.group_topk)  # [T, G]
+    eligible = jnp.repeat(kept, group_size, axis=-1)  # [T, E]
+    return topk_mask(r, cfg.topk, eligible)
+
+
+def _topk_forward(logits, expert_bias, cfg: TopkConfig):
+    """Shared forward: returns ``(probs fp32, routing_map, saved fp32)``."""
+    x = logits.astype(jnp.float32)
+    sf = cfg.score_function
+    if sf == ScoreFunction.SOFTMAX:
+        s = jax.nn.softmax(x, axis=-1) if cfg.use_pre_softmax else x
+        r = s
+    else:
+        s = _activation(x, sf)
+        r = s if expert_bias is None else s + lax.stop_gradient(expert_bias).astype(jnp.float32)[None, :]
+    mask = _select(r, cfg)
+    if sf == ScoreFunction.SOFTMAX and not cfg.use_pre_softmax:
+        t = jax.nn.softmax(jnp.where(mask, x, -jnp.inf), axis=-1)
+        saved = jnp.where(mask, t, -jnp.inf)
+    elif sf == ScoreFunction.SOFTMAX:
+        t, saved = s, s
+    else:
+        t = _normalise(s, mask) if cfg.topk > 1 else s
+        saved = s if sf == ScoreFunction.SIGMOID else x
+    probs = jnp.where(mask, cfg.scaling_factor * t, 0)
+    return probs, mask, saved
+
+
+def _aux_scores_forward(logits, cfg: TopkConfig):
+    """Shared aux-score forward: returns ``(scores fp32, routing_map, saved fp32)``."""
+    x = logits.astype(jnp.float32)
+    sf = cfg.score_function
+    if sf == ScoreFunction.SOFTMAX:
+        scores = jax.nn.softmax(x, axis=-1)
+        saved = scores
+    else:
+        v = _activation(x, sf)
+        scores = _normalise(v, None)
+        saved = v if sf == ScoreFunction.SIGMOID else x
+    return scores, topk_mask(scores, cfg.topk), saved
+
+
+def _config(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
+            score_function, expert_bias, compute_aux_scores, op) -> TopkConfig:
+    return check_topk_args(
+        jnp.shape(logits), jnp.result_type(logits), topk, use_pre_softmax, num_groups,
+        group_topk, scaling_factor, score_function,
+        None if expert_bias is None else jnp.shape(expert_bias),
+        None if expert_bias is None else jnp.result_type(expert_bias),
+        compute_aux_scores, op=op,
+    )
+
+
+def _rows(x: jax.Array) -> jax.Array:
+    """[..., E] -> [T, E]."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def fused_topk_with_score_function(
+    logits: jax.typing.ArrayLike,
+    topk: int,
+    use_pre_softmax: bool = False,
+    num_groups: int = -1,
+    group_topk: int = -1,
+    scaling_factor: float = 1.0,
+    score_function: str | ScoreFunction = "softmax",
+    expert_bias: jax.typing.ArrayLike | None = None,
+    compute_aux_scores: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Routes each token to ``topk`` experts (pure-jnp reference).
+
+    Args:
+      logits: ``[..., E]`` float32, bfloat16 or float16 router logits; leading
+        dims are tokens.
+      topk: ``1 <= topk <= E``.
+      use_pre_softmax: softmax only: softmax over all ``E`` before the top-k
+        (no renormalisation) instead of a softmax over the selected experts.
+      num_groups: ``G``; used iff ``group_topk > 0``; ``E % G == 0``.
+      group_topk: ``Kg`` groups kept per token; ``<= 0`` disables grouping;
+        ``topk % Kg == 0``, ``Kg <= G``, ``topk / Kg <= E / G``.
+      scaling_factor: multiplies the final probs.
+      score_function: ``"softmax"``, ``"sigmoid"``, ``"sqrtsoftplus"`` or a
+        :class:`ScoreFunction`.
+      expert_bias: ``[E]`` float, sigmoid/sqrtsoftplus only; it changes the
+        selection, never the probs, and gets no gradient.
+      compute_aux_scores: return the dense float32 aux-loss scores over all
+        ``E`` (no bias, groups or scaling) instead of the probs.
+
+    Returns:
+      ``(probs, routing_map)``: ``probs [..., E]`` in the dtype of ``logits``
+      (float32 when ``compute_aux_scores``), zero off the selected experts;
+      ``routing_map [..., E]`` bool with exactly ``topk`` True per row.
+
+    Algorithm (per token, in float32):
+      1. score ``s``: softmax (pre), raw logits (softmax post), sigmoid or
+         sqrtsoftplus;
+      2. selection score ``r = s + expert_bias`` (else ``r = s``);
+      3. if grouping: group score = sum of the top ``topk / Kg`` values of ``r``
+         in each group; only the top ``Kg`` groups stay eligible;
+      4. top-``topk`` of ``r`` among the eligible experts;
+      5. weights from the unbiased ``s``: softmax over the selected (post),
+         ``s`` (pre), ``s / (sum_selected s + 1e-20)`` (sigmoid/sqrtsoftplus,
+         ``topk > 1``);
+      6. ``probs = scaling_factor * weights`` on the selected experts.
+
+    Notes:
+      Ties go to the lower expert index (as ``jax.lax.top_k`` documents); NaN
+      counts as ``-inf`` for selection only; every row selects exactly
+      ``topk`` distinct experts.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from gpurouter import reference as ref
+      >>> probs, routing_map = ref.fused_topk_with_score_function(
+      ...     jnp.array([[1.0, 3.0, 2.0, 0.0]]), topk=2)
+      >>> routing_map.tolist()
+      [[False, True, True, False]]
+      >>> [round(float(p), 4) for p in probs[0]]
+      [0.0, 0.7311, 0.2689, 0.0]
+    """
+    cfg = _config(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
+                  score_function, expert_bias, compute_aux_scores,
+                  "fused_topk_with_score_function")
+    logits = jnp.asarray(logits)
+    shape = logits.shape
+    x = _rows(logits)
+    if cfg.compute_aux_scores:
+        out, mask, _ = _aux_scores_forward(x, cfg)
+    else:
+        bias = None if expert_bias is None else jnp.asarray(expert_bias)
+        out, mask, _ = _topk_forward(x, bias, cfg)
+        out = out.astype(logits.dtype)
+    return out.reshape(shape), mask.reshape(shape)
+
+
+# ----------------------------------------------------------------------------
+# Low level: the pairs the kernels mirror (2-D [T, E] arrays)
+# ----------------------------------------------------------------------------
+
+
+def topk_with_score_function_fwd(
+    logits, topk, use_pre_softmax=False, num_groups=-1, group_topk=-1,
+    scaling_factor=1.0, score_function="softmax", expert_bias=None,
+):
+    """Forward of the top-k op on ``logits [T, E]``.
+
+    Returns:
+      ``(probs [T, E] logits dtype, routing_map [T, E] bool, saved_scores [T, E] float32)``.
+      ``saved_scores`` is TE's intermediate: sigmoid(x) (sigmoid), raw x
+      (sqrtsoftplus), softmax over all E (softmax pre), and for softmax post
+      the softmax over the selected experts with ``-inf`` elsewhere.
+    """
+    cfg = _config(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
+                  score_function, expert_bias, False, "topk_with_score_function_fwd")
+    logits = jnp.asarray(logits)
+    bias = None if expert_bias is None else jnp.asarray(expert_bias)
+    probs, mask, saved = _topk_forward(logits, bias, cfg)
+    return probs.astype(logits.dtype), mask, saved.astype(jnp.float32)
+
+
+def topk_with_score_function_bwd(
+    routing_map, saved_scores, grad_probs, topk, use_pre_softmax=False,
+    scaling_factor=1.0, score_function="softmax",
+):
+    """Backward of the top-k op (CONTRACT section 3), written out by hand.
+
+    Args:
+      routing_map: ``[T, E]`` bool from the forward.
+      saved_scores: ``[T, E]`` float32 from the forward.
+      grad_probs: ``[T, E]`` cotangent of probs (its dtype is the result's).
+
+    Returns:
+      ``grad_logits [T, E]`` in the dtype of ``grad_probs``.
+    """
+    sf = score_function_of("topk_with_score_function_bwd", score_function)
+    m = jnp.asarray(routing_map)
+    saved = jnp.asarray(saved_scores, jnp.float32)
+    grad_probs = jnp.asarray(grad_probs)
+    g = grad_probs.astype(jnp.float32) * jnp.float32(scaling_factor)
+    if sf == ScoreFunction.SOFTMAX and use_pre_softmax:
+        mg = jnp.where(m, g, 0)
+        dx = saved * (mg - jnp.sum(mg * saved, axis=-1, keepdims=True))
+    elif sf == ScoreFunction.SOFTMAX:
+        q = jnp.where(m, saved, 0)
+        mg = jnp.where(m, g, 0)
+        dx = q * (mg - jnp.sum(mg * q, axis=-1, keepdims=True))
+    else:
+        a, da = _activation_and_grad(saved, sf)
+        dx = _normalised_grad(a, da, g, m, normalise=topk > 1)
+    return dx.astype(grad_probs.dtype)
+
+
+def _activation_and_grad(saved: jax.Array, sf: ScoreFunction):
+    """``(v, dv/dx)`` from the saved intermediate (sigmoid(x), or x for sqrtsoftplus)."""
+    if sf == ScoreFunction.SIGMOID:
+        return saved, saved * (1 - saved)
+    v = sqrtsoftplus(saved)
+    return v, sqrtsoftplus_grad(saved, v)
+
+
+def _normalised_grad(a, da, g, m, normalise: bool):
+    """Backward of ``t = m a / (sum_m a + eps)`` (or ``t = m a``), times ``da``."""
+    if not normalise:
+        return jnp.where(m, g, 0) * da
+    am = jnp.where(m, a, 0)
+    s = jnp.sum(am, axis=-1, keepdims=True) + EPS
+    d = jnp.sum(jnp.where(m, g, 0) * am, axis=-1, keepdims=True)
+    gp = jnp.where(m, g / s - d / (s * s), 0)
+    return gp * da
+
+
+def score_for_aux_loss_fwd(logits, topk, score_function="softmax"):
+    """Forward of the aux-loss scores on ``logits [T, E]``.
+
+    Returns:
+      ``(scores [T, E] float32, routing_map [T, E] bool, saved_scores [T, E] float32)``;
+      ``saved_scores`` is softmax(x), sigmoid(x), or raw x (sqrtsoftplus).
+    """
+    cfg = _config(logits, topk, False, -1, -1, 1.0, score_function, None, True,
+                  "score_for_aux_loss_fwd")
+    scores, mask, saved = _aux_scores_forward(jnp.asarray(logits), cfg)
+    return scores, mask, saved.astype(jnp.float32)
+
+
+def score_for_aux_loss_bwd(saved_scores, grad_scores, score_function="softmax",
+                           out_dtype=jnp.float32):
+    """Backward of the aux-loss scores (CONTRACT section 3), written out by hand.
+
+    Returns:
+      ``grad_logits [T, E]`` in ``out_dtype`` (the dtype of the logits).
+    """
+    sf = score_function_of("score_for_aux_loss_bwd", score_function)
+    saved = jnp.asarray(saved_scores, jnp.float32)
+    g = jnp.asarray(grad_scores).astype(jnp.float32)
+    if sf == ScoreFunction.SOFTMAX:
+        dx = saved * (g - jnp.sum(g * saved, axis=-1, keepdims=True))
+    else:
+        a, da = _activation_and_grad(saved, sf)
+        dx = _normalised_grad(a, da, g, jnp.ones(a.shape, bool), normalise=True)
+    return dx.astype(out_dtype)
+
+
+__all__ = [
+    "fused_topk_with_score_function",
+    "topk_with_score_function_fwd",
+    "topk_with_score_function_bwd",
+    "score_for_aux_loss_fwd",
+    "score_for_aux_loss_bwd",
+]
