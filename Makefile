@@ -1,0 +1,41 @@
+# The two commands of a fresh machine:
+#   make demo   creates .venv, installs gpurouter, routes every model preset
+#   make test   creates .venv, installs gpurouter[test,sim], runs the tests
+#               (kernels on the CUDA simulator when no GPU is present)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A machine with an NVIDIA driver gets the CUDA 13 kernels; others the jnp backend.
+GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda13,bench)
+DEMO_EXTRAS ?= $(if $(GPU_EXTRAS),[$(GPU_EXTRAS)],)
+TEST_EXTRAS ?= [test,sim]
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-gpu lint clean
+
+$(VENV)/.created:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	touch $@
+
+$(VENV)/.demo: $(VENV)/.created pyproject.toml
+	$(PY) -m pip install -q -e ".$(DEMO_EXTRAS)"
+	touch $@
+
+$(VENV)/.test: $(VENV)/.created pyproject.toml
+	$(PY) -m pip install -q -e ".$(TEST_EXTRAS)"
+	touch $@
+
+demo: $(VENV)/.demo
+	$(PY) -m gpurouter
+
+# Kernel tests run on the CUDA simulator here unless a GPU is present.
+test: $(VENV)/.test
+	NUMBA_ENABLE_CUDASIM=$${NUMBA_ENABLE_CUDASIM-$(if $(GPU_EXTRAS),0,1)} $(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(VENV)/.test
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m ruff check gpurouter tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

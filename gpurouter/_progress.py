@@ -1,0 +1,33 @@
+"""A dependency-free progress bar for the command line (stderr, one line)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def progress(items: Iterable[T], total: int, label: str, enabled: bool = True) -> Iterator[T]:
+    """Yields ``items`` while drawing ``label [#####.....] i/total elapsed`` on stderr."""
+    start = time.perf_counter()
+    out = sys.stderr
+    width = 24
+
+    def draw(i: int, what: str) -> None:
+        if not enabled:
+            return
+        filled = width * i // max(total, 1)
+        bar = "#" * filled + "." * (width - filled)
+        out.write(f"\r{label} [{bar}] {i}/{total} {time.perf_counter() - start:6.1f}s {what[:40]:<40}")
+        out.flush()
+
+    for i, item in enumerate(items):
+        draw(i, str(item))
+        yield item
+    draw(total, "done")
+    if enabled:
+        out.write("\n")
+        out.flush()

@@ -1,0 +1,85 @@
+"""The public surface: names, signatures (TE drop-in), enums, and import hygiene."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import gpurouter as gr
+from gpurouter import reference as ref
+
+
+def test_all():
+    assert sorted(gr.__all__) == ["ScoreFunction", "fused_moe_aux_loss", "fused_topk_with_score_function"]
+    for name in ref.__all__:
+        assert getattr(ref, name) is not None
+
+
+def _params(fn):
+    return [(p.name, p.default, p.kind) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_topk_signature_is_tes_plus_keyword_backend():
+    te = ["logits", "topk", "use_pre_softmax", "num_groups", "group_topk", "scaling_factor",
+          "score_function", "expert_bias", "compute_aux_scores"]
+    params = _params(gr.fused_topk_with_score_function)
+    assert [p[0] for p in params] == te + ["backend"]
+    defaults = {p[0]: p[1] for p in params}
+    assert defaults["use_pre_softmax"] is False
+    assert defaults["num_groups"] == -1 and defaults["group_topk"] == -1
+    assert defaults["scaling_factor"] == 1.0 and defaults["expert_bias"] is None
+    assert defaults["compute_aux_scores"] is False and defaults["backend"] == "auto"
+    assert gr.ScoreFunction(defaults["score_function"]) == gr.ScoreFunction.SOFTMAX
+    assert params[-1][2] is inspect.Parameter.KEYWORD_ONLY
+    assert _params(ref.fused_topk_with_score_function) == params[:-1]
+
+
+def test_aux_loss_signature():
+    params = _params(gr.fused_moe_aux_loss)
+    assert [p[0] for p in params] == ["probs", "tokens_per_expert", "topk", "coeff",
+                                      "total_num_tokens", "num_experts", "backend"]
+    assert all(p[2] is inspect.Parameter.KEYWORD_ONLY for p in params[4:])
+    assert _params(ref.fused_moe_aux_loss) == params[:-1]
+
+
+def test_score_function_enum():
+    assert (gr.ScoreFunction.SIGMOID, gr.ScoreFunction.SOFTMAX, gr.ScoreFunction.SQRTSOFTPLUS) == (0, 1, 2)
+    assert gr.ScoreFunction("sigmoid") is gr.ScoreFunction.SIGMOID
+    assert gr.ScoreFunction("sqrtsoftplus") is gr.ScoreFunction.SQRTSOFTPLUS
+    assert gr.ScoreFunction(1) is gr.ScoreFunction.SOFTMAX
+    with pytest.raises(ValueError):
+        gr.ScoreFunction("tanh")
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_import_needs_no_numba():
+    r = _run("""
+        import sys
+        sys.modules["numba"] = None  # any import of numba now fails
+        import jax.numpy as jnp
+        import gpurouter as gr
+        x = jnp.zeros((3, 8))
+        probs, rmap = gr.fused_topk_with_score_function(x, 2)  # auto -> jax
+        assert int(rmap.sum()) == 6
+        assert "numba" not in [m.split(".")[0] for m in sys.modules if sys.modules[m] is not None]
+        try:
+            gr.fused_topk_with_score_function(x, 2, backend="numba")
+        except ImportError as e:
+            print("IMPORT-ERROR:", e)
+        """)
+    assert r.returncode == 0, r.stderr
+    assert "IMPORT-ERROR: backend=\"numba\" needs numba-cuda: pip install 'gpurouter[cuda13]'" in r.stdout
+
+
+def test_auto_is_jax_without_a_gpu():
+    from gpurouter import _backend
+
+    assert _backend.resolve("op", "auto") == "jax"

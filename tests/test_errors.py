@@ -1,0 +1,152 @@
+"""Every validation message of CONTRACT section 6, pinned with ``match=``.
+
+Each case runs through the public op (backend "jax": validation is shared by
+every backend and happens before dispatch) and through the reference.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gpurouter as gr
+from gpurouter import reference as ref
+
+TOPK = "fused_topk_with_score_function"
+AUX = "fused_moe_aux_loss"
+
+X8 = jnp.zeros((4, 8), jnp.float32)
+B8 = jnp.zeros((8,), jnp.float32)
+
+TOPK_CASES = [
+    # (args, kwargs, exception, message)
+    ((X8, 0), {}, ValueError, f"{TOPK}: topk (0) must be >= 1."),
+    ((X8, 9), {}, ValueError, f"{TOPK}: topk (9) must be <= num_experts (8)."),
+    ((X8, 2.0), {}, TypeError, f"{TOPK}: topk must be an int, got float 2.0."),
+    ((X8, True), {}, TypeError, f"{TOPK}: topk must be an int, got bool True."),
+    ((X8, 2), dict(num_groups=3, group_topk=1), ValueError,
+     f"{TOPK}: num_experts (8) must be divisible by num_groups (3)."),
+    ((X8, 2), dict(num_groups=-1, group_topk=1), ValueError,
+     f"{TOPK}: num_groups (-1) must be >= 1 when group_topk (1) > 0."),
+    ((X8, 3), dict(num_groups=4, group_topk=2), ValueError,
+     f"{TOPK}: topk (3) must be divisible by group_topk (2)."),
+    ((X8, 4), dict(num_groups=2, group_topk=4), ValueError,
+     f"{TOPK}: group_topk (4) must be <= num_groups (2)."),
+    ((X8, 6), dict(num_groups=4, group_topk=2), ValueError,
+     f"{TOPK}: topk / group_topk (3) must be <= num_experts / num_groups (2)."),
+    ((X8, 2), dict(expert_bias=B8), ValueError,
+     f"{TOPK}: expert_bias must be None with score_function 'softmax'"),
+    ((X8, 2), dict(score_function="sigmoid", expert_bias=jnp.zeros((7,))), ValueError,
+     f"{TOPK}: expert_bias shape (7,) must be (num_experts,) = (8,)."),
+    ((X8, 2), dict(score_function="sigmoid", expert_bias=jnp.zeros((1, 8))), ValueError,
+     f"{TOPK}: expert_bias shape (1, 8) must be (num_experts,) = (8,)."),
+    ((X8, 2), dict(score_function="sigmoid", expert_bias=jnp.zeros((8,), jnp.int32)), TypeError,
+     f"{TOPK}: expert_bias must be float32, bfloat16 or float16, got int32."),
+    ((jnp.float32(1.0), 1), {}, ValueError,
+     f"{TOPK}: logits must have rank >= 1 ([..., num_experts]), got rank 0."),
+    ((jnp.zeros((4, 0)), 1), {}, ValueError,
+     f"{TOPK}: num_experts (logits.shape[-1] = 0) must be >= 1."),
+    ((jnp.zeros((4, 8), jnp.int32), 2), {}, TypeError,
+     f"{TOPK}: logits must be float32, bfloat16 or float16, got int32."),
+    ((X8, 2), dict(score_function="relu"), ValueError,
+     f"{TOPK}: score_function ('relu') must be one of 'softmax', 'sigmoid', 'sqrtsoftplus'"),
+    ((X8, 2), dict(score_function=7), ValueError,
+     f"{TOPK}: score_function (7) must be one of"),
+    ((X8, 2), dict(scaling_factor="2"), TypeError,
+     f"{TOPK}: scaling_factor must be a Python int or float, got str '2'."),
+]
+
+
+@pytest.mark.parametrize("fn", [gr.fused_topk_with_score_function, ref.fused_topk_with_score_function],
+                         ids=["public", "reference"])
+@pytest.mark.parametrize("args,kwargs,exc,msg", TOPK_CASES,
+                         ids=[c[3].split(": ", 1)[1][:48] for c in TOPK_CASES])
+def test_topk_errors(fn, args, kwargs, exc, msg):
+    with pytest.raises(exc, match="^" + re.escape(msg)):
+        fn(*args, **kwargs)
+
+
+def test_topk_errors_raise_at_trace_time_under_jit():
+    with pytest.raises(ValueError, match=re.escape(f"{TOPK}: topk (9) must be <= num_experts (8).")):
+        jax.jit(lambda x: gr.fused_topk_with_score_function(x, 9)).lower(X8)
+
+
+def test_bad_backend():
+    with pytest.raises(ValueError, match=re.escape(
+            f"{TOPK}: backend ('cuda') must be one of 'auto', 'jax', 'numba'.")):
+        gr.fused_topk_with_score_function(X8, 2, backend="cuda")
+    with pytest.raises(ValueError, match=re.escape(
+            f"{AUX}: backend ('x') must be one of 'auto', 'jax', 'numba'.")):
+        gr.fused_moe_aux_loss(X8, jnp.zeros((8,), jnp.int32), 2, 0.1, backend="x")
+
+
+def test_group_checks_ignored_when_grouping_is_off():
+    # group_topk <= 0 disables grouping: num_groups is then not checked (TE's sentinel).
+    probs, rmap = gr.fused_topk_with_score_function(X8, 2, num_groups=3, group_topk=-1)
+    assert probs.shape == (4, 8) and int(rmap.sum()) == 8
+
+
+def test_aux_scores_ignore_bias_and_groups():
+    # compute_aux_scores=True ignores bias, groups and scaling (TE's JAX wrapper).
+    scores, _ = gr.fused_topk_with_score_function(
+        X8, 2, num_groups=3, group_topk=2, score_function="sigmoid",
+        expert_bias=jnp.zeros((5,)), compute_aux_scores=True)
+    assert scores.dtype == jnp.float32
+
+
+P = jnp.zeros((4, 8), jnp.float32)
+TPE = jnp.zeros((8,), jnp.int32)
+
+AUX_CASES = [
+    ((jnp.zeros((4, 2, 8)), TPE, 2, 0.1), {}, ValueError,
+     f"{AUX}: probs must have rank 2 ([num_tokens, num_cols]), got shape (4, 2, 8)."),
+    ((jnp.zeros((4, 8), jnp.int32), TPE, 2, 0.1), {}, TypeError,
+     f"{AUX}: probs must be float32, bfloat16 or float16, got int32."),
+    ((P, jnp.zeros((7,), jnp.int32), 2, 0.1), {}, ValueError,
+     f"{AUX}: tokens_per_expert shape (7,) must be (num_cols,) = (8,)."),
+    ((P, jnp.zeros((8,), jnp.float16), 2, 0.1), {}, TypeError,
+     f"{AUX}: tokens_per_expert must be int32, int64, float32 or bfloat16, got float16."),
+    ((P, TPE, 0, 0.1), {}, ValueError, f"{AUX}: topk (0) must be >= 1."),
+    ((P, TPE, 2, 0.1), dict(num_experts=3), ValueError,
+     f"{AUX}: num_cols (probs.shape[1] = 8) must be a multiple of num_experts (3)."),
+    ((P, TPE, 2, 0.1), dict(num_experts=0), ValueError, f"{AUX}: num_experts (0) must be >= 1."),
+    ((P, TPE, 2, 0.1), dict(total_num_tokens=0), ValueError,
+     f"{AUX}: total_num_tokens (0) must be > 0."),
+    ((P, TPE, 2, 0.1), dict(total_num_tokens=-5), ValueError,
+     f"{AUX}: total_num_tokens (-5) must be > 0."),
+    ((jnp.zeros((0, 8)), TPE, 2, 0.1), {}, ValueError,
+     f"{AUX}: total_num_tokens defaults to probs.shape[0] = 0 and must be > 0"),
+    ((jnp.zeros((4, 0)), jnp.zeros((0,), jnp.int32), 2, 0.1), {}, ValueError,
+     f"{AUX}: num_cols (probs.shape[1] = 0) must be >= 1."),
+    ((P, TPE, 2, "0.1"), {}, TypeError, f"{AUX}: coeff must be a Python int or float, got str '0.1'."),
+]
+
+
+@pytest.mark.parametrize("fn", [gr.fused_moe_aux_loss, ref.fused_moe_aux_loss], ids=["public", "reference"])
+@pytest.mark.parametrize("args,kwargs,exc,msg", AUX_CASES,
+                         ids=[c[3].split(": ", 1)[1][:48] for c in AUX_CASES])
+def test_aux_loss_errors(fn, args, kwargs, exc, msg):
+    with pytest.raises(exc, match="^" + re.escape(msg)):
+        fn(*args, **kwargs)
+
+
+def test_float64_rejected_by_the_kernel_backend():
+    from gpurouter import _backend
+
+    if not (_backend.simulator_enabled() or _backend.numba_gpu_available()):
+        pytest.skip("backend='numba' needs a GPU or NUMBA_ENABLE_CUDASIM=1")
+    with jax.enable_x64(True):
+        x = jnp.zeros((4, 8), jnp.float64)
+        with pytest.raises(TypeError, match=re.escape(
+                f"{TOPK}: logits is float64, which the numba kernels do not take")):
+            gr.fused_topk_with_score_function(x, 2, backend="numba")
+        with pytest.raises(TypeError, match=re.escape(
+                f"{AUX}: probs is float64, which the numba kernels do not take")):
+            gr.fused_moe_aux_loss(x, TPE, 2, 0.1, backend="numba")
+        # The jax backend takes float64 (used by check_grads in the tests).
+        probs, _ = gr.fused_topk_with_score_function(x, 2, backend="jax")
+        assert probs.dtype == np.float64

@@ -1,0 +1,234 @@
+"""The public ops on every backend under jit, grad and vmap, against the reference.
+
+``backend="numba"`` runs the kernels through the pure_callback custom_vjp: on
+a GPU, or on the CUDA simulator in CI (tiny shapes: the simulator runs one OS
+thread per CUDA thread).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gpurouter as gr
+from gpurouter import _backend
+from gpurouter import reference as ref
+
+
+def _numba_usable() -> bool:
+    try:
+        _backend.kernels()
+    except ImportError:
+        return False
+    return _backend.simulator_enabled() or _backend.numba_gpu_available()
+
+
+NUMBA = pytest.param(
+    "numba",
+    marks=[pytest.mark.cuda,
+           pytest.mark.skipif(not _numba_usable(),
+                              reason="backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1")],
+)
+BACKENDS = ["jax", NUMBA]
+
+# Contract section 7 (kernel vs reference, both upcast to fp32).
+PROBS_TOL = {"float32": dict(atol=1e-6, rtol=1e-5)}
+GRAD_TOL = {"float32": dict(atol=1e-5 * 4, rtol=1e-4), "half": dict(atol=1e-2, rtol=1e-2)}
+
+
+def _close(actual, expected, dtype, kind):
+    a = np.asarray(jnp.asarray(actual, jnp.float32))
+    e = np.asarray(jnp.asarray(expected, jnp.float32))
+    name = jnp.dtype(dtype).name
+    if kind == "probs" and name != "float32":
+        # One ulp of the output dtype.
+        ulp = np.asarray(jnp.asarray(np.maximum(np.abs(a), np.abs(e)), jnp.float32))
+        spacing = np.spacing(ulp.astype(np.float16)) if name == "float16" else (
+            2.0 ** (np.floor(np.log2(np.maximum(ulp, 1e-38))) - 7))
+        assert np.all(np.abs(a - e) <= spacing + 1e-12), np.max(np.abs(a - e))
+        return
+    tol = (PROBS_TOL if kind == "probs" else GRAD_TOL)["float32" if name == "float32" else "half"]
+    np.testing.assert_allclose(a, e, **tol)
+
+
+def _tie_free_logits(shape, dtype, seed=0):
+    """Rows of distinct values, well apart at the dtype's precision."""
+    rng = np.random.default_rng(seed)
+    e = shape[-1]
+    rows = int(np.prod(shape[:-1]))
+    perms = np.stack([rng.permutation(e) for _ in range(rows)]).reshape(shape)
+    return jnp.asarray((perms - e / 2) * (4.0 / e), dtype)
+
+
+CONFIGS = {
+    "softmax-post": dict(score_function="softmax"),
+    "softmax-pre": dict(score_function="softmax", use_pre_softmax=True, scaling_factor=1.5),
+    "sigmoid-groups-bias": dict(score_function="sigmoid", num_groups=4, group_topk=2,
+                                scaling_factor=2.5, bias=True),
+    "sqrtsoftplus-bias": dict(score_function="sqrtsoftplus", bias=True, scaling_factor=1.5),
+    "sigmoid-k1": dict(score_function="sigmoid", topk=1),
+}
+
+
+def _call(fn, x, cfg, **kw):
+    cfg = dict(cfg)
+    topk = cfg.pop("topk", 4)
+    bias = None
+    if cfg.pop("bias", False):
+        bias = jnp.linspace(0.3, -0.3, x.shape[-1], dtype=jnp.float32)
+    return fn(x, topk, expert_bias=bias, **cfg, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_topk_forward_and_grad(backend, name, dtype):
+    cfg = CONFIGS[name]
+    x = _tie_free_logits((2, 3, 16), dtype)
+    w = jax.random.normal(jax.random.PRNGKey(1), x.shape, jnp.float32)
+
+    def loss(fn, x, **kw):
+        probs, _ = _call(fn, x, cfg, **kw)
+        return jnp.sum(probs.astype(jnp.float32) * w)
+
+    probs, rmap = jax.jit(lambda x: _call(gr.fused_topk_with_score_function, x, cfg, backend=backend))(x)
+    want_p, want_m = _call(ref.fused_topk_with_score_function, x, cfg)
+    assert probs.dtype == x.dtype and rmap.dtype == jnp.bool_ and probs.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(rmap), np.asarray(want_m))
+    _close(probs, want_p, dtype, "probs")
+    grad = jax.jit(jax.grad(functools.partial(loss, gr.fused_topk_with_score_function, backend=backend)))(x)
+    want_g = jax.grad(functools.partial(loss, ref.fused_topk_with_score_function))(x)
+    assert grad.dtype == x.dtype
+    _close(grad, want_g, dtype, "grad")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_aux_scores_forward_and_grad(backend, sf):
+    x = _tie_free_logits((5, 16), jnp.bfloat16, seed=3)
+    w = jax.random.normal(jax.random.PRNGKey(2), x.shape, jnp.float32)
+
+    def loss(fn, x, **kw):
+        scores, _ = fn(x, 3, score_function=sf, compute_aux_scores=True, **kw)
+        return jnp.sum(scores * w)
+
+    scores, rmap = gr.fused_topk_with_score_function(x, 3, score_function=sf, compute_aux_scores=True,
+                                                     backend=backend)
+    want_s, want_m = ref.fused_topk_with_score_function(x, 3, score_function=sf, compute_aux_scores=True)
+    assert scores.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(rmap), np.asarray(want_m))
+    _close(scores, want_s, "float32", "probs")
+    grad = jax.grad(functools.partial(loss, gr.fused_topk_with_score_function, backend=backend))(x)
+    want_g = jax.grad(functools.partial(loss, ref.fused_topk_with_score_function))(x)
+    assert grad.dtype == jnp.bfloat16
+    _close(grad, want_g, "bfloat16", "grad")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vmap_folds_batch_into_tokens(backend):
+    x = _tie_free_logits((3, 4, 8), jnp.float32, seed=5)
+    bias = jnp.linspace(-0.2, 0.2, 8, dtype=jnp.float32)
+    f = functools.partial(gr.fused_topk_with_score_function, topk=2, score_function="sigmoid",
+                          expert_bias=bias, backend=backend)
+    probs, rmap = jax.jit(jax.vmap(f))(x)
+    want_p, want_m = ref.fused_topk_with_score_function(x, 2, score_function="sigmoid", expert_bias=bias)
+    np.testing.assert_array_equal(np.asarray(rmap), np.asarray(want_m))
+    _close(probs, want_p, "float32", "probs")
+    # grad of a vmapped op
+    g = jax.grad(lambda x: jnp.sum(jax.vmap(f)(x)[0] ** 2))(x)
+    want_g = jax.grad(lambda x: jnp.sum(ref.fused_topk_with_score_function(
+        x, 2, score_function="sigmoid", expert_bias=bias)[0] ** 2))(x)
+    _close(g, want_g, "float32", "grad")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vmap_with_a_batched_bias(backend):
+    # A bias that differs per batch element cannot fold into tokens.
+    x = _tie_free_logits((2, 3, 8), jnp.float32, seed=6)
+    biases = jnp.stack([jnp.linspace(-1, 1, 8), jnp.linspace(1, -1, 8)]).astype(jnp.float32)
+    f = functools.partial(gr.fused_topk_with_score_function, topk=2, score_function="sigmoid",
+                          backend=backend)
+    probs, rmap = jax.vmap(lambda x, b: f(x, expert_bias=b))(x, biases)
+    for i in range(2):
+        want_p, want_m = ref.fused_topk_with_score_function(x[i], 2, score_function="sigmoid",
+                                                            expert_bias=biases[i])
+        np.testing.assert_array_equal(np.asarray(rmap[i]), np.asarray(want_m))
+        _close(probs[i], want_p, "float32", "probs")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("compute_aux_scores", [False, True])
+def test_zero_tokens(backend, compute_aux_scores):
+    x = jnp.zeros((0, 3, 8), jnp.bfloat16)
+    probs, rmap = jax.jit(lambda x: gr.fused_topk_with_score_function(
+        x, 2, compute_aux_scores=compute_aux_scores, backend=backend))(x)
+    assert probs.shape == rmap.shape == (0, 3, 8)
+    assert probs.dtype == (jnp.float32 if compute_aux_scores else jnp.bfloat16)
+    g = jax.grad(lambda x: jnp.sum(gr.fused_topk_with_score_function(
+        x, 2, backend=backend)[0].astype(jnp.float32)))(x)
+    assert g.shape == x.shape
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tpe_dtype", ["int32", "float32"])
+def test_aux_loss(backend, dtype, tpe_dtype):
+    probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(0), (6, 16)), axis=-1).astype(dtype)
+    tpe = jnp.arange(16).astype(tpe_dtype)
+    kw = dict(total_num_tokens=24, num_experts=8)  # sequence aux loss: C = 2 * E
+    f = jax.jit(lambda p: gr.fused_moe_aux_loss(p, tpe, 4, 0.01, backend=backend, **kw))
+    loss = f(probs)
+    want = ref.fused_moe_aux_loss(probs, tpe, 4, 0.01, **kw)
+    assert loss.shape == () and loss.dtype == probs.dtype
+    rtol = 1e-5 if dtype == "float32" else 1e-2
+    np.testing.assert_allclose(float(loss), float(want), rtol=rtol)
+    g = jax.grad(lambda p: gr.fused_moe_aux_loss(p, tpe, 4, 0.01, backend=backend, **kw).astype(
+        jnp.float32) * 3.0)(probs)
+    want_g = jax.grad(lambda p: ref.fused_moe_aux_loss(p, tpe, 4, 0.01, **kw).astype(jnp.float32) * 3.0)(probs)
+    assert g.dtype == probs.dtype
+    _close(g, want_g, dtype, "grad")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_aux_loss_vmap(backend):
+    probs = jax.random.uniform(jax.random.PRNGKey(4), (3, 5, 8))
+    tpe = jnp.arange(8, dtype=jnp.int32)
+    got = jax.vmap(lambda p: gr.fused_moe_aux_loss(p, tpe, 2, 0.1, backend=backend))(probs)
+    want = jnp.stack([ref.fused_moe_aux_loss(p, tpe, 2, 0.1) for p in probs])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_aux_loss_is_bit_identical_run_to_run(backend):
+    probs = jax.random.uniform(jax.random.PRNGKey(7), (7, 24))
+    tpe = jnp.arange(24, dtype=jnp.int32) * 13
+    f = jax.jit(lambda p: gr.fused_moe_aux_loss(p, tpe, 3, 0.01, backend=backend))
+    first = np.asarray(f(probs))
+    for _ in range(3):
+        assert np.asarray(f(probs)).tobytes() == first.tobytes()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _numba_usable(), reason="backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1")
+@settings(max_examples=6)
+@given(data=st.data())
+def test_kernel_vjp_matches_reference_vjp(data):
+    """Fuzz: the kernel VJP equals jax.vjp of the reference for the same random cotangent."""
+    sf = data.draw(st.sampled_from(["softmax", "sigmoid", "sqrtsoftplus"]), label="score_function")
+    e = data.draw(st.sampled_from([4, 8, 12]), label="E")
+    topk = data.draw(st.integers(1, e), label="topk")
+    pre = data.draw(st.booleans(), label="use_pre_softmax") if sf == "softmax" else False
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    x = _tie_free_logits((3, e), jnp.float32, seed=seed)
+    ct = jax.random.normal(jax.random.PRNGKey(seed), x.shape, jnp.float32)
+    kw = dict(use_pre_softmax=pre, scaling_factor=1.3, score_function=sf)
+    p1, vjp1 = jax.vjp(lambda x: gr.fused_topk_with_score_function(x, topk, **kw, backend="numba")[0], x)
+    p2, vjp2 = jax.vjp(lambda x: ref.fused_topk_with_score_function(x, topk, **kw)[0], x)
+    _close(p1, p2, "float32", "probs")
+    _close(vjp1(ct)[0], vjp2(ct)[0], "float32", "grad")
