@@ -1,0 +1,33 @@
+"""Numba-CUDA kernels of gpurouter (semi-public: no stability promise).
+
+Launchers take NumPy arrays (and return NumPy) or device arrays (and return
+numba device arrays); see ``_launch.py`` for the conventions and README.md for
+the layout.  Never imports jax.
+"""
+
+from . import _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+from ._limits import MAX_EXPERTS as MAX_EXPERTS
+from ._limits import MAX_GROUPS as MAX_GROUPS
+from ._limits import MAX_TOPK as MAX_TOPK
+from ._limits import check_limits as check_limits
+from .aux_loss import aux_loss_coeff as aux_loss_coeff
+from .aux_loss import moe_aux_loss_bwd as moe_aux_loss_bwd
+from .aux_loss import moe_aux_loss_fwd as moe_aux_loss_fwd
+from .aux_scores import score_for_aux_loss_bwd as score_for_aux_loss_bwd
+from .aux_scores import score_for_aux_loss_fwd as score_for_aux_loss_fwd
+from .topk import topk_with_score_function_bwd as topk_with_score_function_bwd
+from .topk import topk_with_score_function_fwd as topk_with_score_function_fwd
+
+__all__ = [
+    "MAX_EXPERTS",
+    "MAX_GROUPS",
+    "MAX_TOPK",
+    "aux_loss_coeff",
+    "check_limits",
+    "moe_aux_loss_bwd",
+    "moe_aux_loss_fwd",
+    "score_for_aux_loss_bwd",
+    "score_for_aux_loss_fwd",
+    "topk_with_score_function_bwd",
+    "topk_with_score_function_fwd",
+]

@@ -1,0 +1,336 @@
+"""Launch plumbing: the ONLY place that computes grids and tile sizes, moves
+arrays between host and device, reinterprets bfloat16, allocates outputs and
+resolves streams.  The op modules (``topk.py``, ``aux_scores.py``,
+``aux_loss.py``) describe kernels and call the helpers below; they never call
+``cuda.to_device`` themselves.
+
+Array conventions:
+
+- Host inputs are NumPy arrays (``ml_dtypes.bfloat16`` for bf16).  When every
+  array input of a launcher is on the host (and no ``out=`` is given), the
+  launcher returns NumPy arrays.
+- Device inputs are numba device arrays or anything with
+  ``__cuda_array_interface__``; then the launcher returns numba device arrays.
+- On the device, bfloat16 travels as its raw 16-bit words: a ``uint16`` array
+  (or a CAI typestr ``<V2``) *is* a bf16 array here; integer logits are not a
+  legal input anyway.  bf16 outputs on the device are ``uint16`` arrays.
+"""
+
+from __future__ import annotations
+
+from . import _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+
+# isort: split
+
+import math
+import warnings
+
+import ml_dtypes  # ships with jax; no jax import
+import numpy as np
+from numba import cuda
+
+from ._limits import SMEM_BUDGET
+
+# Element kinds as the kernels see them.  The kernel factories are specialised
+# on these (compile-time conversion code), never on NumPy dtypes.
+F32 = "f32"
+BF16 = "bf16"  # raw uint16 words, converted in the kernel
+F16 = "f16"  # native float16 (numba converts on the GPU and in the simulator)
+INT = "int"  # integer counts (tokens_per_expert only)
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+#: the numba dtype a kernel sees for each kind of float.
+DEVICE_DTYPE = {F32: np.dtype(np.float32), BF16: np.dtype(np.uint16), F16: np.dtype(np.float16)}
+#: the host dtype the caller sees.
+HOST_DTYPE = {F32: np.dtype(np.float32), BF16: BFLOAT16, F16: np.dtype(np.float16)}
+
+#: threads per block for the tiled row kernels (a multiple of 32).
+MAX_THREADS = 256
+#: tokens per tile, at most (a power of two; one warp runs the selection).
+MAX_TILE_TOKENS = 32
+
+
+# ----------------------------------------------------------------------------
+# Scalars and config
+# ----------------------------------------------------------------------------
+
+SIGMOID, SOFTMAX, SQRTSOFTPLUS = 0, 1, 2
+_SCORE_NAMES = {"sigmoid": SIGMOID, "softmax": SOFTMAX, "sqrtsoftplus": SQRTSOFTPLUS}
+
+
+def score_function_code(score_function, op: str) -> int:
+    """``"softmax"``/``"sigmoid"``/``"sqrtsoftplus"`` (any case), 0/1/2 or an IntEnum -> code."""
+    if isinstance(score_function, str):
+        code = _SCORE_NAMES.get(score_function.lower())
+    elif isinstance(score_function, (int, np.integer)) and not isinstance(score_function, bool):
+        code = int(score_function) if int(score_function) in (0, 1, 2) else None
+    else:
+        code = None
+    if code is None:
+        raise ValueError(
+            f"{op}: score_function ({score_function!r}) must be one of 'softmax', 'sigmoid', "
+            "'sqrtsoftplus' or 0, 1, 2."
+        )
+    return code
+
+
+def is_device_array(x) -> bool:
+    """True for numba device arrays (real or simulated) and CAI objects."""
+    if isinstance(x, np.ndarray) or x is None:
+        return False
+    return hasattr(x, "copy_to_host") or hasattr(x, "__cuda_array_interface__")
+
+
+def any_on_device(*xs) -> bool:
+    return any(is_device_array(x) for x in xs)
+
+
+# ----------------------------------------------------------------------------
+# Streams and launches
+# ----------------------------------------------------------------------------
+
+
+def resolve_stream(stream):
+    """0/None -> the default stream (0); an int -> ``cuda.external_stream``; else as given."""
+    if stream is None or (isinstance(stream, (int, np.integer)) and int(stream) == 0):
+        return 0
+    if isinstance(stream, (int, np.integer)):
+        return cuda.external_stream(int(stream))
+    return stream
+
+
+def launch(kernel, grid: int, block: int, stream, shared_bytes: int, *args) -> None:
+    """``kernel[grid, block, stream, shared_bytes](*args)``.
+
+    Silences two warnings that say nothing about correctness here:
+    numba's ``NumbaPerformanceWarning`` for small grids (tests, tiny T), and,
+    on the simulator only, NumPy's ``RuntimeWarning`` for IEEE special values
+    (the simulator computes on NumPy scalars, which warn on ``inf - inf``
+    where the GPU silently gives NaN, as the contract wants).
+    """
+    with warnings.catch_warnings():
+        # numba-cuda's NumbaPerformanceWarning (its own class, not numba.core's)
+        warnings.filterwarnings("ignore", message=r"Grid size \d+ will likely result in GPU")
+        if simulator_enabled():
+            warnings.simplefilter("ignore", RuntimeWarning)
+        kernel[grid, block, stream, shared_bytes](*args)
+
+
+def simulator_enabled() -> bool:
+    """True when numba.cuda is the CUDA simulator (numba's own config, read at numba import)."""
+    from numba import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+def sync(stream) -> None:
+    if stream != 0:
+        stream.synchronize()
+
+
+# ----------------------------------------------------------------------------
+# Arrays in
+# ----------------------------------------------------------------------------
+
+
+def _kind_of(dtype: np.dtype, on_device: bool, name: str, op: str, allow_int: bool) -> str:
+    if dtype == np.float32:
+        return F32
+    if dtype == np.float16:
+        return F16
+    if dtype == BFLOAT16 or (on_device and dtype == np.uint16) or dtype.str in ("<V2", "|V2"):
+        return BF16
+    if allow_int and dtype in (np.int32, np.int64):
+        return INT
+    allowed = "float32, bfloat16 or float16"
+    if allow_int:
+        allowed = "int32, int64, float32 or bfloat16"
+    raise TypeError(f"{op}: {name} must be {allowed}, got {dtype}.")
+
+
+def kind_of_dtype(dtype, name: str, op: str) -> str:
+    """The kind of a requested output dtype (float32, bfloat16 or float16)."""
+    return _kind_of(np.dtype(dtype), False, name, op, False)
+
+
+def _wrap_cai(x):
+    """A numba device array over a CAI object (zero-copy); bf16 typestr -> uint16."""
+    desc = dict(x.__cuda_array_interface__)
+    if desc["typestr"] in ("<V2", "|V2"):
+        desc["typestr"] = "<u2"
+    return cuda.from_cuda_array_interface(desc, owner=x, sync=False)
+
+
+def device_input(x, name: str, op: str, stream, *, allow_int: bool = False,
+                 ndim: int | None = None):
+    """Returns ``(device_array, kind)`` for an input, copying host data over.
+
+    Raises:
+      TypeError: float64 (or any other unsupported dtype).
+      ValueError: wrong rank.
+    """
+    if is_device_array(x):
+        if hasattr(x, "copy_to_host"):
+            d = x
+            if d.dtype == BFLOAT16:
+                d = d.view(np.uint16)
+        else:
+            d = _wrap_cai(x)
+        kind = _kind_of(np.dtype(d.dtype), True, name, op, allow_int)
+    else:
+        h = np.ascontiguousarray(np.asarray(x))
+        kind = _kind_of(h.dtype, False, name, op, allow_int)
+        if kind == BF16:
+            h = h.view(np.uint16)
+        d = cuda.to_device(h, stream=stream)
+    if ndim is not None and len(d.shape) != ndim:
+        raise ValueError(f"{op}: {name} must have rank {ndim}, got shape {tuple(d.shape)}.")
+    return d, kind
+
+
+def scalar_input(x, name: str, op: str, stream, *, allow_int: bool = False):
+    """A host scalar / 0-d array / device array -> ``((1,) device array, kind)``.
+
+    Python floats become float32 (the kernels compute in fp32).
+    """
+    if not is_device_array(x) and isinstance(x, (float, int)) and not isinstance(x, bool):
+        x = np.float32(x)
+    d, kind = device_input(x, name, op, stream, allow_int=allow_int)
+    if int(np.prod(d.shape)) != 1:
+        raise ValueError(f"{op}: {name} must be a scalar, got shape {tuple(d.shape)}.")
+    return d.reshape((1,)), kind
+
+
+def bool_input(x, name: str, op: str, stream):
+    """A bool mask (host or device) -> a device bool array."""
+    if is_device_array(x):
+        d = x if hasattr(x, "copy_to_host") else _wrap_cai(x)
+    else:
+        h = np.ascontiguousarray(np.asarray(x))
+        if h.dtype != np.bool_:
+            raise TypeError(f"{op}: {name} must be bool, got {h.dtype}.")
+        d = cuda.to_device(h, stream=stream)
+    if np.dtype(d.dtype) != np.bool_:
+        raise TypeError(f"{op}: {name} must be bool, got {d.dtype}.")
+    return d
+
+
+# ----------------------------------------------------------------------------
+# Arrays out
+# ----------------------------------------------------------------------------
+
+
+def output(shape, kind_or_dtype, out, name: str, op: str, stream):
+    """A device output: ``out`` (validated, zero-copy) or a fresh allocation."""
+    dtype = DEVICE_DTYPE.get(kind_or_dtype, None)
+    if dtype is None:
+        dtype = np.dtype(kind_or_dtype)
+    shape = tuple(int(s) for s in shape)
+    if out is None:
+        return cuda.device_array(shape, dtype=dtype, stream=stream)
+    d = out if hasattr(out, "copy_to_host") else _wrap_cai(out)
+    if np.dtype(d.dtype) == BFLOAT16:
+        d = d.view(np.uint16)
+    if tuple(d.shape) != shape or np.dtype(d.dtype) != dtype:
+        raise ValueError(
+            f"{op}: out {name} must be a device array of shape {shape} and dtype {dtype}, "
+            f"got {tuple(d.shape)} {d.dtype}."
+        )
+    return d
+
+
+def copy_device(src, dst, stream) -> None:
+    """Device-to-device copy of equal-shape arrays."""
+    dst.copy_to_device(src, stream=stream)
+
+
+def outs_tuple(out, n: int, op: str):
+    if out is None:
+        return (None,) * n
+    if n == 1 and not isinstance(out, (tuple, list)):
+        return (out,)
+    if len(out) != n:
+        raise ValueError(f"{op}: out must hold {n} arrays, got {len(out)}.")
+    return tuple(out)
+
+
+def finish(results, kinds, to_host: bool, stream):
+    """Device results -> NumPy (bf16 words viewed as ml_dtypes.bfloat16) when ``to_host``."""
+    if not to_host:
+        return results
+    hosts = [d.copy_to_host(stream=stream) for d in results]
+    sync(stream)
+    return tuple(
+        h.view(BFLOAT16) if kind == BF16 else h for h, kind in zip(hosts, kinds, strict=True)
+    )
+
+
+def empty_outputs(shapes_kinds, to_host: bool, out, op: str, stream):
+    """T == 0: the outputs, empty, with no launch."""
+    outs = outs_tuple(out, len(shapes_kinds), op)
+    res = []
+    for (shape, kind), o in zip(shapes_kinds, outs, strict=True):
+        if to_host and o is None:
+            dt = HOST_DTYPE.get(kind, None) or np.dtype(kind)
+            res.append(np.zeros(shape, dt))
+        else:
+            res.append(output(shape, kind, o, "output", op, stream))
+    return tuple(res)
+
+
+# ----------------------------------------------------------------------------
+# Grids
+# ----------------------------------------------------------------------------
+
+
+def row_stride(num_experts: int) -> int:
+    """Shared-memory row stride: E rounded up to an odd number of 4-byte words,
+    so that thread t reading word j of row t hits bank (t*P + j) % 32, all
+    distinct across a warp (no bank conflicts in the per-token phase)."""
+    return num_experts | 1
+
+
+def row_tiling(num_tokens: int, num_experts: int, planes: int):
+    """Tile shape of the row kernels.
+
+    A block owns ``TB`` consecutive tokens; its dynamic shared memory is
+    ``[2*TB] fp32 stats | planes x [TB, P] fp32 | [TB, P] uint8 flags``.
+
+    Returns:
+      ``(grid, threads, tile_tokens, shared_bytes)``.
+    """
+    p = row_stride(num_experts)
+    per_token = 8 + planes * 4 * p + p
+    tb = MAX_TILE_TOKENS
+    while tb > 1 and tb * per_token > SMEM_BUDGET:
+        tb //= 2
+    tb = max(1, min(tb, num_tokens))
+    threads = min(MAX_THREADS, max(32, -(-tb * num_experts // 32) * 32))
+    grid = -(-num_tokens // tb)
+    shared = (2 * tb + planes * tb * p) * 4 + tb * p
+    return grid, threads, tb, shared
+
+
+def reduction_tiling(num_rows: int, num_cols: int):
+    """Aux-loss partial sums: ``(grid, threads, rows_per_block)``.
+
+    Each block sums a range of rows for every column; a thread owns columns
+    ``tid, tid + threads, ...``.  At most 1024 blocks, at least 64 rows each.
+    """
+    threads = min(MAX_THREADS, max(32, -(-num_cols // 32) * 32))
+    rows = max(64, -(-num_rows // 1024))
+    grid = max(1, -(-num_rows // rows))
+    return grid, threads, rows
+
+
+def final_threads(num_cols: int) -> int:
+    """Threads of the one-block final reduction: a power of two in [32, 256]."""
+    return max(32, min(MAX_THREADS, 1 << max(0, math.ceil(math.log2(max(1, num_cols))))))
+
+
+def elementwise_tiling(n: int):
+    """``(grid, threads)`` for a grid-stride elementwise kernel over n items."""
+    threads = min(MAX_THREADS, max(32, -(-n // 32) * 32))
+    grid = max(1, min(4096, -(-n // threads)))
+    return grid, threads

@@ -1,0 +1,54 @@
+"""Shared helpers of the kernel tests: run a launcher and the jnp reference on
+the same inputs and compare them with the CONTRACT tolerances."""
+
+from __future__ import annotations
+
+import numpy as np
+from strategies import np_dtype
+from tolerances import assert_close, assert_dtype
+
+from gpurouter import reference as ref
+
+FWD_MODES = (  # (score_function, use_pre_softmax)
+    ("softmax", False),
+    ("softmax", True),
+    ("sigmoid", False),
+    ("sqrtsoftplus", False),
+)
+
+
+def host(a):
+    """A reference (jax) or kernel result as a NumPy array."""
+    return np.asarray(a)
+
+
+def cast(x: np.ndarray, dtype: str) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(np_dtype(dtype))
+
+
+def check_topk_fwd(kern, x, dtype, kwargs, bias=None, *, exact_map=True, rows=None):
+    """Kernel vs reference forward; returns the kernel's (probs, map, saved)."""
+    xl = cast(x, dtype)
+    p, m, s = kern.topk_with_score_function_fwd(xl, expert_bias=bias, **kwargs)
+    rp, rm, rs = (host(a) for a in ref.topk_with_score_function_fwd(xl, expert_bias=bias, **kwargs))
+    assert_dtype(p, np_dtype(dtype), "probs")
+    assert m.dtype == np.bool_ and s.dtype == np.float32
+    assert (m.sum(-1) == kwargs["topk"]).all(), "exactly K experts per token"
+    sel = slice(None) if rows is None else rows
+    if exact_map:
+        np.testing.assert_array_equal(m[sel], rm[sel], err_msg=f"routing_map {kwargs}")
+    assert_close(p[sel], rp[sel], "probs", np_dtype(dtype), err_msg=f"probs {kwargs}")
+    assert_close(s[sel], rs[sel], "probs", np.float32, err_msg=f"saved {kwargs}")
+    return p, m, s
+
+
+def check_topk_bwd(kern, m, s, g, dtype, kwargs):
+    """Kernel vs reference backward on the kernel's own saved state."""
+    bk = dict(topk=kwargs["topk"], use_pre_softmax=kwargs.get("use_pre_softmax", False),
+              scaling_factor=kwargs.get("scaling_factor", 1.0),
+              score_function=kwargs.get("score_function", "softmax"))
+    gl = cast(g, dtype)
+    dx = kern.topk_with_score_function_bwd(m, s, gl, **bk)
+    rdx = host(ref.topk_with_score_function_bwd(m, s, gl, **bk))
+    assert_close(dx, rdx, "grads", np_dtype(dtype), E=m.shape[-1], err_msg=f"grad {bk}")
+    return dx

@@ -1,0 +1,83 @@
+"""Kernel vs reference: ``moe_aux_loss_fwd/_bwd`` (GPU or the CUDA simulator)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+
+from tolerances import assert_close  # noqa: E402
+
+from gpurouter import reference as ref  # noqa: E402
+
+from ._helpers import host  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+TPE_DTYPES = {"int32": np.int32, "int64": np.int64, "float32": np.float32,
+              "bfloat16": ml_dtypes.bfloat16}
+
+
+def _inputs(T, C, dtype, tpe_dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    probs = rng.random((T, C)).astype(np.float32).astype(dtype)
+    tpe = rng.integers(0, 64, C).astype(TPE_DTYPES[tpe_dtype])
+    return probs, tpe
+
+
+@pytest.mark.parametrize("dtype,tpe_dtype,T,C,E,total", [
+    (np.float32, "int32", 4, 8, None, None),
+    (np.float32, "int64", 70, 6, 3, 1000),  # sequence aux loss (C = 2E), 2 partial blocks
+    (ml_dtypes.bfloat16, "float32", 3, 16, None, 7),
+    (np.float16, "bfloat16", 2, 5, None, None),
+])
+def test_fwd_bwd(dtype, tpe_dtype, T, C, E, total):
+    probs, tpe = _inputs(T, C, dtype, tpe_dtype)
+    loss, coeff = K.moe_aux_loss_fwd(probs, tpe, 2, 0.01, total, E)
+    rloss, rcoeff = (host(a) for a in ref.moe_aux_loss_fwd(probs, tpe, 2, 0.01, total, E))
+    assert loss.shape == coeff.shape == ()
+    assert loss.dtype == np.dtype(dtype) and coeff.dtype == np.float32
+    assert coeff == rcoeff  # same fp32 operations in the same order
+    assert_close(loss, rloss, "aux_loss", dtype, err_msg="aux loss")
+    g = np.asarray(1.5, dtype)
+    gp = K.moe_aux_loss_bwd(coeff, tpe, g, T)
+    rgp = host(ref.moe_aux_loss_bwd(rcoeff, tpe, g, T))
+    assert gp.shape == (T, C) and gp.dtype == np.dtype(dtype)
+    assert_close(gp, rgp, "probs", dtype, err_msg="aux loss grad")
+
+
+def test_coeff_order():
+    # C = f32(E) * f32(coeff) / f32(topk) / f32(T) / f32(T), in that order
+    f = np.float32
+    want = f(f(f(f(f(64) * f(0.1)) / f(6)) / f(9)) / f(9))
+    assert K.aux_loss_coeff(64, 0.1, 6, 9) == want
+
+
+def test_deterministic():
+    probs, tpe = _inputs(200, 40, np.float32, "float32", seed=3)  # 4 partial blocks
+    first = K.moe_aux_loss_fwd(probs, tpe, 4, 1.0)[0]
+    for _ in range(2):
+        again = K.moe_aux_loss_fwd(probs, tpe, 4, 1.0)[0]
+        assert again.tobytes() == first.tobytes()
+
+
+def test_device_scalars():
+    from numba import cuda
+
+    probs, tpe = _inputs(3, 4, np.float32, "int32")
+    loss, coeff = K.moe_aux_loss_fwd(cuda.to_device(probs), cuda.to_device(tpe), 1, 1.0)
+    assert hasattr(loss, "copy_to_host") and loss.shape == ()
+    hloss, hcoeff = K.moe_aux_loss_fwd(probs, tpe, 1, 1.0)
+    assert loss.copy_to_host() == hloss and coeff.copy_to_host() == hcoeff
+    two = cuda.to_device(np.asarray(2.0, np.float32))
+    gp = K.moe_aux_loss_bwd(coeff, cuda.to_device(tpe), two, 3)
+    np.testing.assert_array_equal(gp.copy_to_host(), K.moe_aux_loss_bwd(hcoeff, tpe, 2.0, 3))
+
+
+def test_empty_rows():
+    probs, tpe = _inputs(0, 4, np.float32, "int32")
+    loss, _ = K.moe_aux_loss_fwd(probs, tpe, 1, 1.0, total_num_tokens=5)
+    assert loss == 0.0
+    assert K.moe_aux_loss_bwd(np.float32(0.5), tpe, 1.0, 0).shape == (0, 4)
