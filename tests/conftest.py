@@ -1,0 +1,97 @@
+"""Test setup shared by every gpurouter test (reference, kernels, public API).
+
+- Hypothesis profiles, picked by ``GPUROUTER_HYPOTHESIS_PROFILE`` (default
+  ``ci``; pytest's ``--hypothesis-profile`` overrides it):
+  ``ci`` (derandomized, ~25 examples), ``dev`` (10, random), ``fuzz``
+  (3000, random; run by hand or nightly).
+- Strict JAX promotion: ``jax_numpy_dtype_promotion="strict"`` and
+  ``jax_numpy_rank_promotion="raise"`` (x64 stays off; tests that need
+  float64 use ``with jax.enable_x64(True):`` locally).
+- Markers (declared in pyproject.toml): ``gpu`` tests are skipped, with the
+  reason, unless numba-cuda sees a real GPU; ``cuda`` tests are skipped
+  unless numba-cuda imports and either sees a GPU or runs the simulator
+  (``NUMBA_ENABLE_CUDASIM=1``). numba is only imported when such a test is
+  collected.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=25,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "dev",
+    max_examples=10,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "fuzz",
+    max_examples=3000,
+    derandomize=False,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("GPUROUTER_HYPOTHESIS_PROFILE", "ci"))
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def _simulator() -> bool:
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "") not in ("", "0")
+
+
+@functools.cache
+def _numba_cuda_importable() -> bool:
+    try:
+        from gpurouter import _backend
+
+        _backend.kernels()
+        import numba.cuda  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return False
+    return True
+
+
+@functools.cache
+def _real_gpu() -> bool:
+    """numba-cuda sees a real CUDA GPU (never true under the simulator)."""
+    if _simulator() or not _numba_cuda_importable():
+        return False
+    try:
+        from numba import cuda
+
+        return bool(cuda.is_available())
+    except Exception:  # noqa: BLE001 - a driver failure means "no GPU"
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("gpu") is not None and not _real_gpu():
+            why = ("NUMBA_ENABLE_CUDASIM is set (simulator, no real GPU)" if _simulator()
+                   else "numba-cuda sees no CUDA GPU (or is not installed)")
+            item.add_marker(pytest.mark.skip(reason=f"needs a real GPU: {why}"))
+        elif item.get_closest_marker("cuda") is not None:
+            if not _numba_cuda_importable():
+                item.add_marker(pytest.mark.skip(
+                    reason="needs numba-cuda: pip install 'gpurouter[cuda13]' (or [sim])"))
+            elif not (_simulator() or _real_gpu()):
+                item.add_marker(pytest.mark.skip(
+                    reason="needs a CUDA GPU or the simulator (NUMBA_ENABLE_CUDASIM=1)"))
