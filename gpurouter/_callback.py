@@ -1,14 +1,25 @@
 """The callback plumbing between JAX and the numba kernels: the one place that
-calls ``jax.pure_callback``.
+calls ``jax.pure_callback`` and ``jax.experimental.buffer_callback``.
 
-``kernel_call(launcher, out_specs, token_args, call_args, ...)`` runs a kernel
-launcher on host copies of JAX arrays and returns JAX arrays:
+``kernel_call(launcher, out_specs, token_args, call_args, transport=...)`` runs a
+kernel launcher and returns JAX arrays, through one of two transports:
+
+- ``"callback"``: ``jax.pure_callback`` on host copies of the arrays (JAX on
+  the CPU with numba on a GPU or on the CUDA simulator; two host round trips);
+- ``"zero-copy"``: ``jax.experimental.buffer_callback`` when JAX runs on a
+  CUDA GPU: the launcher gets numba views of XLA's own device buffers and
+  launches on XLA's stream, inside ``jit``; nothing crosses to the host.
+
+For both:
 
 - results are declared once, by ``out_specs`` (``jax.ShapeDtypeStruct``\\ s of
   the unbatched call);
-- inputs are copied out of JAX's read-only host buffers (``np.array``) before a
-  launcher sees them (numba and the simulator write back into their
-  arguments);
+- (callback) inputs are copied out of JAX's read-only host buffers
+  (``np.array``) before a launcher sees them (numba and the simulator write
+  back into their arguments);
+- (zero-copy) bfloat16 crosses as its raw 16-bit words (a ``uint16``
+  bitcast, which the kernels read as bf16): the CUDA array interface has no
+  bf16 type;
 - ``vmap`` uses ``vmap_method="expand_dims"``: batch dims arrive as leading
   axes. Per-token arrays (``token_args``, rows independent) fold the batch into
   the token axis when every per-call array (``call_args``: biases, counts,
@@ -25,8 +36,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 Launcher = Callable[..., Sequence[np.ndarray]]
 
@@ -51,7 +66,7 @@ def _run_batched(
     batch = _batch_shape(args, nb)
     if nb == 0:
         return tuple(np.asarray(o, dtype=s.dtype) for o, s in zip(launcher(*args), out_specs, strict=True))
-    if token and all(int(np.prod(a.shape[:nb])) == 1 for a in call):
+    if _foldable(token, call, batch, nb):
         rows = int(np.prod(batch)) * token[0].shape[nb]
         flat = [np.ascontiguousarray(a.reshape((rows,) + a.shape[nb + 1 :])) for a in token]
         outs = launcher(*flat, *(a.reshape(a.shape[nb:]) for a in call))
@@ -67,6 +82,14 @@ def _run_batched(
     return tuple(results)
 
 
+def _foldable(token, call, batch: tuple[int, ...], nb: int) -> bool:
+    """The batch folds into tokens iff every per-token array carries all of it
+    and no per-call array (bias, ...) is batched."""
+    return all(tuple(a.shape[:nb]) == batch for a in token) and all(
+        int(np.prod(a.shape[:nb])) == 1 for a in call
+    )
+
+
 def _batch_shape(args: Sequence[np.ndarray], nb: int) -> tuple[int, ...]:
     shape = [1] * nb
     for a in args:
@@ -75,22 +98,118 @@ def _batch_shape(args: Sequence[np.ndarray], nb: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _numba_view(buf):
+    """A zero-copy numba device array over an XLA buffer of a buffer_callback."""
+    from numba import cuda
+
+    return cuda.from_cuda_array_interface(buf.__cuda_array_interface__, owner=buf, sync=False)
+
+
+def _run_on_device(launcher, n_token: int, ins, outs, stream: int) -> None:
+    """Launches on device views; folds or loops over vmap batch dims like ``_run_batched``."""
+    token, call = ins[:n_token], ins[n_token:]
+    nb = len(token[0].shape) - 2 if token else 0
+    if nb == 0:
+        launcher(*ins, out=tuple(outs), stream=stream)
+        return
+    batch = _batch_shape(list(ins) + list(outs), nb)
+    if _foldable(token, call, batch, nb):
+        rows = int(np.prod(batch)) * token[0].shape[nb]
+        launcher(
+            *(a.reshape((rows,) + tuple(a.shape[nb + 1 :])) for a in token),
+            *(a.reshape(tuple(a.shape[nb:])) for a in call),
+            out=tuple(o.reshape((rows,) + tuple(o.shape[nb + 1 :])) for o in outs),
+            stream=stream,
+        )
+        return
+    for idx in np.ndindex(*batch):
+        pick = [tuple(i if a.shape[d] > 1 else 0 for d, i in enumerate(idx)) for a in ins]
+        launcher(*(a[p] for a, p in zip(ins, pick, strict=True)),
+                 out=tuple(o[idx] for o in outs), stream=stream)
+
+
+def _to_words(x: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
+
+
+def _word_spec(spec: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    if spec.dtype == jnp.bfloat16:
+        return jax.ShapeDtypeStruct(spec.shape, jnp.uint16)
+    return spec
+
+
+def _zero_copy_call(launcher, out_specs, token_args, call_args):
+    from jax.experimental.buffer_callback import buffer_callback
+
+    n_token = len(token_args)
+
+    def device_fn(ctx, outs, *bufs):
+        _run_on_device(launcher, n_token, [_numba_view(b) for b in bufs],
+                       [_numba_view(o) for o in outs], ctx.stream)
+
+    call = buffer_callback(
+        device_fn,
+        tuple(_word_spec(s) for s in out_specs),
+        vmap_method="expand_dims" if n_token else "sequential",
+    )
+    results = call(*(_to_words(jnp.asarray(a)) for a in (*token_args, *call_args)))
+    return tuple(
+        lax.bitcast_convert_type(r, jnp.bfloat16) if s.dtype == jnp.bfloat16 else r
+        for r, s in zip(results, out_specs, strict=True)
+    )
+
+
+@functools.cache
+def zero_copy_available() -> bool:
+    """True when JAX runs on a CUDA GPU, buffer_callback exists and numba sees a real GPU."""
+    from . import _backend
+
+    if jax.default_backend() != "gpu" or _backend.simulator_enabled():
+        return False
+    try:
+        from jax.experimental import buffer_callback  # noqa: F401
+    except ImportError:
+        return False
+    return _backend.numba_gpu_available()
+
+
+def resolve_transport(op: str, transport: str) -> str:
+    """``"auto"`` -> ``"zero-copy"`` where available, else ``"callback"``."""
+    from ._checks import check_transport
+
+    check_transport(op, transport)
+    if transport == "auto":
+        return "zero-copy" if zero_copy_available() else "callback"
+    if transport == "zero-copy" and not zero_copy_available():
+        raise RuntimeError(
+            f"{op}: transport=\"zero-copy\" needs JAX on a CUDA GPU (jax.default_backend() == "
+            f"\"gpu\", now {jax.default_backend()!r}), jax.experimental.buffer_callback and "
+            "numba-cuda on a real GPU; use transport=\"callback\"."
+        )
+    return transport
+
+
 def kernel_call(
     launcher: Launcher,
     out_specs: Sequence[jax.ShapeDtypeStruct],
     token_args: Sequence[jax.Array],
     call_args: Sequence[jax.Array] = (),
+    transport: str = "callback",
 ) -> tuple[jax.Array, ...]:
-    """Calls ``launcher(*token_args, *call_args)`` on host copies through ``jax.pure_callback``.
+    """Calls ``launcher(*token_args, *call_args)`` through the chosen transport.
 
     Args:
-      launcher: takes NumPy arrays, returns a sequence of NumPy arrays matching
-        ``out_specs``; all static configuration is bound into it already.
+      launcher: a kernel launcher with all static configuration bound. With
+        NumPy arrays it returns NumPy arrays (callback transport); with device
+        arrays it writes into ``out=`` on ``stream=`` (zero-copy transport).
       out_specs: shapes and dtypes of the outputs of one unbatched call.
       token_args: arrays whose leading axis is tokens (rows independent); empty
         for ops that reduce over rows, which then run once per vmap element.
       call_args: the other array arguments (biases, counts, scalars).
+      transport: ``"callback"`` or ``"zero-copy"`` (already resolved).
     """
+    if transport == "zero-copy":
+        return _zero_copy_call(launcher, out_specs, token_args, call_args)
     n_token = len(token_args)
 
     def host_fn(*args):

@@ -46,6 +46,7 @@ class ScoreFunction(enum.IntEnum):
 _FLOAT_NAMES = ("float32", "bfloat16", "float16")
 _TPE_NAMES = ("int32", "int64", "float32", "bfloat16")
 BACKENDS = ("auto", "jax", "numba")
+TRANSPORTS = ("auto", "callback", "zero-copy")
 
 
 def _dtype_name(dtype) -> str:
@@ -95,6 +96,14 @@ def check_backend(op: str, backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"{op}: backend ({backend!r}) must be one of {', '.join(map(repr, BACKENDS))}.")
     return backend
+
+
+def check_transport(op: str, transport: str) -> str:
+    if transport not in TRANSPORTS:
+        raise ValueError(
+            f"{op}: transport ({transport!r}) must be one of {', '.join(map(repr, TRANSPORTS))}."
+        )
+    return transport
 
 
 def check_kernel_dtype(op: str, name: str, dtype) -> None:

@@ -27,23 +27,23 @@ def test_topk_signature_is_tes_plus_keyword_backend():
     te = ["logits", "topk", "use_pre_softmax", "num_groups", "group_topk", "scaling_factor",
           "score_function", "expert_bias", "compute_aux_scores"]
     params = _params(gr.fused_topk_with_score_function)
-    assert [p[0] for p in params] == te + ["backend"]
+    assert [p[0] for p in params] == te + ["backend", "transport"]
     defaults = {p[0]: p[1] for p in params}
     assert defaults["use_pre_softmax"] is False
     assert defaults["num_groups"] == -1 and defaults["group_topk"] == -1
     assert defaults["scaling_factor"] == 1.0 and defaults["expert_bias"] is None
     assert defaults["compute_aux_scores"] is False and defaults["backend"] == "auto"
     assert gr.ScoreFunction(defaults["score_function"]) == gr.ScoreFunction.SOFTMAX
-    assert params[-1][2] is inspect.Parameter.KEYWORD_ONLY
-    assert _params(ref.fused_topk_with_score_function) == params[:-1]
+    assert all(p[2] is inspect.Parameter.KEYWORD_ONLY for p in params[-2:])
+    assert _params(ref.fused_topk_with_score_function) == params[:-2]
 
 
 def test_aux_loss_signature():
     params = _params(gr.fused_moe_aux_loss)
     assert [p[0] for p in params] == ["probs", "tokens_per_expert", "topk", "coeff",
-                                      "total_num_tokens", "num_experts", "backend"]
+                                      "total_num_tokens", "num_experts", "backend", "transport"]
     assert all(p[2] is inspect.Parameter.KEYWORD_ONLY for p in params[4:])
-    assert _params(ref.fused_moe_aux_loss) == params[:-1]
+    assert _params(ref.fused_moe_aux_loss) == params[:-2]
 
 
 def test_score_function_enum():

@@ -150,3 +150,23 @@ def test_float64_rejected_by_the_kernel_backend():
         # The jax backend takes float64 (used by check_grads in the tests).
         probs, _ = gr.fused_topk_with_score_function(x, 2, backend="jax")
         assert probs.dtype == np.float64
+
+
+def test_bad_transport():
+    with pytest.raises(ValueError, match=re.escape(
+            f"{TOPK}: transport ('gpu') must be one of 'auto', 'callback', 'zero-copy'.")):
+        gr.fused_topk_with_score_function(X8, 2, backend="numba", transport="gpu")
+
+
+def test_zero_copy_needs_jax_on_a_gpu():
+    import jax
+
+    from gpurouter import _backend
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("JAX runs on a GPU here: zero-copy is available")
+    if not (_backend.simulator_enabled() or _backend.numba_gpu_available()):
+        pytest.skip("backend='numba' needs a GPU or NUMBA_ENABLE_CUDASIM=1")
+    with pytest.raises(RuntimeError, match=re.escape(
+            f'{AUX}: transport="zero-copy" needs JAX on a CUDA GPU')):
+        gr.fused_moe_aux_loss(P, TPE, 2, 0.1, backend="numba", transport="zero-copy")

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _backend, reference
-from .._callback import kernel_call
+from .._callback import kernel_call, resolve_transport
 from .._checks import AUX_LOSS_OP, AuxLossConfig, check_aux_loss_args, check_kernel_dtype
 
 
@@ -21,6 +21,7 @@ def fused_moe_aux_loss(
     total_num_tokens: int | None = None,
     num_experts: int | None = None,
     backend: str = "auto",
+    transport: str = "auto",
 ) -> jax.Array:
     """Switch load-balancing aux loss; drop-in for TE's JAX ``fused_moe_aux_loss``.
 
@@ -29,6 +30,8 @@ def fused_moe_aux_loss(
 
     Args:
       backend: ``"jax"``, ``"numba"`` or ``"auto"`` (CONTRACT section 5).
+      transport: ``"zero-copy"``, ``"callback"`` or ``"auto"``, as for
+        :func:`gpurouter.fused_topk_with_score_function`.
 
     The numba forward is deterministic: bit-identical from run to run.
     """
@@ -41,32 +44,35 @@ def fused_moe_aux_loss(
             probs, tokens_per_expert, topk, coeff,
             total_num_tokens=total_num_tokens, num_experts=num_experts,
         )
+    transport = resolve_transport(AUX_LOSS_OP, transport)
     probs = jnp.asarray(probs)
     check_kernel_dtype(AUX_LOSS_OP, "probs", probs.dtype)
-    return _aux_loss(probs, jnp.asarray(tokens_per_expert), cfg)
+    return _aux_loss(probs, jnp.asarray(tokens_per_expert), cfg, transport)
 
 
-def _fwd_launch(cfg: AuxLossConfig, probs, tokens_per_expert):
+def _fwd_launch(cfg: AuxLossConfig, probs, tokens_per_expert, **kw):
     return _backend.kernels().moe_aux_loss_fwd(
-        probs, tokens_per_expert, cfg.topk, cfg.coeff, cfg.total_num_tokens, cfg.num_experts
+        probs, tokens_per_expert, cfg.topk, cfg.coeff, cfg.total_num_tokens, cfg.num_experts,
+        **kw,
     )
 
 
-def _bwd_launch(num_rows: int, saved_coeff, tokens_per_expert, grad_loss):
-    return (
-        _backend.kernels().moe_aux_loss_bwd(saved_coeff, tokens_per_expert, grad_loss, num_rows),
+def _bwd_launch(num_rows: int, saved_coeff, tokens_per_expert, grad_loss, **kw):
+    out = _backend.kernels().moe_aux_loss_bwd(
+        saved_coeff, tokens_per_expert, grad_loss, num_rows, **kw
     )
+    return (out,)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _aux_loss(probs, tokens_per_expert, cfg: AuxLossConfig):
-    return _aux_loss_fwd(probs, tokens_per_expert, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _aux_loss(probs, tokens_per_expert, cfg: AuxLossConfig, transport: str):
+    return _aux_loss_fwd(probs, tokens_per_expert, cfg, transport)[0]
 
 
-def _aux_loss_fwd(probs, tokens_per_expert, cfg: AuxLossConfig):
+def _aux_loss_fwd(probs, tokens_per_expert, cfg: AuxLossConfig, transport: str):
     specs = (jax.ShapeDtypeStruct((), probs.dtype), jax.ShapeDtypeStruct((), jnp.float32))
     loss, saved_coeff = kernel_call(
-        functools.partial(_fwd_launch, cfg), specs, [], [probs, tokens_per_expert]
+        functools.partial(_fwd_launch, cfg), specs, [], [probs, tokens_per_expert], transport
     )
     # An empty [T, 0] array carries the row count and dtype of probs into the
     # backward (residuals must be arrays; it also follows vmap's batching).
@@ -74,13 +80,13 @@ def _aux_loss_fwd(probs, tokens_per_expert, cfg: AuxLossConfig):
     return loss, (saved_coeff, tokens_per_expert, like)
 
 
-def _aux_loss_bwd(cfg: AuxLossConfig, res, grad_loss):
+def _aux_loss_bwd(cfg: AuxLossConfig, transport: str, res, grad_loss):
     saved_coeff, tokens_per_expert, like = res
     num_rows, dtype = like.shape[0], like.dtype
     spec = jax.ShapeDtypeStruct((num_rows, tokens_per_expert.shape[0]), dtype)
     (grad_probs,) = kernel_call(
         functools.partial(_bwd_launch, num_rows), [spec], [],
-        [saved_coeff, tokens_per_expert, grad_loss.astype(dtype)],
+        [saved_coeff, tokens_per_expert, grad_loss.astype(dtype)], transport,
     )
     return grad_probs, None
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _backend, reference
-from .._callback import kernel_call
+from .._callback import kernel_call, resolve_transport
 from .._checks import TOPK_OP, ScoreFunction, TopkConfig, check_kernel_dtype, check_topk_args
 
 
@@ -24,6 +24,7 @@ def fused_topk_with_score_function(
     compute_aux_scores: bool = False,
     *,
     backend: str = "auto",
+    transport: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """Routes each token to ``topk`` experts; drop-in for TE's JAX router.
 
@@ -34,6 +35,10 @@ def fused_topk_with_score_function(
     Args:
       backend: ``"jax"`` (the pure-jnp reference), ``"numba"`` (the Numba-CUDA
         kernels through ``jax.custom_vjp``) or ``"auto"`` (CONTRACT section 5).
+      transport: how ``backend="numba"`` reaches the kernels: ``"zero-copy"``
+        (``buffer_callback`` on XLA's device buffers and stream; JAX on a GPU),
+        ``"callback"`` (``pure_callback`` through host copies) or ``"auto"``
+        (zero-copy where available). Ignored by the jax backend.
 
     Raises:
       ValueError, TypeError: bad shapes, config or dtypes (at trace time).
@@ -51,23 +56,28 @@ def fused_topk_with_score_function(
     )
     if _backend.resolve(TOPK_OP, backend) == "jax":
         return reference.fused_topk_with_score_function(*args)
+    transport = resolve_transport(TOPK_OP, transport)
     logits = jnp.asarray(logits)
     check_kernel_dtype(TOPK_OP, "logits", logits.dtype)
     num_experts = logits.shape[-1]
-    _backend.kernels().check_limits(TOPK_OP, num_experts, cfg.topk, cfg.num_groups if cfg.grouped else 1)
+    _backend.kernels().check_limits(
+        TOPK_OP, num_experts, cfg.topk, cfg.num_groups if cfg.grouped else 1
+    )
     shape = logits.shape
     x = logits.reshape(-1, num_experts)
     out_dtype = jnp.float32 if cfg.compute_aux_scores else logits.dtype
     if x.shape[0] == 0:
         return jnp.zeros(shape, out_dtype), jnp.zeros(shape, bool)
     if cfg.compute_aux_scores:
-        probs, routing_map = _aux_scores(x, cfg, logits.dtype)
+        probs, routing_map = _aux_scores(x, cfg, logits.dtype, transport)
     else:
         bias = None
         if expert_bias is not None and cfg.score_function != ScoreFunction.SOFTMAX:
+            # The kernels read an fp32 bias; a half bias is upcast here (exactly).
             bias = jnp.asarray(expert_bias)
             check_kernel_dtype(TOPK_OP, "expert_bias", bias.dtype)
-        probs, routing_map = _topk(x, bias, cfg)
+            bias = bias.astype(jnp.float32)
+        probs, routing_map = _topk(x, bias, cfg, transport)
     return probs.reshape(shape), routing_map.reshape(shape)
 
 
@@ -86,43 +96,41 @@ def _specs(x: jax.Array, probs_dtype):
     )
 
 
-def _topk_launch(cfg: TopkConfig, logits, *bias):
-    k = _backend.kernels()
-    return k.topk_with_score_function_fwd(
+def _topk_launch(cfg: TopkConfig, logits, *bias, **kw):
+    return _backend.kernels().topk_with_score_function_fwd(
         logits, cfg.topk, cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk,
-        cfg.scaling_factor, int(cfg.score_function), bias[0] if bias else None,
+        cfg.scaling_factor, int(cfg.score_function), bias[0] if bias else None, **kw,
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _topk(x, bias, cfg: TopkConfig):
-    return _topk_fwd(x, bias, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _topk(x, bias, cfg: TopkConfig, transport: str):
+    return _topk_fwd(x, bias, cfg, transport)[0]
 
 
-def _topk_fwd(x, bias, cfg: TopkConfig):
-    launcher = functools.partial(_topk_launch, cfg)
+def _topk_fwd(x, bias, cfg: TopkConfig, transport: str):
     probs, routing_map, saved = kernel_call(
-        launcher, _specs(x, x.dtype), [x], [] if bias is None else [bias]
+        functools.partial(_topk_launch, cfg), _specs(x, x.dtype), [x],
+        [] if bias is None else [bias], transport,
     )
     return (probs, routing_map), (routing_map, saved, bias)
 
 
-def _topk_bwd_launch(cfg: TopkConfig, routing_map, saved, grad_probs):
-    return (
-        _backend.kernels().topk_with_score_function_bwd(
-            routing_map, saved, grad_probs, cfg.topk, cfg.use_pre_softmax,
-            cfg.scaling_factor, int(cfg.score_function),
-        ),
+def _topk_bwd_launch(cfg: TopkConfig, routing_map, saved, grad_probs, **kw):
+    out = _backend.kernels().topk_with_score_function_bwd(
+        routing_map, saved, grad_probs, cfg.topk, cfg.use_pre_softmax,
+        cfg.scaling_factor, int(cfg.score_function), **kw,
     )
+    return (out,)
 
 
-def _topk_bwd(cfg: TopkConfig, res, cts):
+def _topk_bwd(cfg: TopkConfig, transport: str, res, cts):
     routing_map, saved, bias = res
     grad_probs = cts[0]
     (grad_logits,) = kernel_call(
         functools.partial(_topk_bwd_launch, cfg),
         [jax.ShapeDtypeStruct(grad_probs.shape, grad_probs.dtype)],
-        [routing_map, saved, grad_probs],
+        [routing_map, saved, grad_probs], (), transport,
     )
     return grad_logits, None if bias is None else jnp.zeros_like(bias)
 
@@ -130,36 +138,37 @@ def _topk_bwd(cfg: TopkConfig, res, cts):
 _topk.defvjp(_topk_fwd, _topk_bwd)
 
 
-def _aux_launch(cfg: TopkConfig, logits):
-    return _backend.kernels().score_for_aux_loss_fwd(logits, cfg.topk, int(cfg.score_function))
+def _aux_launch(cfg: TopkConfig, logits, **kw):
+    return _backend.kernels().score_for_aux_loss_fwd(
+        logits, cfg.topk, int(cfg.score_function), **kw
+    )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _aux_scores(x, cfg: TopkConfig, dtype):
-    return _aux_scores_fwd(x, cfg, dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _aux_scores(x, cfg: TopkConfig, dtype, transport: str):
+    return _aux_scores_fwd(x, cfg, dtype, transport)[0]
 
 
-def _aux_scores_fwd(x, cfg: TopkConfig, dtype):
+def _aux_scores_fwd(x, cfg: TopkConfig, dtype, transport: str):
     scores, routing_map, saved = kernel_call(
-        functools.partial(_aux_launch, cfg), _specs(x, jnp.float32), [x]
+        functools.partial(_aux_launch, cfg), _specs(x, jnp.float32), [x], (), transport
     )
     return (scores, routing_map), saved
 
 
-def _aux_bwd_launch(cfg: TopkConfig, out_dtype, saved, grad_scores):
-    return (
-        _backend.kernels().score_for_aux_loss_bwd(
-            saved, grad_scores, int(cfg.score_function), out_dtype
-        ),
+def _aux_bwd_launch(cfg: TopkConfig, out_dtype, saved, grad_scores, **kw):
+    out = _backend.kernels().score_for_aux_loss_bwd(
+        saved, grad_scores, int(cfg.score_function), out_dtype, **kw
     )
+    return (out,)
 
 
-def _aux_scores_bwd(cfg: TopkConfig, dtype, saved, cts):
+def _aux_scores_bwd(cfg: TopkConfig, dtype, transport: str, saved, cts):
     grad_scores = cts[0].astype(jnp.float32)
     (grad_logits,) = kernel_call(
         functools.partial(_aux_bwd_launch, cfg, dtype),
         [jax.ShapeDtypeStruct(saved.shape, dtype)],
-        [saved, grad_scores],
+        [saved, grad_scores], (), transport,
     )
     return (grad_logits,)
 
