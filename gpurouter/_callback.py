@@ -34,9 +34,8 @@ in JAX.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
 import functools
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp

@@ -9,7 +9,13 @@ import jax.numpy as jnp
 
 from .. import _backend, reference
 from .._callback import kernel_call, resolve_transport
-from .._checks import AUX_LOSS_OP, AuxLossConfig, check_aux_loss_args, check_kernel_dtype
+from .._checks import (
+    AUX_LOSS_OP,
+    AuxLossConfig,
+    check_aux_loss_args,
+    check_kernel_dtype,
+    check_transport,
+)
 
 
 def fused_moe_aux_loss(
@@ -39,6 +45,7 @@ def fused_moe_aux_loss(
         jnp.shape(probs), jnp.result_type(probs), jnp.shape(tokens_per_expert),
         jnp.result_type(tokens_per_expert), topk, coeff, total_num_tokens, num_experts,
     )
+    check_transport(AUX_LOSS_OP, transport)  # validated whatever the backend
     if _backend.resolve(AUX_LOSS_OP, backend) == "jax":
         return reference.fused_moe_aux_loss(
             probs, tokens_per_expert, topk, coeff,

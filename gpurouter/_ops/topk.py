@@ -9,7 +9,14 @@ import jax.numpy as jnp
 
 from .. import _backend, reference
 from .._callback import kernel_call, resolve_transport
-from .._checks import TOPK_OP, ScoreFunction, TopkConfig, check_kernel_dtype, check_topk_args
+from .._checks import (
+    TOPK_OP,
+    ScoreFunction,
+    TopkConfig,
+    check_kernel_dtype,
+    check_topk_args,
+    check_transport,
+)
 
 
 def fused_topk_with_score_function(
@@ -54,6 +61,7 @@ def fused_topk_with_score_function(
         None if expert_bias is None else jnp.result_type(expert_bias),
         compute_aux_scores,
     )
+    check_transport(TOPK_OP, transport)  # validated whatever the backend
     if _backend.resolve(TOPK_OP, backend) == "jax":
         return reference.fused_topk_with_score_function(*args)
     transport = resolve_transport(TOPK_OP, transport)
