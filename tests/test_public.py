@@ -29,13 +29,23 @@ def _numba_usable() -> bool:
     return _backend.simulator_enabled() or _backend.numba_gpu_available()
 
 
-NUMBA = pytest.param(
-    "numba",
-    marks=[pytest.mark.cuda,
-           pytest.mark.skipif(not _numba_usable(),
-                              reason="backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1")],
-)
-BACKENDS = ["jax", NUMBA]
+_NUMBA_MARKS = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not _numba_usable(), reason="backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1"),
+]
+# "numba" picks its transport automatically (zero-copy when JAX is on a GPU);
+# "numba:callback" forces pure_callback, which is then tested on the GPU too.
+BACKENDS = [
+    "jax",
+    pytest.param("numba", marks=_NUMBA_MARKS),
+    pytest.param("numba:callback", marks=[*_NUMBA_MARKS, pytest.mark.skipif(
+        jax.default_backend() != "gpu", reason="on a CPU 'numba' already means the callback transport")]),
+]
+
+
+def _backend_kw(backend: str) -> dict:
+    name, _, transport = backend.partition(":")
+    return dict(backend=name, transport=transport or "auto")
 
 # Contract section 7 (kernel vs reference, both upcast to fp32).
 PROBS_TOL = {"float32": dict(atol=1e-6, rtol=1e-5)}
@@ -97,12 +107,12 @@ def test_topk_forward_and_grad(backend, name, dtype):
         probs, _ = _call(fn, x, cfg, **kw)
         return jnp.sum(probs.astype(jnp.float32) * w)
 
-    probs, rmap = jax.jit(lambda x: _call(gr.fused_topk_with_score_function, x, cfg, backend=backend))(x)
+    probs, rmap = jax.jit(lambda x: _call(gr.fused_topk_with_score_function, x, cfg, **_backend_kw(backend)))(x)
     want_p, want_m = _call(ref.fused_topk_with_score_function, x, cfg)
     assert probs.dtype == x.dtype and rmap.dtype == jnp.bool_ and probs.shape == x.shape
     np.testing.assert_array_equal(np.asarray(rmap), np.asarray(want_m))
     _close(probs, want_p, dtype, "probs")
-    grad = jax.jit(jax.grad(functools.partial(loss, gr.fused_topk_with_score_function, backend=backend)))(x)
+    grad = jax.jit(jax.grad(functools.partial(loss, gr.fused_topk_with_score_function, **_backend_kw(backend))))(x)
     want_g = jax.grad(functools.partial(loss, ref.fused_topk_with_score_function))(x)
     assert grad.dtype == x.dtype
     _close(grad, want_g, dtype, "grad")
@@ -119,12 +129,12 @@ def test_aux_scores_forward_and_grad(backend, sf):
         return jnp.sum(scores * w)
 
     scores, rmap = gr.fused_topk_with_score_function(x, 3, score_function=sf, compute_aux_scores=True,
-                                                     backend=backend)
+                                                     **_backend_kw(backend))
     want_s, want_m = ref.fused_topk_with_score_function(x, 3, score_function=sf, compute_aux_scores=True)
     assert scores.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(rmap), np.asarray(want_m))
     _close(scores, want_s, "float32", "probs")
-    grad = jax.grad(functools.partial(loss, gr.fused_topk_with_score_function, backend=backend))(x)
+    grad = jax.grad(functools.partial(loss, gr.fused_topk_with_score_function, **_backend_kw(backend)))(x)
     want_g = jax.grad(functools.partial(loss, ref.fused_topk_with_score_function))(x)
     assert grad.dtype == jnp.bfloat16
     _close(grad, want_g, "bfloat16", "grad")
@@ -135,7 +145,7 @@ def test_vmap_folds_batch_into_tokens(backend):
     x = _tie_free_logits((3, 4, 8), jnp.float32, seed=5)
     bias = jnp.linspace(-0.2, 0.2, 8, dtype=jnp.float32)
     f = functools.partial(gr.fused_topk_with_score_function, topk=2, score_function="sigmoid",
-                          expert_bias=bias, backend=backend)
+                          expert_bias=bias, **_backend_kw(backend))
     probs, rmap = jax.jit(jax.vmap(f))(x)
     want_p, want_m = ref.fused_topk_with_score_function(x, 2, score_function="sigmoid", expert_bias=bias)
     np.testing.assert_array_equal(np.asarray(rmap), np.asarray(want_m))
@@ -153,7 +163,7 @@ def test_vmap_with_a_batched_bias(backend):
     x = _tie_free_logits((2, 3, 8), jnp.float32, seed=6)
     biases = jnp.stack([jnp.linspace(-1, 1, 8), jnp.linspace(1, -1, 8)]).astype(jnp.float32)
     f = functools.partial(gr.fused_topk_with_score_function, topk=2, score_function="sigmoid",
-                          backend=backend)
+                          **_backend_kw(backend))
     probs, rmap = jax.vmap(lambda x, b: f(x, expert_bias=b))(x, biases)
     for i in range(2):
         want_p, want_m = ref.fused_topk_with_score_function(x[i], 2, score_function="sigmoid",
@@ -167,11 +177,11 @@ def test_vmap_with_a_batched_bias(backend):
 def test_zero_tokens(backend, compute_aux_scores):
     x = jnp.zeros((0, 3, 8), jnp.bfloat16)
     probs, rmap = jax.jit(lambda x: gr.fused_topk_with_score_function(
-        x, 2, compute_aux_scores=compute_aux_scores, backend=backend))(x)
+        x, 2, compute_aux_scores=compute_aux_scores, **_backend_kw(backend)))(x)
     assert probs.shape == rmap.shape == (0, 3, 8)
     assert probs.dtype == (jnp.float32 if compute_aux_scores else jnp.bfloat16)
     g = jax.grad(lambda x: jnp.sum(gr.fused_topk_with_score_function(
-        x, 2, backend=backend)[0].astype(jnp.float32)))(x)
+        x, 2, **_backend_kw(backend))[0].astype(jnp.float32)))(x)
     assert g.shape == x.shape
 
 
@@ -182,13 +192,13 @@ def test_aux_loss(backend, dtype, tpe_dtype):
     probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(0), (6, 16)), axis=-1).astype(dtype)
     tpe = jnp.arange(16).astype(tpe_dtype)
     kw = dict(total_num_tokens=24, num_experts=8)  # sequence aux loss: C = 2 * E
-    f = jax.jit(lambda p: gr.fused_moe_aux_loss(p, tpe, 4, 0.01, backend=backend, **kw))
+    f = jax.jit(lambda p: gr.fused_moe_aux_loss(p, tpe, 4, 0.01, **_backend_kw(backend), **kw))
     loss = f(probs)
     want = ref.fused_moe_aux_loss(probs, tpe, 4, 0.01, **kw)
     assert loss.shape == () and loss.dtype == probs.dtype
     rtol = 1e-5 if dtype == "float32" else 1e-2
     np.testing.assert_allclose(float(loss), float(want), rtol=rtol)
-    g = jax.grad(lambda p: gr.fused_moe_aux_loss(p, tpe, 4, 0.01, backend=backend, **kw).astype(
+    g = jax.grad(lambda p: gr.fused_moe_aux_loss(p, tpe, 4, 0.01, **_backend_kw(backend), **kw).astype(
         jnp.float32) * 3.0)(probs)
     want_g = jax.grad(lambda p: ref.fused_moe_aux_loss(p, tpe, 4, 0.01, **kw).astype(jnp.float32) * 3.0)(probs)
     assert g.dtype == probs.dtype
@@ -199,7 +209,7 @@ def test_aux_loss(backend, dtype, tpe_dtype):
 def test_aux_loss_vmap(backend):
     probs = jax.random.uniform(jax.random.PRNGKey(4), (3, 5, 8))
     tpe = jnp.arange(8, dtype=jnp.int32)
-    got = jax.vmap(lambda p: gr.fused_moe_aux_loss(p, tpe, 2, 0.1, backend=backend))(probs)
+    got = jax.vmap(lambda p: gr.fused_moe_aux_loss(p, tpe, 2, 0.1, **_backend_kw(backend)))(probs)
     want = jnp.stack([ref.fused_moe_aux_loss(p, tpe, 2, 0.1) for p in probs])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
 
@@ -208,7 +218,7 @@ def test_aux_loss_vmap(backend):
 def test_aux_loss_is_bit_identical_run_to_run(backend):
     probs = jax.random.uniform(jax.random.PRNGKey(7), (7, 24))
     tpe = jnp.arange(24, dtype=jnp.int32) * 13
-    f = jax.jit(lambda p: gr.fused_moe_aux_loss(p, tpe, 3, 0.01, backend=backend))
+    f = jax.jit(lambda p: gr.fused_moe_aux_loss(p, tpe, 3, 0.01, **_backend_kw(backend)))
     first = np.asarray(f(probs))
     for _ in range(3):
         assert np.asarray(f(probs)).tobytes() == first.tobytes()
@@ -232,3 +242,41 @@ def test_kernel_vjp_matches_reference_vjp(data):
     p2, vjp2 = jax.vjp(lambda x: ref.fused_topk_with_score_function(x, topk, **kw)[0], x)
     _close(p1, p2, "float32", "probs")
     _close(vjp1(ct)[0], vjp2(ct)[0], "float32", "grad")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["zero-copy", "callback"])
+@pytest.mark.parametrize("preset", ["deepseek-v3", "qwen3", "mixtral", "nemotron-3-super"])
+def test_presets_on_the_gpu(preset, transport):
+    """Real shapes, bf16, jit + grad + vmap + fori_loop, through each transport."""
+    from gpurouter.presets import PRESETS
+
+    if transport == "zero-copy" and jax.default_backend() != "gpu":
+        pytest.skip("zero-copy needs JAX on a GPU")
+    p = PRESETS[preset]
+    x = _tie_free_logits((2, 2048, p.num_experts), jnp.bfloat16, seed=11)
+    bias = jnp.linspace(-0.01, 0.01, p.num_experts, dtype=jnp.float32) if p.expert_bias else None
+    kw = dict(p.router_kwargs(), expert_bias=bias)
+    w = jax.random.normal(jax.random.PRNGKey(3), x.shape, jnp.float32)
+
+    def loss(x, **call):
+        probs, _ = gr.fused_topk_with_score_function(x, **kw, **call)
+        return jnp.sum(probs.astype(jnp.float32) * w)
+
+    call = dict(backend="numba", transport=transport)
+    probs, rmap = jax.jit(jax.vmap(lambda x: gr.fused_topk_with_score_function(x, **kw, **call)))(x)
+    want_p, want_m = ref.fused_topk_with_score_function(x, **kw)
+    np.testing.assert_array_equal(np.asarray(rmap), np.asarray(want_m))
+    _close(probs, want_p, "bfloat16", "probs")
+    grad = jax.jit(jax.grad(functools.partial(loss, **call)))(x)
+    _close(grad, jax.grad(loss)(x), "bfloat16", "grad")
+
+    def body(i, x):
+        return x - jnp.bfloat16(1e-2) * jax.grad(functools.partial(loss, **call))(x)
+
+    def body_ref(i, x):
+        return x - jnp.bfloat16(1e-2) * jax.grad(loss)(x)
+
+    got = jax.jit(lambda x: jax.lax.fori_loop(0, 5, body, x))(x)
+    want = jax.jit(lambda x: jax.lax.fori_loop(0, 5, body_ref, x))(x)
+    _close(got, want, "bfloat16", "grad")
