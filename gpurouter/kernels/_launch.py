@@ -111,7 +111,8 @@ def launch(kernel, grid: int, block: int, stream, shared_bytes: int, *args) -> N
     """
     with warnings.catch_warnings():
         # numba-cuda's NumbaPerformanceWarning (its own class, not numba.core's)
-        warnings.filterwarnings("ignore", message=r"Grid size \d+ will likely result in GPU")
+        warnings.filterwarnings(
+            "ignore", message=r".*Grid size \d+ will likely result in GPU under-utilization")
         if simulator_enabled():
             warnings.simplefilter("ignore", RuntimeWarning)
         kernel[grid, block, stream, shared_bytes](*args)
