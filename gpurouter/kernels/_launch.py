@@ -92,8 +92,14 @@ def any_on_device(*xs) -> bool:
 
 
 def resolve_stream(stream):
-    """0/None -> the default stream (0); an int -> ``cuda.external_stream``; else as given."""
+    """0/None -> the default stream (0); an int -> ``cuda.external_stream``; else as given.
+
+    The simulator runs every launch synchronously and has no external
+    streams, so there an int handle means the default stream.
+    """
     if stream is None or (isinstance(stream, (int, np.integer)) and int(stream) == 0):
+        return 0
+    if isinstance(stream, (int, np.integer)) and simulator_enabled():
         return 0
     if isinstance(stream, (int, np.integer)):
         return cuda.external_stream(int(stream))

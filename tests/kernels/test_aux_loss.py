@@ -79,6 +79,26 @@ def test_device_scalars():
     np.testing.assert_array_equal(gp.copy_to_host(), K.moe_aux_loss_bwd(hcoeff, tpe, 2.0, 3))
 
 
+def test_out_and_int_stream():
+    from numba import cuda
+
+    probs, tpe = _inputs(5, 4, np.float32, "int32")
+    s = cuda.stream()
+    h = getattr(s, "handle", None)  # the simulator's streams have none
+    handle = 12345 if h is None else int(getattr(h, "value", h))
+    outs = (cuda.device_array((), np.float32), cuda.device_array((), np.float32))
+    loss, coeff = K.moe_aux_loss_fwd(cuda.to_device(probs), tpe, 2, 0.5, out=outs, stream=handle)
+    assert loss is outs[0]
+    s.synchronize()
+    hloss, hcoeff = K.moe_aux_loss_fwd(probs, tpe, 2, 0.5)
+    assert outs[0].copy_to_host() == hloss and outs[1].copy_to_host() == hcoeff
+    assert coeff.copy_to_host() == hcoeff
+    gout = cuda.device_array((5, 4), np.float32)
+    assert K.moe_aux_loss_bwd(outs[1], tpe, outs[0], 5, out=gout, stream=handle) is gout
+    s.synchronize()
+    np.testing.assert_array_equal(gout.copy_to_host(), K.moe_aux_loss_bwd(hcoeff, tpe, hloss, 5))
+
+
 def test_empty_rows():
     probs, tpe = _inputs(0, 4, np.float32, "int32")
     loss, _ = K.moe_aux_loss_fwd(probs, tpe, 1, 1.0, total_num_tokens=5)
