@@ -1,0 +1,354 @@
+"""``python -m gpurouter bench``: router speed per preset, backend and transport.
+
+For each preset it times, on bf16 logits with an fp32 bias:
+
+- ``kernel``: the numba launchers on device arrays, CUDA events around each
+  launch (median of ``--repeats`` runs, inputs rotated over 4 buffers so no run
+  reads what the previous one left in L2);
+- ``jax`` / ``numba:<transport>``: the jitted public op, wall time per call
+  (median), forward alone and forward + backward;
+- ``loop``: a jitted ``lax.fori_loop`` of 50 router forward + backward steps,
+  time per step.
+
+Every result is checked against the reference before it is timed. Byte floor:
+the bytes an op must read and write at the peak bandwidth given by
+``--peak-tbs`` (default 4.0 TB/s, measured device-to-device on an H200 here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+
+from ._progress import progress
+
+BF16 = np.dtype(ml_dtypes.bfloat16)  # ml_dtypes ships with jax
+from .presets import PRESETS
+
+DEFAULT_PRESETS = ("deepseek-v3", "deepseek-v4", "qwen3", "mixtral", "llama-4", "kimi-k2",
+                   "nemotron-3-super")
+
+
+@dataclasses.dataclass
+class Row:
+    preset: str
+    op: str  # "topk", "aux_scores", "aux_loss"
+    path: str  # "kernel", "jax", "numba:zero-copy", "numba:callback"
+    phase: str  # "fwd", "bwd", "fwd+bwd", "loop-step"
+    tokens: int
+    experts: int
+    topk: int
+    us: float
+    bytes: int
+    gbps: float = 0.0
+    x_floor: float = 0.0
+    x_jax: float | None = None
+
+
+def _bytes(op: str, phase: str, t: int, e: int, in_bytes: int) -> int:
+    """Bytes an op must move (reads + writes), its memory floor."""
+    if op == "topk":
+        fwd = t * e * (in_bytes + in_bytes + 1 + 4) + 4 * e  # x; probs, map, saved; bias
+        bwd = t * e * (1 + 4 + in_bytes + in_bytes)  # map, saved, grad_probs; grad_logits
+    elif op == "aux_scores":
+        fwd = t * e * (in_bytes + 4 + 1 + 4)
+        bwd = t * e * (4 + 4 + in_bytes)
+    else:  # aux loss, fp32 probs
+        fwd = t * e * 4 + 4 * e
+        bwd = t * e * 4 + 4 * e
+    return {"fwd": fwd, "bwd": bwd}.get(phase, fwd + bwd)
+
+
+def _gpu_info() -> dict:
+    info = {"python": platform.python_version()}
+    try:
+        import jax
+
+        info["jax"] = jax.__version__
+        info["jax_device"] = jax.devices()[0].device_kind
+    except Exception as e:  # report, don't fail: the info is only a header
+        info["jax"] = f"unavailable: {e}"
+    try:
+        import numba
+
+        from .kernels import _compat  # noqa: F401
+
+        info["numba"] = numba.__version__
+        from importlib.metadata import version
+
+        info["numba_cuda"] = version("numba-cuda")
+        info["numpy"] = np.__version__
+    except Exception as e:
+        info["numba"] = f"unavailable: {e}"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+        info["gpu"], info["driver"] = [s.strip() for s in out.splitlines()[0].split(",")]
+    except Exception:
+        info["gpu"] = "none"
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True, timeout=10).stdout.strip()
+    except Exception:
+        info["commit"] = ""
+    # A copy of the tree without .git (the lent GPU) names its commit by env.
+    info["commit"] = info["commit"] or os.environ.get("GPUROUTER_COMMIT", "unknown")
+    info["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return info
+
+
+def _median_wall(fn, args_list, repeats: int) -> float:
+    """Median wall seconds of ``fn(*args)`` over rotated argument sets."""
+    import jax
+
+    jax.block_until_ready(fn(*args_list[0]))
+    times = []
+    for i in range(repeats):
+        args = args_list[i % len(args_list)]
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _kernel_times(launch, inputs, repeats: int) -> float:
+    """Median kernel seconds of ``launch(*inputs[i])`` from CUDA events."""
+    from numba import cuda
+
+    launch(*inputs[0])
+    cuda.synchronize()
+    start, stop = cuda.event(), cuda.event()
+    times = []
+    for i in range(repeats):
+        start.record()
+        launch(*inputs[i % len(inputs)])
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e-3)
+    return statistics.median(times)
+
+
+def _check(name, got, want, atol, rtol):
+    got = np.asarray(got, np.float32)
+    want = np.asarray(want, np.float32)
+    if got.dtype == bool or want.dtype == bool:
+        ok = np.array_equal(got, want)
+    else:
+        ok = np.allclose(got, want, atol=atol, rtol=rtol, equal_nan=True)
+    if not ok:
+        diff = np.nanmax(np.abs(got - want))
+        raise AssertionError(f"{name}: result differs from the reference (max |d| = {diff:.3g})")
+
+
+def bench_preset(name: str, tokens: int, paths: list[str], repeats: int, peak: float,
+                 loop_steps: int) -> list[Row]:
+    import jax
+    import jax.numpy as jnp
+
+    import gpurouter as gr
+    from gpurouter import reference as ref
+
+    p = PRESETS[name]
+    e, k = p.num_experts, p.topk
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    # Rotated inputs: rows of distinct values (tie-free at bf16), shuffled per buffer.
+    xs = [jax.random.normal(kk, (tokens, e), jnp.float32).astype(jnp.bfloat16) for kk in keys]
+    bias = (jnp.linspace(-0.05, 0.05, e, dtype=jnp.float32) if p.expert_bias else None)
+    kw = p.router_kwargs()
+    rows: list[Row] = []
+
+    def add(op, path, phase, seconds, jax_us=None):
+        nbytes = _bytes(op, phase, tokens, e, 2)
+        us = seconds * 1e6
+        floor_us = nbytes / (peak * 1e12) * 1e6
+        rows.append(Row(name, op, path, phase, tokens, e, k, round(us, 2), nbytes,
+                        round(nbytes / seconds / 1e9, 1), round(us / floor_us, 2),
+                        None if jax_us is None else round(jax_us / us, 2)))
+
+    want_p, want_m = jax.jit(lambda x: ref.fused_topk_with_score_function(x, expert_bias=bias, **kw))(xs[0])
+    jax_us = {}
+    for path in paths:
+        if path == "kernel":
+            rows.extend(_kernel_rows(name, p, xs, bias, repeats, peak, want_p, want_m))
+            continue
+        backend, _, transport = path.partition(":")
+        call = dict(backend=backend, **({"transport": transport} if transport else {}))
+        fwd = jax.jit(lambda x, call=call: gr.fused_topk_with_score_function(x, expert_bias=bias, **kw, **call))
+        probs, rmap = fwd(xs[0])
+        _check(f"{name} {path} routing_map", rmap, want_m, 0, 0)
+        _check(f"{name} {path} probs", probs, want_p, 1e-2, 1e-2)
+
+        def loss(x, call=call):
+            pr, _ = gr.fused_topk_with_score_function(x, expert_bias=bias, **kw, **call)
+            return jnp.sum(pr.astype(jnp.float32) * pr.astype(jnp.float32))
+
+        step = jax.jit(jax.value_and_grad(loss))
+        t_fwd = _median_wall(fwd, [(x,) for x in xs], repeats)
+        t_step = _median_wall(step, [(x,) for x in xs], repeats)
+
+        def body(i, x, loss=loss):
+            return x - jnp.bfloat16(1e-3) * jax.grad(loss)(x)
+
+        loop = jax.jit(lambda x, body=body: jax.lax.fori_loop(0, loop_steps, body, x))
+        t_loop = _median_wall(loop, [(x,) for x in xs], max(3, repeats // 20)) / loop_steps
+        if path == "jax":
+            jax_us = {"fwd": t_fwd * 1e6, "fwd+bwd": t_step * 1e6, "loop-step": t_loop * 1e6}
+        for phase, t in (("fwd", t_fwd), ("fwd+bwd", t_step), ("loop-step", t_loop)):
+            add("topk", path, phase, t, jax_us.get(phase))
+    return rows
+
+
+def _kernel_rows(name, p, xs, bias, repeats, peak, want_p, want_m) -> list[Row]:
+    """Kernel time (CUDA events) of the topk fwd/bwd, aux-score fwd/bwd and aux-loss fwd/bwd."""
+    from numba import cuda
+
+    from . import kernels as K
+
+    e, k = p.num_experts, p.topk
+    tokens = xs[0].shape[0]
+    words = [cuda.to_device(np.asarray(x).view(np.uint16)) for x in xs]
+    d_bias = None if bias is None else cuda.to_device(np.asarray(bias))
+    kw = p.router_kwargs()
+    probs = cuda.device_array((tokens, e), np.uint16)
+    rmap = cuda.device_array((tokens, e), np.bool_)
+    saved = cuda.device_array((tokens, e), np.float32)
+    grad = cuda.device_array((tokens, e), np.uint16)
+
+    def fwd(x):
+        K.topk_with_score_function_fwd(x, expert_bias=d_bias, out=(probs, rmap, saved), **kw)
+
+    fwd(words[0])
+    cuda.synchronize()
+    _check(f"{name} kernel routing_map", rmap.copy_to_host(), np.asarray(want_m), 0, 0)
+    got = probs.copy_to_host().view(np.asarray(want_p).dtype)
+    _check(f"{name} kernel probs", got, np.asarray(want_p), 1e-2, 1e-2)
+    gp = [cuda.to_device(np.asarray(x).view(np.uint16)) for x in xs]  # any bf16 cotangents
+
+    def bwd(g):
+        K.topk_with_score_function_bwd(rmap, saved, g, k, kw["use_pre_softmax"], kw["scaling_factor"],
+                                       kw["score_function"], out=(grad,))
+
+    out = []
+
+    def add(op, phase, seconds, nbytes):
+        us = seconds * 1e6
+        floor_us = nbytes / (peak * 1e12) * 1e6
+        out.append(Row(name, op, "kernel", phase, tokens, e, k, round(us, 2), nbytes,
+                       round(nbytes / seconds / 1e9, 1), round(us / floor_us, 2)))
+
+    add("topk", "fwd", _kernel_times(fwd, [(w,) for w in words], repeats), _bytes("topk", "fwd", tokens, e, 2))
+    add("topk", "bwd", _kernel_times(bwd, [(g,) for g in gp], repeats), _bytes("topk", "bwd", tokens, e, 2))
+    if name == "deepseek-v3":
+        scores = cuda.device_array((tokens, e), np.float32)
+        sal_saved = cuda.device_array((tokens, e), np.float32)
+
+        def afwd(x):
+            K.score_for_aux_loss_fwd(x, k, "sigmoid", out=(scores, rmap, sal_saved))
+
+        g32 = [cuda.to_device(np.asarray(x, np.float32)) for x in xs]
+
+        def abwd(g):
+            K.score_for_aux_loss_bwd(sal_saved, g, "sigmoid", BF16, out=(grad,))
+
+        add("aux_scores", "fwd", _kernel_times(afwd, [(w,) for w in words], repeats),
+            _bytes("aux_scores", "fwd", tokens, e, 2))
+        add("aux_scores", "bwd", _kernel_times(abwd, [(g,) for g in g32], repeats),
+            _bytes("aux_scores", "bwd", tokens, e, 2))
+        probs32 = g32
+        tpe = cuda.to_device(np.arange(e, dtype=np.int32))
+        loss = cuda.device_array((), np.float32)
+        coeff = cuda.device_array((), np.float32)
+        gprobs = cuda.device_array((tokens, e), np.float32)
+        gl = cuda.to_device(np.ones((), np.float32))
+
+        def lfwd(pr):
+            K.moe_aux_loss_fwd(pr, tpe, k, 1e-4, out=(loss, coeff))
+
+        def lbwd():
+            K.moe_aux_loss_bwd(coeff, tpe, gl, tokens, out=(gprobs,))
+
+        add("aux_loss", "fwd", _kernel_times(lfwd, [(pr,) for pr in probs32], repeats),
+            _bytes("aux_loss", "fwd", tokens, e, 4))
+        add("aux_loss", "bwd", _kernel_times(lbwd, [()], repeats), _bytes("aux_loss", "bwd", tokens, e, 4))
+    return out
+
+
+def _table(rows: list[Row]) -> str:
+    head = (f"{'preset':<17}{'op':<11}{'path':<17}{'phase':<10}{'T':>7}{'E':>5}{'K':>4}"
+            f"{'us':>11}{'GB/s':>8}{'x floor':>10}{'jax/this':>10}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        xj = "" if r.x_jax is None else f"{r.x_jax:.2f}"
+        lines.append(f"{r.preset:<17}{r.op:<11}{r.path:<17}{r.phase:<10}{r.tokens:>7}{r.experts:>5}"
+                     f"{r.topk:>4}{r.us:>11.1f}{r.gbps:>8.0f}{r.x_floor:>10.2f}{xj:>10}")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[Row], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sel = [r for r in rows if r.phase in ("fwd", "fwd+bwd", "loop-step", "bwd")]
+    labels = [f"{r.preset}\n{r.op} {r.phase}\n{r.path}" for r in sel]
+    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(sel)), 6))
+    ax.bar(range(len(sel)), [r.us for r in sel])
+    ax.set_yscale("log")
+    ax.set_ylabel("microseconds (log)")
+    ax.set_xticks(range(len(sel)), labels, rotation=90, fontsize=6)
+    ax.set_title("gpurouter router timings")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpurouter bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default=",".join(DEFAULT_PRESETS))
+    parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--paths", default="auto",
+                        help="comma list of kernel, jax, numba:zero-copy, numba:callback (auto: all available)")
+    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--loop-steps", type=int, default=50)
+    parser.add_argument("--peak-tbs", type=float, default=4.0)
+    parser.add_argument("--json", help="write results as JSON here")
+    parser.add_argument("--plot", help="write a PNG bar chart here")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    from . import _backend, _callback
+
+    paths = args.paths.split(",")
+    if args.paths == "auto":
+        paths = ["jax"]
+        if _backend.numba_gpu_available():
+            paths = ["kernel", "jax"] + (["numba:zero-copy"] if _callback.zero_copy_available() else [])
+    info = _gpu_info()
+    print("  ".join(f"{k}={v}" for k, v in info.items()))
+    rows: list[Row] = []
+    presets = args.presets.split(",")
+    for name in progress(presets, len(presets), "bench", enabled=not args.no_progress):
+        rows.extend(bench_preset(name, args.tokens, paths, args.repeats, args.peak_tbs, args.loop_steps))
+    print(_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "args": vars(args), "rows": [dataclasses.asdict(r) for r in rows]},
+                      f, indent=1)
+    if args.plot:
+        _plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
