@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._checks import AuxLossConfig, check_aux_loss_args
 
@@ -11,14 +12,20 @@ from .._checks import AuxLossConfig, check_aux_loss_args
 def aux_loss_coeff(num_experts, coeff, topk, total_num_tokens) -> jax.Array:
     """``C = num_experts * coeff / (topk * T * T)`` in float32, divided in TE's order.
 
-    ``total_num_tokens`` may be a Python int or a traced scalar (a psum of
-    local counts under sharding); the float32 operations are the same.
+    With Python numbers the chain runs on the host in NumPy float32 (correctly
+    rounded, bit-identical to the kernels' host computation; XLA:GPU's fp32
+    division may differ by an ulp). ``total_num_tokens`` may also be a traced
+    scalar (a psum of local counts under sharding); then the same float32
+    operations run in the graph.
     """
-    f32 = jnp.float32
+    f32 = np.float32
     c = f32(num_experts) * f32(coeff)
     c = c / f32(topk)
-    t = jnp.asarray(total_num_tokens).astype(f32)
-    return (c / t) / t
+    if isinstance(total_num_tokens, (int, np.integer)):
+        t = f32(total_num_tokens)
+        return jnp.asarray((c / t) / t, jnp.float32)
+    t = jnp.asarray(total_num_tokens).astype(jnp.float32)
+    return (jnp.float32(c) / t) / t
 
 
 def _config(probs, tokens_per_expert, topk, coeff, total_num_tokens, num_experts, op):
