@@ -35,6 +35,7 @@ in JAX.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 
 import jax
@@ -43,6 +44,13 @@ import numpy as np
 from jax import lax
 
 Launcher = Callable[..., Sequence[np.ndarray]]
+
+# XLA runs the callbacks of different devices (shards) on different threads at
+# once. The CUDA simulator is not thread-safe (its thread indices live in
+# per-launch globals), and numba's per-thread context switching is not worth
+# racing on: launches are serialised here (the kernels themselves still run
+# asynchronously on the GPU).
+_LAUNCH_LOCK = threading.Lock()
 
 
 def _host(x) -> np.ndarray:
@@ -104,6 +112,21 @@ def _numba_view(buf):
     return cuda.from_cuda_array_interface(buf.__cuda_array_interface__, owner=buf, sync=False)
 
 
+def _device_of(buf):
+    """numba's context for the GPU that holds ``buf`` (XLA's ExecutionContext
+    names no device; on a multi-GPU host each shard's buffers live on its own
+    GPU, and numba must launch there)."""
+    from cuda.bindings import driver
+    from numba import cuda
+
+    ptr = buf.__cuda_array_interface__["data"][0]
+    err, ordinal = driver.cuPointerGetAttribute(
+        driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+    if err != driver.CUresult.CUDA_SUCCESS:  # not a device pointer we can place
+        ordinal = 0
+    return cuda.gpus[int(ordinal)]
+
+
 def _run_on_device(launcher, n_token: int, ins, outs, stream: int) -> None:
     """Launches on device views; folds or loops over vmap batch dims like ``_run_batched``."""
     token, call = ins[:n_token], ins[n_token:]
@@ -143,8 +166,9 @@ def _zero_copy_call(launcher, out_specs, token_args, call_args):
     n_token = len(token_args)
 
     def device_fn(ctx, outs, *bufs):
-        _run_on_device(launcher, n_token, [_numba_view(b) for b in bufs],
-                       [_numba_view(o) for o in outs], ctx.stream)
+        with _LAUNCH_LOCK, _device_of(bufs[0] if bufs else outs[0]):
+            _run_on_device(launcher, n_token, [_numba_view(b) for b in bufs],
+                           [_numba_view(o) for o in outs], ctx.stream)
 
     call = buffer_callback(
         device_fn,
@@ -188,6 +212,31 @@ def resolve_transport(op: str, transport: str) -> str:
     return transport
 
 
+def _varying(x) -> frozenset:
+    """The manual mesh axes ``x`` varies along (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    if hasattr(aval, "vma"):  # jax < 0.10 spelling
+        return frozenset(aval.vma)
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10+
+    return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def _match_varying_axes(outs, ins):
+    """Marks the outputs varying over every manual mesh axis an input varies over.
+
+    Inside ``shard_map`` JAX types each value with the manual axes it varies
+    along; a callback's outputs come out typed invariant, which would break
+    ``custom_vjp`` (cotangent types must match the primal inputs) and any
+    later collective. The outputs of a per-shard kernel vary as its inputs do.
+    """
+    vma = frozenset().union(*(_varying(a) for a in ins))
+    fixed = []
+    for o in outs:
+        missing = tuple(sorted(vma - _varying(o)))
+        fixed.append(lax.pcast(o, missing, to="varying") if missing else o)
+    return tuple(fixed)
+
+
 def kernel_call(
     launcher: Launcher,
     out_specs: Sequence[jax.ShapeDtypeStruct],
@@ -207,16 +256,15 @@ def kernel_call(
       call_args: the other array arguments (biases, counts, scalars).
       transport: ``"callback"`` or ``"zero-copy"`` (already resolved).
     """
+    args = (*token_args, *call_args)
     if transport == "zero-copy":
-        return _zero_copy_call(launcher, out_specs, token_args, call_args)
+        return _match_varying_axes(_zero_copy_call(launcher, out_specs, token_args, call_args), args)
     n_token = len(token_args)
 
     def host_fn(*args):
-        return _run_batched(launcher, out_specs, n_token, [_host(a) for a in args])
+        with _LAUNCH_LOCK:
+            return _run_batched(launcher, out_specs, n_token, [_host(a) for a in args])
 
     vmap_method = "expand_dims" if n_token else "sequential"
-    return tuple(
-        jax.pure_callback(
-            host_fn, tuple(out_specs), *token_args, *call_args, vmap_method=vmap_method
-        )
-    )
+    outs = jax.pure_callback(host_fn, tuple(out_specs), *args, vmap_method=vmap_method)
+    return _match_varying_axes(outs, args)

@@ -210,6 +210,13 @@ def check_topk_args(
     )
 
 
+def unbound_axis_error(op: str, axis_name) -> ValueError:
+    return ValueError(
+        f"{op}: axis_name ({axis_name!r}) is not bound here; pass it only inside "
+        "jax.shard_map (or vmap/pmap) over that mesh axis, or leave it None."
+    )
+
+
 @dataclass(frozen=True)
 class AuxLossConfig:
     """Validated, hashable static configuration of one aux-loss call."""

@@ -19,7 +19,15 @@ from __future__ import annotations
 import functools
 import os
 
-import jax
+# Eight host devices for the sharding tests (tests/test_sharding.py); must be
+# set before JAX initialises. It only affects the CPU platform: on a GPU host
+# the sharding tests use the GPUs (and skip with fewer than two).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import jax  # noqa: E402
 import pytest
 from hypothesis import HealthCheck, settings
 

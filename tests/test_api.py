@@ -41,7 +41,7 @@ def test_topk_signature_is_tes_plus_keyword_backend():
 def test_aux_loss_signature():
     params = _params(gr.fused_moe_aux_loss)
     assert [p[0] for p in params] == ["probs", "tokens_per_expert", "topk", "coeff",
-                                      "total_num_tokens", "num_experts", "backend", "transport"]
+                                      "total_num_tokens", "num_experts", "axis_name", "backend", "transport"]
     assert all(p[2] is inspect.Parameter.KEYWORD_ONLY for p in params[4:])
     assert _params(ref.fused_moe_aux_loss) == params[:-2]
 

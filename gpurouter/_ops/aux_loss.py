@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from .. import _backend, reference
 from .._callback import kernel_call, resolve_transport
+from .._sharding import per_row_shard_sum
 from .._checks import (
     AUX_LOSS_OP,
     AuxLossConfig,
@@ -26,6 +27,7 @@ def fused_moe_aux_loss(
     *,
     total_num_tokens: int | None = None,
     num_experts: int | None = None,
+    axis_name: str | tuple[str, ...] | None = None,
     backend: str = "auto",
     transport: str = "auto",
 ) -> jax.Array:
@@ -35,26 +37,38 @@ def fused_moe_aux_loss(
     (see its docstring for the formula), plus:
 
     Args:
+      axis_name: see the reference; inside ``shard_map`` over token shards.
       backend: ``"jax"``, ``"numba"`` or ``"auto"`` (CONTRACT section 5).
       transport: ``"zero-copy"``, ``"callback"`` or ``"auto"``, as for
         :func:`gpurouter.fused_topk_with_score_function`.
 
-    The numba forward is deterministic: bit-identical from run to run.
+    The numba forward is deterministic: bit-identical from run to run. Under
+    ``jit`` with token-sharded ``probs`` (explicit sharding) it runs per
+    shard and all-reduces the partial losses.
     """
+    tokens_per_expert, total_num_tokens = reference.global_counts(
+        AUX_LOSS_OP, probs, tokens_per_expert, total_num_tokens, axis_name)
     cfg = check_aux_loss_args(
         jnp.shape(probs), jnp.result_type(probs), jnp.shape(tokens_per_expert),
         jnp.result_type(tokens_per_expert), topk, coeff, total_num_tokens, num_experts,
     )
     check_transport(AUX_LOSS_OP, transport)  # validated whatever the backend
-    if _backend.resolve(AUX_LOSS_OP, backend) == "jax":
-        return reference.fused_moe_aux_loss(
-            probs, tokens_per_expert, topk, coeff,
-            total_num_tokens=total_num_tokens, num_experts=num_experts,
-        )
-    transport = resolve_transport(AUX_LOSS_OP, transport)
     probs = jnp.asarray(probs)
-    check_kernel_dtype(AUX_LOSS_OP, "probs", probs.dtype)
-    return _aux_loss(probs, jnp.asarray(tokens_per_expert), cfg, transport)
+    tokens_per_expert = jnp.asarray(tokens_per_expert)
+    if _backend.resolve(AUX_LOSS_OP, backend) == "jax":
+        def loss(p, t):
+            return reference.fused_moe_aux_loss(
+                p, t, topk, coeff, total_num_tokens=cfg.total_num_tokens,
+                num_experts=cfg.num_experts)
+    else:
+        transport = resolve_transport(AUX_LOSS_OP, transport)
+        check_kernel_dtype(AUX_LOSS_OP, "probs", probs.dtype)
+
+        def loss(p, t):
+            return _aux_loss(p, t, cfg, transport)
+
+    # Token-sharded probs: per-shard partial losses, all-reduced (_sharding.py).
+    return per_row_shard_sum(loss, probs, [tokens_per_expert])
 
 
 def _fwd_launch(cfg: AuxLossConfig, probs, tokens_per_expert, **kw):

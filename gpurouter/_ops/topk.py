@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from .. import _backend, reference
 from .._callback import kernel_call, resolve_transport
+from .._sharding import per_token_shard
 from .._checks import (
     TOPK_OP,
     ScoreFunction,
@@ -52,8 +53,6 @@ def fused_topk_with_score_function(
       NotImplementedError: valid input beyond a kernel's limits (numba only).
       ImportError: ``backend="numba"`` without numba-cuda installed.
     """
-    args = (logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
-            score_function, expert_bias, compute_aux_scores)
     cfg = check_topk_args(
         jnp.shape(logits), jnp.result_type(logits), topk, use_pre_softmax, num_groups,
         group_topk, scaling_factor, score_function,
@@ -62,30 +61,39 @@ def fused_topk_with_score_function(
         compute_aux_scores,
     )
     check_transport(TOPK_OP, transport)  # validated whatever the backend
-    if _backend.resolve(TOPK_OP, backend) == "jax":
-        return reference.fused_topk_with_score_function(*args)
-    transport = resolve_transport(TOPK_OP, transport)
+    backend = _backend.resolve(TOPK_OP, backend)
     logits = jnp.asarray(logits)
-    check_kernel_dtype(TOPK_OP, "logits", logits.dtype)
-    num_experts = logits.shape[-1]
-    _backend.kernels().check_limits(
-        TOPK_OP, num_experts, cfg.topk, cfg.num_groups if cfg.grouped else 1
-    )
-    shape = logits.shape
-    x = logits.reshape(-1, num_experts)
-    out_dtype = jnp.float32 if cfg.compute_aux_scores else logits.dtype
-    if x.shape[0] == 0:
-        return jnp.zeros(shape, out_dtype), jnp.zeros(shape, bool)
-    if cfg.compute_aux_scores:
-        probs, routing_map = _aux_scores(x, cfg, logits.dtype, transport)
+    shape, num_experts = logits.shape, logits.shape[-1]
+    use_bias = (expert_bias is not None and not cfg.compute_aux_scores
+                and cfg.score_function != ScoreFunction.SOFTMAX)
+    bias = jnp.asarray(expert_bias) if use_bias else None
+    if backend == "jax":
+        def route(x, *b):
+            return reference.fused_topk_with_score_function(
+                x, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
+                score_function, b[0] if b else None, compute_aux_scores)
     else:
-        bias = None
-        if expert_bias is not None and cfg.score_function != ScoreFunction.SOFTMAX:
+        transport = resolve_transport(TOPK_OP, transport)
+        check_kernel_dtype(TOPK_OP, "logits", logits.dtype)
+        _backend.kernels().check_limits(
+            TOPK_OP, num_experts, cfg.topk, cfg.num_groups if cfg.grouped else 1
+        )
+        if bias is not None:
             # The kernels read an fp32 bias; a half bias is upcast here (exactly).
-            bias = jnp.asarray(expert_bias)
             check_kernel_dtype(TOPK_OP, "expert_bias", bias.dtype)
             bias = bias.astype(jnp.float32)
-        probs, routing_map = _topk(x, bias, cfg, transport)
+
+        def route(x, *b):
+            if cfg.compute_aux_scores:
+                return _aux_scores(x, cfg, logits.dtype, transport)
+            return _topk(x, b[0] if b else None, cfg, transport)
+
+    x = logits.reshape(-1, num_experts)
+    if x.shape[0] == 0:
+        out_dtype = jnp.float32 if cfg.compute_aux_scores else logits.dtype
+        return jnp.zeros(shape, out_dtype), jnp.zeros(shape, bool)
+    # Token-sharded logits: each device routes its own tokens (_sharding.py).
+    probs, routing_map = per_token_shard(route, [x], [] if bias is None else [bias], 2)
     return probs.reshape(shape), routing_map.reshape(shape)
 
 

@@ -9,6 +9,7 @@ kernels mirror.
 from .._checks import ScoreFunction as ScoreFunction
 from .aux_loss import aux_loss_coeff as aux_loss_coeff
 from .aux_loss import fused_moe_aux_loss as fused_moe_aux_loss
+from .aux_loss import global_counts as global_counts
 from .aux_loss import moe_aux_loss_bwd as moe_aux_loss_bwd
 from .aux_loss import moe_aux_loss_fwd as moe_aux_loss_fwd
 from .topk import fused_topk_with_score_function as fused_topk_with_score_function
@@ -22,6 +23,7 @@ __all__ = [
     "aux_loss_coeff",
     "fused_moe_aux_loss",
     "fused_topk_with_score_function",
+    "global_counts",
     "moe_aux_loss_bwd",
     "moe_aux_loss_fwd",
     "score_for_aux_loss_bwd",

@@ -28,6 +28,25 @@ def aux_loss_coeff(num_experts, coeff, topk, total_num_tokens) -> jax.Array:
     return (jnp.float32(c) / t) / t
 
 
+def global_counts(op, probs, tokens_per_expert, total_num_tokens, axis_name):
+    """``(tokens_per_expert, total_num_tokens)`` at the global level.
+
+    With ``axis_name`` (inside ``shard_map``/``vmap``/``pmap`` over it) the
+    counts are all-reduced over that axis, and the token count defaults to
+    the local row count times the number of shards (static: every shard has
+    the same shape); each shard's loss is then its share of the global loss.
+    Without it they are returned as given.
+    """
+    if axis_name is None:
+        return tokens_per_expert, total_num_tokens
+    from .._sharding import axis_size
+
+    shards = axis_size(op, axis_name)
+    if total_num_tokens is None:
+        total_num_tokens = jnp.shape(probs)[0] * shards
+    return jax.lax.psum(jnp.asarray(tokens_per_expert), axis_name), total_num_tokens
+
+
 def _config(probs, tokens_per_expert, topk, coeff, total_num_tokens, num_experts, op):
     return check_aux_loss_args(
         jnp.shape(probs), jnp.result_type(probs), jnp.shape(tokens_per_expert),
@@ -50,6 +69,7 @@ def fused_moe_aux_loss(
     *,
     total_num_tokens: int | None = None,
     num_experts: int | None = None,
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
     """Switch load-balancing aux loss (pure-jnp reference).
 
@@ -67,9 +87,14 @@ def fused_moe_aux_loss(
       total_num_tokens: ``T`` in ``C``; defaults to ``probs.shape[0]``. Under
         token sharding pass the GLOBAL count together with global counts.
       num_experts: ``E``; defaults to ``probs.shape[1]``.
+      axis_name: a mesh axis name (or tuple) to use inside ``shard_map`` with
+        token-sharded ``probs``: ``tokens_per_expert`` is all-reduced over it
+        and ``total_num_tokens`` defaults to the global count, so that the
+        psum of the per-shard losses is the unsharded loss (docs/sharding.md).
 
     Returns:
-      A scalar in the dtype of ``probs``.
+      A scalar in the dtype of ``probs`` (with ``axis_name``: this shard's
+      share of the global loss).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -78,6 +103,8 @@ def fused_moe_aux_loss(
       >>> float(ref.fused_moe_aux_loss(probs, jnp.array([3, 1]), topk=1, coeff=1.0))
       1.0
     """
+    tokens_per_expert, total_num_tokens = global_counts(
+        "fused_moe_aux_loss", probs, tokens_per_expert, total_num_tokens, axis_name)
     cfg = _config(probs, tokens_per_expert, topk, coeff, total_num_tokens, num_experts,
                   "fused_moe_aux_loss")
     probs = jnp.asarray(probs)
