@@ -31,9 +31,9 @@ import ml_dtypes
 import numpy as np
 
 from ._progress import progress
+from .presets import PRESETS
 
 BF16 = np.dtype(ml_dtypes.bfloat16)  # ml_dtypes ships with jax
-from .presets import PRESETS
 
 DEFAULT_PRESETS = ("deepseek-v3", "deepseek-v4", "qwen3", "mixtral", "llama-4", "kimi-k2",
                    "nemotron-3-super")

@@ -31,7 +31,8 @@ def _numba_usable() -> bool:
 
 _NUMBA_MARKS = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not _numba_usable(), reason="backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1"),
+    pytest.mark.skipif(not _numba_usable(),
+                       reason="backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1"),
 ]
 # "numba" picks its transport automatically (zero-copy when JAX is on a GPU);
 # "numba:callback" forces pure_callback, which is then tested on the GPU too.

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 
 from .. import _backend, reference
 from .._callback import kernel_call, resolve_transport
-from .._sharding import per_row_shard_sum
 from .._checks import (
     AUX_LOSS_OP,
     AuxLossConfig,
@@ -17,6 +16,7 @@ from .._checks import (
     check_kernel_dtype,
     check_transport,
 )
+from .._sharding import per_row_shard_sum
 
 
 def fused_moe_aux_loss(

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 
 from .. import _backend, reference
 from .._callback import kernel_call, resolve_transport
-from .._sharding import per_token_shard
 from .._checks import (
     TOPK_OP,
     ScoreFunction,
@@ -18,6 +17,7 @@ from .._checks import (
     check_topk_args,
     check_transport,
 )
+from .._sharding import per_token_shard
 
 
 def fused_topk_with_score_function(
