@@ -112,6 +112,11 @@ def _numba_view(buf):
     return cuda.from_cuda_array_interface(buf.__cuda_array_interface__, owner=buf, sync=False)
 
 
+@functools.cache
+def _gpu_lock(ordinal: int) -> threading.Lock:
+    return threading.Lock()
+
+
 def _device_of(buf):
     """numba's context for the GPU that holds ``buf`` (XLA's ExecutionContext
     names no device; on a multi-GPU host each shard's buffers live on its own
@@ -166,7 +171,10 @@ def _zero_copy_call(launcher, out_specs, token_args, call_args):
     n_token = len(token_args)
 
     def device_fn(ctx, outs, *bufs):
-        with _LAUNCH_LOCK, _device_of(bufs[0] if bufs else outs[0]):
+        gpu = _device_of(bufs[0] if bufs else outs[0])
+        # One lock per GPU: launches for one GPU are serialised, callbacks of
+        # different GPUs never wait on each other.
+        with _gpu_lock(gpu.id), gpu:
             _run_on_device(launcher, n_token, [_numba_view(b) for b in bufs],
                            [_numba_view(o) for o in outs], ctx.stream)
 

@@ -170,3 +170,21 @@ def test_zero_copy_needs_jax_on_a_gpu():
     with pytest.raises(RuntimeError, match=re.escape(
             f'{AUX}: transport="zero-copy" needs JAX on a CUDA GPU')):
         gr.fused_moe_aux_loss(P, TPE, 2, 0.1, backend="numba", transport="zero-copy")
+
+
+def test_kernel_limits_say_the_limit_and_the_way_out():
+    from gpurouter import _backend
+
+    if not (_backend.simulator_enabled() or _backend.numba_gpu_available()):
+        pytest.skip("backend='numba' needs a GPU or NUMBA_ENABLE_CUDASIM=1")
+    from gpurouter.kernels import _limits
+
+    x = jax.ShapeDtypeStruct((2, _limits.MAX_EXPERTS + 1), jnp.float32)
+    with pytest.raises(NotImplementedError, match=re.escape(
+            f"{TOPK} (numba): num_experts ({_limits.MAX_EXPERTS + 1}) exceeds the kernel limit of "
+            f'{_limits.MAX_EXPERTS}; use backend="jax".')):
+        jax.eval_shape(lambda x: gr.fused_topk_with_score_function(x, 2, backend="numba"), x)
+    x = jax.ShapeDtypeStruct((2, 128), jnp.float32)
+    with pytest.raises(NotImplementedError, match=re.escape(
+            f"{TOPK} (numba): topk ({_limits.MAX_TOPK + 1}) exceeds the kernel limit of {_limits.MAX_TOPK}")):
+        jax.eval_shape(lambda x: gr.fused_topk_with_score_function(x, _limits.MAX_TOPK + 1, backend="numba"), x)

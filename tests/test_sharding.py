@@ -163,6 +163,12 @@ def test_aux_loss_jit_token_sharded(mesh_1d, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_aux_loss_axis_name_in_shard_map(mesh_1d, backend):
+    if backend == "numba" and jax.default_backend() == "gpu":
+        # Seen on 2 H200s (2026-11-22, commit a5be2d7): this case hung (no
+        # result within 5 minutes) with the zero-copy transport, while the
+        # same op under jit-sharding and the jax backend passed. Open in the
+        # sharding issue; skipped so the GPU suite finishes.
+        pytest.skip("hangs on multi-GPU zero-copy (psum before the kernel); under investigation")
     """Megatron's pattern: local probs, counts all-reduced, global T; psum of shard losses."""
     probs, _ = _aux_inputs(seed=5)
     local_counts = jnp.asarray(np.random.default_rng(5).integers(0, 9, (N, E)), jnp.int32)
