@@ -12,7 +12,6 @@ import types
 
 from ._checks import check_backend
 
-
 # "auto" picks the kernels only where they are expected to beat the jnp
 # reference: JAX on a CUDA GPU with the zero-copy transport and a working
 # numba-cuda. Measured on an H200 (docs/benchmarks.md, commit 1d86c62), the
