@@ -294,22 +294,37 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _plot(rows: list[Row], path: str) -> None:
+def _plot(rows: list[Row], path: str, title: str = "gpurouter router timings") -> None:
+    """Grouped bars per preset: one panel per phase, one bar per path (log scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sel = [r for r in rows if r.phase in ("fwd", "fwd+bwd", "loop-step", "bwd")]
-    labels = [f"{r.preset}\n{r.op} {r.phase}\n{r.path}" for r in sel]
-    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(sel)), 6))
-    ax.bar(range(len(sel)), [r.us for r in sel])
-    ax.set_yscale("log")
-    ax.set_ylabel("microseconds (log)")
-    ax.set_xticks(range(len(sel)), labels, rotation=90, fontsize=6)
-    ax.set_title("gpurouter router timings")
+    topk = [r for r in rows if r.op == "topk"]
+    presets = list(dict.fromkeys(r.preset for r in topk))
+    phases = [p for p in ("fwd", "bwd", "fwd+bwd", "loop-step") if any(r.phase == p for r in topk)]
+    paths = list(dict.fromkeys(r.path for r in topk))
+    fig, axes = plt.subplots(len(phases), 1, figsize=(max(8, 1.4 * len(presets)), 2.8 * len(phases)),
+                             squeeze=False)
+    width = 0.8 / max(len(paths), 1)
+    for ax, phase in zip(axes[:, 0], phases):
+        for j, pth in enumerate(paths):
+            xs, ys = [], []
+            for i, preset in enumerate(presets):
+                hit = [r.us for r in topk if r.preset == preset and r.phase == phase and r.path == pth]
+                if hit:
+                    xs.append(i + j * width)
+                    ys.append(hit[0])
+            if xs:
+                ax.bar(xs, ys, width, label=pth, color=f"C{j}")
+        ax.set_yscale("log")
+        ax.set_ylabel(f"{phase} (us, log)")
+        ax.set_xticks([i + width * (len(paths) - 1) / 2 for i in range(len(presets))], presets, fontsize=8)
+        ax.legend(fontsize=7)
+    axes[0, 0].set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str]) -> int:
@@ -325,7 +340,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", help="write results as JSON here")
     parser.add_argument("--plot", help="write a PNG bar chart here")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--from-json", help="re-print (and --plot) the results of an earlier --json run")
     args = parser.parse_args(argv)
+
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        rows = [Row(**r) for r in saved["rows"]]
+        print("  ".join(f"{k}={v}" for k, v in saved["info"].items()))
+        print(_table(rows))
+        if args.plot:
+            info = saved["info"]
+            _plot(rows, args.plot, f"gpurouter on {info.get('gpu')} ({info.get('date')}, commit {info.get('commit')})")
+        return 0
 
     from . import _backend, _callback
 
@@ -346,7 +373,7 @@ def main(argv: list[str]) -> int:
             json.dump({"info": info, "args": vars(args), "rows": [dataclasses.asdict(r) for r in rows]},
                       f, indent=1)
     if args.plot:
-        _plot(rows, args.plot)
+        _plot(rows, args.plot, f"gpurouter on {info.get('gpu')} ({info.get('date')}, commit {info.get('commit')})")
     return 0
 
 
