@@ -63,6 +63,16 @@ def numba_gpu_available() -> bool:
         return False
 
 
+def numba_usable() -> bool:
+    """True when ``backend="numba"`` can run here: numba-cuda imports and sees a
+    GPU, or runs on the simulator."""
+    try:
+        kernels()
+    except ImportError:
+        return False
+    return simulator_enabled() or numba_gpu_available()
+
+
 def resolve(op: str, backend: str) -> str:
     """Returns ``"jax"`` or ``"numba"`` for the requested ``backend``.
 

@@ -308,7 +308,7 @@ def _plot(rows: list[Row], path: str, title: str = "gpurouter router timings") -
     fig, axes = plt.subplots(len(phases), 1, figsize=(max(8, 1.4 * len(presets)), 2.8 * len(phases)),
                              squeeze=False)
     width = 0.8 / max(len(paths), 1)
-    for ax, phase in zip(axes[:, 0], phases):
+    for ax, phase in zip(axes[:, 0], phases, strict=True):
         for j, pth in enumerate(paths):
             xs, ys = [], []
             for i, preset in enumerate(presets):

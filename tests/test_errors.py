@@ -137,8 +137,8 @@ def test_aux_loss_errors(fn, args, kwargs, exc, msg):
 def test_float64_rejected_by_the_kernel_backend():
     from gpurouter import _backend
 
-    if not (_backend.simulator_enabled() or _backend.numba_gpu_available()):
-        pytest.skip("backend='numba' needs a GPU or NUMBA_ENABLE_CUDASIM=1")
+    if not _backend.numba_usable():
+        pytest.skip("backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1")
     with jax.enable_x64(True):
         x = jnp.zeros((4, 8), jnp.float64)
         with pytest.raises(TypeError, match=re.escape(
@@ -165,8 +165,8 @@ def test_zero_copy_needs_jax_on_a_gpu():
 
     if jax.default_backend() == "gpu":
         pytest.skip("JAX runs on a GPU here: zero-copy is available")
-    if not (_backend.simulator_enabled() or _backend.numba_gpu_available()):
-        pytest.skip("backend='numba' needs a GPU or NUMBA_ENABLE_CUDASIM=1")
+    if not _backend.numba_usable():
+        pytest.skip("backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1")
     with pytest.raises(RuntimeError, match=re.escape(
             f'{AUX}: transport="zero-copy" needs JAX on a CUDA GPU')):
         gr.fused_moe_aux_loss(P, TPE, 2, 0.1, backend="numba", transport="zero-copy")
@@ -175,8 +175,8 @@ def test_zero_copy_needs_jax_on_a_gpu():
 def test_kernel_limits_say_the_limit_and_the_way_out():
     from gpurouter import _backend
 
-    if not (_backend.simulator_enabled() or _backend.numba_gpu_available()):
-        pytest.skip("backend='numba' needs a GPU or NUMBA_ENABLE_CUDASIM=1")
+    if not _backend.numba_usable():
+        pytest.skip("backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1")
     from gpurouter.kernels import _limits
 
     x = jax.ShapeDtypeStruct((2, _limits.MAX_EXPERTS + 1), jnp.float32)

@@ -20,18 +20,9 @@ import gpurouter as gr
 from gpurouter import _backend
 from gpurouter import reference as ref
 
-
-def _numba_usable() -> bool:
-    try:
-        _backend.kernels()
-    except ImportError:
-        return False
-    return _backend.simulator_enabled() or _backend.numba_gpu_available()
-
-
 _NUMBA_MARKS = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not _numba_usable(),
+    pytest.mark.skipif(not _backend.numba_usable(),
                        reason="backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1"),
 ]
 # "numba" picks its transport automatically (zero-copy when JAX is on a GPU);
@@ -226,7 +217,8 @@ def test_aux_loss_is_bit_identical_run_to_run(backend):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not _numba_usable(), reason="backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1")
+@pytest.mark.skipif(not _backend.numba_usable(),
+                    reason="backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1")
 @settings(max_examples=6)
 @given(data=st.data())
 def test_kernel_vjp_matches_reference_vjp(data):

@@ -23,21 +23,12 @@ import gpurouter as gr
 from gpurouter import _backend
 from gpurouter import reference as ref
 
-
-def _numba_usable() -> bool:
-    try:
-        _backend.kernels()
-    except ImportError:
-        return False
-    return _backend.simulator_enabled() or _backend.numba_gpu_available()
-
-
 N = jax.device_count()
 pytestmark = pytest.mark.skipif(N < 2, reason=f"needs >= 2 devices of the default backend, have {N}")
 BACKENDS = [
     "jax",
     pytest.param("numba", marks=[pytest.mark.cuda, pytest.mark.skipif(
-        not _numba_usable(), reason="backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1")]),
+        not _backend.numba_usable(), reason="backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1")]),
 ]
 E = 16
 KW = dict(topk=4, score_function="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.5)
