@@ -21,12 +21,6 @@ from ._checks import check_backend
 KERNELS_BEAT_REFERENCE = False
 
 
-def _zero_copy_ready() -> bool:
-    from ._callback import zero_copy_available
-
-    return zero_copy_available()
-
-
 def _numba_import_error() -> ImportError:
     return ImportError(
         "backend=\"numba\" needs numba-cuda: pip install 'gpurouter[cuda13]' "
@@ -82,7 +76,9 @@ def resolve(op: str, backend: str) -> str:
     """
     check_backend(op, backend)
     if backend == "auto":
-        if KERNELS_BEAT_REFERENCE and _zero_copy_ready():
+        from ._callback import zero_copy_available
+
+        if KERNELS_BEAT_REFERENCE and zero_copy_available():
             return "numba"
         return "jax"
     if backend == "numba":

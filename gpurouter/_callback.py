@@ -58,34 +58,53 @@ def _host(x) -> np.ndarray:
     return np.array(x, copy=True, order="C")
 
 
+def _launches(ins: Sequence, n_token: int):
+    """The launches that cover one callback whose arrays may carry vmap batch dims.
+
+    Returns ``(batch, launches)``: ``batch`` is the leading batch shape (``()``
+    when unbatched) and ``launches`` yields ``(args, view)`` pairs: the
+    launcher's inputs, and a function that maps a whole output array
+    (``batch + unbatched shape``) to the part this launch fills. Works on
+    NumPy arrays and on numba device arrays alike (reshape and indexing give
+    views on both). One launch when unbatched or when the batch folds into
+    the token axis (every per-token array carries the whole batch and no
+    per-call array is batched); else one launch per batch element.
+    """
+    token, call = ins[:n_token], ins[n_token:]
+    # Batch dims = leading dims before [T, E] of the first per-token array
+    # (expand_dims gives every argument the same number of them). Ops with no
+    # per-token arrays use vmap_method="sequential" and never see batch dims.
+    nb = len(token[0].shape) - 2 if token else 0
+    batch = _batch_shape(ins, nb)
+
+    def generate():
+        if nb == 0:
+            yield list(ins), lambda o: o
+        elif _foldable(token, call, batch, nb):
+            rows = int(np.prod(batch)) * token[0].shape[nb]
+            yield ([a.reshape((rows,) + tuple(a.shape[nb + 1 :])) for a in token]
+                   + [a.reshape(tuple(a.shape[nb:])) for a in call],
+                   lambda o: o.reshape((rows,) + tuple(o.shape[nb + 1 :])))
+        else:
+            for idx in np.ndindex(*batch):
+                args = [a[tuple(i if a.shape[d] > 1 else 0 for d, i in enumerate(idx))] for a in ins]
+                yield args, lambda o, idx=idx: o[idx]
+
+    return batch, generate()
+
+
 def _run_batched(
     launcher: Launcher,
     out_specs: Sequence[jax.ShapeDtypeStruct],
     n_token: int,
     args: Sequence[np.ndarray],
 ) -> tuple[np.ndarray, ...]:
-    """Runs ``launcher`` on arrays that may carry leading vmap batch dims."""
-    token, call = args[:n_token], args[n_token:]
-    # Batch dims = leading dims before [T, E] of the first per-token array
-    # (expand_dims gives every argument the same number of them). Ops with no
-    # per-token arrays use vmap_method="sequential" and never see batch dims.
-    nb = len(token[0].shape) - 2 if token else 0
-    batch = _batch_shape(args, nb)
-    if nb == 0:
-        return tuple(np.asarray(o, dtype=s.dtype) for o, s in zip(launcher(*args), out_specs, strict=True))
-    if _foldable(token, call, batch, nb):
-        rows = int(np.prod(batch)) * token[0].shape[nb]
-        flat = [np.ascontiguousarray(a.reshape((rows,) + a.shape[nb + 1 :])) for a in token]
-        outs = launcher(*flat, *(a.reshape(a.shape[nb:]) for a in call))
-        return tuple(
-            np.asarray(o, dtype=s.dtype).reshape(batch + tuple(s.shape))
-            for o, s in zip(outs, out_specs, strict=True)
-        )
+    """Runs ``launcher`` on host arrays that may carry leading vmap batch dims."""
+    batch, launches = _launches(args, n_token)
     results = [np.empty(batch + tuple(s.shape), s.dtype) for s in out_specs]
-    for idx in np.ndindex(*batch):
-        sliced = [np.ascontiguousarray(np.broadcast_to(a, batch + a.shape[nb:])[idx]) for a in args]
-        for r, o in zip(results, launcher(*sliced), strict=True):
-            r[idx] = o
+    for inputs, view in launches:
+        for r, o in zip(results, launcher(*(np.ascontiguousarray(a) for a in inputs)), strict=True):
+            view(r)[...] = np.asarray(o, r.dtype)
     return tuple(results)
 
 
@@ -133,26 +152,10 @@ def _device_of(buf):
 
 
 def _run_on_device(launcher, n_token: int, ins, outs, stream: int) -> None:
-    """Launches on device views; folds or loops over vmap batch dims like ``_run_batched``."""
-    token, call = ins[:n_token], ins[n_token:]
-    nb = len(token[0].shape) - 2 if token else 0
-    if nb == 0:
-        launcher(*ins, out=tuple(outs), stream=stream)
-        return
-    batch = _batch_shape(list(ins) + list(outs), nb)
-    if _foldable(token, call, batch, nb):
-        rows = int(np.prod(batch)) * token[0].shape[nb]
-        launcher(
-            *(a.reshape((rows,) + tuple(a.shape[nb + 1 :])) for a in token),
-            *(a.reshape(tuple(a.shape[nb:])) for a in call),
-            out=tuple(o.reshape((rows,) + tuple(o.shape[nb + 1 :])) for o in outs),
-            stream=stream,
-        )
-        return
-    for idx in np.ndindex(*batch):
-        pick = [tuple(i if a.shape[d] > 1 else 0 for d, i in enumerate(idx)) for a in ins]
-        launcher(*(a[p] for a, p in zip(ins, pick, strict=True)),
-                 out=tuple(o[idx] for o in outs), stream=stream)
+    """Launches on device views of XLA's buffers, batch dims handled by ``_launches``."""
+    _, launches = _launches(ins, n_token)
+    for inputs, view in launches:
+        launcher(*inputs, out=tuple(view(o) for o in outs), stream=stream)
 
 
 def _to_words(x: jax.Array) -> jax.Array:
@@ -206,10 +209,7 @@ def zero_copy_available() -> bool:
 
 def resolve_transport(op: str, transport: str) -> str:
     """``"auto"`` -> ``"zero-copy"`` where available, else ``"callback"``."""
-    from ._checks import check_transport
-
-    check_transport(op, transport)
-    if transport == "auto":
+    if transport == "auto":  # (the value was checked by _checks.check_transport)
         return "zero-copy" if zero_copy_available() else "callback"
     if transport == "zero-copy" and not zero_copy_available():
         raise RuntimeError(

@@ -55,19 +55,17 @@ def _dtype_name(dtype) -> str:
 
 def _as_int(op: str, name: str, value) -> int:
     if isinstance(value, bool):
-        raise TypeError(f"{op}: {name} must be an int, got bool {value!r}.")
+        raise TypeError(f"{op}: {name} ({value!r}) must be an int, got bool.")
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(
-            f"{op}: {name} must be an int, got {type(value).__name__} {value!r}."
-        ) from None
+        raise TypeError(f"{op}: {name} ({value!r}) must be an int, got {type(value).__name__}.") from None
 
 
 def _as_float(op: str, name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(
-            f"{op}: {name} must be a Python int or float, got {type(value).__name__} {value!r}."
+            f"{op}: {name} ({value!r}) must be a Python int or float, got {type(value).__name__}."
         )
     return float(value)
 
@@ -89,7 +87,10 @@ def check_float_dtype(op: str, name: str, dtype) -> None:
     """``name`` must be float32, bfloat16 or float16 (float64 too for the jax backend)."""
     got = _dtype_name(dtype)
     if got not in _FLOAT_NAMES and got != "float64":
-        raise TypeError(f"{op}: {name} must be float32, bfloat16 or float16, got {got}.")
+        raise TypeError(
+            f"{op}: {name} must be float32, bfloat16 or float16 (or float64 with "
+            f"backend=\"jax\"), got {got}."
+        )
 
 
 def check_backend(op: str, backend: str) -> str:
@@ -111,8 +112,8 @@ def check_kernel_dtype(op: str, name: str, dtype) -> None:
     got = _dtype_name(dtype)
     if got == "float64":
         raise TypeError(
-            f"{op}: {name} is float64, which the numba kernels do not take "
-            "(they compute in float32); cast to float32 or use backend=\"jax\"."
+            f"{op}: {name} dtype (float64) must be float32, bfloat16 or float16 with "
+            "backend=\"numba\" (the kernels compute in float32); cast, or use backend=\"jax\"."
         )
 
 
@@ -150,7 +151,7 @@ def check_topk_args(
 ) -> TopkConfig:
     """Checks the arguments of ``fused_topk_with_score_function``; returns the config."""
     if len(logits_shape) == 0:
-        raise ValueError(f"{op}: logits must have rank >= 1 ([..., num_experts]), got rank 0.")
+        raise ValueError(f"{op}: logits rank (0) must be >= 1 (logits are [..., num_experts]).")
     check_float_dtype(op, "logits", logits_dtype)
     num_experts = logits_shape[-1]
     if num_experts == 0:
@@ -187,11 +188,11 @@ def check_topk_args(
                 f"{op}: topk / group_topk ({topk // group_topk}) must be <= "
                 f"num_experts / num_groups ({num_experts // num_groups})."
             )
-    if expert_bias_shape is not None and not compute_aux_scores:
+    if expert_bias_shape is not None:
         if sf == ScoreFunction.SOFTMAX:
             raise ValueError(
-                f"{op}: expert_bias must be None with score_function 'softmax' "
-                "(the bias is for sigmoid and sqrtsoftplus only)."
+                f"{op}: expert_bias (shape {tuple(expert_bias_shape)}) must be None with "
+                "score_function ('softmax'); the bias is for sigmoid and sqrtsoftplus only."
             )
         if tuple(expert_bias_shape) != (num_experts,):
             raise ValueError(
@@ -212,8 +213,8 @@ def check_topk_args(
 
 def unbound_axis_error(op: str, axis_name) -> ValueError:
     return ValueError(
-        f"{op}: axis_name ({axis_name!r}) is not bound here; pass it only inside "
-        "jax.shard_map (or vmap/pmap) over that mesh axis, or leave it None."
+        f"{op}: axis_name ({axis_name!r}) must be a mesh axis bound here (inside "
+        "jax.shard_map, vmap or pmap over it), or None."
     )
 
 
@@ -241,7 +242,7 @@ def check_aux_loss_args(
     """Checks the arguments of ``fused_moe_aux_loss``; returns the config."""
     if len(probs_shape) != 2:
         raise ValueError(
-            f"{op}: probs must have rank 2 ([num_tokens, num_cols]), got shape {tuple(probs_shape)}."
+            f"{op}: probs shape {tuple(probs_shape)} must have rank 2 ([num_tokens, num_cols])."
         )
     check_float_dtype(op, "probs", probs_dtype)
     rows, cols = probs_shape
@@ -271,12 +272,9 @@ def check_aux_loss_args(
             f"num_experts ({num_experts})."
         )
     if total_num_tokens is None:
-        total_num_tokens = rows
-        if rows == 0:
-            raise ValueError(
-                f"{op}: total_num_tokens defaults to probs.shape[0] = 0 and must be > 0; "
-                "pass the global token count."
-            )
+        # No tokens and no count: the loss is an empty sum, 0. T = 1 keeps C
+        # finite (C * 0 = 0, and the gradient is [0, C]) instead of 0/0.
+        total_num_tokens = max(rows, 1)
     total_num_tokens = _as_int(op, "total_num_tokens", total_num_tokens)
     if total_num_tokens <= 0:
         raise ValueError(f"{op}: total_num_tokens ({total_num_tokens}) must be > 0.")

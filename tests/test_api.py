@@ -83,3 +83,14 @@ def test_auto_is_jax_without_a_gpu():
     from gpurouter import _backend
 
     assert _backend.resolve("op", "auto") == "jax"
+
+
+def test_bindings_reach_kernels_only_through_the_callback_helper():
+    """HOUSE_STYLE: ops never call pure_callback/buffer_callback or move arrays themselves."""
+    import pathlib
+    import re
+
+    ops = pathlib.Path(gr.__file__).parent / "_ops"
+    for path in ops.glob("*.py"):
+        src = path.read_text()
+        assert not re.search(r"\b(pure_callback|buffer_callback|to_device|copy_to_host)\(", src), path.name

@@ -26,8 +26,8 @@ TOPK_CASES = [
     # (args, kwargs, exception, message)
     ((X8, 0), {}, ValueError, f"{TOPK}: topk (0) must be >= 1."),
     ((X8, 9), {}, ValueError, f"{TOPK}: topk (9) must be <= num_experts (8)."),
-    ((X8, 2.0), {}, TypeError, f"{TOPK}: topk must be an int, got float 2.0."),
-    ((X8, True), {}, TypeError, f"{TOPK}: topk must be an int, got bool True."),
+    ((X8, 2.0), {}, TypeError, f"{TOPK}: topk (2.0) must be an int, got float."),
+    ((X8, True), {}, TypeError, f"{TOPK}: topk (True) must be an int, got bool."),
     ((X8, 2), dict(num_groups=3, group_topk=1), ValueError,
      f"{TOPK}: num_experts (8) must be divisible by num_groups (3)."),
     ((X8, 2), dict(num_groups=-1, group_topk=1), ValueError,
@@ -39,25 +39,26 @@ TOPK_CASES = [
     ((X8, 6), dict(num_groups=4, group_topk=2), ValueError,
      f"{TOPK}: topk / group_topk (3) must be <= num_experts / num_groups (2)."),
     ((X8, 2), dict(expert_bias=B8), ValueError,
-     f"{TOPK}: expert_bias must be None with score_function 'softmax'"),
+     f"{TOPK}: expert_bias (shape (8,)) must be None with score_function ('softmax'); "
+     "the bias is for sigmoid and sqrtsoftplus only."),
     ((X8, 2), dict(score_function="sigmoid", expert_bias=jnp.zeros((7,))), ValueError,
      f"{TOPK}: expert_bias shape (7,) must be (num_experts,) = (8,)."),
     ((X8, 2), dict(score_function="sigmoid", expert_bias=jnp.zeros((1, 8))), ValueError,
      f"{TOPK}: expert_bias shape (1, 8) must be (num_experts,) = (8,)."),
     ((X8, 2), dict(score_function="sigmoid", expert_bias=jnp.zeros((8,), jnp.int32)), TypeError,
-     f"{TOPK}: expert_bias must be float32, bfloat16 or float16, got int32."),
+     f"{TOPK}: expert_bias must be float32, bfloat16 or float16 (or float64 with backend=\"jax\"), got int32."),
     ((jnp.float32(1.0), 1), {}, ValueError,
-     f"{TOPK}: logits must have rank >= 1 ([..., num_experts]), got rank 0."),
+     f"{TOPK}: logits rank (0) must be >= 1 (logits are [..., num_experts])."),
     ((jnp.zeros((4, 0)), 1), {}, ValueError,
      f"{TOPK}: num_experts (logits.shape[-1] = 0) must be >= 1."),
     ((jnp.zeros((4, 8), jnp.int32), 2), {}, TypeError,
-     f"{TOPK}: logits must be float32, bfloat16 or float16, got int32."),
+     f"{TOPK}: logits must be float32, bfloat16 or float16 (or float64 with backend=\"jax\"), got int32."),
     ((X8, 2), dict(score_function="relu"), ValueError,
      f"{TOPK}: score_function ('relu') must be one of 'softmax', 'sigmoid', 'sqrtsoftplus'"),
     ((X8, 2), dict(score_function=7), ValueError,
      f"{TOPK}: score_function (7) must be one of"),
     ((X8, 2), dict(scaling_factor="2"), TypeError,
-     f"{TOPK}: scaling_factor must be a Python int or float, got str '2'."),
+     f"{TOPK}: scaling_factor ('2') must be a Python int or float, got str."),
 ]
 
 
@@ -91,11 +92,21 @@ def test_group_checks_ignored_when_grouping_is_off():
 
 
 def test_aux_scores_ignore_bias_and_groups():
-    # compute_aux_scores=True ignores bias, groups and scaling (TE's JAX wrapper).
+    # compute_aux_scores=True ignores the bias, groups and scaling (TE's JAX
+    # wrapper); the group config is then not checked, the bias still is.
     scores, _ = gr.fused_topk_with_score_function(
         X8, 2, num_groups=3, group_topk=2, score_function="sigmoid",
-        expert_bias=jnp.zeros((5,)), compute_aux_scores=True)
+        expert_bias=B8 + 5.0, compute_aux_scores=True)
+    want, _ = gr.fused_topk_with_score_function(X8, 2, score_function="sigmoid", compute_aux_scores=True)
     assert scores.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(scores), np.asarray(want))
+
+
+def test_aux_loss_of_no_tokens_is_zero():
+    loss = gr.fused_moe_aux_loss(jnp.zeros((0, 8)), TPE, 2, 0.1)
+    assert loss.shape == () and float(loss) == 0.0
+    grad = jax.grad(lambda p: gr.fused_moe_aux_loss(p, TPE, 2, 0.1))(jnp.zeros((0, 8)))
+    assert grad.shape == (0, 8)
 
 
 P = jnp.zeros((4, 8), jnp.float32)
@@ -103,9 +114,9 @@ TPE = jnp.zeros((8,), jnp.int32)
 
 AUX_CASES = [
     ((jnp.zeros((4, 2, 8)), TPE, 2, 0.1), {}, ValueError,
-     f"{AUX}: probs must have rank 2 ([num_tokens, num_cols]), got shape (4, 2, 8)."),
+     f"{AUX}: probs shape (4, 2, 8) must have rank 2 ([num_tokens, num_cols])."),
     ((jnp.zeros((4, 8), jnp.int32), TPE, 2, 0.1), {}, TypeError,
-     f"{AUX}: probs must be float32, bfloat16 or float16, got int32."),
+     f"{AUX}: probs must be float32, bfloat16 or float16 (or float64 with backend=\"jax\"), got int32."),
     ((P, jnp.zeros((7,), jnp.int32), 2, 0.1), {}, ValueError,
      f"{AUX}: tokens_per_expert shape (7,) must be (num_cols,) = (8,)."),
     ((P, jnp.zeros((8,), jnp.float16), 2, 0.1), {}, TypeError,
@@ -118,11 +129,9 @@ AUX_CASES = [
      f"{AUX}: total_num_tokens (0) must be > 0."),
     ((P, TPE, 2, 0.1), dict(total_num_tokens=-5), ValueError,
      f"{AUX}: total_num_tokens (-5) must be > 0."),
-    ((jnp.zeros((0, 8)), TPE, 2, 0.1), {}, ValueError,
-     f"{AUX}: total_num_tokens defaults to probs.shape[0] = 0 and must be > 0"),
     ((jnp.zeros((4, 0)), jnp.zeros((0,), jnp.int32), 2, 0.1), {}, ValueError,
      f"{AUX}: num_cols (probs.shape[1] = 0) must be >= 1."),
-    ((P, TPE, 2, "0.1"), {}, TypeError, f"{AUX}: coeff must be a Python int or float, got str '0.1'."),
+    ((P, TPE, 2, "0.1"), {}, TypeError, f"{AUX}: coeff ('0.1') must be a Python int or float, got str."),
 ]
 
 
@@ -142,10 +151,10 @@ def test_float64_rejected_by_the_kernel_backend():
     with jax.enable_x64(True):
         x = jnp.zeros((4, 8), jnp.float64)
         with pytest.raises(TypeError, match=re.escape(
-                f"{TOPK}: logits is float64, which the numba kernels do not take")):
+                f"{TOPK}: logits dtype (float64) must be float32, bfloat16 or float16 with backend=\"numba\"")):
             gr.fused_topk_with_score_function(x, 2, backend="numba")
         with pytest.raises(TypeError, match=re.escape(
-                f"{AUX}: probs is float64, which the numba kernels do not take")):
+                f"{AUX}: probs dtype (float64) must be float32, bfloat16 or float16 with backend=\"numba\"")):
             gr.fused_moe_aux_loss(x, TPE, 2, 0.1, backend="numba")
         # The jax backend takes float64 (used by check_grads in the tests).
         probs, _ = gr.fused_topk_with_score_function(x, 2, backend="jax")

@@ -184,6 +184,6 @@ def test_aux_loss_axis_name_in_shard_map(mesh_1d, backend):
 def test_axis_name_outside_a_mapped_context():
     probs, tpe = _aux_inputs()
     with pytest.raises(ValueError, match=re.escape(
-            "fused_moe_aux_loss: axis_name ('data') is not bound here; pass it only inside "
-            "jax.shard_map (or vmap/pmap) over that mesh axis, or leave it None.")):
+            "fused_moe_aux_loss: axis_name ('data') must be a mesh axis bound here (inside "
+            "jax.shard_map, vmap or pmap over it), or None.")):
         gr.fused_moe_aux_loss(probs, tpe, 4, 0.01, axis_name="data")

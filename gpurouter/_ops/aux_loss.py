@@ -43,8 +43,16 @@ def fused_moe_aux_loss(
         :func:`gpurouter.fused_topk_with_score_function`.
 
     The numba forward is deterministic: bit-identical from run to run. Under
-    ``jit`` with token-sharded ``probs`` (explicit sharding) it runs per
-    shard and all-reduces the partial losses.
+    ``jit`` with token-sharded ``probs`` (explicit sharding) every backend
+    runs per shard and all-reduces the partial losses. ``total_num_tokens``
+    must be a static Python int (under ``axis_name`` it defaults to the
+    static global count).
+
+    Raises:
+      ValueError, TypeError: bad shapes, config or dtypes (at trace time), or
+        an ``axis_name`` not bound by an enclosing ``shard_map``/``vmap``.
+      ImportError, RuntimeError: as for
+        :func:`gpurouter.fused_topk_with_score_function`.
     """
     tokens_per_expert, total_num_tokens = reference.global_counts(
         AUX_LOSS_OP, probs, tokens_per_expert, total_num_tokens, axis_name)

@@ -52,6 +52,8 @@ def fused_topk_with_score_function(
       ValueError, TypeError: bad shapes, config or dtypes (at trace time).
       NotImplementedError: valid input beyond a kernel's limits (numba only).
       ImportError: ``backend="numba"`` without numba-cuda installed.
+      RuntimeError: ``backend="numba"`` with neither a GPU nor the simulator;
+        ``transport="zero-copy"`` without JAX on a CUDA GPU.
     """
     cfg = check_topk_args(
         jnp.shape(logits), jnp.result_type(logits), topk, use_pre_softmax, num_groups,
@@ -129,7 +131,7 @@ def _topk_fwd(x, bias, cfg: TopkConfig, transport: str):
         functools.partial(_topk_launch, cfg), _specs(x, x.dtype), [x],
         [] if bias is None else [bias], transport,
     )
-    return (probs, routing_map), (routing_map, saved, bias)
+    return (probs, routing_map), (routing_map, saved)
 
 
 def _topk_bwd_launch(cfg: TopkConfig, routing_map, saved, grad_probs, **kw):
@@ -141,14 +143,14 @@ def _topk_bwd_launch(cfg: TopkConfig, routing_map, saved, grad_probs, **kw):
 
 
 def _topk_bwd(cfg: TopkConfig, transport: str, res, cts):
-    routing_map, saved, bias = res
+    routing_map, saved = res
     grad_probs = cts[0]
     (grad_logits,) = kernel_call(
         functools.partial(_topk_bwd_launch, cfg),
         [jax.ShapeDtypeStruct(grad_probs.shape, grad_probs.dtype)],
         [routing_map, saved, grad_probs], (), transport,
     )
-    return grad_logits, None if bias is None else jnp.zeros_like(bias)
+    return grad_logits, None  # the bias only selects: no gradient (None = zero)
 
 
 _topk.defvjp(_topk_fwd, _topk_bwd)

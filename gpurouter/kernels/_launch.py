@@ -55,24 +55,17 @@ MAX_TILE_TOKENS = 32
 # Scalars and config
 # ----------------------------------------------------------------------------
 
-SIGMOID, SOFTMAX, SQRTSOFTPLUS = 0, 1, 2
-_SCORE_NAMES = {"sigmoid": SIGMOID, "softmax": SOFTMAX, "sqrtsoftplus": SQRTSOFTPLUS}
+SIGMOID, SOFTMAX, SQRTSOFTPLUS = 0, 1, 2  # TE's codes (gpurouter.ScoreFunction)
 
 
 def score_function_code(score_function, op: str) -> int:
-    """``"softmax"``/``"sigmoid"``/``"sqrtsoftplus"`` (any case), 0/1/2 or an IntEnum -> code."""
-    if isinstance(score_function, str):
-        code = _SCORE_NAMES.get(score_function.lower())
-    elif isinstance(score_function, (int, np.integer)) and not isinstance(score_function, bool):
-        code = int(score_function) if int(score_function) in (0, 1, 2) else None
-    else:
-        code = None
-    if code is None:
-        raise ValueError(
-            f"{op}: score_function ({score_function!r}) must be one of 'softmax', 'sigmoid', "
-            "'sqrtsoftplus' or 0, 1, 2."
-        )
-    return code
+    """``"softmax"``/``"sigmoid"``/``"sqrtsoftplus"``, 0/1/2 or a ScoreFunction -> code.
+
+    The parsing and its error text are gpurouter._checks' (NumPy-only, no jax).
+    """
+    from .._checks import score_function_of
+
+    return int(score_function_of(op, score_function))
 
 
 def is_device_array(x) -> bool:

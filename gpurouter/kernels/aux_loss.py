@@ -21,6 +21,7 @@ import functools
 import numpy as np
 from numba import cuda
 
+from .._host import aux_loss_coeff
 from . import _launch as L
 from .topk import _ZERO, loader1, nb_f32, storer, storer1
 
@@ -119,13 +120,6 @@ def _aux_loss_bwd_kernel(tpe_kind: str, out_kind: str):
             store(grad_probs, r, c, np.float32(np.float32(c0 * load_tpe(tokens_per_expert, c)) * g))
 
     return kernel
-
-
-def aux_loss_coeff(num_experts, coeff, topk, total_num_tokens) -> np.float32:
-    """``f32(E) * f32(coeff) / f32(topk) / f32(T) / f32(T)``, in fp32, in that order."""
-    f = np.float32
-    t = f(total_num_tokens)
-    return f(f(f(f(f(num_experts) * f(coeff)) / f(topk)) / t) / t)
 
 
 def moe_aux_loss_fwd(probs, tokens_per_expert, topk, coeff, total_num_tokens=None,

@@ -7,23 +7,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._checks import AuxLossConfig, check_aux_loss_args
+from .._host import aux_loss_coeff as host_coeff
 
 
 def aux_loss_coeff(num_experts, coeff, topk, total_num_tokens) -> jax.Array:
     """``C = num_experts * coeff / (topk * T * T)`` in float32, divided in TE's order.
 
-    With Python numbers the chain runs on the host in NumPy float32 (correctly
-    rounded, bit-identical to the kernels' host computation; XLA:GPU's fp32
-    division may differ by an ulp). ``total_num_tokens`` may also be a traced
-    scalar (a psum of local counts under sharding); then the same float32
-    operations run in the graph.
+    With Python numbers the chain runs on the host (``gpurouter._host``, the
+    kernels' own computation, bit for bit). ``total_num_tokens`` may also be a
+    traced scalar; then the same float32 operations run in the graph.
     """
-    f32 = np.float32
-    c = f32(num_experts) * f32(coeff)
-    c = c / f32(topk)
     if isinstance(total_num_tokens, (int, np.integer)):
-        t = f32(total_num_tokens)
-        return jnp.asarray((c / t) / t, jnp.float32)
+        return jnp.asarray(host_coeff(num_experts, coeff, topk, total_num_tokens), jnp.float32)
+    f32 = np.float32
+    c = f32(f32(num_experts) * f32(coeff)) / f32(topk)
     t = jnp.asarray(total_num_tokens).astype(jnp.float32)
     return (jnp.float32(c) / t) / t
 
