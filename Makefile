@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 # A machine with an NVIDIA driver gets the CUDA 13 kernels; others the jnp backend.
 GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda13,bench)
 DEMO_EXTRAS ?= $(if $(GPU_EXTRAS),[$(GPU_EXTRAS)],)
-TEST_EXTRAS ?= [test,sim]
+TEST_EXTRAS ?= [test,$(if $(GPU_EXTRAS),cuda13,sim)]
 PYTEST_ARGS ?=
 
 .PHONY: demo test test-gpu lint clean
