@@ -31,30 +31,12 @@ import jax  # noqa: E402
 import pytest
 from hypothesis import HealthCheck, settings
 
-settings.register_profile(
-    "ci",
-    derandomize=True,
-    database=None,
-    deadline=None,
-    max_examples=25,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile(
-    "dev",
-    max_examples=10,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile(
-    "fuzz",
-    max_examples=3000,
-    derandomize=False,
-    deadline=None,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+# Every profile: no deadline (jit compiles and simulator launches take
+# seconds), the reproduction blob printed, slow examples allowed.
+_COMMON = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", derandomize=True, database=None, max_examples=25, **_COMMON)
+settings.register_profile("dev", max_examples=10, **_COMMON)
+settings.register_profile("fuzz", max_examples=3000, derandomize=False, **_COMMON)
 settings.load_profile(os.environ.get("GPUROUTER_HYPOTHESIS_PROFILE", "ci"))
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -62,7 +44,9 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
 def _simulator() -> bool:
-    return os.environ.get("NUMBA_ENABLE_CUDASIM", "") not in ("", "0")
+    from gpurouter._backend import simulator_enabled  # imports no numba
+
+    return simulator_enabled()
 
 
 @functools.cache

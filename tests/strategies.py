@@ -19,7 +19,7 @@ Logits:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import hypothesis.strategies as st
 import jax.numpy as jnp
@@ -64,7 +64,6 @@ class RouterConfig:
     score_function: str = "softmax"
     has_bias: bool = False
     dtype: str = "float32"
-    lead_shape: tuple[int, ...] = field(default=())  # optional [..., E] view of the tokens
 
     @property
     def grouped(self) -> bool:
