@@ -240,11 +240,6 @@ def output(shape, kind_or_dtype, out, name: str, op: str, stream):
     return d
 
 
-def copy_device(src, dst, stream) -> None:
-    """Device-to-device copy of equal-shape arrays."""
-    dst.copy_to_device(src, stream=stream)
-
-
 def outs_tuple(out, n: int, op: str):
     if out is None:
         return (None,) * n
@@ -264,19 +259,6 @@ def finish(results, kinds, to_host: bool, stream):
     return tuple(
         h.view(BFLOAT16) if kind == BF16 else h for h, kind in zip(hosts, kinds, strict=True)
     )
-
-
-def empty_outputs(shapes_kinds, to_host: bool, out, op: str, stream):
-    """T == 0: the outputs, empty, with no launch."""
-    outs = outs_tuple(out, len(shapes_kinds), op)
-    res = []
-    for (shape, kind), o in zip(shapes_kinds, outs, strict=True):
-        if to_host and o is None:
-            dt = HOST_DTYPE.get(kind, None) or np.dtype(kind)
-            res.append(np.zeros(shape, dt))
-        else:
-            res.append(output(shape, kind, o, "output", op, stream))
-    return tuple(res)
 
 
 # ----------------------------------------------------------------------------
@@ -336,3 +318,219 @@ def elementwise_tiling(n: int):
     threads = min(MAX_THREADS, max(32, -(-n // 32) * 32))
     grid = max(1, min(4096, -(-n // threads)))
     return grid, threads
+
+
+# ----------------------------------------------------------------------------
+# Plans: what a launcher launches, decided once per shape and configuration
+#
+# A launcher validates its arguments, asks its op's ``*_plan`` function for a
+# Plan (cached: a pure function of shapes, dtypes and static configuration)
+# and hands it to one of two executors:
+#
+# - ``execute``: numba device arrays through numba's dispatcher (GPU or the
+#   CUDA simulator); allocates missing outputs and the scratch arrays;
+# - ``PointerLaunch``: raw device pointers (XLA's buffers, zero-copy), each
+#   step one ``cuLaunchKernel`` of a kernel compiled once per device, with its
+#   parameter list built once: a few microseconds of Python per step instead
+#   of numba's per-call typing and argument marshalling.
+# ----------------------------------------------------------------------------
+
+
+class Spec:
+    """Shape, device dtype and kind of one array of a plan (``kind`` None: not a float)."""
+
+    __slots__ = ("shape", "dtype", "kind")
+
+    def __init__(self, shape, dtype, kind=None):
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.kind = kind
+
+    def __eq__(self, other):
+        return isinstance(other, Spec) and (self.shape, self.dtype, self.kind) == (
+            other.shape, other.dtype, other.kind)
+
+    def __hash__(self):
+        return hash((self.shape, self.dtype, self.kind))
+
+    def __repr__(self):
+        return f"Spec({self.shape}, {self.dtype}, {self.kind})"
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def spec_of(shape, kind) -> Spec:
+    """The Spec of a float array of ``kind`` (F32, BF16 or F16)."""
+    return Spec(shape, DEVICE_DTYPE[kind], kind)
+
+
+def spec_for(shape, dtype) -> Spec:
+    """The Spec of an array with host or device dtype ``dtype`` (bfloat16 -> its words)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return Spec(shape, dtype, None)
+    kind = _kind_of(dtype, True, "array", "spec_for", True)
+    return Spec(shape, DEVICE_DTYPE.get(kind, dtype), kind)
+
+
+class Ref:
+    """A step argument that names an array of the plan: ``role`` is "in", "out"
+    or "tmp", ``index`` its position there; ``view`` (a Spec) reinterprets its
+    first elements with another shape (the same dtype)."""
+
+    __slots__ = ("role", "index", "view")
+
+    def __init__(self, role: str, index: int, view: Spec | None = None):
+        self.role, self.index, self.view = role, index, view
+
+    def __eq__(self, other):
+        return isinstance(other, Ref) and (self.role, self.index, self.view) == (
+            other.role, other.index, other.view)
+
+    def __hash__(self):
+        return hash((self.role, self.index, self.view))
+
+
+def In(i, view=None):  # noqa: N802  (reads as a type in the plans)
+    return Ref("in", i, view)
+
+
+def Out(i, view=None):  # noqa: N802
+    return Ref("out", i, view)
+
+
+def Tmp(i, view=None):  # noqa: N802
+    return Ref("tmp", i, view)
+
+
+class Step:
+    """One launch: ``kernel[grid, block, stream, shared](*args)``."""
+
+    __slots__ = ("kernel", "grid", "block", "shared", "args")
+
+    def __init__(self, kernel, grid: int, block: int, shared: int, args: tuple):
+        self.kernel, self.grid, self.block, self.shared = kernel, int(grid), int(block), int(shared)
+        self.args = tuple(args)
+
+
+class Plan:
+    """The launches of one launcher call, over ``ins``, ``outs`` and scratch ``tmps``."""
+
+    __slots__ = ("op", "ins", "outs", "tmps", "steps")
+
+    def __init__(self, op: str, ins, outs, tmps=(), steps=()):
+        self.op = op
+        self.ins, self.outs, self.tmps = tuple(ins), tuple(outs), tuple(tmps)
+        self.steps = tuple(steps)
+
+
+def _resolve(arg, arrays):
+    if not isinstance(arg, Ref):
+        return arg
+    a = arrays[arg.role][arg.index]
+    if arg.view is not None:
+        n = int(np.prod(arg.view.shape, dtype=np.int64))
+        a = a.reshape(-1)[:n].reshape(arg.view.shape)
+    return a
+
+
+def execute(plan: Plan, ins, out, stream, to_host: bool):
+    """Runs ``plan`` on numba device arrays; returns the outputs (see ``finish``).
+
+    ``ins`` are device arrays (as ``device_input`` returns them; ``None`` for
+    inputs the plan does not read), ``out`` the caller's optional outputs.
+    """
+    outs = outs_tuple(out, len(plan.outs), plan.op)
+    arrays = {
+        "in": list(ins),
+        "out": [output(sp.shape, sp.dtype, o, "output", plan.op, stream)
+                for sp, o in zip(plan.outs, outs, strict=True)],
+        "tmp": [cuda.device_array(sp.shape, dtype=sp.dtype, stream=stream) for sp in plan.tmps],
+    }
+    for st in plan.steps:
+        launch(st.kernel, st.grid, st.block, stream, st.shared,
+               *(_resolve(a, arrays) for a in st.args))
+    return finish(arrays["out"], [sp.kind for sp in plan.outs], to_host, stream)
+
+
+def _numba_type(arg, specs):
+    from numba.cuda import types as nbt
+
+    if isinstance(arg, Ref):
+        sp = arg.view or specs[arg.role][arg.index]
+        return nbt.Array(nbt.from_dtype(sp.dtype), max(1, len(sp.shape)), "C")
+    if isinstance(arg, (bool, np.bool_)):
+        return nbt.boolean
+    if isinstance(arg, np.float32):
+        return nbt.float32
+    if isinstance(arg, (int, np.integer)):
+        return nbt.int64
+    raise TypeError(f"no kernel parameter type for {arg!r}")
+
+
+class PointerLaunch:
+    """``plan`` compiled for one GPU and launched on raw device pointers.
+
+    Kernel parameters follow numba's ABI for ``@cuda.jit`` kernels: an array
+    is (meminfo, parent, nitems, itemsize, data, shape..., strides...), all
+    pointer-sized; int64, float32 and bool scalars as themselves. The whole
+    parameter list except the data pointers is fixed here; a call fills in
+    the pointers and launches.
+    """
+
+    def __init__(self, plan: Plan, ordinal: int):
+        import ctypes
+
+        from cuda.bindings import driver
+
+        self._driver = driver
+        self._launch = driver.cuLaunchKernel
+        specs = {"in": plan.ins, "out": plan.outs, "tmp": plan.tmps}
+        slot = {"in": 0, "out": len(plan.ins), "tmp": len(plan.ins) + len(plan.outs)}
+        self.steps = []
+        with cuda.gpus[ordinal]:
+            for st in plan.steps:
+                argtypes = tuple(_numba_type(a, specs) for a in st.args)
+                kern = st.kernel.compile(argtypes)
+                handle = kern._codelibrary.get_cufunc().handle
+                vals, types, holes = [], [], []
+                for a in st.args:
+                    if isinstance(a, Ref):
+                        sp = a.view or specs[a.role][a.index]
+                        shape = sp.shape or (1,)
+                        strides = [sp.dtype.itemsize] * len(shape)
+                        for d in range(len(shape) - 2, -1, -1):
+                            strides[d] = strides[d + 1] * shape[d + 1]
+                        holes.append((len(vals) + 4, slot[a.role] + a.index))
+                        vals += [0, 0, int(np.prod(shape)), sp.dtype.itemsize, 0, *shape, *strides]
+                        types += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                  ctypes.c_void_p] + [ctypes.c_int64] * (2 * len(shape))
+                    elif isinstance(a, (bool, np.bool_)):
+                        vals.append(bool(a))
+                        types.append(ctypes.c_bool)
+                    elif isinstance(a, np.float32):
+                        vals.append(float(a))
+                        types.append(ctypes.c_float)
+                    else:
+                        vals.append(int(a))
+                        types.append(ctypes.c_int64)
+                self.steps.append((handle, st.grid, st.block, st.shared, vals, tuple(types), holes))
+        self.context = cuda.gpus[ordinal].get_primary_context().handle  # numba: the primary context
+
+    def __call__(self, ptrs, stream: int) -> None:
+        """Launches every step on ``stream``; ``ptrs``: ins + outs + tmps, in plan order."""
+        drv = self._driver
+        (err,) = drv.cuCtxPushCurrent(self.context)
+        try:
+            for handle, grid, block, shared, vals, types, holes in self.steps:
+                vals = list(vals)
+                for pos, i in holes:
+                    vals[pos] = ptrs[i]
+                (err,) = self._launch(handle, grid, 1, 1, block, 1, 1, shared, stream,
+                                      (tuple(vals), types), 0)
+                if err != drv.CUresult.CUDA_SUCCESS:
+                    raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
+        finally:
+            drv.cuCtxPopCurrent()

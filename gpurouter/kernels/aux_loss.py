@@ -65,8 +65,9 @@ def _aux_loss_final_kernel(tpe_kind: str, out_kind: str):
     def kernel(
         partial,  # [nblocks, C] fp32
         tokens_per_expert,  # [C] tpe_kind
-        coeff,  # [1] fp32: C
+        coeff,  # fp32 scalar: C
         loss,  # [1] out_kind, out
+        saved_coeff,  # [1] fp32, out: C again, for the backward
     ):
         # One block; blockDim.x is a power of two <= _FINAL_THREADS_MAX.
         red = cuda.shared.array(_FINAL_THREADS_MAX, nb_f32)
@@ -90,7 +91,8 @@ def _aux_loss_final_kernel(tpe_kind: str, out_kind: str):
             cuda.syncthreads()
             width //= 2
         if tid == 0:
-            store(loss, 0, np.float32(coeff[0] * red[0]))
+            store(loss, 0, np.float32(coeff * red[0]))
+            saved_coeff[0] = coeff
 
     return kernel
 
@@ -159,22 +161,27 @@ def moe_aux_loss_fwd(probs, tokens_per_expert, topk, coeff, total_num_tokens=Non
     total = num_rows if total_num_tokens is None else int(total_num_tokens)
     c_host = aux_loss_coeff(n_exp, coeff, int(topk), total)
     to_host = not L.any_on_device(probs, tokens_per_expert) and out is None
-    outs = L.outs_tuple(out, 2, op)
-    d_loss = L.output((), kind, outs[0], "loss", op, s)
-    d_coeff, _ = L.scalar_input(np.asarray(c_host, np.float32), "coeff", op, s)
-    if outs[1] is not None:
-        d_saved = L.output((), np.float32, outs[1], "saved_coeff", op, s)
-        L.copy_device(d_coeff, d_saved.reshape((1,)), s)
-        d_coeff = d_saved.reshape((1,))
+    plan = moe_aux_loss_fwd_plan(L.spec_of(d_probs.shape, kind), L.spec_for(d_tpe.shape, d_tpe.dtype),
+                                 c_host)
+    return L.execute(plan, [d_probs, d_tpe], out, s, to_host)
+
+
+@functools.cache
+def moe_aux_loss_fwd_plan(probs: L.Spec, tokens_per_expert: L.Spec, c: np.float32) -> L.Plan:
+    """The launches of the forward (inputs: probs, tokens_per_expert; outputs: loss,
+    saved_coeff; scratch: the per-block column partials). ``c`` is the fp32 C."""
+    num_rows, num_cols = probs.shape
+    outs = (L.spec_of((), probs.kind), L.spec_of((), L.F32))
     grid, threads, rows = L.reduction_tiling(max(num_rows, 1), num_cols)
-    d_partial = L.output((grid, num_cols), np.float32, None, "partial", op, s)
-    L.launch(_aux_loss_partial_kernel(kind), grid, threads, s, 0, d_probs, d_partial, rows)
-    L.launch(_aux_loss_final_kernel(tpe_kind, kind), 1, L.final_threads(num_cols), s, 0,
-             d_partial, d_tpe, d_coeff, d_loss.reshape((1,)))
-    if to_host:
-        (loss,) = L.finish((d_loss,), (kind,), True, s)
-        return loss, np.asarray(c_host, np.float32)
-    return d_loss, d_coeff.reshape(())
+    tmps = (L.spec_of((grid, num_cols), L.F32),)
+    steps = (
+        L.Step(_aux_loss_partial_kernel(probs.kind), grid, threads, 0, (L.In(0), L.Tmp(0), rows)),
+        L.Step(_aux_loss_final_kernel(tokens_per_expert.kind, probs.kind), 1,
+               L.final_threads(num_cols), 0,
+               (L.Tmp(0), L.In(1), np.float32(c), L.Out(0, L.spec_of((1,), probs.kind)),
+                L.Out(1, L.spec_of((1,), L.F32)))),
+    )
+    return L.Plan(OP + "_fwd", (probs, tokens_per_expert), outs, tmps, steps)
 
 
 def moe_aux_loss_bwd(saved_coeff, tokens_per_expert, grad_loss, num_rows, *, out=None, stream=0):
@@ -199,13 +206,22 @@ def moe_aux_loss_bwd(saved_coeff, tokens_per_expert, grad_loss, num_rows, *, out
     d_grad, kind = L.scalar_input(grad_loss, "grad_loss", op, s)
     d_tpe, tpe_kind = L.device_input(tokens_per_expert, "tokens_per_expert", op, s,
                                      allow_int=True, ndim=1)
-    num_cols = int(d_tpe.shape[0])
-    shape = (int(num_rows), num_cols)
     to_host = not L.any_on_device(saved_coeff, tokens_per_expert, grad_loss) and out is None
-    if shape[0] == 0 or num_cols == 0:
-        return L.empty_outputs([(shape, kind)], to_host, out, op, s)[0]
-    d_out = L.output(shape, kind, L.outs_tuple(out, 1, op)[0], "grad_probs", op, s)
-    grid, threads = L.elementwise_tiling(shape[0] * num_cols)
-    L.launch(_aux_loss_bwd_kernel(tpe_kind, kind), grid, threads, s, 0,
-             d_coeff, d_tpe, d_grad, d_out)
-    return L.finish((d_out,), (kind,), to_host, s)[0]
+    plan = moe_aux_loss_bwd_plan(L.spec_for(d_tpe.shape, d_tpe.dtype), L.spec_of((), kind), int(num_rows))
+    return L.execute(plan, [d_coeff, d_tpe, d_grad], out, s, to_host)[0]
+
+
+@functools.cache
+def moe_aux_loss_bwd_plan(tokens_per_expert: L.Spec, grad_loss: L.Spec, num_rows: int) -> L.Plan:
+    """The launches of the backward (inputs: saved_coeff, tokens_per_expert,
+    grad_loss; output: grad_probs [num_rows, C] in grad_loss's kind)."""
+    num_cols = tokens_per_expert.shape[0]
+    kind = grad_loss.kind
+    ins = (L.spec_of((), L.F32), tokens_per_expert, grad_loss)
+    outs = (L.spec_of((num_rows, num_cols), kind),)
+    if num_rows == 0 or num_cols == 0:
+        return L.Plan(OP + "_bwd", ins, outs)
+    grid, threads = L.elementwise_tiling(num_rows * num_cols)
+    step = L.Step(_aux_loss_bwd_kernel(tokens_per_expert.kind, kind), grid, threads, 0,
+                  (L.In(0, L.spec_of((1,), L.F32)), L.In(1), L.In(2, L.spec_of((1,), kind)), L.Out(0)))
+    return L.Plan(OP + "_bwd", ins, outs, (), (step,))

@@ -242,18 +242,21 @@ def score_for_aux_loss_fwd(logits, topk, score_function="softmax", *, out=None, 
         raise ValueError(f"{op}: topk ({topk}) must be in [1, num_experts ({num_experts})].")
     check_limits(op, num_experts, topk)
     to_host = not L.any_on_device(logits) and out is None
-    shape = (num_tokens, num_experts)
-    kinds = (np.float32, np.bool_, np.float32)
-    if num_tokens == 0:
-        return L.empty_outputs([(shape, k) for k in kinds], to_host, out, op, s)
-    outs = L.outs_tuple(out, 3, op)
-    d_scores = L.output(shape, np.float32, outs[0], "scores", op, s)
-    d_map = L.output(shape, np.bool_, outs[1], "routing_map", op, s)
-    d_saved = L.output(shape, np.float32, outs[2], "saved_scores", op, s)
-    grid, threads, tb, shared = L.row_tiling(num_tokens, num_experts, planes=1)
-    L.launch(_aux_scores_fwd_kernel(kind, topk_capacity(topk)), grid, threads, s, shared,
-             d_logits, d_scores, d_map, d_saved, topk, sf, tb)
-    return L.finish((d_scores, d_map, d_saved), (None, None, None), to_host, s)
+    plan = score_for_aux_loss_fwd_plan(L.spec_of(d_logits.shape, kind), topk, sf)
+    return L.execute(plan, [d_logits], out, s, to_host)
+
+
+@functools.cache
+def score_for_aux_loss_fwd_plan(logits: L.Spec, topk: int, sf: int) -> L.Plan:
+    """The launches of the forward (input: logits; outputs: scores, map, saved)."""
+    shape = logits.shape
+    outs = (L.spec_of(shape, L.F32), L.Spec(shape, np.bool_), L.spec_of(shape, L.F32))
+    if shape[0] == 0:
+        return L.Plan(OP + "_fwd", (logits,), outs)
+    grid, threads, tb, shared = L.row_tiling(shape[0], shape[1], planes=1)
+    step = L.Step(_aux_scores_fwd_kernel(logits.kind, topk_capacity(topk)), grid, threads, shared,
+                  (L.In(0), L.Out(0), L.Out(1), L.Out(2), int(topk), int(sf), tb))
+    return L.Plan(OP + "_fwd", (logits,), outs, (), (step,))
 
 
 def score_for_aux_loss_bwd(saved_scores, grad_scores, score_function="softmax",
@@ -284,10 +287,18 @@ def score_for_aux_loss_bwd(saved_scores, grad_scores, score_function="softmax",
     if tuple(d_grad.shape) != shape:
         raise ValueError(f"{op}: grad_scores shape {tuple(d_grad.shape)} != saved_scores {shape}.")
     to_host = not L.any_on_device(saved_scores, grad_scores) and out is None
+    plan = score_for_aux_loss_bwd_plan(L.spec_of(shape, L.F32), sf, out_kind)
+    return L.execute(plan, [d_saved, d_grad], out, s, to_host)[0]
+
+
+@functools.cache
+def score_for_aux_loss_bwd_plan(saved: L.Spec, sf: int, out_kind: str) -> L.Plan:
+    """The launches of the backward (inputs: saved, grad_scores; output: grad_logits)."""
+    shape = saved.shape
+    ins, outs = (saved, saved), (L.spec_of(shape, out_kind),)
     if shape[0] == 0:
-        return L.empty_outputs([(shape, out_kind)], to_host, out, op, s)[0]
-    d_out = L.output(shape, out_kind, L.outs_tuple(out, 1, op)[0], "grad_logits", op, s)
+        return L.Plan(OP + "_bwd", ins, outs)
     grid, threads, tb, shared = L.row_tiling(shape[0], shape[1], planes=2)
-    L.launch(_aux_scores_bwd_kernel(out_kind), grid, threads, s, shared,
-             d_saved, d_grad, d_out, sf, tb)
-    return L.finish((d_out,), (out_kind,), to_host, s)[0]
+    step = L.Step(_aux_scores_bwd_kernel(out_kind), grid, threads, shared,
+                  (L.In(0), L.In(1), L.Out(0), int(sf), tb))
+    return L.Plan(OP + "_bwd", ins, outs, (), (step,))

@@ -591,33 +591,44 @@ def topk_with_score_function_fwd(
     d_logits, kind = L.device_input(logits, "logits", op, s, ndim=2)
     num_tokens, num_experts = (int(v) for v in d_logits.shape)
     topk = int(topk)
-    grouped = _check_config(op, num_experts, topk, num_groups, group_topk, sf,
-                            use_pre_softmax, expert_bias is not None)
+    _check_config(op, num_experts, topk, num_groups, group_topk, sf,
+                  use_pre_softmax, expert_bias is not None)
     to_host = not L.any_on_device(logits, expert_bias) and out is None
-    kinds = (kind, np.bool_, np.float32)
-    shape = (num_tokens, num_experts)
-    if num_tokens == 0:
-        res = L.empty_outputs([(shape, k) for k in kinds], to_host, out, op, s)
-        return res if to_host else tuple(res)
-    outs = L.outs_tuple(out, 3, op)
-    d_probs = L.output(shape, kind, outs[0], "probs", op, s)
-    d_map = L.output(shape, np.bool_, outs[1], "routing_map", op, s)
-    d_saved = L.output(shape, np.float32, outs[2], "saved_scores", op, s)
-    has_bias = expert_bias is not None and sf != _SOFTMAX
-    if has_bias:
+    d_bias = None
+    if expert_bias is not None and sf != _SOFTMAX:
         d_bias, bkind = L.device_input(expert_bias, "expert_bias", op, s, ndim=1)
         if bkind != L.F32 or tuple(d_bias.shape) != (num_experts,):
             raise ValueError(f"{op}: expert_bias must be float32 of shape ({num_experts},), "
                              f"got {tuple(d_bias.shape)} {d_bias.dtype}.")
-    else:
-        d_bias = d_saved[0]  # any [E] fp32 array; never read
+    plan = topk_with_score_function_fwd_plan(
+        L.spec_of(d_logits.shape, kind), d_bias is not None, topk, bool(use_pre_softmax),
+        num_groups, group_topk, np.float32(scaling_factor), sf)
+    return L.execute(plan, [d_logits, d_bias], out, s, to_host)
+
+
+@functools.cache
+def topk_with_score_function_fwd_plan(logits: L.Spec, has_bias: bool, topk: int, pre: bool,
+                                      num_groups, group_topk, scale: np.float32, sf: int) -> L.Plan:
+    """The launches of the forward (inputs: logits, bias; outputs: probs, map, saved).
+
+    Arguments are validated (by the launcher or, under JAX, at trace time).
+    """
+    num_tokens, num_experts = logits.shape
+    grouped = group_topk is not None and group_topk > 0
+    shape = (num_tokens, num_experts)
+    outs = (L.spec_of(shape, logits.kind), L.Spec(shape, np.bool_), L.spec_of(shape, L.F32))
+    bias_spec = L.spec_of((num_experts,), L.F32)
+    ins = (logits, bias_spec if has_bias else None)
+    if num_tokens == 0:
+        return L.Plan(OP + "_fwd", ins, outs)
+    # without a bias the kernel gets any [E] fp32 array (never read): saved's first row
+    bias = L.In(1) if has_bias else L.Out(2, bias_spec)
     grid, threads, tb, shared = L.row_tiling(num_tokens, num_experts, planes=1)
-    kernel = _topk_fwd_kernel(kind, topk_capacity(topk))
-    L.launch(kernel, grid, threads, s, shared,
-             d_logits, d_bias, d_probs, d_map, d_saved, topk, sf, bool(use_pre_softmax),
-             bool(has_bias), int(num_groups) if grouped else 1,
-             int(group_topk) if grouped else -1, np.float32(scaling_factor), tb)
-    return L.finish((d_probs, d_map, d_saved), (kind, None, None), to_host, s)
+    step = L.Step(_topk_fwd_kernel(logits.kind, topk_capacity(topk)), grid, threads, shared,
+                  (L.In(0), bias, L.Out(0), L.Out(1), L.Out(2), int(topk), int(sf), bool(pre),
+                   bool(has_bias), int(num_groups) if grouped else 1,
+                   int(group_topk) if grouped else -1, np.float32(scale), tb))
+    return L.Plan(OP + "_fwd", ins, outs, (), (step,))
 
 
 def topk_with_score_function_bwd(
@@ -656,14 +667,25 @@ def topk_with_score_function_bwd(
     to_host = not L.any_on_device(routing_map, saved_scores, grad_probs) and out is None
     if tuple(d_grad.shape) != shape:
         raise ValueError(f"{op}: grad_probs shape {tuple(d_grad.shape)} != saved_scores {shape}.")
-    if shape[0] == 0:
-        return L.empty_outputs([(shape, kind)], to_host, out, op, s)[0]
     d_map = L.bool_input(routing_map, "routing_map", op, s)
     if tuple(d_map.shape) != shape:
         raise ValueError(f"{op}: routing_map shape {tuple(d_map.shape)} != saved_scores {shape}.")
-    d_out = L.output(shape, kind, L.outs_tuple(out, 1, op)[0], "grad_logits", op, s)
+    plan = topk_with_score_function_bwd_plan(L.spec_of(shape, kind), int(topk), bool(use_pre_softmax),
+                                             np.float32(scaling_factor), sf)
+    return L.execute(plan, [d_map, d_saved, d_grad], out, s, to_host)[0]
+
+
+@functools.cache
+def topk_with_score_function_bwd_plan(grad_probs: L.Spec, topk: int, pre: bool, scale: np.float32,
+                                      sf: int) -> L.Plan:
+    """The launches of the backward (inputs: map, saved, grad_probs; output: grad_logits)."""
+    shape = grad_probs.shape
+    ins = (L.Spec(shape, np.bool_), L.spec_of(shape, L.F32), grad_probs)
+    outs = (grad_probs,)
+    if shape[0] == 0:
+        return L.Plan(OP + "_bwd", ins, outs)
     grid, threads, tb, shared = L.row_tiling(shape[0], shape[1], planes=2)
-    L.launch(_topk_bwd_kernel(kind), grid, threads, s, shared,
-             d_map, d_saved, d_grad, d_out, int(topk), sf, bool(use_pre_softmax),
-             np.float32(scaling_factor), tb)
-    return L.finish((d_out,), (kind,), to_host, s)[0]
+    step = L.Step(_topk_bwd_kernel(grad_probs.kind), grid, threads, shared,
+                  (L.In(0), L.In(1), L.In(2), L.Out(0), int(topk), int(sf), bool(pre),
+                   np.float32(scale), tb))
+    return L.Plan(OP + "_bwd", ins, outs, (), (step,))
