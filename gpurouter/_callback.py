@@ -7,8 +7,11 @@ kernel launcher and returns JAX arrays, through one of two transports:
 - ``"callback"``: ``jax.pure_callback`` on host copies of the arrays (JAX on
   the CPU with numba on a GPU or on the CUDA simulator; two host round trips);
 - ``"zero-copy"``: ``jax.experimental.buffer_callback`` when JAX runs on a
-  CUDA GPU: the launcher gets numba views of XLA's own device buffers and
-  launches on XLA's stream, inside ``jit``; nothing crosses to the host.
+  CUDA GPU: the launcher's cached ``Plan`` is launched on the raw pointers of
+  XLA's own device buffers, on XLA's stream, inside ``jit`` (one
+  ``cuLaunchKernel`` per step, parameters prepared once per plan and GPU);
+  nothing crosses to the host, nothing is allocated: scratch arrays are extra
+  XLA outputs.
 
 For both:
 
@@ -47,9 +50,9 @@ Launcher = Callable[..., Sequence[np.ndarray]]
 
 # XLA runs the callbacks of different devices (shards) on different threads at
 # once. The CUDA simulator is not thread-safe (its thread indices live in
-# per-launch globals), and numba's per-thread context switching is not worth
-# racing on: launches are serialised here (the kernels themselves still run
-# asynchronously on the GPU).
+# per-launch globals): host-callback launches are serialised here. (Zero-copy
+# launches need no lock: cuLaunchKernel is thread-safe; only their one-time
+# compilation is serialised, by _COMPILE_LOCK.)
 _LAUNCH_LOCK = threading.Lock()
 
 
@@ -124,38 +127,85 @@ def _batch_shape(args: Sequence[np.ndarray], nb: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _numba_view(buf):
-    """A zero-copy numba device array over an XLA buffer of a buffer_callback."""
-    from numba import cuda
+class _Ptr:
+    """A device array as a raw pointer, shape and dtype: what ``_launches``
+    needs to reshape and index (views, no data moved) and a plan launch needs."""
 
-    return cuda.from_cuda_array_interface(buf.__cuda_array_interface__, owner=buf, sync=False)
+    __slots__ = ("ptr", "shape", "dtype")
+
+    def __init__(self, ptr: int, shape, dtype):
+        self.ptr, self.shape, self.dtype = int(ptr), tuple(shape), np.dtype(dtype)
+
+    def reshape(self, shape):
+        return _Ptr(self.ptr, shape, self.dtype)
+
+    def __getitem__(self, idx: tuple):
+        size = self.dtype.itemsize * int(np.prod(self.shape[len(idx):], dtype=np.int64))
+        flat = int(np.ravel_multi_index(idx, self.shape[: len(idx)])) if idx else 0
+        return _Ptr(self.ptr + flat * size, self.shape[len(idx):], self.dtype)
 
 
-@functools.cache
-def _gpu_lock(ordinal: int) -> threading.Lock:
-    return threading.Lock()
+def _ptr(buf) -> _Ptr:
+    cai = buf.__cuda_array_interface__
+    typestr = "<u2" if cai["typestr"] in ("<V2", "|V2") else cai["typestr"]
+    return _Ptr(cai["data"][0], cai["shape"], typestr)
 
 
-def _device_of(buf):
-    """numba's context for the GPU that holds ``buf`` (XLA's ExecutionContext
-    names no device; on a multi-GPU host each shard's buffers live on its own
-    GPU, and numba must launch there)."""
+def _ordinal(ptr: int) -> int:
+    """The GPU that holds device pointer ``ptr`` (XLA's ExecutionContext names
+    no device; on a multi-GPU host each shard's buffers live on its own GPU)."""
     from cuda.bindings import driver
-    from numba import cuda
 
-    ptr = buf.__cuda_array_interface__["data"][0]
     err, ordinal = driver.cuPointerGetAttribute(
         driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
-    if err != driver.CUresult.CUDA_SUCCESS:  # not a device pointer we can place
-        ordinal = 0
-    return cuda.gpus[int(ordinal)]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"gpurouter: cannot place device pointer {ptr:#x}: {err!r}")
+    return int(ordinal)
 
 
-def _run_on_device(launcher, n_token: int, ins, outs, stream: int) -> None:
-    """Launches on device views of XLA's buffers, batch dims handled by ``_launches``."""
+_COMPILE_LOCK = threading.Lock()
+_POINTER_LAUNCHES: dict = {}
+
+
+def _pointer_launch(plan, ordinal: int):
+    """The plan compiled for GPU ``ordinal`` (once; later calls are a dict lookup)."""
+    key = (id(plan), ordinal)
+    hit = _POINTER_LAUNCHES.get(key)
+    if hit is None:
+        from .kernels._launch import PointerLaunch
+
+        with _COMPILE_LOCK:
+            hit = _POINTER_LAUNCHES.get(key)
+            if hit is None:
+                # the plan is kept alive with its launch, so its id stays unique
+                hit = _POINTER_LAUNCHES[key] = (PointerLaunch(plan, ordinal), plan)
+    return hit[0]
+
+
+def _specs_of(arrays) -> tuple:
+    from .kernels._launch import spec_for
+
+    return tuple(spec_for(a.shape, a.dtype) for a in arrays)
+
+
+def _run_plans(planner, n_token: int, n_out: int, ins, outs, stream: int) -> None:
+    """Launches the plans of one zero-copy call on raw pointers (batch dims by ``_launches``).
+
+    ``outs`` holds the op's outputs, then its scratch arrays (unbatched ops only).
+    """
+    placed = [a.ptr for a in (*ins, *outs) if a.ptr]
+    if not placed:  # every array empty: nothing to launch
+        return
+    ordinal = _ordinal(placed[0])
     _, launches = _launches(ins, n_token)
     for inputs, view in launches:
-        launcher(*inputs, out=tuple(view(o) for o in outs), stream=stream)
+        plan = planner(*_specs_of(inputs))
+        if not plan.steps:
+            continue
+        ptrs = [a.ptr for a in inputs]
+        ptrs += [view(o).ptr for o in outs[:n_out]]
+        ptrs += [t.ptr for t in outs[n_out:]]
+        _pointer_launch(plan, ordinal)(ptrs, stream)
 
 
 def _to_words(x: jax.Array) -> jax.Array:
@@ -168,25 +218,31 @@ def _word_spec(spec: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     return spec
 
 
-def _zero_copy_call(launcher, out_specs, token_args, call_args):
+def _zero_copy_call(planner, out_specs, token_args, call_args):
     from jax.experimental.buffer_callback import buffer_callback
 
-    n_token = len(token_args)
+    from .kernels._launch import spec_for
+
+    n_token, n_out = len(token_args), len(out_specs)
+    args = [_to_words(jnp.asarray(a)) for a in (*token_args, *call_args)]
+    # Scratch arrays (per-block partial sums) come from XLA as extra outputs:
+    # nothing is allocated (or freed: a cuMemFree waits for the whole GPU)
+    # inside the callback.
+    tmps = planner(*(spec_for(a.shape, a.dtype) for a in args)).tmps
+    if tmps and n_token:
+        raise AssertionError("plans with scratch arrays must not have per-token arrays")
 
     def device_fn(ctx, outs, *bufs):
-        gpu = _device_of(bufs[0] if bufs else outs[0])
-        # One lock per GPU: launches for one GPU are serialised, callbacks of
-        # different GPUs never wait on each other.
-        with _gpu_lock(gpu.id), gpu:
-            _run_on_device(launcher, n_token, [_numba_view(b) for b in bufs],
-                           [_numba_view(o) for o in outs], ctx.stream)
+        _run_plans(planner, n_token, n_out, [_ptr(b) for b in bufs], [_ptr(o) for o in outs],
+                   ctx.stream)
 
     call = buffer_callback(
         device_fn,
-        tuple(_word_spec(s) for s in out_specs),
+        tuple(_word_spec(s) for s in out_specs) + tuple(jax.ShapeDtypeStruct(t.shape, t.dtype)
+                                                          for t in tmps),
         vmap_method="expand_dims" if n_token else "sequential",
     )
-    results = call(*(_to_words(jnp.asarray(a)) for a in (*token_args, *call_args)))
+    results = call(*args)[:n_out]
     return tuple(
         lax.bitcast_convert_type(r, jnp.bfloat16) if s.dtype == jnp.bfloat16 else r
         for r, s in zip(results, out_specs, strict=True)
@@ -247,6 +303,7 @@ def _match_varying_axes(outs, ins):
 
 def kernel_call(
     launcher: Launcher,
+    planner: Callable,
     out_specs: Sequence[jax.ShapeDtypeStruct],
     token_args: Sequence[jax.Array],
     call_args: Sequence[jax.Array] = (),
@@ -255,9 +312,11 @@ def kernel_call(
     """Calls ``launcher(*token_args, *call_args)`` through the chosen transport.
 
     Args:
-      launcher: a kernel launcher with all static configuration bound. With
-        NumPy arrays it returns NumPy arrays (callback transport); with device
-        arrays it writes into ``out=`` on ``stream=`` (zero-copy transport).
+      launcher: a kernel launcher with all static configuration bound; NumPy
+        arrays in, NumPy arrays out (callback transport).
+      planner: the launcher's plan function with all static configuration
+        bound: ``planner(*specs)`` of the arrays' ``kernels._launch.Spec`` objects
+        gives the ``Plan`` the zero-copy transport launches on XLA's buffers.
       out_specs: shapes and dtypes of the outputs of one unbatched call.
       token_args: arrays whose leading axis is tokens (rows independent); empty
         for ops that reduce over rows, which then run once per vmap element.
@@ -266,7 +325,7 @@ def kernel_call(
     """
     args = (*token_args, *call_args)
     if transport == "zero-copy":
-        return _match_varying_axes(_zero_copy_call(launcher, out_specs, token_args, call_args), args)
+        return _match_varying_axes(_zero_copy_call(planner, out_specs, token_args, call_args), args)
     n_token = len(token_args)
 
     def host_fn(*args):

@@ -2,9 +2,12 @@
 
 For each preset it times, on bf16 logits with an fp32 bias:
 
-- ``kernel``: the numba launchers on device arrays, CUDA events around each
-  launch (median of ``--repeats`` runs, inputs rotated over 4 buffers so no run
-  reads what the previous one left in L2);
+- ``kernel``: the kernels alone, launched exactly as the zero-copy callback
+  launches them (cached plans, raw pointers), CUDA events around each launch,
+  the launches queued behind a sleep kernel so that host time is not counted
+  (median of ``--repeats`` runs, inputs rotated over 4 buffers so no run reads
+  what the previous one left in L2); ``host us`` is the Python time of one
+  such call, the zero-copy transport's per-op overhead;
 - ``jax`` / ``numba:<transport>``: the jitted public op, wall time per call
   (median), forward alone and forward + backward;
 - ``loop``: a jitted ``lax.fori_loop`` of 50 router forward + backward steps,
@@ -53,6 +56,7 @@ class Row:
     gbps: float = 0.0
     x_floor: float = 0.0
     x_jax: float | None = None
+    host_us: float | None = None  # kernel rows: Python time per launch call (zero-copy overhead)
 
 
 def _bytes(op: str, phase: str, t: int, e: int, in_bytes: int) -> int:
@@ -121,21 +125,58 @@ def _median_wall(fn, args_list, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _kernel_times(launch, inputs, repeats: int) -> float:
-    """Median kernel seconds of ``launch(*inputs[i])`` from CUDA events."""
+def _spin_kernel():
+    """A one-thread kernel that sleeps ``n`` microseconds: queued before a batch
+    of timed launches, it keeps the GPU busy while the host queues them, so
+    the events time the kernels alone, not the host's launch rate."""
+    from numba import cuda, uint32
+
+    @cuda.jit
+    def spin(n):
+        for _ in range(n):
+            cuda.nanosleep(uint32(1000))
+
+    return spin
+
+
+def _kernel_times(planner, n_token: int, arg_sets, outs, repeats: int) -> tuple[float, float]:
+    """``(kernel seconds, host seconds)``: medians over ``repeats`` launches.
+
+    Runs exactly what a zero-copy callback runs (``_callback._run_plans`` on the
+    arrays' raw pointers), inputs rotated over ``arg_sets``. Kernel time: CUDA
+    events around each launch, the launches queued behind a 2 ms sleep kernel.
+    Host time: the Python time of one call, the per-call overhead of the
+    zero-copy transport (plus XLA's own callback dispatch, not measured here).
+    """
     from numba import cuda
 
-    launch(*inputs[0])
-    cuda.synchronize()
-    start, stop = cuda.event(), cuda.event()
-    times = []
-    for i in range(repeats):
-        start.record()
-        launch(*inputs[i % len(inputs)])
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3)
-    return statistics.median(times)
+    from . import _callback as cb
+
+    stream = cuda.stream()
+    handle = int(stream.handle)
+    spin = _spin_kernel()
+    n_out = len(outs)
+
+    def call(args):
+        cb._run_plans(planner, n_token, n_out, [cb._ptr(a) for a in args], [cb._ptr(o) for o in outs],
+                      handle)
+
+    call(arg_sets[0])
+    stream.synchronize()
+    kernel, host = [], []
+    for c0 in range(0, repeats, 25):
+        n = min(25, repeats - c0)
+        events = [cuda.event() for _ in range(n + 1)]
+        spin[1, 1, stream](2000)
+        events[0].record(stream)
+        for i in range(n):
+            t = time.perf_counter()
+            call(arg_sets[(c0 + i) % len(arg_sets)])
+            host.append(time.perf_counter() - t)
+            events[i + 1].record(stream)
+        events[-1].synchronize()
+        kernel += [events[i].elapsed_time(events[i + 1]) * 1e-3 for i in range(n)]
+    return statistics.median(kernel), statistics.median(host)
 
 
 def _check(name, got, want, atol, rtol):
@@ -209,88 +250,96 @@ def bench_preset(name: str, tokens: int, paths: list[str], repeats: int, peak: f
 
 
 def _kernel_rows(name, p, xs, bias, repeats, peak, want_p, want_m) -> list[Row]:
-    """Kernel time (CUDA events) of the topk fwd/bwd, aux-score fwd/bwd and aux-loss fwd/bwd."""
+    """Kernel time (CUDA events) of topk fwd/bwd; for DeepSeek-V3 also aux-score
+    fwd/bwd and aux-loss fwd/bwd. Each row also carries the host time per call."""
     from numba import cuda
 
     from . import kernels as K
+    from ._host import aux_loss_coeff
+    from .kernels import _launch as L
 
     e, k = p.num_experts, p.topk
     tokens = xs[0].shape[0]
-    words = [cuda.to_device(np.asarray(x).view(np.uint16)) for x in xs]
-    d_bias = None if bias is None else cuda.to_device(np.asarray(bias))
     kw = p.router_kwargs()
+    sf = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}[kw["score_function"]]
+    words = [cuda.to_device(np.asarray(x).view(np.uint16)) for x in xs]
+    d_bias = [] if bias is None else [cuda.to_device(np.asarray(bias))]
     probs = cuda.device_array((tokens, e), np.uint16)
     rmap = cuda.device_array((tokens, e), np.bool_)
     saved = cuda.device_array((tokens, e), np.float32)
     grad = cuda.device_array((tokens, e), np.uint16)
+    groups = kw.get("num_groups") or -1
+    gtopk = kw.get("group_topk") or -1
 
-    def fwd(x):
-        K.topk_with_score_function_fwd(x, expert_bias=d_bias, out=(probs, rmap, saved), **kw)
+    def fwd_plan(x, *b):
+        return K.topk_with_score_function_fwd_plan(x, bool(b), k, kw["use_pre_softmax"], groups, gtopk,
+                                                   np.float32(kw["scaling_factor"]), sf)
 
-    fwd(words[0])
-    cuda.synchronize()
+    def bwd_plan(m, sv, g):
+        return K.topk_with_score_function_bwd_plan(g, k, kw["use_pre_softmax"],
+                                                   np.float32(kw["scaling_factor"]), sf)
+
+    out = []
+
+    def add(op, phase, times, nbytes):
+        seconds, host = times
+        us = seconds * 1e6
+        floor_us = nbytes / (peak * 1e12) * 1e6
+        out.append(Row(name, op, "kernel", phase, tokens, e, k, round(us, 2), nbytes,
+                       round(nbytes / seconds / 1e9, 1), round(us / floor_us, 2), None, round(host * 1e6, 2)))
+
+    # Poison the outputs, run once, check against the reference, then time.
+    probs.copy_to_device(np.full((tokens, e), 0x7FC1, np.uint16))
+    fwd_times = _kernel_times(fwd_plan, 1, [[w, *d_bias] for w in words], [probs, rmap, saved], repeats)
     _check(f"{name} kernel routing_map", rmap.copy_to_host(), np.asarray(want_m), 0, 0)
     got = probs.copy_to_host().view(np.asarray(want_p).dtype)
     _check(f"{name} kernel probs", got, np.asarray(want_p), 1e-2, 1e-2)
     gp = [cuda.to_device(np.asarray(x).view(np.uint16)) for x in xs]  # any bf16 cotangents
-
-    def bwd(g):
-        K.topk_with_score_function_bwd(rmap, saved, g, k, kw["use_pre_softmax"], kw["scaling_factor"],
-                                       kw["score_function"], out=(grad,))
-
-    out = []
-
-    def add(op, phase, seconds, nbytes):
-        us = seconds * 1e6
-        floor_us = nbytes / (peak * 1e12) * 1e6
-        out.append(Row(name, op, "kernel", phase, tokens, e, k, round(us, 2), nbytes,
-                       round(nbytes / seconds / 1e9, 1), round(us / floor_us, 2)))
-
-    add("topk", "fwd", _kernel_times(fwd, [(w,) for w in words], repeats), _bytes("topk", "fwd", tokens, e, 2))
-    add("topk", "bwd", _kernel_times(bwd, [(g,) for g in gp], repeats), _bytes("topk", "bwd", tokens, e, 2))
+    add("topk", "fwd", fwd_times, _bytes("topk", "fwd", tokens, e, 2))
+    add("topk", "bwd", _kernel_times(bwd_plan, 3, [[rmap, saved, g] for g in gp], [grad], repeats),
+        _bytes("topk", "bwd", tokens, e, 2))
     if name == "deepseek-v3":
         scores = cuda.device_array((tokens, e), np.float32)
         sal_saved = cuda.device_array((tokens, e), np.float32)
-
-        def afwd(x):
-            K.score_for_aux_loss_fwd(x, k, "sigmoid", out=(scores, rmap, sal_saved))
-
         g32 = [cuda.to_device(np.asarray(x, np.float32)) for x in xs]
 
-        def abwd(g):
-            K.score_for_aux_loss_bwd(sal_saved, g, "sigmoid", BF16, out=(grad,))
+        def afwd_plan(x):
+            return K.score_for_aux_loss_fwd_plan(x, k, 0)
 
-        add("aux_scores", "fwd", _kernel_times(afwd, [(w,) for w in words], repeats),
-            _bytes("aux_scores", "fwd", tokens, e, 2))
-        add("aux_scores", "bwd", _kernel_times(abwd, [(g,) for g in g32], repeats),
+        def abwd_plan(sv, g):
+            return K.score_for_aux_loss_bwd_plan(sv, 0, L.BF16)
+
+        add("aux_scores", "fwd", _kernel_times(afwd_plan, 1, [[w] for w in words], [scores, rmap, sal_saved],
+                                               repeats), _bytes("aux_scores", "fwd", tokens, e, 2))
+        add("aux_scores", "bwd", _kernel_times(abwd_plan, 2, [[sal_saved, g] for g in g32], [grad], repeats),
             _bytes("aux_scores", "bwd", tokens, e, 2))
-        probs32 = g32
         tpe = cuda.to_device(np.arange(e, dtype=np.int32))
-        loss = cuda.device_array((), np.float32)
-        coeff = cuda.device_array((), np.float32)
-        gprobs = cuda.device_array((tokens, e), np.float32)
+        c = aux_loss_coeff(e, 1e-4, k, tokens)
+        loss_plan = K.moe_aux_loss_fwd_plan(L.spec_of((tokens, e), L.F32), L.spec_for((e,), np.int32), c)
+        loss_outs = [cuda.device_array((), np.float32), cuda.device_array((), np.float32)]
+        loss_outs += [cuda.device_array(t.shape, t.dtype) for t in loss_plan.tmps]
+        add("aux_loss", "fwd", _kernel_times(lambda pr, t: loss_plan, 0, [[pr, tpe] for pr in g32], loss_outs,
+                                             repeats), _bytes("aux_loss", "fwd", tokens, e, 4))
         gl = cuda.to_device(np.ones((), np.float32))
+        gprobs = cuda.device_array((tokens, e), np.float32)
 
-        def lfwd(pr):
-            K.moe_aux_loss_fwd(pr, tpe, k, 1e-4, out=(loss, coeff))
+        def lbwd_plan(cf, t, g):
+            return K.moe_aux_loss_bwd_plan(t, g, tokens)
 
-        def lbwd():
-            K.moe_aux_loss_bwd(coeff, tpe, gl, tokens, out=(gprobs,))
-
-        add("aux_loss", "fwd", _kernel_times(lfwd, [(pr,) for pr in probs32], repeats),
-            _bytes("aux_loss", "fwd", tokens, e, 4))
-        add("aux_loss", "bwd", _kernel_times(lbwd, [()], repeats), _bytes("aux_loss", "bwd", tokens, e, 4))
+        add("aux_loss", "bwd", _kernel_times(lbwd_plan, 0, [[loss_outs[1], tpe, gl]], [gprobs], repeats),
+            _bytes("aux_loss", "bwd", tokens, e, 4))
     return out
 
 
 def _table(rows: list[Row]) -> str:
     head = (f"{'preset':<17}{'op':<11}{'path':<17}{'phase':<10}{'T':>7}{'E':>5}{'K':>4}"
-            f"{'us':>11}{'GB/s':>8}{'x floor':>10}{'jax/this':>10}")
+            f"{'us':>11}{'GB/s':>8}{'x floor':>10}{'jax/this':>10}{'host us':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         xj = "" if r.x_jax is None else f"{r.x_jax:.2f}"
+        hu = "" if r.host_us is None else f"{r.host_us:.1f}"
         lines.append(f"{r.preset:<17}{r.op:<11}{r.path:<17}{r.phase:<10}{r.tokens:>7}{r.experts:>5}"
-                     f"{r.topk:>4}{r.us:>11.1f}{r.gbps:>8.0f}{r.x_floor:>10.2f}{xj:>10}")
+                     f"{r.topk:>4}{r.us:>11.1f}{r.gbps:>8.0f}{r.x_floor:>10.2f}{xj:>10}{hu:>9}")
     return "\n".join(lines)
 
 

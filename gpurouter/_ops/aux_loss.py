@@ -16,6 +16,7 @@ from .._checks import (
     check_kernel_dtype,
     check_transport,
 )
+from .._host import aux_loss_coeff
 from .._sharding import per_row_shard_sum
 
 
@@ -93,6 +94,17 @@ def _bwd_launch(num_rows: int, saved_coeff, tokens_per_expert, grad_loss, **kw):
     return (out,)
 
 
+def _fwd_plan(cfg: AuxLossConfig, probs, tokens_per_expert):
+    rows, cols = probs.shape
+    c = aux_loss_coeff(cols if cfg.num_experts is None else cfg.num_experts, cfg.coeff, cfg.topk,
+                       rows if cfg.total_num_tokens is None else cfg.total_num_tokens)
+    return _backend.kernels().moe_aux_loss_fwd_plan(probs, tokens_per_expert, c)
+
+
+def _bwd_plan(num_rows: int, saved_coeff, tokens_per_expert, grad_loss):
+    return _backend.kernels().moe_aux_loss_bwd_plan(tokens_per_expert, grad_loss, num_rows)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _aux_loss(probs, tokens_per_expert, cfg: AuxLossConfig, transport: str):
     return _aux_loss_fwd(probs, tokens_per_expert, cfg, transport)[0]
@@ -101,7 +113,8 @@ def _aux_loss(probs, tokens_per_expert, cfg: AuxLossConfig, transport: str):
 def _aux_loss_fwd(probs, tokens_per_expert, cfg: AuxLossConfig, transport: str):
     specs = (jax.ShapeDtypeStruct((), probs.dtype), jax.ShapeDtypeStruct((), jnp.float32))
     loss, saved_coeff = kernel_call(
-        functools.partial(_fwd_launch, cfg), specs, [], [probs, tokens_per_expert], transport
+        functools.partial(_fwd_launch, cfg), functools.partial(_fwd_plan, cfg), specs, [],
+        [probs, tokens_per_expert], transport,
     )
     # An empty [T, 0] array carries the row count and dtype of probs into the
     # backward (residuals must be arrays; it also follows vmap's batching).
@@ -114,7 +127,7 @@ def _aux_loss_bwd(cfg: AuxLossConfig, transport: str, res, grad_loss):
     num_rows, dtype = like.shape[0], like.dtype
     spec = jax.ShapeDtypeStruct((num_rows, tokens_per_expert.shape[0]), dtype)
     (grad_probs,) = kernel_call(
-        functools.partial(_bwd_launch, num_rows), [spec], [],
+        functools.partial(_bwd_launch, num_rows), functools.partial(_bwd_plan, num_rows), [spec], [],
         [saved_coeff, tokens_per_expert, grad_loss.astype(dtype)], transport,
     )
     return grad_probs, None

@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import _backend, reference
 from .._callback import kernel_call, resolve_transport
@@ -121,6 +122,13 @@ def _topk_launch(cfg: TopkConfig, logits, *bias, **kw):
     )
 
 
+def _topk_plan(cfg: TopkConfig, logits, *bias):
+    return _backend.kernels().topk_with_score_function_fwd_plan(
+        logits, bool(bias), cfg.topk, cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk,
+        np.float32(cfg.scaling_factor), int(cfg.score_function),
+    )
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _topk(x, bias, cfg: TopkConfig, transport: str):
     return _topk_fwd(x, bias, cfg, transport)[0]
@@ -128,7 +136,7 @@ def _topk(x, bias, cfg: TopkConfig, transport: str):
 
 def _topk_fwd(x, bias, cfg: TopkConfig, transport: str):
     probs, routing_map, saved = kernel_call(
-        functools.partial(_topk_launch, cfg), _specs(x, x.dtype), [x],
+        functools.partial(_topk_launch, cfg), functools.partial(_topk_plan, cfg), _specs(x, x.dtype), [x],
         [] if bias is None else [bias], transport,
     )
     return (probs, routing_map), (routing_map, saved)
@@ -142,11 +150,18 @@ def _topk_bwd_launch(cfg: TopkConfig, routing_map, saved, grad_probs, **kw):
     return (out,)
 
 
+def _topk_bwd_plan(cfg: TopkConfig, routing_map, saved, grad_probs):
+    return _backend.kernels().topk_with_score_function_bwd_plan(
+        grad_probs, cfg.topk, cfg.use_pre_softmax, np.float32(cfg.scaling_factor),
+        int(cfg.score_function),
+    )
+
+
 def _topk_bwd(cfg: TopkConfig, transport: str, res, cts):
     routing_map, saved = res
     grad_probs = cts[0]
     (grad_logits,) = kernel_call(
-        functools.partial(_topk_bwd_launch, cfg),
+        functools.partial(_topk_bwd_launch, cfg), functools.partial(_topk_bwd_plan, cfg),
         [jax.ShapeDtypeStruct(grad_probs.shape, grad_probs.dtype)],
         [routing_map, saved, grad_probs], (), transport,
     )
@@ -162,6 +177,10 @@ def _aux_launch(cfg: TopkConfig, logits, **kw):
     )
 
 
+def _aux_plan(cfg: TopkConfig, logits):
+    return _backend.kernels().score_for_aux_loss_fwd_plan(logits, cfg.topk, int(cfg.score_function))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _aux_scores(x, cfg: TopkConfig, dtype, transport: str):
     return _aux_scores_fwd(x, cfg, dtype, transport)[0]
@@ -169,7 +188,8 @@ def _aux_scores(x, cfg: TopkConfig, dtype, transport: str):
 
 def _aux_scores_fwd(x, cfg: TopkConfig, dtype, transport: str):
     scores, routing_map, saved = kernel_call(
-        functools.partial(_aux_launch, cfg), _specs(x, jnp.float32), [x], (), transport
+        functools.partial(_aux_launch, cfg), functools.partial(_aux_plan, cfg), _specs(x, jnp.float32),
+        [x], (), transport,
     )
     return (scores, routing_map), saved
 
@@ -181,10 +201,16 @@ def _aux_bwd_launch(cfg: TopkConfig, out_dtype, saved, grad_scores, **kw):
     return (out,)
 
 
+def _aux_bwd_plan(cfg: TopkConfig, out_dtype, saved, grad_scores):
+    k = _backend.kernels()
+    kind = k.kind_of_dtype(out_dtype, "out_dtype", "score_for_aux_loss_bwd")
+    return k.score_for_aux_loss_bwd_plan(saved, int(cfg.score_function), kind)
+
+
 def _aux_scores_bwd(cfg: TopkConfig, dtype, transport: str, saved, cts):
     grad_scores = cts[0].astype(jnp.float32)
     (grad_logits,) = kernel_call(
-        functools.partial(_aux_bwd_launch, cfg, dtype),
+        functools.partial(_aux_bwd_launch, cfg, dtype), functools.partial(_aux_bwd_plan, cfg, dtype),
         [jax.ShapeDtypeStruct(saved.shape, dtype)],
         [saved, grad_scores], (), transport,
     )

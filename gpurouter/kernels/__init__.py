@@ -6,17 +6,24 @@ the layout.  Never imports jax.
 """
 
 from . import _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+from ._launch import kind_of_dtype as kind_of_dtype
 from ._limits import MAX_EXPERTS as MAX_EXPERTS
 from ._limits import MAX_GROUPS as MAX_GROUPS
 from ._limits import MAX_TOPK as MAX_TOPK
 from ._limits import check_limits as check_limits
 from .aux_loss import aux_loss_coeff as aux_loss_coeff
 from .aux_loss import moe_aux_loss_bwd as moe_aux_loss_bwd
+from .aux_loss import moe_aux_loss_bwd_plan as moe_aux_loss_bwd_plan
 from .aux_loss import moe_aux_loss_fwd as moe_aux_loss_fwd
+from .aux_loss import moe_aux_loss_fwd_plan as moe_aux_loss_fwd_plan
 from .aux_scores import score_for_aux_loss_bwd as score_for_aux_loss_bwd
+from .aux_scores import score_for_aux_loss_bwd_plan as score_for_aux_loss_bwd_plan
 from .aux_scores import score_for_aux_loss_fwd as score_for_aux_loss_fwd
+from .aux_scores import score_for_aux_loss_fwd_plan as score_for_aux_loss_fwd_plan
 from .topk import topk_with_score_function_bwd as topk_with_score_function_bwd
+from .topk import topk_with_score_function_bwd_plan as topk_with_score_function_bwd_plan
 from .topk import topk_with_score_function_fwd as topk_with_score_function_fwd
+from .topk import topk_with_score_function_fwd_plan as topk_with_score_function_fwd_plan
 
 __all__ = [
     "MAX_EXPERTS",
@@ -24,10 +31,17 @@ __all__ = [
     "MAX_TOPK",
     "aux_loss_coeff",
     "check_limits",
+    "kind_of_dtype",
     "moe_aux_loss_bwd",
+    "moe_aux_loss_bwd_plan",
     "moe_aux_loss_fwd",
+    "moe_aux_loss_fwd_plan",
     "score_for_aux_loss_bwd",
+    "score_for_aux_loss_bwd_plan",
     "score_for_aux_loss_fwd",
+    "score_for_aux_loss_fwd_plan",
     "topk_with_score_function_bwd",
+    "topk_with_score_function_bwd_plan",
     "topk_with_score_function_fwd",
+    "topk_with_score_function_fwd_plan",
 ]

@@ -1,0 +1,92 @@
+"""The zero-copy plumbing that needs no GPU: pointer arithmetic over vmap batch
+dims and the launches a callback issues (the launches themselves are faked;
+on a GPU every public test runs them for real)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpurouter import _callback as cb
+
+pytest.importorskip("numba")
+L = pytest.importorskip("gpurouter.kernels._launch")
+
+
+def _ptr_of(a: np.ndarray) -> cb._Ptr:
+    return cb._Ptr(a.ctypes.data, a.shape, a.dtype)
+
+
+@pytest.mark.parametrize("idx", [(), (1,), (1, 2), (0, 3, 1)])
+def test_ptr_indexing_matches_numpy_byte_offsets(idx):
+    a = np.zeros((2, 4, 3, 5), np.float32)
+    got = _ptr_of(a)[idx]
+    want = a[idx]
+    assert got.ptr == want.ctypes.data and got.shape == want.shape
+
+
+class _FakePlan:
+    steps = ("launch",)
+    tmps = ()
+
+    def __init__(self, *specs):
+        self.specs = specs
+
+
+def _recording(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cb, "_ordinal", lambda ptr: 0)
+    monkeypatch.setattr(cb, "_pointer_launch",
+                        lambda plan, ordinal: lambda ptrs, stream: calls.append((plan.specs, ptrs, stream)))
+    return calls
+
+
+def test_unbatched_call_is_one_launch_on_the_buffers(monkeypatch):
+    calls = _recording(monkeypatch)
+    x, b = np.zeros((6, 8), np.uint16), np.zeros((8,), np.float32)
+    outs = [np.zeros((6, 8), np.float32), np.zeros((6, 8), np.bool_)]
+    cb._run_plans(_FakePlan, 1, 2, [_ptr_of(x), _ptr_of(b)], [_ptr_of(o) for o in outs], 7)
+    (specs, ptrs, stream), = calls
+    assert stream == 7
+    assert specs == (L.spec_for((6, 8), np.uint16), L.spec_for((8,), np.float32))
+    assert specs[0].kind == L.BF16
+    assert ptrs == [x.ctypes.data, b.ctypes.data] + [o.ctypes.data for o in outs]
+
+
+def test_vmap_batch_folds_into_tokens(monkeypatch):
+    calls = _recording(monkeypatch)
+    x = np.zeros((2, 3, 5, 8), np.float32)  # batch (2, 3) of [T=5, E=8]
+    b = np.zeros((1, 1, 8), np.float32)  # unbatched bias, expand_dims style
+    out = np.zeros((2, 3, 5, 8), np.float32)
+    cb._run_plans(_FakePlan, 1, 1, [_ptr_of(x), _ptr_of(b)], [_ptr_of(out)], 0)
+    (specs, ptrs, _), = calls
+    assert specs == (L.spec_for((30, 8), np.float32), L.spec_for((8,), np.float32))
+    assert ptrs == [x.ctypes.data, b.ctypes.data, out.ctypes.data]
+
+
+def test_batched_bias_launches_once_per_element_at_the_right_offsets(monkeypatch):
+    calls = _recording(monkeypatch)
+    x = np.zeros((2, 3, 5, 8), np.float32)
+    b = np.zeros((2, 1, 8), np.float32)  # batched along the first batch dim only
+    out = np.zeros((2, 3, 5, 8), np.float32)
+    cb._run_plans(_FakePlan, 1, 1, [_ptr_of(x), _ptr_of(b)], [_ptr_of(out)], 0)
+    assert len(calls) == 6
+    for (specs, ptrs, _), (i, j) in zip(calls, np.ndindex(2, 3), strict=True):
+        assert specs == (L.spec_for((5, 8), np.float32), L.spec_for((8,), np.float32))
+        assert ptrs == [x[i, j].ctypes.data, b[i, 0].ctypes.data, out[i, j].ctypes.data]
+
+
+def test_scratch_outputs_follow_the_op_outputs(monkeypatch):
+    calls = _recording(monkeypatch)
+    p, t = np.zeros((4, 8), np.float32), np.zeros((8,), np.int32)
+    loss, coeff, tmp = np.zeros((), np.float32), np.zeros((), np.float32), np.zeros((3, 8), np.float32)
+    cb._run_plans(_FakePlan, 0, 2, [_ptr_of(p), _ptr_of(t)], [_ptr_of(a) for a in (loss, coeff, tmp)], 0)
+    (specs, ptrs, _), = calls
+    assert specs[1].kind == L.INT and specs[1].dtype == np.int32
+    assert ptrs[2:] == [loss.ctypes.data, coeff.ctypes.data, tmp.ctypes.data]
+
+
+def test_nothing_launches_when_every_array_is_empty(monkeypatch):
+    calls = _recording(monkeypatch)
+    cb._run_plans(_FakePlan, 1, 1, [cb._Ptr(0, (0, 8), np.float32)], [cb._Ptr(0, (0, 8), np.float32)], 0)
+    assert calls == []
