@@ -457,10 +457,11 @@ def execute(plan: Plan, ins, out, stream, to_host: bool):
 
 def _numba_type(arg, specs):
     from numba.cuda import types as nbt
+    from numba.cuda.np.numpy_support import from_dtype
 
     if isinstance(arg, Ref):
         sp = arg.view or specs[arg.role][arg.index]
-        return nbt.Array(nbt.from_dtype(sp.dtype), max(1, len(sp.shape)), "C")
+        return nbt.Array(from_dtype(sp.dtype), max(1, len(sp.shape)), "C")
     if isinstance(arg, (bool, np.bool_)):
         return nbt.boolean
     if isinstance(arg, np.float32):

@@ -603,7 +603,7 @@ def topk_with_score_function_fwd(
     plan = topk_with_score_function_fwd_plan(
         L.spec_of(d_logits.shape, kind), d_bias is not None, topk, bool(use_pre_softmax),
         num_groups, group_topk, np.float32(scaling_factor), sf)
-    return L.execute(plan, [d_logits, d_bias], out, s, to_host)
+    return L.execute(plan, [d_logits] if d_bias is None else [d_logits, d_bias], out, s, to_host)
 
 
 @functools.cache
@@ -618,7 +618,7 @@ def topk_with_score_function_fwd_plan(logits: L.Spec, has_bias: bool, topk: int,
     shape = (num_tokens, num_experts)
     outs = (L.spec_of(shape, logits.kind), L.Spec(shape, np.bool_), L.spec_of(shape, L.F32))
     bias_spec = L.spec_of((num_experts,), L.F32)
-    ins = (logits, bias_spec if has_bias else None)
+    ins = (logits, bias_spec) if has_bias else (logits,)
     if num_tokens == 0:
         return L.Plan(OP + "_fwd", ins, outs)
     # without a bias the kernel gets any [E] fp32 array (never read): saved's first row
