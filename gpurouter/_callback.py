@@ -151,9 +151,18 @@ def _ptr(buf) -> _Ptr:
     return _Ptr(cai["data"][0], cai["shape"], typestr)
 
 
+@functools.cache
+def _gpu_count() -> int:
+    from numba import cuda
+
+    return len(cuda.gpus)
+
+
 def _ordinal(ptr: int) -> int:
     """The GPU that holds device pointer ``ptr`` (XLA's ExecutionContext names
     no device; on a multi-GPU host each shard's buffers live on its own GPU)."""
+    if _gpu_count() == 1:
+        return 0
     from cuda.bindings import driver
 
     err, ordinal = driver.cuPointerGetAttribute(
@@ -182,10 +191,20 @@ def _pointer_launch(plan, ordinal: int):
     return hit[0]
 
 
-def _specs_of(arrays) -> tuple:
-    from .kernels._launch import spec_for
+_PLANS: dict = {}
 
-    return tuple(spec_for(a.shape, a.dtype) for a in arrays)
+
+def _plan_of(planner, arrays):
+    """``planner(*specs of arrays)``, memoised per planner and input shapes/dtypes."""
+    key = (planner, *((a.shape, a.dtype) for a in arrays))
+    plan = _PLANS.get(key)
+    if plan is None:
+        from .kernels._launch import spec_for
+
+        if len(_PLANS) > 4096:  # one entry per traced call site and shape: bounded anyway
+            _PLANS.clear()
+        plan = _PLANS[key] = planner(*(spec_for(a.shape, a.dtype) for a in arrays))
+    return plan
 
 
 def _run_plans(planner, n_token: int, n_out: int, ins, outs, stream: int) -> None:
@@ -199,13 +218,18 @@ def _run_plans(planner, n_token: int, n_out: int, ins, outs, stream: int) -> Non
     ordinal = _ordinal(placed[0])
     _, launches = _launches(ins, n_token)
     for inputs, view in launches:
-        plan = planner(*_specs_of(inputs))
+        plan = _plan_of(planner, inputs)
         if not plan.steps:
             continue
         ptrs = [a.ptr for a in inputs]
         ptrs += [view(o).ptr for o in outs[:n_out]]
         ptrs += [t.ptr for t in outs[n_out:]]
         _pointer_launch(plan, ordinal)(ptrs, stream)
+
+
+def _device_call(planner, n_token: int, n_out: int, bufs, outs, stream: int) -> None:
+    """The body of a zero-copy callback: XLA's buffers -> raw pointers -> launches."""
+    _run_plans(planner, n_token, n_out, [_ptr(b) for b in bufs], [_ptr(o) for o in outs], stream)
 
 
 def _to_words(x: jax.Array) -> jax.Array:
@@ -233,8 +257,7 @@ def _zero_copy_call(planner, out_specs, token_args, call_args):
         raise AssertionError("plans with scratch arrays must not have per-token arrays")
 
     def device_fn(ctx, outs, *bufs):
-        _run_plans(planner, n_token, n_out, [_ptr(b) for b in bufs], [_ptr(o) for o in outs],
-                   ctx.stream)
+        _device_call(planner, n_token, n_out, bufs, outs, ctx.stream)
 
     call = buffer_callback(
         device_fn,

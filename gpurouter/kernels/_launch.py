@@ -476,18 +476,22 @@ class PointerLaunch:
 
     Kernel parameters follow numba's ABI for ``@cuda.jit`` kernels: an array
     is (meminfo, parent, nitems, itemsize, data, shape..., strides...), all
-    pointer-sized; int64, float32 and bool scalars as themselves. The whole
-    parameter list except the data pointers is fixed here; a call fills in
-    the pointers and launches.
+    pointer-sized; int64, float32 and bool scalars as themselves. Each step's
+    parameters live in ctypes storage built here, with the ``void*[]`` array
+    cuLaunchKernel reads; a call only writes the data pointers into it and
+    launches (the driver copies the parameters at launch, so the storage is
+    reused at once; a lock keeps two host threads from interleaving).
     """
 
     def __init__(self, plan: Plan, ordinal: int):
         import ctypes
+        import threading
 
         from cuda.bindings import driver
 
         self._driver = driver
         self._launch = driver.cuLaunchKernel
+        self._lock = threading.Lock()
         specs = {"in": plan.ins, "out": plan.outs, "tmp": plan.tmps}
         slot = {"in": 0, "out": len(plan.ins), "tmp": len(plan.ins) + len(plan.outs)}
         self.steps = []
@@ -496,7 +500,7 @@ class PointerLaunch:
                 argtypes = tuple(_numba_type(a, specs) for a in st.args)
                 kern = st.kernel.compile(argtypes)
                 handle = kern._codelibrary.get_cufunc().handle
-                vals, types, holes = [], [], []
+                params, holes = [], []
                 for a in st.args:
                     if isinstance(a, Ref):
                         sp = a.view or specs[a.role][a.index]
@@ -504,34 +508,34 @@ class PointerLaunch:
                         strides = [sp.dtype.itemsize] * len(shape)
                         for d in range(len(shape) - 2, -1, -1):
                             strides[d] = strides[d + 1] * shape[d + 1]
-                        holes.append((len(vals) + 4, slot[a.role] + a.index))
-                        vals += [0, 0, int(np.prod(shape)), sp.dtype.itemsize, 0, *shape, *strides]
-                        types += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                  ctypes.c_void_p] + [ctypes.c_int64] * (2 * len(shape))
+                        data = ctypes.c_void_p(0)
+                        holes.append((data, slot[a.role] + a.index))
+                        params += [ctypes.c_void_p(0), ctypes.c_void_p(0),
+                                   ctypes.c_int64(int(np.prod(shape))), ctypes.c_int64(sp.dtype.itemsize),
+                                   data] + [ctypes.c_int64(v) for v in (*shape, *strides)]
                     elif isinstance(a, (bool, np.bool_)):
-                        vals.append(bool(a))
-                        types.append(ctypes.c_bool)
+                        params.append(ctypes.c_bool(bool(a)))
                     elif isinstance(a, np.float32):
-                        vals.append(float(a))
-                        types.append(ctypes.c_float)
+                        params.append(ctypes.c_float(float(a)))
                     else:
-                        vals.append(int(a))
-                        types.append(ctypes.c_int64)
-                self.steps.append((handle, st.grid, st.block, st.shared, vals, tuple(types), holes))
+                        params.append(ctypes.c_int64(int(a)))
+                argv = (ctypes.c_void_p * len(params))(*(ctypes.addressof(p) for p in params))
+                self.steps.append((handle, st.grid, st.block, st.shared, ctypes.addressof(argv),
+                                   tuple(holes), (params, argv)))  # the last keeps the storage alive
         self.context = cuda.gpus[ordinal].get_primary_context().handle  # numba: the primary context
 
     def __call__(self, ptrs, stream: int) -> None:
         """Launches every step on ``stream``; ``ptrs``: ins + outs + tmps, in plan order."""
         drv = self._driver
-        (err,) = drv.cuCtxPushCurrent(self.context)
-        try:
-            for handle, grid, block, shared, vals, types, holes in self.steps:
-                vals = list(vals)
-                for pos, i in holes:
-                    vals[pos] = ptrs[i]
-                (err,) = self._launch(handle, grid, 1, 1, block, 1, 1, shared, stream,
-                                      (tuple(vals), types), 0)
-                if err != drv.CUresult.CUDA_SUCCESS:
-                    raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
-        finally:
-            drv.cuCtxPopCurrent()
+        ok = drv.CUresult.CUDA_SUCCESS
+        with self._lock:
+            drv.cuCtxPushCurrent(self.context)
+            try:
+                for handle, grid, block, shared, argv, holes, _ in self.steps:
+                    for data, i in holes:
+                        data.value = ptrs[i]
+                    (err,) = self._launch(handle, grid, 1, 1, block, 1, 1, shared, stream, argv, 0)
+                    if err != ok:
+                        raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
+            finally:
+                drv.cuCtxPopCurrent()

@@ -3,11 +3,13 @@
 ``C = num_experts * coeff / (topk * T * T)`` (fp32, host, in that order) and
 ``loss = C * sum_c (sum_r probs[r, c]) * tokens_per_expert[c]``.
 
-Deterministic by construction (≠TE, which uses float atomics): a grid of
-blocks writes per-block column partials ``[nblocks, C]`` (block b sums a fixed
-row range, thread t columns ``t, t + threads, ...``); one single-block kernel
-then reduces them in a fixed order (blocks in order per column, then a
-shared-memory tree over the threads) and multiplies by C.  No atomics.
+Deterministic by construction (≠TE, which uses float atomics): a grid of at
+most 256 blocks writes per-block column partials ``[nblocks, C]`` (block b sums
+a fixed row range; its threads are row lanes x column lanes, each summing its
+rows with 4 interleaved accumulators so that enough loads are in flight); one
+single-block kernel then reduces the partials the same way, weights them by
+``tokens_per_expert`` and sums over columns with a fixed-shape tree, times C.
+No atomics; every order fixed.
 """
 
 from __future__ import annotations
@@ -26,32 +28,101 @@ from . import _launch as L
 from .topk import _ZERO, loader1, nb_f32, storer, storer1
 
 OP = "moe_aux_loss"
-_FINAL_THREADS_MAX = L.MAX_THREADS  # static shared size of the final reduction
+
+# Column-sum tiling: a block is RL row lanes x CL column lanes (CL a multiple of
+# 32, at most 256; RL * CL == _BLOCK). Thread (rl, cl) owns columns cl, cl + CL,
+# ... and, of its block's rows, those congruent to rl mod RL, summed with
+# _UNROLL independent accumulators (several loads in flight per thread: the
+# sums are bandwidth-bound only if enough bytes are in flight, ~4 MB on an
+# H200). Every order is fixed: deterministic.
+_BLOCK = 512
+_UNROLL = 4
+_PARTIAL_BLOCKS = 256  # ~2 per SM on an H100/H200; the final pass sums these rows
+_MIN_ROWS_PER_BLOCK = 64
+
+
+def _column_tiling(num_rows: int, num_cols: int):
+    """``(grid, threads, col_lanes, rows_per_block)`` of a column-sum kernel over
+    ``[num_rows, num_cols]``: no more row lanes than a block has rows (tiny
+    problems, e.g. under the simulator, get small blocks)."""
+    cl = min(256, max(32, -(-num_cols // 32) * 32))
+    grid = max(1, min(_PARTIAL_BLOCKS, -(-num_rows // _MIN_ROWS_PER_BLOCK)))
+    rows = -(-max(num_rows, 1) // grid)
+    rl = 1
+    while rl * 2 * cl <= _BLOCK and rl * 2 <= rows:
+        rl *= 2
+    return grid, rl * cl, cl, rows
+
+
+@functools.cache
+def _lane_column_sum(kind: str):
+    """Device function ``sum(src, r0, r1, c, rl, nrl)``: fp32 sum of ``src[r, c]``
+    (``src`` of ``kind``) over ``r0 <= r < r1`` with ``r = r0 + rl (mod nrl)``, in
+    a fixed order: _UNROLL interleaved accumulators, then ((a0 + a1) + a2) + a3."""
+    from .topk import loader
+
+    load = loader(kind)
+
+    @cuda.jit(device=True)
+    def column_sum(src, r0, r1, c, rl, nrl):
+        a0 = _ZERO
+        a1 = _ZERO
+        a2 = _ZERO
+        a3 = _ZERO
+        r = r0 + rl
+        step = nrl * _UNROLL
+        while r + (_UNROLL - 1) * nrl < r1:
+            a0 += load(src, r, c)
+            a1 += load(src, r + nrl, c)
+            a2 += load(src, r + 2 * nrl, c)
+            a3 += load(src, r + 3 * nrl, c)
+            r += step
+        while r < r1:
+            a0 += load(src, r, c)
+            r += nrl
+        return np.float32(np.float32(np.float32(a0 + a1) + a2) + a3)
+
+    return column_sum
 
 
 @functools.cache
 def _aux_loss_partial_kernel(kind: str):
-    from .topk import loader
-
-    load = loader(kind)
+    column_sum = _lane_column_sum(kind)
 
     @cuda.jit
     def kernel(
         probs,  # [T, C] kind
         partial,  # [nblocks, C] fp32, out
         rows_per_block,
+        col_lanes,  # CL; blockDim.x == RL * CL
     ):
+        # Lane sums of each row lane, combined in row-lane order in shared memory.
+        red = cuda.shared.array(_BLOCK, nb_f32)
         num_rows = probs.shape[0]
         num_cols = probs.shape[1]
+        tid = cuda.threadIdx.x
+        nrl = cuda.blockDim.x // col_lanes
+        rl = tid // col_lanes
+        cl = tid - rl * col_lanes
         b = cuda.blockIdx.x
         r0 = b * rows_per_block
         r1 = min(num_rows, r0 + rows_per_block)
-        # Thread t owns columns t, t + threads, ...: each row read is coalesced.
-        for c in range(cuda.threadIdx.x, num_cols, cuda.blockDim.x):
+        c0 = 0
+        while c0 < num_cols:  # same trip count in every thread: barriers inside are uniform
+            c = c0 + cl
             acc = _ZERO
-            for r in range(r0, r1):  # fixed order: deterministic
-                acc += load(probs, r, c)
-            partial[b, c] = acc
+            if c < num_cols:
+                acc = column_sum(probs, r0, r1, c, rl, nrl)
+            red[tid] = acc
+            # Barrier: row lane 0 reads the other lanes' sums.
+            cuda.syncthreads()
+            if rl == 0 and c < num_cols:
+                for q in range(1, nrl):
+                    acc += red[q * col_lanes + cl]
+                partial[b, c] = acc
+            # Barrier: red is reused by the next column chunk.
+            cuda.syncthreads()
+            c0 += col_lanes
 
     return kernel
 
@@ -60,6 +131,7 @@ def _aux_loss_partial_kernel(kind: str):
 def _aux_loss_final_kernel(tpe_kind: str, out_kind: str):
     load_tpe = loader1(tpe_kind)
     store = storer1(out_kind)
+    column_sum = _lane_column_sum(L.F32)
 
     @cuda.jit
     def kernel(
@@ -68,33 +140,54 @@ def _aux_loss_final_kernel(tpe_kind: str, out_kind: str):
         coeff,  # fp32 scalar: C
         loss,  # [1] out_kind, out
         saved_coeff,  # [1] fp32, out: C again, for the backward
+        col_lanes,  # CL; one block, blockDim.x == RL * CL
     ):
-        # One block; blockDim.x is a power of two <= _FINAL_THREADS_MAX.
-        red = cuda.shared.array(_FINAL_THREADS_MAX, nb_f32)
+        red = cuda.shared.array(_BLOCK, nb_f32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
+        nrl = nthreads // col_lanes
+        rl = tid // col_lanes
+        cl = tid - rl * col_lanes
         nblocks = partial.shape[0]
-        acc = _ZERO
-        for c in range(tid, partial.shape[1], nthreads):
-            col = _ZERO
-            for b in range(nblocks):  # blocks in order
-                col += partial[b, c]
-            acc += np.float32(col * load_tpe(tokens_per_expert, c))
-        red[tid] = acc
+        num_cols = partial.shape[1]
+        total = _ZERO  # row lane 0: sum over its columns of colsum * tpe
+        c0 = 0
+        while c0 < num_cols:
+            c = c0 + cl
+            acc = _ZERO
+            if c < num_cols:
+                acc = column_sum(partial, 0, nblocks, c, rl, nrl)
+            red[tid] = acc
+            # Barrier: row lane 0 reads the other lanes' sums.
+            cuda.syncthreads()
+            if rl == 0 and c < num_cols:
+                for q in range(1, nrl):
+                    acc += red[q * col_lanes + cl]
+                total += np.float32(acc * load_tpe(tokens_per_expert, c))
+            # Barrier: red is reused by the next chunk (and by the tree below).
+            cuda.syncthreads()
+            c0 += col_lanes
+        red[tid] = total if rl == 0 else _ZERO
         # Barrier: the tree reads other threads' sums.
         cuda.syncthreads()
-        width = nthreads // 2
-        while width > 0:
-            if tid < width:
-                red[tid] = np.float32(red[tid] + red[tid + width])
+        n = nthreads  # fixed-shape tree over any n: pairs (i, i + ceil(n/2))
+        while n > 1:
+            half = (n + 1) // 2
+            if tid < n - half:
+                red[tid] = np.float32(red[tid] + red[tid + half])
             # Barrier: the next level reads this level's results.
             cuda.syncthreads()
-            width //= 2
+            n = half
         if tid == 0:
             store(loss, 0, np.float32(coeff * red[0]))
             saved_coeff[0] = coeff
 
     return kernel
+
+
+# ----------------------------------------------------------------------------
+# Backward: grad_probs[r, c] = C * f32(tpe[c]) * f32(grad_loss), every row alike.
+# ----------------------------------------------------------------------------
 
 
 @functools.cache
@@ -109,17 +202,25 @@ def _aux_loss_bwd_kernel(tpe_kind: str, out_kind: str):
         tokens_per_expert,  # [C] tpe_kind
         grad_loss,  # [1] out_kind
         grad_probs,  # [R, C] out_kind, out
+        rows_per_block,
+        col_lanes,  # CL; blockDim.x == RL * CL
     ):
+        # Thread (rl, cl) computes its columns' value once and writes it down
+        # its rows: no index division, coalesced stores.
+        num_rows = grad_probs.shape[0]
         num_cols = grad_probs.shape[1]
-        n = grad_probs.shape[0] * num_cols
-        step = cuda.gridDim.x * cuda.blockDim.x
+        tid = cuda.threadIdx.x
+        nrl = cuda.blockDim.x // col_lanes
+        rl = tid // col_lanes
+        cl = tid - rl * col_lanes
+        r0 = cuda.blockIdx.x * rows_per_block
+        r1 = min(num_rows, r0 + rows_per_block)
         c0 = coeff[0]
         g = load_grad(grad_loss, 0)
-        # Grid-stride over the flattened [R, C] output: coalesced writes.
-        for i in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, n, step):
-            r = i // num_cols
-            c = i - r * num_cols
-            store(grad_probs, r, c, np.float32(np.float32(c0 * load_tpe(tokens_per_expert, c)) * g))
+        for c in range(cl, num_cols, col_lanes):
+            v = np.float32(np.float32(c0 * load_tpe(tokens_per_expert, c)) * g)
+            for r in range(r0 + rl, r1, nrl):
+                store(grad_probs, r, c, v)
 
     return kernel
 
@@ -172,14 +273,14 @@ def moe_aux_loss_fwd_plan(probs: L.Spec, tokens_per_expert: L.Spec, c: np.float3
     saved_coeff; scratch: the per-block column partials). ``c`` is the fp32 C."""
     num_rows, num_cols = probs.shape
     outs = (L.spec_of((), probs.kind), L.spec_of((), L.F32))
-    grid, threads, rows = L.reduction_tiling(max(num_rows, 1), num_cols)
+    grid, threads, cl, rows = _column_tiling(num_rows, num_cols)
+    _, final_threads, _, _ = _column_tiling(grid, num_cols)  # one block over the partials
     tmps = (L.spec_of((grid, num_cols), L.F32),)
     steps = (
-        L.Step(_aux_loss_partial_kernel(probs.kind), grid, threads, 0, (L.In(0), L.Tmp(0), rows)),
-        L.Step(_aux_loss_final_kernel(tokens_per_expert.kind, probs.kind), 1,
-               L.final_threads(num_cols), 0,
+        L.Step(_aux_loss_partial_kernel(probs.kind), grid, threads, 0, (L.In(0), L.Tmp(0), rows, cl)),
+        L.Step(_aux_loss_final_kernel(tokens_per_expert.kind, probs.kind), 1, final_threads, 0,
                (L.Tmp(0), L.In(1), np.float32(c), L.Out(0, L.spec_of((1,), probs.kind)),
-                L.Out(1, L.spec_of((1,), L.F32)))),
+                L.Out(1, L.spec_of((1,), L.F32)), cl)),
     )
     return L.Plan(OP + "_fwd", (probs, tokens_per_expert), outs, tmps, steps)
 
@@ -221,7 +322,8 @@ def moe_aux_loss_bwd_plan(tokens_per_expert: L.Spec, grad_loss: L.Spec, num_rows
     outs = (L.spec_of((num_rows, num_cols), kind),)
     if num_rows == 0 or num_cols == 0:
         return L.Plan(OP + "_bwd", ins, outs)
-    grid, threads = L.elementwise_tiling(num_rows * num_cols)
-    step = L.Step(_aux_loss_bwd_kernel(tokens_per_expert.kind, kind), grid, threads, 0,
-                  (L.In(0, L.spec_of((1,), L.F32)), L.In(1), L.In(2, L.spec_of((1,), kind)), L.Out(0)))
+    grid, threads, cl, rows = _column_tiling(num_rows, num_cols)
+    step = L.Step(_aux_loss_bwd_kernel(tokens_per_expert.kind, kind), 2 * grid, threads, 0,
+                  (L.In(0, L.spec_of((1,), L.F32)), L.In(1), L.In(2, L.spec_of((1,), kind)), L.Out(0),
+                   -(-num_rows // (2 * grid)), cl))
     return L.Plan(OP + "_bwd", ins, outs, (), (step,))
