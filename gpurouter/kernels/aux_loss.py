@@ -30,26 +30,27 @@ from .topk import _ZERO, loader1, nb_f32, storer, storer1
 OP = "moe_aux_loss"
 
 # Column-sum tiling: a block is RL row lanes x CL column lanes (CL a multiple of
-# 32, at most 256; RL * CL == _BLOCK). Thread (rl, cl) owns columns cl, cl + CL,
+# 32, at most 256; RL * CL <= _BLOCK). Thread (rl, cl) owns columns cl, cl + CL,
 # ... and, of its block's rows, those congruent to rl mod RL, summed with
-# _UNROLL independent accumulators (several loads in flight per thread: the
+# 8 independent accumulators (several loads in flight per thread: the
 # sums are bandwidth-bound only if enough bytes are in flight, ~4 MB on an
 # H200). Every order is fixed: deterministic.
 _BLOCK = 512
-_UNROLL = 4
+_FINAL_BLOCK = 1024  # the one block that sums the partials: as many loads in flight as one SM takes
 _PARTIAL_BLOCKS = 256  # ~2 per SM on an H100/H200; the final pass sums these rows
 _MIN_ROWS_PER_BLOCK = 64
 
 
-def _column_tiling(num_rows: int, num_cols: int):
+def _column_tiling(num_rows: int, num_cols: int, block: int = _BLOCK):
     """``(grid, threads, col_lanes, rows_per_block)`` of a column-sum kernel over
-    ``[num_rows, num_cols]``: no more row lanes than a block has rows (tiny
-    problems, e.g. under the simulator, get small blocks)."""
+    ``[num_rows, num_cols]`` with at most ``block`` threads per block: no more
+    row lanes than a block has rows (tiny problems, e.g. under the simulator,
+    get small blocks)."""
     cl = min(256, max(32, -(-num_cols // 32) * 32))
     grid = max(1, min(_PARTIAL_BLOCKS, -(-num_rows // _MIN_ROWS_PER_BLOCK)))
     rows = -(-max(num_rows, 1) // grid)
     rl = 1
-    while rl * 2 * cl <= _BLOCK and rl * 2 <= rows:
+    while rl * 2 * cl <= block and rl * 2 <= rows:
         rl *= 2
     return grid, rl * cl, cl, rows
 
@@ -58,7 +59,7 @@ def _column_tiling(num_rows: int, num_cols: int):
 def _lane_column_sum(kind: str):
     """Device function ``sum(src, r0, r1, c, rl, nrl)``: fp32 sum of ``src[r, c]``
     (``src`` of ``kind``) over ``r0 <= r < r1`` with ``r = r0 + rl (mod nrl)``, in
-    a fixed order: _UNROLL interleaved accumulators, then ((a0 + a1) + a2) + a3."""
+    a fixed order: 8 interleaved accumulators, then a pairwise tree of them."""
     from .topk import loader
 
     load = loader(kind)
@@ -69,18 +70,26 @@ def _lane_column_sum(kind: str):
         a1 = _ZERO
         a2 = _ZERO
         a3 = _ZERO
+        a4 = _ZERO
+        a5 = _ZERO
+        a6 = _ZERO
+        a7 = _ZERO
         r = r0 + rl
-        step = nrl * _UNROLL
-        while r + (_UNROLL - 1) * nrl < r1:
+        while r + 7 * nrl < r1:  # 8 independent loads in flight
             a0 += load(src, r, c)
             a1 += load(src, r + nrl, c)
             a2 += load(src, r + 2 * nrl, c)
             a3 += load(src, r + 3 * nrl, c)
-            r += step
+            a4 += load(src, r + 4 * nrl, c)
+            a5 += load(src, r + 5 * nrl, c)
+            a6 += load(src, r + 6 * nrl, c)
+            a7 += load(src, r + 7 * nrl, c)
+            r += 8 * nrl
         while r < r1:
             a0 += load(src, r, c)
             r += nrl
-        return np.float32(np.float32(np.float32(a0 + a1) + a2) + a3)
+        return np.float32(np.float32(np.float32(a0 + a1) + np.float32(a2 + a3))
+                          + np.float32(np.float32(a4 + a5) + np.float32(a6 + a7)))
 
     return column_sum
 
@@ -140,9 +149,9 @@ def _aux_loss_final_kernel(tpe_kind: str, out_kind: str):
         coeff,  # fp32 scalar: C
         loss,  # [1] out_kind, out
         saved_coeff,  # [1] fp32, out: C again, for the backward
-        col_lanes,  # CL; one block, blockDim.x == RL * CL
+        col_lanes,  # CL; one block, blockDim.x == RL * CL <= _FINAL_BLOCK
     ):
-        red = cuda.shared.array(_BLOCK, nb_f32)
+        red = cuda.shared.array(_FINAL_BLOCK, nb_f32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         nrl = nthreads // col_lanes
@@ -274,7 +283,7 @@ def moe_aux_loss_fwd_plan(probs: L.Spec, tokens_per_expert: L.Spec, c: np.float3
     num_rows, num_cols = probs.shape
     outs = (L.spec_of((), probs.kind), L.spec_of((), L.F32))
     grid, threads, cl, rows = _column_tiling(num_rows, num_cols)
-    _, final_threads, _, _ = _column_tiling(grid, num_cols)  # one block over the partials
+    _, final_threads, _, _ = _column_tiling(grid, num_cols, _FINAL_BLOCK)  # one block: the partials
     tmps = (L.spec_of((grid, num_cols), L.F32),)
     steps = (
         L.Step(_aux_loss_partial_kernel(probs.kind), grid, threads, 0, (L.In(0), L.Tmp(0), rows, cl)),
