@@ -145,10 +145,14 @@ class _Ptr:
         return _Ptr(self.ptr + flat * size, self.shape[len(idx):], self.dtype)
 
 
+@functools.cache
+def _dtype_of(typestr: str) -> np.dtype:
+    return np.dtype("<u2" if typestr in ("<V2", "|V2") else typestr)  # bf16 words
+
+
 def _ptr(buf) -> _Ptr:
     cai = buf.__cuda_array_interface__
-    typestr = "<u2" if cai["typestr"] in ("<V2", "|V2") else cai["typestr"]
-    return _Ptr(cai["data"][0], cai["shape"], typestr)
+    return _Ptr(cai["data"][0], cai["shape"], _dtype_of(cai["typestr"]))
 
 
 @functools.cache

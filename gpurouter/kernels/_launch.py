@@ -22,6 +22,7 @@ from . import _compat  # noqa: F401  (first: patches NumPy before numba.cuda loa
 
 # isort: split
 
+import functools
 import math
 import warnings
 
@@ -471,6 +472,25 @@ def _numba_type(arg, specs):
     raise TypeError(f"no kernel parameter type for {arg!r}")
 
 
+@functools.cache
+def _libcuda():
+    """The CUDA driver through ctypes: a ctypes call costs well under a
+    microsecond, a cuda-python binding call a few."""
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    u, vp = ctypes.c_uint, ctypes.c_void_p
+    lib.cuLaunchKernel.argtypes = [vp, u, u, u, u, u, u, u, vp, vp, vp]
+    lib.cuLaunchKernel.restype = ctypes.c_int
+    lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
+    lib.cuCtxGetCurrent.restype = ctypes.c_int
+    lib.cuCtxPushCurrent_v2.argtypes = [vp]
+    lib.cuCtxPushCurrent_v2.restype = ctypes.c_int
+    lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(vp)]
+    lib.cuCtxPopCurrent_v2.restype = ctypes.c_int
+    return lib
+
+
 class PointerLaunch:
     """``plan`` compiled for one GPU and launched on raw device pointers.
 
@@ -480,18 +500,19 @@ class PointerLaunch:
     parameters live in ctypes storage built here, with the ``void*[]`` array
     cuLaunchKernel reads; a call only writes the data pointers into it and
     launches (the driver copies the parameters at launch, so the storage is
-    reused at once; a lock keeps two host threads from interleaving).
+    reused at once; a lock keeps two host threads from interleaving). The
+    kernel handle is numba's (a CUkernel, which cuLaunchKernel accepts); the
+    launch runs in numba's context for the GPU, the device's primary context,
+    which is XLA's too: it is pushed only when another one is current.
     """
 
     def __init__(self, plan: Plan, ordinal: int):
         import ctypes
         import threading
 
-        from cuda.bindings import driver
-
-        self._driver = driver
-        self._launch = driver.cuLaunchKernel
+        self._lib = _libcuda()
         self._lock = threading.Lock()
+        self._current = ctypes.c_void_p()
         specs = {"in": plan.ins, "out": plan.outs, "tmp": plan.tmps}
         slot = {"in": 0, "out": len(plan.ins), "tmp": len(plan.ins) + len(plan.outs)}
         self.steps = []
@@ -499,7 +520,7 @@ class PointerLaunch:
             for st in plan.steps:
                 argtypes = tuple(_numba_type(a, specs) for a in st.args)
                 kern = st.kernel.compile(argtypes)
-                handle = kern._codelibrary.get_cufunc().handle
+                handle = int(kern._codelibrary.get_cufunc().handle)
                 params, holes = [], []
                 for a in st.args:
                     if isinstance(a, Ref):
@@ -522,20 +543,26 @@ class PointerLaunch:
                 argv = (ctypes.c_void_p * len(params))(*(ctypes.addressof(p) for p in params))
                 self.steps.append((handle, st.grid, st.block, st.shared, ctypes.addressof(argv),
                                    tuple(holes), (params, argv)))  # the last keeps the storage alive
-        self.context = cuda.gpus[ordinal].get_primary_context().handle  # numba: the primary context
+            self.context = int(cuda.current_context().handle)  # numba's: the primary context
 
     def __call__(self, ptrs, stream: int) -> None:
         """Launches every step on ``stream``; ``ptrs``: ins + outs + tmps, in plan order."""
-        drv = self._driver
-        ok = drv.CUresult.CUDA_SUCCESS
+        import ctypes
+
+        lib = self._lib
         with self._lock:
-            drv.cuCtxPushCurrent(self.context)
+            lib.cuCtxGetCurrent(ctypes.byref(self._current))
+            push = self._current.value != self.context
+            if push and lib.cuCtxPushCurrent_v2(self.context):
+                raise RuntimeError("gpurouter: cuCtxPushCurrent failed")
             try:
                 for handle, grid, block, shared, argv, holes, _ in self.steps:
                     for data, i in holes:
                         data.value = ptrs[i]
-                    (err,) = self._launch(handle, grid, 1, 1, block, 1, 1, shared, stream, argv, 0)
-                    if err != ok:
-                        raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
+                    err = lib.cuLaunchKernel(handle, grid, 1, 1, block, 1, 1, shared, stream or None,
+                                             argv, None)
+                    if err:
+                        raise RuntimeError(f"gpurouter: cuLaunchKernel failed with CUresult {err}")
             finally:
-                drv.cuCtxPopCurrent()
+                if push:
+                    lib.cuCtxPopCurrent_v2(ctypes.byref(self._current))
