@@ -42,8 +42,8 @@ def mesh_1d():
 
 @pytest.fixture(scope="module")
 def mesh_2d():
-    if N < 4 or N % 2:
-        pytest.skip(f"a data x expert mesh needs an even device count >= 4, have {N}")
+    if N % 2:
+        pytest.skip(f"a data x expert mesh needs an even device count, have {N}")
     return jax.make_mesh((N // 2, 2), ("data", "expert"))
 
 
@@ -154,13 +154,12 @@ def test_aux_loss_jit_token_sharded(mesh_1d, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_aux_loss_axis_name_in_shard_map(mesh_1d, backend):
-    if backend == "numba" and jax.default_backend() == "gpu":
-        # Seen on 2 H200s (2026-11-22, commit a5be2d7): this case hung (no
-        # result within 5 minutes) with the zero-copy transport, while the
-        # same op under jit-sharding and the jax backend passed. Open in the
-        # sharding issue; skipped so the GPU suite finishes.
-        pytest.skip("hangs on multi-GPU zero-copy (psum before the kernel); under investigation")
-    """Megatron's pattern: local probs, counts all-reduced, global T; psum of shard losses."""
+    """Megatron's pattern: local probs, counts all-reduced, global T; psum of shard losses.
+
+    (On 2 H200s this case once hung with the zero-copy transport, when its
+    callback allocated, copied and freed device memory next to XLA's
+    all-reduce; callbacks now only launch kernels.)
+    """
     probs, _ = _aux_inputs(seed=5)
     local_counts = jnp.asarray(np.random.default_rng(5).integers(0, 9, (N, E)), jnp.int32)
 
