@@ -54,6 +54,9 @@ Launcher = Callable[..., Sequence[np.ndarray]]
 # launches need no lock: cuLaunchKernel is thread-safe; only their one-time
 # compilation is serialised, by _COMPILE_LOCK.)
 _LAUNCH_LOCK = threading.Lock()
+# numba's own state (its device list, compilation) is set up on first use
+# from whichever XLA thread gets there first: serialised.
+_COMPILE_LOCK = threading.Lock()
 
 
 def _host(x) -> np.ndarray:
@@ -155,11 +158,20 @@ def _ptr(buf) -> _Ptr:
     return _Ptr(cai["data"][0], cai["shape"], _dtype_of(cai["typestr"]))
 
 
-@functools.cache
-def _gpu_count() -> int:
-    from numba import cuda
+_GPU_COUNT: list[int] = []
 
-    return len(cuda.gpus)
+
+def _gpu_count() -> int:
+    """How many GPUs numba sees. First asked from several XLA threads at once
+    (one per device): numba's lazy device list is not thread-safe, so the
+    first call holds the lock."""
+    if not _GPU_COUNT:
+        from numba import cuda
+
+        with _COMPILE_LOCK:
+            if not _GPU_COUNT:
+                _GPU_COUNT.append(len(cuda.gpus))
+    return _GPU_COUNT[0]
 
 
 def _ordinal(ptr: int) -> int:
@@ -176,7 +188,6 @@ def _ordinal(ptr: int) -> int:
     return int(ordinal)
 
 
-_COMPILE_LOCK = threading.Lock()
 _POINTER_LAUNCHES: dict = {}
 
 
