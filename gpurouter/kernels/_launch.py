@@ -267,32 +267,154 @@ def finish(results, kinds, to_host: bool, stream):
 # ----------------------------------------------------------------------------
 
 
-def row_stride(num_experts: int) -> int:
-    """Shared-memory row stride: E rounded up to an odd number of 4-byte words,
-    so that thread t reading word j of row t hits bank (t*P + j) % 32, all
-    distinct across a warp (no bank conflicts in the per-token phase)."""
-    return num_experts | 1
+#: threads per block of the row kernels (top-k fwd/bwd, aux scores fwd/bwd)
+#: before shared memory forces fewer: several tokens of W lanes each.
+ROW_THREADS = 128
+#: W doubles (up to 32) while a lane would scan more experts than this.
+ROW_EXPERTS_PER_LANE = 32
 
 
-def row_tiling(num_tokens: int, num_experts: int, planes: int):
-    """Tile shape of the row kernels.
+def row_lanes(num_experts: int) -> int:
+    """W, the lanes (threads) per token of the row kernels: a power of two in
+    [1, 32], the smallest with ``W * 32 >= E`` (E <= 32: 1, E=128: 4,
+    E=256: 8, E >= 1024: 32).  Fewer lanes cost fewer merge levels (the
+    per-token instruction count of the selection falls with W) but need
+    more tokens per block for the same threads, i.e. more shared memory."""
+    w = 1
+    while w < 32 and w * ROW_EXPERTS_PER_LANE < num_experts:
+        w *= 2
+    return w
 
-    A block owns ``TB`` consecutive tokens; its dynamic shared memory is
-    ``[2*TB] fp32 stats | planes x [TB, P] fp32 | [TB, P] uint8 flags``.
 
-    Returns:
-      ``(grid, threads, tile_tokens, shared_bytes)``.
+def row_stride(num_experts: int, lanes: int = 1) -> int:
+    """Shared-memory row stride P (4-byte words) of a tile row.
+
+    Lane ``l`` of the token in tile row ``t`` reads words ``t*P + l + i*W``;
+    a warp holds ``32/W`` tokens.  With ``P`` a multiple of ``W`` and ``P/W``
+    odd, ``(t*P + l) % 32`` differs for every thread of a warp: the lane
+    scans are bank-conflict-free.  (W = 32: one token per warp, any P.)
     """
-    p = row_stride(num_experts)
-    per_token = 8 + planes * 4 * p + p
-    tb = MAX_TILE_TOKENS
-    while tb > 1 and tb * per_token > SMEM_BUDGET:
-        tb //= 2
+    if lanes >= 32:
+        return num_experts
+    m = -(-num_experts // lanes)
+    return (m | 1) * lanes
+
+
+class RowLayout:
+    """Launch shape and dynamic shared-memory layout of one row kernel.
+
+    ``tb`` tokens per block, ``lanes`` (W) threads per token, ``threads = tb*W``.
+    Word offsets (fp32 / int32 views of the one dynamic allocation):
+
+    - forward (``select_layout``)::
+
+        [0, tb*P)        fp32 tile: the scores of the block's tokens, row stride P
+        o_list  + [threads * LS]   fp32 per-lane top-K values (LS = K | 1);
+                                    also the lane partials of the row statistics
+        o_idx   + [threads * LS]   int32 per-lane top-K expert indices
+        o_cnt   + [threads]        int32 per-lane list lengths
+        o_grp   + [tb * G]         fp32 group scores (grouped only)
+        o_keep  + [tb * G]         int32 kept-group flags (grouped only)
+        o_flag  (bytes) + [tb*P]   uint8 selection flags
+
+    - backward (``sums_layout``)::
+
+        [0, tb*P)        fp32 a-plane (activation / probability)
+        o_g + [tb*P]     fp32 g-plane (scaled gradient), o_g = -1: not staged
+        o_list + [2*threads]  fp32 lane partials (S | D)
+        o_flag (bytes) + [tb*P]  uint8 routing mask (top-k backward)
+    """
+
+    __slots__ = ("grid", "threads", "tb", "lanes", "stride", "list_stride", "group_lanes",
+                 "o_list", "o_idx", "o_cnt", "o_grp", "o_keep", "o_g", "o_flag", "shared")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw.get(k, -1))
+
+    def __repr__(self):
+        return "RowLayout(" + ", ".join(f"{k}={getattr(self, k)}" for k in self.__slots__) + ")"
+
+
+def _select_words(tb: int, lanes: int, p: int, ls: int, groups: int):
+    threads = tb * lanes
+    o_list = tb * p
+    o_idx = o_list + threads * ls
+    o_cnt = o_idx + threads * ls
+    o_grp = o_cnt + threads
+    o_keep = o_grp + tb * groups
+    end = o_keep + tb * groups
+    return o_list, o_idx, o_cnt, o_grp, o_keep, end
+
+
+def select_layout(num_tokens: int, num_experts: int, topk: int, num_groups: int = 0,
+                  lanes: int | None = None) -> RowLayout:
+    """Layout of the forward row kernels (top-k fwd, aux scores fwd).
+
+    ``num_groups``: G when grouping is on, else 0.  W = ``row_lanes(E)``
+    (or ``lanes``); the block takes ``ROW_THREADS / W`` tokens, fewer (then
+    fewer lanes) until the shared memory fits ``SMEM_BUDGET``.  Group lanes:
+    ``W / G`` lanes share a group in the group-score pass when G divides W,
+    else 1 lane takes whole groups.
+    """
+    w = row_lanes(num_experts) if lanes is None else int(lanes)
+    ls = topk | 1  # odd list stride: lanes reading slot q of their lists hit distinct banks
+    g = max(0, int(num_groups))
+    tb = max(1, ROW_THREADS // w)
+    while True:
+        p = row_stride(num_experts, w)
+        end = _select_words(tb, w, p, ls, g)[-1]
+        if end * 4 + tb * p <= SMEM_BUDGET:
+            break
+        if tb > 1:
+            tb //= 2
+        elif w > 1:
+            w //= 2
+        else:
+            raise NotImplementedError(f"E={num_experts}, K={topk}: one token does not fit "
+                                      f"{SMEM_BUDGET} bytes of shared memory")
     tb = max(1, min(tb, num_tokens))
-    threads = min(MAX_THREADS, max(32, -(-tb * num_experts // 32) * 32))
-    grid = -(-num_tokens // tb)
-    shared = (2 * tb + planes * tb * p) * 4 + tb * p
-    return grid, threads, tb, shared
+    o_list, o_idx, o_cnt, o_grp, o_keep, end = _select_words(tb, w, p, ls, g)
+    glanes = w // g if 0 < g <= w and w % g == 0 else 1
+    return RowLayout(grid=-(-num_tokens // tb), threads=tb * w, tb=tb, lanes=w, stride=p,
+                     list_stride=ls, group_lanes=glanes, o_list=o_list, o_idx=o_idx,
+                     o_cnt=o_cnt, o_grp=o_grp, o_keep=o_keep, o_flag=end * 4,
+                     shared=end * 4 + tb * p)
+
+
+def sums_layout(num_tokens: int, num_experts: int, mask: bool,
+                lanes: int | None = None) -> RowLayout:
+    """Layout of the backward row kernels (top-k bwd with ``mask``, aux scores bwd).
+
+    Stages the a-plane (and the mask) always, the g-plane when it fits
+    (``o_g = -1`` otherwise: the gradient is then read from global memory,
+    E > ~5000 only).
+    """
+    w = row_lanes(num_experts) if lanes is None else int(lanes)
+    tb = max(1, ROW_THREADS // w)
+    p = row_stride(num_experts, w)
+    planes = 2
+    while True:
+        threads = tb * w
+        words = planes * tb * p + 2 * threads
+        shared = words * 4 + (tb * p if mask else 0)
+        if shared <= SMEM_BUDGET:
+            break
+        if tb > 1:
+            tb //= 2
+        elif planes == 2:
+            planes = 1
+        else:
+            raise NotImplementedError(f"E={num_experts}: one token does not fit "
+                                      f"{SMEM_BUDGET} bytes of shared memory")
+    tb = max(1, min(tb, num_tokens))
+    threads = tb * w
+    o_g = tb * p if planes == 2 else -1
+    o_list = planes * tb * p
+    o_flag = (o_list + 2 * threads) * 4
+    return RowLayout(grid=-(-num_tokens // tb), threads=threads, tb=tb, lanes=w, stride=p,
+                     o_list=o_list, o_g=o_g, o_flag=o_flag,
+                     shared=o_flag + (tb * p if mask else 0))
 
 
 def reduction_tiling(num_rows: int, num_cols: int):

@@ -3,9 +3,10 @@
 CONTRACT sections 2 (last paragraph) and 3: scores over all E, fp32, no bias,
 no groups, no scaling; softmax, or sigmoid / sqrtsoftplus normalised over all
 E (``v / (sum_all v + 1e-20)``, every K); the routing map is the plain top-K
-of the scores.  Same tiling as ``topk.py``: a block owns TB tokens, a padded
-fp32 tile of them in shared memory, one thread per token for the serial
-parts, all threads for the coalesced loads and stores.
+of the scores.  Same tiling and the same device functions as ``topk.py``:
+a block owns TB tokens of W lanes each, a padded fp32 tile of them in shared
+memory; W lanes per token for the row statistics and the selection, all
+threads for the coalesced loads and stores.
 """
 
 from __future__ import annotations
@@ -23,17 +24,18 @@ from . import _launch as L
 from ._limits import check_limits
 from .topk import (
     _EPS,
-    _NEG_INF,
-    _SIGMOID,
     _SOFTMAX,
     _SQRTSOFTPLUS,
     _ZERO,
-    _activation,
     _activation_grad,
-    _exp,
-    _insert,
+    _adv,
+    _normalise,
+    _row_stats,
+    _select,
     _sqrtsoftplus,
-    loader,
+    _stager,
+    _tree_reduce,
+    _walk,
     nb_f32,
     nb_i32,
     nb_u8,
@@ -46,7 +48,7 @@ OP = "score_for_aux_loss"
 
 @functools.cache
 def _aux_scores_fwd_kernel(kind: str, kcap: int):
-    load = loader(kind)
+    stage = _stager(kind)
 
     @cuda.jit
     def kernel(
@@ -56,88 +58,60 @@ def _aux_scores_fwd_kernel(kind: str, kcap: int):
         saved,  # [T, E] fp32, out: softmax p / sigmoid a / raw x (sqrtsoftplus)
         topk,
         sf,
-        tile_tokens,
+        tile_tokens,  # TB, tokens per block
+        lanes,  # W, threads per token
+        stride,  # P, tile row stride (words)
+        lstride,  # LS, per-lane list stride (words)
+        o_list,  # word offsets of the layout (_launch.select_layout, no groups)
+        o_idx,
+        o_cnt,
+        o_flag,  # byte offset of the flags
     ):
         num_tokens = logits.shape[0]
         num_experts = logits.shape[1]
-        stride = num_experts | 1  # odd row stride: conflict-free per-token rows
-        # fp32 [2*TB] stats | fp32 [TB, P] tile | uint8 [TB, P] flags
-        smem = cuda.shared.array(0, nb_f32)
+        smem = cuda.shared.array(0, nb_f32)  # one dynamic allocation, three views
+        ism = cuda.shared.array(0, nb_i32)
         flags = cuda.shared.array(0, nb_u8)
-        tile = 2 * tile_tokens
-        flag0 = (tile + tile_tokens * stride) * 4
+        tv = cuda.local.array(kcap, nb_f32)
+        ti = cuda.local.array(kcap, nb_i32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         t0 = cuda.blockIdx.x * tile_tokens
         nt = min(tile_tokens, num_tokens - t0)
-        n = nt * num_experts
+        tok = tid // lanes
+        lane = tid - tok * lanes
+        valid = tok < nt
+        row = tok * stride
+        softmax = sf == _SOFTMAX
 
         # Phase 1 (all threads, coalesced): x -> activation (or x for softmax).
-        for e in range(tid, n, nthreads):
-            t = e // num_experts
-            j = e - t * num_experts
-            x = load(logits, t0 + t, j)
-            v = x
-            if sf != _SOFTMAX:
-                v = _activation(x, sf)
-                saved[t0 + t, j] = v if sf == _SIGMOID else x
-            smem[tile + t * stride + j] = v
-            flags[flag0 + t * stride + j] = 0
-        # Barrier: the row sums read whole rows.
-        cuda.syncthreads()
-
-        # Phase 2 (one thread per token): softmax max and sum, or sum_all v.
-        if tid < nt:
-            row = tile + tid * stride
-            m = _NEG_INF
-            if sf == _SOFTMAX:
-                for j in range(num_experts):
-                    if smem[row + j] > m:
-                        m = smem[row + j]
-            total = _ZERO
-            for j in range(num_experts):
-                if sf == _SOFTMAX:
-                    total += _exp(smem[row + j] - m)
-                else:
-                    total += smem[row + j]
-            smem[2 * tid] = m
-            smem[2 * tid + 1] = total
-        # Barrier: the normalisation needs every row's stats.
-        cuda.syncthreads()
-
+        stage(logits, saved[0], saved, smem, flags, o_flag, t0, nt, stride, sf, False, tid,
+              nthreads)
+        # Phase 2 (W lanes per token): softmax max and sum, or sum_all v.
+        _row_stats(smem, o_list, row, valid, num_experts, tid, lane, lanes, nthreads, softmax)
         # Phase 3 (all threads, coalesced): the scores, in place and to memory.
-        for e in range(tid, n, nthreads):
-            t = e // num_experts
-            j = e - t * num_experts
-            idx = tile + t * stride + j
-            if sf == _SOFTMAX:
-                p = np.float32(_exp(smem[idx] - smem[2 * t]) / smem[2 * t + 1])
-                saved[t0 + t, j] = p
-            else:
-                p = np.float32(smem[idx] / np.float32(smem[2 * t + 1] + _EPS))
-            smem[idx] = p
-            scores[t0 + t, j] = p
-        # Barrier: the selection reads whole score rows.
-        cuda.syncthreads()
-
-        # Phase 4 (one thread per token): plain top-K of the scores.
-        if tid < nt:
-            row = tile + tid * stride
-            topv = cuda.local.array(kcap, nb_f32)
-            topi = cuda.local.array(kcap, nb_i32)
-            cnt = 0
-            for j in range(num_experts):
-                cnt = _insert(topv, topi, cnt, topk, smem[row + j], j)
-            for q in range(topk):
-                flags[flag0 + tid * stride + topi[q]] = 1
+        _normalise(smem, o_list, scores, saved, softmax, t0, nt, num_experts, stride, lanes,
+                   tid, nthreads, softmax)
+        # Phase 4 (W lanes per token): plain top-K of the scores, then lane
+        # q flags list entries q, q + W, ...
+        _select(smem, ism, row, tok, valid, lane, tid, lanes, num_experts, topk, False, 1, -1,
+                1, o_list, o_idx, o_cnt, 0, 0, lstride, tv, ti)
+        if valid:
+            lead = o_idx + (tid - lane) * lstride
+            for q in range(lane, topk, lanes):
+                flags[o_flag + row + ism[lead + q]] = 1
         # Barrier: phase 5 reads the flags.
         cuda.syncthreads()
 
         # Phase 5 (all threads, coalesced): the routing map.
-        for e in range(tid, n, nthreads):
-            t = e // num_experts
-            j = e - t * num_experts
-            routing_map[t0 + t, j] = flags[flag0 + t * stride + j] != 0
+        t, j, dt, dj = _walk(tid, nthreads, num_experts)
+        while t < nt:
+            routing_map[t0 + t, j] = flags[o_flag + t * stride + j] != 0
+            t += dt
+            j += dj
+            if j >= num_experts:
+                j -= num_experts
+                t += 1
 
     return kernel
 
@@ -159,62 +133,91 @@ def _aux_scores_bwd_kernel(out_kind: str):
         grad_scores,  # [T, E] fp32
         grad_logits,  # [T, E] out_kind, out
         sf,
-        tile_tokens,
+        tile_tokens,  # TB
+        lanes,  # W
+        stride,  # P
+        o_g,  # word offset of the g-plane; -1: not staged (read from grad_scores)
+        o_red,  # word offset of the lane partials [2 * threads]
     ):
         num_tokens = saved.shape[0]
         num_experts = saved.shape[1]
-        stride = num_experts | 1
-        # fp32 [2*TB] stats (S, D) | fp32 [TB, P] v-plane | fp32 [TB, P] g-plane
+        # fp32 [TB, P] saved-plane | fp32 [TB, P] g-plane | fp32 [2, threads] partials
         smem = cuda.shared.array(0, nb_f32)
-        pa = 2 * tile_tokens
-        pg = pa + tile_tokens * stride
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         t0 = cuda.blockIdx.x * tile_tokens
         nt = min(tile_tokens, num_tokens - t0)
-        n = nt * num_experts
+        tok = tid // lanes
+        lane = tid - tok * lanes
+        staged_g = o_g >= 0
 
-        # Phase 1 (all threads, coalesced): stage v (or p) and g.
-        for e in range(tid, n, nthreads):
-            t = e // num_experts
-            j = e - t * num_experts
-            v = saved[t0 + t, j]
-            if sf == _SQRTSOFTPLUS:
-                v = _sqrtsoftplus(v)  # saved holds the raw x
-            off = t * stride + j
-            smem[pa + off] = v
-            smem[pg + off] = grad_scores[t0 + t, j]
-        # Barrier: the per-token sums read whole rows.
+        # Phase 1 (all threads, coalesced): stage saved (p, a, or sqrtsoftplus'
+        # raw x) and g; four elements per step, all their loads issued first.
+        t, j, dt, dj = _walk(tid, nthreads, num_experts)
+        while t < nt:
+            t1, j1 = _adv(t, j, dt, dj, num_experts)
+            t2, j2 = _adv(t1, j1, dt, dj, num_experts)
+            t3, j3 = _adv(t2, j2, dt, dj, num_experts)
+            v0 = saved[t0 + t, j]
+            v1 = saved[t0 + t1, j1] if t1 < nt else _ZERO
+            v2 = saved[t0 + t2, j2] if t2 < nt else _ZERO
+            v3 = saved[t0 + t3, j3] if t3 < nt else _ZERO
+            if staged_g:
+                g0 = grad_scores[t0 + t, j]
+                g1 = grad_scores[t0 + t1, j1] if t1 < nt else _ZERO
+                g2 = grad_scores[t0 + t2, j2] if t2 < nt else _ZERO
+                g3 = grad_scores[t0 + t3, j3] if t3 < nt else _ZERO
+                smem[o_g + t * stride + j] = g0
+                if t1 < nt:
+                    smem[o_g + t1 * stride + j1] = g1
+                if t2 < nt:
+                    smem[o_g + t2 * stride + j2] = g2
+                if t3 < nt:
+                    smem[o_g + t3 * stride + j3] = g3
+            smem[t * stride + j] = v0
+            if t1 < nt:
+                smem[t1 * stride + j1] = v1
+            if t2 < nt:
+                smem[t2 * stride + j2] = v2
+            if t3 < nt:
+                smem[t3 * stride + j3] = v3
+            t, j = _adv(t3, j3, dt, dj, num_experts)
+        # Barrier: the lanes read whole rows.
         cuda.syncthreads()
 
-        # Phase 2 (one thread per token): S = sum v, D = sum g v.
-        if tid < nt:
-            total = _ZERO
-            dot = _ZERO
-            for j in range(num_experts):
-                off = tid * stride + j
-                total += smem[pa + off]
-                dot += np.float32(smem[pg + off] * smem[pa + off])
-            smem[2 * tid] = total
-            smem[2 * tid + 1] = dot
-        # Barrier: every element needs its token's sums.
-        cuda.syncthreads()
+        # Phase 2 (W lanes per token): S = sum v, D = sum g v.
+        total = _ZERO
+        dot = _ZERO
+        if tok < nt:
+            for j in range(lane, num_experts, lanes):
+                off = tok * stride + j
+                a = smem[off]
+                if sf == _SQRTSOFTPLUS:
+                    a = _sqrtsoftplus(a)  # saved holds the raw x
+                g = smem[o_g + off] if staged_g else grad_scores[t0 + tok, j]
+                total += a
+                dot += np.float32(g * a)
+        smem[o_red + tid] = total
+        smem[o_red + nthreads + tid] = dot
+        _tree_reduce(smem, o_red, o_red + nthreads, tid, lane, lanes, False)
 
         # Phase 3 (all threads, coalesced): elementwise gradient.
-        for e in range(tid, n, nthreads):
-            t = e // num_experts
-            j = e - t * num_experts
+        t, j, dt, dj = _walk(tid, nthreads, num_experts)
+        while t < nt:
             off = t * stride + j
-            a = smem[pa + off]
-            g = smem[pg + off]
-            dot = smem[2 * t + 1]
+            x = smem[off]
+            a = _sqrtsoftplus(x) if sf == _SQRTSOFTPLUS else x
+            g = smem[o_g + off] if staged_g else grad_scores[t0 + t, j]
+            lead = o_red + t * lanes
+            dot = smem[lead + nthreads]
             if sf == _SOFTMAX:
                 dx = np.float32(a * (g - dot))
             else:
-                den = np.float32(smem[2 * t] + _EPS)
+                den = np.float32(smem[lead] + _EPS)
                 gp = np.float32(g / den - dot / np.float32(den * den))
-                dx = np.float32(gp * _activation_grad(saved[t0 + t, j], a, sf))
+                dx = np.float32(gp * _activation_grad(x, a, sf))
             store(grad_logits, t0 + t, j, dx)
+            t, j = _adv(t, j, dt, dj, num_experts)
 
     return kernel
 
@@ -253,9 +256,11 @@ def score_for_aux_loss_fwd_plan(logits: L.Spec, topk: int, sf: int) -> L.Plan:
     outs = (L.spec_of(shape, L.F32), L.Spec(shape, np.bool_), L.spec_of(shape, L.F32))
     if shape[0] == 0:
         return L.Plan(OP + "_fwd", (logits,), outs)
-    grid, threads, tb, shared = L.row_tiling(shape[0], shape[1], planes=1)
-    step = L.Step(_aux_scores_fwd_kernel(logits.kind, topk_capacity(topk)), grid, threads, shared,
-                  (L.In(0), L.Out(0), L.Out(1), L.Out(2), int(topk), int(sf), tb))
+    lay = L.select_layout(shape[0], shape[1], int(topk))
+    step = L.Step(_aux_scores_fwd_kernel(logits.kind, topk_capacity(topk)), lay.grid,
+                  lay.threads, lay.shared,
+                  (L.In(0), L.Out(0), L.Out(1), L.Out(2), int(topk), int(sf), lay.tb, lay.lanes,
+                   lay.stride, lay.list_stride, lay.o_list, lay.o_idx, lay.o_cnt, lay.o_flag))
     return L.Plan(OP + "_fwd", (logits,), outs, (), (step,))
 
 
@@ -298,7 +303,8 @@ def score_for_aux_loss_bwd_plan(saved: L.Spec, sf: int, out_kind: str) -> L.Plan
     ins, outs = (saved, saved), (L.spec_of(shape, out_kind),)
     if shape[0] == 0:
         return L.Plan(OP + "_bwd", ins, outs)
-    grid, threads, tb, shared = L.row_tiling(shape[0], shape[1], planes=2)
-    step = L.Step(_aux_scores_bwd_kernel(out_kind), grid, threads, shared,
-                  (L.In(0), L.In(1), L.Out(0), int(sf), tb))
+    lay = L.sums_layout(shape[0], shape[1], mask=False)
+    step = L.Step(_aux_scores_bwd_kernel(out_kind), lay.grid, lay.threads, lay.shared,
+                  (L.In(0), L.In(1), L.Out(0), int(sf), lay.tb, lay.lanes, lay.stride, lay.o_g,
+                   lay.o_list))
     return L.Plan(OP + "_bwd", ins, outs, (), (step,))

@@ -1,16 +1,18 @@
 """Router top-k with a score function: Numba-CUDA kernels and launchers.
 
-CONTRACT sections 2 and 3.  Also holds the device helpers shared by the other
-row kernels (``aux_scores.py``): dtype conversion, score functions and the
-insertion top-K.
+CONTRACT sections 2 and 3.  Also holds the device functions shared by the
+other row kernels (``aux_scores.py``): dtype conversion, score functions, the
+staging, row statistics, shared-memory top-K lists and their tree merge.
 
-Decomposition (see docs/kernels.md): a block owns a tile of ``TB`` consecutive
-tokens, its shared memory a padded fp32 copy of their scores ``[TB, P]``.
+Decomposition (see docs/kernels.md): a token is owned by W lanes (threads),
+a block by ``TB`` consecutive tokens, its shared memory a padded fp32 copy of
+their scores ``[TB, P]`` plus a top-K list per lane.
 
-1. All threads, coalesced: load logits, convert to fp32, apply the score
-   function, write ``saved_scores``; clear the selection flags.
-2. One thread per token: serial selection over its shared row (group scores,
-   insertion top-K into a ``cuda.local.array``), the weights.
+1. All threads, coalesced: load logits (four per thread in flight), convert
+   to fp32, apply the score function, write ``saved_scores``; clear the flags.
+2. W lanes per token: group scores and ranks, a lane-strided scan into each
+   lane's sorted top-K list, a tree merge across the lanes (log2 W barriers);
+   the weights, lane q taking the token's entries q, q + W, ...
 3. All threads, coalesced: write ``probs`` and ``routing_map`` rows.
 
 No warp intrinsics: shared memory and ``cuda.syncthreads()`` only, so the
@@ -33,7 +35,7 @@ from numba import int32 as nb_i32
 from numba import uint8 as nb_u8
 
 from . import _launch as L
-from ._limits import MAX_GROUPS, check_limits
+from ._limits import check_limits
 
 OP = "topk_with_score_function"
 
@@ -101,36 +103,6 @@ def _activation_grad(x, a, sf):
         return np.float32(a * (_ONE - a))
     num = _ONE if x > _SOFTPLUS_THRESHOLD else _sigmoid(x)
     return np.float32(num / (_TWO * a + _EPS))
-
-
-@cuda.jit(device=True)
-def _insert(vals, idxs, n, cap, v, j):
-    """Inserts candidate ``(v, j)`` into the descending list ``vals[:n]``; returns the new n.
-
-    Candidates arrive in ascending index order, so inserting only after every
-    entry with a value ``>= v`` (and replacing the last entry only on a
-    strictly greater value) gives the contract's tie rule for free: among
-    equal values the lower index wins.  NaN counts as -inf; -0.0 == +0.0
-    already under IEEE comparison.  Empty slots are filled by any candidate,
-    -inf included, so a row always ends with exactly ``cap`` distinct entries
-    (the lowest-index eligible ones fill what finite values cannot).
-    """
-    if v != v:
-        v = _NEG_INF
-    if n < cap:
-        pos = n
-        n += 1
-    elif v > vals[cap - 1]:
-        pos = cap - 1
-    else:
-        return n
-    while pos > 0 and vals[pos - 1] < v:
-        vals[pos] = vals[pos - 1]
-        idxs[pos] = idxs[pos - 1]
-        pos -= 1
-    vals[pos] = v
-    idxs[pos] = j
-    return n
 
 
 @functools.cache
@@ -242,15 +214,392 @@ def topk_capacity(topk: int) -> int:
 
 
 # ----------------------------------------------------------------------------
+# Row-kernel phases (shared by the top-k and aux-score kernels)
+# ----------------------------------------------------------------------------
+
+
+@cuda.jit(device=True)
+def _before(u, k, v, j):
+    """True when entry ``(u, k)`` ranks before ``(v, j)``: larger value, then lower index."""
+    return u > v or (u == v and k < j)
+
+
+@cuda.jit(device=True)
+def _push(lv, li, d, base, n, cap, v, j):
+    """Inserts candidate ``(v, j)`` into the shared list ``lv[base:base+n]`` (indices
+    at ``li[base+d:]``), kept sorted by (value desc, index asc); returns the new length.
+
+    The rank is the contract's total order (among equal values the lower
+    index wins), whatever order the candidates arrive in.  NaN counts as
+    -inf; -0.0 == +0.0 already under IEEE comparison.  Empty slots take any
+    candidate, -inf included, so a list always holds ``min(cap, candidates)``
+    distinct entries (the lowest-index ones fill what finite values cannot).
+    """
+    if v != v:
+        v = _NEG_INF
+    if n < cap:
+        pos = n
+        n += 1
+    else:
+        pos = cap - 1
+        if not _before(v, j, lv[base + pos], li[base + d + pos]):
+            return n
+    while pos > 0:
+        u = lv[base + pos - 1]
+        if _before(u, li[base + d + pos - 1], v, j):
+            break
+        lv[base + pos] = u
+        li[base + d + pos] = li[base + d + pos - 1]
+        pos -= 1
+    lv[base + pos] = v
+    li[base + d + pos] = j
+    return n
+
+
+@cuda.jit(device=True)
+def _merge(lv, li, d, a, na, b, nb, cap, tv, ti):
+    """Top ``min(cap, na + nb)`` of two sorted shared lists, into list ``a``; returns its length.
+
+    Both lists are sorted by (value desc, index asc) with NaN already -inf
+    and hold distinct indices, so the merge under that total order is exact
+    whatever the pairing of lists: the result is the top of the union.
+    ``tv``/``ti``: per-thread scratch (``cuda.local.array``) of >= cap slots.
+    """
+    m = min(cap, na + nb)
+    i = 0
+    k = 0
+    for q in range(m):
+        take_a = k >= nb
+        if i < na and not take_a:
+            va = lv[a + i]
+            vb = lv[b + k]
+            take_a = _before(va, li[a + d + i], vb, li[b + d + k])
+        if take_a:
+            tv[q] = lv[a + i]
+            ti[q] = li[a + d + i]
+            i += 1
+        else:
+            tv[q] = lv[b + k]
+            ti[q] = li[b + d + k]
+            k += 1
+    for q in range(m):
+        lv[a + q] = tv[q]
+        li[a + d + q] = ti[q]
+    return m
+
+
+@cuda.jit(device=True)
+def _tree_merge(lv, li, d, o_list, o_cnt, lstride, tid, lane, levels, cap, tv, ti):
+    """Merges the lists of aligned runs of ``2**levels`` lanes into the run's first lane.
+
+    All threads of the block call it (``levels`` block-uniform): level ``h``
+    has lane ``l`` (``l % 2**(h+1) == 0``) merge lane ``l + 2**h``'s list
+    into its own; a barrier before each level and one at the end.
+    """
+    span = 1
+    for _ in range(levels):
+        cuda.syncthreads()
+        if lane % (2 * span) == 0:
+            a = o_list + tid * lstride
+            li[o_cnt + tid] = _merge(lv, li, d, a, li[o_cnt + tid], a + span * lstride,
+                                     li[o_cnt + tid + span], cap, tv, ti)
+        span *= 2
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def _log2(w):
+    levels = 0
+    while (1 << levels) < w:
+        levels += 1
+    return levels
+
+
+@cuda.jit(device=True)
+def _tree_reduce(red, oa, ob, tid, lane, lanes, a_is_max):
+    """Combines the token's lane partials ``red[oa + tid]`` (max or sum) and, when
+    ``ob >= 0``, ``red[ob + tid]`` (sum) into the token's lane 0, in a fixed
+    pairing (deterministic).  All threads call it; barrier before each level
+    and at the end.  The max ignores NaN (``b > a`` is false), like the serial
+    ``if v > m`` scans.
+    """
+    span = 1
+    while span < lanes:
+        cuda.syncthreads()
+        if lane % (2 * span) == 0:
+            x = red[oa + tid + span]
+            if a_is_max:
+                if x > red[oa + tid]:
+                    red[oa + tid] = x
+            else:
+                red[oa + tid] = np.float32(red[oa + tid] + x)
+            if ob >= 0:
+                red[ob + tid] = np.float32(red[ob + tid] + red[ob + tid + span])
+        span *= 2
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def _walk(tid, nthreads, num_experts):
+    """Start ``(t, j)`` and step ``(dt, dj)`` of the flat, coalesced tile loop:
+    thread ``tid`` takes tile elements ``tid, tid + nthreads, ...`` (element
+    ``e`` = token ``e // E``, expert ``e % E``) without a division per step."""
+    t = tid // num_experts
+    dt = nthreads // num_experts
+    return t, tid - t * num_experts, dt, nthreads - dt * num_experts
+
+
+@cuda.jit(device=True)
+def _row_stats(smem, o_red, row, valid, num_experts, tid, lane, lanes, nthreads, softmax):
+    """Per-token statistics of the tile rows, W lanes per token.
+
+    softmax: row max (NaN ignored) then ``sum exp(x - max)``; else ``sum v``.
+    Lane ``l`` takes experts ``l, l + W, ...`` in ascending order, then
+    ``_tree_reduce`` combines the lanes.  Afterwards (all threads past the
+    final barrier) token ``t``'s max is at ``smem[o_red + t*W]`` and its sum
+    at ``smem[o_red + nthreads + t*W]``.
+    """
+    oa = o_red
+    ob = o_red + nthreads
+    m = _NEG_INF
+    if softmax:
+        if valid:
+            for j in range(lane, num_experts, lanes):
+                v = smem[row + j]
+                if v > m:  # NaN never wins; it still makes the sum NaN below
+                    m = v
+        smem[oa + tid] = m
+        _tree_reduce(smem, oa, -1, tid, lane, lanes, True)
+        m = smem[oa + tid - lane]
+    total = _ZERO
+    if valid:
+        for j in range(lane, num_experts, lanes):
+            v = smem[row + j]
+            if softmax:
+                v = _exp(v - m)
+            total += v
+    smem[ob + tid] = total
+    _tree_reduce(smem, ob, -1, tid, lane, lanes, False)
+
+
+@cuda.jit(device=True)
+def _normalise(smem, o_red, out1, out2, write2, t0, nt, num_experts, stride, lanes, tid,
+               nthreads, softmax):
+    """All threads, coalesced: the tile's rows divided by their statistics
+    (``exp(x - max) / sum`` like jax.nn.softmax, an all -inf row giving NaN;
+    or ``v / (sum + 1e-20)``), in place, to ``out1`` and (``write2``) ``out2``.
+    Ends with a barrier."""
+    t, j, dt, dj = _walk(tid, nthreads, num_experts)
+    while t < nt:
+        lead = o_red + t * lanes
+        idx = t * stride + j
+        if softmax:
+            p = np.float32(_exp(smem[idx] - smem[lead]) / smem[lead + nthreads])
+        else:
+            p = np.float32(smem[idx] / np.float32(smem[lead + nthreads] + _EPS))
+        smem[idx] = p
+        out1[t0 + t, j] = p
+        if write2:
+            out2[t0 + t, j] = p
+        t += dt
+        j += dj
+        if j >= num_experts:
+            j -= num_experts
+            t += 1
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def _select(smem, ism, row, tok, valid, lane, tid, lanes, num_experts, topk, grouped,
+            num_groups, group_topk, group_lanes, o_list, o_idx, o_cnt, o_grp, o_keep, lstride,
+            tv, ti):
+    """(Group-limited) top-K of the tile row ``row`` (selection scores), W lanes per token.
+
+    All threads call it (every barrier is block-wide).  Afterwards the
+    token's lane 0 list (``smem[o_list + (tid - lane)*lstride + q]``, indices
+    at ``ism[o_idx + ...]``) holds its K experts, in (value desc, index asc)
+    order.
+
+    Groups: each group's score is the sum (in descending order) of its top
+    ``K / Kg`` values, found by ``group_lanes`` lanes (a lane-strided scan
+    plus a tree merge) or, when G does not divide W, by one lane per group
+    (scans start at a group-dependent offset: no bank conflicts);
+    each lane then ranks its groups against all G (NaN as -inf, ties to the
+    lower group) and keeps those of rank < Kg.  Experts: lane ``l`` scans
+    ``l, l + W, ...`` over kept groups into a local top-K, and a tree merge
+    across the W lanes leaves the token's top-K in lane 0.
+    """
+    d = o_idx - o_list
+    base = o_list + tid * lstride
+    gsize = num_experts
+    gbase = o_grp + tok * num_groups
+    kbase = o_keep + tok * num_groups
+    if grouped:
+        gsize = num_experts // num_groups
+        per_group = topk // group_topk
+        if group_lanes > 1:
+            g = lane // group_lanes
+            sub = lane - g * group_lanes
+            n = 0
+            if valid:
+                # this lane's experts g*gsize + sub + i*group_lanes, i < cnt, from
+                # i = g % cnt on (rotated: lanes of different groups hit
+                # different banks when gsize is a multiple of 32; _push ranks
+                # in any arrival order)
+                lo = g * gsize + sub
+                cnt = (gsize - sub + group_lanes - 1) // group_lanes
+                i = g % cnt if cnt > 0 else 0
+                for _ in range(cnt):
+                    j = lo + i * group_lanes
+                    n = _push(smem, ism, d, base, n, per_group, smem[row + j], j)
+                    i += 1
+                    if i == cnt:
+                        i = 0
+            ism[o_cnt + tid] = n
+            _tree_merge(smem, ism, d, o_list, o_cnt, lstride, tid, lane, _log2(group_lanes),
+                        per_group, tv, ti)
+            if valid and sub == 0:
+                gs = smem[base]
+                for q in range(1, per_group):
+                    gs = np.float32(gs + smem[base + q])
+                smem[gbase + g] = gs
+        elif valid:
+            for g in range(lane, num_groups, lanes):
+                n = 0
+                i = g % gsize  # rotated start, as above
+                for _ in range(gsize):
+                    n = _push(smem, ism, d, base, n, per_group, smem[row + g * gsize + i],
+                              g * gsize + i)
+                    i += 1
+                    if i == gsize:
+                        i = 0
+                gs = smem[base]
+                for q in range(1, per_group):
+                    gs = np.float32(gs + smem[base + q])
+                smem[gbase + g] = gs
+        # Barrier: the ranking reads every group score of the token.
+        cuda.syncthreads()
+        if valid:
+            for g in range(lane, num_groups, lanes):
+                v = smem[gbase + g]
+                if v != v:
+                    v = _NEG_INF
+                rank = 0
+                for h in range(num_groups):
+                    u = smem[gbase + h]
+                    if u != u:
+                        u = _NEG_INF
+                    if u > v or (u == v and h < g):
+                        rank += 1
+                ism[kbase + g] = 1 if rank < group_topk else 0
+        # Barrier: the expert scan reads the kept flags of every group.
+        cuda.syncthreads()
+    n = 0
+    if valid:
+        g = 0
+        bound = gsize
+        kept = True
+        if grouped:
+            kept = ism[kbase] != 0
+        j = lane
+        while j < num_experts:
+            while j >= bound:
+                g += 1
+                bound += gsize
+                kept = ism[kbase + g] != 0
+            if kept:  # dropped groups are never selected, not even as fillers
+                n = _push(smem, ism, d, base, n, topk, smem[row + j], j)
+            j += lanes
+    ism[o_cnt + tid] = n
+    _tree_merge(smem, ism, d, o_list, o_cnt, lstride, tid, lane, _log2(lanes), topk, tv, ti)
+
+
+@cuda.jit(device=True)
+def _adv(t, j, dt, dj, num_experts):
+    """The next ``(t, j)`` of the flat tile loop (see ``_walk``)."""
+    t += dt
+    j += dj
+    if j >= num_experts:
+        j -= num_experts
+        t += 1
+    return t, j
+
+
+@cuda.jit(device=True)
+def _stage_put(x, b, t, j, t0, saved, smem, flags, o_flag, stride, sf, has_bias):
+    """One element of the forward staging: score function, saved, bias, tile, flag."""
+    s = x
+    if sf != _SOFTMAX:
+        s = _activation(x, sf)
+        saved[t0 + t, j] = s if sf == _SIGMOID else x
+        if has_bias:
+            s = np.float32(s + b)
+    off = t * stride + j
+    smem[off] = s
+    flags[o_flag + off] = 0
+
+
+@functools.cache
+def _stager(kind: str):
+    """Device function staging the forward tile (shared by top-k fwd and aux scores fwd).
+
+    All threads, coalesced (consecutive threads take consecutive experts):
+    load the logits, convert to fp32, apply the score function, write
+    ``saved`` (sigmoid: ``a``; sqrtsoftplus: the raw ``x``, TE's convention;
+    softmax: nothing yet), add the expert bias (selection only), store into
+    the tile, clear the flags.  Four elements per step, their loads issued
+    before any is used (four loads in flight per thread: one would leave the
+    loop latency-bound at a fraction of the memory bandwidth).  Ends with a
+    barrier.
+    """
+    load = loader(kind)
+
+    @cuda.jit(device=True)
+    def stage(logits, bias, saved, smem, flags, o_flag, t0, nt, stride, sf, has_bias, tid,
+              nthreads):
+        num_experts = logits.shape[1]
+        t, j, dt, dj = _walk(tid, nthreads, num_experts)
+        while t < nt:
+            t1, j1 = _adv(t, j, dt, dj, num_experts)
+            t2, j2 = _adv(t1, j1, dt, dj, num_experts)
+            t3, j3 = _adv(t2, j2, dt, dj, num_experts)
+            x0 = load(logits, t0 + t, j)
+            x1 = load(logits, t0 + t1, j1) if t1 < nt else _ZERO
+            x2 = load(logits, t0 + t2, j2) if t2 < nt else _ZERO
+            x3 = load(logits, t0 + t3, j3) if t3 < nt else _ZERO
+            b0 = _ZERO
+            b1 = _ZERO
+            b2 = _ZERO
+            b3 = _ZERO
+            if has_bias:
+                b0 = bias[j]
+                b1 = bias[j1]
+                b2 = bias[j2]
+                b3 = bias[j3]
+            _stage_put(x0, b0, t, j, t0, saved, smem, flags, o_flag, stride, sf, has_bias)
+            if t1 < nt:
+                _stage_put(x1, b1, t1, j1, t0, saved, smem, flags, o_flag, stride, sf, has_bias)
+            if t2 < nt:
+                _stage_put(x2, b2, t2, j2, t0, saved, smem, flags, o_flag, stride, sf, has_bias)
+            if t3 < nt:
+                _stage_put(x3, b3, t3, j3, t0, saved, smem, flags, o_flag, stride, sf, has_bias)
+            t, j = _adv(t3, j3, dt, dj, num_experts)
+        cuda.syncthreads()
+
+    return stage
+
+
+# ----------------------------------------------------------------------------
 # Forward kernel
 # ----------------------------------------------------------------------------
 
 
 @functools.cache
 def _topk_fwd_kernel(kind: str, kcap: int):
-    """The forward kernel for logits of ``kind``, with a top-K list of ``kcap`` slots."""
+    """The forward kernel for logits of ``kind``; ``kcap`` >= K sizes the merge scratch."""
     load = loader(kind)
     store = storer(kind)
+    stage = _stager(kind)
 
     @cuda.jit
     def kernel(
@@ -266,145 +615,100 @@ def _topk_fwd_kernel(kind: str, kcap: int):
         num_groups,  # G (grouping on iff group_topk > 0)
         group_topk,  # Kg
         scale,  # fp32 scaling_factor
-        tile_tokens,  # TB
+        tile_tokens,  # TB, tokens per block
+        lanes,  # W, threads per token (power of two)
+        stride,  # P, tile row stride (words)
+        lstride,  # LS, per-lane list stride (words)
+        group_lanes,  # lanes per group in the group-score pass
+        o_list,  # word offsets of the layout (_launch.select_layout)
+        o_idx,
+        o_cnt,
+        o_grp,
+        o_keep,
+        o_flag,  # byte offset of the flags
     ):
         num_tokens = logits.shape[0]
         num_experts = logits.shape[1]
-        stride = num_experts | 1  # odd row stride P: conflict-free per-token rows
-        # Dynamic shared memory (one allocation, two views):
-        #   fp32 [2*TB] stats (row max, row sum) | fp32 [TB, P] tile | uint8 [TB, P] flags
-        smem = cuda.shared.array(0, nb_f32)
+        smem = cuda.shared.array(0, nb_f32)  # one dynamic allocation, three views
+        ism = cuda.shared.array(0, nb_i32)
         flags = cuda.shared.array(0, nb_u8)
-        tile = 2 * tile_tokens
-        flag0 = (tile + tile_tokens * stride) * 4
+        tv = cuda.local.array(kcap, nb_f32)
+        ti = cuda.local.array(kcap, nb_i32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         t0 = cuda.blockIdx.x * tile_tokens
         nt = min(tile_tokens, num_tokens - t0)  # tokens of this (maybe partial) tile
-        n = nt * num_experts
+        tok = tid // lanes  # this thread's token in the tile, lane within the token
+        lane = tid - tok * lanes
+        valid = tok < nt
+        row = tok * stride
         post_softmax = sf == _SOFTMAX and not pre
 
-        # Phase 1 (all threads, element e of the tile; consecutive threads take
-        # consecutive experts: coalesced reads and writes).
-        for e in range(tid, n, nthreads):
-            t = e // num_experts
-            j = e - t * num_experts
-            x = load(logits, t0 + t, j)
-            s = x
-            if sf != _SOFTMAX:
-                s = _activation(x, sf)
-                # saved: sigmoid(x), or the raw x for sqrtsoftplus (TE's convention)
-                saved[t0 + t, j] = s if sf == _SIGMOID else x
-            smem[tile + t * stride + j] = s
-            flags[flag0 + t * stride + j] = 0
-        # Barrier: phase 2 reads whole rows written by other threads.
-        cuda.syncthreads()
-
+        # Phase 1 (all threads, coalesced): r = s (+ bias) into the tile.
+        stage(logits, bias, saved, smem, flags, o_flag, t0, nt, stride, sf, has_bias, tid,
+              nthreads)
         if sf == _SOFTMAX and pre:
-            # Pre-softmax needs each row's max and sum before anything is
-            # selected: one thread per token (serial, fixed order)...
-            if tid < nt:
-                row = tile + tid * stride
-                m = _NEG_INF
-                for j in range(num_experts):
-                    v = smem[row + j]
-                    if v > m:  # NaN never wins; a NaN still makes the sum NaN below
-                        m = v
-                total = _ZERO
-                for j in range(num_experts):
-                    total += _exp(smem[row + j] - m)
-                smem[2 * tid] = m
-                smem[2 * tid + 1] = total
-            # Barrier: every thread needs its row's stats.
-            cuda.syncthreads()
-            # ...then all threads normalise in place (exp(x - max) / sum, as
-            # jax.nn.softmax; an all -inf row gives NaN) and write saved.
-            for e in range(tid, n, nthreads):
-                t = e // num_experts
-                j = e - t * num_experts
-                idx = tile + t * stride + j
-                p = np.float32(_exp(smem[idx] - smem[2 * t]) / smem[2 * t + 1])
-                smem[idx] = p
-                saved[t0 + t, j] = p
-            # Barrier: the selection reads the normalised rows.
-            cuda.syncthreads()
+            # softmax over all E first: lane partials of max and sum, then
+            # all threads normalise in place and write saved.
+            _row_stats(smem, o_list, row, valid, num_experts, tid, lane, lanes, nthreads, True)
+            _normalise(smem, o_list, saved, saved, False, t0, nt, num_experts, stride, lanes,
+                       tid, nthreads, True)
 
-        # Phase 2 (one thread per token; thread t owns tile row t).
-        if tid < nt:
-            row = tile + tid * stride
-            topv = cuda.local.array(kcap, nb_f32)
-            topi = cuda.local.array(kcap, nb_i32)
-            grouped = group_topk > 0
-            group_size = num_experts
-            keep = cuda.local.array(MAX_GROUPS, nb_u8)
-            if grouped:
-                group_size = num_experts // num_groups
-                per_group = topk // group_topk
-                gv = cuda.local.array(MAX_GROUPS, nb_f32)
-                gi = cuda.local.array(MAX_GROUPS, nb_i32)
-                ng = 0
-                for g in range(num_groups):
-                    # group score: sum of the top K/Kg selection scores,
-                    # added in descending order ((v0 + v1) + v2 ...)
-                    cnt = 0
-                    for j in range(g * group_size, (g + 1) * group_size):
-                        r = smem[row + j]
-                        if has_bias:
-                            r = np.float32(r + bias[j])
-                        cnt = _insert(topv, topi, cnt, per_group, r, j)
-                    gs = topv[0]
-                    for q in range(1, per_group):
-                        gs = np.float32(gs + topv[q])
-                    ng = _insert(gv, gi, ng, group_topk, gs, g)  # NaN (inf - inf) -> -inf
-                    keep[g] = 0
-                for q in range(group_topk):
-                    keep[gi[q]] = 1
-            # Top-K over the eligible experts (kept groups only), ascending index.
-            cnt = 0
-            for j in range(num_experts):
-                if grouped and keep[j // group_size] == 0:
-                    continue  # dropped groups are never selected, not even as fillers
-                r = smem[row + j]
+        # Phase 2 (W lanes per token): selection into the token's lane-0 list.
+        _select(smem, ism, row, tok, valid, lane, tid, lanes, num_experts, topk,
+                group_topk > 0, num_groups, group_topk, group_lanes, o_list, o_idx, o_cnt,
+                o_grp, o_keep, lstride, tv, ti)
+
+        # Weights, gathered from the UNBIASED scores s (no (s + b) - b): lane
+        # q takes list entries q, q + W, ...; first replace each list value by
+        # s (the tile holds r = s + b with a bias: recompute s from the logit),
+        lead = o_list + (tid - lane) * lstride
+        d = o_idx - o_list
+        if valid:
+            for q in range(lane, topk, lanes):
+                j = ism[lead + d + q]
                 if has_bias:
-                    r = np.float32(r + bias[j])
-                cnt = _insert(topv, topi, cnt, topk, r, j)
-            # Weights, gathered from the UNBIASED scores s (no (s + b) - b).
-            for q in range(topk):
-                topv[q] = smem[row + topi[q]]
+                    s = _activation(load(logits, t0 + tok, j), sf)
+                else:
+                    s = smem[row + j]
+                smem[lead + q] = s
+        # Barrier: every lane reads the token's K scores.
+        cuda.syncthreads()
+        # then every lane computes the token's normaliser from the K values
+        # (the same fixed order in every lane) and writes its weights into
+        # the tile row (read no more) with the flags.
+        if valid:
+            m = _NEG_INF
+            total = _ZERO
             if post_softmax:
-                # softmax over the selected logits only
-                m = _NEG_INF
                 for q in range(topk):
-                    if topv[q] > m:
-                        m = topv[q]
-                total = _ZERO
+                    if smem[lead + q] > m:
+                        m = smem[lead + q]
                 for q in range(topk):
-                    topv[q] = _exp(topv[q] - m)
-                    total += topv[q]
-                for q in range(topk):
-                    topv[q] = np.float32(topv[q] / total)
+                    total += _exp(smem[lead + q] - m)
             elif sf != _SOFTMAX and topk > 1:
-                total = _ZERO
                 for q in range(topk):
-                    total += topv[q]
-                den = np.float32(total + _EPS)
-                for q in range(topk):
-                    topv[q] = np.float32(topv[q] / den)
-            # The token's row now holds its weights at the selected experts,
-            # marked by the flags (cleared in phase 1).
-            for q in range(topk):
-                smem[row + topi[q]] = topv[q]
-                flags[flag0 + tid * stride + topi[q]] = 1
-        # Barrier: phase 3 reads flags and weights written by the token threads.
+                    total += smem[lead + q]
+                total = np.float32(total + _EPS)
+            for q in range(lane, topk, lanes):
+                w = smem[lead + q]
+                if post_softmax:
+                    w = np.float32(_exp(w - m) / total)
+                elif sf != _SOFTMAX and topk > 1:
+                    w = np.float32(w / total)
+                j = ism[lead + d + q]
+                smem[row + j] = w
+                flags[o_flag + row + j] = 1
+        # Barrier: phase 3 reads flags and weights of every token.
         cuda.syncthreads()
 
         # Phase 3 (all threads, coalesced): probs, routing_map, and saved for
         # post-softmax (-inf at unselected, the selected-set softmax at selected).
-        for e in range(tid, n, nthreads):
-            t = e // num_experts
-            j = e - t * num_experts
-            sel = flags[flag0 + t * stride + j] != 0
-            w = smem[tile + t * stride + j]
+        t, j, dt, dj = _walk(tid, nthreads, num_experts)
+        while t < nt:
+            off = t * stride + j
+            sel = flags[o_flag + off] != 0
+            w = smem[off]
             routing_map[t0 + t, j] = sel
             if sel:
                 store(probs, t0 + t, j, np.float32(scale * w))
@@ -412,6 +716,11 @@ def _topk_fwd_kernel(kind: str, kcap: int):
                 store(probs, t0 + t, j, _ZERO)
             if post_softmax:
                 saved[t0 + t, j] = w if sel else _NEG_INF
+            t += dt
+            j += dj
+            if j >= num_experts:
+                j -= num_experts
+                t += 1
 
     return kernel
 
@@ -425,7 +734,7 @@ def _topk_fwd_kernel(kind: str, kcap: int):
 #   then dx = that * da/dx.  K == 1: dx = m g da/dx.
 # - softmax post: t = softmax over I of x, so dx = m q (g - sum_m g q).
 # - softmax pre: probs = m p with p = softmax over E, so dx = p (m g - sum m g p).
-# Two passes per token: the sums (one thread per token), then elementwise.
+# Per token: the sums (W lanes, tree-combined), then elementwise.
 # ----------------------------------------------------------------------------
 
 
@@ -444,63 +753,103 @@ def _topk_bwd_kernel(kind: str):
         sf,
         pre,
         scale,  # fp32
-        tile_tokens,
+        tile_tokens,  # TB
+        lanes,  # W
+        stride,  # P
+        o_g,  # word offset of the g-plane; -1: not staged (read from grad_probs)
+        o_red,  # word offset of the lane partials [2 * threads]
+        o_flag,  # byte offset of the mask
     ):
         num_tokens = saved.shape[0]
         num_experts = saved.shape[1]
-        stride = num_experts | 1
-        # fp32 [2*TB] stats (S, D) | fp32 [TB, P] a-plane | fp32 [TB, P] g-plane
-        # | uint8 [TB, P] mask
+        # fp32 [TB, P] saved-plane | fp32 [TB, P] g-plane | fp32 [2, threads]
+        # partials | uint8 [TB, P] mask
         smem = cuda.shared.array(0, nb_f32)
         flags = cuda.shared.array(0, nb_u8)
-        pa = 2 * tile_tokens
-        pg = pa + tile_tokens * stride
-        flag0 = (pg + tile_tokens * stride) * 4
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         t0 = cuda.blockIdx.x * tile_tokens
         nt = min(tile_tokens, num_tokens - t0)
-        n = nt * num_experts
+        tok = tid // lanes
+        lane = tid - tok * lanes
+        staged_g = o_g >= 0
 
-        # Phase 1 (all threads, coalesced): stage a (the activation, q or p),
-        # g (scaled) and the mask.
-        for e in range(tid, n, nthreads):
-            t = e // num_experts
-            j = e - t * num_experts
-            v = saved[t0 + t, j]
-            if sf == _SQRTSOFTPLUS:
-                v = _sqrtsoftplus(v)  # saved holds the raw x: recompute v
-            off = t * stride + j
-            smem[pa + off] = v
-            smem[pg + off] = np.float32(load(grad_probs, t0 + t, j) * scale)
-            flags[flag0 + off] = 1 if routing_map[t0 + t, j] else 0
-        # Barrier: the per-token sums read whole rows.
+        # Phase 1 (all threads, coalesced): stage saved (the activation, q, p,
+        # or sqrtsoftplus' raw x), g (scaled) and the mask; four elements per
+        # step, all their loads issued first (memory-level parallelism).
+        t, j, dt, dj = _walk(tid, nthreads, num_experts)
+        while t < nt:
+            t1, j1 = _adv(t, j, dt, dj, num_experts)
+            t2, j2 = _adv(t1, j1, dt, dj, num_experts)
+            t3, j3 = _adv(t2, j2, dt, dj, num_experts)
+            v0 = saved[t0 + t, j]
+            m0 = routing_map[t0 + t, j]
+            v1 = saved[t0 + t1, j1] if t1 < nt else _ZERO
+            m1 = routing_map[t0 + t1, j1] if t1 < nt else False
+            v2 = saved[t0 + t2, j2] if t2 < nt else _ZERO
+            m2 = routing_map[t0 + t2, j2] if t2 < nt else False
+            v3 = saved[t0 + t3, j3] if t3 < nt else _ZERO
+            m3 = routing_map[t0 + t3, j3] if t3 < nt else False
+            if staged_g:
+                g0 = load(grad_probs, t0 + t, j)
+                g1 = load(grad_probs, t0 + t1, j1) if t1 < nt else _ZERO
+                g2 = load(grad_probs, t0 + t2, j2) if t2 < nt else _ZERO
+                g3 = load(grad_probs, t0 + t3, j3) if t3 < nt else _ZERO
+                smem[o_g + t * stride + j] = np.float32(g0 * scale)
+                if t1 < nt:
+                    smem[o_g + t1 * stride + j1] = np.float32(g1 * scale)
+                if t2 < nt:
+                    smem[o_g + t2 * stride + j2] = np.float32(g2 * scale)
+                if t3 < nt:
+                    smem[o_g + t3 * stride + j3] = np.float32(g3 * scale)
+            smem[t * stride + j] = v0
+            flags[o_flag + t * stride + j] = 1 if m0 else 0
+            if t1 < nt:
+                smem[t1 * stride + j1] = v1
+                flags[o_flag + t1 * stride + j1] = 1 if m1 else 0
+            if t2 < nt:
+                smem[t2 * stride + j2] = v2
+                flags[o_flag + t2 * stride + j2] = 1 if m2 else 0
+            if t3 < nt:
+                smem[t3 * stride + j3] = v3
+                flags[o_flag + t3 * stride + j3] = 1 if m3 else 0
+            t, j = _adv(t3, j3, dt, dj, num_experts)
+        # Barrier: the lanes read whole rows.
         cuda.syncthreads()
 
-        # Phase 2 (one thread per token): S = sum_m a, D = sum_m g a (fixed order).
-        if tid < nt:
-            total = _ZERO
-            dot = _ZERO
-            for j in range(num_experts):
-                off = tid * stride + j
-                if flags[flag0 + off] != 0:
-                    a = smem[pa + off]
+        # Phase 2 (W lanes per token): S = sum_m a, D = sum_m g a.
+        total = _ZERO
+        dot = _ZERO
+        if tok < nt:
+            for j in range(lane, num_experts, lanes):
+                off = tok * stride + j
+                if flags[o_flag + off] != 0:
+                    a = smem[off]
+                    if sf == _SQRTSOFTPLUS:
+                        a = _sqrtsoftplus(a)  # saved holds the raw x: recompute v
+                    if staged_g:
+                        g = smem[o_g + off]
+                    else:
+                        g = np.float32(load(grad_probs, t0 + tok, j) * scale)
                     total += a
-                    dot += np.float32(smem[pg + off] * a)
-            smem[2 * tid] = total
-            smem[2 * tid + 1] = dot
-        # Barrier: every element needs its token's sums.
-        cuda.syncthreads()
+                    dot += np.float32(g * a)
+        smem[o_red + tid] = total
+        smem[o_red + nthreads + tid] = dot
+        _tree_reduce(smem, o_red, o_red + nthreads, tid, lane, lanes, False)
 
         # Phase 3 (all threads, coalesced): the elementwise gradient.
-        for e in range(tid, n, nthreads):
-            t = e // num_experts
-            j = e - t * num_experts
+        t, j, dt, dj = _walk(tid, nthreads, num_experts)
+        while t < nt:
             off = t * stride + j
-            sel = flags[flag0 + off] != 0
-            a = smem[pa + off]
-            g = smem[pg + off]
-            dot = smem[2 * t + 1]
+            sel = flags[o_flag + off] != 0
+            x = smem[off]
+            a = _sqrtsoftplus(x) if sf == _SQRTSOFTPLUS else x
+            if staged_g:
+                g = smem[o_g + off]
+            else:
+                g = np.float32(load(grad_probs, t0 + t, j) * scale)
+            lead = o_red + t * lanes
+            dot = smem[lead + nthreads]
             dx = _ZERO
             if sf == _SOFTMAX:
                 if pre:
@@ -511,10 +860,11 @@ def _topk_bwd_kernel(kind: str):
             elif sel:
                 gp = g
                 if topk > 1:
-                    den = np.float32(smem[2 * t] + _EPS)
+                    den = np.float32(smem[lead] + _EPS)
                     gp = np.float32(g / den - dot / np.float32(den * den))
-                dx = np.float32(gp * _activation_grad(saved[t0 + t, j], a, sf))
+                dx = np.float32(gp * _activation_grad(x, a, sf))
             store(grad_logits, t0 + t, j, dx)
+            t, j = _adv(t, j, dt, dj, num_experts)
 
     return kernel
 
@@ -623,11 +973,14 @@ def topk_with_score_function_fwd_plan(logits: L.Spec, has_bias: bool, topk: int,
         return L.Plan(OP + "_fwd", ins, outs)
     # without a bias the kernel gets any [E] fp32 array (never read): saved's first row
     bias = L.In(1) if has_bias else L.Out(2, bias_spec)
-    grid, threads, tb, shared = L.row_tiling(num_tokens, num_experts, planes=1)
-    step = L.Step(_topk_fwd_kernel(logits.kind, topk_capacity(topk)), grid, threads, shared,
+    G = int(num_groups) if grouped else 1
+    lay = L.select_layout(num_tokens, num_experts, int(topk), G if grouped else 0)
+    step = L.Step(_topk_fwd_kernel(logits.kind, topk_capacity(topk)), lay.grid, lay.threads,
+                  lay.shared,
                   (L.In(0), bias, L.Out(0), L.Out(1), L.Out(2), int(topk), int(sf), bool(pre),
-                   bool(has_bias), int(num_groups) if grouped else 1,
-                   int(group_topk) if grouped else -1, np.float32(scale), tb))
+                   bool(has_bias), G, int(group_topk) if grouped else -1, np.float32(scale),
+                   lay.tb, lay.lanes, lay.stride, lay.list_stride, lay.group_lanes, lay.o_list,
+                   lay.o_idx, lay.o_cnt, lay.o_grp, lay.o_keep, lay.o_flag))
     return L.Plan(OP + "_fwd", ins, outs, (), (step,))
 
 
@@ -684,8 +1037,9 @@ def topk_with_score_function_bwd_plan(grad_probs: L.Spec, topk: int, pre: bool, 
     outs = (grad_probs,)
     if shape[0] == 0:
         return L.Plan(OP + "_bwd", ins, outs)
-    grid, threads, tb, shared = L.row_tiling(shape[0], shape[1], planes=2)
-    step = L.Step(_topk_bwd_kernel(grad_probs.kind), grid, threads, shared,
+    lay = L.sums_layout(shape[0], shape[1], mask=True)
+    step = L.Step(_topk_bwd_kernel(grad_probs.kind), lay.grid, lay.threads, lay.shared,
                   (L.In(0), L.In(1), L.In(2), L.Out(0), int(topk), int(sf), bool(pre),
-                   np.float32(scale), tb))
+                   np.float32(scale), lay.tb, lay.lanes, lay.stride, lay.o_g, lay.o_list,
+                   lay.o_flag))
     return L.Plan(OP + "_bwd", ins, outs, (), (step,))

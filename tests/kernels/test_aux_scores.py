@@ -58,3 +58,61 @@ def test_empty_tokens():
     sc, m, sv = K.score_for_aux_loss_fwd(np.zeros((0, 4), np.float32), 2)
     assert sc.shape == m.shape == sv.shape == (0, 4)
     assert K.score_for_aux_loss_bwd(sv, sc).shape == (0, 4)
+
+
+def _clear_row_plans():
+    """Forget the cached plans of the row kernels (their layouts depend on the tiling knobs)."""
+    from gpurouter.kernels import aux_scores, topk
+
+    for f in (topk.topk_with_score_function_fwd_plan, topk.topk_with_score_function_bwd_plan,
+              aux_scores.score_for_aux_loss_fwd_plan, aux_scores.score_for_aux_loss_bwd_plan):
+        f.cache_clear()
+
+
+@pytest.fixture
+def tiling(monkeypatch):
+    """``tiling(lanes, threads=None)`` forces W = ``lanes`` threads per token (and
+    ``threads`` per block, hence ``threads // lanes`` tokens per tile) on the
+    row kernels for the test."""
+    from gpurouter.kernels import _launch
+
+    def force(lanes, threads=None):
+        monkeypatch.setattr(_launch, "row_lanes", lambda num_experts: lanes)
+        if threads is not None:
+            monkeypatch.setattr(_launch, "ROW_THREADS", threads)
+        _clear_row_plans()
+
+    yield force
+    monkeypatch.undo()
+    _clear_row_plans()
+
+
+@pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("lanes,threads,E,k", [(4, 8, 13, 3), (32, 32, 12, 12), (8, 16, 16, 1)])
+def test_lanes(tiling, sf, lanes, threads, E, k):
+    tiling(lanes, threads)  # partial last tile (3 tokens), E not a multiple of W
+    x = _tie_free(3, E, E + 1)
+    sc, m, sv = K.score_for_aux_loss_fwd(x, k, sf)
+    rsc, rm, rsv = (host(a) for a in ref.score_for_aux_loss_fwd(x, k, sf))
+    np.testing.assert_array_equal(m, rm)
+    assert_close(sc, rsc, "probs", np.float32, err_msg="aux scores")
+    assert_close(sv, rsv, "probs", np.float32, err_msg="aux saved")
+    g = random_cotangent(9, x.shape)
+    dx = K.score_for_aux_loss_bwd(sv, g, sf)
+    rdx = host(ref.score_for_aux_loss_bwd(sv, g, sf))
+    assert_close(dx, rdx, "grads", np.float32, E=E, err_msg="aux grad")
+
+
+def test_lanes_ties_and_specials(tiling):
+    tiling(4, 8)
+    x = np.array([[1.0, 2.0, 2.0, 2.0, 0.0, 2.0, 1.0],
+                  [-np.inf, 0.5, -np.inf, 0.5, np.nan, 0.5, 0.5],
+                  [-np.inf] * 7], np.float32)
+    for sf in ("softmax", "sigmoid"):
+        sc, m, _ = K.score_for_aux_loss_fwd(x, 3, sf)
+        rsc, rm, _ = (host(a) for a in ref.score_for_aux_loss_fwd(x, 3, sf))
+        assert (m.sum(-1) == 3).all()
+        np.testing.assert_array_equal(m, rm)
+        np.testing.assert_array_equal(np.isnan(sc), np.isnan(rsc))
+        np.testing.assert_allclose(sc, rsc, atol=1e-6, rtol=1e-5)
+        assert np.flatnonzero(m[0]).tolist() == [1, 2, 3]
