@@ -15,6 +15,7 @@ so that the per-call overhead of each layer can be read off by difference.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 
@@ -92,7 +93,8 @@ def main():
     wall(rows[3][1], xs, args.repeats)
     print(f"{'callback body (median)':<34}{statistics.median(body) * 1e6:>10.1f} us / call")
     # The body step by step (unbatched calls only): where its time goes.
-    parts = {k: [] for k in ("pointers", "plan", "launch")}
+    parts = {k: [] for k in ("pointers", "plan", "launch", "  of which cuLaunchKernel")}
+    pushed = []
 
     def split(planner, n_token, n_out, bufs, outs, stream):
         t0 = time.perf_counter()
@@ -104,7 +106,14 @@ def main():
         t2 = time.perf_counter()
         run([a.ptr for a in ins] + [o.ptr for o in os], stream)
         t3 = time.perf_counter()
-        for k, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+        cur = ctypes.c_void_p()
+        run._lib.cuCtxGetCurrent(ctypes.byref(cur))
+        pushed.append(cur.value != run.context)
+        handle, grid, block, shared, argv, _, _ = run.steps[0]  # the same launch again, timed alone
+        t4 = time.perf_counter()
+        run._lib.cuLaunchKernel(handle, grid, 1, 1, block, 1, 1, shared, stream or None, argv, None)
+        t5 = time.perf_counter()
+        for k, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t5 - t4), strict=True):
             parts[k].append(dt)
 
     cb._device_call = split
@@ -112,6 +121,7 @@ def main():
     cb._device_call = inner
     for k, v in parts.items():
         print(f"{'  ' + k + ' (median)':<34}{statistics.median(v) * 1e6:>10.1f} us / call")
+    print(f"  another context was current in {sum(pushed)} of {len(pushed)} callbacks")
     np.asarray(rows[3][1](xs[0])[0])  # results are checked by the test suite, not here
 
 
