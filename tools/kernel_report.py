@@ -40,8 +40,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="deepseek-v3")
     ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--launch", action="store_true",
+                    help="also run each kernel once on random inputs (for a profiler: ncu ... python3 this --launch)")
     args = ap.parse_args()
     ctx = cuda.current_context()
+    rng = np.random.default_rng(0)
     for name, plan in plans(args.preset, args.tokens):
         specs = {"in": plan.ins, "out": plan.outs, "tmp": plan.tmps}
         for st in plan.steps:
@@ -59,6 +62,21 @@ def main():
                 f"{op} {n}" for op, n in ops.most_common(14)))
             print("  " + ", ".join(f"{op} {ops.get(op, 0)}" for op in ("LDL", "STL", "CALL", "BAR", "LDG", "STG",
                                                                        "LDS", "STS", "MUFU", "I2F", "F2I")))
+        if args.launch:
+            arrays = {"in": [], "out": [], "tmp": []}
+            for role, sps in (("in", plan.ins), ("out", plan.outs), ("tmp", plan.tmps)):
+                for sp in sps:
+                    if sp.dtype == np.bool_:
+                        h = rng.random(sp.shape) < 0.03
+                    elif sp.kind == L.BF16:
+                        h = (rng.standard_normal(sp.shape, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+                    else:
+                        h = rng.standard_normal(sp.shape).astype(sp.dtype)
+                    arrays[role].append(cuda.to_device(h))
+            for st in plan.steps:
+                L.launch(st.kernel, st.grid, st.block, 0, st.shared,
+                         *(L._resolve(a, arrays) for a in st.args))
+            cuda.synchronize()
 
 
 if __name__ == "__main__":
