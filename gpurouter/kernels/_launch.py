@@ -317,16 +317,12 @@ class RowLayout:
         o_keep  + [tb * G]         int32 kept-group flags (grouped only)
         o_flag  (bytes) + [tb*P]   uint8 selection flags
 
-    - backward (``sums_layout``)::
-
-        [0, tb*P)        fp32 a-plane (activation / probability)
-        o_g + [tb*P]     fp32 g-plane (scaled gradient), o_g = -1: not staged
-        o_list + [2*threads]  fp32 lane partials (S | D)
-        o_flag (bytes) + [tb*P]  uint8 routing mask (top-k backward)
+    (The backward kernels stream their rows from global memory and need no
+    tile: ``stream_tiling``.)
     """
 
     __slots__ = ("grid", "threads", "tb", "lanes", "stride", "list_stride", "group_lanes",
-                 "o_list", "o_idx", "o_cnt", "o_grp", "o_keep", "o_g", "o_flag", "shared")
+                 "o_list", "o_idx", "o_cnt", "o_grp", "o_keep", "o_flag", "shared")
 
     def __init__(self, **kw):
         for k in self.__slots__:
@@ -382,39 +378,24 @@ def select_layout(num_tokens: int, num_experts: int, topk: int, num_groups: int 
                      shared=end * 4 + tb * p)
 
 
-def sums_layout(num_tokens: int, num_experts: int, mask: bool,
-                lanes: int | None = None) -> RowLayout:
-    """Layout of the backward row kernels (top-k bwd with ``mask``, aux scores bwd).
+#: threads per block of the streaming backward kernels
+STREAM_THREADS = 256
 
-    Stages the a-plane (and the mask) always, the g-plane when it fits
-    (``o_g = -1`` otherwise: the gradient is then read from global memory,
-    E > ~5000 only).
+
+def stream_tiling(num_tokens: int, num_experts: int):
+    """``(grid, threads, lanes)`` of the streaming backward kernels: W lanes per
+    token read its row straight from global memory (no shared-memory tile),
+    lane ``l`` experts ``l, l + W, ...``. W = 32 (a warp per token: each
+    warp-wide access is one contiguous piece of a row) or, for E < 32, E
+    rounded up to a power of two (a warp then covers whole consecutive rows).
     """
-    w = row_lanes(num_experts) if lanes is None else int(lanes)
-    tb = max(1, ROW_THREADS // w)
-    p = row_stride(num_experts, w)
-    planes = 2
-    while True:
-        threads = tb * w
-        words = planes * tb * p + 2 * threads
-        shared = words * 4 + (tb * p if mask else 0)
-        if shared <= SMEM_BUDGET:
-            break
-        if tb > 1:
-            tb //= 2
-        elif planes == 2:
-            planes = 1
-        else:
-            raise NotImplementedError(f"E={num_experts}: one token does not fit "
-                                      f"{SMEM_BUDGET} bytes of shared memory")
-    tb = max(1, min(tb, num_tokens))
-    threads = tb * w
-    o_g = tb * p if planes == 2 else -1
-    o_list = planes * tb * p
-    o_flag = (o_list + 2 * threads) * 4
-    return RowLayout(grid=-(-num_tokens // tb), threads=threads, tb=tb, lanes=w, stride=p,
-                     o_list=o_list, o_g=o_g, o_flag=o_flag,
-                     shared=o_flag + (tb * p if mask else 0))
+    w = 32
+    if num_experts < 32:
+        w = 1
+        while w < num_experts:
+            w *= 2
+    tb = max(1, min(STREAM_THREADS // w, num_tokens))
+    return -(-num_tokens // tb), tb * w, w
 
 
 def reduction_tiling(num_rows: int, num_cols: int):

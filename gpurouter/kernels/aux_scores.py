@@ -28,7 +28,6 @@ from .topk import (
     _SQRTSOFTPLUS,
     _ZERO,
     _activation_grad,
-    _adv,
     _normalise,
     _row_stats,
     _select,
@@ -125,6 +124,9 @@ def _aux_scores_fwd_kernel(kind: str, kcap: int):
 
 @functools.cache
 def _aux_scores_bwd_kernel(out_kind: str):
+    """The backward, streaming like ``topk._topk_bwd_kernel`` (W lanes per token,
+    two passes over the row in global memory, no shared-memory tile): pass 1
+    sums S = sum v and D = sum g v over all E, pass 2 writes every element."""
     store = storer(out_kind)
 
     @cuda.jit
@@ -133,91 +135,45 @@ def _aux_scores_bwd_kernel(out_kind: str):
         grad_scores,  # [T, E] fp32
         grad_logits,  # [T, E] out_kind, out
         sf,
-        tile_tokens,  # TB
-        lanes,  # W
-        stride,  # P
-        o_g,  # word offset of the g-plane; -1: not staged (read from grad_scores)
-        o_red,  # word offset of the lane partials [2 * threads]
+        lanes,  # W; blockDim.x = tokens per block * W
     ):
         num_tokens = saved.shape[0]
         num_experts = saved.shape[1]
-        # fp32 [TB, P] saved-plane | fp32 [TB, P] g-plane | fp32 [2, threads] partials
-        smem = cuda.shared.array(0, nb_f32)
+        red = cuda.shared.array(0, nb_f32)  # fp32 [2 * threads]: lane partials of S and D
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
-        t0 = cuda.blockIdx.x * tile_tokens
-        nt = min(tile_tokens, num_tokens - t0)
         tok = tid // lanes
         lane = tid - tok * lanes
-        staged_g = o_g >= 0
+        token = cuda.blockIdx.x * (nthreads // lanes) + tok
+        live = token < num_tokens
 
-        # Phase 1 (all threads, coalesced): stage saved (p, a, or sqrtsoftplus'
-        # raw x) and g; four elements per step, all their loads issued first.
-        t, j, dt, dj = _walk(tid, nthreads, num_experts)
-        while t < nt:
-            t1, j1 = _adv(t, j, dt, dj, num_experts)
-            t2, j2 = _adv(t1, j1, dt, dj, num_experts)
-            t3, j3 = _adv(t2, j2, dt, dj, num_experts)
-            v0 = saved[t0 + t, j]
-            v1 = saved[t0 + t1, j1] if t1 < nt else _ZERO
-            v2 = saved[t0 + t2, j2] if t2 < nt else _ZERO
-            v3 = saved[t0 + t3, j3] if t3 < nt else _ZERO
-            if staged_g:
-                g0 = grad_scores[t0 + t, j]
-                g1 = grad_scores[t0 + t1, j1] if t1 < nt else _ZERO
-                g2 = grad_scores[t0 + t2, j2] if t2 < nt else _ZERO
-                g3 = grad_scores[t0 + t3, j3] if t3 < nt else _ZERO
-                smem[o_g + t * stride + j] = g0
-                if t1 < nt:
-                    smem[o_g + t1 * stride + j1] = g1
-                if t2 < nt:
-                    smem[o_g + t2 * stride + j2] = g2
-                if t3 < nt:
-                    smem[o_g + t3 * stride + j3] = g3
-            smem[t * stride + j] = v0
-            if t1 < nt:
-                smem[t1 * stride + j1] = v1
-            if t2 < nt:
-                smem[t2 * stride + j2] = v2
-            if t3 < nt:
-                smem[t3 * stride + j3] = v3
-            t, j = _adv(t3, j3, dt, dj, num_experts)
-        # Barrier: the lanes read whole rows.
-        cuda.syncthreads()
-
-        # Phase 2 (W lanes per token): S = sum v, D = sum g v.
         total = _ZERO
         dot = _ZERO
-        if tok < nt:
+        if live:
             for j in range(lane, num_experts, lanes):
-                off = tok * stride + j
-                a = smem[off]
+                a = saved[token, j]
                 if sf == _SQRTSOFTPLUS:
                     a = _sqrtsoftplus(a)  # saved holds the raw x
-                g = smem[o_g + off] if staged_g else grad_scores[t0 + tok, j]
                 total += a
-                dot += np.float32(g * a)
-        smem[o_red + tid] = total
-        smem[o_red + nthreads + tid] = dot
-        _tree_reduce(smem, o_red, o_red + nthreads, tid, lane, lanes, False)
+                dot += np.float32(grad_scores[token, j] * a)
+        red[tid] = total
+        red[nthreads + tid] = dot
+        _tree_reduce(red, 0, nthreads, tid, lane, lanes, False)
 
-        # Phase 3 (all threads, coalesced): elementwise gradient.
-        t, j, dt, dj = _walk(tid, nthreads, num_experts)
-        while t < nt:
-            off = t * stride + j
-            x = smem[off]
-            a = _sqrtsoftplus(x) if sf == _SQRTSOFTPLUS else x
-            g = smem[o_g + off] if staged_g else grad_scores[t0 + t, j]
-            lead = o_red + t * lanes
-            dot = smem[lead + nthreads]
-            if sf == _SOFTMAX:
-                dx = np.float32(a * (g - dot))
-            else:
-                den = np.float32(smem[lead] + _EPS)
-                gp = np.float32(g / den - dot / np.float32(den * den))
-                dx = np.float32(gp * _activation_grad(x, a, sf))
-            store(grad_logits, t0 + t, j, dx)
-            t, j = _adv(t, j, dt, dj, num_experts)
+        if live:
+            lead = tok * lanes
+            den = np.float32(red[lead] + _EPS)
+            dsum = red[nthreads + lead]
+            for j in range(lane, num_experts, lanes):
+                x = saved[token, j]
+                a = _sqrtsoftplus(x) if sf == _SQRTSOFTPLUS else x
+                g = grad_scores[token, j]
+                if sf == _SOFTMAX:
+                    dx = np.float32(a * (g - dsum))
+                else:
+                    gp = np.float32(g / den - dsum / np.float32(den * den))
+                    dx = np.float32(gp * _activation_grad(x, a, sf))
+                store(grad_logits, token, j, dx)
 
     return kernel
 
@@ -303,8 +259,7 @@ def score_for_aux_loss_bwd_plan(saved: L.Spec, sf: int, out_kind: str) -> L.Plan
     ins, outs = (saved, saved), (L.spec_of(shape, out_kind),)
     if shape[0] == 0:
         return L.Plan(OP + "_bwd", ins, outs)
-    lay = L.sums_layout(shape[0], shape[1], mask=False)
-    step = L.Step(_aux_scores_bwd_kernel(out_kind), lay.grid, lay.threads, lay.shared,
-                  (L.In(0), L.In(1), L.Out(0), int(sf), lay.tb, lay.lanes, lay.stride, lay.o_g,
-                   lay.o_list))
+    grid, threads, lanes = L.stream_tiling(shape[0], shape[1])
+    step = L.Step(_aux_scores_bwd_kernel(out_kind), grid, threads, 8 * threads,
+                  (L.In(0), L.In(1), L.Out(0), int(sf), lanes))
     return L.Plan(OP + "_bwd", ins, outs, (), (step,))

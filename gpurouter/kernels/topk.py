@@ -740,6 +740,15 @@ def _topk_fwd_kernel(kind: str, kcap: int):
 
 @functools.cache
 def _topk_bwd_kernel(kind: str):
+    """The backward, streaming: W lanes per token read its row from global
+    memory twice, with no shared-memory tile (occupancy is not limited by
+    shared memory, and every thread runs few instructions per element).
+
+    Pass 1 sums S and D over the token's selected experts only (its lanes'
+    partials, combined by ``_tree_reduce`` in a fixed order). Pass 2 writes
+    every element: 0 where the map is unset, except for softmax-pre, where
+    ``p (m g - D)`` needs every p. The second read of the row mostly hits L1.
+    """
     load = loader(kind)
     store = storer(kind)
 
@@ -753,118 +762,56 @@ def _topk_bwd_kernel(kind: str):
         sf,
         pre,
         scale,  # fp32
-        tile_tokens,  # TB
-        lanes,  # W
-        stride,  # P
-        o_g,  # word offset of the g-plane; -1: not staged (read from grad_probs)
-        o_red,  # word offset of the lane partials [2 * threads]
-        o_flag,  # byte offset of the mask
+        lanes,  # W; blockDim.x = tokens per block * W
     ):
         num_tokens = saved.shape[0]
         num_experts = saved.shape[1]
-        # fp32 [TB, P] saved-plane | fp32 [TB, P] g-plane | fp32 [2, threads]
-        # partials | uint8 [TB, P] mask
-        smem = cuda.shared.array(0, nb_f32)
-        flags = cuda.shared.array(0, nb_u8)
+        red = cuda.shared.array(0, nb_f32)  # fp32 [2 * threads]: lane partials of S and D
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
-        t0 = cuda.blockIdx.x * tile_tokens
-        nt = min(tile_tokens, num_tokens - t0)
         tok = tid // lanes
         lane = tid - tok * lanes
-        staged_g = o_g >= 0
+        token = cuda.blockIdx.x * (nthreads // lanes) + tok
+        live = token < num_tokens
+        dense = sf == _SOFTMAX and pre
 
-        # Phase 1 (all threads, coalesced): stage saved (the activation, q, p,
-        # or sqrtsoftplus' raw x), g (scaled) and the mask; four elements per
-        # step, all their loads issued first (memory-level parallelism).
-        t, j, dt, dj = _walk(tid, nthreads, num_experts)
-        while t < nt:
-            t1, j1 = _adv(t, j, dt, dj, num_experts)
-            t2, j2 = _adv(t1, j1, dt, dj, num_experts)
-            t3, j3 = _adv(t2, j2, dt, dj, num_experts)
-            v0 = saved[t0 + t, j]
-            m0 = routing_map[t0 + t, j]
-            v1 = saved[t0 + t1, j1] if t1 < nt else _ZERO
-            m1 = routing_map[t0 + t1, j1] if t1 < nt else False
-            v2 = saved[t0 + t2, j2] if t2 < nt else _ZERO
-            m2 = routing_map[t0 + t2, j2] if t2 < nt else False
-            v3 = saved[t0 + t3, j3] if t3 < nt else _ZERO
-            m3 = routing_map[t0 + t3, j3] if t3 < nt else False
-            if staged_g:
-                g0 = load(grad_probs, t0 + t, j)
-                g1 = load(grad_probs, t0 + t1, j1) if t1 < nt else _ZERO
-                g2 = load(grad_probs, t0 + t2, j2) if t2 < nt else _ZERO
-                g3 = load(grad_probs, t0 + t3, j3) if t3 < nt else _ZERO
-                smem[o_g + t * stride + j] = np.float32(g0 * scale)
-                if t1 < nt:
-                    smem[o_g + t1 * stride + j1] = np.float32(g1 * scale)
-                if t2 < nt:
-                    smem[o_g + t2 * stride + j2] = np.float32(g2 * scale)
-                if t3 < nt:
-                    smem[o_g + t3 * stride + j3] = np.float32(g3 * scale)
-            smem[t * stride + j] = v0
-            flags[o_flag + t * stride + j] = 1 if m0 else 0
-            if t1 < nt:
-                smem[t1 * stride + j1] = v1
-                flags[o_flag + t1 * stride + j1] = 1 if m1 else 0
-            if t2 < nt:
-                smem[t2 * stride + j2] = v2
-                flags[o_flag + t2 * stride + j2] = 1 if m2 else 0
-            if t3 < nt:
-                smem[t3 * stride + j3] = v3
-                flags[o_flag + t3 * stride + j3] = 1 if m3 else 0
-            t, j = _adv(t3, j3, dt, dj, num_experts)
-        # Barrier: the lanes read whole rows.
-        cuda.syncthreads()
-
-        # Phase 2 (W lanes per token): S = sum_m a, D = sum_m g a.
+        # Pass 1: S = sum_m a, D = sum_m g a over this lane's experts.
         total = _ZERO
         dot = _ZERO
-        if tok < nt:
+        if live:
             for j in range(lane, num_experts, lanes):
-                off = tok * stride + j
-                if flags[o_flag + off] != 0:
-                    a = smem[off]
+                if routing_map[token, j]:
+                    a = saved[token, j]
                     if sf == _SQRTSOFTPLUS:
                         a = _sqrtsoftplus(a)  # saved holds the raw x: recompute v
-                    if staged_g:
-                        g = smem[o_g + off]
-                    else:
-                        g = np.float32(load(grad_probs, t0 + tok, j) * scale)
                     total += a
-                    dot += np.float32(g * a)
-        smem[o_red + tid] = total
-        smem[o_red + nthreads + tid] = dot
-        _tree_reduce(smem, o_red, o_red + nthreads, tid, lane, lanes, False)
+                    dot += np.float32(np.float32(load(grad_probs, token, j) * scale) * a)
+        red[tid] = total
+        red[nthreads + tid] = dot
+        _tree_reduce(red, 0, nthreads, tid, lane, lanes, False)
 
-        # Phase 3 (all threads, coalesced): the elementwise gradient.
-        t, j, dt, dj = _walk(tid, nthreads, num_experts)
-        while t < nt:
-            off = t * stride + j
-            sel = flags[o_flag + off] != 0
-            x = smem[off]
-            a = _sqrtsoftplus(x) if sf == _SQRTSOFTPLUS else x
-            if staged_g:
-                g = smem[o_g + off]
-            else:
-                g = np.float32(load(grad_probs, t0 + t, j) * scale)
-            lead = o_red + t * lanes
-            dot = smem[lead + nthreads]
-            dx = _ZERO
-            if sf == _SOFTMAX:
-                if pre:
-                    gm = g if sel else _ZERO
-                    dx = np.float32(a * (gm - dot))
-                elif sel:
-                    dx = np.float32(a * (g - dot))
-            elif sel:
-                gp = g
-                if topk > 1:
-                    den = np.float32(smem[lead] + _EPS)
-                    gp = np.float32(g / den - dot / np.float32(den * den))
-                dx = np.float32(gp * _activation_grad(x, a, sf))
-            store(grad_logits, t0 + t, j, dx)
-            t, j = _adv(t, j, dt, dj, num_experts)
+        # Pass 2: the gradient of every element of the row.
+        if live:
+            lead = tok * lanes
+            den = np.float32(red[lead] + _EPS)
+            dsum = red[nthreads + lead]
+            for j in range(lane, num_experts, lanes):
+                sel = routing_map[token, j]
+                dx = _ZERO
+                if sel or dense:
+                    x = saved[token, j]
+                    a = _sqrtsoftplus(x) if sf == _SQRTSOFTPLUS else x
+                    g = _ZERO
+                    if sel:
+                        g = np.float32(load(grad_probs, token, j) * scale)
+                    if sf == _SOFTMAX:
+                        dx = np.float32(a * (g - dsum))
+                    else:
+                        gp = g
+                        if topk > 1:
+                            gp = np.float32(g / den - dsum / np.float32(den * den))
+                        dx = np.float32(gp * _activation_grad(x, a, sf))
+                store(grad_logits, token, j, dx)
 
     return kernel
 
@@ -1037,9 +984,8 @@ def topk_with_score_function_bwd_plan(grad_probs: L.Spec, topk: int, pre: bool, 
     outs = (grad_probs,)
     if shape[0] == 0:
         return L.Plan(OP + "_bwd", ins, outs)
-    lay = L.sums_layout(shape[0], shape[1], mask=True)
-    step = L.Step(_topk_bwd_kernel(grad_probs.kind), lay.grid, lay.threads, lay.shared,
+    grid, threads, lanes = L.stream_tiling(shape[0], shape[1])
+    step = L.Step(_topk_bwd_kernel(grad_probs.kind), grid, threads, 8 * threads,
                   (L.In(0), L.In(1), L.In(2), L.Out(0), int(topk), int(sf), bool(pre),
-                   np.float32(scale), lay.tb, lay.lanes, lay.stride, lay.o_g, lay.o_list,
-                   lay.o_flag))
+                   np.float32(scale), lanes))
     return L.Plan(OP + "_bwd", ins, outs, (), (step,))
