@@ -101,13 +101,15 @@ def _gpu_info() -> dict:
         info["gpu"], info["driver"] = [s.strip() for s in out.splitlines()[0].split(",")]
     except Exception:
         info["gpu"] = "none"
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True, timeout=10).stdout.strip()
-    except Exception:
-        info["commit"] = ""
-    # A copy of the tree without .git (the lent GPU) names its commit by env.
-    info["commit"] = info["commit"] or os.environ.get("GPUROUTER_COMMIT", "unknown")
+    # GPUROUTER_COMMIT first: a copy of the tree on a lent GPU may carry no
+    # .git, or an unrelated one.
+    info["commit"] = os.environ.get("GPUROUTER_COMMIT", "")
+    if not info["commit"]:
+        try:
+            info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                            text=True, timeout=10).stdout.strip() or "unknown"
+        except Exception:
+            info["commit"] = "unknown"
     info["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return info
 
@@ -153,6 +155,7 @@ def _kernel_times(planner, n_token: int, arg_sets, outs, repeats: int, check=Non
     from numba import cuda
 
     from . import _callback as cb
+    from .kernels import _launch as L
 
     stream = cuda.stream()
     handle = int(stream.handle)
@@ -170,7 +173,7 @@ def _kernel_times(planner, n_token: int, arg_sets, outs, repeats: int, check=Non
     for c0 in range(0, repeats, 25):
         n = min(25, repeats - c0)
         events = [cuda.event() for _ in range(n + 1)]
-        spin[1, 1, stream](2000)
+        L.launch(spin, 1, 1, stream, 0, 2000)
         events[0].record(stream)
         for i in range(n):
             t = time.perf_counter()

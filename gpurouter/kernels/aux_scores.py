@@ -24,9 +24,11 @@ from . import _launch as L
 from ._limits import check_limits
 from .topk import (
     _EPS,
+    _ONE,
     _SOFTMAX,
     _SQRTSOFTPLUS,
     _ZERO,
+    _accumulate,
     _activation_grad,
     _normalise,
     _row_stats,
@@ -122,6 +124,25 @@ def _aux_scores_fwd_kernel(kind: str, kcap: int):
 #   dx = that * dv/dx (for every K, K == 1 included).
 
 
+@cuda.jit(device=True)
+def _dense_pair(saved, grad, token, j, inside):
+    """``(saved[token, j], grad[token, j])`` (both fp32) when ``inside`` the row, else zeros."""
+    if inside:
+        return saved[token, j], grad[token, j]
+    return _ZERO, _ZERO
+
+
+@cuda.jit(device=True)
+def _aux_dx(x, g, den, dsum, sf):
+    """d logit of one element: softmax ``p (g - D)``; sigmoid / sqrtsoftplus
+    normalised over all E: ``(g / (S + eps) - D / (S + eps)^2) dv/dx``."""
+    a = _sqrtsoftplus(x) if sf == _SQRTSOFTPLUS else x
+    if sf == _SOFTMAX:
+        return np.float32(a * (g - dsum))
+    gp = np.float32(g / den - dsum / np.float32(den * den))
+    return np.float32(gp * _activation_grad(x, a, sf))
+
+
 @functools.cache
 def _aux_scores_bwd_kernel(out_kind: str):
     """The backward, streaming like ``topk._topk_bwd_kernel`` (W lanes per token,
@@ -147,33 +168,53 @@ def _aux_scores_bwd_kernel(out_kind: str):
         token = cuda.blockIdx.x * (nthreads // lanes) + tok
         live = token < num_tokens
 
+        # Pass 1: S = sum v, D = sum g v; four experts per lane per step, their
+        # loads issued before any is used.
         total = _ZERO
         dot = _ZERO
-        if live:
-            for j in range(lane, num_experts, lanes):
-                a = saved[token, j]
-                if sf == _SQRTSOFTPLUS:
-                    a = _sqrtsoftplus(a)  # saved holds the raw x
-                total += a
-                dot += np.float32(grad_scores[token, j] * a)
+        j = lane
+        while live and j < num_experts:
+            j1 = j + lanes
+            j2 = j1 + lanes
+            j3 = j2 + lanes
+            x0, g0 = _dense_pair(saved, grad_scores, token, j, True)
+            x1, g1 = _dense_pair(saved, grad_scores, token, j1, j1 < num_experts)
+            x2, g2 = _dense_pair(saved, grad_scores, token, j2, j2 < num_experts)
+            x3, g3 = _dense_pair(saved, grad_scores, token, j3, j3 < num_experts)
+            total, dot = _accumulate(total, dot, x0, g0, _ONE, sf)
+            if j1 < num_experts:
+                total, dot = _accumulate(total, dot, x1, g1, _ONE, sf)
+            if j2 < num_experts:
+                total, dot = _accumulate(total, dot, x2, g2, _ONE, sf)
+            if j3 < num_experts:
+                total, dot = _accumulate(total, dot, x3, g3, _ONE, sf)
+            j = j3 + lanes
         red[tid] = total
         red[nthreads + tid] = dot
         _tree_reduce(red, 0, nthreads, tid, lane, lanes, False)
 
+        # Pass 2: every element, four per step (the row's second read mostly hits L1).
         if live:
             lead = tok * lanes
             den = np.float32(red[lead] + _EPS)
             dsum = red[nthreads + lead]
-            for j in range(lane, num_experts, lanes):
-                x = saved[token, j]
-                a = _sqrtsoftplus(x) if sf == _SQRTSOFTPLUS else x
-                g = grad_scores[token, j]
-                if sf == _SOFTMAX:
-                    dx = np.float32(a * (g - dsum))
-                else:
-                    gp = np.float32(g / den - dsum / np.float32(den * den))
-                    dx = np.float32(gp * _activation_grad(x, a, sf))
-                store(grad_logits, token, j, dx)
+            j = lane
+            while j < num_experts:
+                j1 = j + lanes
+                j2 = j1 + lanes
+                j3 = j2 + lanes
+                x0, g0 = _dense_pair(saved, grad_scores, token, j, True)
+                x1, g1 = _dense_pair(saved, grad_scores, token, j1, j1 < num_experts)
+                x2, g2 = _dense_pair(saved, grad_scores, token, j2, j2 < num_experts)
+                x3, g3 = _dense_pair(saved, grad_scores, token, j3, j3 < num_experts)
+                store(grad_logits, token, j, _aux_dx(x0, g0, den, dsum, sf))
+                if j1 < num_experts:
+                    store(grad_logits, token, j1, _aux_dx(x1, g1, den, dsum, sf))
+                if j2 < num_experts:
+                    store(grad_logits, token, j2, _aux_dx(x2, g2, den, dsum, sf))
+                if j3 < num_experts:
+                    store(grad_logits, token, j3, _aux_dx(x3, g3, den, dsum, sf))
+                j = j3 + lanes
 
     return kernel
 

@@ -739,17 +739,58 @@ def _topk_fwd_kernel(kind: str, kcap: int):
 
 
 @functools.cache
+def _pair_loader(kind: str):
+    """Device function ``pair(saved, grad, token, j, needed)``: ``(saved[token, j],
+    grad[token, j])`` as fp32 (``grad`` of ``kind``) where ``needed``, else zeros
+    (no load: unselected experts' saved scores and gradients are never read)."""
+    load = loader(kind)
+
+    @cuda.jit(device=True)
+    def pair(saved, grad, token, j, needed):
+        if needed:
+            return saved[token, j], load(grad, token, j)
+        return _ZERO, _ZERO
+
+    return pair
+
+
+@cuda.jit(device=True)
+def _accumulate(total, dot, x, g, scale, sf):
+    """``(S + a, D + (g * scale) * a)`` for a selected expert (``a`` from saved ``x``)."""
+    a = _sqrtsoftplus(x) if sf == _SQRTSOFTPLUS else x
+    return np.float32(total + a), np.float32(dot + np.float32(np.float32(g * scale) * a))
+
+
+@cuda.jit(device=True)
+def _topk_dx(x, g, sel, dense, den, dsum, scale, topk, sf):
+    """d logit of one element (CONTRACT section 3), from saved ``x`` and the raw
+    gradient ``g`` (scaled here); 0 for unselected experts unless ``dense``
+    (softmax-pre, where every p contributes)."""
+    if not (sel or dense):
+        return _ZERO
+    a = _sqrtsoftplus(x) if sf == _SQRTSOFTPLUS else x
+    gs = np.float32(g * scale) if sel else _ZERO
+    if sf == _SOFTMAX:
+        return np.float32(a * (gs - dsum))
+    gp = gs
+    if topk > 1:
+        gp = np.float32(gs / den - dsum / np.float32(den * den))
+    return np.float32(gp * _activation_grad(x, a, sf))
+
+
+@functools.cache
 def _topk_bwd_kernel(kind: str):
     """The backward, streaming: W lanes per token read its row from global
     memory twice, with no shared-memory tile (occupancy is not limited by
-    shared memory, and every thread runs few instructions per element).
+    shared memory, and every thread runs few instructions per element), four
+    experts per lane per step with their loads issued together.
 
     Pass 1 sums S and D over the token's selected experts only (its lanes'
     partials, combined by ``_tree_reduce`` in a fixed order). Pass 2 writes
     every element: 0 where the map is unset, except for softmax-pre, where
     ``p (m g - D)`` needs every p. The second read of the row mostly hits L1.
     """
-    load = loader(kind)
+    pair = _pair_loader(kind)
     store = storer(kind)
 
     @cuda.jit
@@ -775,43 +816,63 @@ def _topk_bwd_kernel(kind: str):
         live = token < num_tokens
         dense = sf == _SOFTMAX and pre
 
-        # Pass 1: S = sum_m a, D = sum_m g a over this lane's experts.
+        # Pass 1: S = sum_m a, D = sum_m g a over this lane's experts, four
+        # experts per step: their loads are all issued before any is used
+        # (a branch on a loaded flag would otherwise wait for each in turn).
         total = _ZERO
         dot = _ZERO
-        if live:
-            for j in range(lane, num_experts, lanes):
-                if routing_map[token, j]:
-                    a = saved[token, j]
-                    if sf == _SQRTSOFTPLUS:
-                        a = _sqrtsoftplus(a)  # saved holds the raw x: recompute v
-                    total += a
-                    dot += np.float32(np.float32(load(grad_probs, token, j) * scale) * a)
+        j = lane
+        while live and j < num_experts:
+            j1 = j + lanes
+            j2 = j1 + lanes
+            j3 = j2 + lanes
+            m0 = routing_map[token, j]
+            m1 = routing_map[token, j1] if j1 < num_experts else False
+            m2 = routing_map[token, j2] if j2 < num_experts else False
+            m3 = routing_map[token, j3] if j3 < num_experts else False
+            a0, g0 = pair(saved, grad_probs, token, j, m0)
+            a1, g1 = pair(saved, grad_probs, token, j1, m1)
+            a2, g2 = pair(saved, grad_probs, token, j2, m2)
+            a3, g3 = pair(saved, grad_probs, token, j3, m3)
+            if m0:
+                total, dot = _accumulate(total, dot, a0, g0, scale, sf)
+            if m1:
+                total, dot = _accumulate(total, dot, a1, g1, scale, sf)
+            if m2:
+                total, dot = _accumulate(total, dot, a2, g2, scale, sf)
+            if m3:
+                total, dot = _accumulate(total, dot, a3, g3, scale, sf)
+            j = j3 + lanes
         red[tid] = total
         red[nthreads + tid] = dot
         _tree_reduce(red, 0, nthreads, tid, lane, lanes, False)
 
-        # Pass 2: the gradient of every element of the row.
+        # Pass 2: the gradient of every element of the row, four per step.
         if live:
             lead = tok * lanes
             den = np.float32(red[lead] + _EPS)
             dsum = red[nthreads + lead]
-            for j in range(lane, num_experts, lanes):
-                sel = routing_map[token, j]
-                dx = _ZERO
-                if sel or dense:
-                    x = saved[token, j]
-                    a = _sqrtsoftplus(x) if sf == _SQRTSOFTPLUS else x
-                    g = _ZERO
-                    if sel:
-                        g = np.float32(load(grad_probs, token, j) * scale)
-                    if sf == _SOFTMAX:
-                        dx = np.float32(a * (g - dsum))
-                    else:
-                        gp = g
-                        if topk > 1:
-                            gp = np.float32(g / den - dsum / np.float32(den * den))
-                        dx = np.float32(gp * _activation_grad(x, a, sf))
-                store(grad_logits, token, j, dx)
+            j = lane
+            while j < num_experts:
+                j1 = j + lanes
+                j2 = j1 + lanes
+                j3 = j2 + lanes
+                m0 = routing_map[token, j]
+                m1 = routing_map[token, j1] if j1 < num_experts else False
+                m2 = routing_map[token, j2] if j2 < num_experts else False
+                m3 = routing_map[token, j3] if j3 < num_experts else False
+                x0, g0 = pair(saved, grad_probs, token, j, m0 or dense)
+                x1, g1 = pair(saved, grad_probs, token, j1, m1 or (dense and j1 < num_experts))
+                x2, g2 = pair(saved, grad_probs, token, j2, m2 or (dense and j2 < num_experts))
+                x3, g3 = pair(saved, grad_probs, token, j3, m3 or (dense and j3 < num_experts))
+                store(grad_logits, token, j, _topk_dx(x0, g0, m0, dense, den, dsum, scale, topk, sf))
+                if j1 < num_experts:
+                    store(grad_logits, token, j1, _topk_dx(x1, g1, m1, dense, den, dsum, scale, topk, sf))
+                if j2 < num_experts:
+                    store(grad_logits, token, j2, _topk_dx(x2, g2, m2, dense, den, dsum, scale, topk, sf))
+                if j3 < num_experts:
+                    store(grad_logits, token, j3, _topk_dx(x3, g3, m3, dense, den, dsum, scale, topk, sf))
+                j = j3 + lanes
 
     return kernel
 
