@@ -9,16 +9,20 @@ from __future__ import annotations
 import functools
 import os
 import types
+from collections.abc import Callable
 
 from ._checks import check_backend
 
 # "auto" picks the kernels only where they are expected to beat the jnp
 # reference: JAX on a CUDA GPU with the zero-copy transport and a working
-# numba-cuda. Measured on an H200 (docs/benchmarks.md, commit 1d86c62), the
-# zero-copy kernels are still slower than the jitted reference for every
-# model preset (0.07x-0.98x), so that expectation does not hold yet and "auto"
-# stays on the reference. Flip this when the benchmark says otherwise.
-KERNELS_BEAT_REFERENCE = False
+# numba-cuda, for the router top-k with K <= AUTO_MAX_TOPK. Measured on an H200
+# (docs/benchmarks.md, commit 9b7f9e1, a jitted 50-step forward + backward
+# loop), zero-copy numba over the jitted reference: DeepSeek-V3 2.33x,
+# DeepSeek-V4 1.39x, Mixtral 1.28x, Llama-4 1.28x, Kimi-K2 1.24x, Qwen3 1.01x
+# (all K <= 8), Nemotron-3 Super (K = 22) 0.73x. The aux scores and the aux
+# loss have no end-to-end measurement against the reference: "auto" keeps
+# them on jax.
+AUTO_MAX_TOPK = 8
 
 
 def _numba_import_error() -> ImportError:
@@ -67,18 +71,20 @@ def numba_usable() -> bool:
     return simulator_enabled() or numba_gpu_available()
 
 
-def resolve(op: str, backend: str) -> str:
+def resolve(op: str, backend: str, *, faster: Callable[[], bool] | None = None) -> str:
     """Returns ``"jax"`` or ``"numba"`` for the requested ``backend``.
 
     ``"auto"`` picks numba only where it is expected to beat the jnp
     reference: JAX itself on a CUDA GPU with the zero-copy transport and a
-    working numba-cuda; never the simulator.
+    working numba-cuda (never the simulator), and ``faster()`` (asked only
+    then) says the kernels take this call and measured faster for its kind
+    (see AUTO_MAX_TOPK). Without ``faster``: jax.
     """
     check_backend(op, backend)
     if backend == "auto":
         from ._callback import zero_copy_available
 
-        if KERNELS_BEAT_REFERENCE and zero_copy_available():
+        if faster is not None and zero_copy_available() and faster():
             return "numba"
         return "jax"
     if backend == "numba":

@@ -83,6 +83,32 @@ def test_auto_is_jax_without_a_gpu():
     from gpurouter import _backend
 
     assert _backend.resolve("op", "auto") == "jax"
+    assert _backend.resolve("op", "auto", faster=lambda: True) == "jax"
+
+
+def test_auto_picks_numba_only_where_it_measured_faster(monkeypatch):
+    """With the zero-copy transport available (faked): numba for a top-k with
+    K <= 8 that the kernels take, jax for larger K, float64, the aux scores
+    and the aux loss."""
+    import jax.numpy as jnp
+
+    from gpurouter import _backend, _callback
+
+    monkeypatch.setattr(_callback, "zero_copy_available", lambda: True)
+    assert _backend.resolve("op", "auto", faster=lambda: True) == "numba"
+    assert _backend.resolve("op", "auto", faster=lambda: False) == "jax"
+    assert _backend.resolve("op", "auto") == "jax"  # the aux loss passes no predicate
+    chosen = []
+    monkeypatch.setattr(_backend, "resolve", lambda op, b, faster=None: chosen.append(
+        faster is not None and faster()) or "jax")
+    x = jnp.zeros((4, 16), jnp.float32)
+    gr.fused_topk_with_score_function(x, 8)
+    gr.fused_topk_with_score_function(x, _backend.AUTO_MAX_TOPK + 1)
+    gr.fused_topk_with_score_function(x, 2, compute_aux_scores=True)
+    if _backend.numba_usable():
+        assert chosen == [True, False, False]
+    else:
+        assert chosen[1:] == [False, False]
 
 
 def test_bindings_reach_kernels_only_through_the_callback_helper():

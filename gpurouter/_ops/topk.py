@@ -64,9 +64,22 @@ def fused_topk_with_score_function(
         compute_aux_scores,
     )
     check_transport(TOPK_OP, transport)  # validated whatever the backend
-    backend = _backend.resolve(TOPK_OP, backend)
     logits = jnp.asarray(logits)
     shape, num_experts = logits.shape, logits.shape[-1]
+
+    def kernels_faster() -> bool:
+        # "auto": measured faster for the router top-k with K <= AUTO_MAX_TOPK
+        # (_backend.py); only where the kernels take the call at all.
+        if cfg.compute_aux_scores or cfg.topk > _backend.AUTO_MAX_TOPK or logits.dtype == jnp.float64:
+            return False
+        try:
+            _backend.kernels().check_limits(TOPK_OP, num_experts, cfg.topk,
+                                            cfg.num_groups if cfg.grouped else 1)
+        except (ImportError, NotImplementedError):
+            return False
+        return True
+
+    backend = _backend.resolve(TOPK_OP, backend, faster=kernels_faster)
     use_bias = (expert_bias is not None and not cfg.compute_aux_scores
                 and cfg.score_function != ScoreFunction.SOFTMAX)
     bias = jnp.asarray(expert_bias) if use_bias else None
