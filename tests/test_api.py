@@ -79,10 +79,11 @@ def test_import_needs_no_numba():
     assert "IMPORT-ERROR: backend=\"numba\" needs numba-cuda: pip install 'gpurouter[cuda13]'" in r.stdout
 
 
-def test_auto_is_jax_without_a_gpu():
-    from gpurouter import _backend
+def test_auto_is_jax_without_a_gpu(monkeypatch):
+    from gpurouter import _backend, _callback
 
-    assert _backend.resolve("op", "auto") == "jax"
+    assert _backend.resolve("op", "auto") == "jax"  # no predicate: jax on any machine
+    monkeypatch.setattr(_callback, "zero_copy_available", lambda: False)  # JAX not on a GPU
     assert _backend.resolve("op", "auto", faster=lambda: True) == "jax"
 
 
