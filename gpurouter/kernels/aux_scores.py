@@ -23,24 +23,16 @@ from numba import cuda
 from . import _launch as L
 from ._limits import check_limits
 from .topk import (
-    _EPS,
-    _ONE,
     _SOFTMAX,
-    _SQRTSOFTPLUS,
-    _ZERO,
-    _accumulate,
-    _activation_grad,
     _normalise,
     _row_stats,
     _select,
-    _sqrtsoftplus,
     _stager,
-    _tree_reduce,
+    _stream_bwd_kernel,
     _walk,
     nb_f32,
     nb_i32,
     nb_u8,
-    storer,
     topk_capacity,
 )
 
@@ -124,99 +116,13 @@ def _aux_scores_fwd_kernel(kind: str, kcap: int):
 #   dx = that * dv/dx (for every K, K == 1 included).
 
 
-@cuda.jit(device=True)
-def _dense_pair(saved, grad, token, j, inside):
-    """``(saved[token, j], grad[token, j])`` (both fp32) when ``inside`` the row, else zeros."""
-    if inside:
-        return saved[token, j], grad[token, j]
-    return _ZERO, _ZERO
-
-
-@cuda.jit(device=True)
-def _aux_dx(x, g, den, dsum, sf):
-    """d logit of one element: softmax ``p (g - D)``; sigmoid / sqrtsoftplus
-    normalised over all E: ``(g / (S + eps) - D / (S + eps)^2) dv/dx``."""
-    a = _sqrtsoftplus(x) if sf == _SQRTSOFTPLUS else x
-    if sf == _SOFTMAX:
-        return np.float32(a * (g - dsum))
-    gp = np.float32(g / den - dsum / np.float32(den * den))
-    return np.float32(gp * _activation_grad(x, a, sf))
-
-
 @functools.cache
 def _aux_scores_bwd_kernel(out_kind: str):
-    """The backward, streaming like ``topk._topk_bwd_kernel`` (W lanes per token,
-    two passes over the row in global memory, no shared-memory tile): pass 1
-    sums S = sum v and D = sum g v over all E, pass 2 writes every element."""
-    store = storer(out_kind)
-
-    @cuda.jit
-    def kernel(
-        saved,  # [T, E] fp32
-        grad_scores,  # [T, E] fp32
-        grad_logits,  # [T, E] out_kind, out
-        sf,
-        lanes,  # W; blockDim.x = tokens per block * W
-    ):
-        num_tokens = saved.shape[0]
-        num_experts = saved.shape[1]
-        red = cuda.shared.array(0, nb_f32)  # fp32 [2 * threads]: lane partials of S and D
-        tid = cuda.threadIdx.x
-        nthreads = cuda.blockDim.x
-        tok = tid // lanes
-        lane = tid - tok * lanes
-        token = cuda.blockIdx.x * (nthreads // lanes) + tok
-        live = token < num_tokens
-
-        # Pass 1: S = sum v, D = sum g v; four experts per lane per step, their
-        # loads issued before any is used.
-        total = _ZERO
-        dot = _ZERO
-        j = lane
-        while live and j < num_experts:
-            j1 = j + lanes
-            j2 = j1 + lanes
-            j3 = j2 + lanes
-            x0, g0 = _dense_pair(saved, grad_scores, token, j, True)
-            x1, g1 = _dense_pair(saved, grad_scores, token, j1, j1 < num_experts)
-            x2, g2 = _dense_pair(saved, grad_scores, token, j2, j2 < num_experts)
-            x3, g3 = _dense_pair(saved, grad_scores, token, j3, j3 < num_experts)
-            total, dot = _accumulate(total, dot, x0, g0, _ONE, sf)
-            if j1 < num_experts:
-                total, dot = _accumulate(total, dot, x1, g1, _ONE, sf)
-            if j2 < num_experts:
-                total, dot = _accumulate(total, dot, x2, g2, _ONE, sf)
-            if j3 < num_experts:
-                total, dot = _accumulate(total, dot, x3, g3, _ONE, sf)
-            j = j3 + lanes
-        red[tid] = total
-        red[nthreads + tid] = dot
-        _tree_reduce(red, 0, nthreads, tid, lane, lanes, False)
-
-        # Pass 2: every element, four per step (the row's second read mostly hits L1).
-        if live:
-            lead = tok * lanes
-            den = np.float32(red[lead] + _EPS)
-            dsum = red[nthreads + lead]
-            j = lane
-            while j < num_experts:
-                j1 = j + lanes
-                j2 = j1 + lanes
-                j3 = j2 + lanes
-                x0, g0 = _dense_pair(saved, grad_scores, token, j, True)
-                x1, g1 = _dense_pair(saved, grad_scores, token, j1, j1 < num_experts)
-                x2, g2 = _dense_pair(saved, grad_scores, token, j2, j2 < num_experts)
-                x3, g3 = _dense_pair(saved, grad_scores, token, j3, j3 < num_experts)
-                store(grad_logits, token, j, _aux_dx(x0, g0, den, dsum, sf))
-                if j1 < num_experts:
-                    store(grad_logits, token, j1, _aux_dx(x1, g1, den, dsum, sf))
-                if j2 < num_experts:
-                    store(grad_logits, token, j2, _aux_dx(x2, g2, den, dsum, sf))
-                if j3 < num_experts:
-                    store(grad_logits, token, j3, _aux_dx(x3, g3, den, dsum, sf))
-                j = j3 + lanes
-
-    return kernel
+    """The aux-score backward: ``topk._stream_bwd_kernel`` with every expert
+    selected (no map), fp32 gradients, scale 1 and the K > 1 normalisation:
+    softmax ``p (g - D)``; sigmoid / sqrtsoftplus normalised over all E
+    ``(g / (S + eps) - D / (S + eps)^2) dv/dx``, S = sum v, D = sum g v."""
+    return _stream_bwd_kernel(L.F32, out_kind, False)
 
 
 def score_for_aux_loss_fwd(logits, topk, score_function="softmax", *, out=None, stream=0):
@@ -301,6 +207,7 @@ def score_for_aux_loss_bwd_plan(saved: L.Spec, sf: int, out_kind: str) -> L.Plan
     if shape[0] == 0:
         return L.Plan(OP + "_bwd", ins, outs)
     grid, threads, lanes = L.stream_tiling(shape[0], shape[1])
+    # (map: saved, never read; topk 2: the normalised form; pre False; scale 1)
     step = L.Step(_aux_scores_bwd_kernel(out_kind), grid, threads, 8 * threads,
-                  (L.In(0), L.In(1), L.Out(0), int(sf), lanes))
+                  (L.In(0), L.In(0), L.In(1), L.Out(0), 2, int(sf), False, np.float32(1.0), lanes))
     return L.Plan(OP + "_bwd", ins, outs, (), (step,))

@@ -779,26 +779,54 @@ def _topk_dx(x, g, sel, dense, den, dsum, scale, topk, sf):
 
 
 @functools.cache
+def _mask_reader(has_map: bool):
+    """Device function ``mask(routing_map, token, j, inside)``: the routing map
+    at ``[token, j]`` (False past the row's end), or, without a map (the
+    aux-score backward: every expert counts), ``inside``."""
+    if has_map:
+
+        @cuda.jit(device=True)
+        def mask(routing_map, token, j, inside):
+            return routing_map[token, j] if inside else False
+
+    else:
+
+        @cuda.jit(device=True)
+        def mask(routing_map, token, j, inside):
+            return inside
+
+    return mask
+
+
+@functools.cache
 def _topk_bwd_kernel(kind: str):
-    """The backward, streaming: W lanes per token read its row from global
-    memory twice, with no shared-memory tile (occupancy is not limited by
-    shared memory, and every thread runs few instructions per element), four
-    experts per lane per step with their loads issued together.
+    """The top-k backward: ``_stream_bwd_kernel`` with the routing map."""
+    return _stream_bwd_kernel(kind, kind, True)
+
+
+@functools.cache
+def _stream_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool):
+    """The backwards (top-k; aux scores: no map, every expert selected, scale 1,
+    the K > 1 normalisation), streaming: W lanes per token read its row from
+    global memory twice, with no shared-memory tile (occupancy is not limited
+    by shared memory, and every thread runs few instructions per element),
+    four experts per lane per step with their loads issued together.
 
     Pass 1 sums S and D over the token's selected experts only (its lanes'
     partials, combined by ``_tree_reduce`` in a fixed order). Pass 2 writes
     every element: 0 where the map is unset, except for softmax-pre, where
     ``p (m g - D)`` needs every p. The second read of the row mostly hits L1.
     """
-    pair = _pair_loader(kind)
-    store = storer(kind)
+    pair = _pair_loader(grad_kind)
+    store = storer(out_kind)
+    mask = _mask_reader(has_map)
 
     @cuda.jit
     def kernel(
-        routing_map,  # [T, E] bool
+        routing_map,  # [T, E] bool (any array, never read, without a map)
         saved,  # [T, E] fp32 (TE's convention, see the forward)
-        grad_probs,  # [T, E] kind
-        grad_logits,  # [T, E] kind, out
+        grad_probs,  # [T, E] grad_kind
+        grad_logits,  # [T, E] out_kind, out
         topk,
         sf,
         pre,
@@ -826,10 +854,10 @@ def _topk_bwd_kernel(kind: str):
             j1 = j + lanes
             j2 = j1 + lanes
             j3 = j2 + lanes
-            m0 = routing_map[token, j]
-            m1 = routing_map[token, j1] if j1 < num_experts else False
-            m2 = routing_map[token, j2] if j2 < num_experts else False
-            m3 = routing_map[token, j3] if j3 < num_experts else False
+            m0 = mask(routing_map, token, j, True)
+            m1 = mask(routing_map, token, j1, j1 < num_experts)
+            m2 = mask(routing_map, token, j2, j2 < num_experts)
+            m3 = mask(routing_map, token, j3, j3 < num_experts)
             a0, g0 = pair(saved, grad_probs, token, j, m0)
             a1, g1 = pair(saved, grad_probs, token, j1, m1)
             a2, g2 = pair(saved, grad_probs, token, j2, m2)
@@ -857,10 +885,10 @@ def _topk_bwd_kernel(kind: str):
                 j1 = j + lanes
                 j2 = j1 + lanes
                 j3 = j2 + lanes
-                m0 = routing_map[token, j]
-                m1 = routing_map[token, j1] if j1 < num_experts else False
-                m2 = routing_map[token, j2] if j2 < num_experts else False
-                m3 = routing_map[token, j3] if j3 < num_experts else False
+                m0 = mask(routing_map, token, j, True)
+                m1 = mask(routing_map, token, j1, j1 < num_experts)
+                m2 = mask(routing_map, token, j2, j2 < num_experts)
+                m3 = mask(routing_map, token, j3, j3 < num_experts)
                 x0, g0 = pair(saved, grad_probs, token, j, m0 or dense)
                 x1, g1 = pair(saved, grad_probs, token, j1, m1 or (dense and j1 < num_experts))
                 x2, g2 = pair(saved, grad_probs, token, j2, m2 or (dense and j2 < num_experts))
