@@ -24,6 +24,7 @@ from . import _launch as L
 from ._limits import check_limits
 from .topk import (
     _SOFTMAX,
+    _adv,
     _normalise,
     _row_stats,
     _select,
@@ -100,11 +101,7 @@ def _aux_scores_fwd_kernel(kind: str, kcap: int):
         t, j, dt, dj = _walk(tid, nthreads, num_experts)
         while t < nt:
             routing_map[t0 + t, j] = flags[o_flag + t * stride + j] != 0
-            t += dt
-            j += dj
-            if j >= num_experts:
-                j -= num_experts
-                t += 1
+            t, j = _adv(t, j, dt, dj, num_experts)
 
     return kernel
 

@@ -401,11 +401,7 @@ def _normalise(smem, o_red, out1, out2, write2, t0, nt, num_experts, stride, lan
         out1[t0 + t, j] = p
         if write2:
             out2[t0 + t, j] = p
-        t += dt
-        j += dj
-        if j >= num_experts:
-            j -= num_experts
-            t += 1
+        t, j = _adv(t, j, dt, dj, num_experts)
     cuda.syncthreads()
 
 
@@ -716,11 +712,7 @@ def _topk_fwd_kernel(kind: str, kcap: int):
                 store(probs, t0 + t, j, _ZERO)
             if post_softmax:
                 saved[t0 + t, j] = w if sel else _NEG_INF
-            t += dt
-            j += dj
-            if j >= num_experts:
-                j -= num_experts
-                t += 1
+            t, j = _adv(t, j, dt, dj, num_experts)
 
     return kernel
 
