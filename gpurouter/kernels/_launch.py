@@ -23,7 +23,6 @@ from . import _compat  # noqa: F401  (first: patches NumPy before numba.cuda loa
 # isort: split
 
 import functools
-import math
 import warnings
 
 import ml_dtypes  # ships with jax; no jax import
@@ -46,10 +45,6 @@ DEVICE_DTYPE = {F32: np.dtype(np.float32), BF16: np.dtype(np.uint16), F16: np.dt
 #: the host dtype the caller sees.
 HOST_DTYPE = {F32: np.dtype(np.float32), BF16: BFLOAT16, F16: np.dtype(np.float16)}
 
-#: threads per block for the tiled row kernels (a multiple of 32).
-MAX_THREADS = 256
-#: tokens per tile, at most (a power of two; one warp runs the selection).
-MAX_TILE_TOKENS = 32
 
 
 # ----------------------------------------------------------------------------
@@ -267,7 +262,7 @@ def finish(results, kinds, to_host: bool, stream):
 # ----------------------------------------------------------------------------
 
 
-#: threads per block of the row kernels (top-k fwd/bwd, aux scores fwd/bwd)
+#: threads per block of the row forward kernels (top-k, aux scores)
 #: before shared memory forces fewer: several tokens of W lanes each.
 ROW_THREADS = 128
 #: W doubles (up to 32) while a lane would scan more experts than this.
@@ -398,30 +393,27 @@ def stream_tiling(num_tokens: int, num_experts: int):
     return -(-num_tokens // tb), tb * w, w
 
 
-def reduction_tiling(num_rows: int, num_cols: int):
-    """Aux-loss partial sums: ``(grid, threads, rows_per_block)``.
-
-    Each block sums a range of rows for every column; a thread owns columns
-    ``tid, tid + threads, ...``.  At most 1024 blocks, at least 64 rows each.
-    (Measured on an H200 at T=65536, C=256: 1024 blocks 0.59 ms, 256 blocks
-    0.92 ms; both phases are latency-bound serial loops, see docs/kernels.md.)
-    """
-    threads = min(MAX_THREADS, max(32, -(-num_cols // 32) * 32))
-    rows = max(64, -(-num_rows // 1024))
-    grid = max(1, -(-num_rows // rows))
-    return grid, threads, rows
+#: threads per block of the column-sum kernels (aux loss) and of their final block
+COLUMN_THREADS = 512
+COLUMN_FINAL_THREADS = 1024
+#: partial-sum blocks at most (~2 per SM on an H100/H200), rows per block at least
+COLUMN_BLOCKS = 256
+COLUMN_MIN_ROWS = 64
 
 
-def final_threads(num_cols: int) -> int:
-    """Threads of the one-block final reduction: a power of two in [32, 256]."""
-    return max(32, min(MAX_THREADS, 1 << max(0, math.ceil(math.log2(max(1, num_cols))))))
-
-
-def elementwise_tiling(n: int):
-    """``(grid, threads)`` for a grid-stride elementwise kernel over n items."""
-    threads = min(MAX_THREADS, max(32, -(-n // 32) * 32))
-    grid = max(1, min(4096, -(-n // threads)))
-    return grid, threads
+def column_tiling(num_rows: int, num_cols: int, block: int = COLUMN_THREADS):
+    """``(grid, threads, col_lanes, rows_per_block)`` of a column-sum kernel over
+    ``[num_rows, num_cols]``: blocks of RL row lanes x CL column lanes (CL a
+    multiple of 32, at most 256; RL a power of two, RL * CL <= ``block``; no
+    more row lanes than a block has rows, so tiny problems, e.g. under the
+    simulator, get small blocks)."""
+    cl = min(256, max(32, -(-num_cols // 32) * 32))
+    grid = max(1, min(COLUMN_BLOCKS, -(-num_rows // COLUMN_MIN_ROWS)))
+    rows = -(-max(num_rows, 1) // grid)
+    rl = 1
+    while rl * 2 * cl <= block and rl * 2 <= rows:
+        rl *= 2
+    return grid, rl * cl, cl, rows
 
 
 # ----------------------------------------------------------------------------

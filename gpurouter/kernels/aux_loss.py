@@ -29,30 +29,12 @@ from .topk import _ZERO, loader1, nb_f32, storer, storer1
 
 OP = "moe_aux_loss"
 
-# Column-sum tiling: a block is RL row lanes x CL column lanes (CL a multiple of
-# 32, at most 256; RL * CL <= _BLOCK). Thread (rl, cl) owns columns cl, cl + CL,
-# ... and, of its block's rows, those congruent to rl mod RL, summed with
-# 8 independent accumulators (several loads in flight per thread: the
-# sums are bandwidth-bound only if enough bytes are in flight, ~4 MB on an
-# H200). Every order is fixed: deterministic.
-_BLOCK = 512
-_FINAL_BLOCK = 1024  # the one block that sums the partials: as many loads in flight as one SM takes
-_PARTIAL_BLOCKS = 256  # ~2 per SM on an H100/H200; the final pass sums these rows
-_MIN_ROWS_PER_BLOCK = 64
-
-
-def _column_tiling(num_rows: int, num_cols: int, block: int = _BLOCK):
-    """``(grid, threads, col_lanes, rows_per_block)`` of a column-sum kernel over
-    ``[num_rows, num_cols]`` with at most ``block`` threads per block: no more
-    row lanes than a block has rows (tiny problems, e.g. under the simulator,
-    get small blocks)."""
-    cl = min(256, max(32, -(-num_cols // 32) * 32))
-    grid = max(1, min(_PARTIAL_BLOCKS, -(-num_rows // _MIN_ROWS_PER_BLOCK)))
-    rows = -(-max(num_rows, 1) // grid)
-    rl = 1
-    while rl * 2 * cl <= block and rl * 2 <= rows:
-        rl *= 2
-    return grid, rl * cl, cl, rows
+# Column sums (_launch.column_tiling): a block is RL row lanes x CL column
+# lanes. Thread (rl, cl) owns columns cl, cl + CL, ... and, of its block's
+# rows, those congruent to rl mod RL, summed with 8 independent accumulators
+# (several loads in flight per thread: the sums are bandwidth-bound only if
+# enough bytes are in flight, ~4 MB on an H200). Every order is fixed:
+# deterministic.
 
 
 @functools.cache
@@ -106,7 +88,7 @@ def _aux_loss_partial_kernel(kind: str):
         col_lanes,  # CL; blockDim.x == RL * CL
     ):
         # Lane sums of each row lane, combined in row-lane order in shared memory.
-        red = cuda.shared.array(_BLOCK, nb_f32)
+        red = cuda.shared.array(L.COLUMN_THREADS, nb_f32)
         num_rows = probs.shape[0]
         num_cols = probs.shape[1]
         tid = cuda.threadIdx.x
@@ -149,9 +131,9 @@ def _aux_loss_final_kernel(tpe_kind: str, out_kind: str):
         coeff,  # fp32 scalar: C
         loss,  # [1] out_kind, out
         saved_coeff,  # [1] fp32, out: C again, for the backward
-        col_lanes,  # CL; one block, blockDim.x == RL * CL <= _FINAL_BLOCK
+        col_lanes,  # CL; one block, blockDim.x == RL * CL <= COLUMN_FINAL_THREADS
     ):
-        red = cuda.shared.array(_FINAL_BLOCK, nb_f32)
+        red = cuda.shared.array(L.COLUMN_FINAL_THREADS, nb_f32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         nrl = nthreads // col_lanes
@@ -282,8 +264,8 @@ def moe_aux_loss_fwd_plan(probs: L.Spec, tokens_per_expert: L.Spec, c: np.float3
     saved_coeff; scratch: the per-block column partials). ``c`` is the fp32 C."""
     num_rows, num_cols = probs.shape
     outs = (L.spec_of((), probs.kind), L.spec_of((), L.F32))
-    grid, threads, cl, rows = _column_tiling(num_rows, num_cols)
-    _, final_threads, _, _ = _column_tiling(grid, num_cols, _FINAL_BLOCK)  # one block: the partials
+    grid, threads, cl, rows = L.column_tiling(num_rows, num_cols)
+    _, final_threads, _, _ = L.column_tiling(grid, num_cols, L.COLUMN_FINAL_THREADS)  # one block: the partials
     tmps = (L.spec_of((grid, num_cols), L.F32),)
     steps = (
         L.Step(_aux_loss_partial_kernel(probs.kind), grid, threads, 0, (L.In(0), L.Tmp(0), rows, cl)),
@@ -331,7 +313,7 @@ def moe_aux_loss_bwd_plan(tokens_per_expert: L.Spec, grad_loss: L.Spec, num_rows
     outs = (L.spec_of((num_rows, num_cols), kind),)
     if num_rows == 0 or num_cols == 0:
         return L.Plan(OP + "_bwd", ins, outs)
-    grid, threads, cl, rows = _column_tiling(num_rows, num_cols)
+    grid, threads, cl, rows = L.column_tiling(num_rows, num_cols)
     step = L.Step(_aux_loss_bwd_kernel(tokens_per_expert.kind, kind), 2 * grid, threads, 0,
                   (L.In(0, L.spec_of((1,), L.F32)), L.In(1), L.In(2, L.spec_of((1,), kind)), L.Out(0),
                    -(-num_rows // (2 * grid)), cl))
