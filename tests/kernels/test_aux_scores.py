@@ -60,33 +60,6 @@ def test_empty_tokens():
     assert K.score_for_aux_loss_bwd(sv, sc).shape == (0, 4)
 
 
-def _clear_row_plans():
-    """Forget the cached plans of the row kernels (their layouts depend on the tiling knobs)."""
-    from gpurouter.kernels import aux_scores, topk
-
-    for f in (topk.topk_with_score_function_fwd_plan, topk.topk_with_score_function_bwd_plan,
-              aux_scores.score_for_aux_loss_fwd_plan, aux_scores.score_for_aux_loss_bwd_plan):
-        f.cache_clear()
-
-
-@pytest.fixture
-def tiling(monkeypatch):
-    """``tiling(lanes, threads=None)`` forces W = ``lanes`` threads per token (and
-    ``threads`` per block, hence ``threads // lanes`` tokens per tile) on the
-    row kernels for the test."""
-    from gpurouter.kernels import _launch
-
-    def force(lanes, threads=None):
-        monkeypatch.setattr(_launch, "row_lanes", lambda num_experts: lanes)
-        if threads is not None:
-            monkeypatch.setattr(_launch, "ROW_THREADS", threads)
-        _clear_row_plans()
-
-    yield force
-    monkeypatch.undo()
-    _clear_row_plans()
-
-
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
 @pytest.mark.parametrize("lanes,threads,E,k", [(4, 8, 13, 3), (32, 32, 12, 12), (8, 16, 16, 1)])
 def test_lanes(tiling, sf, lanes, threads, E, k):

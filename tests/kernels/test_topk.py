@@ -216,33 +216,6 @@ def test_device_arrays_out_and_stream():
 # ----------------------------------------------------------------------------
 
 
-def _clear_row_plans():
-    """Forget the cached plans of the row kernels (their layouts depend on the tiling knobs)."""
-    from gpurouter.kernels import aux_scores, topk
-
-    for f in (topk.topk_with_score_function_fwd_plan, topk.topk_with_score_function_bwd_plan,
-              aux_scores.score_for_aux_loss_fwd_plan, aux_scores.score_for_aux_loss_bwd_plan):
-        f.cache_clear()
-
-
-@pytest.fixture
-def tiling(monkeypatch):
-    """``tiling(lanes, threads=None)`` forces W = ``lanes`` threads per token (and
-    ``threads`` per block, hence ``threads // lanes`` tokens per tile) on the
-    row kernels for the test."""
-    from gpurouter.kernels import _launch
-
-    def force(lanes, threads=None):
-        monkeypatch.setattr(_launch, "row_lanes", lambda num_experts: lanes)
-        if threads is not None:
-            monkeypatch.setattr(_launch, "ROW_THREADS", threads)
-        _clear_row_plans()
-
-    yield force
-    monkeypatch.undo()
-    _clear_row_plans()
-
-
 def _both(x, k, **kw):
     """Kernel and reference forward on the same logits: (kernel map, probs; ref map, probs)."""
     p, m, s = K.topk_with_score_function_fwd(x, k, **kw)

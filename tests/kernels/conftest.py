@@ -1,0 +1,32 @@
+"""Fixtures shared by the kernel tests."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _clear_row_plans():
+    """Forget the cached plans of the row forward kernels (their layouts depend on the tiling knobs)."""
+    from gpurouter.kernels import aux_scores, topk
+
+    for f in (topk.topk_with_score_function_fwd_plan, aux_scores.score_for_aux_loss_fwd_plan):
+        f.cache_clear()
+
+
+@pytest.fixture
+def tiling(monkeypatch):
+    """``tiling(lanes, threads=None)`` forces W = ``lanes`` threads per token (and
+    ``threads`` per block, hence ``threads // lanes`` tokens per tile) on the
+    row forward kernels for the test (the backwards stream: ``stream_tiling``)."""
+    pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+    from gpurouter.kernels import _launch
+
+    def force(lanes, threads=None):
+        monkeypatch.setattr(_launch, "row_lanes", lambda num_experts: lanes)
+        if threads is not None:
+            monkeypatch.setattr(_launch, "ROW_THREADS", threads)
+        _clear_row_plans()
+
+    yield force
+    monkeypatch.undo()
+    _clear_row_plans()
