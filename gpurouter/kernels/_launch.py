@@ -373,6 +373,78 @@ def select_layout(num_tokens: int, num_experts: int, topk: int, num_groups: int 
                      shared=end * 4 + tb * p)
 
 
+#: the thread-per-token forward kernels (``token_rows.py``) take K <= this
+#: (their top-K lists live in registers) and E a multiple of 4
+TOKEN_MAX_TOPK = 16
+#: tokens per block of the thread-per-token kernels at most, threads at least
+TOKEN_MAX_TOKENS = 256
+TOKEN_MIN_THREADS = 128
+
+
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= ``n`` (>= 1)."""
+    c = 1
+    while c < n:
+        c *= 2
+    return c
+
+
+def token_path(num_experts: int, topk: int) -> bool:
+    """True when the thread-per-token forward kernels take ``(E, K)``."""
+    return 1 <= topk <= TOKEN_MAX_TOPK and num_experts % 4 == 0
+
+
+class TokenLayout:
+    """Launch shape and shared memory of a thread-per-token kernel: ``tb``
+    tokens per block (thread t owns tile row t), ``threads >= tb``.  Word
+    offsets of the fp32 / int32 views of the one dynamic allocation::
+
+        [0, tb*P)              fp32 tile, row stride P = E | 1
+        o_sel + [tb * kcap]    int32 selected experts per token (-1: none)
+        o_w   + [tb * kcap]    fp32 their weights
+        o_gs  + [tb * G]       fp32 group scores (grouped only)
+        o_red + [2 * threads]  fp32 row statistics (softmax / normalisation)
+    """
+
+    __slots__ = ("grid", "threads", "tb", "stride", "o_sel", "o_w", "o_gs", "o_red", "shared")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw[k])
+
+    def __repr__(self):
+        return "TokenLayout(" + ", ".join(f"{k}={getattr(self, k)}" for k in self.__slots__) + ")"
+
+
+def token_layout(num_tokens: int, num_experts: int, kcap: int, num_groups: int = 0) -> TokenLayout:
+    """Layout of the thread-per-token kernels: as many tokens per block (a power
+    of two, at most ``TOKEN_MAX_TOKENS``, at most T) as fit ``SMEM_BUDGET``;
+    threads: the tokens, at least ``TOKEN_MIN_THREADS`` (the coalesced phases
+    want them) unless the tile has fewer quads, a multiple of 32."""
+    p = num_experts | 1
+    g = max(0, int(num_groups))
+
+    def words(tb, threads):
+        return tb * (p + 2 * kcap + g) + 2 * threads
+
+    tb = TOKEN_MAX_TOKENS
+    while tb > 1 and 4 * words(tb, max(tb, TOKEN_MIN_THREADS)) > SMEM_BUDGET:
+        tb //= 2
+    tb = max(1, min(tb, num_tokens))
+    quads = tb * num_experts // 4
+    threads = max(tb, min(TOKEN_MIN_THREADS, quads))
+    threads = -(-threads // 32) * 32
+    if 4 * words(tb, threads) > SMEM_BUDGET:
+        raise NotImplementedError(f"E={num_experts}: one token does not fit "
+                                  f"{SMEM_BUDGET} bytes of shared memory")
+    o_sel = tb * p
+    o_w = o_sel + tb * kcap
+    o_gs = o_w + tb * kcap
+    o_red = o_gs + tb * g
+    return TokenLayout(grid=-(-num_tokens // tb), threads=threads, tb=tb, stride=p, o_sel=o_sel,
+                       o_w=o_w, o_gs=o_gs, o_red=o_red, shared=4 * (o_red + 2 * threads))
+
+
 #: threads per block of the streaming backward kernels
 STREAM_THREADS = 256
 
@@ -474,7 +546,8 @@ def spec_for(shape, dtype) -> Spec:
 class Ref:
     """A step argument that names an array of the plan: ``role`` is "in", "out"
     or "tmp", ``index`` its position there; ``view`` (a Spec) reinterprets its
-    first elements with another shape (the same dtype)."""
+    first bytes with another shape and, maybe, another dtype (bf16 words or
+    bools read four at a time as uint64 / uint32)."""
 
     __slots__ = ("role", "index", "view")
 
@@ -528,7 +601,10 @@ def _resolve(arg, arrays):
     a = arrays[arg.role][arg.index]
     if arg.view is not None:
         n = int(np.prod(arg.view.shape, dtype=np.int64))
-        a = a.reshape(-1)[:n].reshape(arg.view.shape)
+        a = a.reshape(-1)
+        if np.dtype(a.dtype) != arg.view.dtype:
+            a = a.view(arg.view.dtype)
+        a = a[:n].reshape(arg.view.shape)
     return a
 
 

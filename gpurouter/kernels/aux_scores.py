@@ -156,6 +156,16 @@ def score_for_aux_loss_fwd_plan(logits: L.Spec, topk: int, sf: int) -> L.Plan:
     outs = (L.spec_of(shape, L.F32), L.Spec(shape, np.bool_), L.spec_of(shape, L.F32))
     if shape[0] == 0:
         return L.Plan(OP + "_fwd", (logits,), outs)
+    if L.token_path(shape[1], int(topk)):
+        from .token_rows import array_views, aux_scores_fwd_kernel
+
+        kcap = L.pow2_at_least(int(topk))
+        lay = L.token_layout(shape[0], shape[1], kcap)
+        words, quads = array_views(logits.kind, shape)
+        step = L.Step(aux_scores_fwd_kernel(logits.kind, kcap), lay.grid, lay.threads, lay.shared,
+                      (L.In(0, words), L.Out(0), L.Out(1, quads), L.Out(2), int(topk), int(sf),
+                       lay.tb, lay.stride, lay.o_sel, lay.o_red))
+        return L.Plan(OP + "_fwd", (logits,), outs, (), (step,))
     lay = L.select_layout(shape[0], shape[1], int(topk))
     step = L.Step(_aux_scores_fwd_kernel(logits.kind, topk_capacity(topk)), lay.grid,
                   lay.threads, lay.shared,

@@ -1,0 +1,179 @@
+"""The thread-per-token forward kernels (``token_rows.py``) against the reference:
+specials, fillers, ties, groups, quads in every dtype, several blocks with a
+partial last tile.  Tiny shapes (E a multiple of 4, K <= 16): the simulator
+runs them; the TE shapes are in test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+
+from strategies import random_cotangent, tie_free_rows_np  # noqa: E402
+
+from gpurouter import reference as ref  # noqa: E402
+
+from ._helpers import FWD_MODES, check_topk_bwd, check_topk_fwd, host  # noqa: E402
+from .test_topk import _bias, _cfg, _sel  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+
+def _kernel_of(plan):
+    from gpurouter.kernels import token_rows
+
+    return plan.steps[0].kernel in (
+        [token_rows.topk_fwd_kernel(k, c, g) for k in ("f32", "bf16", "f16")
+         for c in (1, 2, 4, 8, 16) for g in (1, 2, 4, 8, 16)]
+        + [token_rows.aux_scores_fwd_kernel(k, c) for k in ("f32", "bf16", "f16")
+           for c in (1, 2, 4, 8, 16)])
+
+
+def test_dispatch():
+    """E % 4 == 0 and K <= 16 take the token kernels, the rest the W-lane ones."""
+    from gpurouter.kernels import _launch as L
+    from gpurouter.kernels import aux_scores, topk
+
+    def fwd(E, k, G=-1, Kg=-1):
+        return topk.topk_with_score_function_fwd_plan(L.spec_of((5, E), L.BF16), False, k, False,
+                                                      G, Kg, np.float32(1), 1)
+
+    assert _kernel_of(fwd(256, 8, 8, 4)) and _kernel_of(fwd(8, 2)) and _kernel_of(fwd(32, 16))
+    assert not _kernel_of(fwd(10, 4)) and not _kernel_of(fwd(64, 17))
+    assert _kernel_of(aux_scores.score_for_aux_loss_fwd_plan(L.spec_of((5, 12), L.F32), 3, 0))
+    assert not _kernel_of(aux_scores.score_for_aux_loss_fwd_plan(L.spec_of((5, 13), L.F32), 3, 0))
+
+
+@pytest.mark.parametrize("sf,pre", FWD_MODES)
+def test_specials_fillers_partial_tile(token_tiling, sf, pre):
+    # 2 tokens per block: 5 rows give 3 blocks, the last one partial
+    token_tiling(2)
+    ninf, nan = -np.inf, np.nan
+    x = np.array([
+        [ninf] * 12,                                                       # all -inf
+        [ninf, 1.0, ninf, ninf, ninf, ninf, ninf, 2.0, ninf, ninf, ninf, ninf],  # 2 finite < K
+        [nan, 0.5, 0.25, 0.75, ninf, -1.0, nan, 3.0, 0.5, nan, 0.1, -0.0],  # NaN as -inf
+        [0.5, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan],      # mostly NaN
+        [0.1, 0.9, -0.3, 0.7, 0.2, -0.8, 0.4, 0.6, -0.5, 0.3, 0.0, -0.1],  # plain
+    ], np.float32)
+    if sf != "softmax":
+        x = np.where(np.isneginf(x), np.float32(-30.0), x)  # same ranks, finite activations
+    p, m, s = K.topk_with_score_function_fwd(x, 4, pre, score_function=sf)
+    rp, rm, rs = (host(a) for a in ref.topk_with_score_function_fwd(x, 4, pre, score_function=sf))
+    assert (m.sum(-1) == 4).all()
+    np.testing.assert_array_equal(m, rm)
+    if not pre:
+        assert _sel(m)[:2] == [[0, 1, 2, 3], [0, 1, 2, 7]]
+    np.testing.assert_array_equal(np.isnan(p), np.isnan(rp))
+    np.testing.assert_allclose(p, rp, atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(s, rs, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sf", ["softmax", "sigmoid"])
+def test_ties_and_signed_zeros(token_tiling, sf):
+    token_tiling(2)
+    x = np.zeros((3, 12), np.float32)
+    x[1] = [1, 2, 2, 0, 2, 2, 1, 0, 2, 2, 1, 2]
+    x[2] = [-0.0, 0.0, 0.0, -0.0, -1, -0.0, 3, 3, 0.0, -2, 3, -0.0]
+    p, m, _ = K.topk_with_score_function_fwd(x, 5, score_function=sf)
+    rp, rm, _ = (host(a) for a in ref.topk_with_score_function_fwd(x, 5, score_function=sf))
+    assert _sel(m) == [[0, 1, 2, 3, 4], [1, 2, 4, 5, 8], [0, 1, 6, 7, 10]]
+    np.testing.assert_array_equal(m, rm)
+    np.testing.assert_allclose(p, rp, atol=1e-6, rtol=1e-5)
+
+
+def test_group_ties_and_dropped_fillers(token_tiling):
+    token_tiling(1)
+    x = np.zeros((2, 16), np.float32)
+    p, m, _ = K.topk_with_score_function_fwd(x, 4, num_groups=4, group_topk=2,
+                                             score_function="sigmoid")
+    assert _sel(m) == [[0, 1, 2, 3]] * 2
+    # group 2 holds the only finite values; groups 0, 1, 3 tie at -inf (row 1:
+    # a NaN group score, as -inf): groups 0 and 2 kept, fillers from group 0 only
+    x = np.full((2, 16), -np.inf, np.float32)
+    x[:, 8:10] = [1.0, 2.0]
+    x[1, 0] = np.nan
+    p, m, _ = K.topk_with_score_function_fwd(x, 4, num_groups=4, group_topk=2)
+    rm = host(ref.topk_with_score_function_fwd(x, 4, num_groups=4, group_topk=2)[1])
+    assert _sel(m) == [[0, 1, 8, 9]] * 2
+    np.testing.assert_array_equal(m, rm)
+
+
+# (T, E, K, G, Kg): K = E = 16 (the largest list); K = 1; per-group top 4;
+# eight groups of 4 keeping 4 (DeepSeek's split, scaled down); K = 3, K = 5.
+SHAPES = [
+    (5, 16, 16, -1, -1),
+    (5, 8, 1, -1, -1),
+    (5, 16, 8, 4, 2),
+    (5, 32, 8, 8, 4),
+    (5, 20, 3, -1, -1),
+    (5, 24, 5, -1, -1),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}E{}K{}G{}Kg{}".format(*s))
+@pytest.mark.parametrize("sf", ["sigmoid", "softmax", "sqrtsoftplus"])
+def test_shapes_fwd_bwd(token_tiling, shape, sf):
+    token_tiling(2)
+    T, E, k, G, Kg = shape
+    cfg = _cfg(T, E, k, sf, False, G, Kg, 2.5, sf != "softmax")
+    bias = _bias(E, 7) if cfg.has_bias else None
+    x = tie_free_rows_np(11, cfg, bias)
+    _, m, s = check_topk_fwd(K, x, "float32", cfg.kwargs(), bias)
+    check_topk_bwd(K, m, s, random_cotangent(4, x.shape), "float32", cfg.kwargs())
+
+
+@pytest.mark.parametrize("sf,pre", FWD_MODES)
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+def test_half_quads(token_tiling, sf, pre, dtype):
+    """bf16 rows travel as uint64 quads, fp16 element by element: both against the reference."""
+    token_tiling(2)
+    cfg = _cfg(5, 16, 4, sf, pre, 4, 2, 2.5, sf != "softmax", dtype)
+    bias = _bias(16, 5) if cfg.has_bias else None
+    x = tie_free_rows_np(6, cfg, bias)
+    _, m, s = check_topk_fwd(K, x, dtype, cfg.kwargs(), bias)
+    check_topk_bwd(K, m, s, random_cotangent(8, x.shape, dtype), dtype, cfg.kwargs())
+
+
+@pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_aux_scores(token_tiling, sf, dtype):
+    token_tiling(2)
+    ninf, nan = -np.inf, np.nan
+    x = np.array([
+        [1.0, 2.0, 2.0, 2.0, 0.0, -1.0, 0.5, 2.0],  # ties: the lower indices
+        [ninf, 0.5, ninf, 0.5, nan, ninf, 0.25, ninf],
+        [ninf] * 8,
+        [0.3, -0.2, 0.9, 0.1, -0.7, 0.4, 0.6, -0.1],
+        [nan] * 8,
+    ], np.float32)
+    if sf != "softmax":
+        x = np.where(np.isneginf(x), np.float32(-30.0), x)
+    x = x.astype(np.dtype(dtype) if dtype == "float32" else __import__("ml_dtypes").bfloat16)
+    sc, m, sv = K.score_for_aux_loss_fwd(x, 3, sf)
+    rsc, rm, rsv = (host(a) for a in ref.score_for_aux_loss_fwd(x, 3, sf))
+    assert (m.sum(-1) == 3).all()
+    np.testing.assert_array_equal(m, rm)
+    assert np.flatnonzero(m[0]).tolist() == [1, 2, 3]
+    np.testing.assert_array_equal(np.isnan(sc), np.isnan(rsc))
+    np.testing.assert_allclose(sc, rsc, atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(sv, rsv, atol=1e-6, rtol=1e-5)
+
+
+def test_layouts_fit_shared_memory():
+    """Every token-path config up to the limits fits the 48 KiB budget (host code)."""
+    from gpurouter.kernels import _launch as L
+    from gpurouter.kernels._limits import MAX_EXPERTS, SMEM_BUDGET
+
+    for E in (4, 8, 128, 256, 1024, MAX_EXPERTS):
+        for kcap in (1, 8, 16):
+            for G in (0, 8, 64):
+                for T in (1, 7, 65536):
+                    lay = L.token_layout(T, E, kcap, G)
+                    assert lay.shared <= SMEM_BUDGET, (E, kcap, G, lay)
+                    assert lay.threads >= lay.tb and lay.threads % 32 == 0
+                    assert lay.stride % 2 == 1 and lay.grid * lay.tb >= T
+    lay = L.token_layout(65536, 256, 8, 8)
+    assert (lay.tb, lay.threads) == (32, 128)  # DeepSeek-V3
