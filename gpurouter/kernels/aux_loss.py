@@ -29,6 +29,13 @@ from .topk import _ZERO, loader1, nb_f32, storer, storer1
 
 OP = "moe_aux_loss"
 
+# Shared-array sizes must be compile-time constants: numba freezes module
+# globals as constants, but types ``L.COLUMN_THREADS`` (a module attribute)
+# as a plain int64, which cuda.shared.array rejects on the GPU (the
+# simulator accepts anything).
+_RED_WORDS = L.COLUMN_THREADS
+_FINAL_RED_WORDS = L.COLUMN_FINAL_THREADS
+
 # Column sums (_launch.column_tiling): a block is RL row lanes x CL column
 # lanes. Thread (rl, cl) owns columns cl, cl + CL, ... and, of its block's
 # rows, those congruent to rl mod RL, summed with 8 independent accumulators
@@ -88,7 +95,7 @@ def _aux_loss_partial_kernel(kind: str):
         col_lanes,  # CL; blockDim.x == RL * CL
     ):
         # Lane sums of each row lane, combined in row-lane order in shared memory.
-        red = cuda.shared.array(L.COLUMN_THREADS, nb_f32)
+        red = cuda.shared.array(_RED_WORDS, nb_f32)
         num_rows = probs.shape[0]
         num_cols = probs.shape[1]
         tid = cuda.threadIdx.x
@@ -133,7 +140,7 @@ def _aux_loss_final_kernel(tpe_kind: str, out_kind: str):
         saved_coeff,  # [1] fp32, out: C again, for the backward
         col_lanes,  # CL; one block, blockDim.x == RL * CL <= COLUMN_FINAL_THREADS
     ):
-        red = cuda.shared.array(L.COLUMN_FINAL_THREADS, nb_f32)
+        red = cuda.shared.array(_FINAL_RED_WORDS, nb_f32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         nrl = nthreads // col_lanes
