@@ -397,16 +397,15 @@ def token_path(num_experts: int, topk: int) -> bool:
 class TokenLayout:
     """Launch shape and shared memory of a thread-per-token kernel: ``tb``
     tokens per block (thread t owns tile row t), ``threads >= tb``.  Word
-    offsets of the fp32 / int32 views of the one dynamic allocation::
+    offsets of the fp32 / int32 / uint8 views of the one dynamic allocation::
 
         [0, tb*P)              fp32 tile, row stride P = E | 1
-        o_sel + [tb * kcap]    int32 selected experts per token (-1: none)
-        o_w   + [tb * kcap]    fp32 their weights
-        o_gs  + [tb * G]       fp32 group scores (grouped only)
-        o_red + [2 * threads]  fp32 row statistics (softmax / normalisation)
+        o_flag + [tb * E / 4]  selection flags, one byte per expert (a word per quad)
+        o_gs   + [tb * G]      fp32 group scores (grouped only)
+        o_red  + [2 * threads] fp32 row statistics (softmax / normalisation)
     """
 
-    __slots__ = ("grid", "threads", "tb", "stride", "o_sel", "o_w", "o_gs", "o_red", "shared")
+    __slots__ = ("grid", "threads", "tb", "stride", "o_flag", "o_gs", "o_red", "shared")
 
     def __init__(self, **kw):
         for k in self.__slots__:
@@ -416,16 +415,17 @@ class TokenLayout:
         return "TokenLayout(" + ", ".join(f"{k}={getattr(self, k)}" for k in self.__slots__) + ")"
 
 
-def token_layout(num_tokens: int, num_experts: int, kcap: int, num_groups: int = 0) -> TokenLayout:
-    """Layout of the thread-per-token kernels: as many tokens per block (a power
-    of two, at most ``TOKEN_MAX_TOKENS``, at most T) as fit ``SMEM_BUDGET``;
-    threads: the tokens, at least ``TOKEN_MIN_THREADS`` (the coalesced phases
-    want them) unless the tile has fewer quads, a multiple of 32."""
+def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0) -> TokenLayout:
+    """Layout of the thread-per-token kernels (E a multiple of 4): as many tokens
+    per block (a power of two, at most ``TOKEN_MAX_TOKENS``, at most T) as fit
+    ``SMEM_BUDGET``; threads: the tokens, at least ``TOKEN_MIN_THREADS`` (the
+    coalesced phases want them) unless the tile has fewer quads, a multiple
+    of 32."""
     p = num_experts | 1
     g = max(0, int(num_groups))
 
     def words(tb, threads):
-        return tb * (p + 2 * kcap + g) + 2 * threads
+        return tb * (p + num_experts // 4 + g) + 2 * threads
 
     tb = TOKEN_MAX_TOKENS
     while tb > 1 and 4 * words(tb, max(tb, TOKEN_MIN_THREADS)) > SMEM_BUDGET:
@@ -437,12 +437,11 @@ def token_layout(num_tokens: int, num_experts: int, kcap: int, num_groups: int =
     if 4 * words(tb, threads) > SMEM_BUDGET:
         raise NotImplementedError(f"E={num_experts}: one token does not fit "
                                   f"{SMEM_BUDGET} bytes of shared memory")
-    o_sel = tb * p
-    o_w = o_sel + tb * kcap
-    o_gs = o_w + tb * kcap
+    o_flag = tb * p
+    o_gs = o_flag + tb * num_experts // 4
     o_red = o_gs + tb * g
-    return TokenLayout(grid=-(-num_tokens // tb), threads=threads, tb=tb, stride=p, o_sel=o_sel,
-                       o_w=o_w, o_gs=o_gs, o_red=o_red, shared=4 * (o_red + 2 * threads))
+    return TokenLayout(grid=-(-num_tokens // tb), threads=threads, tb=tb, stride=p, o_flag=o_flag,
+                       o_gs=o_gs, o_red=o_red, shared=4 * (o_red + 2 * threads))
 
 
 #: threads per block of the streaming backward kernels
@@ -461,6 +460,21 @@ def stream_tiling(num_tokens: int, num_experts: int):
         w = 1
         while w < num_experts:
             w *= 2
+    tb = max(1, min(STREAM_THREADS // w, num_tokens))
+    return -(-num_tokens // tb), tb * w, w
+
+
+#: lanes per token of the quad backward kernels at most
+QUAD_LANES = 16
+
+
+def quad_tiling(num_tokens: int, num_experts: int):
+    """``(grid, threads, lanes)`` of the quad backward kernels (E a multiple of
+    4): W lanes per token, lane ``l`` quads ``l, l + W, ...``; W the smallest
+    power of two >= E/4, at most ``QUAD_LANES`` (E=256: 16 lanes of 4 quads;
+    fewer lanes, fewer tree-reduction levels per token), ``STREAM_THREADS``
+    per block."""
+    w = min(QUAD_LANES, pow2_at_least(max(1, num_experts // 4)))
     tb = max(1, min(STREAM_THREADS // w, num_tokens))
     return -(-num_tokens // tb), tb * w, w
 

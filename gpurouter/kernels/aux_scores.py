@@ -31,9 +31,11 @@ from .topk import (
     _stager,
     _stream_bwd_kernel,
     _walk,
+    array_views,
     nb_f32,
     nb_i32,
     nb_u8,
+    quad_bwd_kernel,
     topk_capacity,
 )
 
@@ -157,14 +159,14 @@ def score_for_aux_loss_fwd_plan(logits: L.Spec, topk: int, sf: int) -> L.Plan:
     if shape[0] == 0:
         return L.Plan(OP + "_fwd", (logits,), outs)
     if L.token_path(shape[1], int(topk)):
-        from .token_rows import array_views, aux_scores_fwd_kernel
+        from .token_rows import aux_scores_fwd_kernel
 
         kcap = L.pow2_at_least(int(topk))
-        lay = L.token_layout(shape[0], shape[1], kcap)
+        lay = L.token_layout(shape[0], shape[1])
         words, quads = array_views(logits.kind, shape)
         step = L.Step(aux_scores_fwd_kernel(logits.kind, kcap), lay.grid, lay.threads, lay.shared,
                       (L.In(0, words), L.Out(0), L.Out(1, quads), L.Out(2), int(topk), int(sf),
-                       lay.tb, lay.stride, lay.o_sel, lay.o_red))
+                       lay.tb, lay.stride, lay.o_flag, lay.o_red))
         return L.Plan(OP + "_fwd", (logits,), outs, (), (step,))
     lay = L.select_layout(shape[0], shape[1], int(topk))
     step = L.Step(_aux_scores_fwd_kernel(logits.kind, topk_capacity(topk)), lay.grid,
@@ -213,8 +215,15 @@ def score_for_aux_loss_bwd_plan(saved: L.Spec, sf: int, out_kind: str) -> L.Plan
     ins, outs = (saved, saved), (L.spec_of(shape, out_kind),)
     if shape[0] == 0:
         return L.Plan(OP + "_bwd", ins, outs)
-    grid, threads, lanes = L.stream_tiling(shape[0], shape[1])
     # (map: saved, never read; topk 2: the normalised form; pre False; scale 1)
+    if shape[1] % 4 == 0:
+        grid, threads, lanes = L.quad_tiling(shape[0], shape[1])
+        words, _ = array_views(out_kind, shape)
+        step = L.Step(quad_bwd_kernel(L.F32, out_kind, False), grid, threads, 8 * threads,
+                      (L.In(0), L.In(0), L.In(1), L.Out(0, words), 2, int(sf), False,
+                       np.float32(1.0), lanes))
+        return L.Plan(OP + "_bwd", ins, outs, (), (step,))
+    grid, threads, lanes = L.stream_tiling(shape[0], shape[1])
     step = L.Step(_aux_scores_bwd_kernel(out_kind), grid, threads, 8 * threads,
                   (L.In(0), L.In(0), L.In(1), L.Out(0), 2, int(sf), False, np.float32(1.0), lanes))
     return L.Plan(OP + "_bwd", ins, outs, (), (step,))

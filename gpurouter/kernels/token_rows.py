@@ -7,20 +7,23 @@ Why one thread per token (docs/benchmarks.md): the W-lane kernels spend
 their time in the selection, a few thousand warp instructions per token
 (shared-memory lists, tree merges, a barrier per merge level).  Here a
 token's whole selection is one thread's serial scan of its tile row, its
-top-K list in registers: about a hundred warp instructions per token.
+top-K list in registers and updated without branches (the 32 threads of a
+warp scan 32 independent rows: any data-dependent branch would diverge).
 
 Decomposition: a block owns TB tokens and ``threads >= TB`` threads; its
 shared memory holds the fp32 tile of the tokens' selection scores (row
 stride ``P = E | 1``: odd, so the per-thread row scans hit 32 distinct banks),
-each token's K selected experts and weights, and its group scores.
+a selection flag per expert (the four flags of a quad are one word) and
+the group scores.
 
 1. All threads, coalesced, four experts (a quad) per step, two quads in
    flight (bf16 logits as one 8-byte load per quad): the score function,
-   ``saved``, the bias, the tile.
-2. Thread t (t < TB), tile row t: (group scores, group ranks,) top-K, weights.
-3. All threads, coalesced, a quad per step: ``probs`` (bf16: one 8-byte
-   store per quad), ``routing_map`` (one 4-byte store per quad), ``saved``
-   for post-softmax.
+   ``saved``, the bias, the tile; the flag words cleared.
+2. Thread t (t < TB), tile row t: (group scores, group ranks,) top-K; the
+   weights go into the tile at the selected experts, whose flags are set.
+3. All threads, coalesced, a quad per step: the flag word is the quad's
+   ``routing_map`` word (one 4-byte store); ``probs`` (bf16: one 8-byte
+   store), ``saved`` for post-softmax.
 
 Ranks (CONTRACT section 2): the list holds int32 *keys*, an order-preserving
 image of the fp32 scores (NaN as -inf, -0.0 as +0.0) in which an empty slot
@@ -42,7 +45,6 @@ import functools
 import numpy as np
 from numba import cuda
 
-from . import _launch as L
 from .topk import (
     _EPS,
     _NEG_INF,
@@ -50,22 +52,20 @@ from .topk import (
     _ZERO,
     _activation,
     _adv,
-    _bf16_bits,
     _exp,
     _normalise,
     _row_stats,
     _walk,
-    loader,
     nb_f32,
     nb_i32,
+    nb_u8,
+    quad_loader,
+    quad_storer,
     stage_put,
-    storer,
 )
 
 _KEY_EMPTY = np.int32(-(2**31))  # below the key of every fp32, -inf and NaN included
 _KEY_FLIP = np.int32(0x7FFFFFFF)
-_U16 = np.uint32(16)
-_HIGH = np.uint32(0xFFFF0000)
 
 
 # ----------------------------------------------------------------------------
@@ -105,17 +105,21 @@ def _inserter(cap: int):
 
     @cuda.jit(device=True)
     def insert(keys, idx, k, j):
-        if k > keys[cap - 1]:
-            for q in range(cap - 1, 0, -1):
-                if k > keys[q - 1]:
-                    keys[q] = keys[q - 1]
-                    idx[q] = idx[q - 1]
-                elif k > keys[q]:
-                    keys[q] = k
-                    idx[q] = j
-            if k > keys[0]:
-                keys[0] = k
-                idx[0] = j
+        # Branch-free (selects only): a branch would diverge within a warp on
+        # nearly every candidate, its 32 threads' lists being independent.
+        # Slot q takes slot q-1's entry when k beats that one (the list is
+        # descending, so it then beats slot q's too), else k when k beats
+        # slot q, else keeps its own.
+        for q in range(cap - 1, 0, -1):
+            up = k > keys[q - 1]
+            here = k > keys[q]
+            nk = keys[q - 1] if up else k
+            ni = idx[q - 1] if up else j
+            keys[q] = nk if here else keys[q]
+            idx[q] = ni if here else idx[q]
+        here = k > keys[0]
+        keys[0] = k if here else keys[0]
+        idx[0] = j if here else idx[0]
 
     return insert
 
@@ -187,92 +191,15 @@ def _selector(kcap: int, gcap: int):
 
 
 # ----------------------------------------------------------------------------
-# Quads: four consecutive experts of a row
+# Staging
 # ----------------------------------------------------------------------------
-
-
-@functools.cache
-def quad_loader(kind: str):
-    """Device functions ``(load4(a, t, q) -> 4 x fp32, load_at(a, t, j) -> fp32)``:
-    experts ``4q .. 4q+3`` / expert ``j`` of row ``t``.  bf16: ``a`` is the
-    logits as uint64 words ``[T, E/4]`` (one 8-byte load per quad); other
-    kinds: the array itself."""
-    if kind == L.BF16:
-
-        @cuda.jit(device=True)
-        def load4(a, t, q):
-            w = a[t, q]
-            lo = np.uint32(w)
-            hi = np.uint32(w >> np.uint64(32))
-            return (np.uint32(lo << _U16).view(np.float32), np.uint32(lo & _HIGH).view(np.float32),
-                    np.uint32(hi << _U16).view(np.float32), np.uint32(hi & _HIGH).view(np.float32))
-
-        @cuda.jit(device=True)
-        def load_at(a, t, j):
-            w = a[t, j >> 2] >> np.uint64(16 * (j & 3))
-            return np.uint32(np.uint32(w) << _U16).view(np.float32)
-
-    else:
-        load = loader(kind)
-
-        @cuda.jit(device=True)
-        def load4(a, t, q):
-            j = 4 * q
-            return load(a, t, j), load(a, t, j + 1), load(a, t, j + 2), load(a, t, j + 3)
-
-        @cuda.jit(device=True)
-        def load_at(a, t, j):
-            return load(a, t, j)
-
-    return load4, load_at
-
-
-@functools.cache
-def quad_storer(kind: str):
-    """Device function ``store4(a, t, q, v0, v1, v2, v3)``: fp32 values into
-    experts ``4q .. 4q+3`` of row ``t`` (bf16: ``a`` as uint64 words, one
-    8-byte store)."""
-    if kind == L.BF16:
-
-        @cuda.jit(device=True)
-        def store4(a, t, q, v0, v1, v2, v3):
-            lo = np.uint32(_bf16_bits(v0)) | np.uint32(np.uint32(_bf16_bits(v1)) << _U16)
-            hi = np.uint32(_bf16_bits(v2)) | np.uint32(np.uint32(_bf16_bits(v3)) << _U16)
-            a[t, q] = np.uint64(lo) | np.uint64(np.uint64(hi) << np.uint64(32))
-
-    else:
-        store = storer(kind)
-
-        @cuda.jit(device=True)
-        def store4(a, t, q, v0, v1, v2, v3):
-            j = 4 * q
-            store(a, t, j, v0)
-            store(a, t, j + 1, v1)
-            store(a, t, j + 2, v2)
-            store(a, t, j + 3, v3)
-
-    return store4
-
-
-def array_views(kind: str, shape):
-    """``(logits/probs view, map view)`` Specs the token kernels take: bf16 rows
-    as uint64 quads (None: the array itself), the bool map as uint32 quads."""
-    t, e = shape
-    words = L.Spec((t, e // 4), np.uint64) if kind == L.BF16 else None
-    return words, L.Spec((t, e // 4), np.uint32)
-
-
-@cuda.jit(device=True)
-def _map_word(m0, m1, m2, m3):
-    """Four bools as the uint32 of their bytes (little-endian: expert 4q first)."""
-    return (np.uint32(m0) | np.uint32(np.uint32(m1) << np.uint32(8))
-            | np.uint32(np.uint32(m2) << _U16) | np.uint32(np.uint32(m3) << np.uint32(24)))
 
 
 @functools.cache
 def _quad_stager(kind: str):
     """Device function staging the forward tile, a quad per step and two quads'
-    loads in flight: ``topk.stage_put`` on each element.  Ends with a barrier."""
+    loads in flight: ``topk.stage_put`` on each element, the quad's flag word
+    (``ism[o_flag + t*E/4 + q]``) cleared.  Ends with a barrier."""
     load4, _ = quad_loader(kind)
 
     @cuda.jit(device=True)
@@ -290,7 +217,7 @@ def _quad_stager(kind: str):
         stage_put(x3, b3, t, j + 3, t0, saved, smem, stride, sf, has_bias)
 
     @cuda.jit(device=True)
-    def stage(lg, bias, saved, smem, t0, nt, stride, sf, has_bias, tid, nthreads):
+    def stage(lg, bias, saved, smem, ism, o_flag, t0, nt, stride, sf, has_bias, tid, nthreads):
         eq = saved.shape[1] // 4
         t, q, dt, dq = _walk(tid, nthreads, eq)
         while t < nt:
@@ -301,8 +228,10 @@ def _quad_stager(kind: str):
             if live:
                 y0, y1, y2, y3 = load4(lg, t0 + t1, q1)
             put4(x0, x1, x2, x3, t, q, t0, bias, saved, smem, stride, sf, has_bias)
+            ism[o_flag + t * eq + q] = 0
             if live:
                 put4(y0, y1, y2, y3, t1, q1, t0, bias, saved, smem, stride, sf, has_bias)
+                ism[o_flag + t1 * eq + q1] = 0
             t, q = _adv(t1, q1, dt, dq, eq)
         cuda.syncthreads()
 
@@ -339,15 +268,15 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int):
         scale,  # fp32 scaling_factor
         tile_tokens,  # TB
         stride,  # P
-        o_sel,  # word offsets (_launch.token_layout)
-        o_w,
+        o_flag,  # word offsets (_launch.token_layout)
         o_gs,
         o_red,
     ):
         num_tokens = saved.shape[0]
         num_experts = saved.shape[1]
-        smem = cuda.shared.array(0, nb_f32)  # one dynamic allocation, two views
+        smem = cuda.shared.array(0, nb_f32)  # one dynamic allocation, three views
         ism = cuda.shared.array(0, nb_i32)
+        flags = cuda.shared.array(0, nb_u8)
         keys = cuda.local.array(kcap, nb_i32)
         idx = cuda.local.array(kcap, nb_i32)
         sv = cuda.local.array(kcap, nb_f32)
@@ -357,10 +286,11 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int):
         nt = min(tile_tokens, num_tokens - t0)
         valid = tid < nt  # thread t owns tile row t
         row = tid * stride
+        eq = num_experts // 4
         post_softmax = sf == _SOFTMAX and not pre
 
-        # 1. All threads: r = s (+ bias) into the tile, saved.
-        stage(logits, bias, saved, smem, t0, nt, stride, sf, has_bias, tid, nthreads)
+        # 1. All threads: r = s (+ bias) into the tile, saved; flags cleared.
+        stage(logits, bias, saved, smem, ism, o_flag, t0, nt, stride, sf, has_bias, tid, nthreads)
         if sf == _SOFTMAX and pre:
             # softmax over all E first (max and sum by the row's thread), then
             # all threads normalise in place and write saved.
@@ -369,11 +299,12 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int):
                        nthreads, True)
 
         # 2. Thread per token: selection, then the weights from the UNBIASED
-        # scores s (recomputed from the logit where the tile holds s + b).
+        # scores s (recomputed from the logit where the tile holds s + b),
+        # written over the tile row at the selected experts, with their flags.
         if valid:
             per_group = topk // group_topk if group_topk > 0 else 1
-            select(smem, row, num_experts, num_groups, group_topk, per_group, o_gs + tid * num_groups,
-                   keys, idx)
+            select(smem, row, num_experts, num_groups, group_topk, per_group,
+                   o_gs + tid * num_groups, keys, idx)
             m = _NEG_INF
             for q in range(kcap):
                 s = _ZERO
@@ -396,44 +327,39 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int):
                         total += sv[q]
                 total = np.float32(total + _EPS)
             for q in range(kcap):
-                w = sv[q]
-                if post_softmax:
-                    w = np.float32(_exp(w - m) / total)
-                elif sf != _SOFTMAX and topk > 1:
-                    w = np.float32(w / total)
-                ism[o_sel + tid * kcap + q] = idx[q] if q < topk else -1
-                smem[o_w + tid * kcap + q] = w
-        # Barrier: phase 3 reads every token's list.
+                if q < topk:
+                    w = sv[q]
+                    if post_softmax:
+                        w = np.float32(_exp(w - m) / total)
+                    elif sf != _SOFTMAX and topk > 1:
+                        w = np.float32(w / total)
+                    smem[row + idx[q]] = w
+                    flags[4 * o_flag + tid * num_experts + idx[q]] = 1
+        # Barrier: phase 3 reads every token's flags and weights.
         cuda.syncthreads()
 
-        # 3. All threads, a quad per step: probs, routing_map, and saved for
-        # post-softmax (-inf at unselected, the selected-set softmax at selected).
-        eq = num_experts // 4
+        # 3. All threads, a quad per step: the quad's four flags are one word,
+        # which is also its routing-map word; probs and, for post-softmax,
+        # saved (-inf at unselected, the selected-set softmax at selected).
         t, q, dt, dq = _walk(tid, nthreads, eq)
         while t < nt:
+            fw = np.uint32(ism[o_flag + t * eq + q])
+            routing_map[t0 + t, q] = fw
             w0 = w1 = w2 = w3 = _ZERO
             m0 = m1 = m2 = m3 = False
-            for c in range(kcap):
-                j = ism[o_sel + t * kcap + c]
-                if j >> 2 == q:
-                    w = smem[o_w + t * kcap + c]
-                    r = j & 3
-                    if r == 0:
-                        w0 = w
-                        m0 = True
-                    elif r == 1:
-                        w1 = w
-                        m1 = True
-                    elif r == 2:
-                        w2 = w
-                        m2 = True
-                    else:
-                        w3 = w
-                        m3 = True
+            if fw != 0:
+                base = t * stride + 4 * q
+                m0 = fw & np.uint32(0xFF) != 0
+                m1 = fw & np.uint32(0xFF00) != 0
+                m2 = fw & np.uint32(0xFF0000) != 0
+                m3 = fw & np.uint32(0xFF000000) != 0
+                w0 = smem[base] if m0 else _ZERO
+                w1 = smem[base + 1] if m1 else _ZERO
+                w2 = smem[base + 2] if m2 else _ZERO
+                w3 = smem[base + 3] if m3 else _ZERO
             store4(probs, t0 + t, q, np.float32(scale * w0) if m0 else _ZERO,
                    np.float32(scale * w1) if m1 else _ZERO, np.float32(scale * w2) if m2 else _ZERO,
                    np.float32(scale * w3) if m3 else _ZERO)
-            routing_map[t0 + t, q] = _map_word(m0, m1, m2, m3)
             if post_softmax:
                 j = 4 * q
                 saved[t0 + t, j] = w0 if m0 else _NEG_INF
@@ -461,13 +387,14 @@ def aux_scores_fwd_kernel(kind: str, kcap: int):
         sf,
         tile_tokens,  # TB
         stride,  # P
-        o_sel,  # word offsets (_launch.token_layout, no groups)
+        o_flag,  # word offsets (_launch.token_layout, no groups)
         o_red,
     ):
         num_tokens = saved.shape[0]
         num_experts = saved.shape[1]
         smem = cuda.shared.array(0, nb_f32)
         ism = cuda.shared.array(0, nb_i32)
+        flags = cuda.shared.array(0, nb_u8)
         keys = cuda.local.array(kcap, nb_i32)
         idx = cuda.local.array(kcap, nb_i32)
         tid = cuda.threadIdx.x
@@ -476,35 +403,27 @@ def aux_scores_fwd_kernel(kind: str, kcap: int):
         nt = min(tile_tokens, num_tokens - t0)
         valid = tid < nt
         row = tid * stride
+        eq = num_experts // 4
         softmax = sf == _SOFTMAX
 
         # 1. All threads: x -> activation (x for softmax) into the tile, saved.
-        stage(logits, saved[0], saved, smem, t0, nt, stride, sf, False, tid, nthreads)
+        stage(logits, saved[0], saved, smem, ism, o_flag, t0, nt, stride, sf, False, tid, nthreads)
         # 2. Thread per token: softmax max and sum, or sum_all v; then all
         # threads normalise: the scores, in place and to memory.
         _row_stats(smem, o_red, row, valid, num_experts, tid, 0, 1, nthreads, softmax)
         _normalise(smem, o_red, scores, saved, softmax, t0, nt, num_experts, stride, 1, tid,
                    nthreads, softmax)
-        # 3. Thread per token: plain top-K of the scores.
+        # 3. Thread per token: plain top-K of the scores, flagged.
         if valid:
             select(smem, row, num_experts, 1, 0, 1, 0, keys, idx)
             for q in range(kcap):
-                ism[o_sel + tid * kcap + q] = idx[q] if q < topk else -1
+                if q < topk:
+                    flags[4 * o_flag + tid * num_experts + idx[q]] = 1
         cuda.syncthreads()
-        # 4. All threads, a quad per step: the routing map.
-        eq = num_experts // 4
+        # 4. All threads, a quad per step: its flag word is its map word.
         t, q, dt, dq = _walk(tid, nthreads, eq)
         while t < nt:
-            m0 = m1 = m2 = m3 = False
-            for c in range(kcap):
-                j = ism[o_sel + t * kcap + c]
-                if j >> 2 == q:
-                    r = j & 3
-                    m0 = m0 or r == 0
-                    m1 = m1 or r == 1
-                    m2 = m2 or r == 2
-                    m3 = m3 or r == 3
-            routing_map[t0 + t, q] = _map_word(m0, m1, m2, m3)
+            routing_map[t0 + t, q] = np.uint32(ism[o_flag + t * eq + q])
             t, q = _adv(t, q, dt, dq, eq)
 
     return kernel

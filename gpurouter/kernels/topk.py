@@ -205,6 +205,82 @@ def storer1(kind: str):
     return store
 
 
+_U16 = np.uint32(16)
+_HIGH = np.uint32(0xFFFF0000)
+
+
+@functools.cache
+def quad_loader(kind: str):
+    """Device functions ``(load4(a, t, q) -> 4 x fp32, load_at(a, t, j) -> fp32)``:
+    experts ``4q .. 4q+3`` / expert ``j`` of row ``t``.  bf16: ``a`` is the
+    logits as uint64 words ``[T, E/4]`` (one 8-byte load per quad); other
+    kinds: the array itself."""
+    if kind == L.BF16:
+
+        @cuda.jit(device=True)
+        def load4(a, t, q):
+            w = a[t, q]
+            lo = np.uint32(w)
+            hi = np.uint32(w >> np.uint64(32))
+            return (np.uint32(lo << _U16).view(np.float32), np.uint32(lo & _HIGH).view(np.float32),
+                    np.uint32(hi << _U16).view(np.float32), np.uint32(hi & _HIGH).view(np.float32))
+
+        @cuda.jit(device=True)
+        def load_at(a, t, j):
+            w = a[t, j >> 2] >> np.uint64(16 * (j & 3))
+            return np.uint32(np.uint32(w) << _U16).view(np.float32)
+
+    else:
+        load = loader(kind)
+
+        @cuda.jit(device=True)
+        def load4(a, t, q):
+            j = 4 * q
+            return load(a, t, j), load(a, t, j + 1), load(a, t, j + 2), load(a, t, j + 3)
+
+        @cuda.jit(device=True)
+        def load_at(a, t, j):
+            return load(a, t, j)
+
+    return load4, load_at
+
+
+@functools.cache
+def quad_storer(kind: str):
+    """Device function ``store4(a, t, q, v0, v1, v2, v3)``: fp32 values into
+    experts ``4q .. 4q+3`` of row ``t`` (bf16: ``a`` as uint64 words, one
+    8-byte store)."""
+    if kind == L.BF16:
+
+        @cuda.jit(device=True)
+        def store4(a, t, q, v0, v1, v2, v3):
+            lo = np.uint32(_bf16_bits(v0)) | np.uint32(np.uint32(_bf16_bits(v1)) << _U16)
+            hi = np.uint32(_bf16_bits(v2)) | np.uint32(np.uint32(_bf16_bits(v3)) << _U16)
+            a[t, q] = np.uint64(lo) | np.uint64(np.uint64(hi) << np.uint64(32))
+
+    else:
+        store = storer(kind)
+
+        @cuda.jit(device=True)
+        def store4(a, t, q, v0, v1, v2, v3):
+            j = 4 * q
+            store(a, t, j, v0)
+            store(a, t, j + 1, v1)
+            store(a, t, j + 2, v2)
+            store(a, t, j + 3, v3)
+
+    return store4
+
+
+def array_views(kind: str, shape):
+    """``(view of a [T, E] array of kind, view of a [T, E] bool map)``: the
+    Specs the quad kernels take (E a multiple of 4): bf16 rows as uint64
+    quads (None: the array itself), the map as uint32 quads."""
+    t, e = shape
+    words = L.Spec((t, e // 4), np.uint64) if kind == L.BF16 else None
+    return words, L.Spec((t, e // 4), np.uint32)
+
+
 def topk_capacity(topk: int) -> int:
     """Compile-time size of the per-thread top-K list: 8, 16, 32 or 64."""
     cap = 8
@@ -902,6 +978,106 @@ def _stream_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool):
     return kernel
 
 
+_ALL_SET = np.uint32(0x01010101)  # the map word of a quad of four selected experts
+
+
+@functools.cache
+def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool):
+    """The backwards (as ``_stream_bwd_kernel``) for E a multiple of 4, a quad
+    of four experts per step: the map read as one uint32 word per quad (bf16
+    gradients as one uint64) and the quad skipped when its word is 0 (no
+    selected expert: no gradient or saved load, zeros written), which is most
+    quads.  W lanes per token (``_launch.quad_tiling``), lane ``l`` quads
+    ``l, l + W, ...``; pass 1 sums S and D, ``_tree_reduce`` combines the
+    lanes, pass 2 writes every quad (its reloads mostly hit L1).
+    """
+    load4, _ = quad_loader(grad_kind)
+    store4 = quad_storer(out_kind)
+    if has_map:
+
+        @cuda.jit(device=True)
+        def word(routing_map, token, q):
+            return routing_map[token, q]
+
+    else:
+
+        @cuda.jit(device=True)
+        def word(routing_map, token, q):
+            return _ALL_SET
+
+    @cuda.jit
+    def kernel(
+        routing_map,  # [T, E/4] uint32 over the bool map (any array, never read, without a map)
+        saved,  # [T, E] fp32
+        grad_probs,  # [T, E] grad_kind (bf16: [T, E/4] uint64)
+        grad_logits,  # [T, E] out_kind (bf16: [T, E/4] uint64), out
+        topk,
+        sf,
+        pre,
+        scale,  # fp32
+        lanes,  # W; blockDim.x = tokens per block * W
+    ):
+        num_tokens = saved.shape[0]
+        eq = saved.shape[1] // 4
+        red = cuda.shared.array(0, nb_f32)  # fp32 [2 * threads]: lane partials of S and D
+        tid = cuda.threadIdx.x
+        nthreads = cuda.blockDim.x
+        tok = tid // lanes
+        lane = tid - tok * lanes
+        token = cuda.blockIdx.x * (nthreads // lanes) + tok
+        live = token < num_tokens
+        dense = sf == _SOFTMAX and pre
+
+        total = _ZERO
+        dot = _ZERO
+        q = lane
+        while live and q < eq:
+            mw = word(routing_map, token, q)
+            if mw != 0:
+                g0, g1, g2, g3 = load4(grad_probs, token, q)
+                j = 4 * q
+                if mw & np.uint32(0xFF) != 0:
+                    total, dot = _accumulate(total, dot, saved[token, j], g0, scale, sf)
+                if mw & np.uint32(0xFF00) != 0:
+                    total, dot = _accumulate(total, dot, saved[token, j + 1], g1, scale, sf)
+                if mw & np.uint32(0xFF0000) != 0:
+                    total, dot = _accumulate(total, dot, saved[token, j + 2], g2, scale, sf)
+                if mw & np.uint32(0xFF000000) != 0:
+                    total, dot = _accumulate(total, dot, saved[token, j + 3], g3, scale, sf)
+            q += lanes
+        red[tid] = total
+        red[nthreads + tid] = dot
+        _tree_reduce(red, 0, nthreads, tid, lane, lanes, False)
+
+        if live:
+            lead = tok * lanes
+            den = np.float32(red[lead] + _EPS)
+            dsum = red[nthreads + lead]
+            q = lane
+            while q < eq:
+                mw = word(routing_map, token, q)
+                d0 = d1 = d2 = d3 = _ZERO
+                if mw != 0 or dense:
+                    g0, g1, g2, g3 = load4(grad_probs, token, q)
+                    j = 4 * q
+                    m0 = mw & np.uint32(0xFF) != 0
+                    m1 = mw & np.uint32(0xFF00) != 0
+                    m2 = mw & np.uint32(0xFF0000) != 0
+                    m3 = mw & np.uint32(0xFF000000) != 0
+                    x0 = saved[token, j] if m0 or dense else _ZERO
+                    x1 = saved[token, j + 1] if m1 or dense else _ZERO
+                    x2 = saved[token, j + 2] if m2 or dense else _ZERO
+                    x3 = saved[token, j + 3] if m3 or dense else _ZERO
+                    d0 = _topk_dx(x0, g0, m0, dense, den, dsum, scale, topk, sf)
+                    d1 = _topk_dx(x1, g1, m1, dense, den, dsum, scale, topk, sf)
+                    d2 = _topk_dx(x2, g2, m2, dense, den, dsum, scale, topk, sf)
+                    d3 = _topk_dx(x3, g3, m3, dense, den, dsum, scale, topk, sf)
+                store4(grad_logits, token, q, d0, d1, d2, d3)
+                q += lanes
+
+    return kernel
+
+
 # ----------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------
@@ -1008,17 +1184,17 @@ def topk_with_score_function_fwd_plan(logits: L.Spec, has_bias: bool, topk: int,
     bias = L.In(1) if has_bias else L.Out(2, bias_spec)
     G = int(num_groups) if grouped else 1
     if L.token_path(num_experts, int(topk)):
-        from .token_rows import array_views, topk_fwd_kernel
+        from .token_rows import topk_fwd_kernel
 
         kcap = L.pow2_at_least(int(topk))
         gcap = L.pow2_at_least(int(topk) // int(group_topk)) if grouped else 1
-        lay = L.token_layout(num_tokens, num_experts, kcap, G if grouped else 0)
+        lay = L.token_layout(num_tokens, num_experts, G if grouped else 0)
         words, quads = array_views(logits.kind, shape)
         step = L.Step(topk_fwd_kernel(logits.kind, kcap, gcap), lay.grid, lay.threads, lay.shared,
                       (L.In(0, words), bias, L.Out(0, words), L.Out(1, quads), L.Out(2), int(topk),
                        int(sf), bool(pre), bool(has_bias), G,
                        int(group_topk) if grouped else -1, np.float32(scale), lay.tb, lay.stride,
-                       lay.o_sel, lay.o_w, lay.o_gs, lay.o_red))
+                       lay.o_flag, lay.o_gs, lay.o_red))
         return L.Plan(OP + "_fwd", ins, outs, (), (step,))
     lay = L.select_layout(num_tokens, num_experts, int(topk), G if grouped else 0)
     step = L.Step(_topk_fwd_kernel(logits.kind, topk_capacity(topk)), lay.grid, lay.threads,
@@ -1083,6 +1259,14 @@ def topk_with_score_function_bwd_plan(grad_probs: L.Spec, topk: int, pre: bool, 
     outs = (grad_probs,)
     if shape[0] == 0:
         return L.Plan(OP + "_bwd", ins, outs)
+    if shape[1] % 4 == 0:
+        grid, threads, lanes = L.quad_tiling(shape[0], shape[1])
+        words, quads = array_views(grad_probs.kind, shape)
+        step = L.Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True), grid, threads,
+                      8 * threads,
+                      (L.In(0, quads), L.In(1), L.In(2, words), L.Out(0, words), int(topk), int(sf),
+                       bool(pre), np.float32(scale), lanes))
+        return L.Plan(OP + "_bwd", ins, outs, (), (step,))
     grid, threads, lanes = L.stream_tiling(shape[0], shape[1])
     step = L.Step(_topk_bwd_kernel(grad_probs.kind), grid, threads, 8 * threads,
                   (L.In(0), L.In(1), L.In(2), L.Out(0), int(topk), int(sf), bool(pre),

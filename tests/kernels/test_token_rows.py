@@ -168,12 +168,53 @@ def test_layouts_fit_shared_memory():
     from gpurouter.kernels._limits import MAX_EXPERTS, SMEM_BUDGET
 
     for E in (4, 8, 128, 256, 1024, MAX_EXPERTS):
-        for kcap in (1, 8, 16):
-            for G in (0, 8, 64):
-                for T in (1, 7, 65536):
-                    lay = L.token_layout(T, E, kcap, G)
-                    assert lay.shared <= SMEM_BUDGET, (E, kcap, G, lay)
-                    assert lay.threads >= lay.tb and lay.threads % 32 == 0
-                    assert lay.stride % 2 == 1 and lay.grid * lay.tb >= T
-    lay = L.token_layout(65536, 256, 8, 8)
+        for G in (0, 8, 64):
+            for T in (1, 7, 65536):
+                lay = L.token_layout(T, E, G)
+                assert lay.shared <= SMEM_BUDGET, (E, G, lay)
+                assert lay.threads >= lay.tb and lay.threads % 32 == 0
+                assert lay.stride % 2 == 1 and lay.grid * lay.tb >= T
+    lay = L.token_layout(65536, 256, 8)
     assert (lay.tb, lay.threads) == (32, 128)  # DeepSeek-V3
+
+
+@pytest.fixture
+def quad_lanes(monkeypatch):
+    """Forces the quad backwards to W = 2 lanes per token and 4 tokens per block
+    (several quads per lane, a partial last block), plans forgotten around it."""
+    from gpurouter.kernels import _launch as L
+    from gpurouter.kernels import aux_scores, topk
+
+    def clear():
+        topk.topk_with_score_function_bwd_plan.cache_clear()
+        aux_scores.score_for_aux_loss_bwd_plan.cache_clear()
+
+    monkeypatch.setattr(L, "QUAD_LANES", 2)
+    monkeypatch.setattr(L, "STREAM_THREADS", 8)
+    clear()
+    yield
+    monkeypatch.undo()
+    clear()
+
+
+@pytest.mark.parametrize("sf,pre", FWD_MODES)
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_quad_bwd_several_quads_per_lane(quad_lanes, sf, pre, dtype):
+    cfg = _cfg(5, 20, 3, sf, pre, -1, -1, 2.5 if sf != "softmax" else 1.0, False, dtype)
+    x = tie_free_rows_np(12, cfg, None)
+    _, m, s = check_topk_fwd(K, x, dtype, cfg.kwargs())
+    check_topk_bwd(K, m, s, random_cotangent(13, x.shape, dtype), dtype, cfg.kwargs())
+
+
+@pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_quad_aux_bwd_several_quads_per_lane(quad_lanes, sf):
+    from strategies import np_dtype
+    from tolerances import assert_close
+
+    x = (np.random.default_rng(3).permutation(100).reshape(5, 20) / 16 - 3).astype(np.float32)
+    _, _, sv = K.score_for_aux_loss_fwd(x, 3, sf)
+    g = random_cotangent(9, x.shape)
+    for dtype in ("float32", "bfloat16"):
+        dx = K.score_for_aux_loss_bwd(sv, g, sf, np_dtype(dtype))
+        rdx = host(ref.score_for_aux_loss_bwd(sv, g, sf, np_dtype(dtype)))
+        assert_close(dx, rdx, "grads", np_dtype(dtype), E=20, err_msg=f"aux grad {sf} {dtype}")
