@@ -272,6 +272,26 @@ def quad_storer(kind: str):
     return store4
 
 
+@functools.cache
+def quad_zeroer(kind: str):
+    """Device function ``zero4(a, t, q)``: zeros into experts ``4q .. 4q+3`` of
+    row ``t`` (bf16: one 8-byte store of 0, no conversions)."""
+    if kind == L.BF16:
+
+        @cuda.jit(device=True)
+        def zero4(a, t, q):
+            a[t, q] = np.uint64(0)
+
+    else:
+        store4 = quad_storer(kind)
+
+        @cuda.jit(device=True)
+        def zero4(a, t, q):
+            store4(a, t, q, _ZERO, _ZERO, _ZERO, _ZERO)
+
+    return zero4
+
+
 def array_views(kind: str, shape):
     """``(view of a [T, E] array of kind, view of a [T, E] bool map)``: the
     Specs the quad kernels take (E a multiple of 4): bf16 rows as uint64
@@ -993,6 +1013,7 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool):
     """
     load4, _ = quad_loader(grad_kind)
     store4 = quad_storer(out_kind)
+    zero4 = quad_zeroer(out_kind)
     if has_map:
 
         @cuda.jit(device=True)
@@ -1056,6 +1077,10 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool):
             q = lane
             while q < eq:
                 mw = word(routing_map, token, q)
+                if mw == 0 and not dense:
+                    zero4(grad_logits, token, q)
+                    q += lanes
+                    continue
                 d0 = d1 = d2 = d3 = _ZERO
                 if mw != 0 or dense:
                     g0, g1, g2, g3 = load4(grad_probs, token, q)

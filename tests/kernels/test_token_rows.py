@@ -102,8 +102,13 @@ def test_group_ties_and_dropped_fillers(token_tiling):
 
 
 # (T, E, K, G, Kg): K = E = 16 (the largest list); K = 1; per-group top 4;
-# eight groups of 4 keeping 4 (DeepSeek's split, scaled down); K = 3, K = 5.
+# eight groups of 4 keeping 4 (DeepSeek's split, scaled down); K = 3, K = 5;
+# odd G and odd Kg (the last group of the pair scans, the last kept group
+# alone), Kg = 1.
 SHAPES = [
+    (5, 24, 3, 3, 3),
+    (5, 20, 2, 5, 1),
+    (5, 28, 6, 7, 3),
     (5, 16, 16, -1, -1),
     (5, 8, 1, -1, -1),
     (5, 16, 8, 4, 2),
