@@ -126,96 +126,45 @@ def _inserter(cap: int):
 
 
 @functools.cache
-def _list_ops(cap: int):
-    """Device functions ``(clear(keys, idx), merge(keys, idx, keys2, idx2))`` of
-    ``cap``-slot register lists: empty a list; insert list 2's entries, in its
-    order, into list 1 (list 2 holds only later experts than list 1)."""
-    insert = _inserter(cap)
-
-    @cuda.jit(device=True)
-    def clear(keys, idx):
-        for q in range(cap):
-            keys[q] = _KEY_EMPTY
-            idx[q] = -1
-
-    @cuda.jit(device=True)
-    def merge(keys, idx, keys2, idx2):
-        for q in range(cap):
-            insert(keys, idx, keys2[q], idx2[q])
-
-    return clear, merge
-
-
-@cuda.jit(device=True)
-def _next_kept(kept, g):
-    """The lowest kept group >= ``g`` (``kept`` a bit mask with one set there)."""
-    while (kept >> g) & 1 == 0:
-        g += 1
-    return g
-
-
-@functools.cache
 def _selector(kcap: int, gcap: int):
-    """Device function ``select(smem, row, E, G, Kg, per_group, o_gs, keys, idx,
-    keys2, idx2)``: one thread's (group-limited) top-K of its tile row
-    ``smem[row:row+E]`` into the register lists ``keys``/``idx`` (``kcap``
-    slots, the top K first; ``keys2``/``idx2`` scratch of the same size).
-
-    Two scans at once: each loop step inserts into two independent lists
-    (the first and second half of the experts, or two groups), which are
-    merged at the end, the second's entries (all later experts) inserted
-    into the first in order.  A thread's insertions form a dependency chain;
-    two chains per thread halve its length (few warps scan at a time: the
-    tile's shared memory limits the tokens per SM).
+    """Device function ``select(smem, row, E, G, Kg, per_group, o_gs, keys, idx)``:
+    one thread's (group-limited) top-K of its tile row ``smem[row:row+E]``
+    into the register lists ``keys``/``idx`` (``kcap`` slots, the top K first).
 
     Grouped (``Kg > 0``): group ``g``'s score is the sum, in descending order,
     of its top ``per_group`` values (NaN as -inf), kept at ``smem[o_gs + g]``;
     a group is kept when fewer than Kg groups rank before it (larger score,
     NaN as -inf, then lower group); the expert scan visits the kept groups
-    only, the first half of them (ascending) into list 1, the rest into list
-    2, so dropped groups are never selected, not even as fillers.
+    only, in ascending order, so dropped groups are never selected, not even
+    as fillers.
     """
     insert_k = _inserter(kcap)
     insert_g = _inserter(gcap)
-    clear_k, merge_k = _list_ops(kcap)
-    clear_g, _ = _list_ops(gcap)
 
     @cuda.jit(device=True)
-    def select(smem, row, num_experts, num_groups, group_topk, per_group, o_gs, keys, idx,
-               keys2, idx2):
-        clear_k(keys, idx)
-        clear_k(keys2, idx2)
+    def select(smem, row, num_experts, num_groups, group_topk, per_group, o_gs, keys, idx):
+        for q in range(kcap):
+            keys[q] = _KEY_EMPTY
+            idx[q] = -1
         if group_topk <= 0:
-            h = (num_experts + 1) // 2
-            for i in range(h):
-                insert_k(keys, idx, _key(smem[row + i]), i)
-                if h + i < num_experts:
-                    insert_k(keys2, idx2, _key(smem[row + h + i]), h + i)
-            merge_k(keys, idx, keys2, idx2)
+            for j in range(num_experts):
+                insert_k(keys, idx, _key(smem[row + j]), j)
             return
         gsize = num_experts // num_groups
         gk = cuda.local.array(gcap, nb_i32)
         gi = cuda.local.array(gcap, nb_i32)
-        gk2 = cuda.local.array(gcap, nb_i32)
-        gi2 = cuda.local.array(gcap, nb_i32)
-        for g in range(0, num_groups, 2):
-            pair = g + 1 < num_groups
-            clear_g(gk, gi)
-            clear_g(gk2, gi2)
+        for g in range(num_groups):
+            for q in range(gcap):
+                gk[q] = _KEY_EMPTY
+                gi[q] = -1
             base = row + g * gsize
             for i in range(gsize):
                 insert_g(gk, gi, _key(smem[base + i]), i)
-                if pair:
-                    insert_g(gk2, gi2, _key(smem[base + gsize + i]), i)
             gs = _value(gk[0])
-            gs2 = _value(gk2[0])
             for q in range(1, gcap):
                 if q < per_group:
                     gs = np.float32(gs + _value(gk[q]))
-                    gs2 = np.float32(gs2 + _value(gk2[q]))
             smem[o_gs + g] = gs
-            if pair:
-                smem[o_gs + g + 1] = gs2
         kept = 0
         for g in range(num_groups):
             v = smem[o_gs + g]
@@ -230,23 +179,14 @@ def _selector(kcap: int, gcap: int):
                     rank += 1
             if rank < group_topk:
                 kept |= 1 << g
-        # list 1: kept groups 0 .. h-1 (in ascending order), list 2: h .. Kg-1
-        h = group_topk // 2
-        ga = _next_kept(kept, 0)
-        gb = ga
-        for _ in range(h):
-            gb = _next_kept(kept, gb + 1)
-        for _ in range(h):
+        g = 0
+        for _ in range(group_topk):
+            while (kept >> g) & 1 == 0:
+                g += 1
+            base = row + g * gsize
             for i in range(gsize):
-                insert_k(keys, idx, _key(smem[row + ga * gsize + i]), ga * gsize + i)
-                insert_k(keys2, idx2, _key(smem[row + gb * gsize + i]), gb * gsize + i)
-            ga = _next_kept(kept, ga + 1)
-            if gb + 1 < num_groups and (kept >> (gb + 1)) != 0:
-                gb = _next_kept(kept, gb + 1)
-        if group_topk % 2 == 1:  # the last kept group, gb, alone
-            for i in range(gsize):
-                insert_k(keys2, idx2, _key(smem[row + gb * gsize + i]), gb * gsize + i)
-        merge_k(keys, idx, keys2, idx2)
+                insert_k(keys, idx, _key(smem[base + i]), g * gsize + i)
+            g += 1
 
     return select
 
@@ -341,8 +281,6 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int):
         flags = cuda.shared.array(0, nb_u8)
         keys = cuda.local.array(kcap, nb_i32)
         idx = cuda.local.array(kcap, nb_i32)
-        keys2 = cuda.local.array(kcap, nb_i32)
-        idx2 = cuda.local.array(kcap, nb_i32)
         sv = cuda.local.array(kcap, nb_f32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
@@ -368,7 +306,7 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int):
         if valid:
             per_group = topk // group_topk if group_topk > 0 else 1
             select(smem, row, num_experts, num_groups, group_topk, per_group,
-                   o_gs + tid * num_groups, keys, idx, keys2, idx2)
+                   o_gs + tid * num_groups, keys, idx)
             m = _NEG_INF
             for q in range(kcap):
                 s = _ZERO
@@ -464,8 +402,6 @@ def aux_scores_fwd_kernel(kind: str, kcap: int):
         flags = cuda.shared.array(0, nb_u8)
         keys = cuda.local.array(kcap, nb_i32)
         idx = cuda.local.array(kcap, nb_i32)
-        keys2 = cuda.local.array(kcap, nb_i32)
-        idx2 = cuda.local.array(kcap, nb_i32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         t0 = cuda.blockIdx.x * tile_tokens
@@ -484,7 +420,7 @@ def aux_scores_fwd_kernel(kind: str, kcap: int):
                    nthreads, softmax)
         # 3. Thread per token: plain top-K of the scores, flagged.
         if valid:
-            select(smem, row, num_experts, 1, 0, 1, 0, keys, idx, keys2, idx2)
+            select(smem, row, num_experts, 1, 0, 1, 0, keys, idx)
             for q in range(kcap):
                 if q < topk:
                     flags[4 * o_flag + tid * num_experts + idx[q]] = 1

@@ -1,0 +1,54 @@
+"""Kernel times of the DeepSeek-V3 and Qwen3 router kernels under other tiling
+knobs of ``kernels/_launch.py`` (GPU only): the measurements behind the
+knobs' defaults.
+
+``python tools/tiling_sweep.py [--presets deepseek-v3,qwen3] [--repeats 30]``
+
+Each setting patches the knobs, forgets the cached plans and runs the
+benchmark's kernel rows (checked against the reference first).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from gpurouter import bench
+from gpurouter.kernels import _launch as L
+from gpurouter.kernels import aux_scores, topk
+
+SETTINGS = [
+    {},
+    {"TOKEN_MAX_TOKENS": 16},
+    {"TOKEN_MAX_TOKENS": 8},
+    {"TOKEN_MIN_THREADS": 256},
+    {"QUAD_LANES": 32},
+    {"QUAD_LANES": 8},
+    {"STREAM_THREADS": 128},
+]
+
+
+def _clear():
+    for f in (topk.topk_with_score_function_fwd_plan, topk.topk_with_score_function_bwd_plan,
+              aux_scores.score_for_aux_loss_fwd_plan, aux_scores.score_for_aux_loss_bwd_plan):
+        f.cache_clear()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="deepseek-v3,qwen3")
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args()
+    defaults = {k: getattr(L, k) for s in SETTINGS for k in s}
+    for setting in SETTINGS:
+        for k, v in defaults.items():
+            setattr(L, k, setting.get(k, v))
+        _clear()
+        for name in args.presets.split(","):
+            rows = bench.bench_preset(name, args.tokens, ["kernel"], args.repeats, 4.0, 0)
+            cells = "  ".join(f"{r.op} {r.phase} {r.us:7.1f}" for r in rows if r.op != "aux_loss")
+            print(f"{setting or 'defaults'!s:<28} {name:<12} {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
