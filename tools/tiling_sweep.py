@@ -11,6 +11,7 @@ benchmark's kernel rows (checked against the reference first).
 from __future__ import annotations
 
 import argparse
+import json
 
 from gpurouter import bench
 from gpurouter.kernels import _launch as L
@@ -38,9 +39,11 @@ def main():
     ap.add_argument("--presets", default="deepseek-v3,qwen3")
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--settings", help='JSON list of knob dicts, e.g. \'[{}, {"QUAD_LANES": 8}]\'')
     args = ap.parse_args()
-    defaults = {k: getattr(L, k) for s in SETTINGS for k in s}
-    for setting in SETTINGS:
+    settings = json.loads(args.settings) if args.settings else SETTINGS
+    defaults = {k: getattr(L, k) for s in settings for k in s}
+    for setting in settings:
         for k, v in defaults.items():
             setattr(L, k, setting.get(k, v))
         _clear()
