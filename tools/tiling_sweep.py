@@ -21,10 +21,10 @@ SETTINGS = [
     {},
     {"TOKEN_MAX_TOKENS": 16},
     {"TOKEN_MAX_TOKENS": 8},
-    {"TOKEN_MIN_THREADS": 256},
-    {"QUAD_LANES": 32},
-    {"QUAD_LANES": 8},
-    {"STREAM_THREADS": 128},
+    {"TOKEN_MIN_THREADS": 128},
+    {"QUAD_LANES_SPARSE": 16},
+    {"QUAD_LANES_DENSE": 8},
+    {"QUAD_THREADS": 256},
 ]
 
 
@@ -39,7 +39,7 @@ def main():
     ap.add_argument("--presets", default="deepseek-v3,qwen3")
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--settings", help='JSON list of knob dicts, e.g. \'[{}, {"QUAD_LANES": 8}]\'')
+    ap.add_argument("--settings", help='JSON list of knob dicts, e.g. \'[{}, {"QUAD_THREADS": 64}]\'')
     args = ap.parse_args()
     settings = json.loads(args.settings) if args.settings else SETTINGS
     defaults = {k: getattr(L, k) for s in settings for k in s}

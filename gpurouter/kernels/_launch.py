@@ -378,7 +378,7 @@ def select_layout(num_tokens: int, num_experts: int, topk: int, num_groups: int 
 TOKEN_MAX_TOPK = 16
 #: tokens per block of the thread-per-token kernels at most, threads at least
 TOKEN_MAX_TOKENS = 256
-TOKEN_MIN_THREADS = 128
+TOKEN_MIN_THREADS = 256  # H200, DeepSeek-V3 fwd: 213 us; 128: 233, 512: 310 (tools/tiling_sweep.py)
 
 
 def pow2_at_least(n: int) -> int:
@@ -464,18 +464,24 @@ def stream_tiling(num_tokens: int, num_experts: int):
     return -(-num_tokens // tb), tb * w, w
 
 
-#: lanes per token of the quad backward kernels at most
-QUAD_LANES = 16
+#: lanes per token of the quad backward kernels at most: the top-k backward
+#: (sparse: most quads are skipped) and the aux-score backward (dense); and
+#: threads per block.  Measured on an H200 (tools/tiling_sweep.py, T=65536):
+#: DeepSeek-V3 top-k bwd 96.7 us at 8 lanes vs 104.9 at 16 and 128.5 at 32;
+#: aux-score bwd 75.4 us at 16 lanes vs 85.0 at 8 (128 threads).
+QUAD_LANES_SPARSE = 8
+QUAD_LANES_DENSE = 16
+QUAD_THREADS = 128
 
 
-def quad_tiling(num_tokens: int, num_experts: int):
+def quad_tiling(num_tokens: int, num_experts: int, dense: bool):
     """``(grid, threads, lanes)`` of the quad backward kernels (E a multiple of
     4): W lanes per token, lane ``l`` quads ``l, l + W, ...``; W the smallest
-    power of two >= E/4, at most ``QUAD_LANES`` (E=256: 16 lanes of 4 quads;
-    fewer lanes, fewer tree-reduction levels per token), ``STREAM_THREADS``
-    per block."""
-    w = min(QUAD_LANES, pow2_at_least(max(1, num_experts // 4)))
-    tb = max(1, min(STREAM_THREADS // w, num_tokens))
+    power of two >= E/4, at most ``QUAD_LANES_DENSE`` or ``_SPARSE`` (fewer
+    lanes: fewer tree-reduction levels per token), ``QUAD_THREADS`` per block."""
+    cap = QUAD_LANES_DENSE if dense else QUAD_LANES_SPARSE
+    w = min(cap, pow2_at_least(max(1, num_experts // 4)))
+    tb = max(1, min(QUAD_THREADS // w, num_tokens))
     return -(-num_tokens // tb), tb * w, w
 
 

@@ -1285,7 +1285,7 @@ def topk_with_score_function_bwd_plan(grad_probs: L.Spec, topk: int, pre: bool, 
     if shape[0] == 0:
         return L.Plan(OP + "_bwd", ins, outs)
     if shape[1] % 4 == 0:
-        grid, threads, lanes = L.quad_tiling(shape[0], shape[1])
+        grid, threads, lanes = L.quad_tiling(shape[0], shape[1], dense=bool(pre) and sf == _SOFTMAX)
         words, quads = array_views(grad_probs.kind, shape)
         step = L.Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True), grid, threads,
                       8 * threads,

@@ -180,7 +180,7 @@ def test_layouts_fit_shared_memory():
                 assert lay.threads >= lay.tb and lay.threads % 32 == 0
                 assert lay.stride % 2 == 1 and lay.grid * lay.tb >= T
     lay = L.token_layout(65536, 256, 8)
-    assert (lay.tb, lay.threads) == (32, 128)  # DeepSeek-V3
+    assert (lay.tb, lay.threads) == (32, 256)  # DeepSeek-V3
 
 
 @pytest.fixture
@@ -194,8 +194,9 @@ def quad_lanes(monkeypatch):
         topk.topk_with_score_function_bwd_plan.cache_clear()
         aux_scores.score_for_aux_loss_bwd_plan.cache_clear()
 
-    monkeypatch.setattr(L, "QUAD_LANES", 2)
-    monkeypatch.setattr(L, "STREAM_THREADS", 8)
+    monkeypatch.setattr(L, "QUAD_LANES_SPARSE", 2)
+    monkeypatch.setattr(L, "QUAD_LANES_DENSE", 2)
+    monkeypatch.setattr(L, "QUAD_THREADS", 8)
     clear()
     yield
     monkeypatch.undo()
