@@ -15,14 +15,17 @@ from ._checks import check_backend
 
 # "auto" picks the kernels only where they are expected to beat the jnp
 # reference: JAX on a CUDA GPU with the zero-copy transport and a working
-# numba-cuda, for the router top-k with K <= AUTO_MAX_TOPK. Measured on an H200
-# (docs/benchmarks.md, commit 9b7f9e1, a jitted 50-step forward + backward
-# loop), zero-copy numba over the jitted reference: DeepSeek-V3 2.33x,
-# DeepSeek-V4 1.39x, Mixtral 1.28x, Llama-4 1.28x, Kimi-K2 1.24x, Qwen3 1.01x
-# (all K <= 8), Nemotron-3 Super (K = 22) 0.73x. The aux scores and the aux
-# loss have no end-to-end measurement against the reference: "auto" keeps
-# them on jax.
+# numba-cuda, for the router top-k with K <= AUTO_MAX_TOPK and
+# E >= AUTO_MIN_EXPERTS. Measured on an H200 (docs/benchmarks.md, commit
+# f6533ac, a jitted 50-step forward + backward loop), zero-copy numba over the
+# jitted reference: DeepSeek-V3 4.61x, DeepSeek-V4 2.36x, Llama-4 2.22x,
+# Qwen3 2.08x, Kimi-K2 2.07x (E >= 128, K <= 8); Mixtral (E = 8) 0.71x, where
+# the two callbacks' fixed cost (~60-80 us each inside XLA) outweighs 9 us
+# kernels (1.28x at 9b7f9e1: that cost varies from run to run); Nemotron-3
+# Super (K = 22) 0.74x. The aux scores and the aux loss have no end-to-end
+# measurement against the reference: "auto" keeps them on jax.
 AUTO_MAX_TOPK = 8
+AUTO_MIN_EXPERTS = 64
 
 
 def _numba_import_error() -> ImportError:

@@ -102,14 +102,15 @@ def test_auto_picks_numba_only_where_it_measured_faster(monkeypatch):
     chosen = []
     monkeypatch.setattr(_backend, "resolve", lambda op, b, faster=None: chosen.append(
         faster is not None and faster()) or "jax")
-    x = jnp.zeros((4, 16), jnp.float32)
+    x = jnp.zeros((4, _backend.AUTO_MIN_EXPERTS), jnp.float32)
     gr.fused_topk_with_score_function(x, 8)
     gr.fused_topk_with_score_function(x, _backend.AUTO_MAX_TOPK + 1)
     gr.fused_topk_with_score_function(x, 2, compute_aux_scores=True)
+    gr.fused_topk_with_score_function(x[:, :_backend.AUTO_MIN_EXPERTS - 4], 2)  # too few experts
     if _backend.numba_usable():
-        assert chosen == [True, False, False]
+        assert chosen == [True, False, False, False]
     else:
-        assert chosen[1:] == [False, False]
+        assert chosen[1:] == [False, False, False]
 
 
 def test_bindings_reach_kernels_only_through_the_callback_helper():

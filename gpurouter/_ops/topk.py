@@ -69,8 +69,10 @@ def fused_topk_with_score_function(
 
     def kernels_faster() -> bool:
         # "auto": measured faster for the router top-k with K <= AUTO_MAX_TOPK
-        # (_backend.py); only where the kernels take the call at all.
-        if cfg.compute_aux_scores or cfg.topk > _backend.AUTO_MAX_TOPK or logits.dtype == jnp.float64:
+        # and E >= AUTO_MIN_EXPERTS (_backend.py); only where the kernels
+        # take the call at all.
+        if (cfg.compute_aux_scores or cfg.topk > _backend.AUTO_MAX_TOPK
+                or num_experts < _backend.AUTO_MIN_EXPERTS or logits.dtype == jnp.float64):
             return False
         try:
             _backend.kernels().check_limits(TOPK_OP, num_experts, cfg.topk,
