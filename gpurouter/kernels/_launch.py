@@ -378,7 +378,6 @@ def select_layout(num_tokens: int, num_experts: int, topk: int, num_groups: int 
 TOKEN_MAX_TOPK = 16
 #: tokens per block of the thread-per-token kernels at most, threads at least
 TOKEN_MAX_TOKENS = 256
-TOKEN_LANES = 8
 TOKEN_MIN_THREADS = 256  # H200, DeepSeek-V3 fwd: 213 us; 128: 233, 512: 310 (tools/tiling_sweep.py)
 
 
@@ -396,19 +395,17 @@ def token_path(num_experts: int, topk: int) -> bool:
 
 
 class TokenLayout:
-    """Launch shape and shared memory of a token-row kernel: ``tb`` tokens per
-    block, ``lanes`` (W) threads per token (thread ``tid`` is lane ``tid % W``
-    of tile row ``tid / W``), ``threads >= tb * W``.  Word offsets of the
-    fp32 / int32 / uint8 views of the one dynamic allocation::
+    """Launch shape and shared memory of a thread-per-token kernel: ``tb``
+    tokens per block (thread t owns tile row t), ``threads >= tb``.  Word
+    offsets of the fp32 / int32 / uint8 views of the one dynamic allocation::
 
-        [0, tb*P)              fp32 tile, expert j at column j + j/32, P = W mod 32
+        [0, tb*P)              fp32 tile, row stride P = E | 1
         o_flag + [tb * E / 4]  selection flags, one byte per expert (a word per quad)
         o_gs   + [tb * G]      fp32 group scores (grouped only)
-        o_red  + [...]         row statistics (lane partials, then per token),
-                               later the lanes' list exchange of the merge
+        o_red  + [2 * threads] fp32 row statistics (softmax / normalisation)
     """
 
-    __slots__ = ("grid", "threads", "tb", "lanes", "stride", "o_flag", "o_gs", "o_red", "shared")
+    __slots__ = ("grid", "threads", "tb", "stride", "o_flag", "o_gs", "o_red", "shared")
 
     def __init__(self, **kw):
         for k in self.__slots__:
@@ -418,45 +415,24 @@ class TokenLayout:
         return "TokenLayout(" + ", ".join(f"{k}={getattr(self, k)}" for k in self.__slots__) + ")"
 
 
-def token_lanes(num_experts: int) -> int:
-    """W, the lanes per token of the token-row kernels: a power of two, at most
-    ``TOKEN_LANES``, doubled while each lane keeps >= 32 experts to scan
-    (E < 32: 1; E = 64: 2... E >= 128: 8)."""
-    w = 1
-    while w < TOKEN_LANES and 32 * w <= num_experts:
-        w *= 2
-    return w
-
-
-def token_stride(num_experts: int, lanes: int) -> int:
-    """Row stride P of the token tile: room for E experts plus a pad word per
-    32, and ``P % 32 == W % 32`` so that the W lanes of the ``32 / W`` tokens
-    of a warp start their segments on distinct banks."""
-    base = num_experts + (num_experts - 1) // 32
-    return base + (lanes - base) % 32
-
-
-def token_layout(num_tokens: int, num_experts: int, kcap: int, num_groups: int = 0) -> TokenLayout:
-    """Layout of the token-row kernels (E a multiple of 4): W = ``token_lanes``;
-    as many tokens per block (a power of two, at most ``TOKEN_MAX_TOKENS``, at
-    most T, at most 1024 / W) as fit ``SMEM_BUDGET``; threads: ``tb * W``, at
-    least ``TOKEN_MIN_THREADS`` (the coalesced phases want them) unless the
-    tile has fewer quads, a multiple of 32."""
-    w = token_lanes(num_experts)
-    p = token_stride(num_experts, w)
+def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0) -> TokenLayout:
+    """Layout of the thread-per-token kernels (E a multiple of 4): as many tokens
+    per block (a power of two, at most ``TOKEN_MAX_TOKENS``, at most T) as fit
+    ``SMEM_BUDGET``; threads: the tokens, at least ``TOKEN_MIN_THREADS`` (the
+    coalesced phases want them) unless the tile has fewer quads, a multiple
+    of 32."""
+    p = num_experts | 1
     g = max(0, int(num_groups))
 
     def words(tb, threads):
-        red = max(threads + 2 * tb, tb * (w // 2) * 2 * kcap)
-        return tb * (p + num_experts // 4 + g) + red
+        return tb * (p + num_experts // 4 + g) + 2 * threads
 
     tb = TOKEN_MAX_TOKENS
-    while tb > 1 and (tb * w > 1024
-                      or 4 * words(tb, max(tb * w, TOKEN_MIN_THREADS)) > SMEM_BUDGET):
+    while tb > 1 and 4 * words(tb, max(tb, TOKEN_MIN_THREADS)) > SMEM_BUDGET:
         tb //= 2
     tb = max(1, min(tb, num_tokens))
     quads = tb * num_experts // 4
-    threads = max(tb * w, min(TOKEN_MIN_THREADS, quads))
+    threads = max(tb, min(TOKEN_MIN_THREADS, quads))
     threads = -(-threads // 32) * 32
     if 4 * words(tb, threads) > SMEM_BUDGET:
         raise NotImplementedError(f"E={num_experts}: one token does not fit "
@@ -464,8 +440,28 @@ def token_layout(num_tokens: int, num_experts: int, kcap: int, num_groups: int =
     o_flag = tb * p
     o_gs = o_flag + tb * num_experts // 4
     o_red = o_gs + tb * g
-    return TokenLayout(grid=-(-num_tokens // tb), threads=threads, tb=tb, lanes=w, stride=p,
-                       o_flag=o_flag, o_gs=o_gs, o_red=o_red, shared=4 * words(tb, threads))
+    return TokenLayout(grid=-(-num_tokens // tb), threads=threads, tb=tb, stride=p, o_flag=o_flag,
+                       o_gs=o_gs, o_red=o_red, shared=4 * (o_red + 2 * threads))
+
+
+#: threads per block of the streaming backward kernels
+STREAM_THREADS = 256
+
+
+def stream_tiling(num_tokens: int, num_experts: int):
+    """``(grid, threads, lanes)`` of the streaming backward kernels: W lanes per
+    token read its row straight from global memory (no shared-memory tile),
+    lane ``l`` experts ``l, l + W, ...``. W = 32 (a warp per token: each
+    warp-wide access is one contiguous piece of a row) or, for E < 32, E
+    rounded up to a power of two (a warp then covers whole consecutive rows).
+    """
+    w = 32
+    if num_experts < 32:
+        w = 1
+        while w < num_experts:
+            w *= 2
+    tb = max(1, min(STREAM_THREADS // w, num_tokens))
+    return -(-num_tokens // tb), tb * w, w
 
 
 #: lanes per token of the quad backward kernels at most: the top-k backward

@@ -162,11 +162,11 @@ def score_for_aux_loss_fwd_plan(logits: L.Spec, topk: int, sf: int) -> L.Plan:
         from .token_rows import aux_scores_fwd_kernel
 
         kcap = L.pow2_at_least(int(topk))
-        lay = L.token_layout(shape[0], shape[1], kcap)
+        lay = L.token_layout(shape[0], shape[1])
         words, quads = array_views(logits.kind, shape)
         step = L.Step(aux_scores_fwd_kernel(logits.kind, kcap), lay.grid, lay.threads, lay.shared,
                       (L.In(0, words), L.Out(0), L.Out(1, quads), L.Out(2), int(topk), int(sf),
-                       lay.tb, lay.lanes, lay.stride, lay.o_flag, lay.o_red))
+                       lay.tb, lay.stride, lay.o_flag, lay.o_red))
         return L.Plan(OP + "_fwd", (logits,), outs, (), (step,))
     lay = L.select_layout(shape[0], shape[1], int(topk))
     step = L.Step(_aux_scores_fwd_kernel(logits.kind, topk_capacity(topk)), lay.grid,

@@ -53,6 +53,8 @@ from .topk import (
     _activation,
     _adv,
     _exp,
+    _normalise,
+    _row_stats,
     _walk,
     nb_f32,
     nb_i32,
@@ -123,202 +125,70 @@ def _inserter(cap: int):
     return insert
 
 
-@cuda.jit(device=True)
-def _word(j):
-    """Tile column of expert ``j``: a pad word after every 32 experts, so that
-    lanes scanning 32-expert segments (or groups) start on different banks."""
-    return j + (j >> 5)
-
-
-@cuda.jit(device=True)
-def _kth_kept(kept, p):
-    """The ``p``-th (from 0) set bit of the kept-group mask."""
-    g = 0
-    while True:
-        if (kept >> g) & 1 != 0:
-            if p == 0:
-                return g
-            p -= 1
-        g += 1
-
-
 @functools.cache
 def _selector(kcap: int, gcap: int):
-    """Device function ``select(smem, ism, row, E, G, Kg, per_group, o_gs, o_mrg,
-    tok, lane, lanes, valid, keys, idx, pk, pi)``: the (group-limited) top-K of
-    tile row ``row`` by the token's W lanes, left in lane 0's register lists
-    ``keys``/``idx`` (``kcap`` slots, the top K first).  All threads of the
-    block call it (barriers inside); ``pk``/``pi`` are scratch lists.
+    """Device function ``select(smem, row, E, G, Kg, per_group, o_gs, keys, idx)``:
+    one thread's (group-limited) top-K of its tile row ``smem[row:row+E]``
+    into the register lists ``keys``/``idx`` (``kcap`` slots, the top K first).
 
-    Lane ``l`` scans a contiguous segment of the candidates in ascending
-    order into its own list; a tree merge then inserts lane ``l + 2^h``'s
-    list into lane ``l``'s (through shared memory, ``o_mrg``): its entries
-    are all later experts, so arrival order keeps the tie rule.
-
-    Grouped (``Kg > 0``): lane ``l`` scores groups ``l, l + W, ...``: the sum,
-    in descending order, of a group's top ``per_group`` values (NaN as
-    -inf), at ``smem[o_gs + g]``; after a barrier every lane ranks all G
-    (larger score, NaN as -inf, then lower group; kept when fewer than Kg
-    rank before) and the candidates are the kept groups' experts in
-    ascending order, split into W segments: dropped groups are never
-    selected, not even as fillers.
+    Grouped (``Kg > 0``): group ``g``'s score is the sum, in descending order,
+    of its top ``per_group`` values (NaN as -inf), kept at ``smem[o_gs + g]``;
+    a group is kept when fewer than Kg groups rank before it (larger score,
+    NaN as -inf, then lower group); the expert scan visits the kept groups
+    only, in ascending order, so dropped groups are never selected, not even
+    as fillers.
     """
     insert_k = _inserter(kcap)
     insert_g = _inserter(gcap)
 
     @cuda.jit(device=True)
-    def select(smem, ism, row, num_experts, num_groups, group_topk, per_group, o_gs, o_mrg,
-               tok, lane, lanes, valid, keys, idx, pk, pi):
+    def select(smem, row, num_experts, num_groups, group_topk, per_group, o_gs, keys, idx):
         for q in range(kcap):
             keys[q] = _KEY_EMPTY
             idx[q] = -1
         if group_topk <= 0:
-            seg = (num_experts + lanes - 1) // lanes
-            lo = lane * seg
-            hi = min(num_experts, lo + seg)
-            if valid:
-                for j in range(lo, hi):
-                    insert_k(keys, idx, _key(smem[row + _word(j)]), j)
-        else:
-            gsize = num_experts // num_groups
-            if valid:
-                gk = cuda.local.array(gcap, nb_i32)
-                gi = cuda.local.array(gcap, nb_i32)
-                for g in range(lane, num_groups, lanes):
-                    for q in range(gcap):
-                        gk[q] = _KEY_EMPTY
-                        gi[q] = -1
-                    for i in range(gsize):
-                        insert_g(gk, gi, _key(smem[row + _word(g * gsize + i)]), i)
-                    gs = _value(gk[0])
-                    for q in range(1, gcap):
-                        if q < per_group:
-                            gs = np.float32(gs + _value(gk[q]))
-                    smem[o_gs + g] = gs
-            # Barrier: the ranking reads every group score of the token.
-            cuda.syncthreads()
-            if valid:
-                kept = 0
-                for g in range(num_groups):
-                    v = smem[o_gs + g]
-                    if v != v:
-                        v = _NEG_INF
-                    rank = 0
-                    for h in range(num_groups):
-                        u = smem[o_gs + h]
-                        if u != u:
-                            u = _NEG_INF
-                        if u > v or (u == v and h < g):
-                            rank += 1
-                    if rank < group_topk:
-                        kept |= 1 << g
-                # this lane's segment of the kept groups' experts (ascending)
-                n = group_topk * gsize
-                seg = (n + lanes - 1) // lanes
-                lo = lane * seg
-                hi = min(n, lo + seg)
-                v = lo
-                while v < hi:
-                    p = v // gsize
-                    g = _kth_kept(kept, p)
-                    end = min(hi, (p + 1) * gsize)
-                    for u in range(v, end):
-                        j = g * gsize + (u - p * gsize)
-                        insert_k(keys, idx, _key(smem[row + _word(j)]), j)
-                    v = end
-        # Tree merge: lane l + span's list into lane l's, span = 1, 2, ...
-        span = 1
-        while span < lanes:
-            cuda.syncthreads()  # the slots' previous readers are done
-            slot = o_mrg + (tok * (lanes // 2) + lane // (2 * span)) * 2 * kcap
-            if valid and lane % (2 * span) == span:
-                for q in range(kcap):
-                    ism[slot + q] = keys[q]
-                    ism[slot + kcap + q] = idx[q]
-            cuda.syncthreads()
-            if valid and lane % (2 * span) == 0:
-                for q in range(kcap):
-                    pk[q] = ism[slot + q]
-                    pi[q] = ism[slot + kcap + q]
-                for q in range(kcap):
-                    insert_k(keys, idx, pk[q], pi[q])
-            span *= 2
+            for j in range(num_experts):
+                insert_k(keys, idx, _key(smem[row + j]), j)
+            return
+        gsize = num_experts // num_groups
+        gk = cuda.local.array(gcap, nb_i32)
+        gi = cuda.local.array(gcap, nb_i32)
+        for g in range(num_groups):
+            for q in range(gcap):
+                gk[q] = _KEY_EMPTY
+                gi[q] = -1
+            base = row + g * gsize
+            for i in range(gsize):
+                insert_g(gk, gi, _key(smem[base + i]), i)
+            gs = _value(gk[0])
+            for q in range(1, gcap):
+                if q < per_group:
+                    gs = np.float32(gs + _value(gk[q]))
+            smem[o_gs + g] = gs
+        kept = 0
+        for g in range(num_groups):
+            v = smem[o_gs + g]
+            if v != v:
+                v = _NEG_INF
+            rank = 0
+            for h in range(num_groups):
+                u = smem[o_gs + h]
+                if u != u:
+                    u = _NEG_INF
+                if u > v or (u == v and h < g):
+                    rank += 1
+            if rank < group_topk:
+                kept |= 1 << g
+        g = 0
+        for _ in range(group_topk):
+            while (kept >> g) & 1 == 0:
+                g += 1
+            base = row + g * gsize
+            for i in range(gsize):
+                insert_k(keys, idx, _key(smem[base + i]), g * gsize + i)
+            g += 1
 
     return select
-
-
-@cuda.jit(device=True)
-def _token_stats(smem, row, num_experts, tid, tok, lane, lanes, valid, nthreads, o_red, tile_tokens,
-                 softmax):
-    """Per-token statistics by the token's W lanes (segments, then the W
-    partials combined in lane order by every lane): softmax max (NaN
-    ignored) and ``sum exp(x - max)``, or ``sum v``.  Lane 0 leaves them at
-    ``red[o_red + threads + tok]`` and ``red[o_red + threads + TB + tok]``.
-    All threads call it; it ends with a barrier."""
-    seg = (num_experts + lanes - 1) // lanes
-    lo = lane * seg
-    hi = min(num_experts, lo + seg)
-    m = _NEG_INF
-    if softmax:
-        if valid:
-            for j in range(lo, hi):
-                v = smem[row + _word(j)]
-                if v > m:
-                    m = v
-        smem[o_red + tid] = m
-        cuda.syncthreads()
-        m = _NEG_INF
-        if valid:
-            for i in range(lanes):
-                v = smem[o_red + tok * lanes + i]
-                if v > m:
-                    m = v
-        cuda.syncthreads()
-    total = _ZERO
-    if valid:
-        for j in range(lo, hi):
-            v = smem[row + _word(j)]
-            if softmax:
-                v = _exp(v - m)
-            total += v
-    smem[o_red + tid] = total
-    cuda.syncthreads()
-    if valid and lane == 0:
-        total = _ZERO
-        for i in range(lanes):
-            total += smem[o_red + tok * lanes + i]
-        smem[o_red + nthreads + tok] = m
-        smem[o_red + nthreads + tile_tokens + tok] = total
-    cuda.syncthreads()
-
-
-@cuda.jit(device=True)
-def _token_normalise(smem, out1, out2, write2, t0, nt, stride, tid, nthreads, o_red, tile_tokens,
-                     softmax):
-    """All threads, a quad per step: the tile rows divided by their statistics
-    (``exp(x - max) / sum`` like jax.nn.softmax, an all -inf row giving NaN; or
-    ``v / (sum + 1e-20)``), in place, to ``out1`` and (``write2``) ``out2``.
-    Ends with a barrier."""
-    eq = out1.shape[1] // 4
-    t, q, dt, dq = _walk(tid, nthreads, eq)
-    while t < nt:
-        m = smem[o_red + nthreads + t]
-        den = smem[o_red + nthreads + tile_tokens + t]
-        if not softmax:
-            den = np.float32(den + _EPS)
-        for i in range(4):
-            j = 4 * q + i
-            off = t * stride + _word(j)
-            if softmax:
-                p = np.float32(_exp(smem[off] - m) / den)
-            else:
-                p = np.float32(smem[off] / den)
-            smem[off] = p
-            out1[t0 + t, j] = p
-            if write2:
-                out2[t0 + t, j] = p
-        t, q = _adv(t, q, dt, dq, eq)
-    cuda.syncthreads()
 
 
 # ----------------------------------------------------------------------------
@@ -329,25 +199,23 @@ def _token_normalise(smem, out1, out2, write2, t0, nt, stride, tid, nthreads, o_
 @functools.cache
 def _quad_stager(kind: str):
     """Device function staging the forward tile, a quad per step and two quads'
-    loads in flight: ``topk.stage_put`` on each element (tile column
-    ``_word(j)``), the quad's flag word (``ism[o_flag + t*E/4 + q]``) cleared.
-    Ends with a barrier."""
+    loads in flight: ``topk.stage_put`` on each element, the quad's flag word
+    (``ism[o_flag + t*E/4 + q]``) cleared.  Ends with a barrier."""
     load4, _ = quad_loader(kind)
 
     @cuda.jit(device=True)
     def put4(x0, x1, x2, x3, t, q, t0, bias, saved, smem, stride, sf, has_bias):
         j = 4 * q
-        off = t * stride + _word(j)  # a quad never straddles a pad word
         b0 = b1 = b2 = b3 = _ZERO
         if has_bias:
             b0 = bias[j]
             b1 = bias[j + 1]
             b2 = bias[j + 2]
             b3 = bias[j + 3]
-        stage_put(x0, b0, t, j, t0, saved, smem, off, sf, has_bias)
-        stage_put(x1, b1, t, j + 1, t0, saved, smem, off + 1, sf, has_bias)
-        stage_put(x2, b2, t, j + 2, t0, saved, smem, off + 2, sf, has_bias)
-        stage_put(x3, b3, t, j + 3, t0, saved, smem, off + 3, sf, has_bias)
+        stage_put(x0, b0, t, j, t0, saved, smem, stride, sf, has_bias)
+        stage_put(x1, b1, t, j + 1, t0, saved, smem, stride, sf, has_bias)
+        stage_put(x2, b2, t, j + 2, t0, saved, smem, stride, sf, has_bias)
+        stage_put(x3, b3, t, j + 3, t0, saved, smem, stride, sf, has_bias)
 
     @cuda.jit(device=True)
     def stage(lg, bias, saved, smem, ism, o_flag, t0, nt, stride, sf, has_bias, tid, nthreads):
@@ -401,7 +269,6 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int):
         group_topk,  # Kg (grouping on iff > 0)
         scale,  # fp32 scaling_factor
         tile_tokens,  # TB
-        lanes,  # W, lanes per token
         stride,  # P
         o_flag,  # word offsets (_launch.token_layout)
         o_gs,
@@ -414,46 +281,40 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int):
         flags = cuda.shared.array(0, nb_u8)
         keys = cuda.local.array(kcap, nb_i32)
         idx = cuda.local.array(kcap, nb_i32)
-        pk = cuda.local.array(kcap, nb_i32)
-        pi = cuda.local.array(kcap, nb_i32)
         sv = cuda.local.array(kcap, nb_f32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         t0 = cuda.blockIdx.x * tile_tokens
         nt = min(tile_tokens, num_tokens - t0)
-        tok = tid // lanes  # lane `lane` of tile row `tok`
-        lane = tid - tok * lanes
-        valid = tok < nt
-        row = tok * stride
+        valid = tid < nt  # thread t owns tile row t
+        row = tid * stride
         eq = num_experts // 4
         post_softmax = sf == _SOFTMAX and not pre
 
         # 1. All threads: r = s (+ bias) into the tile, saved; flags cleared.
         stage(logits, bias, saved, smem, ism, o_flag, t0, nt, stride, sf, has_bias, tid, nthreads)
         if sf == _SOFTMAX and pre:
-            # softmax over all E first, then all threads normalise in place
-            # and write saved.
-            _token_stats(smem, row, num_experts, tid, tok, lane, lanes, valid, nthreads, o_red,
-                         tile_tokens, True)
-            _token_normalise(smem, saved, saved, False, t0, nt, stride, tid, nthreads, o_red,
-                             tile_tokens, True)
+            # softmax over all E first (max and sum by the row's thread), then
+            # all threads normalise in place and write saved.
+            _row_stats(smem, o_red, row, valid, num_experts, tid, 0, 1, nthreads, True)
+            _normalise(smem, o_red, saved, saved, False, t0, nt, num_experts, stride, 1, tid,
+                       nthreads, True)
 
-        # 2. W lanes per token: selection into lane 0's lists; then lane 0
-        # computes the weights from the UNBIASED scores s (recomputed from the
-        # logit where the tile holds s + b), writes them over the tile at the
-        # selected experts and sets their flags.
-        per_group = topk // group_topk if group_topk > 0 else 1
-        select(smem, ism, row, num_experts, num_groups, group_topk, per_group,
-               o_gs + tok * num_groups, o_red, tok, lane, lanes, valid, keys, idx, pk, pi)
-        if valid and lane == 0:
+        # 2. Thread per token: selection, then the weights from the UNBIASED
+        # scores s (recomputed from the logit where the tile holds s + b),
+        # written over the tile row at the selected experts, with their flags.
+        if valid:
+            per_group = topk // group_topk if group_topk > 0 else 1
+            select(smem, row, num_experts, num_groups, group_topk, per_group,
+                   o_gs + tid * num_groups, keys, idx)
             m = _NEG_INF
             for q in range(kcap):
                 s = _ZERO
                 if q < topk:
                     if has_bias:
-                        s = _activation(load_at(logits, t0 + tok, idx[q]), sf)
+                        s = _activation(load_at(logits, t0 + tid, idx[q]), sf)
                     else:
-                        s = smem[row + _word(idx[q])]
+                        s = smem[row + idx[q]]
                     if s > m:
                         m = s
                 sv[q] = s
@@ -474,8 +335,8 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int):
                         w = np.float32(_exp(w - m) / total)
                     elif sf != _SOFTMAX and topk > 1:
                         w = np.float32(w / total)
-                    smem[row + _word(idx[q])] = w
-                    flags[4 * o_flag + tok * num_experts + idx[q]] = 1
+                    smem[row + idx[q]] = w
+                    flags[4 * o_flag + tid * num_experts + idx[q]] = 1
         # Barrier: phase 3 reads every token's flags and weights.
         cuda.syncthreads()
 
@@ -491,7 +352,7 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int):
             if fw == 0:  # most quads: nothing selected, nothing to convert
                 zero4(probs, t0 + t, q)
             else:
-                base = t * stride + _word(4 * q)
+                base = t * stride + 4 * q
                 m0 = fw & np.uint32(0xFF) != 0
                 m1 = fw & np.uint32(0xFF00) != 0
                 m2 = fw & np.uint32(0xFF0000) != 0
@@ -530,7 +391,6 @@ def aux_scores_fwd_kernel(kind: str, kcap: int):
         topk,
         sf,
         tile_tokens,  # TB
-        lanes,  # W, lanes per token
         stride,  # P
         o_flag,  # word offsets (_launch.token_layout, no groups)
         o_red,
@@ -542,34 +402,28 @@ def aux_scores_fwd_kernel(kind: str, kcap: int):
         flags = cuda.shared.array(0, nb_u8)
         keys = cuda.local.array(kcap, nb_i32)
         idx = cuda.local.array(kcap, nb_i32)
-        pk = cuda.local.array(kcap, nb_i32)
-        pi = cuda.local.array(kcap, nb_i32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         t0 = cuda.blockIdx.x * tile_tokens
         nt = min(tile_tokens, num_tokens - t0)
-        tok = tid // lanes
-        lane = tid - tok * lanes
-        valid = tok < nt
-        row = tok * stride
+        valid = tid < nt
+        row = tid * stride
         eq = num_experts // 4
         softmax = sf == _SOFTMAX
 
         # 1. All threads: x -> activation (x for softmax) into the tile, saved.
         stage(logits, saved[0], saved, smem, ism, o_flag, t0, nt, stride, sf, False, tid, nthreads)
-        # 2. W lanes per token: softmax max and sum, or sum_all v; then all
+        # 2. Thread per token: softmax max and sum, or sum_all v; then all
         # threads normalise: the scores, in place and to memory.
-        _token_stats(smem, row, num_experts, tid, tok, lane, lanes, valid, nthreads, o_red,
-                     tile_tokens, softmax)
-        _token_normalise(smem, scores, saved, softmax, t0, nt, stride, tid, nthreads, o_red,
-                         tile_tokens, softmax)
-        # 3. W lanes per token: plain top-K of the scores; lane 0 flags them.
-        select(smem, ism, row, num_experts, 1, 0, 1, 0, o_red, tok, lane, lanes, valid, keys, idx,
-               pk, pi)
-        if valid and lane == 0:
+        _row_stats(smem, o_red, row, valid, num_experts, tid, 0, 1, nthreads, softmax)
+        _normalise(smem, o_red, scores, saved, softmax, t0, nt, num_experts, stride, 1, tid,
+                   nthreads, softmax)
+        # 3. Thread per token: plain top-K of the scores, flagged.
+        if valid:
+            select(smem, row, num_experts, 1, 0, 1, 0, keys, idx)
             for q in range(kcap):
                 if q < topk:
-                    flags[4 * o_flag + tok * num_experts + idx[q]] = 1
+                    flags[4 * o_flag + tid * num_experts + idx[q]] = 1
         cuda.syncthreads()
         # 4. All threads, a quad per step: its flag word is its map word.
         t, q, dt, dq = _walk(tid, nthreads, eq)

@@ -618,22 +618,21 @@ def _adv(t, j, dt, dj, num_experts):
 
 
 @cuda.jit(device=True)
-def stage_put(x, b, t, j, t0, saved, smem, off, sf, has_bias):
-    """One element of the forward staging: score function, saved, bias, into
-    the tile word ``off``."""
+def stage_put(x, b, t, j, t0, saved, smem, stride, sf, has_bias):
+    """One element of the forward staging: score function, saved, bias, into the tile."""
     s = x
     if sf != _SOFTMAX:
         s = _activation(x, sf)
         saved[t0 + t, j] = s if sf == _SIGMOID else x
         if has_bias:
             s = np.float32(s + b)
-    smem[off] = s
+    smem[t * stride + j] = s
 
 
 @cuda.jit(device=True)
 def _stage_put(x, b, t, j, t0, saved, smem, flags, o_flag, stride, sf, has_bias):
-    """``stage_put`` at tile ``[t, j]`` and the element's selection flag cleared."""
-    stage_put(x, b, t, j, t0, saved, smem, t * stride + j, sf, has_bias)
+    """``stage_put`` and the element's selection flag cleared."""
+    stage_put(x, b, t, j, t0, saved, smem, stride, sf, has_bias)
     flags[o_flag + t * stride + j] = 0
 
 
@@ -1214,13 +1213,12 @@ def topk_with_score_function_fwd_plan(logits: L.Spec, has_bias: bool, topk: int,
 
         kcap = L.pow2_at_least(int(topk))
         gcap = L.pow2_at_least(int(topk) // int(group_topk)) if grouped else 1
-        lay = L.token_layout(num_tokens, num_experts, kcap, G if grouped else 0)
+        lay = L.token_layout(num_tokens, num_experts, G if grouped else 0)
         words, quads = array_views(logits.kind, shape)
         step = L.Step(topk_fwd_kernel(logits.kind, kcap, gcap), lay.grid, lay.threads, lay.shared,
                       (L.In(0, words), bias, L.Out(0, words), L.Out(1, quads), L.Out(2), int(topk),
                        int(sf), bool(pre), bool(has_bias), G,
-                       int(group_topk) if grouped else -1, np.float32(scale), lay.tb, lay.lanes,
-                       lay.stride,
+                       int(group_topk) if grouped else -1, np.float32(scale), lay.tb, lay.stride,
                        lay.o_flag, lay.o_gs, lay.o_red))
         return L.Plan(OP + "_fwd", ins, outs, (), (step,))
     lay = L.select_layout(num_tokens, num_experts, int(topk), G if grouped else 0)

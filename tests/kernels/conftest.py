@@ -36,19 +36,15 @@ def tiling(monkeypatch):
 
 @pytest.fixture
 def token_tiling(monkeypatch):
-    """``token_tiling(tokens, threads=32, lanes=None)`` caps the token-row
-    kernels' tokens per block (and their minimum threads) and, given
-    ``lanes``, forces W lanes per token for the test: small caps give several
-    blocks and a partial last tile on tiny inputs, forced lanes give short
-    segments, merges across lanes and lanes with nothing to scan."""
+    """``token_tiling(tokens, threads=32)`` caps the thread-per-token kernels'
+    tokens per block (and their minimum threads) for the test: small caps give
+    several blocks and a partial last tile on tiny inputs."""
     pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
     from gpurouter.kernels import _launch
 
-    def force(tokens, threads=32, lanes=None):
+    def force(tokens, threads=32):
         monkeypatch.setattr(_launch, "TOKEN_MAX_TOKENS", tokens)
         monkeypatch.setattr(_launch, "TOKEN_MIN_THREADS", threads)
-        if lanes is not None:
-            monkeypatch.setattr(_launch, "token_lanes", lambda num_experts: lanes)
         _clear_row_plans()
 
     yield force

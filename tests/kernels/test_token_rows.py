@@ -46,11 +46,10 @@ def test_dispatch():
     assert not _kernel_of(aux_scores.score_for_aux_loss_fwd_plan(L.spec_of((5, 13), L.F32), 3, 0))
 
 
-@pytest.mark.parametrize("lanes", [1, 4])
 @pytest.mark.parametrize("sf,pre", FWD_MODES)
-def test_specials_fillers_partial_tile(token_tiling, sf, pre, lanes):
+def test_specials_fillers_partial_tile(token_tiling, sf, pre):
     # 2 tokens per block: 5 rows give 3 blocks, the last one partial
-    token_tiling(2, lanes=lanes)
+    token_tiling(2)
     ninf, nan = -np.inf, np.nan
     x = np.array([
         [ninf] * 12,                                                       # all -inf
@@ -72,11 +71,9 @@ def test_specials_fillers_partial_tile(token_tiling, sf, pre, lanes):
     np.testing.assert_allclose(s, rs, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("lanes", [1, 2, 8])
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid"])
-def test_ties_and_signed_zeros(token_tiling, sf, lanes):
-    # ties within a lane's segment and across lanes (8 lanes: 2 experts each)
-    token_tiling(2, lanes=lanes)
+def test_ties_and_signed_zeros(token_tiling, sf):
+    token_tiling(2)
     x = np.zeros((3, 12), np.float32)
     x[1] = [1, 2, 2, 0, 2, 2, 1, 0, 2, 2, 1, 2]
     x[2] = [-0.0, 0.0, 0.0, -0.0, -1, -0.0, 3, 3, 0.0, -2, 3, -0.0]
@@ -87,9 +84,8 @@ def test_ties_and_signed_zeros(token_tiling, sf, lanes):
     np.testing.assert_allclose(p, rp, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("lanes", [1, 4])
-def test_group_ties_and_dropped_fillers(token_tiling, lanes):
-    token_tiling(1, lanes=lanes)
+def test_group_ties_and_dropped_fillers(token_tiling):
+    token_tiling(1)
     x = np.zeros((2, 16), np.float32)
     p, m, _ = K.topk_with_score_function_fwd(x, 4, num_groups=4, group_topk=2,
                                              score_function="sigmoid")
@@ -122,13 +118,10 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("lanes", [1, 4, 8])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}E{}K{}G{}Kg{}".format(*s))
 @pytest.mark.parametrize("sf", ["sigmoid", "softmax", "sqrtsoftplus"])
-def test_shapes_fwd_bwd(token_tiling, shape, sf, lanes):
-    # 4 and 8 lanes: segments shorter than a group, lanes that span two kept
-    # groups or none, lists merged across lanes
-    token_tiling(2, lanes=lanes)
+def test_shapes_fwd_bwd(token_tiling, shape, sf):
+    token_tiling(2)
     T, E, k, G, Kg = shape
     cfg = _cfg(T, E, k, sf, False, G, Kg, 2.5, sf != "softmax")
     bias = _bias(E, 7) if cfg.has_bias else None
@@ -141,7 +134,7 @@ def test_shapes_fwd_bwd(token_tiling, shape, sf, lanes):
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
 def test_half_quads(token_tiling, sf, pre, dtype):
     """bf16 rows travel as uint64 quads, fp16 element by element: both against the reference."""
-    token_tiling(2, lanes=2)
+    token_tiling(2)
     cfg = _cfg(5, 16, 4, sf, pre, 4, 2, 2.5, sf != "softmax", dtype)
     bias = _bias(16, 5) if cfg.has_bias else None
     x = tie_free_rows_np(6, cfg, bias)
@@ -149,11 +142,10 @@ def test_half_quads(token_tiling, sf, pre, dtype):
     check_topk_bwd(K, m, s, random_cotangent(8, x.shape, dtype), dtype, cfg.kwargs())
 
 
-@pytest.mark.parametrize("lanes", [1, 4])
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
 @pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
-def test_aux_scores(token_tiling, sf, dtype, lanes):
-    token_tiling(2, lanes=lanes)
+def test_aux_scores(token_tiling, sf, dtype):
+    token_tiling(2)
     ninf, nan = -np.inf, np.nan
     x = np.array([
         [1.0, 2.0, 2.0, 2.0, 0.0, -1.0, 0.5, 2.0],  # ties: the lower indices
@@ -181,16 +173,14 @@ def test_layouts_fit_shared_memory():
     from gpurouter.kernels._limits import MAX_EXPERTS, SMEM_BUDGET
 
     for E in (4, 8, 128, 256, 1024, MAX_EXPERTS):
-        for kcap in (1, 8, 16):
-            for G in (0, 8, 64):
-                for T in (1, 7, 65536):
-                    lay = L.token_layout(T, E, kcap, G)
-                    assert lay.shared <= SMEM_BUDGET, (E, G, lay)
-                    assert lay.threads >= lay.tb * lay.lanes and lay.threads % 32 == 0
-                    assert lay.stride % 32 == lay.lanes % 32 and lay.grid * lay.tb >= T
-                    assert lay.stride >= E + (E - 1) // 32
-    lay = L.token_layout(65536, 256, 8, 8)
-    assert (lay.tb, lay.lanes, lay.threads) == (16, 8, 256)  # DeepSeek-V3
+        for G in (0, 8, 64):
+            for T in (1, 7, 65536):
+                lay = L.token_layout(T, E, G)
+                assert lay.shared <= SMEM_BUDGET, (E, G, lay)
+                assert lay.threads >= lay.tb and lay.threads % 32 == 0
+                assert lay.stride % 2 == 1 and lay.grid * lay.tb >= T
+    lay = L.token_layout(65536, 256, 8)
+    assert (lay.tb, lay.threads) == (32, 256)  # DeepSeek-V3
 
 
 @pytest.fixture
