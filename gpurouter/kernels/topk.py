@@ -1001,32 +1001,15 @@ def _stream_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool):
 _ALL_SET = np.uint32(0x01010101)  # the map word of a quad of four selected experts
 
 
-@cuda.jit(device=True)
-def _quad_accumulate(total, dot, w, g0, g1, g2, g3, x0, x1, x2, x3, scale, sf):
-    """``_accumulate`` over the selected experts of a quad (map word ``w``)."""
-    if w & np.uint32(0xFF) != 0:
-        total, dot = _accumulate(total, dot, x0, g0, scale, sf)
-    if w & np.uint32(0xFF00) != 0:
-        total, dot = _accumulate(total, dot, x1, g1, scale, sf)
-    if w & np.uint32(0xFF0000) != 0:
-        total, dot = _accumulate(total, dot, x2, g2, scale, sf)
-    if w & np.uint32(0xFF000000) != 0:
-        total, dot = _accumulate(total, dot, x3, g3, scale, sf)
-    return total, dot
-
-
 @functools.cache
 def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool):
     """The backwards (as ``_stream_bwd_kernel``) for E a multiple of 4, a quad
-    of four experts at a time: the map read as one uint32 word per quad (bf16
-    gradients as one uint64) and a quad skipped when its word is 0 (no
+    of four experts per step: the map read as one uint32 word per quad (bf16
+    gradients as one uint64) and the quad skipped when its word is 0 (no
     selected expert: no gradient or saved load, zeros written), which is most
     quads.  W lanes per token (``_launch.quad_tiling``), lane ``l`` quads
-    ``l, l + W, ...``, four quads per step with all their loads issued
-    before any is used (the map words first, then the gradients and saved
-    scores they call for: one exposed memory latency per step, not one per
-    quad). Pass 1 sums S and D, ``_tree_reduce`` combines the lanes, pass 2
-    writes every quad (its reloads mostly hit L1).
+    ``l, l + W, ...``; pass 1 sums S and D, ``_tree_reduce`` combines the
+    lanes, pass 2 writes every quad (its reloads mostly hit L1).
     """
     load4, _ = quad_loader(grad_kind)
     store4 = quad_storer(out_kind)
@@ -1034,39 +1017,14 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool):
     if has_map:
 
         @cuda.jit(device=True)
-        def word(routing_map, token, q, inside):
-            return routing_map[token, q] if inside else np.uint32(0)
+        def word(routing_map, token, q):
+            return routing_map[token, q]
 
     else:
 
         @cuda.jit(device=True)
-        def word(routing_map, token, q, inside):
-            return _ALL_SET if inside else np.uint32(0)
-
-    @cuda.jit(device=True)
-    def read(saved, grad, token, q, w, needed):
-        """A quad's gradients and saved scores where ``needed``, else zeros."""
-        if needed:
-            g0, g1, g2, g3 = load4(grad, token, q)
-            j = 4 * q
-            return (g0, g1, g2, g3, saved[token, j], saved[token, j + 1], saved[token, j + 2],
-                    saved[token, j + 3])
-        return _ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO, _ZERO
-
-    @cuda.jit(device=True)
-    def emit(grad_logits, token, q, w, g0, g1, g2, g3, x0, x1, x2, x3, dense, den, dsum, scale,
-             topk, sf):
-        if w == 0 and not dense:
-            zero4(grad_logits, token, q)
-            return
-        m0 = w & np.uint32(0xFF) != 0
-        m1 = w & np.uint32(0xFF00) != 0
-        m2 = w & np.uint32(0xFF0000) != 0
-        m3 = w & np.uint32(0xFF000000) != 0
-        store4(grad_logits, token, q, _topk_dx(x0, g0, m0, dense, den, dsum, scale, topk, sf),
-               _topk_dx(x1, g1, m1, dense, den, dsum, scale, topk, sf),
-               _topk_dx(x2, g2, m2, dense, den, dsum, scale, topk, sf),
-               _topk_dx(x3, g3, m3, dense, den, dsum, scale, topk, sf))
+        def word(routing_map, token, q):
+            return _ALL_SET
 
     @cuda.jit
     def kernel(
@@ -1091,65 +1049,56 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool):
         live = token < num_tokens
         dense = sf == _SOFTMAX and pre
 
-        # Pass 1: S and D over this lane's selected experts.
         total = _ZERO
         dot = _ZERO
-        q0 = lane
-        while live and q0 < eq:
-            q1 = q0 + lanes
-            q2 = q1 + lanes
-            q3 = q2 + lanes
-            w0 = word(routing_map, token, q0, True)
-            w1 = word(routing_map, token, q1, q1 < eq)
-            w2 = word(routing_map, token, q2, q2 < eq)
-            w3 = word(routing_map, token, q3, q3 < eq)
-            a0, a1, a2, a3, a4, a5, a6, a7 = read(saved, grad_probs, token, q0, w0, w0 != 0)
-            b0, b1, b2, b3, b4, b5, b6, b7 = read(saved, grad_probs, token, q1, w1, w1 != 0)
-            c0, c1, c2, c3, c4, c5, c6, c7 = read(saved, grad_probs, token, q2, w2, w2 != 0)
-            d0, d1, d2, d3, d4, d5, d6, d7 = read(saved, grad_probs, token, q3, w3, w3 != 0)
-            total, dot = _quad_accumulate(total, dot, w0, a0, a1, a2, a3, a4, a5, a6, a7, scale, sf)
-            total, dot = _quad_accumulate(total, dot, w1, b0, b1, b2, b3, b4, b5, b6, b7, scale, sf)
-            total, dot = _quad_accumulate(total, dot, w2, c0, c1, c2, c3, c4, c5, c6, c7, scale, sf)
-            total, dot = _quad_accumulate(total, dot, w3, d0, d1, d2, d3, d4, d5, d6, d7, scale, sf)
-            q0 = q3 + lanes
+        q = lane
+        while live and q < eq:
+            mw = word(routing_map, token, q)
+            if mw != 0:
+                g0, g1, g2, g3 = load4(grad_probs, token, q)
+                j = 4 * q
+                if mw & np.uint32(0xFF) != 0:
+                    total, dot = _accumulate(total, dot, saved[token, j], g0, scale, sf)
+                if mw & np.uint32(0xFF00) != 0:
+                    total, dot = _accumulate(total, dot, saved[token, j + 1], g1, scale, sf)
+                if mw & np.uint32(0xFF0000) != 0:
+                    total, dot = _accumulate(total, dot, saved[token, j + 2], g2, scale, sf)
+                if mw & np.uint32(0xFF000000) != 0:
+                    total, dot = _accumulate(total, dot, saved[token, j + 3], g3, scale, sf)
+            q += lanes
         red[tid] = total
         red[nthreads + tid] = dot
         _tree_reduce(red, 0, nthreads, tid, lane, lanes, False)
 
-        # Pass 2: every quad of the row, four per step.
         if live:
             lead = tok * lanes
             den = np.float32(red[lead] + _EPS)
             dsum = red[nthreads + lead]
-            q0 = lane
-            while q0 < eq:
-                q1 = q0 + lanes
-                q2 = q1 + lanes
-                q3 = q2 + lanes
-                w0 = word(routing_map, token, q0, True)
-                w1 = word(routing_map, token, q1, q1 < eq)
-                w2 = word(routing_map, token, q2, q2 < eq)
-                w3 = word(routing_map, token, q3, q3 < eq)
-                a0, a1, a2, a3, a4, a5, a6, a7 = read(saved, grad_probs, token, q0, w0,
-                                                      w0 != 0 or dense)
-                b0, b1, b2, b3, b4, b5, b6, b7 = read(saved, grad_probs, token, q1, w1,
-                                                      w1 != 0 or (dense and q1 < eq))
-                c0, c1, c2, c3, c4, c5, c6, c7 = read(saved, grad_probs, token, q2, w2,
-                                                      w2 != 0 or (dense and q2 < eq))
-                d0, d1, d2, d3, d4, d5, d6, d7 = read(saved, grad_probs, token, q3, w3,
-                                                      w3 != 0 or (dense and q3 < eq))
-                emit(grad_logits, token, q0, w0, a0, a1, a2, a3, a4, a5, a6, a7, dense, den, dsum,
-                     scale, topk, sf)
-                if q1 < eq:
-                    emit(grad_logits, token, q1, w1, b0, b1, b2, b3, b4, b5, b6, b7, dense, den,
-                         dsum, scale, topk, sf)
-                if q2 < eq:
-                    emit(grad_logits, token, q2, w2, c0, c1, c2, c3, c4, c5, c6, c7, dense, den,
-                         dsum, scale, topk, sf)
-                if q3 < eq:
-                    emit(grad_logits, token, q3, w3, d0, d1, d2, d3, d4, d5, d6, d7, dense, den,
-                         dsum, scale, topk, sf)
-                q0 = q3 + lanes
+            q = lane
+            while q < eq:
+                mw = word(routing_map, token, q)
+                if mw == 0 and not dense:
+                    zero4(grad_logits, token, q)
+                    q += lanes
+                    continue
+                d0 = d1 = d2 = d3 = _ZERO
+                if mw != 0 or dense:
+                    g0, g1, g2, g3 = load4(grad_probs, token, q)
+                    j = 4 * q
+                    m0 = mw & np.uint32(0xFF) != 0
+                    m1 = mw & np.uint32(0xFF00) != 0
+                    m2 = mw & np.uint32(0xFF0000) != 0
+                    m3 = mw & np.uint32(0xFF000000) != 0
+                    x0 = saved[token, j] if m0 or dense else _ZERO
+                    x1 = saved[token, j + 1] if m1 or dense else _ZERO
+                    x2 = saved[token, j + 2] if m2 or dense else _ZERO
+                    x3 = saved[token, j + 3] if m3 or dense else _ZERO
+                    d0 = _topk_dx(x0, g0, m0, dense, den, dsum, scale, topk, sf)
+                    d1 = _topk_dx(x1, g1, m1, dense, den, dsum, scale, topk, sf)
+                    d2 = _topk_dx(x2, g2, m2, dense, den, dsum, scale, topk, sf)
+                    d3 = _topk_dx(x3, g3, m3, dense, den, dsum, scale, topk, sf)
+                store4(grad_logits, token, q, d0, d1, d2, d3)
+                q += lanes
 
     return kernel
 
