@@ -52,3 +52,27 @@ def check_topk_bwd(kern, m, s, g, dtype, kwargs):
     rdx = host(ref.topk_with_score_function_bwd(m, s, gl, **bk))
     assert_close(dx, rdx, "grads", np_dtype(dtype), E=m.shape[-1], err_msg=f"grad {bk}")
     return dx
+
+
+def check_special_rows(kern, x, k, pre, sf, first_selected):
+    """Rows of -inf, NaN and fillers: kernel vs reference forward.
+
+    For sigmoid / sqrtsoftplus the -inf logits become -30 first (the same
+    ranks, finite activations).  Checks exactly K per row, the map, the NaN
+    pattern and values of probs and saved, and (outside softmax-pre) that
+    the first rows select ``first_selected``.  Returns the kernel's
+    ``(probs, map, saved)``.
+    """
+    if sf != "softmax":
+        x = np.where(np.isneginf(x), np.float32(-30.0), x)
+    p, m, s = kern.topk_with_score_function_fwd(x, k, pre, score_function=sf)
+    rp, rm, rs = (host(a) for a in ref.topk_with_score_function_fwd(x, k, pre, score_function=sf))
+    assert (m.sum(-1) == k).all()
+    np.testing.assert_array_equal(m, rm)
+    if not pre:
+        got = [np.flatnonzero(r).tolist() for r in m[:len(first_selected)]]
+        assert got == first_selected
+    np.testing.assert_array_equal(np.isnan(p), np.isnan(rp))
+    np.testing.assert_allclose(p, rp, atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(s, rs, atol=1e-6, rtol=1e-5)
+    return p, m, s

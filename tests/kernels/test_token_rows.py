@@ -15,7 +15,13 @@ from strategies import random_cotangent, tie_free_rows_np  # noqa: E402
 
 from gpurouter import reference as ref  # noqa: E402
 
-from ._helpers import FWD_MODES, check_topk_bwd, check_topk_fwd, host  # noqa: E402
+from ._helpers import (  # noqa: E402
+    FWD_MODES,
+    check_special_rows,
+    check_topk_bwd,
+    check_topk_fwd,
+    host,
+)
 from .test_topk import _bias, _cfg, _sel  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -58,17 +64,7 @@ def test_specials_fillers_partial_tile(token_tiling, sf, pre):
         [0.5, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan],      # mostly NaN
         [0.1, 0.9, -0.3, 0.7, 0.2, -0.8, 0.4, 0.6, -0.5, 0.3, 0.0, -0.1],  # plain
     ], np.float32)
-    if sf != "softmax":
-        x = np.where(np.isneginf(x), np.float32(-30.0), x)  # same ranks, finite activations
-    p, m, s = K.topk_with_score_function_fwd(x, 4, pre, score_function=sf)
-    rp, rm, rs = (host(a) for a in ref.topk_with_score_function_fwd(x, 4, pre, score_function=sf))
-    assert (m.sum(-1) == 4).all()
-    np.testing.assert_array_equal(m, rm)
-    if not pre:
-        assert _sel(m)[:2] == [[0, 1, 2, 3], [0, 1, 2, 7]]
-    np.testing.assert_array_equal(np.isnan(p), np.isnan(rp))
-    np.testing.assert_allclose(p, rp, atol=1e-6, rtol=1e-5)
-    np.testing.assert_allclose(s, rs, atol=1e-6, rtol=1e-5)
+    check_special_rows(K, x, 4, pre, sf, [[0, 1, 2, 3], [0, 1, 2, 7]])
 
 
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid"])

@@ -26,7 +26,13 @@ from tolerances import assert_close  # noqa: E402
 
 from gpurouter import reference as ref  # noqa: E402
 
-from ._helpers import FWD_MODES, check_topk_bwd, check_topk_fwd, host  # noqa: E402
+from ._helpers import (  # noqa: E402
+    FWD_MODES,
+    check_special_rows,
+    check_topk_bwd,
+    check_topk_fwd,
+    host,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -134,17 +140,7 @@ def test_neg_inf_and_nan_rows(sf, pre):
         [nan, 0.5, 0.25, 0.75, ninf, -1.0],       # NaN counts as -inf
         [0.5, nan, nan, nan, nan, nan],           # mostly NaN
     ], np.float32)
-    if sf != "softmax":
-        x = np.where(np.isneginf(x), np.float32(-30.0), x)  # same ranks, finite activations
-    p, m, s = K.topk_with_score_function_fwd(x, 4, pre, score_function=sf)
-    rp, rm, rs = (host(a) for a in ref.topk_with_score_function_fwd(x, 4, pre, score_function=sf))
-    assert (m.sum(-1) == 4).all()
-    np.testing.assert_array_equal(m, rm)
-    if not pre:
-        assert _sel(m)[:3] == [[0, 1, 2, 3], [0, 1, 2, 3], [1, 2, 3, 5]]
-    np.testing.assert_array_equal(np.isnan(p), np.isnan(rp))
-    np.testing.assert_allclose(p, rp, atol=1e-6, rtol=1e-5)
-    np.testing.assert_allclose(s, rs, atol=1e-6, rtol=1e-5)
+    check_special_rows(K, x, 4, pre, sf, [[0, 1, 2, 3], [0, 1, 2, 3], [1, 2, 3, 5]])
 
 
 @settings(max_examples=4)
@@ -250,16 +246,7 @@ def test_lanes_specials_fillers_partial_tile(tiling, lanes, threads, sf, pre):
         [0.5, nan, nan, nan, nan, nan, nan, nan, nan, nan],          # mostly NaN
         [0.1, 0.9, -0.3, 0.7, 0.2, -0.8, 0.4, 0.6, -0.5, 0.3],       # plain
     ], np.float32)
-    if sf != "softmax":
-        x = np.where(np.isneginf(x), np.float32(-30.0), x)  # same ranks, finite activations
-    (p, m, s), (rp, rm, rs) = _both(x, 4, use_pre_softmax=pre, score_function=sf)
-    assert (m.sum(-1) == 4).all()
-    np.testing.assert_array_equal(m, rm)
-    if not pre:
-        assert _sel(m)[:2] == [[0, 1, 2, 3], [0, 1, 2, 7]]
-    np.testing.assert_array_equal(np.isnan(p), np.isnan(rp))
-    np.testing.assert_allclose(p, rp, atol=1e-6, rtol=1e-5)
-    np.testing.assert_allclose(s, rs, atol=1e-6, rtol=1e-5)
+    _, m, s = check_special_rows(K, x, 4, pre, sf, [[0, 1, 2, 3], [0, 1, 2, 7]])
     g = random_cotangent(3, x.shape)
     bk = dict(use_pre_softmax=pre, score_function=sf)
     dx = K.topk_with_score_function_bwd(m, s, g, 4, **bk)
