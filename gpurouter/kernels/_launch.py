@@ -389,9 +389,18 @@ def pow2_at_least(n: int) -> int:
     return c
 
 
-def token_path(num_experts: int, topk: int) -> bool:
-    """True when the thread-per-token forward kernels take ``(E, K)``."""
-    return 1 <= topk <= TOKEN_MAX_TOPK and num_experts % 4 == 0
+def _token_words(tb: int, threads: int, num_experts: int, num_groups: int, has_bias: bool) -> int:
+    """Shared-memory words of a thread-per-token block (see ``TokenLayout``)."""
+    return (tb * ((num_experts | 1) + num_experts // 4 + num_groups) + 2 * threads
+            + (num_experts if has_bias else 0))
+
+
+def token_path(num_experts: int, topk: int, num_groups: int = 0, has_bias: bool = False) -> bool:
+    """True when the thread-per-token forward kernels take ``(E, K)``: K <=
+    ``TOKEN_MAX_TOPK``, E a multiple of 4, and one token's block fits
+    ``SMEM_BUDGET``."""
+    return (1 <= topk <= TOKEN_MAX_TOPK and num_experts % 4 == 0
+            and 4 * _token_words(1, 32, num_experts, max(0, int(num_groups)), has_bias) <= SMEM_BUDGET)
 
 
 class TokenLayout:
@@ -402,10 +411,11 @@ class TokenLayout:
         [0, tb*P)              fp32 tile, row stride P = E | 1
         o_flag + [tb * E / 4]  selection flags, one byte per expert (a word per quad)
         o_gs   + [tb * G]      fp32 group scores (grouped only)
-        o_red  + [2 * threads] fp32 row statistics (softmax / normalisation)
+        o_red  + [2 * threads] fp32 row statistics (softmax / normalisation / weights)
+        o_bias + [E]           fp32 expert bias
     """
 
-    __slots__ = ("grid", "threads", "tb", "stride", "o_flag", "o_gs", "o_red", "shared")
+    __slots__ = ("grid", "threads", "tb", "stride", "o_flag", "o_gs", "o_red", "o_bias", "shared")
 
     def __init__(self, **kw):
         for k in self.__slots__:
@@ -415,33 +425,38 @@ class TokenLayout:
         return "TokenLayout(" + ", ".join(f"{k}={getattr(self, k)}" for k in self.__slots__) + ")"
 
 
-def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0) -> TokenLayout:
-    """Layout of the thread-per-token kernels (E a multiple of 4): as many tokens
+def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
+                 has_bias: bool = False) -> TokenLayout:
+    """Layout of the thread-per-token kernels (``token_path``): as many tokens
     per block (a power of two, at most ``TOKEN_MAX_TOKENS``, at most T) as fit
     ``SMEM_BUDGET``; threads: the tokens, at least ``TOKEN_MIN_THREADS`` (the
-    coalesced phases want them) unless the tile has fewer quads, a multiple
-    of 32."""
-    p = num_experts | 1
+    coalesced phases want them) unless the tile has fewer quads or the
+    statistics would not fit, a multiple of 32.  The bias (``has_bias``)
+    takes E words."""
     g = max(0, int(num_groups))
 
     def words(tb, threads):
-        return tb * (p + num_experts // 4 + g) + 2 * threads
+        return _token_words(tb, threads, num_experts, g, has_bias)
 
     tb = TOKEN_MAX_TOKENS
     while tb > 1 and 4 * words(tb, max(tb, TOKEN_MIN_THREADS)) > SMEM_BUDGET:
         tb //= 2
     tb = max(1, min(tb, num_tokens))
     quads = tb * num_experts // 4
-    threads = max(tb, min(TOKEN_MIN_THREADS, quads))
-    threads = -(-threads // 32) * 32
+    threads = -(-max(tb, min(TOKEN_MIN_THREADS, quads)) // 32) * 32
+    while threads > max(32, tb) and 4 * words(tb, threads) > SMEM_BUDGET:
+        threads = max(32, tb, threads // 2)
     if 4 * words(tb, threads) > SMEM_BUDGET:
         raise NotImplementedError(f"E={num_experts}: one token does not fit "
                                   f"{SMEM_BUDGET} bytes of shared memory")
+    p = num_experts | 1
     o_flag = tb * p
     o_gs = o_flag + tb * num_experts // 4
     o_red = o_gs + tb * g
+    o_bias = o_red + 2 * threads
     return TokenLayout(grid=-(-num_tokens // tb), threads=threads, tb=tb, stride=p, o_flag=o_flag,
-                       o_gs=o_gs, o_red=o_red, shared=4 * (o_red + 2 * threads))
+                       o_gs=o_gs, o_red=o_red, o_bias=o_bias,
+                       shared=4 * (o_bias + (num_experts if has_bias else 0)))
 
 
 #: threads per block of the streaming backward kernels

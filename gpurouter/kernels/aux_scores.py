@@ -163,10 +163,11 @@ def score_for_aux_loss_fwd_plan(logits: L.Spec, topk: int, sf: int) -> L.Plan:
 
         kcap = L.pow2_at_least(int(topk))
         lay = L.token_layout(shape[0], shape[1])
-        words, quads = array_views(logits.kind, shape)
-        step = L.Step(aux_scores_fwd_kernel(logits.kind, kcap), lay.grid, lay.threads, lay.shared,
-                      (L.In(0, words), L.Out(0), L.Out(1, quads), L.Out(2), int(topk), int(sf),
-                       lay.tb, lay.stride, lay.o_flag, lay.o_red))
+        words, quads, flat = array_views(logits.kind, shape)
+        step = L.Step(aux_scores_fwd_kernel(logits.kind, kcap, int(sf)), lay.grid, lay.threads,
+                      lay.shared,
+                      (L.In(0, words), L.Out(0, flat), L.Out(1, quads), L.Out(2, flat), shape[0],
+                       shape[1], int(topk), lay.tb, lay.stride, lay.o_flag, lay.o_red))
         return L.Plan(OP + "_fwd", (logits,), outs, (), (step,))
     lay = L.select_layout(shape[0], shape[1], int(topk))
     step = L.Step(_aux_scores_fwd_kernel(logits.kind, topk_capacity(topk)), lay.grid,
@@ -218,10 +219,11 @@ def score_for_aux_loss_bwd_plan(saved: L.Spec, sf: int, out_kind: str) -> L.Plan
     # (map: saved, never read; topk 2: the normalised form; pre False; scale 1)
     if shape[1] % 4 == 0:
         grid, threads, lanes = L.quad_tiling(shape[0], shape[1], dense=True)
-        words, _ = array_views(out_kind, shape)
-        step = L.Step(quad_bwd_kernel(L.F32, out_kind, False), grid, threads, 8 * threads,
-                      (L.In(0), L.In(0), L.In(1), L.Out(0, words), 2, int(sf), False,
-                       np.float32(1.0), lanes))
+        words, _, flat = array_views(out_kind, shape)
+        step = L.Step(quad_bwd_kernel(L.F32, out_kind, False, int(sf), False), grid, threads,
+                      8 * threads,
+                      (L.In(0, flat), L.In(0, flat), L.In(1, flat), L.Out(0, words), shape[0],
+                       shape[1], 2, np.float32(1.0), lanes))
         return L.Plan(OP + "_bwd", ins, outs, (), (step,))
     grid, threads, lanes = L.stream_tiling(shape[0], shape[1])
     step = L.Step(_aux_scores_bwd_kernel(out_kind), grid, threads, 8 * threads,

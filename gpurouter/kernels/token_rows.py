@@ -11,25 +11,34 @@ top-K list in registers and updated without branches (the 32 threads of a
 warp scan 32 independent rows: any data-dependent branch would diverge).
 
 Decomposition: a block owns TB tokens and ``threads >= TB`` threads; its
-shared memory holds the fp32 tile of the tokens' selection scores (row
-stride ``P = E | 1``: odd, so the per-thread row scans hit 32 distinct banks),
-a selection flag per expert (the four flags of a quad are one word) and
-the group scores.
+shared memory holds the fp32 tile of the tokens' scores (row stride
+``P = E | 1``: odd, so the per-thread row scans hit 32 distinct banks), a
+selection flag per expert (the four flags of a quad are one word), the
+group scores, per-row statistics and the expert bias.  Global arrays are
+seen flat (``topk.array_views``).
 
 1. All threads, coalesced, four experts (a quad) per step, two quads in
    flight (bf16 logits as one 8-byte load per quad): the score function,
-   ``saved``, the bias, the tile; the flag words cleared.
-2. Thread t (t < TB), tile row t: (group scores, group ranks,) top-K; the
-   weights go into the tile at the selected experts, whose flags are set.
+   ``saved``, the tile; the flag words cleared; the bias.
+2. Thread t (t < TB), tile row t: (group scores, group ranks,) the K
+   largest keys, then a second scan that flags the selected experts; the
+   weights' statistics into shared memory.
 3. All threads, coalesced, a quad per step: the flag word is the quad's
-   ``routing_map`` word (one 4-byte store); ``probs`` (bf16: one 8-byte
-   store), ``saved`` for post-softmax.
+   ``routing_map`` word (one 4-byte store); the weights, ``probs`` (bf16:
+   one 8-byte store), ``saved`` for post-softmax.
 
-Ranks (CONTRACT section 2): the list holds int32 *keys*, an order-preserving
-image of the fp32 scores (NaN as -inf, -0.0 as +0.0) in which an empty slot
-ranks below every score, -inf included; the scan visits experts in
-ascending order and a candidate displaces only strictly smaller keys, so
-among equal scores the lower index wins.
+Ranks (CONTRACT section 2): the register list holds int32 *keys* only, an
+order-preserving image of the fp32 scores (NaN as -inf, -0.0 as +0.0) in
+which an empty slot ranks below every score, -inf included; keeping the K
+largest keys costs two integer min/max per slot.  Which experts own them
+the second scan decides, in ascending expert order: keys above the K-th
+largest are selected, and keys equal to it while places remain, so among
+equal scores the lower index wins.
+
+Instruction counts (SASS, sm_90) drove the code's shape: loop counters are
+int32 ``while`` loops and indices unsigned, because numba's int64 ``range``
+loops and wrapped signed indices cost several times a loop's own work; the
+score function, bias and softmax order are compile-time constants.
 
 No warp intrinsics: the kernels run on the CUDA simulator too.
 """
@@ -46,27 +55,27 @@ import numpy as np
 from numba import cuda
 
 from .topk import (
+    _B0,
+    _B1,
+    _B2,
+    _B3,
     _EPS,
     _NEG_INF,
+    _SIGMOID,
     _SOFTMAX,
     _ZERO,
     _activation,
-    _adv,
     _exp,
-    _normalise,
-    _row_stats,
-    _walk,
+    _u64,
+    flat_io,
     nb_f32,
     nb_i32,
     nb_u8,
-    quad_loader,
-    quad_storer,
-    quad_zeroer,
-    stage_put,
 )
 
 _KEY_EMPTY = np.int32(-(2**31))  # below the key of every fp32, -inf and NaN included
 _KEY_FLIP = np.int32(0x7FFFFFFF)
+_u32 = np.uint32  # shared-memory indices (see topk._u64)
 
 
 # ----------------------------------------------------------------------------
@@ -94,149 +103,299 @@ def _value(k):
 
 
 @functools.cache
-def _inserter(cap: int):
-    """Device function ``insert(keys, idx, k, j)``: candidate ``(k, j)`` into the
-    register list ``keys[0:cap]`` (descending; ``idx`` its experts), ``j``
-    larger than every index already there.
-
-    ``cap`` is a compile-time constant, so the loops unroll and the lists stay
-    in registers (every index a constant).  A candidate displaces only
-    strictly smaller keys: equal keys keep arrival (ascending expert) order.
-    """
+def _pusher(cap: int):
+    """Device function ``push(keys, k)``: key ``k`` into the register list
+    ``keys[0:cap]`` (descending), which keeps the ``cap`` largest keys seen,
+    repeats included.  ``cap`` is a compile-time constant: the loop unrolls
+    and the list stays in registers; two integer min/max per slot, no
+    branches (a warp's 32 threads hold 32 independent lists)."""
 
     @cuda.jit(device=True)
-    def insert(keys, idx, k, j):
-        # Branch-free (selects only): a branch would diverge within a warp on
-        # nearly every candidate, its 32 threads' lists being independent.
-        # Slot q takes slot q-1's entry when k beats that one (the list is
-        # descending, so it then beats slot q's too), else k when k beats
-        # slot q, else keeps its own.
+    def push(keys, k):
         for q in range(cap - 1, 0, -1):
-            up = k > keys[q - 1]
-            here = k > keys[q]
-            nk = keys[q - 1] if up else k
-            ni = idx[q - 1] if up else j
-            keys[q] = nk if here else keys[q]
-            idx[q] = ni if here else idx[q]
-        here = k > keys[0]
-        keys[0] = k if here else keys[0]
-        idx[0] = j if here else idx[0]
+            keys[q] = max(keys[q], min(keys[q - 1], k))
+        keys[0] = max(keys[0], k)
 
-    return insert
+    return push
+
+
+@cuda.jit(device=True)
+def _walk32(tid, nthreads, n):
+    """``topk._walk`` in int32: start ``(t, q)`` and step ``(dt, dq)`` of a flat
+    loop over ``[rows, n]`` items, thread ``tid`` taking ``tid, tid + nthreads, ...``."""
+    t = np.int32(tid // n)
+    dt = np.int32(nthreads // n)
+    return t, np.int32(tid - t * n), dt, np.int32(nthreads - dt * n)
+
+
+@cuda.jit(device=True)
+def _adv32(t, q, dt, dq, n):
+    t = np.int32(t + dt)
+    q = np.int32(q + dq)
+    if q >= n:
+        q = np.int32(q - n)
+        t = np.int32(t + 1)
+    return t, q
 
 
 @functools.cache
-def _selector(kcap: int, gcap: int):
-    """Device function ``select(smem, row, E, G, Kg, per_group, o_gs, keys, idx)``:
+def _selector(kcap: int, gcap: int, has_bias: bool, post: bool):
+    """Device function ``select(smem, row, E, G, Kg, K, o_gs, o_bias, flags, fbase) -> (total, m)``:
     one thread's (group-limited) top-K of its tile row ``smem[row:row+E]``
-    into the register lists ``keys``/``idx`` (``kcap`` slots, the top K first).
+    plus, with ``has_bias``, the bias at ``smem[o_bias:o_bias+E]``; sets
+    ``flags[fbase + j]`` for the K selected experts ``j``.  ``total``: the
+    sum of their tile values (in ascending expert order), ``m`` 0; or, with
+    ``post`` (softmax after the top-K, no bias), ``m`` their max and
+    ``total`` the sum of ``exp(v - m)``, both from the list's keys (NaN when
+    the values' sum is: a selected NaN, or +inf with -inf).
 
-    Grouped (``Kg > 0``): group ``g``'s score is the sum, in descending order,
-    of its top ``per_group`` values (NaN as -inf), kept at ``smem[o_gs + g]``;
-    a group is kept when fewer than Kg groups rank before it (larger score,
-    NaN as -inf, then lower group); the expert scan visits the kept groups
-    only, in ascending order, so dropped groups are never selected, not even
-    as fillers.
+    1. Grouped (``gcap > 0``): group ``g``'s score is the sum, in descending
+       order, of its top ``K / Kg`` keys' values (NaN as -inf), kept at
+       ``smem[o_gs + g]``; a group is kept when fewer than Kg groups rank
+       before it (larger score, NaN as -inf, then lower group).
+    2. The K largest keys of the kept experts (all E ungrouped): a register
+       list of ``kcap >= K`` keys, no indices.  ``thr``, the K-th largest,
+       is the threshold.
+    3. The kept experts again, in ascending order: an expert is selected when
+       its key beats ``thr``, or equals it while fewer than K have been
+       selected, so among equal scores the lower index wins (CONTRACT
+       section 2); dropped groups are never selected, not even as fillers.
     """
-    insert_k = _inserter(kcap)
-    insert_g = _inserter(gcap)
+    push_k = _pusher(kcap)
+    glist = max(1, gcap)  # the group list's size (a constant: numba sizes local arrays at compile time)
+    push_g = _pusher(glist)
 
     @cuda.jit(device=True)
-    def select(smem, row, num_experts, num_groups, group_topk, per_group, o_gs, keys, idx):
+    def key_at(smem, row, o_bias, j):
+        v = smem[_u32(row + j)]
+        if has_bias:
+            v = np.float32(v + smem[_u32(o_bias + j)])
+        return _key(v)
+
+    @cuda.jit(device=True)
+    def scan(smem, row, o_bias, lo, hi, keys):
+        j = np.int32(lo)
+        while j < hi:
+            push_k(keys, key_at(smem, row, o_bias, j))
+            j = np.int32(j + 1)
+
+    @cuda.jit(device=True)
+    def mark(smem, row, o_bias, lo, hi, thr, need, flags, fbase, total):
+        j = np.int32(lo)
+        while j < hi:
+            v = smem[_u32(row + j)]
+            b = v
+            if has_bias:
+                b = np.float32(v + smem[_u32(o_bias + j)])
+            k = _key(b)
+            tie = k == thr
+            hit = k > thr or (tie and need > 0)
+            if hit:
+                flags[_u32(fbase + j)] = 1
+                total = np.float32(total + v)
+                if tie:
+                    need = np.int32(need - 1)
+            j = np.int32(j + 1)
+        return need, total
+
+    @cuda.jit(device=True)
+    def select(smem, row, num_experts, num_groups, group_topk, topk, o_gs, o_bias, flags, fbase):
+        keys = cuda.local.array(kcap, nb_i32)
         for q in range(kcap):
             keys[q] = _KEY_EMPTY
-            idx[q] = -1
-        if group_topk <= 0:
-            for j in range(num_experts):
-                insert_k(keys, idx, _key(smem[row + j]), j)
-            return
-        gsize = num_experts // num_groups
-        gk = cuda.local.array(gcap, nb_i32)
-        gi = cuda.local.array(gcap, nb_i32)
-        for g in range(num_groups):
-            for q in range(gcap):
-                gk[q] = _KEY_EMPTY
-                gi[q] = -1
-            base = row + g * gsize
-            for i in range(gsize):
-                insert_g(gk, gi, _key(smem[base + i]), i)
-            gs = _value(gk[0])
-            for q in range(1, gcap):
-                if q < per_group:
-                    gs = np.float32(gs + _value(gk[q]))
-            smem[o_gs + g] = gs
         kept = 0
-        for g in range(num_groups):
-            v = smem[o_gs + g]
-            if v != v:
-                v = _NEG_INF
-            rank = 0
-            for h in range(num_groups):
-                u = smem[o_gs + h]
-                if u != u:
-                    u = _NEG_INF
-                if u > v or (u == v and h < g):
-                    rank += 1
-            if rank < group_topk:
-                kept |= 1 << g
-        g = 0
-        for _ in range(group_topk):
-            while (kept >> g) & 1 == 0:
-                g += 1
-            base = row + g * gsize
-            for i in range(gsize):
-                insert_k(keys, idx, _key(smem[base + i]), g * gsize + i)
-            g += 1
+        gsize = np.int32(num_experts)
+        ngroups = 1
+        if gcap > 0:
+            ngroups = np.int32(num_groups)
+            gsize = np.int32(num_experts // num_groups)
+            per_group = topk // group_topk
+            gk = cuda.local.array(glist, nb_i32)
+            g = np.int32(0)
+            while g < ngroups:
+                for q in range(gcap):
+                    gk[q] = _KEY_EMPTY
+                j = np.int32(g * gsize)
+                end = np.int32(j + gsize)
+                while j < end:
+                    push_g(gk, key_at(smem, row, o_bias, j))
+                    j = np.int32(j + 1)
+                gs = _value(gk[0])
+                for q in range(1, gcap):
+                    if q < per_group:
+                        gs = np.float32(gs + _value(gk[q]))
+                smem[_u32(o_gs + g)] = gs
+                g = np.int32(g + 1)
+            g = np.int32(0)
+            while g < ngroups:
+                v = smem[_u32(o_gs + g)]
+                if v != v:
+                    v = _NEG_INF
+                rank = 0
+                h = np.int32(0)
+                while h < ngroups:
+                    u = smem[_u32(o_gs + h)]
+                    if u != u:
+                        u = _NEG_INF
+                    if u > v or (u == v and h < g):
+                        rank += 1
+                    h = np.int32(h + 1)
+                if rank < group_topk:
+                    kept |= 1 << g
+                g = np.int32(g + 1)
+        else:
+            kept = 1
+        g = np.int32(0)
+        while g < ngroups:
+            if (kept >> g) & 1:
+                scan(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize), keys)
+            g = np.int32(g + 1)
+        thr = keys[0]
+        for q in range(1, kcap):
+            if q < topk:
+                thr = keys[q]
+        need = np.int32(topk)
+        for q in range(kcap):
+            if q < topk and keys[q] > thr:
+                need = np.int32(need - 1)
+        total = _ZERO
+        g = np.int32(0)
+        while g < ngroups:
+            if (kept >> g) & 1:
+                need, total = mark(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize),
+                                   thr, need, flags, fbase, total)
+            g = np.int32(g + 1)
+        m = _ZERO
+        if post:
+            m = _value(keys[0])
+            e = _ZERO
+            for q in range(kcap):
+                if q < topk:
+                    e += _exp(_value(keys[q]) - m)
+            if total == total:
+                total = e
+        return total, m
 
     return select
 
 
 # ----------------------------------------------------------------------------
-# Staging
+# Staging and row statistics
 # ----------------------------------------------------------------------------
 
 
 @functools.cache
-def _quad_stager(kind: str):
+def _stager(kind: str, sf: int, has_bias: bool):
     """Device function staging the forward tile, a quad per step and two quads'
-    loads in flight: ``topk.stage_put`` on each element, the quad's flag word
-    (``ism[o_flag + t*E/4 + q]``) cleared.  Ends with a barrier."""
-    load4, _ = quad_loader(kind)
+    loads in flight: the score function, ``saved`` (sigmoid: ``a``;
+    sqrtsoftplus: the raw ``x``, TE's convention; softmax: nothing yet), the
+    tile, the quad's flag word (``ism[o_flag + t*E/4 + q]``) cleared; with
+    ``has_bias`` the bias into ``smem[o_bias:o_bias+E]``.  Ends with a barrier."""
+    load4 = flat_io(kind)[0]
 
     @cuda.jit(device=True)
-    def put4(x0, x1, x2, x3, t, q, t0, bias, saved, smem, stride, sf, has_bias):
-        j = 4 * q
-        b0 = b1 = b2 = b3 = _ZERO
+    def put(x, f, tile, saved, smem):
+        s = x
+        if sf != _SOFTMAX:
+            s = _activation(x, sf)
+            saved[_u64(f)] = s if sf == _SIGMOID else x
+        smem[_u32(tile)] = s
+
+    @cuda.jit(device=True)
+    def put4(x0, x1, x2, x3, w, tile, saved, smem):
+        f = 4 * w
+        put(x0, f, tile, saved, smem)
+        put(x1, f + 1, tile + 1, saved, smem)
+        put(x2, f + 2, tile + 2, saved, smem)
+        put(x3, f + 3, tile + 3, saved, smem)
+
+    @cuda.jit(device=True)
+    def stage(lg, bias, saved, smem, ism, o_flag, o_bias, wb, nt, eq, stride, tid, nthreads):
         if has_bias:
-            b0 = bias[j]
-            b1 = bias[j + 1]
-            b2 = bias[j + 2]
-            b3 = bias[j + 3]
-        stage_put(x0, b0, t, j, t0, saved, smem, stride, sf, has_bias)
-        stage_put(x1, b1, t, j + 1, t0, saved, smem, stride, sf, has_bias)
-        stage_put(x2, b2, t, j + 2, t0, saved, smem, stride, sf, has_bias)
-        stage_put(x3, b3, t, j + 3, t0, saved, smem, stride, sf, has_bias)
-
-    @cuda.jit(device=True)
-    def stage(lg, bias, saved, smem, ism, o_flag, t0, nt, stride, sf, has_bias, tid, nthreads):
-        eq = saved.shape[1] // 4
-        t, q, dt, dq = _walk(tid, nthreads, eq)
+            j = np.int32(tid)
+            while j < 4 * eq:
+                smem[_u32(o_bias + j)] = bias[_u64(j)]
+                j = np.int32(j + nthreads)
+        t, q, dt, dq = _walk32(tid, nthreads, eq)
         while t < nt:
-            t1, q1 = _adv(t, q, dt, dq, eq)
+            t1, q1 = _adv32(t, q, dt, dq, eq)
             live = t1 < nt
-            x0, x1, x2, x3 = load4(lg, t0 + t, q)
+            lq = np.int32(t * eq + q)
+            lq1 = np.int32(t1 * eq + q1)
+            x0, x1, x2, x3 = load4(lg, wb + lq)
             y0 = y1 = y2 = y3 = _ZERO
             if live:
-                y0, y1, y2, y3 = load4(lg, t0 + t1, q1)
-            put4(x0, x1, x2, x3, t, q, t0, bias, saved, smem, stride, sf, has_bias)
-            ism[o_flag + t * eq + q] = 0
+                y0, y1, y2, y3 = load4(lg, wb + lq1)
+            put4(x0, x1, x2, x3, wb + lq, t * stride + 4 * q, saved, smem)
+            ism[_u32(o_flag + lq)] = 0
             if live:
-                put4(y0, y1, y2, y3, t1, q1, t0, bias, saved, smem, stride, sf, has_bias)
-                ism[o_flag + t1 * eq + q1] = 0
-            t, q = _adv(t1, q1, dt, dq, eq)
+                put4(y0, y1, y2, y3, wb + lq1, t1 * stride + 4 * q1, saved, smem)
+                ism[_u32(o_flag + lq1)] = 0
+            t, q = _adv32(t1, q1, dt, dq, eq)
         cuda.syncthreads()
 
     return stage
+
+
+@functools.cache
+def _row_normaliser(softmax: bool):
+    """Device functions ``stats(smem, row, valid, E, o_m, o_s)``, by a row's
+    thread: softmax max (NaN ignored) then ``sum exp(x - max)``, else ``sum
+    v``, at ``smem[o_m]``, ``smem[o_s]``; and ``normalise(smem, o_red, out1,
+    out2, write2, wb, nt, eq, stride, tid, nthreads)``, all threads, a quad
+    per step: the tile rows divided by their statistics (``exp(x - max) /
+    sum`` like jax.nn.softmax, an all -inf row giving NaN; or ``v / (sum +
+    1e-20)``), in place, to ``out1`` and (``write2``) ``out2`` (flat fp32).
+    Token t's statistics: ``smem[o_red + t]``, ``smem[o_red + nthreads + t]``.
+    ``stats`` is followed, ``normalise`` ends, with a barrier."""
+
+    @cuda.jit(device=True)
+    def stats(smem, row, valid, num_experts, o_m, o_s):
+        m = _NEG_INF
+        total = _ZERO
+        if valid:
+            if softmax:
+                j = np.int32(0)
+                while j < num_experts:
+                    v = smem[_u32(row + j)]
+                    if v > m:  # NaN never wins; it still makes the sum NaN below
+                        m = v
+                    j = np.int32(j + 1)
+            j = np.int32(0)
+            while j < num_experts:
+                v = smem[_u32(row + j)]
+                if softmax:
+                    v = _exp(v - m)
+                total += v
+                j = np.int32(j + 1)
+        smem[_u32(o_m)] = m
+        smem[_u32(o_s)] = total
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def one(v, m, s):
+        if softmax:
+            return np.float32(_exp(v - m) / s)
+        return np.float32(v / np.float32(s + _EPS))
+
+    @cuda.jit(device=True)
+    def normalise(smem, o_red, out1, out2, write2, wb, nt, eq, stride, tid, nthreads):
+        t, q, dt, dq = _walk32(tid, nthreads, eq)
+        while t < nt:
+            m = smem[_u32(o_red + t)]
+            s = smem[_u32(o_red + nthreads + t)]
+            base = np.int32(t * stride + 4 * q)
+            f = 4 * (wb + np.int32(t * eq + q))
+            for i in range(4):
+                p = one(smem[_u32(base + i)], m, s)
+                smem[_u32(base + i)] = p
+                out1[_u64(f + i)] = p
+                if write2:
+                    out2[_u64(f + i)] = p
+            t, q = _adv32(t, q, dt, dq, eq)
+        cuda.syncthreads()
+
+    return stats, normalise
 
 
 # ----------------------------------------------------------------------------
@@ -245,190 +404,171 @@ def _quad_stager(kind: str):
 
 
 @functools.cache
-def topk_fwd_kernel(kind: str, kcap: int, gcap: int):
-    """The top-k forward for logits of ``kind``; ``kcap`` >= K, ``gcap`` >= K / Kg
-    (powers of two: the register lists' sizes)."""
-    stage = _quad_stager(kind)
-    _, load_at = quad_loader(kind)
-    store4 = quad_storer(kind)
-    zero4 = quad_zeroer(kind)
-    select = _selector(kcap, gcap)
+def topk_fwd_kernel(kind: str, kcap: int, gcap: int, sf: int, has_bias: bool, pre: bool):
+    """The top-k forward for logits of ``kind``; ``kcap`` >= K and ``gcap`` >=
+    K / Kg (0: no groups) size the register lists (powers of two); the score
+    function, the bias and ``use_pre_softmax`` (softmax only) are compile-time
+    constants."""
+    stage = _stager(kind, sf, has_bias)
+    load_at, store4, zero4 = (flat_io(kind)[i] for i in (1, 2, 3))
+    select = _selector(kcap, gcap, has_bias, sf == _SOFTMAX and not pre)
+    stats, normalise = _row_normaliser(True)
+    pre_softmax = sf == _SOFTMAX and pre
+    post_softmax = sf == _SOFTMAX and not pre
+
+    @cuda.jit(device=True)
+    def weight(v, m, total, norm):
+        """The routing weight of a selected expert of tile value ``v``."""
+        if post_softmax:
+            return np.float32(_exp(v - m) / total)
+        if sf != _SOFTMAX:
+            if norm:
+                return np.float32(v / total)
+        return v
 
     @cuda.jit
     def kernel(
-        logits,  # [T, E] kind (bf16: [T, E/4] uint64)
-        bias,  # [E] fp32 (any [E] fp32 array when has_bias is False; never read then)
-        probs,  # [T, E] kind (bf16: [T, E/4] uint64), out
-        routing_map,  # [T, E/4] uint32 over the [T, E] bool map, out
-        saved,  # [T, E] fp32, out
+        logits,  # [T, E] kind, flat (bf16: [T*E/4] uint64)
+        bias,  # [E] fp32 (any fp32 array without a bias; never read then)
+        probs,  # [T, E] kind, flat (bf16: [T*E/4] uint64), out
+        routing_map,  # [T*E/4] uint32 over the [T, E] bool map, out
+        saved,  # [T*E] fp32, out
+        num_tokens,
+        num_experts,
         topk,  # K
-        sf,  # score-function code
-        pre,  # use_pre_softmax (softmax only)
-        has_bias,
         num_groups,  # G
-        group_topk,  # Kg (grouping on iff > 0)
+        group_topk,  # Kg
         scale,  # fp32 scaling_factor
         tile_tokens,  # TB
         stride,  # P
         o_flag,  # word offsets (_launch.token_layout)
         o_gs,
         o_red,
+        o_bias,
     ):
-        num_tokens = saved.shape[0]
-        num_experts = saved.shape[1]
         smem = cuda.shared.array(0, nb_f32)  # one dynamic allocation, three views
         ism = cuda.shared.array(0, nb_i32)
         flags = cuda.shared.array(0, nb_u8)
-        keys = cuda.local.array(kcap, nb_i32)
-        idx = cuda.local.array(kcap, nb_i32)
-        sv = cuda.local.array(kcap, nb_f32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         t0 = cuda.blockIdx.x * tile_tokens
-        nt = min(tile_tokens, num_tokens - t0)
+        nt = np.int32(min(tile_tokens, num_tokens - t0))
         valid = tid < nt  # thread t owns tile row t
-        row = tid * stride
-        eq = num_experts // 4
-        post_softmax = sf == _SOFTMAX and not pre
+        row = np.int32(tid * stride)
+        eq = np.int32(num_experts // 4)
+        wb = t0 * eq  # the tile's first quad (int64)
+        norm = sf != _SOFTMAX and topk > 1
 
-        # 1. All threads: r = s (+ bias) into the tile, saved; flags cleared.
-        stage(logits, bias, saved, smem, ism, o_flag, t0, nt, stride, sf, has_bias, tid, nthreads)
-        if sf == _SOFTMAX and pre:
+        # 1. All threads: s (the bias into shared memory), saved; flags cleared.
+        stage(logits, bias, saved, smem, ism, o_flag, o_bias, wb, nt, eq, stride, tid, nthreads)
+        if pre_softmax:
             # softmax over all E first (max and sum by the row's thread), then
             # all threads normalise in place and write saved.
-            _row_stats(smem, o_red, row, valid, num_experts, tid, 0, 1, nthreads, True)
-            _normalise(smem, o_red, saved, saved, False, t0, nt, num_experts, stride, 1, tid,
-                       nthreads, True)
+            stats(smem, row, valid, num_experts, o_red + tid, o_red + nthreads + tid)
+            normalise(smem, o_red, saved, saved, False, wb, nt, eq, stride, tid, nthreads)
 
-        # 2. Thread per token: selection, then the weights from the UNBIASED
-        # scores s (recomputed from the logit where the tile holds s + b),
-        # written over the tile row at the selected experts, with their flags.
+        # 2. Thread per token: selection (flags), then the weights' statistics:
+        # post-softmax the max and sum exp(s - max) of the selected scores,
+        # normalised the sum of the selected scores + eps.  (Selection reads
+        # s + bias; the weights, s itself.)
         if valid:
-            per_group = topk // group_topk if group_topk > 0 else 1
-            select(smem, row, num_experts, num_groups, group_topk, per_group,
-                   o_gs + tid * num_groups, keys, idx)
-            m = _NEG_INF
-            for q in range(kcap):
-                s = _ZERO
-                if q < topk:
-                    if has_bias:
-                        s = _activation(load_at(logits, t0 + tid, idx[q]), sf)
-                    else:
-                        s = smem[row + idx[q]]
-                    if s > m:
-                        m = s
-                sv[q] = s
-            total = _ZERO
-            if post_softmax:
-                for q in range(kcap):
-                    if q < topk:
-                        total += _exp(sv[q] - m)
-            elif sf != _SOFTMAX and topk > 1:
-                for q in range(kcap):
-                    if q < topk:
-                        total += sv[q]
+            total, m = select(smem, row, num_experts, num_groups, group_topk, topk,
+                              o_gs + tid * num_groups, o_bias, flags, 4 * o_flag + tid * num_experts)
+            if norm:
                 total = np.float32(total + _EPS)
-            for q in range(kcap):
-                if q < topk:
-                    w = sv[q]
-                    if post_softmax:
-                        w = np.float32(_exp(w - m) / total)
-                    elif sf != _SOFTMAX and topk > 1:
-                        w = np.float32(w / total)
-                    smem[row + idx[q]] = w
-                    flags[4 * o_flag + tid * num_experts + idx[q]] = 1
-        # Barrier: phase 3 reads every token's flags and weights.
+            smem[_u32(o_red + tid)] = total
+            smem[_u32(o_red + nthreads + tid)] = m
+        # Barrier: phase 3 reads every token's flags and statistics.
         cuda.syncthreads()
 
         # 3. All threads, a quad per step: the quad's four flags are one word,
         # which is also its routing-map word; probs and, for post-softmax,
         # saved (-inf at unselected, the selected-set softmax at selected).
-        t, q, dt, dq = _walk(tid, nthreads, eq)
+        t, q, dt, dq = _walk32(tid, nthreads, eq)
         while t < nt:
-            fw = np.uint32(ism[o_flag + t * eq + q])
-            routing_map[t0 + t, q] = fw
+            lq = np.int32(t * eq + q)
+            w = wb + lq
+            fw = np.uint32(ism[_u32(o_flag + lq)])
+            routing_map[_u64(w)] = fw
             w0 = w1 = w2 = w3 = _ZERO
             m0 = m1 = m2 = m3 = False
             if fw == 0:  # most quads: nothing selected, nothing to convert
-                zero4(probs, t0 + t, q)
+                zero4(probs, w)
             else:
-                base = t * stride + 4 * q
-                m0 = fw & np.uint32(0xFF) != 0
-                m1 = fw & np.uint32(0xFF00) != 0
-                m2 = fw & np.uint32(0xFF0000) != 0
-                m3 = fw & np.uint32(0xFF000000) != 0
-                w0 = smem[base] if m0 else _ZERO
-                w1 = smem[base + 1] if m1 else _ZERO
-                w2 = smem[base + 2] if m2 else _ZERO
-                w3 = smem[base + 3] if m3 else _ZERO
-                store4(probs, t0 + t, q, np.float32(scale * w0) if m0 else _ZERO,
-                       np.float32(scale * w1) if m1 else _ZERO,
-                       np.float32(scale * w2) if m2 else _ZERO,
-                       np.float32(scale * w3) if m3 else _ZERO)
+                total = smem[_u32(o_red + t)]
+                m = smem[_u32(o_red + nthreads + t)]
+                base = np.int32(t * stride + 4 * q)
+                m0 = fw & _B0 != 0
+                m1 = fw & _B1 != 0
+                m2 = fw & _B2 != 0
+                m3 = fw & _B3 != 0
+                w0 = weight(smem[_u32(base)], m, total, norm) if m0 else _ZERO
+                w1 = weight(smem[_u32(base + 1)], m, total, norm) if m1 else _ZERO
+                w2 = weight(smem[_u32(base + 2)], m, total, norm) if m2 else _ZERO
+                w3 = weight(smem[_u32(base + 3)], m, total, norm) if m3 else _ZERO
+                store4(probs, w, np.float32(scale * w0), np.float32(scale * w1),
+                       np.float32(scale * w2), np.float32(scale * w3))
             if post_softmax:
-                j = 4 * q
-                saved[t0 + t, j] = w0 if m0 else _NEG_INF
-                saved[t0 + t, j + 1] = w1 if m1 else _NEG_INF
-                saved[t0 + t, j + 2] = w2 if m2 else _NEG_INF
-                saved[t0 + t, j + 3] = w3 if m3 else _NEG_INF
-            t, q = _adv(t, q, dt, dq, eq)
+                f = 4 * w
+                saved[_u64(f)] = w0 if m0 else _NEG_INF
+                saved[_u64(f + 1)] = w1 if m1 else _NEG_INF
+                saved[_u64(f + 2)] = w2 if m2 else _NEG_INF
+                saved[_u64(f + 3)] = w3 if m3 else _NEG_INF
+            t, q = _adv32(t, q, dt, dq, eq)
 
     return kernel
 
 
 @functools.cache
-def aux_scores_fwd_kernel(kind: str, kcap: int):
-    """The aux-score forward for logits of ``kind``; ``kcap`` >= K."""
-    stage = _quad_stager(kind)
-    select = _selector(kcap, 1)
+def aux_scores_fwd_kernel(kind: str, kcap: int, sf: int):
+    """The aux-score forward for logits of ``kind``; ``kcap`` >= K; the score
+    function a compile-time constant."""
+    softmax = sf == _SOFTMAX
+    stage = _stager(kind, sf, False)
+    select = _selector(kcap, 0, False, False)
+    stats, normalise = _row_normaliser(softmax)
 
     @cuda.jit
     def kernel(
-        logits,  # [T, E] kind (bf16: [T, E/4] uint64)
-        scores,  # [T, E] fp32, out
-        routing_map,  # [T, E/4] uint32 over the [T, E] bool map, out
-        saved,  # [T, E] fp32, out: softmax p / sigmoid a / raw x (sqrtsoftplus)
+        logits,  # [T, E] kind, flat (bf16: [T*E/4] uint64)
+        scores,  # [T*E] fp32, out
+        routing_map,  # [T*E/4] uint32 over the [T, E] bool map, out
+        saved,  # [T*E] fp32, out: softmax p / sigmoid a / raw x (sqrtsoftplus)
+        num_tokens,
+        num_experts,
         topk,
-        sf,
         tile_tokens,  # TB
         stride,  # P
         o_flag,  # word offsets (_launch.token_layout, no groups)
         o_red,
     ):
-        num_tokens = saved.shape[0]
-        num_experts = saved.shape[1]
         smem = cuda.shared.array(0, nb_f32)
         ism = cuda.shared.array(0, nb_i32)
         flags = cuda.shared.array(0, nb_u8)
-        keys = cuda.local.array(kcap, nb_i32)
-        idx = cuda.local.array(kcap, nb_i32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         t0 = cuda.blockIdx.x * tile_tokens
-        nt = min(tile_tokens, num_tokens - t0)
+        nt = np.int32(min(tile_tokens, num_tokens - t0))
         valid = tid < nt
-        row = tid * stride
-        eq = num_experts // 4
-        softmax = sf == _SOFTMAX
+        row = np.int32(tid * stride)
+        eq = np.int32(num_experts // 4)
+        wb = t0 * eq
 
         # 1. All threads: x -> activation (x for softmax) into the tile, saved.
-        stage(logits, saved[0], saved, smem, ism, o_flag, t0, nt, stride, sf, False, tid, nthreads)
+        stage(logits, saved, saved, smem, ism, o_flag, 0, wb, nt, eq, stride, tid, nthreads)
         # 2. Thread per token: softmax max and sum, or sum_all v; then all
         # threads normalise: the scores, in place and to memory.
-        _row_stats(smem, o_red, row, valid, num_experts, tid, 0, 1, nthreads, softmax)
-        _normalise(smem, o_red, scores, saved, softmax, t0, nt, num_experts, stride, 1, tid,
-                   nthreads, softmax)
+        stats(smem, row, valid, num_experts, o_red + tid, o_red + nthreads + tid)
+        normalise(smem, o_red, scores, saved, softmax, wb, nt, eq, stride, tid, nthreads)
         # 3. Thread per token: plain top-K of the scores, flagged.
         if valid:
-            select(smem, row, num_experts, 1, 0, 1, 0, keys, idx)
-            for q in range(kcap):
-                if q < topk:
-                    flags[4 * o_flag + tid * num_experts + idx[q]] = 1
+            select(smem, row, num_experts, 1, 0, topk, 0, 0, flags, 4 * o_flag + tid * num_experts)
         cuda.syncthreads()
         # 4. All threads, a quad per step: its flag word is its map word.
-        t, q, dt, dq = _walk(tid, nthreads, eq)
+        t, q, dt, dq = _walk32(tid, nthreads, eq)
         while t < nt:
-            routing_map[t0 + t, q] = np.uint32(ism[o_flag + t * eq + q])
-            t, q = _adv(t, q, dt, dq, eq)
+            lq = np.int32(t * eq + q)
+            routing_map[_u64(wb + lq)] = np.uint32(ism[_u32(o_flag + lq)])
+            t, q = _adv32(t, q, dt, dq, eq)
 
     return kernel

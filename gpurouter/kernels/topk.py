@@ -209,96 +209,85 @@ _U16 = np.uint32(16)
 _HIGH = np.uint32(0xFFFF0000)
 
 
+# Global-memory indices go through _u64: numba wraps signed indices (``i < 0``:
+# ``i + n``), a few 64-bit instructions per access; unsigned ones it takes as
+# they are.  (Shared-memory indices: np.uint32 likewise.)
+_u64 = np.uint64
+
+
 @functools.cache
-def quad_loader(kind: str):
-    """Device functions ``(load4(a, t, q) -> 4 x fp32, load_at(a, t, j) -> fp32)``:
-    experts ``4q .. 4q+3`` / expert ``j`` of row ``t``.  bf16: ``a`` is the
-    logits as uint64 words ``[T, E/4]`` (one 8-byte load per quad); other
-    kinds: the array itself."""
+def flat_io(kind: str):
+    """Device functions on a row-major ``[T, E]`` array of ``kind`` seen flat
+    (E a multiple of 4; ``array_views``), quad ``w`` = experts ``4(w % (E/4))
+    .. +3`` of row ``w // (E/4)``, element ``f`` = ``4w + i``:
+
+    ``load4(a, w) -> 4 x fp32``, ``load_at(a, f) -> fp32``,
+    ``store4(a, w, v0, v1, v2, v3)`` (fp32 values) and ``zero4(a, w)``.
+    bf16: ``a`` is the array's uint64 words, a quad per load or store; other
+    kinds: the array's elements.
+    """
     if kind == L.BF16:
 
         @cuda.jit(device=True)
-        def load4(a, t, q):
-            w = a[t, q]
-            lo = np.uint32(w)
-            hi = np.uint32(w >> np.uint64(32))
+        def load4(a, w):
+            x = a[_u64(w)]
+            lo = np.uint32(x)
+            hi = np.uint32(x >> np.uint64(32))
             return (np.uint32(lo << _U16).view(np.float32), np.uint32(lo & _HIGH).view(np.float32),
                     np.uint32(hi << _U16).view(np.float32), np.uint32(hi & _HIGH).view(np.float32))
 
         @cuda.jit(device=True)
-        def load_at(a, t, j):
-            w = a[t, j >> 2] >> np.uint64(16 * (j & 3))
-            return np.uint32(np.uint32(w) << _U16).view(np.float32)
-
-    else:
-        load = loader(kind)
+        def load_at(a, f):
+            x = a[_u64(f >> 2)] >> np.uint64(16 * (f & 3))
+            return np.uint32(np.uint32(x) << _U16).view(np.float32)
 
         @cuda.jit(device=True)
-        def load4(a, t, q):
-            j = 4 * q
-            return load(a, t, j), load(a, t, j + 1), load(a, t, j + 2), load(a, t, j + 3)
-
-        @cuda.jit(device=True)
-        def load_at(a, t, j):
-            return load(a, t, j)
-
-    return load4, load_at
-
-
-@functools.cache
-def quad_storer(kind: str):
-    """Device function ``store4(a, t, q, v0, v1, v2, v3)``: fp32 values into
-    experts ``4q .. 4q+3`` of row ``t`` (bf16: ``a`` as uint64 words, one
-    8-byte store)."""
-    if kind == L.BF16:
-
-        @cuda.jit(device=True)
-        def store4(a, t, q, v0, v1, v2, v3):
+        def store4(a, w, v0, v1, v2, v3):
             lo = np.uint32(_bf16_bits(v0)) | np.uint32(np.uint32(_bf16_bits(v1)) << _U16)
             hi = np.uint32(_bf16_bits(v2)) | np.uint32(np.uint32(_bf16_bits(v3)) << _U16)
-            a[t, q] = np.uint64(lo) | np.uint64(np.uint64(hi) << np.uint64(32))
+            a[_u64(w)] = np.uint64(lo) | np.uint64(np.uint64(hi) << np.uint64(32))
+
+        @cuda.jit(device=True)
+        def zero4(a, w):
+            a[_u64(w)] = np.uint64(0)
 
     else:
-        store = storer(kind)
+        conv = np.float16 if kind == L.F16 else np.float32  # cvt.rn: round to nearest even
 
         @cuda.jit(device=True)
-        def store4(a, t, q, v0, v1, v2, v3):
-            j = 4 * q
-            store(a, t, j, v0)
-            store(a, t, j + 1, v1)
-            store(a, t, j + 2, v2)
-            store(a, t, j + 3, v3)
-
-    return store4
-
-
-@functools.cache
-def quad_zeroer(kind: str):
-    """Device function ``zero4(a, t, q)``: zeros into experts ``4q .. 4q+3`` of
-    row ``t`` (bf16: one 8-byte store of 0, no conversions)."""
-    if kind == L.BF16:
+        def load4(a, w):
+            f = 4 * w
+            return (np.float32(a[_u64(f)]), np.float32(a[_u64(f + 1)]),
+                    np.float32(a[_u64(f + 2)]), np.float32(a[_u64(f + 3)]))
 
         @cuda.jit(device=True)
-        def zero4(a, t, q):
-            a[t, q] = np.uint64(0)
-
-    else:
-        store4 = quad_storer(kind)
+        def load_at(a, f):
+            return np.float32(a[_u64(f)])
 
         @cuda.jit(device=True)
-        def zero4(a, t, q):
-            store4(a, t, q, _ZERO, _ZERO, _ZERO, _ZERO)
+        def store4(a, w, v0, v1, v2, v3):
+            f = 4 * w
+            a[_u64(f)] = conv(v0)
+            a[_u64(f + 1)] = conv(v1)
+            a[_u64(f + 2)] = conv(v2)
+            a[_u64(f + 3)] = conv(v3)
 
-    return zero4
+        @cuda.jit(device=True)
+        def zero4(a, w):
+            store4(a, w, _ZERO, _ZERO, _ZERO, _ZERO)
+
+    return load4, load_at, store4, zero4
 
 
 def array_views(kind: str, shape):
-    """``(view of a [T, E] array of kind, view of a [T, E] bool map)``: the
-    Specs the quad kernels take (E a multiple of 4): bf16 rows as uint64
-    quads (None: the array itself), the map as uint32 quads."""
+    """``(view of a [T, E] array of kind, view of a [T, E] bool map, view of a
+    [T, E] fp32 array)``: the flat Specs the quad kernels take (E a multiple
+    of 4): bf16 as uint64 quads, other kinds as elements, the map as uint32
+    quads (the four bools of a quad: one word)."""
     t, e = shape
-    words = L.Spec((t, e // 4), np.uint64) if kind == L.BF16 else None
-    return words, L.Spec((t, e // 4), np.uint32)
+    n = t * e
+    words = L.Spec((n // 4,), np.uint64) if kind == L.BF16 else L.Spec((n,), L.DEVICE_DTYPE[kind])
+    return words, L.Spec((n // 4,), np.uint32), L.Spec((n,), np.float32)
 
 
 def topk_capacity(topk: int) -> int:
@@ -420,9 +409,9 @@ def _tree_reduce(red, oa, ob, tid, lane, lanes, a_is_max):
     ``if v > m`` scans.
     """
     span = 1
-    while span < lanes:
+    while span < lanes:  # lanes: a power of two, so lane % (2 span) is lane & (2 span - 1)
         cuda.syncthreads()
-        if lane % (2 * span) == 0:
+        if lane & (2 * span - 1) == 0:
             x = red[oa + tid + span]
             if a_is_max:
                 if x > red[oa + tid]:
@@ -999,106 +988,152 @@ def _stream_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool):
 
 
 _ALL_SET = np.uint32(0x01010101)  # the map word of a quad of four selected experts
+_B0, _B1, _B2, _B3 = (np.uint32(0xFF << (8 * i)) for i in range(4))  # a quad word's bytes
 
 
 @functools.cache
-def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool):
-    """The backwards (as ``_stream_bwd_kernel``) for E a multiple of 4, a quad
-    of four experts per step: the map read as one uint32 word per quad (bf16
-    gradients as one uint64) and the quad skipped when its word is 0 (no
-    selected expert: no gradient or saved load, zeros written), which is most
-    quads.  W lanes per token (``_launch.quad_tiling``), lane ``l`` quads
-    ``l, l + W, ...``; pass 1 sums S and D, ``_tree_reduce`` combines the
-    lanes, pass 2 writes every quad (its reloads mostly hit L1).
-    """
-    load4, _ = quad_loader(grad_kind)
-    store4 = quad_storer(out_kind)
-    zero4 = quad_zeroer(out_kind)
-    if has_map:
+def _quad_dx(sf: int, dense: bool):
+    """Device function ``dx(x, g, sel, inv, c, dsum, scale, norm)``: d logit of
+    one element (CONTRACT section 3) from saved ``x`` and the raw gradient
+    ``g``, the score function and ``dense`` fixed at compile time.  The
+    token's sums enter as ``inv = 1 / (S + eps)`` and ``c = D inv^2`` (one
+    division per token instead of two per element: ``g/den - D/den^2`` is
+    ``g inv - c``) and ``dsum = D``; ``norm``: the K > 1 normalisation."""
+    if sf == _SOFTMAX:
 
         @cuda.jit(device=True)
-        def word(routing_map, token, q):
-            return routing_map[token, q]
+        def dx(x, g, sel, inv, c, dsum, scale, norm):
+            if not (sel or dense):
+                return _ZERO
+            gs = np.float32(g * scale) if sel else _ZERO
+            return np.float32(x * np.float32(gs - dsum))
 
     else:
 
         @cuda.jit(device=True)
-        def word(routing_map, token, q):
+        def dx(x, g, sel, inv, c, dsum, scale, norm):
+            if not sel:
+                return _ZERO
+            a = _sqrtsoftplus(x) if sf == _SQRTSOFTPLUS else x
+            gp = np.float32(g * scale)
+            if norm:
+                gp = np.float32(np.float32(gp * inv) - c)
+            return np.float32(gp * _activation_grad(x, a, sf))
+
+    return dx
+
+
+@functools.cache
+def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense: bool):
+    """The backwards (top-k; aux scores: no map, every expert selected, scale 1,
+    the K > 1 normalisation) for E a multiple of 4, a quad of four experts
+    per step, every array seen flat (``array_views``): the map read as one
+    uint32 word per quad (bf16 gradients as one uint64) and the quad skipped
+    when its word is 0 (no selected expert: no gradient or saved load, zeros
+    written), which is most quads.  ``sf`` and ``dense`` (softmax-pre, where
+    ``p (m g - D)`` needs every p) are compile-time constants.
+
+    W lanes per token (``_launch.quad_tiling``), lane ``l`` quads ``l, l + W,
+    ...``; pass 1 sums S and D over the selected experts, ``_tree_reduce``
+    combines the lanes in a fixed order, pass 2 writes every quad (its
+    reloads mostly hit L1).  Loop counters are int32 and indices unsigned:
+    numba's int64 ``range`` and wrapped signed indices cost several times
+    the loop's own work.
+    """
+    load4 = flat_io(grad_kind)[0]
+    _, _, out4, zero_out4 = flat_io(out_kind)
+    dx = _quad_dx(sf, dense)
+    if has_map:
+
+        @cuda.jit(device=True)
+        def word(routing_map, w):
+            return routing_map[_u64(w)]
+
+    else:
+
+        @cuda.jit(device=True)
+        def word(routing_map, w):
             return _ALL_SET
+
+    @cuda.jit(device=True)
+    def acc(total, dot, x, g, scale):
+        """``(S + a, D + (g * scale) * a)`` for a selected expert (``a`` from saved ``x``)."""
+        a = _sqrtsoftplus(x) if sf == _SQRTSOFTPLUS else x
+        return np.float32(total + a), np.float32(dot + np.float32(np.float32(g * scale) * a))
 
     @cuda.jit
     def kernel(
-        routing_map,  # [T, E/4] uint32 over the bool map (any array, never read, without a map)
-        saved,  # [T, E] fp32
-        grad_probs,  # [T, E] grad_kind (bf16: [T, E/4] uint64)
-        grad_logits,  # [T, E] out_kind (bf16: [T, E/4] uint64), out
+        routing_map,  # [T*E/4] uint32 over the bool map (any array, never read, without a map)
+        saved,  # [T*E] fp32
+        grad_probs,  # [T, E] grad_kind, flat (bf16: [T*E/4] uint64)
+        grad_logits,  # [T, E] out_kind, flat (bf16: [T*E/4] uint64), out
+        num_tokens,
+        num_experts,
         topk,
-        sf,
-        pre,
         scale,  # fp32
         lanes,  # W; blockDim.x = tokens per block * W
     ):
-        num_tokens = saved.shape[0]
-        eq = saved.shape[1] // 4
+        eq = np.int32(num_experts // 4)
         red = cuda.shared.array(0, nb_f32)  # fp32 [2 * threads]: lane partials of S and D
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         tok = tid // lanes
-        lane = tid - tok * lanes
+        lane = np.int32(tid - tok * lanes)
+        step = np.int32(lanes)
         token = cuda.blockIdx.x * (nthreads // lanes) + tok
         live = token < num_tokens
-        dense = sf == _SOFTMAX and pre
+        wbase = token * eq  # the token's first quad (int64)
+        norm = sf != _SOFTMAX and topk > 1
 
         total = _ZERO
         dot = _ZERO
         q = lane
         while live and q < eq:
-            mw = word(routing_map, token, q)
+            w = wbase + q
+            mw = word(routing_map, w)
             if mw != 0:
-                g0, g1, g2, g3 = load4(grad_probs, token, q)
-                j = 4 * q
-                if mw & np.uint32(0xFF) != 0:
-                    total, dot = _accumulate(total, dot, saved[token, j], g0, scale, sf)
-                if mw & np.uint32(0xFF00) != 0:
-                    total, dot = _accumulate(total, dot, saved[token, j + 1], g1, scale, sf)
-                if mw & np.uint32(0xFF0000) != 0:
-                    total, dot = _accumulate(total, dot, saved[token, j + 2], g2, scale, sf)
-                if mw & np.uint32(0xFF000000) != 0:
-                    total, dot = _accumulate(total, dot, saved[token, j + 3], g3, scale, sf)
-            q += lanes
+                g0, g1, g2, g3 = load4(grad_probs, w)
+                f = 4 * w
+                if mw & _B0 != 0:
+                    total, dot = acc(total, dot, saved[_u64(f)], g0, scale)
+                if mw & _B1 != 0:
+                    total, dot = acc(total, dot, saved[_u64(f + 1)], g1, scale)
+                if mw & _B2 != 0:
+                    total, dot = acc(total, dot, saved[_u64(f + 2)], g2, scale)
+                if mw & _B3 != 0:
+                    total, dot = acc(total, dot, saved[_u64(f + 3)], g3, scale)
+            q = np.int32(q + step)
         red[tid] = total
         red[nthreads + tid] = dot
         _tree_reduce(red, 0, nthreads, tid, lane, lanes, False)
 
         if live:
             lead = tok * lanes
-            den = np.float32(red[lead] + _EPS)
+            inv = np.float32(_ONE / np.float32(red[lead] + _EPS))
             dsum = red[nthreads + lead]
+            c = np.float32(np.float32(dsum * inv) * inv)
             q = lane
             while q < eq:
-                mw = word(routing_map, token, q)
+                w = wbase + q
+                mw = word(routing_map, w)
                 if mw == 0 and not dense:
-                    zero4(grad_logits, token, q)
-                    q += lanes
-                    continue
-                d0 = d1 = d2 = d3 = _ZERO
-                if mw != 0 or dense:
-                    g0, g1, g2, g3 = load4(grad_probs, token, q)
-                    j = 4 * q
-                    m0 = mw & np.uint32(0xFF) != 0
-                    m1 = mw & np.uint32(0xFF00) != 0
-                    m2 = mw & np.uint32(0xFF0000) != 0
-                    m3 = mw & np.uint32(0xFF000000) != 0
-                    x0 = saved[token, j] if m0 or dense else _ZERO
-                    x1 = saved[token, j + 1] if m1 or dense else _ZERO
-                    x2 = saved[token, j + 2] if m2 or dense else _ZERO
-                    x3 = saved[token, j + 3] if m3 or dense else _ZERO
-                    d0 = _topk_dx(x0, g0, m0, dense, den, dsum, scale, topk, sf)
-                    d1 = _topk_dx(x1, g1, m1, dense, den, dsum, scale, topk, sf)
-                    d2 = _topk_dx(x2, g2, m2, dense, den, dsum, scale, topk, sf)
-                    d3 = _topk_dx(x3, g3, m3, dense, den, dsum, scale, topk, sf)
-                store4(grad_logits, token, q, d0, d1, d2, d3)
-                q += lanes
+                    zero_out4(grad_logits, w)
+                else:
+                    g0, g1, g2, g3 = load4(grad_probs, w)
+                    f = 4 * w
+                    m0 = mw & _B0 != 0
+                    m1 = mw & _B1 != 0
+                    m2 = mw & _B2 != 0
+                    m3 = mw & _B3 != 0
+                    x0 = saved[_u64(f)] if m0 or dense else _ZERO
+                    x1 = saved[_u64(f + 1)] if m1 or dense else _ZERO
+                    x2 = saved[_u64(f + 2)] if m2 or dense else _ZERO
+                    x3 = saved[_u64(f + 3)] if m3 or dense else _ZERO
+                    out4(grad_logits, w, dx(x0, g0, m0, inv, c, dsum, scale, norm),
+                         dx(x1, g1, m1, inv, c, dsum, scale, norm),
+                         dx(x2, g2, m2, inv, c, dsum, scale, norm),
+                         dx(x3, g3, m3, inv, c, dsum, scale, norm))
+                q = np.int32(q + step)
 
     return kernel
 
@@ -1208,18 +1243,20 @@ def topk_with_score_function_fwd_plan(logits: L.Spec, has_bias: bool, topk: int,
     # without a bias the kernel gets any [E] fp32 array (never read): saved's first row
     bias = L.In(1) if has_bias else L.Out(2, bias_spec)
     G = int(num_groups) if grouped else 1
-    if L.token_path(num_experts, int(topk)):
+    if L.token_path(num_experts, int(topk), G if grouped else 0, bool(has_bias)):
         from .token_rows import topk_fwd_kernel
 
         kcap = L.pow2_at_least(int(topk))
-        gcap = L.pow2_at_least(int(topk) // int(group_topk)) if grouped else 1
-        lay = L.token_layout(num_tokens, num_experts, G if grouped else 0)
-        words, quads = array_views(logits.kind, shape)
-        step = L.Step(topk_fwd_kernel(logits.kind, kcap, gcap), lay.grid, lay.threads, lay.shared,
-                      (L.In(0, words), bias, L.Out(0, words), L.Out(1, quads), L.Out(2), int(topk),
-                       int(sf), bool(pre), bool(has_bias), G,
-                       int(group_topk) if grouped else -1, np.float32(scale), lay.tb, lay.stride,
-                       lay.o_flag, lay.o_gs, lay.o_red))
+        gcap = L.pow2_at_least(int(topk) // int(group_topk)) if grouped else 0
+        lay = L.token_layout(num_tokens, num_experts, G if grouped else 0, bool(has_bias))
+        words, quads, flat = array_views(logits.kind, shape)
+        kern = topk_fwd_kernel(logits.kind, kcap, gcap, int(sf), bool(has_bias),
+                               bool(pre) and sf == _SOFTMAX)
+        step = L.Step(kern, lay.grid, lay.threads, lay.shared,
+                      (L.In(0, words), bias, L.Out(0, words), L.Out(1, quads), L.Out(2, flat),
+                       num_tokens, num_experts, int(topk), G, int(group_topk) if grouped else -1,
+                       np.float32(scale), lay.tb, lay.stride, lay.o_flag, lay.o_gs, lay.o_red,
+                       lay.o_bias))
         return L.Plan(OP + "_fwd", ins, outs, (), (step,))
     lay = L.select_layout(num_tokens, num_experts, int(topk), G if grouped else 0)
     step = L.Step(_topk_fwd_kernel(logits.kind, topk_capacity(topk)), lay.grid, lay.threads,
@@ -1286,11 +1323,12 @@ def topk_with_score_function_bwd_plan(grad_probs: L.Spec, topk: int, pre: bool, 
         return L.Plan(OP + "_bwd", ins, outs)
     if shape[1] % 4 == 0:
         grid, threads, lanes = L.quad_tiling(shape[0], shape[1], dense=bool(pre) and sf == _SOFTMAX)
-        words, quads = array_views(grad_probs.kind, shape)
-        step = L.Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True), grid, threads,
-                      8 * threads,
-                      (L.In(0, quads), L.In(1), L.In(2, words), L.Out(0, words), int(topk), int(sf),
-                       bool(pre), np.float32(scale), lanes))
+        words, quads, flat = array_views(grad_probs.kind, shape)
+        dense = bool(pre) and sf == _SOFTMAX
+        step = L.Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True, int(sf), dense), grid,
+                      threads, 8 * threads,
+                      (L.In(0, quads), L.In(1, flat), L.In(2, words), L.Out(0, words), shape[0],
+                       shape[1], int(topk), np.float32(scale), lanes))
         return L.Plan(OP + "_bwd", ins, outs, (), (step,))
     grid, threads, lanes = L.stream_tiling(shape[0], shape[1])
     step = L.Step(_topk_bwd_kernel(grad_probs.kind), grid, threads, 8 * threads,
