@@ -50,20 +50,27 @@ def _arrays(plan, rng):
 
 
 def _time(plan, arrays, repeats):
-    for st in plan.steps:  # compile + warm
-        L.launch(st.kernel, st.grid, st.block, 0, st.shared, *(L._resolve(a, arrays) for a in st.args))
-    cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = cuda.event(), cuda.event()
-        a.record()
+    """Median kernel microseconds: CUDA events around each launch, the launches
+    queued behind a sleeping kernel (as ``gpurouter.bench`` does), so the
+    host's launch time is not counted."""
+    from gpurouter.bench import _spin_kernel
+
+    def launch():
         for st in plan.steps:
             L.launch(st.kernel, st.grid, st.block, 0, st.shared,
-                     *(L._resolve(x, arrays) for x in st.args))
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+                     *(L._resolve(a, arrays) for a in st.args))
+
+    launch()  # compile + warm
+    cuda.synchronize()
+    spin = _spin_kernel()
+    events = [cuda.event() for _ in range(repeats + 1)]
+    L.launch(spin, 1, 1, 0, 0, 5000)
+    events[0].record()
+    for i in range(repeats):
+        launch()
+        events[i + 1].record()
+    events[-1].synchronize()
+    return statistics.median(events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(repeats))
 
 
 def _plan(preset, tokens, groups=True):
@@ -126,7 +133,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="deepseek-v3")
     ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     plan = _plan(args.preset, args.tokens)

@@ -391,7 +391,8 @@ def pow2_at_least(n: int) -> int:
 
 def _token_words(tb: int, threads: int, num_experts: int, num_groups: int, has_bias: bool) -> int:
     """Shared-memory words of a thread-per-token block (see ``TokenLayout``)."""
-    return (tb * ((num_experts | 1) + num_experts // 4 + num_groups) + 2 * threads
+    g = (num_groups | 1) if num_groups > 0 else 0
+    return (tb * ((num_experts | 1) + (num_experts // 4 | 1) + g) + 2 * threads
             + (num_experts if has_bias else 0))
 
 
@@ -409,8 +410,11 @@ class TokenLayout:
     offsets of the fp32 / int32 / uint8 views of the one dynamic allocation::
 
         [0, tb*P)              fp32 tile, row stride P = E | 1
-        o_flag + [tb * E / 4]  selection flags, one byte per expert (a word per quad)
-        o_gs   + [tb * G]      fp32 group scores (grouped only)
+        o_flag + [tb * F]      selection flags, one byte per expert (a word per quad),
+                               row stride F = E/4 | 1 words
+        o_gs   + [tb * (G|1)]  fp32 group scores (grouped only), row stride G | 1
+
+    (Odd row strides: a warp's threads, one per row, hit distinct banks.)
         o_red  + [2 * threads] fp32 row statistics (softmax / normalisation / weights)
         o_bias + [E]           fp32 expert bias
     """
@@ -451,8 +455,8 @@ def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
                                   f"{SMEM_BUDGET} bytes of shared memory")
     p = num_experts | 1
     o_flag = tb * p
-    o_gs = o_flag + tb * num_experts // 4
-    o_red = o_gs + tb * g
+    o_gs = o_flag + tb * (num_experts // 4 | 1)
+    o_red = o_gs + tb * ((g | 1) if g else 0)
     o_bias = o_red + 2 * threads
     return TokenLayout(grid=-(-num_tokens // tb), threads=threads, tb=tb, stride=p, o_flag=o_flag,
                        o_gs=o_gs, o_red=o_red, o_bias=o_bias,

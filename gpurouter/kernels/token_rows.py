@@ -61,6 +61,7 @@ from .topk import (
     _B3,
     _EPS,
     _NEG_INF,
+    _ONE,
     _SIGMOID,
     _SOFTMAX,
     _ZERO,
@@ -189,12 +190,10 @@ def _selector(kcap: int, gcap: int, has_bias: bool, post: bool):
                 b = np.float32(v + smem[_u32(o_bias + j)])
             k = _key(b)
             tie = k == thr
-            hit = k > thr or (tie and need > 0)
-            if hit:
-                flags[_u32(fbase + j)] = 1
-                total = np.float32(total + v)
-                if tie:
-                    need = np.int32(need - 1)
+            hit = (k > thr) | (tie & (need > 0))  # no branch: 32 rows per warp
+            flags[_u32(fbase + j)] = np.uint8(hit)  # every byte: rows' stride is odd, no conflicts
+            need = np.int32(need - np.int32(hit & tie))
+            total = np.float32(total + (v if hit else _ZERO))
             j = np.int32(j + 1)
         return need, total
 
@@ -289,7 +288,7 @@ def _stager(kind: str, sf: int, has_bias: bool):
     """Device function staging the forward tile, a quad per step and two quads'
     loads in flight: the score function, ``saved`` (sigmoid: ``a``;
     sqrtsoftplus: the raw ``x``, TE's convention; softmax: nothing yet), the
-    tile, the quad's flag word (``ism[o_flag + t*E/4 + q]``) cleared; with
+    tile, the quad's flag word (``ism[o_flag + t*F + q]``, ``F = E/4 | 1``) cleared; with
     ``has_bias`` the bias into ``smem[o_bias:o_bias+E]``.  Ends with a barrier."""
     load4 = flat_io(kind)[0]
 
@@ -327,10 +326,10 @@ def _stager(kind: str, sf: int, has_bias: bool):
             if live:
                 y0, y1, y2, y3 = load4(lg, wb + lq1)
             put4(x0, x1, x2, x3, wb + lq, t * stride + 4 * q, saved, smem)
-            ism[_u32(o_flag + lq)] = 0
+            ism[_u32(o_flag + t * (eq | 1) + q)] = 0
             if live:
                 put4(y0, y1, y2, y3, wb + lq1, t1 * stride + 4 * q1, saved, smem)
-                ism[_u32(o_flag + lq1)] = 0
+                ism[_u32(o_flag + t1 * (eq | 1) + q1)] = 0
             t, q = _adv32(t1, q1, dt, dq, eq)
         cuda.syncthreads()
 
@@ -417,13 +416,14 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int, sf: int, has_bias: bool, pr
     post_softmax = sf == _SOFTMAX and not pre
 
     @cuda.jit(device=True)
-    def weight(v, m, total, norm):
-        """The routing weight of a selected expert of tile value ``v``."""
+    def weight(v, m, inv, norm):
+        """The routing weight of a selected expert of tile value ``v``; ``inv``:
+        1 / the token's sum (a product instead of a division: within one ulp)."""
         if post_softmax:
-            return np.float32(_exp(v - m) / total)
+            return np.float32(_exp(v - m) * inv)
         if sf != _SOFTMAX:
             if norm:
-                return np.float32(v / total)
+                return np.float32(v * inv)
         return v
 
     @cuda.jit
@@ -473,10 +473,10 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int, sf: int, has_bias: bool, pr
         # s + bias; the weights, s itself.)
         if valid:
             total, m = select(smem, row, num_experts, num_groups, group_topk, topk,
-                              o_gs + tid * num_groups, o_bias, flags, 4 * o_flag + tid * num_experts)
+                              o_gs + tid * (num_groups | 1), o_bias, flags, 4 * (o_flag + tid * (eq | 1)))
             if norm:
                 total = np.float32(total + _EPS)
-            smem[_u32(o_red + tid)] = total
+            smem[_u32(o_red + tid)] = np.float32(_ONE / total)  # phase 3 multiplies
             smem[_u32(o_red + nthreads + tid)] = m
         # Barrier: phase 3 reads every token's flags and statistics.
         cuda.syncthreads()
@@ -488,24 +488,24 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int, sf: int, has_bias: bool, pr
         while t < nt:
             lq = np.int32(t * eq + q)
             w = wb + lq
-            fw = np.uint32(ism[_u32(o_flag + lq)])
+            fw = np.uint32(ism[_u32(o_flag + t * (eq | 1) + q)])
             routing_map[_u64(w)] = fw
             w0 = w1 = w2 = w3 = _ZERO
             m0 = m1 = m2 = m3 = False
             if fw == 0:  # most quads: nothing selected, nothing to convert
                 zero4(probs, w)
             else:
-                total = smem[_u32(o_red + t)]
+                inv = smem[_u32(o_red + t)]
                 m = smem[_u32(o_red + nthreads + t)]
                 base = np.int32(t * stride + 4 * q)
                 m0 = fw & _B0 != 0
                 m1 = fw & _B1 != 0
                 m2 = fw & _B2 != 0
                 m3 = fw & _B3 != 0
-                w0 = weight(smem[_u32(base)], m, total, norm) if m0 else _ZERO
-                w1 = weight(smem[_u32(base + 1)], m, total, norm) if m1 else _ZERO
-                w2 = weight(smem[_u32(base + 2)], m, total, norm) if m2 else _ZERO
-                w3 = weight(smem[_u32(base + 3)], m, total, norm) if m3 else _ZERO
+                w0 = weight(smem[_u32(base)], m, inv, norm) if m0 else _ZERO
+                w1 = weight(smem[_u32(base + 1)], m, inv, norm) if m1 else _ZERO
+                w2 = weight(smem[_u32(base + 2)], m, inv, norm) if m2 else _ZERO
+                w3 = weight(smem[_u32(base + 3)], m, inv, norm) if m3 else _ZERO
                 store4(probs, w, np.float32(scale * w0), np.float32(scale * w1),
                        np.float32(scale * w2), np.float32(scale * w3))
             if post_softmax:
@@ -562,13 +562,13 @@ def aux_scores_fwd_kernel(kind: str, kcap: int, sf: int):
         normalise(smem, o_red, scores, saved, softmax, wb, nt, eq, stride, tid, nthreads)
         # 3. Thread per token: plain top-K of the scores, flagged.
         if valid:
-            select(smem, row, num_experts, 1, 0, topk, 0, 0, flags, 4 * o_flag + tid * num_experts)
+            select(smem, row, num_experts, 1, 0, topk, 0, 0, flags, 4 * (o_flag + tid * (eq | 1)))
         cuda.syncthreads()
         # 4. All threads, a quad per step: its flag word is its map word.
         t, q, dt, dq = _walk32(tid, nthreads, eq)
         while t < nt:
             lq = np.int32(t * eq + q)
-            routing_map[_u64(wb + lq)] = np.uint32(ism[_u32(o_flag + lq)])
+            routing_map[_u64(wb + lq)] = np.uint32(ism[_u32(o_flag + t * (eq | 1) + q)])
             t, q = _adv32(t, q, dt, dq, eq)
 
     return kernel
