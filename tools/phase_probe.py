@@ -64,7 +64,7 @@ def _time(plan, arrays, repeats):
     cuda.synchronize()
     spin = _spin_kernel()
     events = [cuda.event() for _ in range(repeats + 1)]
-    L.launch(spin, 1, 1, 0, 0, 5000)
+    L.launch(spin, 1, 1, 0, 0, 1000 * repeats)  # ~1 ms a launch: longer than the host needs to queue one
     events[0].record()
     for i in range(repeats):
         launch()

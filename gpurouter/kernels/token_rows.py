@@ -173,12 +173,30 @@ def _selector(kcap: int, gcap: int, has_bias: bool, post: bool):
             v = np.float32(v + smem[_u32(o_bias + j)])
         return _key(v)
 
-    @cuda.jit(device=True)
-    def scan(smem, row, o_bias, lo, hi, keys):
-        j = np.int32(lo)
-        while j < hi:
-            push_k(keys, key_at(smem, row, o_bias, j))
-            j = np.int32(j + 1)
+    def scanner(cap, push):
+        """``scan(smem, row, o_bias, lo, hi, ka, kb)``: experts ``lo .. hi-1``
+        into the lists ``ka`` (even offsets) and ``kb`` (odd), then ``kb``
+        into ``ka``: two independent min/max chains, twice the instruction-level
+        parallelism of one (a warp's scan is latency-bound: few warps select)."""
+
+        @cuda.jit(device=True)
+        def scan(smem, row, o_bias, lo, hi, ka, kb):
+            for q in range(cap):
+                kb[q] = _KEY_EMPTY
+            j = np.int32(lo)
+            while j + 1 < hi:
+                push(ka, key_at(smem, row, o_bias, j))
+                push(kb, key_at(smem, row, o_bias, j + 1))
+                j = np.int32(j + 2)
+            if j < hi:
+                push(ka, key_at(smem, row, o_bias, j))
+            for q in range(cap):
+                push(ka, kb[q])
+
+        return scan
+
+    scan = scanner(kcap, push_k)
+    scan_g = scanner(glist, push_g)
 
     @cuda.jit(device=True)
     def mark(smem, row, o_bias, lo, hi, thr, need, flags, fbase, total):
@@ -200,6 +218,7 @@ def _selector(kcap: int, gcap: int, has_bias: bool, post: bool):
     @cuda.jit(device=True)
     def select(smem, row, num_experts, num_groups, group_topk, topk, o_gs, o_bias, flags, fbase):
         keys = cuda.local.array(kcap, nb_i32)
+        spare = cuda.local.array(kcap, nb_i32)
         for q in range(kcap):
             keys[q] = _KEY_EMPTY
         kept = 0
@@ -210,15 +229,12 @@ def _selector(kcap: int, gcap: int, has_bias: bool, post: bool):
             gsize = np.int32(num_experts // num_groups)
             per_group = topk // group_topk
             gk = cuda.local.array(glist, nb_i32)
+            gk2 = cuda.local.array(glist, nb_i32)
             g = np.int32(0)
             while g < ngroups:
                 for q in range(gcap):
                     gk[q] = _KEY_EMPTY
-                j = np.int32(g * gsize)
-                end = np.int32(j + gsize)
-                while j < end:
-                    push_g(gk, key_at(smem, row, o_bias, j))
-                    j = np.int32(j + 1)
+                scan_g(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize), gk, gk2)
                 gs = _value(gk[0])
                 for q in range(1, gcap):
                     if q < per_group:
@@ -247,7 +263,7 @@ def _selector(kcap: int, gcap: int, has_bias: bool, post: bool):
         g = np.int32(0)
         while g < ngroups:
             if (kept >> g) & 1:
-                scan(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize), keys)
+                scan(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize), keys, spare)
             g = np.int32(g + 1)
         thr = keys[0]
         for q in range(1, kcap):
@@ -350,23 +366,36 @@ def _row_normaliser(softmax: bool):
 
     @cuda.jit(device=True)
     def stats(smem, row, valid, num_experts, o_m, o_s):
+        # two accumulators (even and odd experts; E is even): two dependency
+        # chains in flight, the scan being latency-bound
         m = _NEG_INF
         total = _ZERO
         if valid:
             if softmax:
+                m2 = _NEG_INF
                 j = np.int32(0)
                 while j < num_experts:
                     v = smem[_u32(row + j)]
+                    v2 = smem[_u32(row + j + 1)]
                     if v > m:  # NaN never wins; it still makes the sum NaN below
                         m = v
-                    j = np.int32(j + 1)
+                    if v2 > m2:
+                        m2 = v2
+                    j = np.int32(j + 2)
+                if m2 > m:
+                    m = m2
+            total2 = _ZERO
             j = np.int32(0)
             while j < num_experts:
                 v = smem[_u32(row + j)]
+                v2 = smem[_u32(row + j + 1)]
                 if softmax:
                     v = _exp(v - m)
+                    v2 = _exp(v2 - m)
                 total += v
-                j = np.int32(j + 1)
+                total2 += v2
+                j = np.int32(j + 2)
+            total = np.float32(total + total2)
         smem[_u32(o_m)] = m
         smem[_u32(o_s)] = total
         cuda.syncthreads()
