@@ -17,7 +17,7 @@ selection flag per expert (the four flags of a quad are one word), the
 group scores, per-row statistics and the expert bias.  Global arrays are
 seen flat (``topk.array_views``).
 
-1. All threads, coalesced, four experts (a quad) per step, two quads in
+1. All threads, coalesced, four experts (a quad) per step, four quads in
    flight (bf16 logits as one 8-byte load per quad): the score function,
    ``saved``, the tile; the flag words cleared; the bias.
 2. Thread t (t < TB), tile row t: (group scores, group ranks,) the K
@@ -78,6 +78,8 @@ _KEY_EMPTY = np.int32(-(2**31))  # below the key of every fp32, -inf and NaN inc
 _KEY_FLIP = np.int32(0x7FFFFFFF)
 _u32 = np.uint32  # shared-memory indices (see topk._u64)
 _MARK = 8  # experts per step of the marking scan
+_STAGE = 4  # quads per step of the staging, their loads in flight together
+_STAGE_X = 4 * _STAGE  # (local-array sizes must be plain constants on the GPU)
 
 
 # ----------------------------------------------------------------------------
@@ -298,8 +300,8 @@ def _selector(kcap: int, gcap: int, has_bias: bool, post: bool):
 
 @functools.cache
 def _stager(kind: str, sf: int, has_bias: bool):
-    """Device function staging the forward tile, a quad per step and two quads'
-    loads in flight: the score function, ``saved`` (sigmoid: ``a``;
+    """Device function staging the forward tile, ``_STAGE`` quads per step, their
+    loads in flight together: the score function, ``saved`` (sigmoid: ``a``;
     sqrtsoftplus: the raw ``x``, TE's convention; softmax: nothing yet), the
     tile, the quad's flag word (``ism[o_flag + t*F + q]``, ``F = E/4 | 1``) cleared; with
     ``has_bias`` the bias into ``smem[o_bias:o_bias+E]``.  Ends with a barrier."""
@@ -328,22 +330,25 @@ def _stager(kind: str, sf: int, has_bias: bool):
             while j < 4 * eq:
                 smem[_u32(o_bias + j)] = bias[_u64(j)]
                 j = np.int32(j + nthreads)
+        xs = cuda.local.array(_STAGE_X, nb_f32)
+        ts = cuda.local.array(_STAGE, nb_i32)
+        qs = cuda.local.array(_STAGE, nb_i32)
         t, q, dt, dq = _walk32(tid, nthreads, eq)
         while t < nt:
-            t1, q1 = _adv32(t, q, dt, dq, eq)
-            live = t1 < nt
-            lq = np.int32(t * eq + q)
-            lq1 = np.int32(t1 * eq + q1)
-            x0, x1, x2, x3 = load4(lg, wb + lq)
-            y0 = y1 = y2 = y3 = _ZERO
-            if live:
-                y0, y1, y2, y3 = load4(lg, wb + lq1)
-            put4(x0, x1, x2, x3, wb + lq, t * stride + 4 * q, saved, smem)
-            ism[_u32(o_flag + t * (eq | 1) + q)] = 0
-            if live:
-                put4(y0, y1, y2, y3, wb + lq1, t1 * stride + 4 * q1, saved, smem)
-                ism[_u32(o_flag + t1 * (eq | 1) + q1)] = 0
-            t, q = _adv32(t1, q1, dt, dq, eq)
+            ts[0] = t
+            qs[0] = q
+            for i in range(1, _STAGE):
+                ts[i], qs[i] = _adv32(ts[i - 1], qs[i - 1], dt, dq, eq)
+            for i in range(_STAGE):  # every load first: _STAGE quads in flight
+                if ts[i] < nt:
+                    xs[4 * i], xs[4 * i + 1], xs[4 * i + 2], xs[4 * i + 3] = load4(
+                        lg, wb + np.int32(ts[i] * eq + qs[i]))
+            for i in range(_STAGE):
+                if ts[i] < nt:
+                    put4(xs[4 * i], xs[4 * i + 1], xs[4 * i + 2], xs[4 * i + 3],
+                         wb + np.int32(ts[i] * eq + qs[i]), ts[i] * stride + 4 * qs[i], saved, smem)
+                    ism[_u32(o_flag + ts[i] * (eq | 1) + qs[i])] = 0
+            t, q = _adv32(ts[_STAGE - 1], qs[_STAGE - 1], dt, dq, eq)
         cuda.syncthreads()
 
     return stage
