@@ -11,8 +11,8 @@ time counts):
 - ``no-select``: the per-token selection returns at once (no flags).
 - ``no-groups``: grouping off (a plain top-K over all E: one scan of E
   keys and one marking scan of E instead of G group scans, then Kg groups).
-- ``keys-only``: the selection is one keys scan of all E (no groups, no
-  marking scan).
+- ``keys-only``: the selection is one list scan of all E (no groups, no
+  sum or tie scans; the threshold way).
 - ``full, maxshared``: the kernel with the shared-memory carveout set to its
   maximum (``cuKernelSetAttribute``), in case the driver's default choice
   holds fewer blocks per SM than fit.
@@ -104,27 +104,28 @@ def _with_selector(make):
     return _Swap()
 
 
-def _no_select(kcap, gcap, has_bias, post):
+def _no_select(topk, gcap, has_bias, post, scaled=False):
     @cuda.jit(device=True)
-    def select(smem, row, num_experts, num_groups, group_topk, topk, o_gs, o_bias, flags, fbase):
-        return np.float32(0), np.float32(0)
+    def select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword):
+        # threshold +inf: nothing selected
+        return np.float32(1), np.float32(0), np.float32(np.inf), np.int32(0)
 
     return select
 
 
-def _keys_only(kcap, gcap, has_bias, post):
-    push = R._pusher(kcap)
+def _keys_only(topk, gcap, has_bias, post, scaled=False):
+    push = R._pusher(topk + 1)
 
     @cuda.jit(device=True)
-    def select(smem, row, num_experts, num_groups, group_topk, topk, o_gs, o_bias, flags, fbase):
-        keys = cuda.local.array(kcap, R.nb_i32)
-        for q in range(kcap):
-            keys[q] = R._KEY_EMPTY
+    def select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword):
+        keys = cuda.local.array(topk + 1, R.nb_f32)
+        for q in range(topk + 1):
+            keys[q] = np.float32(-np.inf)
         j = np.int32(0)
         while j < num_experts:
-            push(keys, R._key(smem[R._u32(row + j)]))
+            push(keys, T._no_nan(smem[R._u32(row + j)]))
             j = np.int32(j + 1)
-        return np.float32(R._value(keys[0])), np.float32(0)
+        return np.float32(1), np.float32(0), keys[topk - 1], np.int32(num_experts)
 
     return select
 

@@ -389,11 +389,16 @@ def pow2_at_least(n: int) -> int:
     return c
 
 
-def _token_words(tb: int, threads: int, num_experts: int, num_groups: int, has_bias: bool) -> int:
+def _token_words(tb: int, num_experts: int, num_groups: int, has_bias: bool) -> int:
     """Shared-memory words of a thread-per-token block (see ``TokenLayout``)."""
     g = (num_groups | 1) if num_groups > 0 else 0
-    return (tb * ((num_experts | 1) + (num_experts // 4 | 1) + g) + 2 * threads
-            + (num_experts if has_bias else 0))
+    return tb * ((num_experts | 1) + token_flag_stride(num_experts) + g + 4) + (num_experts if has_bias else 0)
+
+
+def token_flag_stride(num_experts: int) -> int:
+    """Words per token of the thread-per-token kernels' selection bits (a bit
+    per expert; odd, so a warp's rows hit distinct banks)."""
+    return -(-num_experts // 32) | 1
 
 
 def token_path(num_experts: int, topk: int, num_groups: int = 0, has_bias: bool = False) -> bool:
@@ -401,25 +406,28 @@ def token_path(num_experts: int, topk: int, num_groups: int = 0, has_bias: bool 
     ``TOKEN_MAX_TOPK``, E a multiple of 4, and one token's block fits
     ``SMEM_BUDGET``."""
     return (1 <= topk <= TOKEN_MAX_TOPK and num_experts % 4 == 0
-            and 4 * _token_words(1, 32, num_experts, max(0, int(num_groups)), has_bias) <= SMEM_BUDGET)
+            and 4 * _token_words(1, num_experts, max(0, int(num_groups)), has_bias) <= SMEM_BUDGET)
 
 
 class TokenLayout:
     """Launch shape and shared memory of a thread-per-token kernel: ``tb``
     tokens per block (thread t owns tile row t), ``threads >= tb``.  Word
-    offsets of the fp32 / int32 / uint8 views of the one dynamic allocation::
+    offsets of the fp32 / int32 views of the one dynamic allocation::
 
         [0, tb*P)              fp32 tile, row stride P = E | 1
-        o_flag + [tb * F]      selection flags, one byte per expert (a word per quad),
-                               row stride F = E/4 | 1 words
+        o_flag + [tb * F]      selection bits (exact way only), a bit per expert,
+                               row stride F = ceil(E/32) | 1 words
         o_gs   + [tb * (G|1)]  fp32 group scores (grouped only), row stride G | 1
+        o_red  + [2 * tb]      fp32 row statistics (softmax / normalisation / weights)
+        o_thr  + [2 * tb]      per token: fp32 selection threshold (NaN: read the bits),
+                               then int32 tie cutoff (token_rows._selector)
+        o_bias + [E]           fp32 expert bias
 
     (Odd row strides: a warp's threads, one per row, hit distinct banks.)
-        o_red  + [2 * threads] fp32 row statistics (softmax / normalisation / weights)
-        o_bias + [E]           fp32 expert bias
     """
 
-    __slots__ = ("grid", "threads", "tb", "stride", "o_flag", "o_gs", "o_red", "o_bias", "shared")
+    __slots__ = ("grid", "threads", "tb", "stride", "o_flag", "o_gs", "o_red", "o_thr", "o_bias",
+                 "shared")
 
     def __init__(self, **kw):
         for k in self.__slots__:
@@ -434,32 +442,26 @@ def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
     """Layout of the thread-per-token kernels (``token_path``): as many tokens
     per block (a power of two, at most ``TOKEN_MAX_TOKENS``, at most T) as fit
     ``SMEM_BUDGET``; threads: the tokens, at least ``TOKEN_MIN_THREADS`` (the
-    coalesced phases want them) unless the tile has fewer quads or the
-    statistics would not fit, a multiple of 32.  The bias (``has_bias``)
-    takes E words."""
+    coalesced phases want them) unless the tile has fewer quads, a multiple of
+    32.  The bias (``has_bias``) takes E words."""
     g = max(0, int(num_groups))
-
-    def words(tb, threads):
-        return _token_words(tb, threads, num_experts, g, has_bias)
-
     tb = TOKEN_MAX_TOKENS
-    while tb > 1 and 4 * words(tb, max(tb, TOKEN_MIN_THREADS)) > SMEM_BUDGET:
+    while tb > 1 and 4 * _token_words(tb, num_experts, g, has_bias) > SMEM_BUDGET:
         tb //= 2
+    if 4 * _token_words(tb, num_experts, g, has_bias) > SMEM_BUDGET:
+        raise NotImplementedError(f"E={num_experts}: one token does not fit "
+                                  f"{SMEM_BUDGET} bytes of shared memory")
     tb = max(1, min(tb, num_tokens))
     quads = tb * num_experts // 4
     threads = -(-max(tb, min(TOKEN_MIN_THREADS, quads)) // 32) * 32
-    while threads > max(32, tb) and 4 * words(tb, threads) > SMEM_BUDGET:
-        threads = max(32, tb, threads // 2)
-    if 4 * words(tb, threads) > SMEM_BUDGET:
-        raise NotImplementedError(f"E={num_experts}: one token does not fit "
-                                  f"{SMEM_BUDGET} bytes of shared memory")
     p = num_experts | 1
     o_flag = tb * p
-    o_gs = o_flag + tb * (num_experts // 4 | 1)
+    o_gs = o_flag + tb * token_flag_stride(num_experts)
     o_red = o_gs + tb * ((g | 1) if g else 0)
-    o_bias = o_red + 2 * threads
+    o_thr = o_red + 2 * tb
+    o_bias = o_thr + 2 * tb
     return TokenLayout(grid=-(-num_tokens // tb), threads=threads, tb=tb, stride=p, o_flag=o_flag,
-                       o_gs=o_gs, o_red=o_red, o_bias=o_bias,
+                       o_gs=o_gs, o_red=o_red, o_thr=o_thr, o_bias=o_bias,
                        shared=4 * (o_bias + (num_experts if has_bias else 0)))
 
 

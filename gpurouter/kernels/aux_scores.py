@@ -161,13 +161,12 @@ def score_for_aux_loss_fwd_plan(logits: L.Spec, topk: int, sf: int) -> L.Plan:
     if L.token_path(shape[1], int(topk)):
         from .token_rows import aux_scores_fwd_kernel
 
-        kcap = L.pow2_at_least(int(topk))
         lay = L.token_layout(shape[0], shape[1])
         words, quads, flat = array_views(logits.kind, shape)
-        step = L.Step(aux_scores_fwd_kernel(logits.kind, kcap, int(sf)), lay.grid, lay.threads,
+        step = L.Step(aux_scores_fwd_kernel(logits.kind, int(topk), int(sf)), lay.grid, lay.threads,
                       lay.shared,
                       (L.In(0, words), L.Out(0, flat), L.Out(1, quads), L.Out(2, flat), shape[0],
-                       shape[1], int(topk), lay.tb, lay.stride, lay.o_flag, lay.o_red))
+                       shape[1], lay.tb, lay.stride, lay.o_flag, lay.o_red, lay.o_thr))
         return L.Plan(OP + "_fwd", (logits,), outs, (), (step,))
     lay = L.select_layout(shape[0], shape[1], int(topk))
     step = L.Step(_aux_scores_fwd_kernel(logits.kind, topk_capacity(topk)), lay.grid,

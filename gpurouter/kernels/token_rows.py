@@ -13,32 +13,47 @@ warp scan 32 independent rows: any data-dependent branch would diverge).
 Decomposition: a block owns TB tokens and ``threads >= TB`` threads; its
 shared memory holds the fp32 tile of the tokens' scores (row stride
 ``P = E | 1``: odd, so the per-thread row scans hit 32 distinct banks), a
-selection flag per expert (the four flags of a quad are one word), the
-group scores, per-row statistics and the expert bias.  Global arrays are
-seen flat (``topk.array_views``).
+selection bit per expert (written by the bit way only), the group scores,
+per-row statistics and thresholds, and the expert bias (``_launch.TokenLayout``).
+Global arrays are seen flat (``topk.array_views``); fp32 rows are read and
+written a quad (16 bytes) at a time (``_vec``).
 
 1. All threads, coalesced, four experts (a quad) per step, four quads in
    flight (bf16 logits as one 8-byte load per quad): the score function,
-   ``saved``, the tile; the flag words cleared; the bias.
-2. Thread t (t < TB), tile row t: (group scores, group ranks,) the K
-   largest keys, then a second scan that flags the selected experts; the
-   weights' statistics into shared memory.
-3. All threads, coalesced, a quad per step: the flag word is the quad's
-   ``routing_map`` word (one 4-byte store); the weights, ``probs`` (bf16:
-   one 8-byte store), ``saved`` for post-softmax.
+   ``saved``, the tile; the bias.
+2. Thread t (t < TB), tile row t: (group scores, group ranks,) the K + 1
+   largest scores; the K-th is the threshold.  Then one of two ways to say
+   which experts are selected (below); the weights' statistics into shared
+   memory.
+3. All threads, coalesced, a quad per step: the quad's four selection flags
+   are its ``routing_map`` word (one 4-byte store); the weights, ``probs``
+   (bf16: one 8-byte store), ``saved`` for post-softmax.
 
-Ranks (CONTRACT section 2): the register list holds int32 *keys* only, an
-order-preserving image of the fp32 scores (NaN as -inf, -0.0 as +0.0) in
-which an empty slot ranks below every score, -inf included; keeping the K
-largest keys costs two integer min/max per slot.  Which experts own them
-the second scan decides, in ascending expert order: keys above the K-th
-largest are selected, and keys equal to it while places remain, so among
-equal scores the lower index wins.
+Ranks (CONTRACT section 2): the register list holds fp32 scores only, no
+indices, NaN as -inf (one fmaxf with -inf), empty slots -inf; keeping the
+K + 1 largest costs one fminf and one fmaxf per slot (an earlier int32 key
+image took five more instructions per expert).  The K-th largest is the
+token's threshold, and which experts own the K places is said one of two
+ways:
+
+- Threshold way (every token with K kept scores above -inf): expert ``j``
+  is selected when its score ``r > thr``, or ``r == thr`` and ``j <= cut``.
+  ``cut`` is E unless a tie crosses the threshold (the (K+1)-th largest equals
+  the K-th: frequent with bf16 logits); then a scan in ascending order
+  finds the index of the last tied expert that still gets a place, so among
+  equal scores the lower index wins.  Phase 3 applies the rule to each
+  expert; experts of dropped groups were set to -inf in the tile, which
+  never passes.
+- Bit way (the threshold is -inf: fewer than K kept scores above it, so
+  -inf and NaN are tied fillers): a second scan in ascending expert order
+  sets a bit for each expert whose score beats the threshold, or equals it
+  while places remain; the token's threshold is stored as NaN and phase 3
+  reads the bits.
 
 Instruction counts (SASS, sm_90) drove the code's shape: loop counters are
 int32 ``while`` loops and indices unsigned, because numba's int64 ``range``
-loops and wrapped signed indices cost several times a loop's own work; the
-score function, bias and softmax order are compile-time constants.
+loops and wrapped signed indices cost several times a loop's own work;
+K, the score function, bias and softmax order are compile-time constants.
 
 No warp intrinsics: the kernels run on the CUDA simulator too.
 """
@@ -53,7 +68,9 @@ import functools
 
 import numpy as np
 from numba import cuda
+from numba import uint32 as nb_u32  # array declarations take numba types
 
+from ._vec import quad_f32
 from .topk import (
     _B0,
     _B1,
@@ -67,58 +84,41 @@ from .topk import (
     _ZERO,
     _activation,
     _exp,
+    _fmax,
+    _fmin,
+    _no_nan,
     _u64,
     flat_io,
     nb_f32,
     nb_i32,
-    nb_u8,
 )
 
-_KEY_EMPTY = np.int32(-(2**31))  # below the key of every fp32, -inf and NaN included
-_KEY_FLIP = np.int32(0x7FFFFFFF)
 _u32 = np.uint32  # shared-memory indices (see topk._u64)
-_MARK = 8  # experts per step of the marking scan
 _STAGE = 4  # quads per step of the staging, their loads in flight together
 _STAGE_X = 4 * _STAGE  # (local-array sizes must be plain constants on the GPU)
+_POS_INF = np.float32(np.inf)
+_NAN = np.float32(np.nan)
 
 
 # ----------------------------------------------------------------------------
-# Keys and register top-K lists
+# Register top-K lists
 # ----------------------------------------------------------------------------
-
-
-@cuda.jit(device=True)
-def _key(v):
-    """Order-preserving int32 image of fp32 ``v``: NaN as -inf, -0.0 as +0.0."""
-    if v != v:
-        v = _NEG_INF
-    b = np.float32(v + _ZERO).view(np.int32)  # -0.0 + 0.0 = +0.0
-    if b < 0:
-        b = np.int32(b ^ _KEY_FLIP)
-    return b
-
-
-@cuda.jit(device=True)
-def _value(k):
-    """The fp32 of a key (``_key``'s inverse on its image)."""
-    if k < 0:
-        k = np.int32(k ^ _KEY_FLIP)
-    return np.int32(k).view(np.float32)
 
 
 @functools.cache
 def _pusher(cap: int):
-    """Device function ``push(keys, k)``: key ``k`` into the register list
-    ``keys[0:cap]`` (descending), which keeps the ``cap`` largest keys seen,
-    repeats included.  ``cap`` is a compile-time constant: the loop unrolls
-    and the list stays in registers; two integer min/max per slot, no
-    branches (a warp's 32 threads hold 32 independent lists)."""
+    """Device function ``push(keys, v)``: fp32 ``v`` (no NaN) into the register
+    list ``keys[0:cap]`` (descending, empty slots -inf), which keeps the
+    ``cap`` largest values seen, repeats included.  ``cap`` is a compile-time
+    constant: the loop unrolls and the list stays in registers; one fminf and
+    one fmaxf per slot, no branches (a warp's 32 threads hold 32 independent
+    lists)."""
 
     @cuda.jit(device=True)
-    def push(keys, k):
+    def push(keys, v):
         for q in range(cap - 1, 0, -1):
-            keys[q] = max(keys[q], min(keys[q - 1], k))
-        keys[0] = max(keys[0], k)
+            keys[q] = _fmax(keys[q], _fmin(keys[q - 1], v))
+        keys[0] = _fmax(keys[0], v)
 
     return push
 
@@ -143,38 +143,61 @@ def _adv32(t, q, dt, dq, n):
 
 
 @functools.cache
-def _selector(kcap: int, gcap: int, has_bias: bool, post: bool):
-    """Device function ``select(smem, row, E, G, Kg, K, o_gs, o_bias, flags, fbase) -> (total, m)``:
-    one thread's (group-limited) top-K of its tile row ``smem[row:row+E]``
-    plus, with ``has_bias``, the bias at ``smem[o_bias:o_bias+E]``; sets
-    ``flags[fbase + j]`` for the K selected experts ``j``.  ``total``: the
-    sum of their tile values (in ascending expert order), ``m`` 0; or, with
-    ``post`` (softmax after the top-K, no bias), ``m`` their max and
-    ``total`` the sum of ``exp(v - m)``, both from the list's keys (NaN when
-    the values' sum is: a selected NaN, or +inf with -inf).
+def _selector(topk: int, gcap: int, has_bias: bool, post: bool, scaled: bool = False):
+    """Device function ``select(smem, row, E, G, Kg, o_gs, o_bias, bits, fword) -> (total, m, thr, cut)``:
+    one thread's (group-limited) top-K (``topk``, a compile-time constant)
+    of its tile row ``smem[row:row+E]`` plus, with ``has_bias``, the bias at
+    ``smem[o_bias:o_bias+E]``; with ``scaled`` (the aux scores of sigmoid and
+    sqrtsoftplus, no groups, no bias) the top-K of the row times ``1 / (sum
+    + 1e-20)``, ``total`` the row's sum (see below).
+
+    ``thr``, ``cut``: expert ``j`` is selected when its score (plus bias)
+    ``r > thr``, or ``r == thr`` and ``j <= cut`` (the threshold way); or
+    ``thr`` is NaN and the bits ``bits[fword:]`` (bit ``j % 32`` of word
+    ``j // 32``) say which experts are (the bit way; module docstring).  ``total``: the
+    sum of the selected tile values (any order; ``m`` 0); with ``post``
+    (softmax after the top-K, no bias), ``m`` their max and ``total`` the sum
+    of ``exp(v - m)``, both from the list (NaN when the values' sum is: a
+    selected NaN, or +inf with -inf).
 
     1. Grouped (``gcap > 0``): group ``g``'s score is the sum, in descending
-       order, of its top ``K / Kg`` keys' values (NaN as -inf), kept at
+       order, of its top ``K / Kg`` values (NaN as -inf), kept at
        ``smem[o_gs + g]``; a group is kept when fewer than Kg groups rank
        before it (larger score, NaN as -inf, then lower group).
-    2. The K largest keys of the kept experts (all E ungrouped): a register
-       list of ``kcap >= K`` keys, no indices.  ``thr``, the K-th largest,
-       is the threshold.
-    3. The kept experts again, in ascending order: an expert is selected when
-       its key beats ``thr``, or equals it while fewer than K have been
-       selected, so among equal scores the lower index wins (CONTRACT
-       section 2); dropped groups are never selected, not even as fillers.
+    2. The K + 1 largest scores of the kept experts (all E ungrouped): a
+       register list, no indices.  ``thr``, the K-th largest, is the
+       threshold; ``need`` of the K places go to experts scoring exactly
+       ``thr``.  Among equal scores the lower index wins (CONTRACT section
+       2), so when the (K+1)-th equals ``thr`` too (a tie crosses the
+       threshold: frequent with bf16 logits), a scan in ascending order
+       finds ``cut``, the need-th expert scoring ``thr``.
+       ``scaled``: the one scan also sums the row, and the list is then
+       scaled, so the normalised scores need no pass of their own
+       (multiplying by a positive number keeps the order, and the scaled
+       list is compared with the scaled scores, ties included).
+    3. Threshold way (``thr`` above -inf): experts of dropped groups become
+       -inf in the tile, which never passes; with a bias the selected
+       experts' values are summed (ascending order).  Bit way (``thr`` is
+       -inf: fewer than K kept scores above it, so -inf and NaN are tied
+       fillers): the token's bits are cleared, then the kept experts again,
+       in ascending order: selected when the score beats ``thr``, or equals it
+       while places remain; dropped groups are never selected, not even as
+       fillers.
     """
+    kcap = topk + 1  # the list: K + 1 scores, to see whether a tie crosses the threshold
     push_k = _pusher(kcap)
     glist = max(1, gcap)  # the group list's size (a constant: numba sizes local arrays at compile time)
     push_g = _pusher(glist)
+    norm = topk > 1  # (only read by sigmoid / sqrtsoftplus rows: softmax-pre needs no total)
 
     @cuda.jit(device=True)
-    def key_at(smem, row, o_bias, j):
+    def score_at(smem, row, o_bias, j, scale):
         v = smem[_u32(row + j)]
         if has_bias:
             v = np.float32(v + smem[_u32(o_bias + j)])
-        return _key(v)
+        if scaled:
+            v = np.float32(v * scale)
+        return v
 
     @cuda.jit(device=True)
     def scan(smem, row, o_bias, lo, hi, keys):
@@ -182,41 +205,79 @@ def _selector(kcap: int, gcap: int, has_bias: bool, post: bool):
         # DeepSeek-V3 forward 224 vs 186 us on an H200.)
         j = np.int32(lo)
         while j < hi:
-            push_k(keys, key_at(smem, row, o_bias, j))
+            push_k(keys, _no_nan(score_at(smem, row, o_bias, j, _ONE)))
             j = np.int32(j + 1)
 
     @cuda.jit(device=True)
-    def mark(smem, row, o_bias, lo, hi, thr, need, flags, fbase, total):
-        # Eight experts a step, every load before any flag store: the flags
-        # share the tile's shared memory, so the compiler keeps each load
-        # after the stores before it, and one element a step would wait out
-        # a load's latency per element.
-        vs = cuda.local.array(_MARK, nb_f32)
-        bs = cuda.local.array(_MARK, nb_f32)
+    def scan_sum(smem, row, num_experts, keys):
+        # ``scaled``: the list of the raw row, and its sum (two accumulators,
+        # even and odd experts: E is even).
+        total = _ZERO
+        total2 = _ZERO
+        j = np.int32(0)
+        while j < num_experts:
+            v = smem[_u32(row + j)]
+            v2 = smem[_u32(row + j + 1)]
+            push_k(keys, _no_nan(v))
+            push_k(keys, _no_nan(v2))
+            total = np.float32(total + v)
+            total2 = np.float32(total2 + v2)
+            j = np.int32(j + 2)
+        return np.float32(total + total2)
+
+    @cuda.jit(device=True)
+    def selected_sum(smem, row, o_bias, lo, hi, thr, cut, total):
+        # With a bias: the selected experts' own scores (not s + b), ascending.
         j = np.int32(lo)
         while j < hi:
-            for i in range(_MARK):  # loads only (past hi: the last expert again, masked below)
-                jj = min(np.int32(j + i), np.int32(hi - 1))
-                vs[i] = smem[_u32(row + jj)]
-                bs[i] = smem[_u32(o_bias + jj)] if has_bias else _ZERO
-            for i in range(_MARK):
-                v = vs[i]
-                k = _key(np.float32(v + bs[i]) if has_bias else v)
-                inside = j + i < hi
-                tie = k == thr
-                hit = inside & ((k > thr) | (tie & (need > 0)))  # no branch: 32 rows per warp
-                need = np.int32(need - np.int32(hit & tie))
-                total = np.float32(total + (v if hit else _ZERO))
-                if inside:  # every byte: the rows' stride is odd, no bank conflicts
-                    flags[_u32(fbase + j + i)] = np.uint8(hit)
-            j = np.int32(j + _MARK)
+            v = smem[_u32(row + j)]
+            r = np.float32(v + smem[_u32(o_bias + j)])
+            hit = (r > thr) | ((r == thr) & (j <= cut))
+            total = np.float32(total + (v if hit else _ZERO))
+            j = np.int32(j + 1)
+        return total
+
+    @cuda.jit(device=True)
+    def tie_cut(smem, row, o_bias, lo, hi, thr, need, cut, scale):
+        # The index of the need-th expert scoring exactly thr, in ascending
+        # order (a tie crosses the threshold: only the first ones are in).
+        j = np.int32(lo)
+        while (j < hi) & (need > 0):
+            if score_at(smem, row, o_bias, j, scale) == thr:
+                need = np.int32(need - 1)
+                cut = j
+            j = np.int32(j + 1)
+        return need, cut
+
+    @cuda.jit(device=True)
+    def drop(smem, row, lo, hi):
+        j = np.int32(lo)
+        while j < hi:
+            smem[_u32(row + j)] = _NEG_INF
+            j = np.int32(j + 1)
+
+    @cuda.jit(device=True)
+    def mark(smem, row, o_bias, lo, hi, thr, need, bits, fword, total, scale):
+        # The bit way (rare: rows with fewer than K scores above -inf), kept
+        # simple: one expert a step, no branch on the data.
+        j = np.int32(lo)
+        while j < hi:
+            v = smem[_u32(row + j)]
+            r = _no_nan(score_at(smem, row, o_bias, j, scale))
+            tie = r == thr
+            hit = (r > thr) | (tie & (need > 0))
+            need = np.int32(need - np.int32(hit & tie))
+            total = np.float32(total + (v if hit else _ZERO))
+            a = _u32(fword + (j >> 5))
+            bits[a] = bits[a] | np.uint32(np.uint32(hit) << np.uint32(j & 31))
+            j = np.int32(j + 1)
         return need, total
 
     @cuda.jit(device=True)
-    def select(smem, row, num_experts, num_groups, group_topk, topk, o_gs, o_bias, flags, fbase):
-        keys = cuda.local.array(kcap, nb_i32)
+    def select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword):
+        keys = cuda.local.array(kcap, nb_f32)
         for q in range(kcap):
-            keys[q] = _KEY_EMPTY
+            keys[q] = _NEG_INF
         kept = 0
         gsize = np.int32(num_experts)
         ngroups = 1
@@ -224,20 +285,20 @@ def _selector(kcap: int, gcap: int, has_bias: bool, post: bool):
             ngroups = np.int32(num_groups)
             gsize = np.int32(num_experts // num_groups)
             per_group = topk // group_topk
-            gk = cuda.local.array(glist, nb_i32)
+            gk = cuda.local.array(glist, nb_f32)
             g = np.int32(0)
             while g < ngroups:
                 for q in range(gcap):
-                    gk[q] = _KEY_EMPTY
+                    gk[q] = _NEG_INF
                 j = np.int32(g * gsize)
                 end = np.int32(j + gsize)
                 while j < end:
-                    push_g(gk, key_at(smem, row, o_bias, j))
+                    push_g(gk, _no_nan(score_at(smem, row, o_bias, j, _ONE)))
                     j = np.int32(j + 1)
-                gs = _value(gk[0])
+                gs = gk[0]
                 for q in range(1, gcap):
                     if q < per_group:
-                        gs = np.float32(gs + _value(gk[q]))
+                        gs = np.float32(gs + gk[q])
                 smem[_u32(o_gs + g)] = gs
                 g = np.int32(g + 1)
             g = np.int32(0)
@@ -259,38 +320,94 @@ def _selector(kcap: int, gcap: int, has_bias: bool, post: bool):
                 g = np.int32(g + 1)
         else:
             kept = 1
-        g = np.int32(0)
-        while g < ngroups:
-            if (kept >> g) & 1:
-                scan(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize), keys)
-            g = np.int32(g + 1)
-        thr = keys[0]
-        for q in range(1, kcap):
-            if q < topk:
-                thr = keys[q]
+        scale = _ONE
+        rowsum = _ZERO
+        if scaled:
+            rowsum = scan_sum(smem, row, num_experts, keys)
+            scale = np.float32(_ONE / np.float32(rowsum + _EPS))
+            for q in range(kcap):
+                keys[q] = _no_nan(np.float32(keys[q] * scale))  # a NaN sum: every score NaN, all tied
+        else:
+            g = np.int32(0)
+            while g < ngroups:
+                if (kept >> g) & 1:
+                    scan(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize), keys)
+                g = np.int32(g + 1)
+        thr = keys[topk - 1]
         need = np.int32(topk)
-        for q in range(kcap):
-            if q < topk and keys[q] > thr:
+        for q in range(topk):
+            if keys[q] > thr:
                 need = np.int32(need - 1)
         total = _ZERO
-        g = np.int32(0)
-        while g < ngroups:
-            if (kept >> g) & 1:
-                need, total = mark(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize),
-                                   thr, need, flags, fbase, total)
-            g = np.int32(g + 1)
+        cut = np.int32(num_experts)  # every expert scoring thr is in
+        if thr > _NEG_INF:
+            # By threshold: r > thr, or r == thr up to expert ``cut`` (thr is
+            # not -inf, so NaN, which counts as -inf, never ties with it;
+            # -0.0 == +0.0).
+            if keys[topk] == thr:
+                g = np.int32(0)
+                while g < ngroups:
+                    if (kept >> g) & 1:
+                        need, cut = tie_cut(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize),
+                                            thr, need, cut, scale)
+                    g = np.int32(g + 1)
+            g = np.int32(0)
+            while g < ngroups:
+                lo = np.int32(g * gsize)
+                hi = np.int32(lo + gsize)
+                if (kept >> g) & 1:
+                    if has_bias and norm:
+                        total = selected_sum(smem, row, o_bias, lo, hi, thr, cut, total)
+                else:
+                    drop(smem, row, lo, hi)
+                g = np.int32(g + 1)
+            if not has_bias:
+                for q in range(topk):
+                    total = np.float32(total + keys[q])
+        else:
+            # Fewer than K kept scores above -inf: -inf and NaN are tied
+            # fillers, the bits say which.
+            w = np.int32(0)
+            while w < (num_experts + 31) >> 5:
+                bits[_u32(fword + w)] = np.uint32(0)
+                w = np.int32(w + 1)
+            g = np.int32(0)
+            while g < ngroups:
+                if (kept >> g) & 1:
+                    need, total = mark(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize),
+                                       thr, need, bits, fword, total, scale)
+                g = np.int32(g + 1)
+            thr = _NAN  # phase 3: read the bits
         m = _ZERO
         if post:
-            m = _value(keys[0])
+            m = keys[0]
             e = _ZERO
-            for q in range(kcap):
-                if q < topk:
-                    e += _exp(_value(keys[q]) - m)
+            for q in range(topk):
+                e += _exp(keys[q] - m)
             if total == total:
                 total = e
-        return total, m
+        if scaled:
+            total = rowsum
+        return total, m, thr, cut
 
     return select
+
+
+@cuda.jit(device=True)
+def _flags_of(r0, r1, r2, r3, q, thr, cut, bits, fword):
+    """Quad ``q``'s four selection flags, a byte per expert (its ``routing_map``
+    word): its four scores ``r0..r3`` against the token's threshold ``thr``
+    and tie cutoff ``cut``, or (``thr`` NaN) the token's bits at
+    ``bits[fword:]``."""
+    if thr != thr:
+        n = np.uint32(bits[_u32(fword + (q >> 3))] >> np.uint32(4 * (q & 7)))
+        return np.uint32((n & np.uint32(1)) | ((n & np.uint32(2)) << np.uint32(7))
+                         | ((n & np.uint32(4)) << np.uint32(14)) | ((n & np.uint32(8)) << np.uint32(21)))
+    j = 4 * q
+    return (np.uint32((r0 > thr) | ((r0 == thr) & (j <= cut)))
+            | np.uint32(np.uint32((r1 > thr) | ((r1 == thr) & (j + 1 <= cut))) << np.uint32(8))
+            | np.uint32(np.uint32((r2 > thr) | ((r2 == thr) & (j + 2 <= cut))) << np.uint32(16))
+            | np.uint32(np.uint32((r3 > thr) | ((r3 == thr) & (j + 3 <= cut))) << np.uint32(24)))
 
 
 # ----------------------------------------------------------------------------
@@ -302,29 +419,31 @@ def _selector(kcap: int, gcap: int, has_bias: bool, post: bool):
 def _stager(kind: str, sf: int, has_bias: bool):
     """Device function staging the forward tile, ``_STAGE`` quads per step, their
     loads in flight together: the score function, ``saved`` (sigmoid: ``a``;
-    sqrtsoftplus: the raw ``x``, TE's convention; softmax: nothing yet), the
-    tile, the quad's flag word (``ism[o_flag + t*F + q]``, ``F = E/4 | 1``) cleared; with
-    ``has_bias`` the bias into ``smem[o_bias:o_bias+E]``.  Ends with a barrier."""
+    sqrtsoftplus: the raw ``x``, TE's convention; softmax: nothing yet; one
+    16-byte store per quad), the tile; with ``has_bias`` the bias into
+    ``smem[o_bias:o_bias+E]``.  Ends with a barrier."""
     load4 = flat_io(kind)[0]
-
-    @cuda.jit(device=True)
-    def put(x, f, tile, saved, smem):
-        s = x
-        if sf != _SOFTMAX:
-            s = _activation(x, sf)
-            saved[_u64(f)] = s if sf == _SIGMOID else x
-        smem[_u32(tile)] = s
+    store_f32 = quad_f32()[1]
 
     @cuda.jit(device=True)
     def put4(x0, x1, x2, x3, w, tile, saved, smem):
-        f = 4 * w
-        put(x0, f, tile, saved, smem)
-        put(x1, f + 1, tile + 1, saved, smem)
-        put(x2, f + 2, tile + 2, saved, smem)
-        put(x3, f + 3, tile + 3, saved, smem)
+        s0, s1, s2, s3 = x0, x1, x2, x3
+        if sf != _SOFTMAX:
+            s0 = _activation(x0, sf)
+            s1 = _activation(x1, sf)
+            s2 = _activation(x2, sf)
+            s3 = _activation(x3, sf)
+            if sf == _SIGMOID:
+                store_f32(saved, w, s0, s1, s2, s3)
+            else:
+                store_f32(saved, w, x0, x1, x2, x3)
+        smem[_u32(tile)] = s0
+        smem[_u32(tile + 1)] = s1
+        smem[_u32(tile + 2)] = s2
+        smem[_u32(tile + 3)] = s3
 
     @cuda.jit(device=True)
-    def stage(lg, bias, saved, smem, ism, o_flag, o_bias, wb, nt, eq, stride, tid, nthreads):
+    def stage(lg, bias, saved, smem, o_bias, wb, nt, eq, stride, tid, nthreads):
         if has_bias:
             j = np.int32(tid)
             while j < 4 * eq:
@@ -347,7 +466,6 @@ def _stager(kind: str, sf: int, has_bias: bool):
                 if ts[i] < nt:
                     put4(xs[4 * i], xs[4 * i + 1], xs[4 * i + 2], xs[4 * i + 3],
                          wb + np.int32(ts[i] * eq + qs[i]), ts[i] * stride + 4 * qs[i], saved, smem)
-                    ism[_u32(o_flag + ts[i] * (eq | 1) + qs[i])] = 0
             t, q = _adv32(ts[_STAGE - 1], qs[_STAGE - 1], dt, dq, eq)
         cuda.syncthreads()
 
@@ -355,73 +473,72 @@ def _stager(kind: str, sf: int, has_bias: bool):
 
 
 @functools.cache
-def _row_normaliser(softmax: bool):
-    """Device functions ``stats(smem, row, valid, E, o_m, o_s)``, by a row's
-    thread: softmax max (NaN ignored) then ``sum exp(x - max)``, else ``sum
-    v``, at ``smem[o_m]``, ``smem[o_s]``; and ``normalise(smem, o_red, out1,
-    out2, write2, wb, nt, eq, stride, tid, nthreads)``, all threads, a quad
-    per step: the tile rows divided by their statistics (``exp(x - max) /
-    sum`` like jax.nn.softmax, an all -inf row giving NaN; or ``v / (sum +
-    1e-20)``), in place, to ``out1`` and (``write2``) ``out2`` (flat fp32).
-    Token t's statistics: ``smem[o_red + t]``, ``smem[o_red + nthreads + t]``.
-    ``stats`` is followed, ``normalise`` ends, with a barrier."""
+def _softmax_rows():
+    """Device functions of the softmax rows: ``stats(smem, row, valid, E, o_m,
+    o_s)``, by a row's thread: the max (NaN ignored) then ``sum exp(x -
+    max)``, stored (``valid`` rows) at ``smem[o_m]`` and, as ``1 / sum``, at
+    ``smem[o_s]``; and ``normalise(smem, o_red, tb, out1, out2, write2, wb,
+    nt, eq, stride, tid, nthreads)``, all threads, a quad per step: the tile
+    rows as ``exp(x - max) / sum`` like jax.nn.softmax (an all -inf row
+    giving NaN; a product with the reciprocal, within an ulp of the
+    division), in place, to ``out1`` and (``write2``) ``out2`` (flat fp32,
+    16-byte stores).  Token t's statistics: ``smem[o_red + t]``,
+    ``smem[o_red + tb + t]``.  ``stats`` is followed, ``normalise`` ends,
+    with a barrier."""
+    store_f32 = quad_f32()[1]
 
     @cuda.jit(device=True)
     def stats(smem, row, valid, num_experts, o_m, o_s):
         # two accumulators (even and odd experts; E is even): two dependency
         # chains in flight, the scan being latency-bound
-        m = _NEG_INF
-        total = _ZERO
         if valid:
-            if softmax:
-                m2 = _NEG_INF
-                j = np.int32(0)
-                while j < num_experts:
-                    v = smem[_u32(row + j)]
-                    v2 = smem[_u32(row + j + 1)]
-                    if v > m:  # NaN never wins; it still makes the sum NaN below
-                        m = v
-                    if v2 > m2:
-                        m2 = v2
-                    j = np.int32(j + 2)
-                if m2 > m:
-                    m = m2
-            total2 = _ZERO
+            m = _NEG_INF
+            m2 = _NEG_INF
             j = np.int32(0)
             while j < num_experts:
                 v = smem[_u32(row + j)]
                 v2 = smem[_u32(row + j + 1)]
-                if softmax:
-                    v = _exp(v - m)
-                    v2 = _exp(v2 - m)
-                total += v
-                total2 += v2
+                if v > m:  # NaN never wins; it still makes the sum NaN below
+                    m = v
+                if v2 > m2:
+                    m2 = v2
                 j = np.int32(j + 2)
-            total = np.float32(total + total2)
-        smem[_u32(o_m)] = m
-        smem[_u32(o_s)] = total
+            if m2 > m:
+                m = m2
+            total = _ZERO
+            total2 = _ZERO
+            j = np.int32(0)
+            while j < num_experts:
+                total += _exp(smem[_u32(row + j)] - m)
+                total2 += _exp(smem[_u32(row + j + 1)] - m)
+                j = np.int32(j + 2)
+            smem[_u32(o_m)] = m
+            smem[_u32(o_s)] = np.float32(_ONE / np.float32(total + total2))
         cuda.syncthreads()
 
     @cuda.jit(device=True)
-    def one(v, m, s):
-        if softmax:
-            return np.float32(_exp(v - m) / s)
-        return np.float32(v / np.float32(s + _EPS))
+    def one(v, m, inv):
+        return np.float32(_exp(v - m) * inv)
 
     @cuda.jit(device=True)
-    def normalise(smem, o_red, out1, out2, write2, wb, nt, eq, stride, tid, nthreads):
+    def normalise(smem, o_red, tb, out1, out2, write2, wb, nt, eq, stride, tid, nthreads):
         t, q, dt, dq = _walk32(tid, nthreads, eq)
         while t < nt:
             m = smem[_u32(o_red + t)]
-            s = smem[_u32(o_red + nthreads + t)]
+            inv = smem[_u32(o_red + tb + t)]
             base = np.int32(t * stride + 4 * q)
-            f = 4 * (wb + np.int32(t * eq + q))
-            for i in range(4):
-                p = one(smem[_u32(base + i)], m, s)
-                smem[_u32(base + i)] = p
-                out1[_u64(f + i)] = p
-                if write2:
-                    out2[_u64(f + i)] = p
+            p0 = one(smem[_u32(base)], m, inv)
+            p1 = one(smem[_u32(base + 1)], m, inv)
+            p2 = one(smem[_u32(base + 2)], m, inv)
+            p3 = one(smem[_u32(base + 3)], m, inv)
+            smem[_u32(base)] = p0
+            smem[_u32(base + 1)] = p1
+            smem[_u32(base + 2)] = p2
+            smem[_u32(base + 3)] = p3
+            w = wb + np.int32(t * eq + q)
+            store_f32(out1, w, p0, p1, p2, p3)
+            if write2:
+                store_f32(out2, w, p0, p1, p2, p3)
             t, q = _adv32(t, q, dt, dq, eq)
         cuda.syncthreads()
 
@@ -434,27 +551,28 @@ def _row_normaliser(softmax: bool):
 
 
 @functools.cache
-def topk_fwd_kernel(kind: str, kcap: int, gcap: int, sf: int, has_bias: bool, pre: bool):
-    """The top-k forward for logits of ``kind``; ``kcap`` >= K and ``gcap`` >=
-    K / Kg (0: no groups) size the register lists (powers of two); the score
+def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pre: bool):
+    """The top-k forward for logits of ``kind``; ``topk`` (K) and ``gcap`` >=
+    K / Kg (0: no groups; a power of two) size the register lists; the score
     function, the bias and ``use_pre_softmax`` (softmax only) are compile-time
     constants."""
     stage = _stager(kind, sf, has_bias)
-    load_at, store4, zero4 = (flat_io(kind)[i] for i in (1, 2, 3))
-    select = _selector(kcap, gcap, has_bias, sf == _SOFTMAX and not pre)
-    stats, normalise = _row_normaliser(True)
+    store4, zero4 = (flat_io(kind)[i] for i in (2, 3))
+    store_f32 = quad_f32()[1]
+    select = _selector(topk, gcap, has_bias, sf == _SOFTMAX and not pre)
+    stats, normalise = _softmax_rows()
     pre_softmax = sf == _SOFTMAX and pre
     post_softmax = sf == _SOFTMAX and not pre
+    norm = sf != _SOFTMAX and topk > 1
 
     @cuda.jit(device=True)
-    def weight(v, m, inv, norm):
+    def weight(v, m, inv):
         """The routing weight of a selected expert of tile value ``v``; ``inv``:
         1 / the token's sum (a product instead of a division: within one ulp)."""
         if post_softmax:
             return np.float32(_exp(v - m) * inv)
-        if sf != _SOFTMAX:
-            if norm:
-                return np.float32(v * inv)
+        if norm:
+            return np.float32(v * inv)
         return v
 
     @cuda.jit
@@ -466,7 +584,6 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int, sf: int, has_bias: bool, pr
         saved,  # [T*E] fp32, out
         num_tokens,
         num_experts,
-        topk,  # K
         num_groups,  # G
         group_topk,  # Kg
         scale,  # fp32 scaling_factor
@@ -475,11 +592,11 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int, sf: int, has_bias: bool, pr
         o_flag,  # word offsets (_launch.token_layout)
         o_gs,
         o_red,
+        o_thr,
         o_bias,
     ):
-        smem = cuda.shared.array(0, nb_f32)  # one dynamic allocation, three views
-        ism = cuda.shared.array(0, nb_i32)
-        flags = cuda.shared.array(0, nb_u8)
+        smem = cuda.shared.array(0, nb_f32)  # one dynamic allocation, two views
+        bits = cuda.shared.array(0, nb_u32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         t0 = cuda.blockIdx.x * tile_tokens
@@ -487,29 +604,31 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int, sf: int, has_bias: bool, pr
         valid = tid < nt  # thread t owns tile row t
         row = np.int32(tid * stride)
         eq = np.int32(num_experts // 4)
+        fstride = np.int32(((num_experts + 31) >> 5) | 1)  # _launch.token_flag_stride
         wb = t0 * eq  # the tile's first quad (int64)
-        norm = sf != _SOFTMAX and topk > 1
 
-        # 1. All threads: s (the bias into shared memory), saved; flags cleared.
-        stage(logits, bias, saved, smem, ism, o_flag, o_bias, wb, nt, eq, stride, tid, nthreads)
+        # 1. All threads: s (the bias into shared memory), saved.
+        stage(logits, bias, saved, smem, o_bias, wb, nt, eq, stride, tid, nthreads)
         if pre_softmax:
             # softmax over all E first (max and sum by the row's thread), then
             # all threads normalise in place and write saved.
-            stats(smem, row, valid, num_experts, o_red + tid, o_red + nthreads + tid)
-            normalise(smem, o_red, saved, saved, False, wb, nt, eq, stride, tid, nthreads)
+            stats(smem, row, valid, num_experts, o_red + tid, o_red + tile_tokens + tid)
+            normalise(smem, o_red, tile_tokens, saved, saved, False, wb, nt, eq, stride, tid, nthreads)
 
-        # 2. Thread per token: selection (flags), then the weights' statistics:
+        # 2. Thread per token: selection, then the weights' statistics:
         # post-softmax the max and sum exp(s - max) of the selected scores,
         # normalised the sum of the selected scores + eps.  (Selection reads
         # s + bias; the weights, s itself.)
         if valid:
-            total, m = select(smem, row, num_experts, num_groups, group_topk, topk,
-                              o_gs + tid * (num_groups | 1), o_bias, flags, 4 * (o_flag + tid * (eq | 1)))
+            total, m, thr, cut = select(smem, row, num_experts, num_groups, group_topk,
+                                        o_gs + tid * (num_groups | 1), o_bias, bits, o_flag + tid * fstride)
             if norm:
                 total = np.float32(total + _EPS)
             smem[_u32(o_red + tid)] = np.float32(_ONE / total)  # phase 3 multiplies
-            smem[_u32(o_red + nthreads + tid)] = m
-        # Barrier: phase 3 reads every token's flags and statistics.
+            smem[_u32(o_red + tile_tokens + tid)] = m
+            smem[_u32(o_thr + tid)] = thr
+            bits[_u32(o_thr + tile_tokens + tid)] = np.uint32(cut)
+        # Barrier: phase 3 reads every token's tile row, bits and statistics.
         cuda.syncthreads()
 
         # 3. All threads, a quad per step: the quad's four flags are one word,
@@ -517,9 +636,20 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int, sf: int, has_bias: bool, pr
         # saved (-inf at unselected, the selected-set softmax at selected).
         t, q, dt, dq = _walk32(tid, nthreads, eq)
         while t < nt:
-            lq = np.int32(t * eq + q)
-            w = wb + lq
-            fw = np.uint32(ism[_u32(o_flag + t * (eq | 1) + q)])
+            w = wb + np.int32(t * eq + q)
+            base = np.int32(t * stride + 4 * q)
+            v0 = smem[_u32(base)]
+            v1 = smem[_u32(base + 1)]
+            v2 = smem[_u32(base + 2)]
+            v3 = smem[_u32(base + 3)]
+            r0, r1, r2, r3 = v0, v1, v2, v3
+            if has_bias:  # the selection's scores: s + bias
+                r0 = np.float32(v0 + smem[_u32(o_bias + 4 * q)])
+                r1 = np.float32(v1 + smem[_u32(o_bias + 4 * q + 1)])
+                r2 = np.float32(v2 + smem[_u32(o_bias + 4 * q + 2)])
+                r3 = np.float32(v3 + smem[_u32(o_bias + 4 * q + 3)])
+            fw = _flags_of(r0, r1, r2, r3, q, smem[_u32(o_thr + t)],
+                           np.int32(bits[_u32(o_thr + tile_tokens + t)]), bits, o_flag + t * fstride)
             routing_map[_u64(w)] = fw
             w0 = w1 = w2 = w3 = _ZERO
             m0 = m1 = m2 = m3 = False
@@ -527,37 +657,36 @@ def topk_fwd_kernel(kind: str, kcap: int, gcap: int, sf: int, has_bias: bool, pr
                 zero4(probs, w)
             else:
                 inv = smem[_u32(o_red + t)]
-                m = smem[_u32(o_red + nthreads + t)]
-                base = np.int32(t * stride + 4 * q)
+                m = smem[_u32(o_red + tile_tokens + t)]
                 m0 = fw & _B0 != 0
                 m1 = fw & _B1 != 0
                 m2 = fw & _B2 != 0
                 m3 = fw & _B3 != 0
-                w0 = weight(smem[_u32(base)], m, inv, norm) if m0 else _ZERO
-                w1 = weight(smem[_u32(base + 1)], m, inv, norm) if m1 else _ZERO
-                w2 = weight(smem[_u32(base + 2)], m, inv, norm) if m2 else _ZERO
-                w3 = weight(smem[_u32(base + 3)], m, inv, norm) if m3 else _ZERO
+                w0 = weight(v0, m, inv) if m0 else _ZERO
+                w1 = weight(v1, m, inv) if m1 else _ZERO
+                w2 = weight(v2, m, inv) if m2 else _ZERO
+                w3 = weight(v3, m, inv) if m3 else _ZERO
                 store4(probs, w, np.float32(scale * w0), np.float32(scale * w1),
                        np.float32(scale * w2), np.float32(scale * w3))
             if post_softmax:
-                f = 4 * w
-                saved[_u64(f)] = w0 if m0 else _NEG_INF
-                saved[_u64(f + 1)] = w1 if m1 else _NEG_INF
-                saved[_u64(f + 2)] = w2 if m2 else _NEG_INF
-                saved[_u64(f + 3)] = w3 if m3 else _NEG_INF
+                store_f32(saved, w, w0 if m0 else _NEG_INF, w1 if m1 else _NEG_INF,
+                          w2 if m2 else _NEG_INF, w3 if m3 else _NEG_INF)
             t, q = _adv32(t, q, dt, dq, eq)
 
     return kernel
 
 
 @functools.cache
-def aux_scores_fwd_kernel(kind: str, kcap: int, sf: int):
-    """The aux-score forward for logits of ``kind``; ``kcap`` >= K; the score
-    function a compile-time constant."""
+def aux_scores_fwd_kernel(kind: str, topk: int, sf: int):
+    """The aux-score forward for logits of ``kind``; K (``topk``) and the score
+    function are compile-time constants."""
     softmax = sf == _SOFTMAX
     stage = _stager(kind, sf, False)
-    select = _selector(kcap, 0, False, False)
-    stats, normalise = _row_normaliser(softmax)
+    # softmax: select on the normalised tile; sigmoid / sqrtsoftplus: one
+    # scan of the raw row gives its sum and the (scaled) list
+    select = _selector(topk, 0, False, False, not softmax)
+    stats, normalise = _softmax_rows()
+    store_f32 = quad_f32()[1]
 
     @cuda.jit
     def kernel(
@@ -567,15 +696,14 @@ def aux_scores_fwd_kernel(kind: str, kcap: int, sf: int):
         saved,  # [T*E] fp32, out: softmax p / sigmoid a / raw x (sqrtsoftplus)
         num_tokens,
         num_experts,
-        topk,
         tile_tokens,  # TB
         stride,  # P
         o_flag,  # word offsets (_launch.token_layout, no groups)
         o_red,
+        o_thr,
     ):
         smem = cuda.shared.array(0, nb_f32)
-        ism = cuda.shared.array(0, nb_i32)
-        flags = cuda.shared.array(0, nb_u8)
+        bits = cuda.shared.array(0, nb_u32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         t0 = cuda.blockIdx.x * tile_tokens
@@ -583,23 +711,47 @@ def aux_scores_fwd_kernel(kind: str, kcap: int, sf: int):
         valid = tid < nt
         row = np.int32(tid * stride)
         eq = np.int32(num_experts // 4)
+        fstride = np.int32(((num_experts + 31) >> 5) | 1)  # _launch.token_flag_stride
         wb = t0 * eq
 
         # 1. All threads: x -> activation (x for softmax) into the tile, saved.
-        stage(logits, saved, saved, smem, ism, o_flag, 0, wb, nt, eq, stride, tid, nthreads)
-        # 2. Thread per token: softmax max and sum, or sum_all v; then all
-        # threads normalise: the scores, in place and to memory.
-        stats(smem, row, valid, num_experts, o_red + tid, o_red + nthreads + tid)
-        normalise(smem, o_red, scores, saved, softmax, wb, nt, eq, stride, tid, nthreads)
-        # 3. Thread per token: plain top-K of the scores, flagged.
+        stage(logits, saved, saved, smem, 0, wb, nt, eq, stride, tid, nthreads)
+        # 2. Thread per token: softmax: max and sum exp, then (all threads)
+        # the scores, in place and to memory, then the top-K of the scores;
+        # sigmoid / sqrtsoftplus: the row's sum and top-K in one scan.  The
+        # selection is a threshold and tie cutoff, or bits.
+        if softmax:
+            stats(smem, row, valid, num_experts, o_red + tid, o_red + tile_tokens + tid)
+            normalise(smem, o_red, tile_tokens, scores, saved, True, wb, nt, eq, stride, tid, nthreads)
         if valid:
-            select(smem, row, num_experts, 1, 0, topk, 0, 0, flags, 4 * (o_flag + tid * (eq | 1)))
+            total, _, thr, cut = select(smem, row, num_experts, 1, 0, 0, 0, bits, o_flag + tid * fstride)
+            if not softmax:
+                smem[_u32(o_red + tile_tokens + tid)] = np.float32(_ONE / np.float32(total + _EPS))
+            smem[_u32(o_thr + tid)] = thr
+            bits[_u32(o_thr + tile_tokens + tid)] = np.uint32(cut)
+        # Barrier: phase 3 reads every token's statistics, threshold and bits.
         cuda.syncthreads()
-        # 4. All threads, a quad per step: its flag word is its map word.
+        # 3. All threads, a quad per step: (sigmoid / sqrtsoftplus: the
+        # scores, times the reciprocal the selection used;) the flag word,
+        # which is the quad's map word.
         t, q, dt, dq = _walk32(tid, nthreads, eq)
         while t < nt:
-            lq = np.int32(t * eq + q)
-            routing_map[_u64(wb + lq)] = np.uint32(ism[_u32(o_flag + t * (eq | 1) + q)])
+            w = wb + np.int32(t * eq + q)
+            base = np.int32(t * stride + 4 * q)
+            p0 = smem[_u32(base)]
+            p1 = smem[_u32(base + 1)]
+            p2 = smem[_u32(base + 2)]
+            p3 = smem[_u32(base + 3)]
+            if not softmax:
+                inv = smem[_u32(o_red + tile_tokens + t)]
+                p0 = np.float32(p0 * inv)
+                p1 = np.float32(p1 * inv)
+                p2 = np.float32(p2 * inv)
+                p3 = np.float32(p3 * inv)
+                store_f32(scores, w, p0, p1, p2, p3)
+            routing_map[_u64(w)] = _flags_of(p0, p1, p2, p3, q, smem[_u32(o_thr + t)],
+                                             np.int32(bits[_u32(o_thr + tile_tokens + t)]), bits,
+                                             o_flag + t * fstride)
             t, q = _adv32(t, q, dt, dq, eq)
 
     return kernel

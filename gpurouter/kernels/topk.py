@@ -57,23 +57,70 @@ _SIGMOID, _SOFTMAX, _SQRTSOFTPLUS = L.SIGMOID, L.SOFTMAX, L.SQRTSOFTPLUS
 # ----------------------------------------------------------------------------
 
 
-@cuda.jit(device=True)
-def _exp(a):
-    """fp32 ``exp(a)`` with the argument capped at 88 (NaN passes through).
+if L.simulator_enabled():
 
-    The cap only matters where expf would overflow to inf anyway (only
-    ``sigmoid(x < -88)`` reaches it, and there it changes the result by
-    < 1e-38); it keeps the simulator, which evaluates ``math.exp`` in Python
-    doubles, from raising OverflowError.
-    """
-    if a > _EXP_CLAMP:
-        a = _EXP_CLAMP
-    return np.float32(math.exp(a))
+    @cuda.jit(device=True)
+    def _exp(a):
+        """fp32 ``exp(a)`` (the simulator's: Python doubles, the argument capped at
+        88 so that ``math.exp`` never raises OverflowError; the cap only matters
+        where expf overflows to inf anyway)."""
+        if a > _EXP_CLAMP:
+            a = _EXP_CLAMP
+        return np.float32(math.exp(a))
+
+    @cuda.jit(device=True)
+    def _rcp(a):
+        return np.float32(_ONE / a)
+
+    @cuda.jit(device=True)
+    def _fmax(a, b):
+        return max(a, b)
+
+    @cuda.jit(device=True)
+    def _fmin(a, b):
+        return min(a, b)
+
+    @cuda.jit(device=True)
+    def _no_nan(a):
+        return _NEG_INF if a != a else a
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def _exp(a):
+        """fp32 ``exp(a)`` as ``ex2.approx(a * log2 e)``: two instructions instead of
+        libdevice's accurate ten (relative error ~2e-7, ~2e-6 at |a| = 20,
+        inside CONTRACT section 7's 1e-5; the stage's sigmoid was a third of
+        the thread-per-token forward's instructions).  exp(+-inf) = inf, 0;
+        NaN stays NaN."""
+        return libdevice.fast_expf(a)
+
+    @cuda.jit(device=True)
+    def _rcp(a):
+        """fp32 ``1 / a`` by ``rcp.approx`` (within 1 ulp; 0 for a = inf) instead of
+        the IEEE division's range checks and slow-path call."""
+        return libdevice.fast_fdividef(_ONE, a)
+
+    @cuda.jit(device=True)
+    def _fmax(a, b):
+        """fp32 max, one instruction (numba's ``max`` is a compare and a select).
+        Callers pass no NaN (fmaxf would drop it; Python's max keeps ``a``)."""
+        return libdevice.fmaxf(a, b)
+
+    @cuda.jit(device=True)
+    def _fmin(a, b):
+        return libdevice.fminf(a, b)
+
+    @cuda.jit(device=True)
+    def _no_nan(a):
+        """``a``, NaN as -inf: one fmaxf (the max of NaN and -inf is -inf)."""
+        return libdevice.fmaxf(a, _NEG_INF)
 
 
 @cuda.jit(device=True)
 def _sigmoid(x):
-    return np.float32(_ONE / (_ONE + _exp(-x)))
+    return _rcp(np.float32(_ONE + _exp(-x)))
 
 
 @cuda.jit(device=True)
@@ -223,8 +270,8 @@ def flat_io(kind: str):
 
     ``load4(a, w) -> 4 x fp32``, ``load_at(a, f) -> fp32``,
     ``store4(a, w, v0, v1, v2, v3)`` (fp32 values) and ``zero4(a, w)``.
-    bf16: ``a`` is the array's uint64 words, a quad per load or store; other
-    kinds: the array's elements.
+    bf16: ``a`` is the array's uint64 words, a quad per load or store; fp32:
+    one 16-byte access per quad (``_vec.quad_f32``); fp16: the elements.
     """
     if kind == L.BF16:
 
@@ -251,8 +298,20 @@ def flat_io(kind: str):
         def zero4(a, w):
             a[_u64(w)] = np.uint64(0)
 
+    elif kind == L.F32:
+        from ._vec import quad_f32
+
+        load4, store4 = quad_f32()  # one 16-byte access per quad
+
+        @cuda.jit(device=True)
+        def load_at(a, f):
+            return a[_u64(f)]
+
+        @cuda.jit(device=True)
+        def zero4(a, w):
+            store4(a, w, _ZERO, _ZERO, _ZERO, _ZERO)
+
     else:
-        conv = np.float16 if kind == L.F16 else np.float32  # cvt.rn: round to nearest even
 
         @cuda.jit(device=True)
         def load4(a, w):
@@ -267,10 +326,10 @@ def flat_io(kind: str):
         @cuda.jit(device=True)
         def store4(a, w, v0, v1, v2, v3):
             f = 4 * w
-            a[_u64(f)] = conv(v0)
-            a[_u64(f + 1)] = conv(v1)
-            a[_u64(f + 2)] = conv(v2)
-            a[_u64(f + 3)] = conv(v3)
+            a[_u64(f)] = np.float16(v0)  # cvt.rn: round to nearest even
+            a[_u64(f + 1)] = np.float16(v1)
+            a[_u64(f + 2)] = np.float16(v2)
+            a[_u64(f + 3)] = np.float16(v3)
 
         @cuda.jit(device=True)
         def zero4(a, w):
@@ -1041,6 +1100,7 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
     the loop's own work.
     """
     load4 = flat_io(grad_kind)[0]
+    load_saved = flat_io(L.F32)[0]
     _, _, out4, zero_out4 = flat_io(out_kind)
     dx = _quad_dx(sf, dense)
     if has_map:
@@ -1093,15 +1153,15 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
             mw = word(routing_map, w)
             if mw != 0:
                 g0, g1, g2, g3 = load4(grad_probs, w)
-                f = 4 * w
+                x0, x1, x2, x3 = load_saved(saved, w)
                 if mw & _B0 != 0:
-                    total, dot = acc(total, dot, saved[_u64(f)], g0, scale)
+                    total, dot = acc(total, dot, x0, g0, scale)
                 if mw & _B1 != 0:
-                    total, dot = acc(total, dot, saved[_u64(f + 1)], g1, scale)
+                    total, dot = acc(total, dot, x1, g1, scale)
                 if mw & _B2 != 0:
-                    total, dot = acc(total, dot, saved[_u64(f + 2)], g2, scale)
+                    total, dot = acc(total, dot, x2, g2, scale)
                 if mw & _B3 != 0:
-                    total, dot = acc(total, dot, saved[_u64(f + 3)], g3, scale)
+                    total, dot = acc(total, dot, x3, g3, scale)
             q = np.int32(q + step)
         red[tid] = total
         red[nthreads + tid] = dot
@@ -1120,15 +1180,11 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
                     zero_out4(grad_logits, w)
                 else:
                     g0, g1, g2, g3 = load4(grad_probs, w)
-                    f = 4 * w
+                    x0, x1, x2, x3 = load_saved(saved, w)  # one 16-byte load, whichever are selected
                     m0 = mw & _B0 != 0
                     m1 = mw & _B1 != 0
                     m2 = mw & _B2 != 0
                     m3 = mw & _B3 != 0
-                    x0 = saved[_u64(f)] if m0 or dense else _ZERO
-                    x1 = saved[_u64(f + 1)] if m1 or dense else _ZERO
-                    x2 = saved[_u64(f + 2)] if m2 or dense else _ZERO
-                    x3 = saved[_u64(f + 3)] if m3 or dense else _ZERO
                     out4(grad_logits, w, dx(x0, g0, m0, inv, c, dsum, scale, norm),
                          dx(x1, g1, m1, inv, c, dsum, scale, norm),
                          dx(x2, g2, m2, inv, c, dsum, scale, norm),
@@ -1246,17 +1302,16 @@ def topk_with_score_function_fwd_plan(logits: L.Spec, has_bias: bool, topk: int,
     if L.token_path(num_experts, int(topk), G if grouped else 0, bool(has_bias)):
         from .token_rows import topk_fwd_kernel
 
-        kcap = L.pow2_at_least(int(topk))
         gcap = L.pow2_at_least(int(topk) // int(group_topk)) if grouped else 0
         lay = L.token_layout(num_tokens, num_experts, G if grouped else 0, bool(has_bias))
         words, quads, flat = array_views(logits.kind, shape)
-        kern = topk_fwd_kernel(logits.kind, kcap, gcap, int(sf), bool(has_bias),
+        kern = topk_fwd_kernel(logits.kind, int(topk), gcap, int(sf), bool(has_bias),
                                bool(pre) and sf == _SOFTMAX)
         step = L.Step(kern, lay.grid, lay.threads, lay.shared,
                       (L.In(0, words), bias, L.Out(0, words), L.Out(1, quads), L.Out(2, flat),
-                       num_tokens, num_experts, int(topk), G, int(group_topk) if grouped else -1,
+                       num_tokens, num_experts, G, int(group_topk) if grouped else -1,
                        np.float32(scale), lay.tb, lay.stride, lay.o_flag, lay.o_gs, lay.o_red,
-                       lay.o_bias))
+                       lay.o_thr, lay.o_bias))
         return L.Plan(OP + "_fwd", ins, outs, (), (step,))
     lay = L.select_layout(num_tokens, num_experts, int(topk), G if grouped else 0)
     step = L.Step(_topk_fwd_kernel(logits.kind, topk_capacity(topk)), lay.grid, lay.threads,

@@ -92,6 +92,53 @@ def test_group_ties_and_dropped_fillers(token_tiling):
     np.testing.assert_array_equal(m, rm)
 
 
+@pytest.mark.parametrize("sf,pre", FWD_MODES)
+@pytest.mark.parametrize("grouped", [False, True], ids=["flat", "groups"])
+def test_ties_across_the_threshold(token_tiling, sf, pre, grouped):
+    """Coarse-grid rows (ties everywhere, as bf16 logits give), a bias with
+    repeated values, rows with fewer than K finite scores, all in one block
+    with tie-free rows: the threshold way with and without a tie cutoff and
+    the bit way side by side, maps exact against the reference."""
+    token_tiling(8)
+    rng = np.random.default_rng(21)
+    T, E, k = 12, 32, 6
+    x = (rng.integers(-6, 7, (T, E)) / 4).astype(np.float32)
+    x[3] = rng.permutation(E) / 8  # tie-free
+    x[5, :] = -np.inf
+    x[5, [4, 9, 30]] = [1.0, 1.0, 0.5]  # 3 finite < K: -inf fillers
+    x[7, ::3] = np.nan
+    x[9, :] = 0.25  # one value everywhere
+    if sf != "softmax":
+        x = np.where(np.isneginf(x), np.float32(-30.0), x)
+    kw = dict(topk=k, use_pre_softmax=pre, score_function=sf, scaling_factor=1.5)
+    if grouped:
+        kw.update(num_groups=4, group_topk=2)
+    bias = None
+    if sf != "softmax":
+        bias = (np.arange(E) % 3 / 8).astype(np.float32)
+    p, m, s = K.topk_with_score_function_fwd(x, expert_bias=bias, **kw)
+    rp, rm, rs = (host(a) for a in ref.topk_with_score_function_fwd(x, expert_bias=bias, **kw))
+    assert (m.sum(-1) == k).all()
+    np.testing.assert_array_equal(m, rm)
+    np.testing.assert_array_equal(np.isnan(p), np.isnan(rp))
+    np.testing.assert_allclose(p, rp, atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(s, rs, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_aux_scores_ties_across_the_threshold(token_tiling, sf):
+    token_tiling(4)
+    rng = np.random.default_rng(22)
+    x = (rng.integers(-4, 5, (9, 16)) / 4).astype(np.float32)
+    x[2] = rng.permutation(16) / 8
+    x[4] = 0.5
+    sc, m, sv = K.score_for_aux_loss_fwd(x, 5, sf)
+    rsc, rm, rsv = (host(a) for a in ref.score_for_aux_loss_fwd(x, 5, sf))
+    np.testing.assert_array_equal(m, rm)
+    np.testing.assert_allclose(sc, rsc, atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(sv, rsv, atol=1e-6, rtol=1e-5)
+
+
 # (T, E, K, G, Kg): K = E = 16 (the largest list); K = 1; per-group top 4;
 # eight groups of 4 keeping 4 (DeepSeek's split, scaled down); K = 3, K = 5;
 # odd G and odd Kg (the last group of the pair scans, the last kept group

@@ -1,0 +1,135 @@
+"""16-byte global loads and stores of fp32 quads (four consecutive elements).
+
+Why: a warp whose 32 threads each own a quad and touch its four fp32
+elements one at a time issues four instructions, each hitting every sector
+of a 512-byte span with a quarter of its bytes.  Nsight Compute put the
+thread-per-token forwards at L2 throughput while DRAM sat at 16% of peak
+(docs/benchmarks.md): the ``saved`` and score rows, written element by
+element, were four times the L2 store requests their bytes need.  One
+16-byte access per quad is one request per sector.
+
+numba has no vector types in arrays, so the accesses are LLVM intrinsics
+(``<4 x float>`` loads and stores, 16-byte aligned).  They need the array's
+base address to be a multiple of 16 (cudaMalloc and XLA give 256; a view
+such as ``a[1:]`` need not): every access checks the address and falls back
+to four scalar accesses otherwise, a warp-uniform branch.
+
+On the CUDA simulator, which cannot run LLVM intrinsics, ``quad_f32()``
+returns the plain four-element versions; the kernels are the same code.
+"""
+
+from __future__ import annotations
+
+from . import _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+
+# isort: split
+
+import functools
+
+import numpy as np
+from numba import cuda
+
+_u64 = np.uint64  # unsigned indices: numba wraps signed ones (see topk._u64)
+
+
+def _intrinsics():
+    """``(address, load_v4, store_v4)`` as numba intrinsics (GPU only)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    f32x4 = ir.VectorType(ir.FloatType(), 4)
+
+    def quad_pointer(context, builder, array_type, array, index_type, index):
+        data = context.make_array(array_type)(context, builder, value=array).data
+        w = context.cast(builder, index, index_type, types.uint64)
+        f = builder.mul(w, ir.Constant(ir.IntType(64), 4))
+        return builder.bitcast(builder.gep(data, [f]), f32x4.as_pointer())
+
+    @intrinsic
+    def address(typingctx, array):
+        """The array's base address, as uint64."""
+
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+            return builder.ptrtoint(data, ir.IntType(64))
+
+        return types.uint64(array), codegen
+
+    @intrinsic
+    def load_v4(typingctx, array, w):
+        """Elements ``4w .. 4w+3`` of a flat fp32 array, one 16-byte load."""
+        sig = types.UniTuple(types.float32, 4)(array, w)
+
+        def codegen(context, builder, sig, args):
+            ptr = quad_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            vec = builder.load(ptr, align=16)
+            parts = [builder.extract_element(vec, ir.Constant(ir.IntType(32), i)) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return sig, codegen
+
+    @intrinsic
+    def store_v4(typingctx, array, w, v0, v1, v2, v3):
+        """Elements ``4w .. 4w+3`` of a flat fp32 array := fp32 ``v0 .. v3``, one 16-byte store."""
+        sig = types.void(array, w, v0, v1, v2, v3)
+
+        def codegen(context, builder, sig, args):
+            ptr = quad_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            vec = ir.Constant(f32x4, ir.Undefined)
+            for i in range(4):
+                v = context.cast(builder, args[2 + i], sig.args[2 + i], types.float32)
+                vec = builder.insert_element(vec, v, ir.Constant(ir.IntType(32), i))
+            builder.store(vec, ptr, align=16)
+
+        return sig, codegen
+
+    return address, load_v4, store_v4
+
+
+@functools.cache
+def quad_f32():
+    """Device functions ``load(a, w) -> 4 x fp32`` and ``store(a, w, v0, v1, v2,
+    v3)`` on quad ``w`` (elements ``4w .. 4w+3``) of a flat fp32 array:
+    16-byte accesses on a GPU when the array's base is 16-byte aligned,
+    four scalar accesses otherwise and on the simulator."""
+    from ._launch import simulator_enabled
+
+    if simulator_enabled():
+
+        @cuda.jit(device=True)
+        def load(a, w):
+            f = 4 * w
+            return a[_u64(f)], a[_u64(f + 1)], a[_u64(f + 2)], a[_u64(f + 3)]
+
+        @cuda.jit(device=True)
+        def store(a, w, v0, v1, v2, v3):
+            f = 4 * w
+            a[_u64(f)] = v0
+            a[_u64(f + 1)] = v1
+            a[_u64(f + 2)] = v2
+            a[_u64(f + 3)] = v3
+
+        return load, store
+
+    address, load_v4, store_v4 = _intrinsics()
+
+    @cuda.jit(device=True)
+    def load(a, w):
+        if address(a) & np.uint64(15) == 0:
+            return load_v4(a, w)
+        f = 4 * w
+        return a[_u64(f)], a[_u64(f + 1)], a[_u64(f + 2)], a[_u64(f + 3)]
+
+    @cuda.jit(device=True)
+    def store(a, w, v0, v1, v2, v3):
+        if address(a) & np.uint64(15) == 0:
+            store_v4(a, w, v0, v1, v2, v3)
+        else:
+            f = 4 * w
+            a[_u64(f)] = v0
+            a[_u64(f + 1)] = v1
+            a[_u64(f + 2)] = v2
+            a[_u64(f + 3)] = v3
+
+    return load, store
