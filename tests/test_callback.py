@@ -90,3 +90,52 @@ def test_nothing_launches_when_every_array_is_empty(monkeypatch):
     calls = _recording(monkeypatch)
     cb._run_plans(_FakePlan, 1, 1, [cb._Ptr(0, (0, 8), np.float32)], [cb._Ptr(0, (0, 8), np.float32)], 0)
     assert calls == []
+
+
+class _Buf:
+    """A host array posing as an XLA buffer (what a zero-copy callback receives)."""
+
+    def __init__(self, a: np.ndarray):
+        self.a = a
+        typestr = "<V2" if a.dtype == np.uint16 else a.dtype.str  # JAX's bf16 typestr
+        ptr = a.ctypes.data if a.size else 0  # XLA's empty buffers have no address
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": a.shape,
+                                         "typestr": typestr, "version": 3}
+
+
+def test_device_call_caches_the_launch_and_takes_new_pointers(monkeypatch):
+    calls = _recording(monkeypatch)
+    made = []
+
+    class Planner(_FakePlan):
+        def __init__(self, *specs):
+            made.append(specs)
+            super().__init__(*specs)
+
+    monkeypatch.setattr(cb, "_DIRECT", {})
+    for _ in range(3):  # new buffers each call, same shapes: one plan, three launches
+        x, b = np.zeros((2, 6, 8), np.uint16), np.zeros((1, 8), np.float32)  # a folding vmap batch
+        out = np.zeros((2, 6, 8), np.float32)
+        cb._device_call(Planner, 1, 1, [_Buf(x), _Buf(b)], [_Buf(out)], 5)
+        assert calls[-1][1:] == ([x.ctypes.data, b.ctypes.data, out.ctypes.data], 5)
+    assert made == [(L.spec_for((12, 8), np.uint16), L.spec_for((8,), np.float32))]
+    assert made[0][0].kind == L.BF16 and len(calls) == 3
+
+
+def test_device_call_batched_bias_takes_the_per_element_launches(monkeypatch):
+    calls = _recording(monkeypatch)
+    monkeypatch.setattr(cb, "_DIRECT", {})
+    x, b = np.zeros((2, 5, 8), np.float32), np.zeros((2, 8), np.float32)
+    out = np.zeros((2, 5, 8), np.float32)
+    for _ in range(2):
+        cb._device_call(_FakePlan, 1, 1, [_Buf(x), _Buf(b)], [_Buf(out)], 0)
+    assert [c[1] for c in calls] == [[x[i].ctypes.data, b[i].ctypes.data, out[i].ctypes.data]
+                                     for i in range(2)] * 2
+
+
+def test_device_call_with_empty_arrays_launches_nothing(monkeypatch):
+    calls = _recording(monkeypatch)
+    monkeypatch.setattr(cb, "_DIRECT", {})
+    e = np.zeros((0, 8), np.float32)
+    cb._device_call(_FakePlan, 1, 1, [_Buf(e)], [_Buf(e)], 0)
+    assert calls == []
