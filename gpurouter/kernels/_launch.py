@@ -636,7 +636,15 @@ class Plan:
         self.steps = tuple(steps)
 
 
-def _resolve(arg, arrays):
+def _address(a) -> int:
+    """A device array's base address (the CUDA simulator's arrays: their host memory)."""
+    cai = getattr(a, "__cuda_array_interface__", None)
+    if cai is None:
+        return int(a.__array_interface__["data"][0])
+    return int(cai["data"][0])
+
+
+def _resolve(arg, arrays, op: str = ""):
     if not isinstance(arg, Ref):
         return arg
     a = arrays[arg.role][arg.index]
@@ -644,6 +652,15 @@ def _resolve(arg, arrays):
         n = int(np.prod(arg.view.shape, dtype=np.int64))
         a = a.reshape(-1)
         if np.dtype(a.dtype) != arg.view.dtype:
+            # A kernel reads bf16 quads as uint64, a map quad as uint32: a view
+            # such as a[1:] would fault there (fp32 quads check for themselves).
+            size = arg.view.dtype.itemsize
+            ptr = _address(a)
+            if ptr % size:
+                what = "input" if arg.role == "in" else "output"
+                raise ValueError(f"{op}: a device {what} array of shape {tuple(arrays[arg.role][arg.index].shape)} "
+                                 f"starts at {ptr:#x}, not a multiple of {size} bytes (a view such as "
+                                 f"a[1:]?); pass an array that starts at an allocation's base.")
             a = a.view(arg.view.dtype)
         a = a[:n].reshape(arg.view.shape)
     return a
@@ -664,7 +681,7 @@ def execute(plan: Plan, ins, out, stream, to_host: bool):
     }
     for st in plan.steps:
         launch(st.kernel, st.grid, st.block, stream, st.shared,
-               *(_resolve(a, arrays) for a in st.args))
+               *(_resolve(a, arrays, plan.op) for a in st.args))
     return finish(arrays["out"], [sp.kind for sp in plan.outs], to_host, stream)
 
 

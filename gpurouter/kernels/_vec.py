@@ -87,6 +87,21 @@ def _intrinsics():
     return address, load_v4, store_v4
 
 
+@cuda.jit(device=True)
+def _load_elements(a, w):
+    f = 4 * w
+    return a[_u64(f)], a[_u64(f + 1)], a[_u64(f + 2)], a[_u64(f + 3)]
+
+
+@cuda.jit(device=True)
+def _store_elements(a, w, v0, v1, v2, v3):
+    f = 4 * w
+    a[_u64(f)] = v0
+    a[_u64(f + 1)] = v1
+    a[_u64(f + 2)] = v2
+    a[_u64(f + 3)] = v3
+
+
 @functools.cache
 def quad_f32():
     """Device functions ``load(a, w) -> 4 x fp32`` and ``store(a, w, v0, v1, v2,
@@ -96,21 +111,7 @@ def quad_f32():
     from ._launch import simulator_enabled
 
     if simulator_enabled():
-
-        @cuda.jit(device=True)
-        def load(a, w):
-            f = 4 * w
-            return a[_u64(f)], a[_u64(f + 1)], a[_u64(f + 2)], a[_u64(f + 3)]
-
-        @cuda.jit(device=True)
-        def store(a, w, v0, v1, v2, v3):
-            f = 4 * w
-            a[_u64(f)] = v0
-            a[_u64(f + 1)] = v1
-            a[_u64(f + 2)] = v2
-            a[_u64(f + 3)] = v3
-
-        return load, store
+        return _load_elements, _store_elements
 
     address, load_v4, store_v4 = _intrinsics()
 
@@ -118,18 +119,13 @@ def quad_f32():
     def load(a, w):
         if address(a) & np.uint64(15) == 0:
             return load_v4(a, w)
-        f = 4 * w
-        return a[_u64(f)], a[_u64(f + 1)], a[_u64(f + 2)], a[_u64(f + 3)]
+        return _load_elements(a, w)
 
     @cuda.jit(device=True)
     def store(a, w, v0, v1, v2, v3):
         if address(a) & np.uint64(15) == 0:
             store_v4(a, w, v0, v1, v2, v3)
         else:
-            f = 4 * w
-            a[_u64(f)] = v0
-            a[_u64(f + 1)] = v1
-            a[_u64(f + 2)] = v2
-            a[_u64(f + 3)] = v3
+            _store_elements(a, w, v0, v1, v2, v3)
 
     return load, store

@@ -172,3 +172,55 @@ def test_aux_loss(T, dtype, C, E):
     g = np.asarray(0.75, np_dtype(dtype))
     assert_close(K.moe_aux_loss_bwd(coeff, tpe, g, T),
                  host(ref.moe_aux_loss_bwd(rcoeff, tpe, g, T)), "probs", np_dtype(dtype))
+
+
+def test_quad_vector_access_aligned_and_misaligned():
+    """``_vec.quad_f32``: 16-byte loads and stores on an aligned array, and the
+    scalar fallback on views whose base is not 16-byte aligned."""
+    from numba import cuda
+
+    from gpurouter.kernels import _vec
+
+    load, store = _vec.quad_f32()
+
+    @cuda.jit
+    def copy_quads(src, dst, n):
+        w = cuda.grid(1)
+        if w < n:
+            a, b, c, d = load(src, w)
+            store(dst, w, d, c, b, a)
+
+    host_src = np.arange(4 * 64 + 3, dtype=np.float32) + 0.5
+    for off_src, off_dst in ((0, 0), (1, 0), (0, 3), (2, 1)):
+        src = cuda.to_device(host_src)
+        dst = cuda.to_device(np.full(4 * 64 + 3, -7.0, np.float32))
+        copy_quads[1, 64](src[off_src:off_src + 256], dst[off_dst:off_dst + 256], 64)
+        got = dst.copy_to_host()
+        np.testing.assert_array_equal(got[off_dst:off_dst + 256],
+                                      np.roll(host_src, -off_src)[:256].reshape(64, 4)[:, ::-1].reshape(-1))
+        assert (np.delete(got, np.s_[off_dst:off_dst + 256]) == -7.0).all(), "wrote outside the view"
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_misaligned_fp32_outputs_take_the_scalar_path(dtype):
+    """fp32 outputs written through ``out=`` views that are not 16-byte aligned
+    (``saved``; fp32 ``probs``) give the same results as aligned ones: their
+    quads fall back to elements."""
+    from numba import cuda
+
+    T, E, k = 300, 256, 8
+    x = cast(np.random.default_rng(5).standard_normal((T, E)), dtype)
+    bias = np.linspace(-0.1, 0.1, E, dtype=np.float32)
+    kw = dict(num_groups=8, group_topk=4, scaling_factor=2.5, score_function="sigmoid", expert_bias=bias)
+    want = [np.asarray(a) for a in K.topk_with_score_function_fwd(x, k, **kw)]
+    d_x = cuda.to_device(x.view(np.uint16) if dtype == "bfloat16" else x)
+    if dtype == "bfloat16":
+        probs = cuda.device_array((T, E), np.uint16)
+    else:
+        probs = cuda.device_array(T * E + 1, np.float32)[1:].reshape(T, E)
+    rmap = cuda.device_array((T, E), np.bool_)
+    saved = cuda.device_array(T * E + 3, np.float32)[3:].reshape(T, E)
+    K.topk_with_score_function_fwd(d_x, k, **kw, out=(probs, rmap, saved))
+    np.testing.assert_array_equal(probs.copy_to_host().view(want[0].dtype), want[0])
+    np.testing.assert_array_equal(rmap.copy_to_host(), want[1])
+    np.testing.assert_array_equal(saved.copy_to_host(), want[2])

@@ -268,3 +268,18 @@ def test_quad_aux_bwd_several_quads_per_lane(quad_lanes, sf):
         dx = K.score_for_aux_loss_bwd(sv, g, sf, np_dtype(dtype))
         rdx = host(ref.score_for_aux_loss_bwd(sv, g, sf, np_dtype(dtype)))
         assert_close(dx, rdx, "grads", np_dtype(dtype), E=20, err_msg=f"aux grad {sf} {dtype}")
+
+
+def test_misaligned_word_views_are_refused():
+    """A device array the kernels read as wider words (the bool map as uint32
+    quads) that does not start on a word boundary is a ValueError, not a
+    fault in the kernel."""
+    from numba import cuda
+
+    x = cuda.to_device(np.zeros((2, 8), np.float32))
+    probs = cuda.device_array((2, 8), np.float32)
+    saved = cuda.device_array((2, 8), np.float32)
+    rmap = cuda.device_array(17, np.bool_)[1:].reshape(2, 8)
+    with pytest.raises(ValueError, match=r"topk_with_score_function_fwd: a device output array .* not a "
+                                         r"multiple of 4 bytes"):
+        K.topk_with_score_function_fwd(x, 2, out=(probs, rmap, saved))
