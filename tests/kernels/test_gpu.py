@@ -174,33 +174,6 @@ def test_aux_loss(T, dtype, C, E):
                  host(ref.moe_aux_loss_bwd(rcoeff, tpe, g, T)), "probs", np_dtype(dtype))
 
 
-def test_quad_vector_access_aligned_and_misaligned():
-    """``_vec.quad_f32``: 16-byte loads and stores on an aligned array, and the
-    scalar fallback on views whose base is not 16-byte aligned."""
-    from numba import cuda
-
-    from gpurouter.kernels import _vec
-
-    load, store = _vec.quad_f32()
-
-    @cuda.jit
-    def copy_quads(src, dst, n):
-        w = cuda.grid(1)
-        if w < n:
-            a, b, c, d = load(src, w)
-            store(dst, w, d, c, b, a)
-
-    host_src = np.arange(4 * 64 + 3, dtype=np.float32) + 0.5
-    for off_src, off_dst in ((0, 0), (1, 0), (0, 3), (2, 1)):
-        src = cuda.to_device(host_src)
-        dst = cuda.to_device(np.full(4 * 64 + 3, -7.0, np.float32))
-        copy_quads[1, 64](src[off_src:off_src + 256], dst[off_dst:off_dst + 256], 64)
-        got = dst.copy_to_host()
-        np.testing.assert_array_equal(got[off_dst:off_dst + 256],
-                                      np.roll(host_src, -off_src)[:256].reshape(64, 4)[:, ::-1].reshape(-1))
-        assert (np.delete(got, np.s_[off_dst:off_dst + 256]) == -7.0).all(), "wrote outside the view"
-
-
 @pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
 def test_misaligned_fp32_outputs_take_the_scalar_path(dtype):
     """fp32 outputs written through ``out=`` views that are not 16-byte aligned

@@ -11,6 +11,7 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
+from numba import cuda  # noqa: E402
 from strategies import random_cotangent, tie_free_rows_np  # noqa: E402
 
 from gpurouter import reference as ref  # noqa: E402
@@ -274,8 +275,6 @@ def test_misaligned_word_views_are_refused():
     """A device array the kernels read as wider words (the bool map as uint32
     quads) that does not start on a word boundary is a ValueError, not a
     fault in the kernel."""
-    from numba import cuda
-
     x = cuda.to_device(np.zeros((2, 8), np.float32))
     probs = cuda.device_array((2, 8), np.float32)
     saved = cuda.device_array((2, 8), np.float32)
@@ -283,3 +282,35 @@ def test_misaligned_word_views_are_refused():
     with pytest.raises(ValueError, match=r"topk_with_score_function_fwd: a device output array .* not a "
                                          r"multiple of 4 bytes"):
         K.topk_with_score_function_fwd(x, 2, out=(probs, rmap, saved))
+
+
+def _quad_copy_kernel():
+    """(Kernels name ``cuda`` as a module global: the simulator swaps globals, not closures.)"""
+    from gpurouter.kernels import _vec
+
+    load, store = _vec.quad_f32()
+
+    @cuda.jit
+    def copy_quads(src, dst, n):
+        w = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if w < n:
+            a, b, c, d = load(src, w)
+            store(dst, w, d, c, b, a)
+
+    return copy_quads
+
+
+def test_quad_access_aligned_and_misaligned():
+    """``_vec.quad_f32``: on a GPU 16-byte loads and stores on aligned arrays and
+    the element fallback on views whose base is not 16-byte aligned (on the
+    simulator, elements throughout): every quad moved, nothing outside."""
+    copy_quads = _quad_copy_kernel()
+    host_src = np.arange(4 * 8 + 3, dtype=np.float32) + np.float32(0.5)
+    for off_src, off_dst in ((0, 0), (1, 0), (0, 3), (2, 1)):
+        src = cuda.to_device(host_src)
+        dst = cuda.to_device(np.full(4 * 8 + 3, -7.0, np.float32))
+        copy_quads[1, 8](src[off_src:off_src + 32], dst[off_dst:off_dst + 32], 8)
+        got = dst.copy_to_host()
+        want = host_src[off_src:off_src + 32].reshape(8, 4)[:, ::-1].reshape(-1)
+        np.testing.assert_array_equal(got[off_dst:off_dst + 32], want)
+        assert (np.delete(got, np.s_[off_dst:off_dst + 32]) == -7.0).all(), "wrote outside the view"
