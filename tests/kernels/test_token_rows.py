@@ -304,12 +304,14 @@ def test_quad_access_aligned_and_misaligned():
     """``_vec.quad_f32``: on a GPU 16-byte loads and stores on aligned arrays and
     the element fallback on views whose base is not 16-byte aligned (on the
     simulator, elements throughout): every quad moved, nothing outside."""
+    from gpurouter.kernels import _launch as L
+
     copy_quads = _quad_copy_kernel()
     host_src = np.arange(4 * 8 + 3, dtype=np.float32) + np.float32(0.5)
     for off_src, off_dst in ((0, 0), (1, 0), (0, 3), (2, 1)):
         src = cuda.to_device(host_src)
         dst = cuda.to_device(np.full(4 * 8 + 3, -7.0, np.float32))
-        copy_quads[1, 8](src[off_src:off_src + 32], dst[off_dst:off_dst + 32], 8)
+        L.launch(copy_quads, 1, 8, 0, 0, src[off_src:off_src + 32], dst[off_dst:off_dst + 32], 8)
         got = dst.copy_to_host()
         want = host_src[off_src:off_src + 32].reshape(8, 4)[:, ::-1].reshape(-1)
         np.testing.assert_array_equal(got[off_dst:off_dst + 32], want)
