@@ -200,12 +200,12 @@ def _selector(topk: int, gcap: int, has_bias: bool, post: bool, scaled: bool = F
         return v
 
     @cuda.jit(device=True)
-    def scan(smem, row, o_bias, lo, hi, keys):
+    def scan(smem, row, o_bias, lo, hi, keys, scale):
         # (Two lists on alternate experts, merged at the end, measured slower:
         # DeepSeek-V3 forward 224 vs 186 us on an H200.)
         j = np.int32(lo)
         while j < hi:
-            push_k(keys, _no_nan(score_at(smem, row, o_bias, j, _ONE)))
+            push_k(keys, _no_nan(score_at(smem, row, o_bias, j, scale)))
             j = np.int32(j + 1)
 
     @cuda.jit(device=True)
@@ -325,13 +325,20 @@ def _selector(topk: int, gcap: int, has_bias: bool, post: bool, scaled: bool = F
         if scaled:
             rowsum = scan_sum(smem, row, num_experts, keys)
             scale = np.float32(_ONE / np.float32(rowsum + _EPS))
-            for q in range(kcap):
-                keys[q] = _no_nan(np.float32(keys[q] * scale))  # a NaN sum: every score NaN, all tied
+            if rowsum - rowsum == _ZERO:  # finite: every score finite and >= 0, the order kept
+                for q in range(kcap):
+                    keys[q] = np.float32(keys[q] * scale)
+            else:
+                # an inf or NaN sum makes the scores 0 or NaN (inf / inf):
+                # the scaled list is out of order, so list the scores themselves
+                for q in range(kcap):
+                    keys[q] = _NEG_INF
+                scan(smem, row, o_bias, 0, num_experts, keys, scale)
         else:
             g = np.int32(0)
             while g < ngroups:
                 if (kept >> g) & 1:
-                    scan(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize), keys)
+                    scan(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize), keys, _ONE)
                 g = np.int32(g + 1)
         thr = keys[topk - 1]
         need = np.int32(topk)

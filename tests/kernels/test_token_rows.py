@@ -127,6 +127,25 @@ def test_ties_across_the_threshold(token_tiling, sf, pre, grouped):
 
 
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_aux_scores_infinite_rows(token_tiling, sf):
+    """+inf logits: sqrtsoftplus makes the row's sum inf, so every score is 0
+    or NaN (inf / inf); softmax gives NaN at the infs; the map is the
+    reference's (NaN as -inf, ties to the lower index)."""
+    token_tiling(2)
+    x = np.zeros((4, 8), np.float32)
+    x[0] = [np.inf, np.inf, np.inf, np.inf, np.inf, np.inf, 1.0, 2.0]  # more infs than K
+    x[1] = [0.5, np.inf, -1.0, 3.0, 0.25, np.inf, 2.0, -2.0]
+    x[2] = [np.inf] * 8
+    x[3] = np.arange(8) / 4
+    sc, m, sv = K.score_for_aux_loss_fwd(x, 5, sf)
+    rsc, rm, rsv = (host(a) for a in ref.score_for_aux_loss_fwd(x, 5, sf))
+    assert (m.sum(-1) == 5).all()
+    np.testing.assert_array_equal(m, rm)
+    np.testing.assert_array_equal(np.isnan(sc), np.isnan(rsc))
+    np.testing.assert_allclose(sc, rsc, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
 def test_aux_scores_ties_across_the_threshold(token_tiling, sf):
     token_tiling(4)
     rng = np.random.default_rng(22)
