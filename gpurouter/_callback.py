@@ -279,9 +279,8 @@ def _device_call(planner, n_token: int, n_out: int, bufs, outs, stream: int) -> 
     launch = _DIRECT.get(key, _DIRECT)
     if launch is _DIRECT:
         arrays = [_Ptr(c["data"][0], c["shape"], _dtype_of(c["typestr"])) for c in cais]
-        with _COMPILE_LOCK:
-            if len(_DIRECT) > 4096:  # one entry per call site and shape: bounded anyway
-                _DIRECT.clear()
+        if len(_DIRECT) > 4096:  # one entry per call site and shape: bounded anyway
+            _DIRECT.clear()
         launch = _DIRECT[key] = _direct_launch(planner, n_token, n_out, arrays[: len(bufs)],
                                                arrays[len(bufs):], ordinal)
     if launch is None:

@@ -415,7 +415,7 @@ class TokenLayout:
     offsets of the fp32 / int32 views of the one dynamic allocation::
 
         [0, tb*P)              fp32 tile, row stride P = E | 1
-        o_flag + [tb * F]      selection bits (exact way only), a bit per expert,
+        o_flag + [tb * F]      selection bits (the bit way only), a bit per expert,
                                row stride F = ceil(E/32) | 1 words
         o_gs   + [tb * (G|1)]  fp32 group scores (grouped only), row stride G | 1
         o_red  + [2 * tb]      fp32 row statistics (softmax / normalisation / weights)

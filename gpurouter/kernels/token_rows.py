@@ -96,7 +96,6 @@ from .topk import (
 _u32 = np.uint32  # shared-memory indices (see topk._u64)
 _STAGE = 4  # quads per step of the staging, their loads in flight together
 _STAGE_X = 4 * _STAGE  # (local-array sizes must be plain constants on the GPU)
-_POS_INF = np.float32(np.inf)
 _NAN = np.float32(np.nan)
 
 
@@ -564,7 +563,7 @@ def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pr
     function, the bias and ``use_pre_softmax`` (softmax only) are compile-time
     constants."""
     stage = _stager(kind, sf, has_bias)
-    store4, zero4 = (flat_io(kind)[i] for i in (2, 3))
+    _, store4, zero4 = flat_io(kind)
     store_f32 = quad_f32()[1]
     select = _selector(topk, gcap, has_bias, sf == _SOFTMAX and not pre)
     stats, normalise = _softmax_rows()

@@ -268,7 +268,7 @@ def flat_io(kind: str):
     (E a multiple of 4; ``array_views``), quad ``w`` = experts ``4(w % (E/4))
     .. +3`` of row ``w // (E/4)``, element ``f`` = ``4w + i``:
 
-    ``load4(a, w) -> 4 x fp32``, ``load_at(a, f) -> fp32``,
+    ``load4(a, w) -> 4 x fp32``,
     ``store4(a, w, v0, v1, v2, v3)`` (fp32 values) and ``zero4(a, w)``.
     bf16: ``a`` is the array's uint64 words, a quad per load or store; fp32:
     one 16-byte access per quad (``_vec.quad_f32``); fp16: the elements.
@@ -282,11 +282,6 @@ def flat_io(kind: str):
             hi = np.uint32(x >> np.uint64(32))
             return (np.uint32(lo << _U16).view(np.float32), np.uint32(lo & _HIGH).view(np.float32),
                     np.uint32(hi << _U16).view(np.float32), np.uint32(hi & _HIGH).view(np.float32))
-
-        @cuda.jit(device=True)
-        def load_at(a, f):
-            x = a[_u64(f >> 2)] >> np.uint64(16 * (f & 3))
-            return np.uint32(np.uint32(x) << _U16).view(np.float32)
 
         @cuda.jit(device=True)
         def store4(a, w, v0, v1, v2, v3):
@@ -304,10 +299,6 @@ def flat_io(kind: str):
         load4, store4 = quad_f32()  # one 16-byte access per quad
 
         @cuda.jit(device=True)
-        def load_at(a, f):
-            return a[_u64(f)]
-
-        @cuda.jit(device=True)
         def zero4(a, w):
             store4(a, w, _ZERO, _ZERO, _ZERO, _ZERO)
 
@@ -318,10 +309,6 @@ def flat_io(kind: str):
             f = 4 * w
             return (np.float32(a[_u64(f)]), np.float32(a[_u64(f + 1)]),
                     np.float32(a[_u64(f + 2)]), np.float32(a[_u64(f + 3)]))
-
-        @cuda.jit(device=True)
-        def load_at(a, f):
-            return np.float32(a[_u64(f)])
 
         @cuda.jit(device=True)
         def store4(a, w, v0, v1, v2, v3):
@@ -335,7 +322,7 @@ def flat_io(kind: str):
         def zero4(a, w):
             store4(a, w, _ZERO, _ZERO, _ZERO, _ZERO)
 
-    return load4, load_at, store4, zero4
+    return load4, store4, zero4
 
 
 def array_views(kind: str, shape):
@@ -1101,7 +1088,7 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
     """
     load4 = flat_io(grad_kind)[0]
     load_saved = flat_io(L.F32)[0]
-    _, _, out4, zero_out4 = flat_io(out_kind)
+    _, out4, zero_out4 = flat_io(out_kind)
     dx = _quad_dx(sf, dense)
     if has_map:
 
