@@ -32,8 +32,9 @@ from numba import cuda
 _u64 = np.uint64  # unsigned indices: numba wraps signed ones (see topk._u64)
 
 
+@functools.cache
 def _intrinsics():
-    """``(address, load_v4, store_v4)`` as numba intrinsics (GPU only)."""
+    """``(address, load_v4, store_v4, store_v4_evict_first)`` as numba intrinsics (GPU only)."""
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
@@ -84,7 +85,32 @@ def _intrinsics():
 
         return sig, codegen
 
-    return address, load_v4, store_v4
+    @intrinsic
+    def store_v4_evict_first(typingctx, array, w, v0, v1, v2, v3):
+        """``store_v4`` with L2's evict-first policy (PTX ``createpolicy`` and
+        ``st.global.L2::cache_hint``, inline: LLVM has no intrinsic for it)."""
+        sig = types.void(array, w, v0, v1, v2, v3)
+
+        def codegen(context, builder, sig, args):
+            ptr = quad_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            vals = [context.cast(builder, args[2 + i], sig.args[2 + i], types.float32) for i in range(4)]
+            f32 = ir.FloatType()
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64), f32, f32, f32, f32])
+            asm = ir.InlineAsm(fnty, _EVICT_FIRST_STORE, "l,f,f,f,f", side_effect=True)
+            builder.call(asm, [builder.ptrtoint(ptr, ir.IntType(64))] + vals)
+
+        return sig, codegen
+
+    return address, load_v4, store_v4, store_v4_evict_first
+
+
+# A 16-byte store that L2 evicts first (sm_80+): for outputs far larger than
+# L2 that the kernel never reads again (the aux-loss backward's 67 MB).
+_EVICT_FIRST_STORE = (
+    "{ .reg .b64 pol; .reg .u64 g; cvta.to.global.u64 g, $0; "
+    "createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
+    "st.global.L2::cache_hint.v4.f32 [g], {$1, $2, $3, $4}, pol; }"
+)
 
 
 @cuda.jit(device=True)
@@ -113,7 +139,7 @@ def quad_f32():
     if simulator_enabled():
         return _load_elements, _store_elements
 
-    address, load_v4, store_v4 = _intrinsics()
+    address, load_v4, store_v4, _ = _intrinsics()
 
     @cuda.jit(device=True)
     def load(a, w):
@@ -129,3 +155,26 @@ def quad_f32():
             _store_elements(a, w, v0, v1, v2, v3)
 
     return load, store
+
+
+@functools.cache
+def quad_store_once_f32():
+    """Device function ``store(a, w, v0, v1, v2, v3)`` like ``quad_f32``'s, with
+    L2's evict-first policy on a GPU (16-byte aligned arrays): for outputs
+    written once and not read again by the kernel.  On the simulator, and
+    for unaligned arrays, four scalar stores."""
+    from ._launch import simulator_enabled
+
+    if simulator_enabled():
+        return _store_elements
+
+    address, _, _, store_v4_evict_first = _intrinsics()
+
+    @cuda.jit(device=True)
+    def store(a, w, v0, v1, v2, v3):
+        if address(a) & np.uint64(15) == 0:
+            store_v4_evict_first(a, w, v0, v1, v2, v3)
+        else:
+            _store_elements(a, w, v0, v1, v2, v3)
+
+    return store

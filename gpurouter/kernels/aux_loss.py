@@ -25,7 +25,7 @@ from numba import cuda
 
 from .._host import aux_loss_coeff
 from . import _launch as L
-from .topk import _ZERO, loader1, nb_f32, storer, storer1
+from .topk import _ZERO, _u64, array_views, flat_io, loader1, nb_f32, storer, storer1
 
 OP = "moe_aux_loss"
 
@@ -223,6 +223,60 @@ def _aux_loss_bwd_kernel(tpe_kind: str, out_kind: str):
     return kernel
 
 
+@functools.cache
+def _aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str):
+    """The backward for C a multiple of 4, a quad of columns per store, grad_probs
+    seen flat (``array_views``): fp32 as 16-byte stores that L2 evicts first
+    (``_vec.quad_store_once_f32``: the output is larger than L2 and the
+    kernel never reads it), bf16 as one uint64 per quad, fp16 as elements."""
+    from ._vec import quad_store_once_f32
+
+    load_tpe = loader1(tpe_kind)
+    load_grad = loader1(out_kind)
+    store4 = quad_store_once_f32() if out_kind == L.F32 else flat_io(out_kind)[1]
+
+    @cuda.jit(device=True)
+    def value(c0, tokens_per_expert, c, g):
+        return np.float32(np.float32(c0 * load_tpe(tokens_per_expert, c)) * g)
+
+    @cuda.jit
+    def kernel(
+        coeff,  # [1] fp32: C
+        tokens_per_expert,  # [C] tpe_kind
+        grad_loss,  # [1] out_kind
+        grad_probs,  # [R, C] out_kind, flat (bf16: [R*C/4] uint64), out
+        num_rows,
+        num_cols,
+        rows_per_block,
+        col_lanes,  # CL; blockDim.x == RL * CL
+    ):
+        # Thread (rl, cl) computes its column quads' values once and writes
+        # them down its rows (int32 counters, unsigned indices: topk._u64).
+        eq = np.int32(num_cols // 4)
+        tid = np.int32(cuda.threadIdx.x)
+        step = np.int32(cuda.blockDim.x // col_lanes)
+        rl = np.int32(tid // col_lanes)
+        cl = np.int32(tid - rl * col_lanes)
+        r0 = np.int32(cuda.blockIdx.x * rows_per_block)
+        r1 = np.int32(min(num_rows, r0 + rows_per_block))
+        c0 = coeff[0]
+        g = load_grad(grad_loss, 0)
+        cq = cl
+        while cq < eq:
+            c = _u64(4 * cq)
+            v0 = value(c0, tokens_per_expert, c, g)
+            v1 = value(c0, tokens_per_expert, c + _u64(1), g)
+            v2 = value(c0, tokens_per_expert, c + _u64(2), g)
+            v3 = value(c0, tokens_per_expert, c + _u64(3), g)
+            r = np.int32(r0 + rl)
+            while r < r1:
+                store4(grad_probs, np.int64(r) * eq + cq, v0, v1, v2, v3)
+                r = np.int32(r + step)
+            cq = np.int32(cq + col_lanes)
+
+    return kernel
+
+
 def moe_aux_loss_fwd(probs, tokens_per_expert, topk, coeff, total_num_tokens=None,
                      num_experts=None, *, out=None, stream=0):
     """Aux loss forward.
@@ -320,6 +374,13 @@ def moe_aux_loss_bwd_plan(tokens_per_expert: L.Spec, grad_loss: L.Spec, num_rows
     outs = (L.spec_of((num_rows, num_cols), kind),)
     if num_rows == 0 or num_cols == 0:
         return L.Plan(OP + "_bwd", ins, outs)
+    if num_cols % 4 == 0:  # a quad of columns per store
+        grid, threads, cl, rows = L.column_tiling(num_rows, num_cols // 4)
+        words = array_views(kind, (num_rows, num_cols))[0]
+        step = L.Step(_aux_loss_bwd_quad_kernel(tokens_per_expert.kind, kind), 2 * grid, threads, 0,
+                      (L.In(0, L.spec_of((1,), L.F32)), L.In(1), L.In(2, L.spec_of((1,), kind)),
+                       L.Out(0, words), num_rows, num_cols, -(-num_rows // (2 * grid)), cl))
+        return L.Plan(OP + "_bwd", ins, outs, (), (step,))
     grid, threads, cl, rows = L.column_tiling(num_rows, num_cols)
     step = L.Step(_aux_loss_bwd_kernel(tokens_per_expert.kind, kind), 2 * grid, threads, 0,
                   (L.In(0, L.spec_of((1,), L.F32)), L.In(1), L.In(2, L.spec_of((1,), kind)), L.Out(0),

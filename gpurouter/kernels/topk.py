@@ -33,6 +33,7 @@ from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
 from numba import int32 as nb_i32
 from numba import uint8 as nb_u8
+from numba import uint32 as nb_u32
 
 from . import _launch as L
 from ._limits import check_limits
@@ -1070,7 +1071,7 @@ def _quad_dx(sf: int, dense: bool):
 
 
 @functools.cache
-def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense: bool):
+def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense: bool, hold: int):
     """The backwards (top-k; aux scores: no map, every expert selected, scale 1,
     the K > 1 normalisation) for E a multiple of 4, a quad of four experts
     per step, every array seen flat (``array_views``): the map read as one
@@ -1081,15 +1082,19 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
 
     W lanes per token (``_launch.quad_tiling``), lane ``l`` quads ``l, l + W,
     ...``; pass 1 sums S and D over the selected experts, ``_tree_reduce``
-    combines the lanes in a fixed order, pass 2 writes every quad (its
-    reloads mostly hit L1).  Loop counters are int32 and indices unsigned:
-    numba's int64 ``range`` and wrapped signed indices cost several times
-    the loop's own work.
+    combines the lanes in a fixed order, pass 2 writes every quad.  A lane's
+    first ``hold`` quads (a compile-time count) stay in registers between
+    the passes, map words included; later quads are loaded again in pass 2
+    (mostly from L1).  Loop counters are int32 and indices unsigned: numba's
+    int64 ``range`` and wrapped signed indices cost several times the loop's
+    own work.
     """
     load4 = flat_io(grad_kind)[0]
     load_saved = flat_io(L.F32)[0]
     _, out4, zero_out4 = flat_io(out_kind)
     dx = _quad_dx(sf, dense)
+    held_values = 4 * max(1, hold)  # local arrays need a size >= 1; indexed by constants only
+    held_words = max(1, hold)
     if has_map:
 
         @cuda.jit(device=True)
@@ -1108,6 +1113,25 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
         a = _sqrtsoftplus(x) if sf == _SQRTSOFTPLUS else x
         return np.float32(total + a), np.float32(dot + np.float32(np.float32(g * scale) * a))
 
+    @cuda.jit(device=True)
+    def acc4(total, dot, mw, x0, x1, x2, x3, g0, g1, g2, g3, scale):
+        if mw & _B0 != 0:
+            total, dot = acc(total, dot, x0, g0, scale)
+        if mw & _B1 != 0:
+            total, dot = acc(total, dot, x1, g1, scale)
+        if mw & _B2 != 0:
+            total, dot = acc(total, dot, x2, g2, scale)
+        if mw & _B3 != 0:
+            total, dot = acc(total, dot, x3, g3, scale)
+        return total, dot
+
+    @cuda.jit(device=True)
+    def write4(grad_logits, w, mw, x0, x1, x2, x3, g0, g1, g2, g3, inv, c, dsum, scale, norm):
+        out4(grad_logits, w, dx(x0, g0, mw & _B0 != 0, inv, c, dsum, scale, norm),
+             dx(x1, g1, mw & _B1 != 0, inv, c, dsum, scale, norm),
+             dx(x2, g2, mw & _B2 != 0, inv, c, dsum, scale, norm),
+             dx(x3, g3, mw & _B3 != 0, inv, c, dsum, scale, norm))
+
     @cuda.jit
     def kernel(
         routing_map,  # [T*E/4] uint32 over the bool map (any array, never read, without a map)
@@ -1122,6 +1146,9 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
     ):
         eq = np.int32(num_experts // 4)
         red = cuda.shared.array(0, nb_f32)  # fp32 [2 * threads]: lane partials of S and D
+        hx = cuda.local.array(held_values, nb_f32)  # the held quads' saved x, then g
+        hg = cuda.local.array(held_values, nb_f32)
+        hm = cuda.local.array(held_words, nb_u32)  # their map words (0: not loaded)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         tok = tid // lanes
@@ -1134,21 +1161,27 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
 
         total = _ZERO
         dot = _ZERO
-        q = lane
+        for h in range(hold):  # unrolled: hx, hg and hm live in registers
+            q = np.int32(lane + h * step)
+            mw = np.uint32(0)
+            if live and q < eq:
+                w = wbase + q
+                mw = word(routing_map, w)
+                if mw != 0 or dense:
+                    g0, g1, g2, g3 = load4(grad_probs, w)
+                    x0, x1, x2, x3 = load_saved(saved, w)
+                    hg[4 * h], hg[4 * h + 1], hg[4 * h + 2], hg[4 * h + 3] = g0, g1, g2, g3
+                    hx[4 * h], hx[4 * h + 1], hx[4 * h + 2], hx[4 * h + 3] = x0, x1, x2, x3
+                    total, dot = acc4(total, dot, mw, x0, x1, x2, x3, g0, g1, g2, g3, scale)
+            hm[h] = mw
+        q = np.int32(lane + hold * step)
         while live and q < eq:
             w = wbase + q
             mw = word(routing_map, w)
             if mw != 0:
                 g0, g1, g2, g3 = load4(grad_probs, w)
                 x0, x1, x2, x3 = load_saved(saved, w)
-                if mw & _B0 != 0:
-                    total, dot = acc(total, dot, x0, g0, scale)
-                if mw & _B1 != 0:
-                    total, dot = acc(total, dot, x1, g1, scale)
-                if mw & _B2 != 0:
-                    total, dot = acc(total, dot, x2, g2, scale)
-                if mw & _B3 != 0:
-                    total, dot = acc(total, dot, x3, g3, scale)
+                total, dot = acc4(total, dot, mw, x0, x1, x2, x3, g0, g1, g2, g3, scale)
             q = np.int32(q + step)
         red[tid] = total
         red[nthreads + tid] = dot
@@ -1159,7 +1192,18 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
             inv = np.float32(_ONE / np.float32(red[lead] + _EPS))
             dsum = red[nthreads + lead]
             c = np.float32(np.float32(dsum * inv) * inv)
-            q = lane
+            for h in range(hold):
+                q = np.int32(lane + h * step)
+                if q < eq:
+                    w = wbase + q
+                    mw = hm[h]
+                    if mw == 0 and not dense:
+                        zero_out4(grad_logits, w)
+                    else:
+                        write4(grad_logits, w, mw, hx[4 * h], hx[4 * h + 1], hx[4 * h + 2], hx[4 * h + 3],
+                               hg[4 * h], hg[4 * h + 1], hg[4 * h + 2], hg[4 * h + 3], inv, c, dsum,
+                               scale, norm)
+            q = np.int32(lane + hold * step)
             while q < eq:
                 w = wbase + q
                 mw = word(routing_map, w)
@@ -1168,14 +1212,7 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
                 else:
                     g0, g1, g2, g3 = load4(grad_probs, w)
                     x0, x1, x2, x3 = load_saved(saved, w)  # one 16-byte load, whichever are selected
-                    m0 = mw & _B0 != 0
-                    m1 = mw & _B1 != 0
-                    m2 = mw & _B2 != 0
-                    m3 = mw & _B3 != 0
-                    out4(grad_logits, w, dx(x0, g0, m0, inv, c, dsum, scale, norm),
-                         dx(x1, g1, m1, inv, c, dsum, scale, norm),
-                         dx(x2, g2, m2, inv, c, dsum, scale, norm),
-                         dx(x3, g3, m3, inv, c, dsum, scale, norm))
+                    write4(grad_logits, w, mw, x0, x1, x2, x3, g0, g1, g2, g3, inv, c, dsum, scale, norm)
                 q = np.int32(q + step)
 
     return kernel
@@ -1364,10 +1401,10 @@ def topk_with_score_function_bwd_plan(grad_probs: L.Spec, topk: int, pre: bool, 
     if shape[0] == 0:
         return L.Plan(OP + "_bwd", ins, outs)
     if shape[1] % 4 == 0:
-        grid, threads, lanes = L.quad_tiling(shape[0], shape[1], dense=bool(pre) and sf == _SOFTMAX)
-        words, quads, flat = array_views(grad_probs.kind, shape)
         dense = bool(pre) and sf == _SOFTMAX
-        step = L.Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True, int(sf), dense), grid,
+        grid, threads, lanes, hold = L.quad_tiling(shape[0], shape[1], dense=dense)
+        words, quads, flat = array_views(grad_probs.kind, shape)
+        step = L.Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True, int(sf), dense, hold), grid,
                       threads, 8 * threads,
                       (L.In(0, quads), L.In(1, flat), L.In(2, words), L.Out(0, words), shape[0],
                        shape[1], int(topk), np.float32(scale), lanes))

@@ -32,6 +32,7 @@ def _inputs(T, C, dtype, tpe_dtype, seed=0):
     (np.float32, "int64", 70, 6, 3, 1000),  # sequence aux loss (C = 2E), 2 partial blocks
     (ml_dtypes.bfloat16, "float32", 3, 16, None, 7),
     (np.float16, "bfloat16", 2, 5, None, None),
+    (np.float16, "int32", 9, 12, None, None),  # fp16, a quad of columns per store
     # 3 partial blocks of 64 rows with 2 row lanes each (unrolled body + tail),
     # two column chunks (256 + 40 columns), a ragged last block
     (np.float32, "int32", 150, 296, None, None),

@@ -247,10 +247,12 @@ def test_layouts_fit_shared_memory():
     assert (lay.tb, lay.threads) == (32, 256)  # DeepSeek-V3
 
 
-@pytest.fixture
-def quad_lanes(monkeypatch):
+@pytest.fixture(params=[1, 4], ids=["hold1", "hold4"])
+def quad_lanes(monkeypatch, request):
     """Forces the quad backwards to W = 2 lanes per token and 4 tokens per block
-    (several quads per lane, a partial last block), plans forgotten around it."""
+    (several quads per lane, a partial last block), a lane holding 1 of its
+    quads in registers (the others loaded again in pass 2) or all of them,
+    plans forgotten around it."""
     from gpurouter.kernels import _launch as L
     from gpurouter.kernels import aux_scores, topk
 
@@ -261,6 +263,7 @@ def quad_lanes(monkeypatch):
     monkeypatch.setattr(L, "QUAD_LANES_SPARSE", 2)
     monkeypatch.setattr(L, "QUAD_LANES_DENSE", 2)
     monkeypatch.setattr(L, "QUAD_THREADS", 8)
+    monkeypatch.setattr(L, "QUAD_HOLD", request.param)
     clear()
     yield
     monkeypatch.undo()
