@@ -493,22 +493,26 @@ def stream_tiling(num_tokens: int, num_experts: int):
 QUAD_LANES_SPARSE = 8
 QUAD_LANES_DENSE = 16
 QUAD_THREADS = 128
-#: quads per lane held in registers between the passes (8 fp32 registers each)
+#: quads per lane held in registers by the aux-score backward (8 fp32 registers each)
 QUAD_HOLD = 4
 
 
 def quad_tiling(num_tokens: int, num_experts: int, dense: bool):
-    """``(grid, threads, lanes, hold)`` of the quad backward kernels (E a
-    multiple of 4): W lanes per token, lane ``l`` quads ``l, l + W, ...``; W
-    the smallest power of two >= E/4, at most ``QUAD_LANES_DENSE`` or
-    ``_SPARSE`` (fewer lanes: fewer tree-reduction levels per token),
-    ``QUAD_THREADS`` per block; ``hold``: the quads a lane keeps in registers
-    between its two passes (all of them, up to ``QUAD_HOLD``)."""
+    """``(grid, threads, lanes)`` of the quad backward kernels (E a multiple of
+    4): W lanes per token, lane ``l`` quads ``l, l + W, ...``; W the smallest
+    power of two >= E/4, at most ``QUAD_LANES_DENSE`` or ``_SPARSE`` (fewer
+    lanes: fewer tree-reduction levels per token), ``QUAD_THREADS`` per block."""
     cap = QUAD_LANES_DENSE if dense else QUAD_LANES_SPARSE
     w = min(cap, pow2_at_least(max(1, num_experts // 4)))
     tb = max(1, min(QUAD_THREADS // w, num_tokens))
-    hold = min(QUAD_HOLD, -(-(num_experts // 4) // w))
-    return -(-num_tokens // tb), tb * w, w, hold
+    return -(-num_tokens // tb), tb * w, w
+
+
+def quad_hold(num_experts: int, lanes: int) -> int:
+    """Quads a lane of the aux-score backward loads at once and keeps in
+    registers between its passes: all of its ``ceil(E / 4 / W)``, at most
+    ``QUAD_HOLD``."""
+    return min(QUAD_HOLD, -(-(num_experts // 4) // lanes))
 
 
 #: threads per block of the column-sum kernels (aux loss) and of their final block

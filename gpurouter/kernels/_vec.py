@@ -157,6 +157,32 @@ def quad_f32():
     return load, store
 
 
+@cuda.jit(device=True)
+def _always(a):
+    return True
+
+
+@functools.cache
+def quad_f32_unchecked():
+    """``(aligned(a) -> bool, load(a, w) -> 4 x fp32)``: ``quad_f32``'s
+    alignment test, for a kernel that makes it once per array, and its
+    16-byte load without the test (callers make sure ``aligned(a)``), so that
+    a run of loads has no branch between them and goes out at once.  On the
+    simulator: always aligned, and four element loads."""
+    from ._launch import simulator_enabled
+
+    if simulator_enabled():
+        return _always, _load_elements
+
+    address, load_v4, _, _ = _intrinsics()
+
+    @cuda.jit(device=True)
+    def aligned(a):
+        return address(a) & np.uint64(15) == 0
+
+    return aligned, load_v4
+
+
 @functools.cache
 def quad_store_once_f32():
     """Device function ``store(a, w, v0, v1, v2, v3)`` like ``quad_f32``'s, with

@@ -217,7 +217,8 @@ def score_for_aux_loss_bwd_plan(saved: L.Spec, sf: int, out_kind: str) -> L.Plan
         return L.Plan(OP + "_bwd", ins, outs)
     # (map: saved, never read; topk 2: the normalised form; pre False; scale 1)
     if shape[1] % 4 == 0:
-        grid, threads, lanes, hold = L.quad_tiling(shape[0], shape[1], dense=True)
+        grid, threads, lanes = L.quad_tiling(shape[0], shape[1], dense=True)
+        hold = L.quad_hold(shape[1], lanes)
         words, _, flat = array_views(out_kind, shape)
         step = L.Step(quad_bwd_kernel(L.F32, out_kind, False, int(sf), False, hold), grid, threads,
                       8 * threads,

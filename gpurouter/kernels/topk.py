@@ -33,7 +33,6 @@ from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
 from numba import int32 as nb_i32
 from numba import uint8 as nb_u8
-from numba import uint32 as nb_u32
 
 from . import _launch as L
 from ._limits import check_limits
@@ -1082,19 +1081,24 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
 
     W lanes per token (``_launch.quad_tiling``), lane ``l`` quads ``l, l + W,
     ...``; pass 1 sums S and D over the selected experts, ``_tree_reduce``
-    combines the lanes in a fixed order, pass 2 writes every quad.  A lane's
-    first ``hold`` quads (a compile-time count) stay in registers between
-    the passes, map words included; later quads are loaded again in pass 2
-    (mostly from L1).  Loop counters are int32 and indices unsigned: numba's
-    int64 ``range`` and wrapped signed indices cost several times the loop's
-    own work.
+    combines the lanes in a fixed order, pass 2 writes every quad, loading
+    it again (mostly from L1).  Without a map (aux scores), a lane's first
+    ``hold`` quads (a compile-time count, ``_launch.quad_hold``) are loaded
+    all at once, before any is used (their loads in flight together), and
+    stay in registers for pass 2.  Loop counters are int32 and indices
+    unsigned: numba's int64 ``range`` and wrapped signed indices cost several
+    times the loop's own work.
     """
+    if hold and (has_map or grad_kind != L.F32):
+        raise ValueError("quad_bwd_kernel: hold needs every quad selected (no map) and fp32 gradients")
+    from ._vec import quad_f32_unchecked
+
+    aligned, load_aligned = quad_f32_unchecked()
     load4 = flat_io(grad_kind)[0]
     load_saved = flat_io(L.F32)[0]
     _, out4, zero_out4 = flat_io(out_kind)
     dx = _quad_dx(sf, dense)
     held_values = 4 * max(1, hold)  # local arrays need a size >= 1; indexed by constants only
-    held_words = max(1, hold)
     if has_map:
 
         @cuda.jit(device=True)
@@ -1126,6 +1130,13 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
         return total, dot
 
     @cuda.jit(device=True)
+    def hold4(held, h, v0, v1, v2, v3):
+        held[4 * h] = v0
+        held[4 * h + 1] = v1
+        held[4 * h + 2] = v2
+        held[4 * h + 3] = v3
+
+    @cuda.jit(device=True)
     def write4(grad_logits, w, mw, x0, x1, x2, x3, g0, g1, g2, g3, inv, c, dsum, scale, norm):
         out4(grad_logits, w, dx(x0, g0, mw & _B0 != 0, inv, c, dsum, scale, norm),
              dx(x1, g1, mw & _B1 != 0, inv, c, dsum, scale, norm),
@@ -1146,9 +1157,8 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
     ):
         eq = np.int32(num_experts // 4)
         red = cuda.shared.array(0, nb_f32)  # fp32 [2 * threads]: lane partials of S and D
-        hx = cuda.local.array(held_values, nb_f32)  # the held quads' saved x, then g
-        hg = cuda.local.array(held_values, nb_f32)
-        hm = cuda.local.array(held_words, nb_u32)  # their map words (0: not loaded)
+        hx = cuda.local.array(held_values, nb_f32)  # the held quads' saved x and g: registers
+        hg = cuda.local.array(held_values, nb_f32)  # (indexed by constants once unrolled)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         tok = tid // lanes
@@ -1161,19 +1171,31 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
 
         total = _ZERO
         dot = _ZERO
-        for h in range(hold):  # unrolled: hx, hg and hm live in registers
-            q = np.int32(lane + h * step)
-            mw = np.uint32(0)
-            if live and q < eq:
-                w = wbase + q
-                mw = word(routing_map, w)
-                if mw != 0 or dense:
+        if hold > 0:
+            # Every load first, with no branch between them (the alignment
+            # tested once), at indices clamped into the array (a dead token
+            # or a missing quad reads the last token's last quad and is not
+            # used); then the sums.
+            wlast = min(token, num_tokens - 1) * eq
+            if aligned(grad_probs) and aligned(saved):
+                for h in range(hold):
+                    w = wlast + min(np.int32(lane + h * step), np.int32(eq - 1))
+                    g0, g1, g2, g3 = load_aligned(grad_probs, w)
+                    hold4(hg, h, g0, g1, g2, g3)
+                    x0, x1, x2, x3 = load_aligned(saved, w)
+                    hold4(hx, h, x0, x1, x2, x3)
+            else:
+                for h in range(hold):
+                    w = wlast + min(np.int32(lane + h * step), np.int32(eq - 1))
                     g0, g1, g2, g3 = load4(grad_probs, w)
+                    hold4(hg, h, g0, g1, g2, g3)
                     x0, x1, x2, x3 = load_saved(saved, w)
-                    hg[4 * h], hg[4 * h + 1], hg[4 * h + 2], hg[4 * h + 3] = g0, g1, g2, g3
-                    hx[4 * h], hx[4 * h + 1], hx[4 * h + 2], hx[4 * h + 3] = x0, x1, x2, x3
-                    total, dot = acc4(total, dot, mw, x0, x1, x2, x3, g0, g1, g2, g3, scale)
-            hm[h] = mw
+                    hold4(hx, h, x0, x1, x2, x3)
+            for h in range(hold):
+                if live and lane + h * step < eq:
+                    total, dot = acc4(total, dot, _ALL_SET, hx[4 * h], hx[4 * h + 1], hx[4 * h + 2],
+                                      hx[4 * h + 3], hg[4 * h], hg[4 * h + 1], hg[4 * h + 2],
+                                      hg[4 * h + 3], scale)
         q = np.int32(lane + hold * step)
         while live and q < eq:
             w = wbase + q
@@ -1195,14 +1217,9 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
             for h in range(hold):
                 q = np.int32(lane + h * step)
                 if q < eq:
-                    w = wbase + q
-                    mw = hm[h]
-                    if mw == 0 and not dense:
-                        zero_out4(grad_logits, w)
-                    else:
-                        write4(grad_logits, w, mw, hx[4 * h], hx[4 * h + 1], hx[4 * h + 2], hx[4 * h + 3],
-                               hg[4 * h], hg[4 * h + 1], hg[4 * h + 2], hg[4 * h + 3], inv, c, dsum,
-                               scale, norm)
+                    write4(grad_logits, wbase + q, _ALL_SET, hx[4 * h], hx[4 * h + 1], hx[4 * h + 2],
+                           hx[4 * h + 3], hg[4 * h], hg[4 * h + 1], hg[4 * h + 2], hg[4 * h + 3], inv,
+                           c, dsum, scale, norm)
             q = np.int32(lane + hold * step)
             while q < eq:
                 w = wbase + q
@@ -1402,9 +1419,9 @@ def topk_with_score_function_bwd_plan(grad_probs: L.Spec, topk: int, pre: bool, 
         return L.Plan(OP + "_bwd", ins, outs)
     if shape[1] % 4 == 0:
         dense = bool(pre) and sf == _SOFTMAX
-        grid, threads, lanes, hold = L.quad_tiling(shape[0], shape[1], dense=dense)
+        grid, threads, lanes = L.quad_tiling(shape[0], shape[1], dense=dense)
         words, quads, flat = array_views(grad_probs.kind, shape)
-        step = L.Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True, int(sf), dense, hold), grid,
+        step = L.Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True, int(sf), dense, 0), grid,
                       threads, 8 * threads,
                       (L.In(0, quads), L.In(1, flat), L.In(2, words), L.Out(0, words), shape[0],
                        shape[1], int(topk), np.float32(scale), lanes))
