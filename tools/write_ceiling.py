@@ -1,11 +1,17 @@
 """How fast this GPU takes writes (GPU only): ``python tools/write_ceiling.py``.
 
 The aux-loss backward only writes (67 MB at DeepSeek-V3's T = 65536, E =
-256, fp32), so its floor is the write rate, not the copy rate.  Times the
-driver's ``cuMemsetD32Async`` of 67 MB and two numba write kernels with
-16-byte stores (``kernels._vec``): grid-strided, and a contiguous chunk per
-block, four stores in flight per thread, over several grid and block sizes.
-Median of 50 launches (CUDA events); every element checked afterwards.
+256, fp32), so its floor is the write rate, not the copy rate.  Times, for
+the same 67 MB: the driver's ``cuMemsetD32Async``; grid-strided numba fill
+kernels with 16-byte stores (``kernels._vec``), plain and L2 evict-first,
+over several grid and block sizes; and gpurouter's aux-loss backward itself.
+
+Kernel time: CUDA events around each launch, the launches queued behind a
+sleep kernel (``bench._spin_kernel``) so that the host's launch rate is not
+what gets timed (numba's dispatcher takes longer to launch a kernel than
+this one runs; timing back-to-back launches without the sleep measured
+24-28 us for kernels that take 19-20).  Median of 100 launches; every
+element checked afterwards.
 """
 
 from __future__ import annotations
@@ -16,52 +22,56 @@ import statistics
 import numpy as np
 from numba import cuda
 
+from gpurouter import kernels as K
+from gpurouter.bench import _spin_kernel
+from gpurouter.kernels import _launch as L
 from gpurouter.kernels import _vec
 
 _, _store4 = _vec.quad_f32()
+_store4_once = _vec.quad_store_once_f32()
 
 
-@cuda.jit(device=True)
-def _fill(a, w, end, step, v):
-    """Quads ``w, w + step, ... < end`` := v, four stores in flight."""
-    while w + 3 * step < end:
-        _store4(a, w, v, v, v, v)
-        _store4(a, w + step, v, v, v, v)
-        _store4(a, w + 2 * step, v, v, v, v)
-        _store4(a, w + 3 * step, v, v, v, v)
-        w = np.int32(w + 4 * step)
-    while w < end:
+@cuda.jit
+def _strided(a, nq, v):
+    w = np.int32(cuda.grid(1))
+    step = np.int32(cuda.gridsize(1))
+    while w < nq:
         _store4(a, w, v, v, v, v)
         w = np.int32(w + step)
 
 
 @cuda.jit
-def _chunked(a, nq, per_block, v):
-    b0 = np.int32(cuda.blockIdx.x) * np.int32(per_block)
-    _fill(a, np.int32(b0 + cuda.threadIdx.x), min(np.int32(b0 + per_block), np.int32(nq)),
-          np.int32(cuda.blockDim.x), v)
+def _strided_once(a, nq, v):
+    w = np.int32(cuda.grid(1))
+    step = np.int32(cuda.gridsize(1))
+    while w < nq:
+        _store4_once(a, w, v, v, v, v)
+        w = np.int32(w + step)
 
 
-@cuda.jit
-def _strided(a, nq, v):
-    _fill(a, np.int32(cuda.grid(1)), np.int32(nq), np.int32(cuda.gridsize(1)), v)
-
-
-def _time(fn, stream, repeats=50):
+def _time(fn, stream, repeats=100):
+    """Median kernel microseconds of ``fn()``, batches of 25 queued behind a sleep."""
+    spin = _spin_kernel()
     fn()
     stream.synchronize()
-    events = [cuda.event() for _ in range(repeats + 1)]
-    events[0].record(stream)
-    for i in range(repeats):
-        fn()
-        events[i + 1].record(stream)
-    events[-1].synchronize()
-    return statistics.median(events[i].elapsed_time(events[i + 1]) for i in range(repeats)) * 1e3
+    times = []
+    for _ in range(repeats // 25):
+        events = [cuda.event() for _ in range(26)]
+        L.launch(spin, 1, 1, stream, 0, 3000)
+        events[0].record(stream)
+        for i in range(25):
+            fn()
+            events[i + 1].record(stream)
+        events[-1].synchronize()
+        times += [events[i].elapsed_time(events[i + 1]) for i in range(25)]
+    return statistics.median(times) * 1e3
 
 
 def main():
-    n = 65536 * 256
+    rows, cols = 65536, 256
+    n = rows * cols
     nq = n // 4
+    mb = 4 * n / 1e6
     a = cuda.device_array(n, np.float32)
     stream = cuda.stream()
     lib = ctypes.CDLL("libcuda.so.1")
@@ -74,20 +84,27 @@ def main():
             raise RuntimeError(f"cuMemsetD32Async: CUresult {err}")
 
     us = _time(memset, stream)
-    print(f"cuMemsetD32 {4 * n / 1e6:.0f} MB: {us:6.1f} us ({4 * n / us / 1e6:.2f} TB/s)")
+    print(f"cuMemsetD32 {mb:.0f} MB: {us:6.1f} us ({mb / us:.2f} TB/s)")
     sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
     v = np.float32(2.5)
-    for mult in (2, 4, 8, 16, 32):
-        for threads in (256, 512, 1024):
+    for mult in (1, 4, 16):
+        for threads in (256, 1024):
             grid = sms * mult
-            if grid * threads > 8192 * sms:
+            if grid * threads > 2048 * sms:
                 continue
-            per = -(-nq // grid)
-            chunk = _time(lambda g=grid, t=threads, p=per: _chunked[g, t, stream](a, nq, p, v), stream)
-            strided = _time(lambda g=grid, t=threads: _strided[g, t, stream](a, nq, v), stream)
-            print(f"grid {mult:2d} x SMs, {threads:4d} threads: chunk per block {chunk:6.1f} us "
-                  f"({4 * n / chunk / 1e6:.2f} TB/s), grid-strided {strided:6.1f} us")
+            plain = _time(lambda g=grid, t=threads: _strided[g, t, stream](a, nq, v), stream)
+            once = _time(lambda g=grid, t=threads: _strided_once[g, t, stream](a, nq, v), stream)
+            print(f"grid-strided, {mult:2d} blocks per SM x {threads:4d} threads: plain stores "
+                  f"{plain:6.1f} us, evict-first {once:6.1f} us")
     assert (a.copy_to_host() == v).all(), "an element was not written"
+    tpe = cuda.to_device(np.arange(cols, dtype=np.int32))
+    coeff = cuda.to_device(np.asarray(0.5, np.float32))
+    grad = cuda.to_device(np.ones((), np.float32))
+    out = a.reshape(rows, cols)
+    us = _time(lambda: K.moe_aux_loss_bwd(coeff, tpe, grad, rows, out=out, stream=stream), stream)
+    print(f"gpurouter moe_aux_loss_bwd {mb:.0f} MB: {us:6.1f} us ({mb / us:.2f} TB/s)")
+    want = np.float32(0.5) * np.arange(cols, dtype=np.float32)
+    assert (out.copy_to_host() == want).all(), "the aux-loss backward wrote something else"
 
 
 if __name__ == "__main__":

@@ -375,11 +375,11 @@ def moe_aux_loss_bwd_plan(tokens_per_expert: L.Spec, grad_loss: L.Spec, num_rows
     if num_rows == 0 or num_cols == 0:
         return L.Plan(OP + "_bwd", ins, outs)
     if num_cols % 4 == 0:  # a quad of columns per store
-        grid, threads, cl, rows = L.column_tiling(num_rows, num_cols // 4)
+        grid, threads, cl, rows = L.fill_tiling(num_rows, num_cols // 4)
         words = array_views(kind, (num_rows, num_cols))[0]
-        step = L.Step(_aux_loss_bwd_quad_kernel(tokens_per_expert.kind, kind), 2 * grid, threads, 0,
+        step = L.Step(_aux_loss_bwd_quad_kernel(tokens_per_expert.kind, kind), grid, threads, 0,
                       (L.In(0, L.spec_of((1,), L.F32)), L.In(1), L.In(2, L.spec_of((1,), kind)),
-                       L.Out(0, words), num_rows, num_cols, -(-num_rows // (2 * grid)), cl))
+                       L.Out(0, words), num_rows, num_cols, rows, cl))
         return L.Plan(OP + "_bwd", ins, outs, (), (step,))
     grid, threads, cl, rows = L.column_tiling(num_rows, num_cols)
     step = L.Step(_aux_loss_bwd_kernel(tokens_per_expert.kind, kind), 2 * grid, threads, 0,
