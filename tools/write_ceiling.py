@@ -4,7 +4,8 @@ The aux-loss backward only writes (67 MB at DeepSeek-V3's T = 65536, E =
 256, fp32), so its floor is the write rate, not the copy rate.  Times, for
 the same 67 MB: the driver's ``cuMemsetD32Async``; grid-strided numba fill
 kernels with 16-byte stores (``kernels._vec``), plain and L2 evict-first,
-over several grid and block sizes; and gpurouter's aux-loss backward itself.
+over several grid and block sizes.  (gpurouter's aux-loss backward itself:
+``python -m gpurouter bench --paths kernel --presets deepseek-v3``.)
 
 Kernel time: CUDA events around each launch, the launches queued behind a
 sleep kernel (``bench._spin_kernel``) so that the host's launch rate is not
@@ -22,7 +23,6 @@ import statistics
 import numpy as np
 from numba import cuda
 
-from gpurouter import kernels as K
 from gpurouter.bench import _spin_kernel
 from gpurouter.kernels import _launch as L
 from gpurouter.kernels import _vec
@@ -68,8 +68,7 @@ def _time(fn, stream, repeats=100):
 
 
 def main():
-    rows, cols = 65536, 256
-    n = rows * cols
+    n = 65536 * 256
     nq = n // 4
     mb = 4 * n / 1e6
     a = cuda.device_array(n, np.float32)
@@ -97,14 +96,6 @@ def main():
             print(f"grid-strided, {mult:2d} blocks per SM x {threads:4d} threads: plain stores "
                   f"{plain:6.1f} us, evict-first {once:6.1f} us")
     assert (a.copy_to_host() == v).all(), "an element was not written"
-    tpe = cuda.to_device(np.arange(cols, dtype=np.int32))
-    coeff = cuda.to_device(np.asarray(0.5, np.float32))
-    grad = cuda.to_device(np.ones((), np.float32))
-    out = a.reshape(rows, cols)
-    us = _time(lambda: K.moe_aux_loss_bwd(coeff, tpe, grad, rows, out=out, stream=stream), stream)
-    print(f"gpurouter moe_aux_loss_bwd {mb:.0f} MB: {us:6.1f} us ({mb / us:.2f} TB/s)")
-    want = np.float32(0.5) * np.arange(cols, dtype=np.float32)
-    assert (out.copy_to_host() == want).all(), "the aux-loss backward wrote something else"
 
 
 if __name__ == "__main__":

@@ -538,26 +538,27 @@ def column_tiling(num_rows: int, num_cols: int, block: int = COLUMN_THREADS):
     return grid, rl * cl, cl, rows
 
 
-#: the aux-loss backward's fill: threads per block, rows per block.  Measured
-#: on an H200 (67 MB fp32, 16-byte stores, kernel time behind a sleep kernel):
-#: 2048 blocks x 256 threads (32 rows each) 19.2-19.3 us, 512 x 512 19.6-19.9,
-#: 132 x 1024 19.5-19.7; the driver's cuMemsetD32 18.5.
+#: the aux-loss backward's fill: threads per block, blocks at most.  Measured
+#: on an H200 (67 MB fp32, 16-byte stores, kernel time behind a sleep
+#: kernel, tools/write_ceiling.py): grid-strided rows at 1 block of 256
+#: threads per SM 18.3 us, 4 per SM 18.5, 1 of 1024 19.6; a contiguous chunk
+#: of rows per block 19.2-19.9 (2048 x 256 to 132 x 1024); the driver's
+#: cuMemsetD32 18.5.
 FILL_THREADS = 256
-FILL_ROWS = 32
+FILL_BLOCKS = 264
 
 
 def fill_tiling(num_rows: int, num_quads: int):
-    """``(grid, threads, col_lanes, rows_per_block)`` of a kernel writing a row
-    of ``num_quads`` column quads down ``num_rows`` rows: blocks of RL row
-    lanes x CL column-quad lanes (CL as in ``column_tiling``; RL a power of
-    two, RL * CL <= ``FILL_THREADS``, no more row lanes than rows), each block
-    ``FILL_ROWS`` rows."""
+    """``(grid, threads, col_lanes)`` of a kernel writing one row of
+    ``num_quads`` column quads down ``num_rows`` rows, grid-strided: blocks of
+    RL row lanes x CL column-quad lanes (CL as in ``column_tiling``; RL a
+    power of two, RL * CL <= ``FILL_THREADS``, no more row lanes than rows),
+    block b's lane rl writing rows ``b RL + rl + k grid RL``."""
     cl = min(256, max(32, -(-num_quads // 32) * 32))
-    rows = max(1, min(FILL_ROWS, num_rows))
     rl = 1
-    while rl * 2 * cl <= FILL_THREADS and rl * 2 <= rows:
+    while rl * 2 * cl <= FILL_THREADS and rl * 2 <= num_rows:
         rl *= 2
-    return -(-max(num_rows, 1) // rows), rl * cl, cl, rows
+    return max(1, min(FILL_BLOCKS, -(-num_rows // rl))), rl * cl, cl
 
 
 # ----------------------------------------------------------------------------

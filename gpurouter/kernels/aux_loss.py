@@ -247,18 +247,18 @@ def _aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str):
         grad_probs,  # [R, C] out_kind, flat (bf16: [R*C/4] uint64), out
         num_rows,
         num_cols,
-        rows_per_block,
         col_lanes,  # CL; blockDim.x == RL * CL
     ):
         # Thread (rl, cl) computes its column quads' values once and writes
-        # them down its rows (int32 counters, unsigned indices: topk._u64).
+        # them down its rows, grid-strided (_launch.fill_tiling; int32
+        # counters, unsigned indices: topk._u64).
         eq = np.int32(num_cols // 4)
         tid = np.int32(cuda.threadIdx.x)
-        step = np.int32(cuda.blockDim.x // col_lanes)
+        nrl = np.int32(cuda.blockDim.x // col_lanes)
         rl = np.int32(tid // col_lanes)
         cl = np.int32(tid - rl * col_lanes)
-        r0 = np.int32(cuda.blockIdx.x * rows_per_block)
-        r1 = np.int32(min(num_rows, r0 + rows_per_block))
+        first = np.int32(cuda.blockIdx.x * nrl + rl)
+        step = np.int32(cuda.gridDim.x * nrl)
         c0 = coeff[0]
         g = load_grad(grad_loss, 0)
         cq = cl
@@ -268,8 +268,8 @@ def _aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str):
             v1 = value(c0, tokens_per_expert, c + _u64(1), g)
             v2 = value(c0, tokens_per_expert, c + _u64(2), g)
             v3 = value(c0, tokens_per_expert, c + _u64(3), g)
-            r = np.int32(r0 + rl)
-            while r < r1:
+            r = first
+            while r < num_rows:
                 store4(grad_probs, np.int64(r) * eq + cq, v0, v1, v2, v3)
                 r = np.int32(r + step)
             cq = np.int32(cq + col_lanes)
@@ -375,11 +375,11 @@ def moe_aux_loss_bwd_plan(tokens_per_expert: L.Spec, grad_loss: L.Spec, num_rows
     if num_rows == 0 or num_cols == 0:
         return L.Plan(OP + "_bwd", ins, outs)
     if num_cols % 4 == 0:  # a quad of columns per store
-        grid, threads, cl, rows = L.fill_tiling(num_rows, num_cols // 4)
+        grid, threads, cl = L.fill_tiling(num_rows, num_cols // 4)
         words = array_views(kind, (num_rows, num_cols))[0]
         step = L.Step(_aux_loss_bwd_quad_kernel(tokens_per_expert.kind, kind), grid, threads, 0,
                       (L.In(0, L.spec_of((1,), L.F32)), L.In(1), L.In(2, L.spec_of((1,), kind)),
-                       L.Out(0, words), num_rows, num_cols, rows, cl))
+                       L.Out(0, words), num_rows, num_cols, cl))
         return L.Plan(OP + "_bwd", ins, outs, (), (step,))
     grid, threads, cl, rows = L.column_tiling(num_rows, num_cols)
     step = L.Step(_aux_loss_bwd_kernel(tokens_per_expert.kind, kind), 2 * grid, threads, 0,

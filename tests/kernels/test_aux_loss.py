@@ -108,3 +108,22 @@ def test_empty_rows():
     loss, _ = K.moe_aux_loss_fwd(probs, tpe, 1, 1.0, total_num_tokens=5)
     assert loss == 0.0
     assert K.moe_aux_loss_bwd(np.float32(0.5), tpe, 1.0, 0).shape == (0, 4)
+
+
+def test_bwd_grid_strided_rows(monkeypatch):
+    """The backward's fill with fewer blocks than its rows need: each row lane
+    writes several rows, ``grid * RL`` apart (``_launch.fill_tiling``)."""
+    from gpurouter.kernels import _launch as L
+    from gpurouter.kernels import aux_loss
+
+    monkeypatch.setattr(L, "FILL_BLOCKS", 2)
+    aux_loss.moe_aux_loss_bwd_plan.cache_clear()
+    try:
+        assert L.fill_tiling(37, 2) == (2, 256, 32)
+        tpe = np.arange(8, dtype=np.int32)
+        gp = K.moe_aux_loss_bwd(np.float32(0.25), tpe, np.float32(2.0), 37)
+        want = np.broadcast_to(np.float32(0.5) * tpe.astype(np.float32), (37, 8))
+        np.testing.assert_array_equal(gp, want)
+    finally:
+        monkeypatch.undo()
+        aux_loss.moe_aux_loss_bwd_plan.cache_clear()
