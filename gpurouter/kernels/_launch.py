@@ -539,13 +539,14 @@ def column_tiling(num_rows: int, num_cols: int, block: int = COLUMN_THREADS):
 
 
 #: the aux-loss backward's fill: threads per block, blocks at most.  Measured
-#: on an H200 (67 MB fp32, 16-byte stores, kernel time behind a sleep
-#: kernel, tools/write_ceiling.py): grid-strided rows at 1 block of 256
-#: threads per SM 18.3 us, 4 per SM 18.5, 1 of 1024 19.6; a contiguous chunk
-#: of rows per block 19.2-19.9 (2048 x 256 to 132 x 1024); the driver's
-#: cuMemsetD32 18.5.
-FILL_THREADS = 256
-FILL_BLOCKS = 264
+#: on an H200 (T = 65536, E = 256, fp32: 67 MB; kernel time behind a sleep
+#: kernel, ``python -m gpurouter bench``, scratch sweep at 8f2a26a): 528 x 128
+#: threads 19.0 us, 132 x 128 or 256 19.1-19.2, 264 x 256 19.8-20.1, 512
+#: threads per block 20.0-20.4; a contiguous chunk of rows per block (2048 x
+#: 256, e8a8187) 19.7.  The driver's cuMemsetD32 takes 18.4-18.5 us for the
+#: same bytes, a bare grid-strided fill 18.1 (tools/write_ceiling.py).
+FILL_THREADS = 128
+FILL_BLOCKS = 528
 
 
 def fill_tiling(num_rows: int, num_quads: int):

@@ -119,7 +119,7 @@ def test_bwd_grid_strided_rows(monkeypatch):
     monkeypatch.setattr(L, "FILL_BLOCKS", 2)
     aux_loss.moe_aux_loss_bwd_plan.cache_clear()
     try:
-        assert L.fill_tiling(37, 2) == (2, 256, 32)
+        assert L.fill_tiling(37, 2) == (2, L.FILL_THREADS, 32)
         tpe = np.arange(8, dtype=np.int32)
         gp = K.moe_aux_loss_bwd(np.float32(0.25), tpe, np.float32(2.0), 37)
         want = np.broadcast_to(np.float32(0.5) * tpe.astype(np.float32), (37, 8))
