@@ -13,6 +13,10 @@ numba has no vector types in arrays, so the accesses are LLVM intrinsics
 base address to be a multiple of 16 (cudaMalloc and XLA give 256; a view
 such as ``a[1:]`` need not): every access checks the address and falls back
 to four scalar accesses otherwise, a warp-uniform branch.
+``quad_f32_unchecked`` splits the check from the load, for kernels that
+test an array once and then issue a run of loads with no branch between
+them; ``quad_store_once_f32`` stores with L2's evict-first policy (inline
+PTX: LLVM has no intrinsic for cache hints).
 
 On the CUDA simulator, which cannot run LLVM intrinsics, ``quad_f32()``
 returns the plain four-element versions; the kernels are the same code.
