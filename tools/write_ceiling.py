@@ -27,26 +27,23 @@ from gpurouter.bench import _spin_kernel
 from gpurouter.kernels import _launch as L
 from gpurouter.kernels import _vec
 
-_, _store4 = _vec.quad_f32()
-_store4_once = _vec.quad_store_once_f32()
+
+def _strided_fill(store4):
+    """Kernel ``(a, nq, v)``: quads ``0 .. nq-1`` of ``a`` := v, grid-strided."""
+
+    @cuda.jit
+    def fill(a, nq, v):
+        w = np.int32(cuda.grid(1))
+        step = np.int32(cuda.gridsize(1))
+        while w < nq:
+            store4(a, w, v, v, v, v)
+            w = np.int32(w + step)
+
+    return fill
 
 
-@cuda.jit
-def _strided(a, nq, v):
-    w = np.int32(cuda.grid(1))
-    step = np.int32(cuda.gridsize(1))
-    while w < nq:
-        _store4(a, w, v, v, v, v)
-        w = np.int32(w + step)
-
-
-@cuda.jit
-def _strided_once(a, nq, v):
-    w = np.int32(cuda.grid(1))
-    step = np.int32(cuda.gridsize(1))
-    while w < nq:
-        _store4_once(a, w, v, v, v, v)
-        w = np.int32(w + step)
+_strided = _strided_fill(_vec.quad_f32()[1])
+_strided_once = _strided_fill(_vec.quad_store_once_f32())
 
 
 def _time(fn, stream, repeats=100):

@@ -132,6 +132,20 @@ def _store_elements(a, w, v0, v1, v2, v3):
     a[_u64(f + 3)] = v3
 
 
+def _checked_store(address, store_v4):
+    """Device function: ``store_v4`` on a 16-byte aligned array, four scalar
+    stores otherwise (a warp-uniform branch)."""
+
+    @cuda.jit(device=True)
+    def store(a, w, v0, v1, v2, v3):
+        if address(a) & np.uint64(15) == 0:
+            store_v4(a, w, v0, v1, v2, v3)
+        else:
+            _store_elements(a, w, v0, v1, v2, v3)
+
+    return store
+
+
 @functools.cache
 def quad_f32():
     """Device functions ``load(a, w) -> 4 x fp32`` and ``store(a, w, v0, v1, v2,
@@ -151,14 +165,7 @@ def quad_f32():
             return load_v4(a, w)
         return _load_elements(a, w)
 
-    @cuda.jit(device=True)
-    def store(a, w, v0, v1, v2, v3):
-        if address(a) & np.uint64(15) == 0:
-            store_v4(a, w, v0, v1, v2, v3)
-        else:
-            _store_elements(a, w, v0, v1, v2, v3)
-
-    return load, store
+    return load, _checked_store(address, store_v4)
 
 
 @cuda.jit(device=True)
@@ -199,12 +206,4 @@ def quad_store_once_f32():
         return _store_elements
 
     address, _, _, store_v4_evict_first = _intrinsics()
-
-    @cuda.jit(device=True)
-    def store(a, w, v0, v1, v2, v3):
-        if address(a) & np.uint64(15) == 0:
-            store_v4_evict_first(a, w, v0, v1, v2, v3)
-        else:
-            _store_elements(a, w, v0, v1, v2, v3)
-
-    return store
+    return _checked_store(address, store_v4_evict_first)

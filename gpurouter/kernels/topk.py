@@ -1136,6 +1136,25 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
         held[4 * h + 2] = v2
         held[4 * h + 3] = v3
 
+    def held_loader(load):
+        """Device function: a lane's ``hold`` quads of both fp32 arrays into
+        ``hg``, ``hx``, all loads before any use (``load``: with or without
+        the alignment test; inlined, so the arrays stay registers)."""
+
+        @cuda.jit(device=True)
+        def load_held(hg, hx, grad_probs, saved, wlast, lane, step, eq):
+            for h in range(hold):
+                w = wlast + min(np.int32(lane + h * step), np.int32(eq - 1))
+                g0, g1, g2, g3 = load(grad_probs, w)
+                hold4(hg, h, g0, g1, g2, g3)
+                x0, x1, x2, x3 = load(saved, w)
+                hold4(hx, h, x0, x1, x2, x3)
+
+        return load_held
+
+    load_held_aligned = held_loader(load_aligned)
+    load_held_checked = held_loader(load_saved)  # hold > 0: fp32 gradients, saved's loader
+
     @cuda.jit(device=True)
     def write4(grad_logits, w, mw, x0, x1, x2, x3, g0, g1, g2, g3, inv, c, dsum, scale, norm):
         out4(grad_logits, w, dx(x0, g0, mw & _B0 != 0, inv, c, dsum, scale, norm),
@@ -1178,19 +1197,9 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
             # used); then the sums.
             wlast = min(token, num_tokens - 1) * eq
             if aligned(grad_probs) and aligned(saved):
-                for h in range(hold):
-                    w = wlast + min(np.int32(lane + h * step), np.int32(eq - 1))
-                    g0, g1, g2, g3 = load_aligned(grad_probs, w)
-                    hold4(hg, h, g0, g1, g2, g3)
-                    x0, x1, x2, x3 = load_aligned(saved, w)
-                    hold4(hx, h, x0, x1, x2, x3)
+                load_held_aligned(hg, hx, grad_probs, saved, wlast, lane, step, eq)
             else:
-                for h in range(hold):
-                    w = wlast + min(np.int32(lane + h * step), np.int32(eq - 1))
-                    g0, g1, g2, g3 = load4(grad_probs, w)
-                    hold4(hg, h, g0, g1, g2, g3)
-                    x0, x1, x2, x3 = load_saved(saved, w)
-                    hold4(hx, h, x0, x1, x2, x3)
+                load_held_checked(hg, hx, grad_probs, saved, wlast, lane, step, eq)
             for h in range(hold):
                 if live and lane + h * step < eq:
                     total, dot = acc4(total, dot, _ALL_SET, hx[4 * h], hx[4 * h + 1], hx[4 * h + 2],
