@@ -90,7 +90,7 @@ def main():
     print(f"{'callback body (median)':<34}{statistics.median(body) * 1e6:>10.1f} us / call")
     # The body step by step (calls seen before: _callback's direct path).
     parts = {k: [] for k in ("array interfaces", "cached-launch lookup", "launch",
-                             "  of which cuLaunchKernel")}
+                             "  of which cuLaunchKernel", "  of which cuCtxGetCurrent")}
     pushed = []
 
     def split(planner, n_token, n_out, bufs, outs, stream):
@@ -113,7 +113,9 @@ def main():
         t4 = time.perf_counter()
         run._lib.cuLaunchKernel(handle, grid, 1, 1, block, 1, 1, shared, stream or None, argv, None)
         t5 = time.perf_counter()
-        for k, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t5 - t4), strict=True):
+        run._lib.cuCtxGetCurrent(ctypes.byref(cur))
+        t6 = time.perf_counter()
+        for k, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t5 - t4, t6 - t5), strict=True):
             parts[k].append(dt)
 
     cb._device_call = split
