@@ -64,6 +64,36 @@ def score_function_code(score_function, op: str) -> int:
     return int(score_function_of(op, score_function))
 
 
+#: TE's ``routing_map_format`` codes: BYTEMAP, the ``[T, E]`` bool map; BITMAP_U8,
+#: ``uint8[T, ceil(E/8)]`` with bit ``e % 8`` of byte ``e // 8`` set iff the token
+#: routes to expert ``e`` (``np.packbits(map, axis=-1, bitorder="little")``),
+#: the last byte's padding bits 0.
+BYTEMAP, BITMAP_U8 = 0, 1
+
+
+def map_format_code(map_format, op: str, name: str = "routing_map_format") -> int:
+    """0 (BYTEMAP) or 1 (BITMAP_U8), as an int (any integer type, an IntEnum
+    included; not a bool); anything else is a ValueError naming ``op`` and
+    ``name``."""
+    if isinstance(map_format, (int, np.integer)) and not isinstance(map_format, (bool, np.bool_)):
+        if int(map_format) in (BYTEMAP, BITMAP_U8):
+            return int(map_format)
+    raise ValueError(f"{op}: {name} must be 0 (BYTEMAP: a [T, E] bool map) or 1 (BITMAP_U8: a "
+                     f"uint8[T, ceil(E/8)] bitmap), got {map_format!r}.")
+
+
+def bitmap_bytes(num_experts: int) -> int:
+    """Bytes per token of a BITMAP_U8 routing map: ``ceil(E / 8)``."""
+    return -(-int(num_experts) // 8)
+
+
+def map_spec(num_tokens: int, num_experts: int, map_format: int) -> Spec:
+    """The Spec of a routing map: ``bool [T, E]`` (BYTEMAP) or ``uint8 [T, ceil(E/8)]`` (BITMAP_U8)."""
+    if map_format == BITMAP_U8:
+        return Spec((num_tokens, bitmap_bytes(num_experts)), np.uint8)
+    return Spec((num_tokens, num_experts), np.bool_)
+
+
 def is_device_array(x) -> bool:
     """True for numba device arrays (real or simulated) and CAI objects."""
     if isinstance(x, np.ndarray) or x is None:
@@ -198,18 +228,32 @@ def scalar_input(x, name: str, op: str, stream, *, allow_int: bool = False):
     return d.reshape((1,)), kind
 
 
-def bool_input(x, name: str, op: str, stream):
-    """A bool mask (host or device) -> a device bool array."""
+def map_input(x, name: str, op: str, stream, shape):
+    """A routing map (host or device) for tokens x experts ``shape`` -> ``(device
+    array, format)``: a bool ``[T, E]`` map is BYTEMAP, a uint8 ``[T, ceil(E/8)]``
+    bitmap BITMAP_U8 (the format is the dtype's).  Any other dtype is a
+    TypeError, a wrong shape a ValueError; both name ``op``, ``name``, what
+    was seen and the rule."""
     if is_device_array(x):
         d = x if hasattr(x, "copy_to_host") else _wrap_cai(x)
     else:
-        h = np.ascontiguousarray(np.asarray(x))
-        if h.dtype != np.bool_:
-            raise TypeError(f"{op}: {name} must be bool, got {h.dtype}.")
-        d = cuda.to_device(h, stream=stream)
-    if np.dtype(d.dtype) != np.bool_:
-        raise TypeError(f"{op}: {name} must be bool, got {d.dtype}.")
-    return d
+        d = np.ascontiguousarray(np.asarray(x))
+    dtype = np.dtype(d.dtype)
+    t, e = (int(v) for v in shape)
+    rule = (f"a bool [T, E] = [{t}, {e}] map (BYTEMAP) or a uint8 [T, ceil(E/8)] = "
+            f"[{t}, {bitmap_bytes(e)}] bitmap (BITMAP_U8)")
+    if dtype == np.bool_:
+        fmt = BYTEMAP
+    elif dtype == np.uint8:
+        fmt = BITMAP_U8
+    else:
+        raise TypeError(f"{op}: {name} must be {rule}, got dtype {dtype} (shape {tuple(d.shape)}).")
+    want = map_spec(t, e, fmt).shape
+    if tuple(int(v) for v in d.shape) != want:
+        raise ValueError(f"{op}: {name} must be {rule}, got shape {tuple(d.shape)} {dtype}.")
+    if not is_device_array(x):
+        d = cuda.to_device(d, stream=stream)
+    return d, fmt
 
 
 # ----------------------------------------------------------------------------

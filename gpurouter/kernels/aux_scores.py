@@ -26,12 +26,14 @@ from .topk import (
     _SOFTMAX,
     _adv,
     _normalise,
+    _pack_flags,
     _row_stats,
     _select,
     _stager,
     _stream_bwd_kernel,
     _walk,
     array_views,
+    map_view,
     nb_f32,
     nb_i32,
     nb_u8,
@@ -43,14 +45,16 @@ OP = "score_for_aux_loss"
 
 
 @functools.cache
-def _aux_scores_fwd_kernel(kind: str, kcap: int):
+def _aux_scores_fwd_kernel(kind: str, kcap: int, bitmap: bool = False):
+    """The W-lane aux-score forward; ``bitmap`` (compile-time): the routing map
+    is BITMAP_U8 (``topk._pack_flags``), else the bool map."""
     stage = _stager(kind)
 
     @cuda.jit
     def kernel(
         logits,  # [T, E] kind
         scores,  # [T, E] fp32, out
-        routing_map,  # [T, E] bool, out
+        routing_map,  # [T, E] bool (bitmap: [T, ceil(E/8)] uint8), out
         saved,  # [T, E] fp32, out: softmax p / sigmoid a / raw x (sqrtsoftplus)
         topk,
         sf,
@@ -100,10 +104,13 @@ def _aux_scores_fwd_kernel(kind: str, kcap: int):
         cuda.syncthreads()
 
         # Phase 5 (all threads, coalesced): the routing map.
-        t, j, dt, dj = _walk(tid, nthreads, num_experts)
-        while t < nt:
-            routing_map[t0 + t, j] = flags[o_flag + t * stride + j] != 0
-            t, j = _adv(t, j, dt, dj, num_experts)
+        if bitmap:
+            _pack_flags(flags, o_flag, routing_map, t0, nt, num_experts, stride, tid, nthreads)
+        else:
+            t, j, dt, dj = _walk(tid, nthreads, num_experts)
+            while t < nt:
+                routing_map[t0 + t, j] = flags[o_flag + t * stride + j] != 0
+                t, j = _adv(t, j, dt, dj, num_experts)
 
     return kernel
 
@@ -124,21 +131,26 @@ def _aux_scores_bwd_kernel(out_kind: str):
     return _stream_bwd_kernel(L.F32, out_kind, False)
 
 
-def score_for_aux_loss_fwd(logits, topk, score_function="softmax", *, out=None, stream=0):
+def score_for_aux_loss_fwd(logits, topk, score_function="softmax", routing_map_format=0, *, out=None,
+                           stream=0):
     """Aux-loss scores and their plain top-K routing map.
 
     Args:
       logits: (T, E) float32 | bfloat16 | float16, host or device.
       topk: K, ``1 <= K <= E`` (only the routing map depends on it).
       score_function: "softmax" | "sigmoid" | "sqrtsoftplus" | 0..2.
+      routing_map_format: 0 (BYTEMAP, (T, E) bool) or 1 (BITMAP_U8,
+        (T, ceil(E/8)) uint8, LSB first along the expert axis).
       out: optional ``(scores, routing_map, saved_scores)`` device arrays.
       stream: numba stream or int CUDA stream handle.
 
     Returns:
-      ``(scores (T, E) float32, routing_map (T, E) bool, saved_scores (T, E) float32)``.
+      ``(scores (T, E) float32, routing_map (T, E) bool or (T, ceil(E/8))
+      uint8, saved_scores (T, E) float32)``.
     """
     op = OP + "_fwd"
     sf = L.score_function_code(score_function, op)
+    fmt = L.map_format_code(routing_map_format, op)
     s = L.resolve_stream(stream)
     d_logits, kind = L.device_input(logits, "logits", op, s, ndim=2)
     num_tokens, num_experts = (int(v) for v in d_logits.shape)
@@ -147,15 +159,19 @@ def score_for_aux_loss_fwd(logits, topk, score_function="softmax", *, out=None, 
         raise ValueError(f"{op}: topk ({topk}) must be in [1, num_experts ({num_experts})].")
     check_limits(op, num_experts, topk)
     to_host = not L.any_on_device(logits) and out is None
-    plan = score_for_aux_loss_fwd_plan(L.spec_of(d_logits.shape, kind), topk, sf)
+    plan = score_for_aux_loss_fwd_plan(L.spec_of(d_logits.shape, kind), topk, sf, fmt)
     return L.execute(plan, [d_logits], out, s, to_host)
 
 
 @functools.cache
-def score_for_aux_loss_fwd_plan(logits: L.Spec, topk: int, sf: int) -> L.Plan:
-    """The launches of the forward (input: logits; outputs: scores, map, saved)."""
+def score_for_aux_loss_fwd_plan(logits: L.Spec, topk: int, sf: int, map_format: int = 0) -> L.Plan:
+    """The launches of the forward (input: logits; outputs: scores, map, saved);
+    the map's Spec: ``bool [T, E]`` (``map_format`` 0) or ``uint8 [T, ceil(E/8)]``
+    (1, BITMAP_U8)."""
+    fmt = L.map_format_code(map_format, OP + "_fwd_plan", "map_format")
+    bitmap = fmt == L.BITMAP_U8
     shape = logits.shape
-    outs = (L.spec_of(shape, L.F32), L.Spec(shape, np.bool_), L.spec_of(shape, L.F32))
+    outs = (L.spec_of(shape, L.F32), L.map_spec(shape[0], shape[1], fmt), L.spec_of(shape, L.F32))
     if shape[0] == 0:
         return L.Plan(OP + "_fwd", (logits,), outs)
     if L.token_path(shape[1], int(topk)):
@@ -163,13 +179,13 @@ def score_for_aux_loss_fwd_plan(logits: L.Spec, topk: int, sf: int) -> L.Plan:
 
         lay = L.token_layout(shape[0], shape[1])
         words, quads, flat = array_views(logits.kind, shape)
-        step = L.Step(aux_scores_fwd_kernel(logits.kind, int(topk), int(sf)), lay.grid, lay.threads,
-                      lay.shared,
-                      (L.In(0, words), L.Out(0, flat), L.Out(1, quads), L.Out(2, flat), shape[0],
-                       shape[1], lay.tb, lay.stride, lay.o_flag, lay.o_red, lay.o_thr))
+        step = L.Step(aux_scores_fwd_kernel(logits.kind, int(topk), int(sf), bitmap), lay.grid,
+                      lay.threads, lay.shared,
+                      (L.In(0, words), L.Out(0, flat), L.Out(1, map_view(outs[1], quads)), L.Out(2, flat),
+                       shape[0], shape[1], lay.tb, lay.stride, lay.o_flag, lay.o_red, lay.o_thr))
         return L.Plan(OP + "_fwd", (logits,), outs, (), (step,))
     lay = L.select_layout(shape[0], shape[1], int(topk))
-    step = L.Step(_aux_scores_fwd_kernel(logits.kind, topk_capacity(topk)), lay.grid,
+    step = L.Step(_aux_scores_fwd_kernel(logits.kind, topk_capacity(topk), bitmap), lay.grid,
                   lay.threads, lay.shared,
                   (L.In(0), L.Out(0), L.Out(1), L.Out(2), int(topk), int(sf), lay.tb, lay.lanes,
                    lay.stride, lay.list_stride, lay.o_list, lay.o_idx, lay.o_cnt, lay.o_flag))

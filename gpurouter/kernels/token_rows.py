@@ -77,6 +77,10 @@ from .topk import (
     _B2,
     _B3,
     _EPS,
+    _N0,
+    _N1,
+    _N2,
+    _N3,
     _NEG_INF,
     _ONE,
     _SIGMOID,
@@ -416,6 +420,20 @@ def _flags_of(r0, r1, r2, r3, q, thr, cut, bits, fword):
             | np.uint32(np.uint32((r3 > thr) | ((r3 == thr) & (j + 3 <= cut))) << np.uint32(24)))
 
 
+@cuda.jit(device=True)
+def _nibble_of(r0, r1, r2, r3, q, thr, cut, bits, fword):
+    """``_flags_of`` for a BITMAP_U8 map: quad ``q``'s four selection flags as
+    bits 0..3 (expert ``4q + i``: bit ``i``), half of its map byte.  The bit
+    way's nibble is the bits themselves."""
+    if thr != thr:
+        return np.uint32(np.uint32(bits[_u32(fword + (q >> 3))] >> np.uint32(4 * (q & 7))) & np.uint32(15))
+    j = 4 * q
+    return (np.uint32((r0 > thr) | ((r0 == thr) & (j <= cut)))
+            | np.uint32(np.uint32((r1 > thr) | ((r1 == thr) & (j + 1 <= cut))) << np.uint32(1))
+            | np.uint32(np.uint32((r2 > thr) | ((r2 == thr) & (j + 2 <= cut))) << np.uint32(2))
+            | np.uint32(np.uint32((r3 > thr) | ((r3 == thr) & (j + 3 <= cut))) << np.uint32(3)))
+
+
 # ----------------------------------------------------------------------------
 # Staging and row statistics
 # ----------------------------------------------------------------------------
@@ -557,11 +575,12 @@ def _softmax_rows():
 
 
 @functools.cache
-def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pre: bool):
+def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pre: bool,
+                    bitmap: bool = False):
     """The top-k forward for logits of ``kind``; ``topk`` (K) and ``gcap`` >=
     K / Kg (0: no groups; a power of two) size the register lists; the score
-    function, the bias and ``use_pre_softmax`` (softmax only) are compile-time
-    constants."""
+    function, the bias, ``use_pre_softmax`` (softmax only) and the map format
+    (``bitmap``: BITMAP_U8, else the bool map) are compile-time constants."""
     stage = _stager(kind, sf, has_bias)
     _, store4, zero4 = flat_io(kind)
     store_f32 = quad_f32()[1]
@@ -581,12 +600,67 @@ def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pr
             return np.float32(v * inv)
         return v
 
+    def weights_writer(b0, b1, b2, b3):
+        """Device function ``put(probs, saved, smem, w, fw, v0..v3, t, o_red,
+        tile_tokens, scale)``: quad ``w``'s probs (and, post-softmax, saved)
+        from its tile values and its flags ``fw`` (expert ``4q + i`` selected
+        when ``fw & b_i``: the bool map's word or the bitmap's nibble)."""
+
+        @cuda.jit(device=True)
+        def put(probs, saved, smem, w, fw, v0, v1, v2, v3, t, o_red, tile_tokens, scale):
+            w0 = w1 = w2 = w3 = _ZERO
+            m0 = m1 = m2 = m3 = False
+            if fw == 0:  # most quads: nothing selected, nothing to convert
+                zero4(probs, w)
+            else:
+                inv = smem[_u32(o_red + t)]
+                m = smem[_u32(o_red + tile_tokens + t)]
+                m0 = fw & b0 != 0
+                m1 = fw & b1 != 0
+                m2 = fw & b2 != 0
+                m3 = fw & b3 != 0
+                w0 = weight(v0, m, inv) if m0 else _ZERO
+                w1 = weight(v1, m, inv) if m1 else _ZERO
+                w2 = weight(v2, m, inv) if m2 else _ZERO
+                w3 = weight(v3, m, inv) if m3 else _ZERO
+                store4(probs, w, np.float32(scale * w0), np.float32(scale * w1),
+                       np.float32(scale * w2), np.float32(scale * w3))
+            if post_softmax:
+                store_f32(saved, w, w0 if m0 else _NEG_INF, w1 if m1 else _NEG_INF,
+                          w2 if m2 else _NEG_INF, w3 if m3 else _NEG_INF)
+
+        return put
+
+    put_word = weights_writer(_B0, _B1, _B2, _B3)
+    put_nibble = weights_writer(_N0, _N1, _N2, _N3)
+
+    @cuda.jit(device=True)
+    def quad_bits(probs, saved, smem, wb, eq, t, q, stride, o_bias, thr, cut, bits, fword, o_red,
+                  tile_tokens, scale):
+        """BITMAP_U8: quad ``q`` of tile token ``t``: its weights written, its
+        four flags returned as a nibble."""
+        w = wb + np.int32(t * eq + q)
+        base = np.int32(t * stride + 4 * q)
+        v0 = smem[_u32(base)]
+        v1 = smem[_u32(base + 1)]
+        v2 = smem[_u32(base + 2)]
+        v3 = smem[_u32(base + 3)]
+        r0, r1, r2, r3 = v0, v1, v2, v3
+        if has_bias:
+            r0 = np.float32(v0 + smem[_u32(o_bias + 4 * q)])
+            r1 = np.float32(v1 + smem[_u32(o_bias + 4 * q + 1)])
+            r2 = np.float32(v2 + smem[_u32(o_bias + 4 * q + 2)])
+            r3 = np.float32(v3 + smem[_u32(o_bias + 4 * q + 3)])
+        nib = _nibble_of(r0, r1, r2, r3, q, thr, cut, bits, fword)
+        put_nibble(probs, saved, smem, w, nib, v0, v1, v2, v3, t, o_red, tile_tokens, scale)
+        return nib
+
     @cuda.jit
     def kernel(
         logits,  # [T, E] kind, flat (bf16: [T*E/4] uint64)
         bias,  # [E] fp32 (any fp32 array without a bias; never read then)
         probs,  # [T, E] kind, flat (bf16: [T*E/4] uint64), out
-        routing_map,  # [T*E/4] uint32 over the [T, E] bool map, out
+        routing_map,  # out: [T*E/4] uint32 over the [T, E] bool map; bitmap: [T*ceil(E/8)] uint8
         saved,  # [T*E] fp32, out
         num_tokens,
         num_experts,
@@ -637,55 +711,60 @@ def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pr
         # Barrier: phase 3 reads every token's tile row, bits and statistics.
         cuda.syncthreads()
 
-        # 3. All threads, a quad per step: the quad's four flags are one word,
-        # which is also its routing-map word; probs and, for post-softmax,
-        # saved (-inf at unselected, the selected-set softmax at selected).
-        t, q, dt, dq = _walk32(tid, nthreads, eq)
-        while t < nt:
-            w = wb + np.int32(t * eq + q)
-            base = np.int32(t * stride + 4 * q)
-            v0 = smem[_u32(base)]
-            v1 = smem[_u32(base + 1)]
-            v2 = smem[_u32(base + 2)]
-            v3 = smem[_u32(base + 3)]
-            r0, r1, r2, r3 = v0, v1, v2, v3
-            if has_bias:  # the selection's scores: s + bias
-                r0 = np.float32(v0 + smem[_u32(o_bias + 4 * q)])
-                r1 = np.float32(v1 + smem[_u32(o_bias + 4 * q + 1)])
-                r2 = np.float32(v2 + smem[_u32(o_bias + 4 * q + 2)])
-                r3 = np.float32(v3 + smem[_u32(o_bias + 4 * q + 3)])
-            fw = _flags_of(r0, r1, r2, r3, q, smem[_u32(o_thr + t)],
-                           np.int32(bits[_u32(o_thr + tile_tokens + t)]), bits, o_flag + t * fstride)
-            routing_map[_u64(w)] = fw
-            w0 = w1 = w2 = w3 = _ZERO
-            m0 = m1 = m2 = m3 = False
-            if fw == 0:  # most quads: nothing selected, nothing to convert
-                zero4(probs, w)
-            else:
-                inv = smem[_u32(o_red + t)]
-                m = smem[_u32(o_red + tile_tokens + t)]
-                m0 = fw & _B0 != 0
-                m1 = fw & _B1 != 0
-                m2 = fw & _B2 != 0
-                m3 = fw & _B3 != 0
-                w0 = weight(v0, m, inv) if m0 else _ZERO
-                w1 = weight(v1, m, inv) if m1 else _ZERO
-                w2 = weight(v2, m, inv) if m2 else _ZERO
-                w3 = weight(v3, m, inv) if m3 else _ZERO
-                store4(probs, w, np.float32(scale * w0), np.float32(scale * w1),
-                       np.float32(scale * w2), np.float32(scale * w3))
-            if post_softmax:
-                store_f32(saved, w, w0 if m0 else _NEG_INF, w1 if m1 else _NEG_INF,
-                          w2 if m2 else _NEG_INF, w3 if m3 else _NEG_INF)
-            t, q = _adv32(t, q, dt, dq, eq)
+        # 3. All threads: probs and, for post-softmax, saved (-inf at
+        # unselected, the selected-set softmax at selected), and the map.
+        if bitmap:
+            # An octet (two quads, 8 experts) per step: one thread assembles
+            # the octet's map byte in a register and stores it (a plain uint8
+            # store: no other thread writes that byte).  E % 8 == 4 leaves a
+            # last octet of one quad (its high nibble: the padding, 0).
+            nb = np.int32((eq + 1) >> 1)
+            mb = t0 * nb  # the tile's first map byte (int64)
+            t, o, dt, do = _walk32(tid, nthreads, nb)
+            while t < nt:
+                thr = smem[_u32(o_thr + t)]
+                cut = np.int32(bits[_u32(o_thr + tile_tokens + t)])
+                fword = o_flag + t * fstride
+                q = np.int32(2 * o)
+                byte = quad_bits(probs, saved, smem, wb, eq, t, q, stride, o_bias, thr, cut, bits, fword,
+                                 o_red, tile_tokens, scale)
+                if q + 1 < eq:
+                    byte |= np.uint32(quad_bits(probs, saved, smem, wb, eq, t, np.int32(q + 1), stride,
+                                                o_bias, thr, cut, bits, fword, o_red, tile_tokens,
+                                                scale) << np.uint32(4))
+                routing_map[_u64(mb + np.int32(t * nb + o))] = np.uint8(byte)
+                t, o = _adv32(t, o, dt, do, nb)
+        else:
+            # A quad per step: the quad's four flags are one word, which is
+            # also its routing-map word.
+            t, q, dt, dq = _walk32(tid, nthreads, eq)
+            while t < nt:
+                w = wb + np.int32(t * eq + q)
+                base = np.int32(t * stride + 4 * q)
+                v0 = smem[_u32(base)]
+                v1 = smem[_u32(base + 1)]
+                v2 = smem[_u32(base + 2)]
+                v3 = smem[_u32(base + 3)]
+                r0, r1, r2, r3 = v0, v1, v2, v3
+                if has_bias:  # the selection's scores: s + bias
+                    r0 = np.float32(v0 + smem[_u32(o_bias + 4 * q)])
+                    r1 = np.float32(v1 + smem[_u32(o_bias + 4 * q + 1)])
+                    r2 = np.float32(v2 + smem[_u32(o_bias + 4 * q + 2)])
+                    r3 = np.float32(v3 + smem[_u32(o_bias + 4 * q + 3)])
+                fw = _flags_of(r0, r1, r2, r3, q, smem[_u32(o_thr + t)],
+                               np.int32(bits[_u32(o_thr + tile_tokens + t)]), bits, o_flag + t * fstride)
+                routing_map[_u64(w)] = fw
+                put_word(probs, saved, smem, w, fw, v0, v1, v2, v3, t, o_red, tile_tokens, scale)
+                t, q = _adv32(t, q, dt, dq, eq)
 
     return kernel
 
 
 @functools.cache
-def aux_scores_fwd_kernel(kind: str, topk: int, sf: int):
-    """The aux-score forward for logits of ``kind``; K (``topk``) and the score
-    function are compile-time constants."""
+def aux_scores_fwd_kernel(kind: str, topk: int, sf: int, bitmap: bool = False):
+    """The aux-score forward for logits of ``kind``; K (``topk``), the score
+    function and the map format (``bitmap``: BITMAP_U8) are compile-time
+    constants."""
     softmax = sf == _SOFTMAX
     stage = _stager(kind, sf, False)
     # softmax: select on the normalised tile; sigmoid / sqrtsoftplus: one
@@ -694,11 +773,27 @@ def aux_scores_fwd_kernel(kind: str, topk: int, sf: int):
     stats, normalise = _softmax_rows()
     store_f32 = quad_f32()[1]
 
+    @cuda.jit(device=True)
+    def scores_quad(scores, smem, w, base, inv):
+        """The quad's scores (sigmoid / sqrtsoftplus: the tile times ``inv``,
+        written to ``scores``)."""
+        p0 = smem[_u32(base)]
+        p1 = smem[_u32(base + 1)]
+        p2 = smem[_u32(base + 2)]
+        p3 = smem[_u32(base + 3)]
+        if not softmax:
+            p0 = np.float32(p0 * inv)
+            p1 = np.float32(p1 * inv)
+            p2 = np.float32(p2 * inv)
+            p3 = np.float32(p3 * inv)
+            store_f32(scores, w, p0, p1, p2, p3)
+        return p0, p1, p2, p3
+
     @cuda.jit
     def kernel(
         logits,  # [T, E] kind, flat (bf16: [T*E/4] uint64)
         scores,  # [T*E] fp32, out
-        routing_map,  # [T*E/4] uint32 over the [T, E] bool map, out
+        routing_map,  # out: [T*E/4] uint32 over the [T, E] bool map; bitmap: [T*ceil(E/8)] uint8
         saved,  # [T*E] fp32, out: softmax p / sigmoid a / raw x (sqrtsoftplus)
         num_tokens,
         num_experts,
@@ -737,27 +832,50 @@ def aux_scores_fwd_kernel(kind: str, topk: int, sf: int):
             bits[_u32(o_thr + tile_tokens + tid)] = np.uint32(cut)
         # Barrier: phase 3 reads every token's statistics, threshold and bits.
         cuda.syncthreads()
-        # 3. All threads, a quad per step: (sigmoid / sqrtsoftplus: the
-        # scores, times the reciprocal the selection used;) the flag word,
-        # which is the quad's map word.
-        t, q, dt, dq = _walk32(tid, nthreads, eq)
-        while t < nt:
-            w = wb + np.int32(t * eq + q)
-            base = np.int32(t * stride + 4 * q)
-            p0 = smem[_u32(base)]
-            p1 = smem[_u32(base + 1)]
-            p2 = smem[_u32(base + 2)]
-            p3 = smem[_u32(base + 3)]
-            if not softmax:
-                inv = smem[_u32(o_red + tile_tokens + t)]
-                p0 = np.float32(p0 * inv)
-                p1 = np.float32(p1 * inv)
-                p2 = np.float32(p2 * inv)
-                p3 = np.float32(p3 * inv)
-                store_f32(scores, w, p0, p1, p2, p3)
-            routing_map[_u64(w)] = _flags_of(p0, p1, p2, p3, q, smem[_u32(o_thr + t)],
-                                             np.int32(bits[_u32(o_thr + tile_tokens + t)]), bits,
-                                             o_flag + t * fstride)
-            t, q = _adv32(t, q, dt, dq, eq)
+        # 3. All threads: (sigmoid / sqrtsoftplus: the scores, times the
+        # reciprocal the selection used;) the map.
+        if bitmap:
+            # An octet (two quads) per step, its map byte assembled in a
+            # register and stored by this thread alone (see topk_fwd_kernel).
+            nb = np.int32((eq + 1) >> 1)
+            mb = t0 * nb
+            t, o, dt, do = _walk32(tid, nthreads, nb)
+            while t < nt:
+                thr = smem[_u32(o_thr + t)]
+                cut = np.int32(bits[_u32(o_thr + tile_tokens + t)])
+                inv = _ONE if softmax else smem[_u32(o_red + tile_tokens + t)]
+                fword = o_flag + t * fstride
+                q = np.int32(2 * o)
+                p0, p1, p2, p3 = scores_quad(scores, smem, wb + np.int32(t * eq + q),
+                                             np.int32(t * stride + 4 * q), inv)
+                byte = _nibble_of(p0, p1, p2, p3, q, thr, cut, bits, fword)
+                q = np.int32(q + 1)
+                if q < eq:
+                    p0, p1, p2, p3 = scores_quad(scores, smem, wb + np.int32(t * eq + q),
+                                                 np.int32(t * stride + 4 * q), inv)
+                    byte |= np.uint32(_nibble_of(p0, p1, p2, p3, q, thr, cut, bits, fword) << np.uint32(4))
+                routing_map[_u64(mb + np.int32(t * nb + o))] = np.uint8(byte)
+                t, o = _adv32(t, o, dt, do, nb)
+        else:
+            # A quad per step: the flag word is the quad's map word.
+            t, q, dt, dq = _walk32(tid, nthreads, eq)
+            while t < nt:
+                w = wb + np.int32(t * eq + q)
+                base = np.int32(t * stride + 4 * q)
+                p0 = smem[_u32(base)]
+                p1 = smem[_u32(base + 1)]
+                p2 = smem[_u32(base + 2)]
+                p3 = smem[_u32(base + 3)]
+                if not softmax:
+                    inv = smem[_u32(o_red + tile_tokens + t)]
+                    p0 = np.float32(p0 * inv)
+                    p1 = np.float32(p1 * inv)
+                    p2 = np.float32(p2 * inv)
+                    p3 = np.float32(p3 * inv)
+                    store_f32(scores, w, p0, p1, p2, p3)
+                routing_map[_u64(w)] = _flags_of(p0, p1, p2, p3, q, smem[_u32(o_thr + t)],
+                                                 np.int32(bits[_u32(o_thr + tile_tokens + t)]), bits,
+                                                 o_flag + t * fstride)
+                t, q = _adv32(t, q, dt, dq, eq)
 
     return kernel

@@ -721,14 +721,34 @@ def _stager(kind: str):
     return stage
 
 
+@cuda.jit(device=True)
+def _pack_flags(flags, o_flag, routing_map, t0, nt, num_experts, stride, tid, nthreads):
+    """All threads: the BITMAP_U8 routing map ``[T, ceil(E/8)]`` of the tile from
+    its shared selection flags, a map byte per step, assembled by one thread
+    from the octet's eight flags (bit ``i``: expert ``8b + i``; the last
+    byte's padding bits 0) and stored whole (no other thread writes it)."""
+    nbytes = (num_experts + 7) >> 3
+    t, b, dt, db = _walk(tid, nthreads, nbytes)
+    while t < nt:
+        base = o_flag + t * stride + 8 * b
+        n = min(8, num_experts - 8 * b)
+        v = np.uint32(0)
+        for i in range(n):
+            v |= np.uint32(np.uint32(flags[base + i] != 0) << np.uint32(i))
+        routing_map[t0 + t, b] = np.uint8(v)
+        t, b = _adv(t, b, dt, db, nbytes)
+
+
 # ----------------------------------------------------------------------------
 # Forward kernel
 # ----------------------------------------------------------------------------
 
 
 @functools.cache
-def _topk_fwd_kernel(kind: str, kcap: int):
-    """The forward kernel for logits of ``kind``; ``kcap`` >= K sizes the merge scratch."""
+def _topk_fwd_kernel(kind: str, kcap: int, bitmap: bool = False):
+    """The forward kernel for logits of ``kind``; ``kcap`` >= K sizes the merge
+    scratch; ``bitmap`` (compile-time): the routing map is BITMAP_U8
+    (``_pack_flags``), else the bool map."""
     load = loader(kind)
     store = storer(kind)
     stage = _stager(kind)
@@ -738,7 +758,7 @@ def _topk_fwd_kernel(kind: str, kcap: int):
         logits,  # [T, E] kind
         bias,  # [E] fp32 (any [E] fp32 array when has_bias is False; never read then)
         probs,  # [T, E] kind, out
-        routing_map,  # [T, E] bool, out
+        routing_map,  # [T, E] bool (bitmap: [T, ceil(E/8)] uint8), out
         saved,  # [T, E] fp32, out
         topk,  # K
         sf,  # score-function code
@@ -841,7 +861,8 @@ def _topk_fwd_kernel(kind: str, kcap: int):
             off = t * stride + j
             sel = flags[o_flag + off] != 0
             w = smem[off]
-            routing_map[t0 + t, j] = sel
+            if not bitmap:
+                routing_map[t0 + t, j] = sel
             if sel:
                 store(probs, t0 + t, j, np.float32(scale * w))
             else:
@@ -849,6 +870,8 @@ def _topk_fwd_kernel(kind: str, kcap: int):
             if post_softmax:
                 saved[t0 + t, j] = w if sel else _NEG_INF
             t, j = _adv(t, j, dt, dj, num_experts)
+        if bitmap:
+            _pack_flags(flags, o_flag, routing_map, t0, nt, num_experts, stride, tid, nthreads)
 
     return kernel
 
@@ -907,11 +930,20 @@ def _topk_dx(x, g, sel, dense, den, dsum, scale, topk, sf):
 
 
 @functools.cache
-def _mask_reader(has_map: bool):
+def _mask_reader(has_map: bool, bitmap: bool = False):
     """Device function ``mask(routing_map, token, j, inside)``: the routing map
-    at ``[token, j]`` (False past the row's end), or, without a map (the
-    aux-score backward: every expert counts), ``inside``."""
-    if has_map:
+    at ``[token, j]`` (False past the row's end; ``bitmap``: a BITMAP_U8
+    ``[T, ceil(E/8)]`` map, bit ``j % 8`` of byte ``j // 8``), or, without a
+    map (the aux-score backward: every expert counts), ``inside``."""
+    if has_map and bitmap:
+
+        @cuda.jit(device=True)
+        def mask(routing_map, token, j, inside):
+            if not inside:
+                return False
+            return (np.uint32(routing_map[token, j >> 3]) >> np.uint32(j & 7)) & np.uint32(1) != 0
+
+    elif has_map:
 
         @cuda.jit(device=True)
         def mask(routing_map, token, j, inside):
@@ -927,13 +959,13 @@ def _mask_reader(has_map: bool):
 
 
 @functools.cache
-def _topk_bwd_kernel(kind: str):
-    """The top-k backward: ``_stream_bwd_kernel`` with the routing map."""
-    return _stream_bwd_kernel(kind, kind, True)
+def _topk_bwd_kernel(kind: str, bitmap: bool = False):
+    """The top-k backward: ``_stream_bwd_kernel`` with the routing map (``bitmap``: BITMAP_U8)."""
+    return _stream_bwd_kernel(kind, kind, True, bitmap)
 
 
 @functools.cache
-def _stream_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool):
+def _stream_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, bitmap: bool = False):
     """The backwards (top-k; aux scores: no map, every expert selected, scale 1,
     the K > 1 normalisation), streaming: W lanes per token read its row from
     global memory twice, with no shared-memory tile (occupancy is not limited
@@ -947,11 +979,11 @@ def _stream_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool):
     """
     pair = _pair_loader(grad_kind)
     store = storer(out_kind)
-    mask = _mask_reader(has_map)
+    mask = _mask_reader(has_map, bitmap)
 
     @cuda.jit
     def kernel(
-        routing_map,  # [T, E] bool (any array, never read, without a map)
+        routing_map,  # [T, E] bool; bitmap: [T, ceil(E/8)] uint8 (any array, never read, without a map)
         saved,  # [T, E] fp32 (TE's convention, see the forward)
         grad_probs,  # [T, E] grad_kind
         grad_logits,  # [T, E] out_kind, out
@@ -1035,6 +1067,7 @@ def _stream_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool):
 
 _ALL_SET = np.uint32(0x01010101)  # the map word of a quad of four selected experts
 _B0, _B1, _B2, _B3 = (np.uint32(0xFF << (8 * i)) for i in range(4))  # a quad word's bytes
+_N0, _N1, _N2, _N3 = (np.uint32(1 << i) for i in range(4))  # a BITMAP_U8 quad nibble's bits
 
 
 @functools.cache
@@ -1070,7 +1103,8 @@ def _quad_dx(sf: int, dense: bool):
 
 
 @functools.cache
-def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense: bool, hold: int):
+def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense: bool, hold: int,
+                    bitmap: bool = False):
     """The backwards (top-k; aux scores: no map, every expert selected, scale 1,
     the K > 1 normalisation) for E a multiple of 4, a quad of four experts
     per step, every array seen flat (``array_views``): the map read as one
@@ -1088,6 +1122,11 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
     stay in registers for pass 2.  Loop counters are int32 and indices
     unsigned: numba's int64 ``range`` and wrapped signed indices cost several
     times the loop's own work.
+
+    ``bitmap`` (a compile-time constant): the map is BITMAP_U8, seen flat
+    (``[T * ceil(E/8)]`` uint8), and a quad's flags are a nibble of its
+    octet's byte (bits 0..3: the quad's experts); the quad's tests take the
+    nibble's bits instead of the bool word's bytes.
     """
     if hold and (has_map or grad_kind != L.F32):
         raise ValueError("quad_bwd_kernel: hold needs every quad selected (no map) and fp32 gradients")
@@ -1099,17 +1138,27 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
     _, out4, zero_out4 = flat_io(out_kind)
     dx = _quad_dx(sf, dense)
     held_values = 4 * max(1, hold)  # local arrays need a size >= 1; indexed by constants only
-    if has_map:
+    # a quad's flags: the bool map's word (a byte per expert) or the bitmap's nibble
+    c0, c1, c2, c3 = (_N0, _N1, _N2, _N3) if bitmap else (_B0, _B1, _B2, _B3)
+    all_set = np.uint32(15) if bitmap else _ALL_SET  # the flags of a quad of four selected experts
+    if has_map and bitmap:
 
         @cuda.jit(device=True)
-        def word(routing_map, w):
+        def word(routing_map, w, mrow, q):
+            b = np.uint32(routing_map[_u64(mrow + (q >> 1))])
+            return np.uint32(b >> np.uint32(4 * (q & 1))) & np.uint32(15)
+
+    elif has_map:
+
+        @cuda.jit(device=True)
+        def word(routing_map, w, mrow, q):
             return routing_map[_u64(w)]
 
     else:
 
         @cuda.jit(device=True)
-        def word(routing_map, w):
-            return _ALL_SET
+        def word(routing_map, w, mrow, q):
+            return all_set
 
     @cuda.jit(device=True)
     def acc(total, dot, x, g, scale):
@@ -1119,13 +1168,13 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
 
     @cuda.jit(device=True)
     def acc4(total, dot, mw, x0, x1, x2, x3, g0, g1, g2, g3, scale):
-        if mw & _B0 != 0:
+        if mw & c0 != 0:
             total, dot = acc(total, dot, x0, g0, scale)
-        if mw & _B1 != 0:
+        if mw & c1 != 0:
             total, dot = acc(total, dot, x1, g1, scale)
-        if mw & _B2 != 0:
+        if mw & c2 != 0:
             total, dot = acc(total, dot, x2, g2, scale)
-        if mw & _B3 != 0:
+        if mw & c3 != 0:
             total, dot = acc(total, dot, x3, g3, scale)
         return total, dot
 
@@ -1157,14 +1206,15 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
 
     @cuda.jit(device=True)
     def write4(grad_logits, w, mw, x0, x1, x2, x3, g0, g1, g2, g3, inv, c, dsum, scale, norm):
-        out4(grad_logits, w, dx(x0, g0, mw & _B0 != 0, inv, c, dsum, scale, norm),
-             dx(x1, g1, mw & _B1 != 0, inv, c, dsum, scale, norm),
-             dx(x2, g2, mw & _B2 != 0, inv, c, dsum, scale, norm),
-             dx(x3, g3, mw & _B3 != 0, inv, c, dsum, scale, norm))
+        out4(grad_logits, w, dx(x0, g0, mw & c0 != 0, inv, c, dsum, scale, norm),
+             dx(x1, g1, mw & c1 != 0, inv, c, dsum, scale, norm),
+             dx(x2, g2, mw & c2 != 0, inv, c, dsum, scale, norm),
+             dx(x3, g3, mw & c3 != 0, inv, c, dsum, scale, norm))
 
     @cuda.jit
     def kernel(
-        routing_map,  # [T*E/4] uint32 over the bool map (any array, never read, without a map)
+        routing_map,  # [T*E/4] uint32 over the bool map; bitmap: [T*ceil(E/8)] uint8
+                      # (any array, never read, without a map)
         saved,  # [T*E] fp32
         grad_probs,  # [T, E] grad_kind, flat (bf16: [T*E/4] uint64)
         grad_logits,  # [T, E] out_kind, flat (bf16: [T*E/4] uint64), out
@@ -1186,6 +1236,7 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
         token = cuda.blockIdx.x * (nthreads // lanes) + tok
         live = token < num_tokens
         wbase = token * eq  # the token's first quad (int64)
+        mrow = token * ((eq + 1) >> 1)  # bitmap: the token's first map byte (int64)
         norm = sf != _SOFTMAX and topk > 1
 
         total = _ZERO
@@ -1202,13 +1253,13 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
                 load_held_checked(hg, hx, grad_probs, saved, wlast, lane, step, eq)
             for h in range(hold):
                 if live and lane + h * step < eq:
-                    total, dot = acc4(total, dot, _ALL_SET, hx[4 * h], hx[4 * h + 1], hx[4 * h + 2],
+                    total, dot = acc4(total, dot, all_set, hx[4 * h], hx[4 * h + 1], hx[4 * h + 2],
                                       hx[4 * h + 3], hg[4 * h], hg[4 * h + 1], hg[4 * h + 2],
                                       hg[4 * h + 3], scale)
         q = np.int32(lane + hold * step)
         while live and q < eq:
             w = wbase + q
-            mw = word(routing_map, w)
+            mw = word(routing_map, w, mrow, q)
             if mw != 0:
                 g0, g1, g2, g3 = load4(grad_probs, w)
                 x0, x1, x2, x3 = load_saved(saved, w)
@@ -1226,13 +1277,13 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
             for h in range(hold):
                 q = np.int32(lane + h * step)
                 if q < eq:
-                    write4(grad_logits, wbase + q, _ALL_SET, hx[4 * h], hx[4 * h + 1], hx[4 * h + 2],
+                    write4(grad_logits, wbase + q, all_set, hx[4 * h], hx[4 * h + 1], hx[4 * h + 2],
                            hx[4 * h + 3], hg[4 * h], hg[4 * h + 1], hg[4 * h + 2], hg[4 * h + 3], inv,
                            c, dsum, scale, norm)
             q = np.int32(lane + hold * step)
             while q < eq:
                 w = wbase + q
-                mw = word(routing_map, w)
+                mw = word(routing_map, w, mrow, q)
                 if mw == 0 and not dense:
                     zero_out4(grad_logits, w)
                 else:
@@ -1285,6 +1336,7 @@ def topk_with_score_function_fwd(
     scaling_factor=1.0,
     score_function="softmax",
     expert_bias=None,
+    routing_map_format=0,
     *,
     out=None,
     stream=0,
@@ -1300,11 +1352,16 @@ def topk_with_score_function_fwd(
       scaling_factor: multiplies the final probs.
       score_function: "softmax" | "sigmoid" | "sqrtsoftplus" | 0..2.
       expert_bias: (E,) float32 or None; sigmoid/sqrtsoftplus only, selection only.
+      routing_map_format: 0 (BYTEMAP): the map is (T, E) bool; 1 (BITMAP_U8):
+        (T, ceil(E/8)) uint8, bit ``e % 8`` of byte ``e // 8`` set iff the
+        token routes to expert ``e`` (``np.packbits(map, -1, bitorder="little")``).
       out: optional ``(probs, routing_map, saved_scores)`` device arrays to write.
       stream: numba stream or int CUDA stream handle (0: default).
 
     Returns:
-      ``(probs (T, E) logits dtype, routing_map (T, E) bool, saved_scores (T, E) float32)``.
+      ``(probs (T, E) logits dtype, routing_map (T, E) bool or (T, ceil(E/8))
+      uint8, saved_scores (T, E) float32)``; probs and saved_scores are the
+      same bits in both formats.
 
     Notes:
       fp32 math throughout.  Ties: the lower expert index wins; NaN counts
@@ -1312,6 +1369,7 @@ def topk_with_score_function_fwd(
     """
     op = OP + "_fwd"
     sf = L.score_function_code(score_function, op)
+    fmt = L.map_format_code(routing_map_format, op)
     s = L.resolve_stream(stream)
     d_logits, kind = L.device_input(logits, "logits", op, s, ndim=2)
     num_tokens, num_experts = (int(v) for v in d_logits.shape)
@@ -1327,21 +1385,27 @@ def topk_with_score_function_fwd(
                              f"got {tuple(d_bias.shape)} {d_bias.dtype}.")
     plan = topk_with_score_function_fwd_plan(
         L.spec_of(d_logits.shape, kind), d_bias is not None, topk, bool(use_pre_softmax),
-        num_groups, group_topk, np.float32(scaling_factor), sf)
+        num_groups, group_topk, np.float32(scaling_factor), sf, fmt)
     return L.execute(plan, [d_logits] if d_bias is None else [d_logits, d_bias], out, s, to_host)
 
 
 @functools.cache
 def topk_with_score_function_fwd_plan(logits: L.Spec, has_bias: bool, topk: int, pre: bool,
-                                      num_groups, group_topk, scale: np.float32, sf: int) -> L.Plan:
+                                      num_groups, group_topk, scale: np.float32, sf: int,
+                                      map_format: int = 0) -> L.Plan:
     """The launches of the forward (inputs: logits, bias; outputs: probs, map, saved).
 
-    Arguments are validated (by the launcher or, under JAX, at trace time).
+    Arguments are validated (by the launcher or, under JAX, at trace time);
+    ``map_format`` is checked here too.  The map's Spec: ``bool [T, E]``
+    (0, BYTEMAP) or ``uint8 [T, ceil(E/8)]`` (1, BITMAP_U8).
     """
+    fmt = L.map_format_code(map_format, OP + "_fwd_plan", "map_format")
+    bitmap = fmt == L.BITMAP_U8
     num_tokens, num_experts = logits.shape
     grouped = group_topk is not None and group_topk > 0
     shape = (num_tokens, num_experts)
-    outs = (L.spec_of(shape, logits.kind), L.Spec(shape, np.bool_), L.spec_of(shape, L.F32))
+    outs = (L.spec_of(shape, logits.kind), L.map_spec(num_tokens, num_experts, fmt),
+            L.spec_of(shape, L.F32))
     bias_spec = L.spec_of((num_experts,), L.F32)
     ins = (logits, bias_spec) if has_bias else (logits,)
     if num_tokens == 0:
@@ -1356,15 +1420,16 @@ def topk_with_score_function_fwd_plan(logits: L.Spec, has_bias: bool, topk: int,
         lay = L.token_layout(num_tokens, num_experts, G if grouped else 0, bool(has_bias))
         words, quads, flat = array_views(logits.kind, shape)
         kern = topk_fwd_kernel(logits.kind, int(topk), gcap, int(sf), bool(has_bias),
-                               bool(pre) and sf == _SOFTMAX)
+                               bool(pre) and sf == _SOFTMAX, bitmap)
         step = L.Step(kern, lay.grid, lay.threads, lay.shared,
-                      (L.In(0, words), bias, L.Out(0, words), L.Out(1, quads), L.Out(2, flat),
+                      (L.In(0, words), bias, L.Out(0, words), L.Out(1, map_view(outs[1], quads)),
+                       L.Out(2, flat),
                        num_tokens, num_experts, G, int(group_topk) if grouped else -1,
                        np.float32(scale), lay.tb, lay.stride, lay.o_flag, lay.o_gs, lay.o_red,
                        lay.o_thr, lay.o_bias))
         return L.Plan(OP + "_fwd", ins, outs, (), (step,))
     lay = L.select_layout(num_tokens, num_experts, int(topk), G if grouped else 0)
-    step = L.Step(_topk_fwd_kernel(logits.kind, topk_capacity(topk)), lay.grid, lay.threads,
+    step = L.Step(_topk_fwd_kernel(logits.kind, topk_capacity(topk), bitmap), lay.grid, lay.threads,
                   lay.shared,
                   (L.In(0), bias, L.Out(0), L.Out(1), L.Out(2), int(topk), int(sf), bool(pre),
                    bool(has_bias), G, int(group_topk) if grouped else -1, np.float32(scale),
@@ -1388,7 +1453,8 @@ def topk_with_score_function_bwd(
     """Router backward: ``grad_probs`` -> ``grad_logits`` (CONTRACT section 3).
 
     Args:
-      routing_map: (T, E) bool, from the forward.
+      routing_map: from the forward, either format (told by its dtype): (T, E)
+        bool (BYTEMAP) or (T, ceil(E/8)) uint8 (BITMAP_U8; padding bits ignored).
       saved_scores: (T, E) float32, from the forward.
       grad_probs: (T, E) float32 | bfloat16 | float16.
       topk, use_pre_softmax, scaling_factor, score_function: as in the forward.
@@ -1409,20 +1475,31 @@ def topk_with_score_function_bwd(
     to_host = not L.any_on_device(routing_map, saved_scores, grad_probs) and out is None
     if tuple(d_grad.shape) != shape:
         raise ValueError(f"{op}: grad_probs shape {tuple(d_grad.shape)} != saved_scores {shape}.")
-    d_map = L.bool_input(routing_map, "routing_map", op, s)
-    if tuple(d_map.shape) != shape:
-        raise ValueError(f"{op}: routing_map shape {tuple(d_map.shape)} != saved_scores {shape}.")
+    d_map, fmt = L.map_input(routing_map, "routing_map", op, s, shape)
     plan = topk_with_score_function_bwd_plan(L.spec_of(shape, kind), int(topk), bool(use_pre_softmax),
-                                             np.float32(scaling_factor), sf)
+                                             np.float32(scaling_factor), sf, fmt)
     return L.execute(plan, [d_map, d_saved, d_grad], out, s, to_host)[0]
+
+
+def map_view(spec: L.Spec, quads: L.Spec) -> L.Spec:
+    """The flat view a quad kernel takes of a routing map of ``spec``: the bool
+    map as uint32 quad words (``quads``, from ``array_views``), a BITMAP_U8
+    map as its bytes."""
+    if spec.dtype == np.uint8:
+        return L.Spec((spec.shape[0] * spec.shape[1],), np.uint8)
+    return quads
 
 
 @functools.cache
 def topk_with_score_function_bwd_plan(grad_probs: L.Spec, topk: int, pre: bool, scale: np.float32,
-                                      sf: int) -> L.Plan:
-    """The launches of the backward (inputs: map, saved, grad_probs; output: grad_logits)."""
+                                      sf: int, map_format: int = 0) -> L.Plan:
+    """The launches of the backward (inputs: map, saved, grad_probs; output:
+    grad_logits).  The map's Spec: ``bool [T, E]`` (``map_format`` 0) or
+    ``uint8 [T, ceil(E/8)]`` (1, BITMAP_U8)."""
+    fmt = L.map_format_code(map_format, OP + "_bwd_plan", "map_format")
+    bitmap = fmt == L.BITMAP_U8
     shape = grad_probs.shape
-    ins = (L.Spec(shape, np.bool_), L.spec_of(shape, L.F32), grad_probs)
+    ins = (L.map_spec(shape[0], shape[1], fmt), L.spec_of(shape, L.F32), grad_probs)
     outs = (grad_probs,)
     if shape[0] == 0:
         return L.Plan(OP + "_bwd", ins, outs)
@@ -1430,13 +1507,13 @@ def topk_with_score_function_bwd_plan(grad_probs: L.Spec, topk: int, pre: bool, 
         dense = bool(pre) and sf == _SOFTMAX
         grid, threads, lanes = L.quad_tiling(shape[0], shape[1], dense=dense)
         words, quads, flat = array_views(grad_probs.kind, shape)
-        step = L.Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True, int(sf), dense, 0), grid,
-                      threads, 8 * threads,
-                      (L.In(0, quads), L.In(1, flat), L.In(2, words), L.Out(0, words), shape[0],
-                       shape[1], int(topk), np.float32(scale), lanes))
+        step = L.Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True, int(sf), dense, 0, bitmap),
+                      grid, threads, 8 * threads,
+                      (L.In(0, map_view(ins[0], quads)), L.In(1, flat), L.In(2, words), L.Out(0, words),
+                       shape[0], shape[1], int(topk), np.float32(scale), lanes))
         return L.Plan(OP + "_bwd", ins, outs, (), (step,))
     grid, threads, lanes = L.stream_tiling(shape[0], shape[1])
-    step = L.Step(_topk_bwd_kernel(grad_probs.kind), grid, threads, 8 * threads,
+    step = L.Step(_topk_bwd_kernel(grad_probs.kind, bitmap), grid, threads, 8 * threads,
                   (L.In(0), L.In(1), L.In(2), L.Out(0), int(topk), int(sf), bool(pre),
                    np.float32(scale), lanes))
     return L.Plan(OP + "_bwd", ins, outs, (), (step,))
