@@ -1,10 +1,12 @@
 """``python -m gpurouter``: route a batch for each model preset on every backend.
 
 Usage:
-  python -m gpurouter [demo] [--tokens N] [--backend jax|numba|all] [--dtype bfloat16]
+  python -m gpurouter [demo] [--tokens N] [--backend all|jax|numba] [--dtype bfloat16]
+  python -m gpurouter bench [--presets ...] [--paths ...] [--json F] [--plot F]   (see bench --help)
 
 Prints one row per (preset, backend): shapes, time per jitted forward+backward,
-the largest difference to the reference, the expert load, and the aux loss.
+the largest difference to the reference (the jax backend is the reference), the
+expert load, and the aux loss.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import time
 import zlib
 
 import numpy as np
+
+from ._cli import USAGE, positive_int
 
 
 def _available_backends(requested: str) -> tuple[list[str], str]:
@@ -33,6 +37,21 @@ def _available_backends(requested: str) -> tuple[list[str], str]:
     return ["jax"], "numba skipped: numba-cuda sees no CUDA GPU"
 
 
+def _numba_problem() -> str:
+    """Why the numba kernels cannot run here ("" when they can: a GPU or the simulator)."""
+    from . import _backend
+
+    if _backend.simulator_enabled():
+        return ""
+    try:
+        _backend.kernels()
+    except ImportError:
+        return "numba-cuda is not installed (pip install 'gpurouter[cuda13]')"
+    if not _backend.numba_gpu_available():
+        return "numba-cuda sees no CUDA GPU (NUMBA_ENABLE_CUDASIM=1 runs the simulator, for tests)"
+    return ""
+
+
 def _time(fn, *args, repeats: int) -> float:
     import jax
 
@@ -46,14 +65,17 @@ def _time(fn, *args, repeats: int) -> float:
 
 
 def demo(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpurouter", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m gpurouter", usage=USAGE, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=None,
-                        help="tokens per batch (default 4096 on a GPU, 512 on a CPU)")
-    parser.add_argument("--backend", choices=["all", "jax", "numba"], default="all")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--tokens", type=positive_int, default=None,
+                        help="tokens per batch, >= 1 (default 4096 on a GPU, 512 on a CPU)")
+    parser.add_argument("--backend", choices=["all", "jax", "numba"], default="all",
+                        help="which backends to route with (default all: jax, and numba where a GPU is)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16",
+                        help="dtype of the logits (default bfloat16)")
+    parser.add_argument("--repeats", type=positive_int, default=5,
+                        help="timed runs per row, >= 1; the median is printed (default 5)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
 
     import jax
@@ -65,6 +87,10 @@ def demo(argv: list[str]) -> int:
     from gpurouter.presets import DEMO_PRESETS, PRESETS
 
     backends, note = _available_backends(args.backend)
+    if args.backend == "numba":
+        problem = _numba_problem()
+        if problem:
+            parser.error(f"--backend numba: {problem}")
     tokens = args.tokens or (4096 if jax.default_backend() == "gpu" else 512)
     dtype = jnp.dtype(args.dtype)
     print(f"gpurouter {gr.__version__}: jax {jax.__version__} on {jax.default_backend()} "
@@ -75,7 +101,8 @@ def demo(argv: list[str]) -> int:
               f"{'max|d| ref':>12}{'load min/mean/max':>22}{'aux loss':>12}")
     rows = []
     jobs = [(p, b) for p in DEMO_PRESETS for b in backends]
-    for name, backend in progress(jobs, len(jobs), "routing", enabled=not args.no_progress):
+    for name, backend in progress(jobs, len(jobs), "routing", enabled=not args.no_progress,
+                                  describe=lambda job: f"{job[0]} ({job[1]})"):
         p = PRESETS[name]
         key = jax.random.PRNGKey(zlib.crc32(name.encode()))
         logits = jax.random.normal(key, (tokens, p.num_experts), jnp.float32).astype(dtype)
@@ -100,10 +127,13 @@ def demo(argv: list[str]) -> int:
         seconds = _time(fn, logits, repeats=args.repeats)
         probs, rmap, aux, _ = fn(logits)
         want, _ = ref.fused_topk_with_score_function(logits, expert_bias=bias, **kw)
-        diff = float(jnp.max(jnp.abs(probs.astype(jnp.float32) - want.astype(jnp.float32))))
+        if backend == "jax":
+            diff = "(is ref)"  # the jax backend is the reference itself
+        else:
+            diff = f"{float(jnp.max(jnp.abs(probs.astype(jnp.float32) - want.astype(jnp.float32)))):.2e}"
         load = np.asarray(jnp.sum(rmap, axis=0))
         rows.append(f"{name:<18}{backend:<8}{str(tuple(logits.shape)):<16}"
-                    f"{p.num_experts}/{p.topk:<4}{seconds * 1e3:>11.3f}{diff:>12.2e}"
+                    f"{f'{p.num_experts}/{p.topk}':<8}{seconds * 1e3:>11.3f}{diff:>12}"
                     f"{f'{load.min()}/{load.mean():.1f}/{load.max()}':>22}{float(aux):>12.4e}")
     print(header)
     print("-" * len(header))

@@ -28,6 +28,46 @@ AUTO_MAX_TOPK = 8
 AUTO_MIN_EXPERTS = 64
 
 
+# XLA:CPU ends the whole process ("Termination timeout for 'all reduce ...'
+# exceeded") when a collective's participants wait longer than these timeouts
+# for each other. On the CUDA simulator one kernel launch can take seconds and
+# launches are serialised (_callback._LAUNCH_LOCK), so a sharded jit on
+# several CPU devices can leave devices waiting for minutes: with the
+# simulator, gpurouter raises the timeouts before JAX's CPU backend starts.
+SIMULATOR_XLA_FLAGS = (
+    "--xla_cpu_collective_call_terminate_timeout_seconds=3600",
+    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=600",
+    "--xla_cpu_collective_timeout_seconds=3600",
+)
+
+
+def guard_simulator_collectives() -> None:
+    """With the simulator on, adds :data:`SIMULATOR_XLA_FLAGS` to ``XLA_FLAGS``
+    while JAX's backends have not started yet; warns once if they have (the
+    flags are read once, when the CPU backend starts). Nothing without the
+    simulator, or when the flags are already set."""
+    if not simulator_enabled():
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    missing = [f for f in SIMULATOR_XLA_FLAGS if f.split("=")[0] not in flags]
+    if not missing:
+        return
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
+    elif not _warned_collectives:
+        import warnings
+
+        from ._checks import simulator_collectives_warning
+
+        _warned_collectives.append(True)
+        warnings.warn(simulator_collectives_warning(missing), RuntimeWarning, stacklevel=3)
+
+
+_warned_collectives: list[bool] = []
+
+
 def _numba_import_error() -> ImportError:
     return ImportError(
         "backend=\"numba\" needs numba-cuda: pip install 'gpurouter[cuda13]' "
@@ -38,6 +78,7 @@ def _numba_import_error() -> ImportError:
 @functools.cache
 def kernels() -> types.ModuleType:
     """The numba kernel layer, imported on first use."""
+    guard_simulator_collectives()
     try:
         from . import kernels as k
     except ImportError as e:

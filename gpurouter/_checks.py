@@ -15,6 +15,7 @@ Each message names the function, the argument, the value seen and the rule.
 from __future__ import annotations
 
 import enum
+import math
 import operator
 from dataclasses import dataclass
 
@@ -43,6 +44,27 @@ class ScoreFunction(enum.IntEnum):
         return None
 
 
+class RoutingMapFormat(enum.IntEnum):
+    """Layout of ``routing_map``; the values are TransformerEngine's codes (TE #3009).
+
+    - ``BYTEMAP`` (0): ``bool [..., E]``, one entry per expert.
+    - ``BITMAP_U8`` (1): ``uint8 [..., ceil(E / 8)]``; bit ``e % 8`` of byte
+      ``e // 8`` is set iff the token routes to expert ``e`` (least significant
+      bit first, as ``np.packbits(..., bitorder="little")``); padding bits 0.
+
+    Accepts the names in any case too: ``RoutingMapFormat("bitmap_u8")``.
+    """
+
+    BYTEMAP = 0
+    BITMAP_U8 = 1
+
+    @classmethod
+    def _missing_(cls, value: object) -> RoutingMapFormat | None:
+        if isinstance(value, str):
+            return cls.__members__.get(value.upper())
+        return None
+
+
 _FLOAT_NAMES = ("float32", "bfloat16", "float16")
 _TPE_NAMES = ("int32", "int64", "float32", "bfloat16")
 BACKENDS = ("auto", "jax", "numba")
@@ -53,9 +75,23 @@ def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
+def _is_traced(value) -> bool:
+    # A jax Tracer (jit/grad/vmap argument) without importing jax here.
+    return any(c.__name__ == "Tracer" and c.__module__.startswith("jax") for c in type(value).__mro__)
+
+
+def _static_error(op: str, name: str, kind: str) -> TypeError:
+    return TypeError(
+        f"{op}: {name} must be a static Python {kind}, got a traced value (under jax.jit pass it "
+        f"as a static argument, e.g. jax.jit(f, static_argnames=...), or close over it)."
+    )
+
+
 def _as_int(op: str, name: str, value) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{op}: {name} ({value!r}) must be an int, got bool.")
+    if _is_traced(value):
+        raise _static_error(op, name, "int")
     try:
         return operator.index(value)
     except TypeError:
@@ -63,6 +99,8 @@ def _as_int(op: str, name: str, value) -> int:
 
 
 def _as_float(op: str, name: str, value) -> float:
+    if _is_traced(value):
+        raise _static_error(op, name, "int or float")
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(
             f"{op}: {name} ({value!r}) must be a Python int or float, got {type(value).__name__}."
@@ -70,17 +108,59 @@ def _as_float(op: str, name: str, value) -> float:
     return float(value)
 
 
-def score_function_of(op: str, score_function) -> ScoreFunction:
-    """Normalises ``score_function`` (enum, TE code or lower-case name)."""
+def _as_finite_float(op: str, name: str, value) -> float:
+    value = _as_float(op, name, value)
+    if not math.isfinite(value):
+        raise ValueError(f"{op}: {name} ({value!r}) must be finite.")
+    return value
+
+
+def _enum_of(op: str, name: str, enum_cls, value, choices: str):
+    """``value`` as a member of ``enum_cls``: the member, its int code or its name (a str)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, np.integer)):
+        raise TypeError(
+            f"{op}: {name} ({value!r}) must be a str ({choices}), an int code or a "
+            f"gpurouter.{enum_cls.__name__}, got {type(value).__name__}."
+        )
     try:
-        if isinstance(score_function, bool):
-            raise ValueError
-        return ScoreFunction(score_function)
+        return enum_cls(value)
     except ValueError:
         raise ValueError(
-            f"{op}: score_function ({score_function!r}) must be one of "
-            "'softmax', 'sigmoid', 'sqrtsoftplus' or a gpurouter.ScoreFunction."
+            f"{op}: {name} ({value!r}) must be one of {choices} or a gpurouter.{enum_cls.__name__}."
         ) from None
+
+
+def score_function_of(op: str, score_function) -> ScoreFunction:
+    """Normalises ``score_function`` (enum, TE code or lower-case name)."""
+    return _enum_of(op, "score_function", ScoreFunction, score_function,
+                    "'softmax', 'sigmoid', 'sqrtsoftplus'")
+
+
+def routing_map_format_of(op: str, routing_map_format) -> RoutingMapFormat:
+    """Normalises ``routing_map_format`` (enum, TE code or name in any case)."""
+    return _enum_of(op, "routing_map_format", RoutingMapFormat, routing_map_format,
+                    "'bytemap', 'bitmap_u8'")
+
+
+def array_meta(op: str, name: str, x) -> tuple[tuple[int, ...], np.dtype]:
+    """``(shape, dtype)`` of the array argument ``name``; anything but an array
+    (or a Python / NumPy scalar) is a ``TypeError`` naming it.
+
+    Lists and tuples are refused as JAX's own ``jnp`` functions refuse them
+    (an implicit conversion would hide a host-to-device copy per call).
+    """
+    if isinstance(x, (list, tuple)):
+        raise TypeError(
+            f"{op}: {name} must be an array (jax.Array or numpy.ndarray), got {type(x).__name__}; "
+            f"wrap it as jnp.asarray({name})."
+        )
+    if isinstance(x, (bool, int, float, np.generic)):
+        return (), np.result_type(x)
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(
+            f"{op}: {name} must be an array (jax.Array or numpy.ndarray), got {type(x).__name__}."
+        )
+    return tuple(x.shape), np.dtype(x.dtype)
 
 
 def check_float_dtype(op: str, name: str, dtype) -> None:
@@ -128,6 +208,11 @@ class TopkConfig:
     scaling_factor: float
     score_function: ScoreFunction
     compute_aux_scores: bool
+    routing_map_format: RoutingMapFormat = RoutingMapFormat.BYTEMAP
+
+    @property
+    def bitmap(self) -> bool:
+        return self.routing_map_format == RoutingMapFormat.BITMAP_U8
 
     @property
     def grouped(self) -> bool:
@@ -147,6 +232,7 @@ def check_topk_args(
     expert_bias_shape: tuple[int, ...] | None,
     expert_bias_dtype,
     compute_aux_scores,
+    routing_map_format=RoutingMapFormat.BYTEMAP,
     op: str = TOPK_OP,
 ) -> TopkConfig:
     """Checks the arguments of ``fused_topk_with_score_function``; returns the config."""
@@ -162,7 +248,8 @@ def check_topk_args(
     if topk > num_experts:
         raise ValueError(f"{op}: topk ({topk}) must be <= num_experts ({num_experts}).")
     sf = score_function_of(op, score_function)
-    scaling_factor = _as_float(op, "scaling_factor", scaling_factor)
+    scaling_factor = _as_finite_float(op, "scaling_factor", scaling_factor)
+    map_format = routing_map_format_of(op, routing_map_format)
     num_groups = _as_int(op, "num_groups", num_groups)
     group_topk = _as_int(op, "group_topk", group_topk)
     compute_aux_scores = bool(compute_aux_scores)
@@ -208,6 +295,52 @@ def check_topk_args(
         scaling_factor=scaling_factor,
         score_function=sf,
         compute_aux_scores=compute_aux_scores,
+        routing_map_format=map_format,
+    )
+
+
+def check_routing_map(op: str, routing_map, num_experts,
+                      bytemap_only: bool = False) -> tuple[RoutingMapFormat, int]:
+    """A routing map of either format (or a BYTEMAP only); returns ``(format, num_experts)``.
+
+    ``bool [..., E]`` is a BYTEMAP (``num_experts``, when given, must be E);
+    ``uint8 [..., ceil(E / 8)]`` a BITMAP_U8, which needs ``num_experts``.
+    """
+    shape, dtype = array_meta(op, "routing_map", routing_map)
+    if len(shape) == 0:
+        raise ValueError(f"{op}: routing_map rank (0) must be >= 1 (maps are [..., num_experts] "
+                         "or [..., ceil(num_experts / 8)]).")
+    if num_experts is not None:
+        num_experts = _as_int(op, "num_experts", num_experts)
+        if num_experts < 1:
+            raise ValueError(f"{op}: num_experts ({num_experts}) must be >= 1.")
+    name = _dtype_name(dtype)
+    if name == "bool":
+        if num_experts is not None and shape[-1] != num_experts:
+            raise ValueError(f"{op}: routing_map shape {shape} (bool, a BYTEMAP) must end in "
+                             f"num_experts ({num_experts}).")
+        if shape[-1] == 0:
+            raise ValueError(f"{op}: num_experts (routing_map.shape[-1] = 0) must be >= 1.")
+        return RoutingMapFormat.BYTEMAP, shape[-1]
+    if bytemap_only:
+        raise TypeError(f"{op}: routing_map must be bool [..., num_experts] (BYTEMAP), got {name}.")
+    if name != "uint8":
+        raise TypeError(f"{op}: routing_map must be bool (BYTEMAP) or uint8 (BITMAP_U8), got {name}.")
+    if num_experts is None:
+        raise ValueError(f"{op}: num_experts must be given with a uint8 routing_map (BITMAP_U8): "
+                         "its byte count only bounds it.")
+    if shape[-1] != -(-num_experts // 8):
+        raise ValueError(f"{op}: routing_map shape {shape} (uint8, a BITMAP_U8) must end in "
+                         f"ceil(num_experts / 8) = {-(-num_experts // 8)} for num_experts ({num_experts}).")
+    return RoutingMapFormat.BITMAP_U8, num_experts
+
+
+def simulator_collectives_warning(missing_flags) -> str:
+    return (
+        "gpurouter: the CUDA simulator is on (NUMBA_ENABLE_CUDASIM=1) but JAX's backends started "
+        "before gpurouter could raise XLA's CPU collective timeouts; a sharded jit that runs simulator "
+        "kernels on several CPU devices may abort the process. Set XLA_FLAGS=\"" + " ".join(missing_flags)
+        + "\" before JAX starts (docs/testing.md)."
     )
 
 
@@ -266,6 +399,8 @@ def check_aux_loss_args(
     num_experts = _as_int(op, "num_experts", num_experts)
     if num_experts < 1:
         raise ValueError(f"{op}: num_experts ({num_experts}) must be >= 1.")
+    if topk > num_experts:
+        raise ValueError(f"{op}: topk ({topk}) must be <= num_experts ({num_experts}).")
     if cols % num_experts != 0:
         raise ValueError(
             f"{op}: num_cols (probs.shape[1] = {cols}) must be a multiple of "

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
 
 
-def progress(items: Iterable[T], total: int, label: str, enabled: bool = True) -> Iterator[T]:
-    """Yields ``items`` while drawing ``label [#####.....] i/total elapsed`` on stderr."""
+def progress(items: Iterable[T], total: int, label: str, enabled: bool = True,
+             describe: Callable[[T], str] = str) -> Iterator[T]:
+    """Yields ``items`` while drawing ``label [#####.....] i/total elapsed item`` on
+    stderr, each item named by ``describe``."""
     start = time.perf_counter()
     out = sys.stderr
     width = 24
@@ -25,7 +27,7 @@ def progress(items: Iterable[T], total: int, label: str, enabled: bool = True) -
         out.flush()
 
     for i, item in enumerate(items):
-        draw(i, str(item))
+        draw(i, describe(item))
         yield item
     draw(total, "done")
     if enabled:

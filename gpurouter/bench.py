@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -34,6 +35,7 @@ import time
 import ml_dtypes
 import numpy as np
 
+from ._cli import PLOT_NEEDS, comma_list, matplotlib_missing, positive_float, positive_int
 from ._progress import progress
 from .presets import PRESETS
 
@@ -54,17 +56,18 @@ class Row:
     topk: int
     us: float
     bytes: int
-    gbps: float = 0.0
-    x_floor: float = 0.0
+    gbps: float | None = None  # None off a GPU (no peak bandwidth to compare with)
+    x_floor: float | None = None
     x_jax: float | None = None
     host_us: float | None = None  # kernel rows: Python time per launch call (zero-copy overhead)
 
 
 def _bytes(op: str, phase: str, t: int, e: int, in_bytes: int) -> int:
     """Bytes an op must move (reads + writes), its memory floor."""
-    if op == "topk":
-        fwd = t * e * (in_bytes + in_bytes + 1 + 4) + 4 * e  # x; probs, map, saved; bias
-        bwd = t * e * (1 + 4 + in_bytes + in_bytes)  # map, saved, grad_probs; grad_logits
+    if op in ("topk", "topk_bitmap"):
+        map_bytes = t * -(-e // 8) if op == "topk_bitmap" else t * e  # BITMAP_U8 or bool map
+        fwd = t * e * (in_bytes + in_bytes + 4) + map_bytes + 4 * e  # x; probs, saved, map; bias
+        bwd = t * e * (4 + in_bytes + in_bytes) + map_bytes  # saved, grad_probs, grad_logits; map
     elif op == "aux_scores":
         fwd = t * e * (in_bytes + 4 + 1 + 4)
         bwd = t * e * (4 + 4 + in_bytes)
@@ -72,6 +75,24 @@ def _bytes(op: str, phase: str, t: int, e: int, in_bytes: int) -> int:
         fwd = t * e * 4 + 4 * e
         bwd = t * e * 4 + 4 * e
     return {"fwd": fwd, "bwd": bwd}.get(phase, fwd + bwd)
+
+
+def _row(preset, op, path, phase, tokens, experts, topk, seconds, nbytes, peak, x_jax=None,
+         host_seconds=None) -> Row:
+    """A result row; the bandwidth columns only with a GPU ``peak`` (TB/s)."""
+    us = seconds * 1e6
+    gbps = x_floor = None
+    if peak is not None:
+        gbps = round(nbytes / seconds / 1e9, 1)
+        x_floor = round(us / (nbytes / (peak * 1e12) * 1e6), 2)
+    return Row(preset, op, path, phase, tokens, experts, topk, round(us, 2), nbytes, gbps, x_floor,
+               x_jax, None if host_seconds is None else round(host_seconds * 1e6, 2))
+
+
+def _on_gpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "gpu"
 
 
 def _gpu_info() -> dict:
@@ -216,7 +237,7 @@ def _check(name, got, want, atol, rtol):
         raise AssertionError(f"{name}: result differs from the reference (max |d| = {diff:.3g})")
 
 
-def bench_preset(name: str, tokens: int, paths: list[str], repeats: int, peak: float,
+def bench_preset(name: str, tokens: int, paths: list[str], repeats: int, peak: float | None,
                  loop_steps: int) -> list[Row]:
     import jax
     import jax.numpy as jnp
@@ -234,12 +255,8 @@ def bench_preset(name: str, tokens: int, paths: list[str], repeats: int, peak: f
     rows: list[Row] = []
 
     def add(op, path, phase, seconds, jax_us=None):
-        nbytes = _bytes(op, phase, tokens, e, 2)
-        us = seconds * 1e6
-        floor_us = nbytes / (peak * 1e12) * 1e6
-        rows.append(Row(name, op, path, phase, tokens, e, k, round(us, 2), nbytes,
-                        round(nbytes / seconds / 1e9, 1), round(us / floor_us, 2),
-                        None if jax_us is None else round(jax_us / us, 2)))
+        rows.append(_row(name, op, path, phase, tokens, e, k, seconds, _bytes(op, phase, tokens, e, 2), peak,
+                         None if jax_us is None else round(jax_us / (seconds * 1e6), 2)))
 
     want_p, want_m = jax.jit(lambda x: ref.fused_topk_with_score_function(x, expert_bias=bias, **kw))(xs[0])
     jax_us = {}
@@ -299,22 +316,19 @@ def _kernel_rows(name, p, xs, bias, repeats, peak, want_p, want_m) -> list[Row]:
     groups = kw.get("num_groups") or -1
     gtopk = kw.get("group_topk") or -1
 
-    def fwd_plan(x, *b):
+    def fwd_plan(x, *b, map_format=0):
         return K.topk_with_score_function_fwd_plan(x, bool(b), k, kw["use_pre_softmax"], groups, gtopk,
-                                                   np.float32(kw["scaling_factor"]), sf)
+                                                   np.float32(kw["scaling_factor"]), sf, map_format)
 
-    def bwd_plan(m, sv, g):
+    def bwd_plan(m, sv, g, map_format=0):
         return K.topk_with_score_function_bwd_plan(g, k, kw["use_pre_softmax"],
-                                                   np.float32(kw["scaling_factor"]), sf)
+                                                   np.float32(kw["scaling_factor"]), sf, map_format)
 
     out = []
 
     def add(op, phase, times, nbytes):
         seconds, host = times
-        us = seconds * 1e6
-        floor_us = nbytes / (peak * 1e12) * 1e6
-        out.append(Row(name, op, "kernel", phase, tokens, e, k, round(us, 2), nbytes,
-                       round(nbytes / seconds / 1e9, 1), round(us / floor_us, 2), None, round(host * 1e6, 2)))
+        out.append(_row(name, op, "kernel", phase, tokens, e, k, seconds, nbytes, peak, None, host))
 
     # Poison the outputs, run once, check against the reference, then time.
     probs.copy_to_device(np.full((tokens, e), 0x7FC1, np.uint16))
@@ -331,6 +345,20 @@ def _kernel_rows(name, p, xs, bias, repeats, peak, want_p, want_m) -> list[Row]:
     add("topk", "bwd", _kernel_times(bwd_plan, 3, [[rmap, saved, g] for g in gp], [grad], repeats),
         _bytes("topk", "bwd", tokens, e, 2))
     if name == "deepseek-v3":
+        # TE's BITMAP_U8 routing map: the same kernels writing / reading 1/8 of the map bytes
+        bitmap = cuda.device_array((tokens, -(-e // 8)), np.uint8)
+        want_bits = np.packbits(np.asarray(want_m), axis=-1, bitorder="little")
+
+        def check_bits():
+            _check(f"{name} kernel bitmap", bitmap.copy_to_host(), want_bits, 0, 0)
+
+        add("topk_bitmap", "fwd",
+            _kernel_times(functools.partial(fwd_plan, map_format=1), 1, [[w, *d_bias] for w in words],
+                          [probs, bitmap, saved], repeats, check_bits),
+            _bytes("topk_bitmap", "fwd", tokens, e, 2))
+        add("topk_bitmap", "bwd",
+            _kernel_times(functools.partial(bwd_plan, map_format=1), 3, [[bitmap, saved, g] for g in gp],
+                          [grad], repeats), _bytes("topk_bitmap", "bwd", tokens, e, 2))
         scores = cuda.device_array((tokens, e), np.float32)
         sal_saved = cuda.device_array((tokens, e), np.float32)
         g32 = [cuda.to_device(np.asarray(x, np.float32)) for x in xs]
@@ -364,14 +392,17 @@ def _kernel_rows(name, p, xs, bias, repeats, peak, want_p, want_m) -> list[Row]:
 
 
 def _table(rows: list[Row]) -> str:
-    head = (f"{'preset':<17}{'op':<11}{'path':<17}{'phase':<10}{'T':>7}{'E':>5}{'K':>4}"
-            f"{'us':>11}{'GB/s':>8}{'x floor':>10}{'jax/this':>10}{'host us':>9}")
+    head = (f"{'preset':<17}{'op':<12}{'path':<17}{'phase':<10}{'T':>9}{'E':>6}{'K':>4}"
+            f"{'us':>12}{'GB/s':>8}{'x floor':>10}{'jax/this':>10}{'host us':>9}")
     lines = [head, "-" * len(head)]
+
+    def cell(v, fmt):
+        return "" if v is None else format(v, fmt)
+
     for r in rows:
-        xj = "" if r.x_jax is None else f"{r.x_jax:.2f}"
-        hu = "" if r.host_us is None else f"{r.host_us:.1f}"
-        lines.append(f"{r.preset:<17}{r.op:<11}{r.path:<17}{r.phase:<10}{r.tokens:>7}{r.experts:>5}"
-                     f"{r.topk:>4}{r.us:>11.1f}{r.gbps:>8.0f}{r.x_floor:>10.2f}{xj:>10}{hu:>9}")
+        lines.append(f"{r.preset:<17}{r.op:<12}{r.path:<17}{r.phase:<10}{r.tokens:>9}{r.experts:>6}"
+                     f"{r.topk:>4}{r.us:>12.1f}{cell(r.gbps, '.0f'):>8}{cell(r.x_floor, '.2f'):>10}"
+                     f"{cell(r.x_jax, '.2f'):>10}{cell(r.host_us, '.1f'):>9}")
     return "\n".join(lines)
 
 
@@ -408,26 +439,60 @@ def _plot(rows: list[Row], path: str, title: str = "gpurouter router timings") -
     fig.savefig(path, dpi=110)
 
 
+PATHS = ("kernel", "jax", "numba:zero-copy", "numba:callback")
+
+
+def _path_problem(path: str) -> str:
+    """Why ``path`` cannot run on this machine ("" when it can)."""
+    from . import _backend, _callback
+
+    if path == "jax":
+        return ""
+    if path == "numba:callback" and _backend.simulator_enabled():
+        return ""  # the simulator: slow, but it runs
+    if not _backend.numba_gpu_available():
+        try:
+            _backend.kernels()
+        except ImportError:
+            return "numba-cuda is not installed (pip install 'gpurouter[cuda13]')"
+        return "numba-cuda sees no CUDA GPU"
+    if path in ("kernel", "numba:zero-copy") and not _callback.zero_copy_available():
+        return "JAX does not run on a CUDA GPU here (the zero-copy transport needs it)"
+    return ""
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpurouter bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", default=",".join(DEFAULT_PRESETS))
-    parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--presets", type=comma_list(tuple(PRESETS), "preset"), default=list(DEFAULT_PRESETS),
+                        help=f"comma list of presets, from {', '.join(PRESETS)} (default: all of them)")
+    parser.add_argument("--tokens", type=positive_int, default=65536,
+                        help="tokens per batch, >= 1 (default 65536)")
     parser.add_argument("--paths", default="auto",
-                        help="comma list of kernel, jax, numba:zero-copy, numba:callback (auto: all available)")
-    parser.add_argument("--repeats", type=int, default=100)
-    parser.add_argument("--loop-steps", type=int, default=50)
-    parser.add_argument("--peak-tbs", type=float, default=4.0)
+                        help="comma list of kernel, jax, numba:zero-copy, numba:callback "
+                             "(default auto: every one this machine can run)")
+    parser.add_argument("--repeats", type=positive_int, default=100,
+                        help="timed runs per row, >= 1; medians are reported (default 100)")
+    parser.add_argument("--loop-steps", type=positive_int, default=50,
+                        help="router steps per jitted fori_loop of the loop-step rows (default 50)")
+    parser.add_argument("--peak-tbs", type=positive_float, default=4.0,
+                        help="the GPU's peak memory bandwidth in TB/s for the x-floor column "
+                             "(default 4.0, an H200 measured device to device)")
     parser.add_argument("--json", help="write results as JSON here")
-    parser.add_argument("--plot", help="write a PNG bar chart here")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--plot", help="write a PNG bar chart here (needs gpurouter[bench])")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--from-json", help="re-print (and --plot) the results of an earlier --json run")
     args = parser.parse_args(argv)
+    if args.plot and matplotlib_missing():
+        parser.error(PLOT_NEEDS)
 
     if args.from_json:
-        with open(args.from_json) as f:
-            saved = json.load(f)
-        rows = [Row(**r) for r in saved["rows"]]
+        try:
+            with open(args.from_json) as f:
+                saved = json.load(f)
+            rows = [Row(**r) for r in saved["rows"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            parser.error(f"--from-json {args.from_json}: not a bench result ({e})")
         print("  ".join(f"{k}={v}" for k, v in saved["info"].items()))
         print(_table(rows))
         if args.plot:
@@ -435,19 +500,24 @@ def main(argv: list[str]) -> int:
             _plot(rows, args.plot, f"gpurouter on {info.get('gpu')} ({info.get('date')}, commit {info.get('commit')})")
         return 0
 
-    from . import _backend, _callback
-
-    paths = args.paths.split(",")
     if args.paths == "auto":
-        paths = ["jax"]
-        if _backend.numba_gpu_available():
-            paths = ["kernel", "jax"] + (["numba:zero-copy"] if _callback.zero_copy_available() else [])
+        paths = [p for p in PATHS if p != "numba:callback" and not _path_problem(p)]
+    else:
+        try:
+            paths = comma_list(PATHS, "path")(args.paths)
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"argument --paths: {e}")
+        for p in paths:
+            if _path_problem(p):
+                parser.error(f"argument --paths: {p} cannot run here: {_path_problem(p)}")
     info = _gpu_info()
     print("  ".join(f"{k}={v}" for k, v in info.items()))
     rows: list[Row] = []
-    presets = args.presets.split(",")
-    for name in progress(presets, len(presets), "bench", enabled=not args.no_progress):
-        rows.extend(bench_preset(name, args.tokens, paths, args.repeats, args.peak_tbs, args.loop_steps))
+    peak = args.peak_tbs if _on_gpu() else None
+    if peak is None:
+        print("no GPU: the GB/s and x-floor columns (against a GPU's peak bandwidth) are left empty")
+    for name in progress(args.presets, len(args.presets), "bench", enabled=not args.no_progress):
+        rows.extend(bench_preset(name, args.tokens, paths, args.repeats, peak, args.loop_steps))
     print(_table(rows))
     if args.json:
         with open(args.json, "w") as f:

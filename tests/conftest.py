@@ -26,6 +26,16 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
+# XLA:CPU's collective timeouts raised (also before JAX starts): on the CUDA
+# simulator a sharded jit's callbacks queue on one launch lock for minutes on a
+# busy machine, and the devices waiting in an all-reduce would otherwise end
+# the whole process after about 60 s (docs/testing.md). The library does the
+# same when it is imported first; here it is done for every test process.
+from gpurouter._backend import SIMULATOR_XLA_FLAGS  # noqa: E402  (imports no jax backend)
+
+for _flag in SIMULATOR_XLA_FLAGS:
+    if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " " + _flag
 
 import jax  # noqa: E402
 import pytest

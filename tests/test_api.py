@@ -14,7 +14,9 @@ from gpurouter import reference as ref
 
 
 def test_all():
-    assert sorted(gr.__all__) == ["ScoreFunction", "fused_moe_aux_loss", "fused_topk_with_score_function"]
+    assert sorted(gr.__all__) == ["RoutingMapFormat", "ScoreFunction", "fused_moe_aux_loss",
+                                  "fused_topk_with_score_function", "pack_routing_map",
+                                  "tokens_per_expert", "unpack_routing_map"]
     for name in ref.__all__:
         assert getattr(ref, name) is not None
 
@@ -24,8 +26,9 @@ def _params(fn):
 
 
 def test_topk_signature_is_tes_plus_keyword_backend():
+    # TE main's JAX router (routing_map_format, the tenth, since TE #3009)
     te = ["logits", "topk", "use_pre_softmax", "num_groups", "group_topk", "scaling_factor",
-          "score_function", "expert_bias", "compute_aux_scores"]
+          "score_function", "expert_bias", "compute_aux_scores", "routing_map_format"]
     params = _params(gr.fused_topk_with_score_function)
     assert [p[0] for p in params] == te + ["backend", "transport"]
     defaults = {p[0]: p[1] for p in params}
@@ -34,6 +37,8 @@ def test_topk_signature_is_tes_plus_keyword_backend():
     assert defaults["scaling_factor"] == 1.0 and defaults["expert_bias"] is None
     assert defaults["compute_aux_scores"] is False and defaults["backend"] == "auto"
     assert gr.ScoreFunction(defaults["score_function"]) == gr.ScoreFunction.SOFTMAX
+    assert defaults["routing_map_format"] is gr.RoutingMapFormat.BYTEMAP
+    assert all(p[2] is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:10])
     assert all(p[2] is inspect.Parameter.KEYWORD_ONLY for p in params[-2:])
     assert _params(ref.fused_topk_with_score_function) == params[:-2]
 
@@ -53,6 +58,27 @@ def test_score_function_enum():
     assert gr.ScoreFunction(1) is gr.ScoreFunction.SOFTMAX
     with pytest.raises(ValueError):
         gr.ScoreFunction("tanh")
+
+
+def test_routing_map_format_enum():
+    """TE's codes and names; the name in any case, the int code, the member."""
+    assert (gr.RoutingMapFormat.BYTEMAP, gr.RoutingMapFormat.BITMAP_U8) == (0, 1)
+    for v in ("bitmap_u8", "BITMAP_U8", "Bitmap_U8", 1, gr.RoutingMapFormat.BITMAP_U8):
+        assert gr.RoutingMapFormat(v) is gr.RoutingMapFormat.BITMAP_U8
+    assert gr.RoutingMapFormat("bytemap") is gr.RoutingMapFormat.BYTEMAP
+    with pytest.raises(ValueError):
+        gr.RoutingMapFormat("bitmap")
+    assert gr.reference.RoutingMapFormat is gr.RoutingMapFormat
+
+
+def test_routing_map_format_positional_tenth():
+    """TE code passes it positionally after compute_aux_scores."""
+    import jax.numpy as jnp
+
+    x = jnp.arange(24, dtype=jnp.float32).reshape(2, 12)
+    _, m = gr.fused_topk_with_score_function(x, 2, False, -1, -1, 1.0, "softmax", None, False, 1)
+    assert m.shape == (2, 2) and m.dtype == jnp.uint8
+    assert m.tolist() == [[0, 12], [0, 12]]  # experts 10 and 11: bits 2 and 3 of byte 1
 
 
 def _run(code: str) -> subprocess.CompletedProcess:

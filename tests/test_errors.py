@@ -57,6 +57,26 @@ TOPK_CASES = [
      f"{TOPK}: score_function ('relu') must be one of 'softmax', 'sigmoid', 'sqrtsoftplus'"),
     ((X8, 2), dict(score_function=7), ValueError,
      f"{TOPK}: score_function (7) must be one of"),
+    # a float is no score function (as topk=2.0 is no topk)
+    ((X8, 2), dict(score_function=1.0), TypeError,
+     f"{TOPK}: score_function (1.0) must be a str ('softmax', 'sigmoid', 'sqrtsoftplus'), an int code "
+     "or a gpurouter.ScoreFunction, got float."),
+    ((X8, 2), dict(score_function=True), TypeError, f"{TOPK}: score_function (True) must be a str"),
+    ((X8, 2), dict(scaling_factor=float("inf")), ValueError, f"{TOPK}: scaling_factor (inf) must be finite."),
+    ((X8, 2), dict(scaling_factor=float("nan")), ValueError, f"{TOPK}: scaling_factor (nan) must be finite."),
+    ((X8, 2), dict(scaling_factor=-float("inf")), ValueError, f"{TOPK}: scaling_factor (-inf) must be finite."),
+    (([[0.0, 1.0, 2.0]], 1), {}, TypeError,
+     f"{TOPK}: logits must be an array (jax.Array or numpy.ndarray), got list; wrap it as jnp.asarray(logits)."),
+    ((X8, 2), dict(score_function="sigmoid", expert_bias=[0.0] * 8), TypeError,
+     f"{TOPK}: expert_bias must be an array (jax.Array or numpy.ndarray), got list"),
+    ((X8, 2), dict(routing_map_format=2), ValueError,
+     f"{TOPK}: routing_map_format (2) must be one of 'bytemap', 'bitmap_u8' or a gpurouter.RoutingMapFormat."),
+    ((X8, 2), dict(routing_map_format="bitmap"), ValueError,
+     f"{TOPK}: routing_map_format ('bitmap') must be one of 'bytemap', 'bitmap_u8'"),
+    ((X8, 2), dict(routing_map_format=1.0), TypeError,
+     f"{TOPK}: routing_map_format (1.0) must be a str ('bytemap', 'bitmap_u8'), an int code or a "
+     "gpurouter.RoutingMapFormat, got float."),
+    ((X8, 2), dict(routing_map_format=None), TypeError, f"{TOPK}: routing_map_format (None) must be a str"),
     ((X8, 2), dict(scaling_factor="2"), TypeError,
      f"{TOPK}: scaling_factor ('2') must be a Python int or float, got str."),
 ]
@@ -69,6 +89,18 @@ TOPK_CASES = [
 def test_topk_errors(fn, args, kwargs, exc, msg):
     with pytest.raises(exc, match="^" + re.escape(msg)):
         fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fn", [gr.fused_topk_with_score_function, ref.fused_topk_with_score_function],
+                         ids=["public", "reference"])
+def test_traced_topk_must_be_static(fn):
+    with pytest.raises(TypeError, match=re.escape(
+            f"{TOPK}: topk must be a static Python int, got a traced value (under jax.jit pass it as a "
+            "static argument")):
+        jax.jit(lambda x, k: fn(x, k))(X8, 2)
+    with pytest.raises(TypeError, match=re.escape(
+            f"{TOPK}: scaling_factor must be a static Python int or float, got a traced value")):
+        jax.jit(lambda x, s: fn(x, 2, scaling_factor=s))(X8, 2.0)
 
 
 def test_topk_errors_raise_at_trace_time_under_jit():
@@ -122,6 +154,13 @@ AUX_CASES = [
     ((P, jnp.zeros((8,), jnp.float16), 2, 0.1), {}, TypeError,
      f"{AUX}: tokens_per_expert must be int32, int64, float32 or bfloat16, got float16."),
     ((P, TPE, 0, 0.1), {}, ValueError, f"{AUX}: topk (0) must be >= 1."),
+    ((P, TPE, 9, 0.1), {}, ValueError, f"{AUX}: topk (9) must be <= num_experts (8)."),
+    ((jnp.zeros((4, 16)), jnp.zeros((16,), jnp.int32), 5, 0.1), dict(num_experts=4), ValueError,
+     f"{AUX}: topk (5) must be <= num_experts (4)."),
+    (([[0.1] * 8], TPE, 2, 0.1), {}, TypeError,
+     f"{AUX}: probs must be an array (jax.Array or numpy.ndarray), got list; wrap it as jnp.asarray(probs)."),
+    ((P, [1] * 8, 2, 0.1), {}, TypeError,
+     f"{AUX}: tokens_per_expert must be an array (jax.Array or numpy.ndarray), got list"),
     ((P, TPE, 2, 0.1), dict(num_experts=3), ValueError,
      f"{AUX}: num_cols (probs.shape[1] = 8) must be a multiple of num_experts (3)."),
     ((P, TPE, 2, 0.1), dict(num_experts=0), ValueError, f"{AUX}: num_experts (0) must be >= 1."),
@@ -197,3 +236,35 @@ def test_kernel_limits_say_the_limit_and_the_way_out():
     with pytest.raises(NotImplementedError, match=re.escape(
             f"{TOPK} (numba): topk ({_limits.MAX_TOPK + 1}) exceeds the kernel limit of {_limits.MAX_TOPK}")):
         jax.eval_shape(lambda x: gr.fused_topk_with_score_function(x, _limits.MAX_TOPK + 1, backend="numba"), x)
+
+
+RM = "unpack_routing_map"
+
+
+@pytest.mark.parametrize("args,exc,msg", [
+    ((jnp.zeros((4, 2), jnp.uint8), None), ValueError,
+     f"{RM}: num_experts must be given with a uint8 routing_map (BITMAP_U8): its byte count only bounds it."),
+    ((jnp.zeros((4, 2), jnp.uint8), 17), ValueError,
+     f"{RM}: routing_map shape (4, 2) (uint8, a BITMAP_U8) must end in ceil(num_experts / 8) = 3 "
+     "for num_experts (17)."),
+    ((jnp.zeros((4, 8), bool), 7), ValueError,
+     f"{RM}: routing_map shape (4, 8) (bool, a BYTEMAP) must end in num_experts (7)."),
+    ((jnp.zeros((4, 8), jnp.int32), 8), TypeError,
+     f"{RM}: routing_map must be bool (BYTEMAP) or uint8 (BITMAP_U8), got int32."),
+    ((jnp.zeros((4, 1), jnp.uint8), 0), ValueError, f"{RM}: num_experts (0) must be >= 1."),
+    ((jnp.zeros((4, 1), jnp.uint8), 8.0), TypeError, f"{RM}: num_experts (8.0) must be an int, got float."),
+    (([[True, False]], 2), TypeError, f"{RM}: routing_map must be an array (jax.Array or numpy.ndarray), got list"),
+    ((jnp.zeros((), bool), 1), ValueError, f"{RM}: routing_map rank (0) must be >= 1"),
+])
+def test_routing_map_helper_errors(args, exc, msg):
+    with pytest.raises(exc, match="^" + re.escape(msg)):
+        gr.unpack_routing_map(*args)
+
+
+def test_pack_takes_a_bytemap_only():
+    with pytest.raises(TypeError, match="^" + re.escape(
+            "pack_routing_map: routing_map must be bool [..., num_experts] (BYTEMAP), got uint8.")):
+        gr.pack_routing_map(jnp.zeros((4, 1), jnp.uint8))
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "tokens_per_expert: num_experts must be given with a uint8 routing_map")):
+        gr.tokens_per_expert(jnp.zeros((4, 1), jnp.uint8))

@@ -12,6 +12,7 @@ from .._callback import kernel_call, resolve_transport
 from .._checks import (
     AUX_LOSS_OP,
     AuxLossConfig,
+    array_meta,
     check_aux_loss_args,
     check_kernel_dtype,
     check_transport,
@@ -58,8 +59,9 @@ def fused_moe_aux_loss(
     tokens_per_expert, total_num_tokens = reference.global_counts(
         AUX_LOSS_OP, probs, tokens_per_expert, total_num_tokens, axis_name)
     cfg = check_aux_loss_args(
-        jnp.shape(probs), jnp.result_type(probs), jnp.shape(tokens_per_expert),
-        jnp.result_type(tokens_per_expert), topk, coeff, total_num_tokens, num_experts,
+        *array_meta(AUX_LOSS_OP, "probs", probs),
+        *array_meta(AUX_LOSS_OP, "tokens_per_expert", tokens_per_expert),
+        topk, coeff, total_num_tokens, num_experts,
     )
     check_transport(AUX_LOSS_OP, transport)  # validated whatever the backend
     probs = jnp.asarray(probs)

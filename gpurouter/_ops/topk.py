@@ -12,8 +12,10 @@ from .. import _backend, reference
 from .._callback import kernel_call, resolve_transport
 from .._checks import (
     TOPK_OP,
+    RoutingMapFormat,
     ScoreFunction,
     TopkConfig,
+    array_meta,
     check_kernel_dtype,
     check_topk_args,
     check_transport,
@@ -31,6 +33,7 @@ def fused_topk_with_score_function(
     score_function: str | ScoreFunction = "softmax",
     expert_bias: jax.typing.ArrayLike | None = None,
     compute_aux_scores: bool = False,
+    routing_map_format: str | int | RoutingMapFormat = RoutingMapFormat.BYTEMAP,
     *,
     backend: str = "auto",
     transport: str = "auto",
@@ -49,6 +52,10 @@ def fused_topk_with_score_function(
         ``"callback"`` (``pure_callback`` through host copies) or ``"auto"``
         (zero-copy where available). Ignored by the jax backend.
 
+    With ``routing_map_format=BITMAP_U8`` the kernels write the packed map
+    directly and the backward reads it; probs and gradients are those of the
+    default BYTEMAP, bit for bit.
+
     Raises:
       ValueError, TypeError: bad shapes, config or dtypes (at trace time).
       NotImplementedError: valid input beyond a kernel's limits (numba only).
@@ -56,12 +63,12 @@ def fused_topk_with_score_function(
       RuntimeError: ``backend="numba"`` with neither a GPU nor the simulator;
         ``transport="zero-copy"`` without JAX on a CUDA GPU.
     """
+    bias_shape, bias_dtype = (None, None) if expert_bias is None else array_meta(
+        TOPK_OP, "expert_bias", expert_bias)
     cfg = check_topk_args(
-        jnp.shape(logits), jnp.result_type(logits), topk, use_pre_softmax, num_groups,
-        group_topk, scaling_factor, score_function,
-        None if expert_bias is None else jnp.shape(expert_bias),
-        None if expert_bias is None else jnp.result_type(expert_bias),
-        compute_aux_scores,
+        *array_meta(TOPK_OP, "logits", logits), topk, use_pre_softmax, num_groups,
+        group_topk, scaling_factor, score_function, bias_shape, bias_dtype,
+        compute_aux_scores, routing_map_format,
     )
     check_transport(TOPK_OP, transport)  # validated whatever the backend
     logits = jnp.asarray(logits)
@@ -89,7 +96,7 @@ def fused_topk_with_score_function(
         def route(x, *b):
             return reference.fused_topk_with_score_function(
                 x, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                score_function, b[0] if b else None, compute_aux_scores)
+                score_function, b[0] if b else None, compute_aux_scores, cfg.routing_map_format)
     else:
         transport = resolve_transport(TOPK_OP, transport)
         check_kernel_dtype(TOPK_OP, "logits", logits.dtype)
@@ -107,12 +114,14 @@ def fused_topk_with_score_function(
             return _topk(x, b[0] if b else None, cfg, transport)
 
     x = logits.reshape(-1, num_experts)
+    map_spec = _map_spec(x.shape, cfg)
+    map_shape = shape[:-1] + map_spec.shape[-1:]
     if x.shape[0] == 0:
         out_dtype = jnp.float32 if cfg.compute_aux_scores else logits.dtype
-        return jnp.zeros(shape, out_dtype), jnp.zeros(shape, bool)
+        return jnp.zeros(shape, out_dtype), jnp.zeros(map_shape, map_spec.dtype)
     # Token-sharded logits: each device routes its own tokens (_sharding.py).
     probs, routing_map = per_token_shard(route, [x], [] if bias is None else [bias], 2)
-    return probs.reshape(shape), routing_map.reshape(shape)
+    return probs.reshape(shape), routing_map.reshape(map_shape)
 
 
 # ----------------------------------------------------------------------------
@@ -121,11 +130,19 @@ def fused_topk_with_score_function(
 # ----------------------------------------------------------------------------
 
 
-def _specs(x: jax.Array, probs_dtype):
+def _map_spec(shape: tuple[int, int], cfg: TopkConfig) -> jax.ShapeDtypeStruct:
+    """The routing map of ``[T, E]`` logits: ``[T, E]`` bool, or ``[T, ceil(E/8)]`` uint8."""
+    t, e = shape
+    if cfg.bitmap:
+        return jax.ShapeDtypeStruct((t, -(-e // 8)), jnp.uint8)
+    return jax.ShapeDtypeStruct((t, e), jnp.bool_)
+
+
+def _specs(x: jax.Array, probs_dtype, cfg: TopkConfig):
     t, e = x.shape
     return (
         jax.ShapeDtypeStruct((t, e), probs_dtype),
-        jax.ShapeDtypeStruct((t, e), jnp.bool_),
+        _map_spec((t, e), cfg),
         jax.ShapeDtypeStruct((t, e), jnp.float32),
     )
 
@@ -133,14 +150,15 @@ def _specs(x: jax.Array, probs_dtype):
 def _topk_launch(cfg: TopkConfig, logits, *bias, **kw):
     return _backend.kernels().topk_with_score_function_fwd(
         logits, cfg.topk, cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk,
-        cfg.scaling_factor, int(cfg.score_function), bias[0] if bias else None, **kw,
+        cfg.scaling_factor, int(cfg.score_function), bias[0] if bias else None,
+        int(cfg.routing_map_format), **kw,
     )
 
 
 def _topk_plan(cfg: TopkConfig, logits, *bias):
     return _backend.kernels().topk_with_score_function_fwd_plan(
         logits, bool(bias), cfg.topk, cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk,
-        np.float32(cfg.scaling_factor), int(cfg.score_function),
+        np.float32(cfg.scaling_factor), int(cfg.score_function), int(cfg.routing_map_format),
     )
 
 
@@ -151,7 +169,7 @@ def _topk(x, bias, cfg: TopkConfig, transport: str):
 
 def _topk_fwd(x, bias, cfg: TopkConfig, transport: str):
     probs, routing_map, saved = kernel_call(
-        functools.partial(_topk_launch, cfg), functools.partial(_topk_plan, cfg), _specs(x, x.dtype), [x],
+        functools.partial(_topk_launch, cfg), functools.partial(_topk_plan, cfg), _specs(x, x.dtype, cfg), [x],
         [] if bias is None else [bias], transport,
     )
     return (probs, routing_map), (routing_map, saved)
@@ -168,7 +186,7 @@ def _topk_bwd_launch(cfg: TopkConfig, routing_map, saved, grad_probs, **kw):
 def _topk_bwd_plan(cfg: TopkConfig, routing_map, saved, grad_probs):
     return _backend.kernels().topk_with_score_function_bwd_plan(
         grad_probs, cfg.topk, cfg.use_pre_softmax, np.float32(cfg.scaling_factor),
-        int(cfg.score_function),
+        int(cfg.score_function), int(cfg.routing_map_format),
     )
 
 
@@ -188,12 +206,13 @@ _topk.defvjp(_topk_fwd, _topk_bwd)
 
 def _aux_launch(cfg: TopkConfig, logits, **kw):
     return _backend.kernels().score_for_aux_loss_fwd(
-        logits, cfg.topk, int(cfg.score_function), **kw
+        logits, cfg.topk, int(cfg.score_function), int(cfg.routing_map_format), **kw
     )
 
 
 def _aux_plan(cfg: TopkConfig, logits):
-    return _backend.kernels().score_for_aux_loss_fwd_plan(logits, cfg.topk, int(cfg.score_function))
+    return _backend.kernels().score_for_aux_loss_fwd_plan(
+        logits, cfg.topk, int(cfg.score_function), int(cfg.routing_map_format))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
@@ -203,7 +222,7 @@ def _aux_scores(x, cfg: TopkConfig, dtype, transport: str):
 
 def _aux_scores_fwd(x, cfg: TopkConfig, dtype, transport: str):
     scores, routing_map, saved = kernel_call(
-        functools.partial(_aux_launch, cfg), functools.partial(_aux_plan, cfg), _specs(x, jnp.float32),
+        functools.partial(_aux_launch, cfg), functools.partial(_aux_plan, cfg), _specs(x, jnp.float32, cfg),
         [x], (), transport,
     )
     return (scores, routing_map), saved

@@ -6,12 +6,16 @@ imports numba. The low-level ``*_fwd``/``*_bwd`` pairs are what the numba
 kernels mirror.
 """
 
+from .._checks import RoutingMapFormat as RoutingMapFormat
 from .._checks import ScoreFunction as ScoreFunction
 from .aux_loss import aux_loss_coeff as aux_loss_coeff
 from .aux_loss import fused_moe_aux_loss as fused_moe_aux_loss
 from .aux_loss import global_counts as global_counts
 from .aux_loss import moe_aux_loss_bwd as moe_aux_loss_bwd
 from .aux_loss import moe_aux_loss_fwd as moe_aux_loss_fwd
+from .routing_map import pack_routing_map as pack_routing_map
+from .routing_map import tokens_per_expert as tokens_per_expert
+from .routing_map import unpack_routing_map as unpack_routing_map
 from .topk import fused_topk_with_score_function as fused_topk_with_score_function
 from .topk import score_for_aux_loss_bwd as score_for_aux_loss_bwd
 from .topk import score_for_aux_loss_fwd as score_for_aux_loss_fwd
@@ -19,6 +23,7 @@ from .topk import topk_with_score_function_bwd as topk_with_score_function_bwd
 from .topk import topk_with_score_function_fwd as topk_with_score_function_fwd
 
 __all__ = [
+    "RoutingMapFormat",
     "ScoreFunction",
     "aux_loss_coeff",
     "fused_moe_aux_loss",
@@ -26,8 +31,11 @@ __all__ = [
     "global_counts",
     "moe_aux_loss_bwd",
     "moe_aux_loss_fwd",
+    "pack_routing_map",
     "score_for_aux_loss_bwd",
     "score_for_aux_loss_fwd",
+    "tokens_per_expert",
     "topk_with_score_function_bwd",
     "topk_with_score_function_fwd",
+    "unpack_routing_map",
 ]

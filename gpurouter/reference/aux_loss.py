@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import AuxLossConfig, check_aux_loss_args
+from .._checks import AuxLossConfig, array_meta, check_aux_loss_args
 from .._host import aux_loss_coeff as host_coeff
 
 
@@ -32,8 +32,11 @@ def global_counts(op, probs, tokens_per_expert, total_num_tokens, axis_name):
     counts are all-reduced over that axis, and the token count defaults to
     the local row count times the number of shards (static: every shard has
     the same shape); each shard's loss is then its share of the global loss.
-    Without it they are returned as given.
+    Without it they are returned as given. Either way the two arrays are
+    checked to be arrays first (a list is a ``TypeError`` naming it).
     """
+    array_meta(op, "probs", probs)
+    array_meta(op, "tokens_per_expert", tokens_per_expert)
     if axis_name is None:
         return tokens_per_expert, total_num_tokens
     from .._sharding import axis_size
@@ -46,8 +49,8 @@ def global_counts(op, probs, tokens_per_expert, total_num_tokens, axis_name):
 
 def _config(probs, tokens_per_expert, topk, coeff, total_num_tokens, num_experts, op):
     return check_aux_loss_args(
-        jnp.shape(probs), jnp.result_type(probs), jnp.shape(tokens_per_expert),
-        jnp.result_type(tokens_per_expert), topk, coeff, total_num_tokens, num_experts, op=op,
+        *array_meta(op, "probs", probs), *array_meta(op, "tokens_per_expert", tokens_per_expert),
+        topk, coeff, total_num_tokens, num_experts, op=op,
     )
 
 

@@ -15,8 +15,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._checks import ScoreFunction, TopkConfig, check_topk_args, score_function_of
+from .._checks import (
+    RoutingMapFormat,
+    ScoreFunction,
+    TopkConfig,
+    array_meta,
+    check_topk_args,
+    score_function_of,
+)
 from ._select import sum_topk_values, topk_mask
+from .routing_map import map_of_format, unpack_routing_map
 
 EPS = 1e-20  # TE's epsilon in every normalisation denominator
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above this (PyTorch's threshold)
@@ -66,7 +74,28 @@ def _normalise(v: jax.Array, mask: jax.Array | None) -> jax.Array:
     """``v / (sum v + eps)`` over the row, restricted to ``mask`` when given."""
     if mask is not None:
         v = jnp.where(mask, v, 0)
+    return _normalise_rows(v)
+
+
+@jax.custom_jvp
+def _normalise_rows(v: jax.Array) -> jax.Array:
+    """``v / (sum v + eps)`` over the last axis.
+
+    Its derivative is written as ``(dv - t sum dv) / (S + eps)`` with
+    ``t = v / (S + eps)``: autodiff of the quotient would form ``(S + eps)^2``,
+    which underflows to 0 when every ``v`` is 0 (a row of -inf logits under
+    sigmoid / sqrtsoftplus: ``S + eps = 1e-20``) and turned ``0 / 0`` into NaN
+    gradients where the true derivative (and the kernels') is 0.
+    """
     return v / (jnp.sum(v, axis=-1, keepdims=True) + EPS)
+
+
+@_normalise_rows.defjvp
+def _normalise_rows_jvp(primals, tangents):
+    (v,), (dv,) = primals, tangents
+    inv = 1 / (jnp.sum(v, axis=-1, keepdims=True) + EPS)
+    t = v * inv
+    return t, (dv - t * jnp.sum(dv, axis=-1, keepdims=True)) * inv
 
 
 # ----------------------------------------------------------------------------
@@ -126,13 +155,12 @@ def _aux_scores_forward(logits, cfg: TopkConfig):
 
 
 def _config(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
-            score_function, expert_bias, compute_aux_scores, op) -> TopkConfig:
+            score_function, expert_bias, compute_aux_scores, routing_map_format, op) -> TopkConfig:
+    bias_shape, bias_dtype = (None, None) if expert_bias is None else array_meta(op, "expert_bias", expert_bias)
     return check_topk_args(
-        jnp.shape(logits), jnp.result_type(logits), topk, use_pre_softmax, num_groups,
-        group_topk, scaling_factor, score_function,
-        None if expert_bias is None else jnp.shape(expert_bias),
-        None if expert_bias is None else jnp.result_type(expert_bias),
-        compute_aux_scores, op=op,
+        *array_meta(op, "logits", logits), topk, use_pre_softmax, num_groups,
+        group_topk, scaling_factor, score_function, bias_shape, bias_dtype,
+        compute_aux_scores, routing_map_format, op=op,
     )
 
 
@@ -151,6 +179,7 @@ def fused_topk_with_score_function(
     score_function: str | ScoreFunction = "softmax",
     expert_bias: jax.typing.ArrayLike | None = None,
     compute_aux_scores: bool = False,
+    routing_map_format: str | int | RoutingMapFormat = RoutingMapFormat.BYTEMAP,
 ) -> tuple[jax.Array, jax.Array]:
     """Routes each token to ``topk`` experts (pure-jnp reference).
 
@@ -170,11 +199,15 @@ def fused_topk_with_score_function(
         selection, never the probs, and gets no gradient.
       compute_aux_scores: return the dense float32 aux-loss scores over all
         ``E`` (no bias, groups or scaling) instead of the probs.
+      routing_map_format: a :class:`RoutingMapFormat`, its name (any case) or
+        its int code: ``BYTEMAP`` (0, the default) or ``BITMAP_U8`` (1).
 
     Returns:
       ``(probs, routing_map)``: ``probs [..., E]`` in the dtype of ``logits``
       (float32 when ``compute_aux_scores``), zero off the selected experts;
-      ``routing_map [..., E]`` bool with exactly ``topk`` True per row.
+      ``routing_map`` with exactly ``topk`` experts set per row: ``[..., E]``
+      bool (BYTEMAP), or ``[..., ceil(E / 8)]`` uint8 with bit ``e % 8`` of
+      byte ``e // 8`` set for expert ``e`` and padding bits 0 (BITMAP_U8).
 
     Algorithm (per token, in float32):
       1. score ``s``: softmax (pre), raw logits (softmax post), sigmoid or
@@ -204,7 +237,7 @@ def fused_topk_with_score_function(
       [0.0, 0.7311, 0.2689, 0.0]
     """
     cfg = _config(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                  score_function, expert_bias, compute_aux_scores,
+                  score_function, expert_bias, compute_aux_scores, routing_map_format,
                   "fused_topk_with_score_function")
     logits = jnp.asarray(logits)
     shape = logits.shape
@@ -215,7 +248,7 @@ def fused_topk_with_score_function(
         bias = None if expert_bias is None else jnp.asarray(expert_bias)
         out, mask, _ = _topk_forward(x, bias, cfg)
         out = out.astype(logits.dtype)
-    return out.reshape(shape), mask.reshape(shape)
+    return out.reshape(shape), map_of_format(mask.reshape(shape), cfg.routing_map_format)
 
 
 # ----------------------------------------------------------------------------
@@ -226,21 +259,25 @@ def fused_topk_with_score_function(
 def topk_with_score_function_fwd(
     logits, topk, use_pre_softmax=False, num_groups=-1, group_topk=-1,
     scaling_factor=1.0, score_function="softmax", expert_bias=None,
+    routing_map_format=RoutingMapFormat.BYTEMAP,
 ):
     """Forward of the top-k op on ``logits [T, E]``.
 
     Returns:
-      ``(probs [T, E] logits dtype, routing_map [T, E] bool, saved_scores [T, E] float32)``.
+      ``(probs [T, E] logits dtype, routing_map, saved_scores [T, E] float32)``;
+      ``routing_map`` is ``[T, E]`` bool or (BITMAP_U8) ``[T, ceil(E / 8)]`` uint8.
       ``saved_scores`` is TE's intermediate: sigmoid(x) (sigmoid), raw x
       (sqrtsoftplus), softmax over all E (softmax pre), and for softmax post
       the softmax over the selected experts with ``-inf`` elsewhere.
     """
     cfg = _config(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                  score_function, expert_bias, False, "topk_with_score_function_fwd")
+                  score_function, expert_bias, False, routing_map_format,
+                  "topk_with_score_function_fwd")
     logits = jnp.asarray(logits)
     bias = None if expert_bias is None else jnp.asarray(expert_bias)
     probs, mask, saved = _topk_forward(logits, bias, cfg)
-    return probs.astype(logits.dtype), mask, saved.astype(jnp.float32)
+    return (probs.astype(logits.dtype), map_of_format(mask, cfg.routing_map_format),
+            saved.astype(jnp.float32))
 
 
 def topk_with_score_function_bwd(
@@ -250,7 +287,8 @@ def topk_with_score_function_bwd(
     """Backward of the top-k op (CONTRACT section 3), written out by hand.
 
     Args:
-      routing_map: ``[T, E]`` bool from the forward.
+      routing_map: from the forward, in either format: ``[T, E]`` bool or
+        ``[T, ceil(E / 8)]`` uint8 (BITMAP_U8).
       saved_scores: ``[T, E]`` float32 from the forward.
       grad_probs: ``[T, E]`` cotangent of probs (its dtype is the result's).
 
@@ -258,8 +296,8 @@ def topk_with_score_function_bwd(
       ``grad_logits [T, E]`` in the dtype of ``grad_probs``.
     """
     sf = score_function_of("topk_with_score_function_bwd", score_function)
-    m = jnp.asarray(routing_map)
     saved = jnp.asarray(saved_scores, jnp.float32)
+    m = unpack_routing_map(routing_map, saved.shape[-1])
     grad_probs = jnp.asarray(grad_probs)
     g = grad_probs.astype(jnp.float32) * jnp.float32(scaling_factor)
     if sf == ScoreFunction.SOFTMAX and use_pre_softmax:
@@ -290,21 +328,25 @@ def _normalised_grad(a, da, g, m, normalise: bool):
     am = jnp.where(m, a, 0)
     s = jnp.sum(am, axis=-1, keepdims=True) + EPS
     d = jnp.sum(jnp.where(m, g, 0) * am, axis=-1, keepdims=True)
-    gp = jnp.where(m, g / s - d / (s * s), 0)
+    # (g - d / s) / s, not g / s - d / s^2: s^2 underflows to 0 when every a
+    # is 0 (s = eps), and d / 0 would be NaN (see _normalise_rows)
+    gp = jnp.where(m, (g - d / s) / s, 0)
     return gp * da
 
 
-def score_for_aux_loss_fwd(logits, topk, score_function="softmax"):
+def score_for_aux_loss_fwd(logits, topk, score_function="softmax",
+                           routing_map_format=RoutingMapFormat.BYTEMAP):
     """Forward of the aux-loss scores on ``logits [T, E]``.
 
     Returns:
-      ``(scores [T, E] float32, routing_map [T, E] bool, saved_scores [T, E] float32)``;
+      ``(scores [T, E] float32, routing_map, saved_scores [T, E] float32)``;
+      ``routing_map`` as in :func:`topk_with_score_function_fwd`;
       ``saved_scores`` is softmax(x), sigmoid(x), or raw x (sqrtsoftplus).
     """
     cfg = _config(logits, topk, False, -1, -1, 1.0, score_function, None, True,
-                  "score_for_aux_loss_fwd")
+                  routing_map_format, "score_for_aux_loss_fwd")
     scores, mask, saved = _aux_scores_forward(jnp.asarray(logits), cfg)
-    return scores, mask, saved.astype(jnp.float32)
+    return scores, map_of_format(mask, cfg.routing_map_format), saved.astype(jnp.float32)
 
 
 def score_for_aux_loss_bwd(saved_scores, grad_scores, score_function="softmax",
