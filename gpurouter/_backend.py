@@ -1,4 +1,4 @@
-"""Backend choice (CONTRACT section 5) and the lazy import of the numba kernels.
+"""Backend choice (docs/contract.md section 5) and the lazy import of the numba kernels.
 
 ``import gpurouter`` never imports numba; the kernel layer is imported the
 first time an op is traced with ``backend="numba"`` (or ``"auto"`` picks it).

@@ -2,7 +2,7 @@
 
 The public ops (every backend) and the reference call these at trace time, on
 static shapes, dtypes and Python scalars, before any callback is built: nothing
-is ever raised inside a callback (CONTRACT section 6).
+is ever raised inside a callback (docs/contract.md section 6).
 
 Exceptions:
 - ``ValueError`` for shapes and configuration,

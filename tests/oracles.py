@@ -1,6 +1,6 @@
 """NumPy float64 brute-force oracles of the router ops (tests only, tiny sizes).
 
-Written from CONTRACT.md sections 2-4, row by row with plain Python loops, and
+Written from docs/contract.md sections 2-4, row by row with plain Python loops, and
 independent of :mod:`gpurouter.reference` (never import it here): the oracle
 checks the reference, the reference checks the kernels.
 
@@ -37,7 +37,7 @@ def _sf(score_function) -> str:
 
 
 # ----------------------------------------------------------------------------
-# Selection (CONTRACT section 2, "Selection order, ties, -inf, NaN")
+# Selection (docs/contract.md section 2, "Selection order, ties, -inf, NaN")
 # ----------------------------------------------------------------------------
 
 
@@ -234,7 +234,7 @@ def _act_and_grad_from_saved(saved_row, sf: str):
 
 def topk_bwd(routing_map, saved, grad_probs, topk, use_pre_softmax=False,
              scaling_factor=1.0, score_function="softmax") -> np.ndarray:
-    """Oracle of ``topk_with_score_function_bwd`` (CONTRACT section 3), float64."""
+    """Oracle of ``topk_with_score_function_bwd`` (docs/contract.md section 3), float64."""
     sf = _sf(score_function)
     m_all = np.asarray(routing_map, bool)
     sv_all = _f64(saved)
@@ -306,7 +306,7 @@ def aux_scores_bwd(saved, grad_scores, score_function="softmax") -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------
-# Aux loss (CONTRACT section 4)
+# Aux loss (docs/contract.md section 4)
 # ----------------------------------------------------------------------------
 
 

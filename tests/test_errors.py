@@ -1,4 +1,4 @@
-"""Every validation message of CONTRACT section 6, pinned with ``match=``.
+"""Every validation message of docs/contract.md section 6, pinned with ``match=``.
 
 Each case runs through the public op (backend "jax": validation is shared by
 every backend and happens before dispatch) and through the reference.

@@ -41,7 +41,7 @@ def _backend_kw(backend: str) -> dict:
     return dict(backend=name, transport=transport or "auto")
 
 def _close(actual, expected, dtype, kind):
-    """CONTRACT section 7 (tests/tolerances.py); kind "probs" or "grad"."""
+    """docs/contract.md section 7 (tests/tolerances.py); kind "probs" or "grad"."""
     kind = "grads" if kind == "grad" else kind
     assert_close(actual, expected, kind, dtype, E=np.shape(actual)[-1] if kind == "grads" else None,
                  check_dtype=False)

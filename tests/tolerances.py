@@ -1,4 +1,4 @@
-"""Comparison tolerances (CONTRACT section 7) and the comparators built on them.
+"""Comparison tolerances (docs/contract.md section 7) and the comparators built on them.
 
 | kind      | fp32                     | bf16 / fp16                    |
 | --------- | ------------------------ | ------------------------------ |
@@ -84,7 +84,7 @@ def _report(actual, expected, bad, err, bound, what) -> str:
 
 def assert_close(actual, expected, kind: str, dtype, E: int | None = None,
                  *, check_dtype: bool = True, err_msg: str = "") -> None:
-    """Asserts ``actual`` matches ``expected`` within the CONTRACT tolerance of ``kind``.
+    """Asserts ``actual`` matches ``expected`` within the contract tolerance of ``kind``.
 
     Both sides are upcast to float32 first. ``dtype`` is the dtype of the inputs
     (it picks the tolerance row); with ``check_dtype`` the dtype of ``actual``

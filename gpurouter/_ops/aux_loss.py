@@ -40,7 +40,7 @@ def fused_moe_aux_loss(
 
     Args:
       axis_name: see the reference; inside ``shard_map`` over token shards.
-      backend: ``"jax"``, ``"numba"`` or ``"auto"`` (CONTRACT section 5).
+      backend: ``"jax"``, ``"numba"`` or ``"auto"`` (docs/contract.md section 5).
       transport: ``"zero-copy"``, ``"callback"`` or ``"auto"``, as for
         :func:`gpurouter.fused_topk_with_score_function`.
 

@@ -46,7 +46,7 @@ def fused_topk_with_score_function(
 
     Args:
       backend: ``"jax"`` (the pure-jnp reference), ``"numba"`` (the Numba-CUDA
-        kernels through ``jax.custom_vjp``) or ``"auto"`` (CONTRACT section 5).
+        kernels through ``jax.custom_vjp``) or ``"auto"`` (docs/contract.md section 5).
       transport: how ``backend="numba"`` reaches the kernels: ``"zero-copy"``
         (``buffer_callback`` on XLA's device buffers and stream; JAX on a GPU),
         ``"callback"`` (``pure_callback`` through host copies) or ``"auto"``

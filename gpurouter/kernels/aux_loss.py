@@ -1,4 +1,4 @@
-"""Switch load-balancing aux loss: Numba-CUDA kernels and launchers (CONTRACT section 4).
+"""Switch load-balancing aux loss: Numba-CUDA kernels and launchers (docs/contract.md section 4).
 
 ``C = num_experts * coeff / (topk * T * T)`` (fp32, host, in that order) and
 ``loss = C * sum_c (sum_r probs[r, c]) * tokens_per_expert[c]``.

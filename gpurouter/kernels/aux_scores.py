@@ -1,6 +1,6 @@
 """Aux-loss scores (``compute_aux_scores=True``): Numba-CUDA kernels and launchers.
 
-CONTRACT sections 2 (last paragraph) and 3: scores over all E, fp32, no bias,
+docs/contract.md sections 2 (last paragraph) and 3: scores over all E, fp32, no bias,
 no groups, no scaling; softmax, or sigmoid / sqrtsoftplus normalised over all
 E (``v / (sum_all v + 1e-20)``, every K); the routing map is the plain top-K
 of the scores.  Same tiling and the same device functions as ``topk.py``:
@@ -115,7 +115,7 @@ def _aux_scores_fwd_kernel(kind: str, kcap: int, bitmap: bool = False):
     return kernel
 
 
-# Backward (mask all ones, CONTRACT section 3):
+# Backward (mask all ones, docs/contract.md section 3):
 # - softmax: dx = p (g - sum g p);
 # - sigmoid / sqrtsoftplus: scores = v / (S + eps), S = sum_all v, so
 #   d/dv_e = g_e / (S + eps) - D / (S + eps)^2 with D = sum g v, then

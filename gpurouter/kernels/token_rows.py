@@ -29,7 +29,7 @@ written a quad (16 bytes) at a time (``_vec``).
    are its ``routing_map`` word (one 4-byte store); the weights, ``probs``
    (bf16: one 8-byte store), ``saved`` for post-softmax.
 
-Ranks (CONTRACT section 2): the register list holds fp32 scores only, no
+Ranks (docs/contract.md section 2): the register list holds fp32 scores only, no
 indices, NaN as -inf (one fmaxf with -inf), empty slots -inf; keeping the
 K + 1 largest costs one fminf and one fmaxf per slot (an earlier int32 key
 image took five more instructions per expert).  The K-th largest is the
@@ -170,7 +170,7 @@ def _selector(topk: int, gcap: int, has_bias: bool, post: bool, scaled: bool = F
     2. The K + 1 largest scores of the kept experts (all E ungrouped): a
        register list, no indices.  ``thr``, the K-th largest, is the
        threshold; ``need`` of the K places go to experts scoring exactly
-       ``thr``.  Among equal scores the lower index wins (CONTRACT section
+       ``thr``.  Among equal scores the lower index wins (docs/contract.md section
        2), so when the (K+1)-th equals ``thr`` too (a tie crosses the
        threshold: frequent with bf16 logits), a scan in ascending order
        finds ``cut``, the need-th expert scoring ``thr``.

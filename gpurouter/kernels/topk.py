@@ -1,6 +1,6 @@
 """Router top-k with a score function: Numba-CUDA kernels and launchers.
 
-CONTRACT sections 2 and 3.  Also holds the device functions shared by the
+docs/contract.md sections 2 and 3.  Also holds the device functions shared by the
 other row kernels (``aux_scores.py``): dtype conversion, score functions, the
 staging, row statistics, shared-memory top-K lists and their tree merge.
 
@@ -91,7 +91,7 @@ else:
     def _exp(a):
         """fp32 ``exp(a)`` as ``ex2.approx(a * log2 e)``: two instructions instead of
         libdevice's accurate ten (relative error ~2e-7, ~2e-6 at |a| = 20,
-        inside CONTRACT section 7's 1e-5; the stage's sigmoid was a third of
+        inside docs/contract.md section 7's 1e-5; the stage's sigmoid was a third of
         the thread-per-token forward's instructions).  exp(+-inf) = inf, 0;
         NaN stays NaN."""
         return libdevice.fast_expf(a)
@@ -879,7 +879,7 @@ def _topk_fwd_kernel(kind: str, kcap: int, bitmap: bool = False):
 # ----------------------------------------------------------------------------
 # Backward kernel
 #
-# VJP (CONTRACT section 3), m the routing mask, g = grad_probs * scaling_factor:
+# VJP (docs/contract.md section 3), m the routing mask, g = grad_probs * scaling_factor:
 # - sigmoid/sqrtsoftplus, K > 1: probs_i = a_i / (S + eps), S = sum_m a, so
 #   d/da_e = m_e (g_e / (S + eps) - D / (S + eps)^2) with D = sum_m g a;
 #   then dx = that * da/dx.  K == 1: dx = m g da/dx.
@@ -914,7 +914,7 @@ def _accumulate(total, dot, x, g, scale, sf):
 
 @cuda.jit(device=True)
 def _topk_dx(x, g, sel, dense, den, dsum, scale, topk, sf):
-    """d logit of one element (CONTRACT section 3), from saved ``x`` and the raw
+    """d logit of one element (docs/contract.md section 3), from saved ``x`` and the raw
     gradient ``g`` (scaled here); 0 for unselected experts unless ``dense``
     (softmax-pre, where every p contributes)."""
     if not (sel or dense):
@@ -1073,7 +1073,7 @@ _N0, _N1, _N2, _N3 = (np.uint32(1 << i) for i in range(4))  # a BITMAP_U8 quad n
 @functools.cache
 def _quad_dx(sf: int, dense: bool):
     """Device function ``dx(x, g, sel, inv, c, dsum, scale, norm)``: d logit of
-    one element (CONTRACT section 3) from saved ``x`` and the raw gradient
+    one element (docs/contract.md section 3) from saved ``x`` and the raw gradient
     ``g``, the score function and ``dense`` fixed at compile time.  The
     token's sums enter as ``inv = 1 / (S + eps)`` and ``c = D inv^2`` (one
     division per token instead of two per element: ``g/den - D/den^2`` is
@@ -1450,7 +1450,7 @@ def topk_with_score_function_bwd(
     out=None,
     stream=0,
 ):
-    """Router backward: ``grad_probs`` -> ``grad_logits`` (CONTRACT section 3).
+    """Router backward: ``grad_probs`` -> ``grad_logits`` (docs/contract.md section 3).
 
     Args:
       routing_map: from the forward, either format (told by its dtype): (T, E)

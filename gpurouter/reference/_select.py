@@ -1,4 +1,4 @@
-"""The selection rule of CONTRACT section 2, in plain jnp.
+"""The selection rule of docs/contract.md section 2, in plain jnp.
 
 One function, :func:`topk_mask`, picks exactly ``k`` entries per row:
 larger value first, the lower index among equal values, NaN counted as

@@ -1,4 +1,4 @@
-"""Pure-jnp reference of the switch load-balancing aux loss (CONTRACT section 4)."""
+"""Pure-jnp reference of the switch load-balancing aux loss (docs/contract.md section 4)."""
 
 from __future__ import annotations
 

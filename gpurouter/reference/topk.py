@@ -1,6 +1,6 @@
 """Pure-jnp reference of the router top-k op and of the aux-loss scores.
 
-This file is the executable specification of CONTRACT sections 2 and 3. The
+This file is the executable specification of docs/contract.md sections 2 and 3. The
 public function :func:`fused_topk_with_score_function` is differentiable by
 plain JAX autodiff (no custom VJP); the low-level pairs
 ``topk_with_score_function_fwd/_bwd`` and ``score_for_aux_loss_fwd/_bwd``
@@ -44,7 +44,7 @@ def sigmoid(x: jax.Array) -> jax.Array:
 def sqrtsoftplus(x: jax.Array) -> jax.Array:
     """``sqrt(softplus(x))``, softplus taking ``x`` itself above 20.
 
-    Its derivative is CONTRACT section 3's: ``sigmoid(x) / (2 v + eps)`` for
+    Its derivative is docs/contract.md section 3's: ``sigmoid(x) / (2 v + eps)`` for
     ``x <= 20`` and ``1 / (2 v + eps)`` above (the ``eps`` keeps it finite
     where ``v`` underflows to 0).
     """
@@ -284,7 +284,7 @@ def topk_with_score_function_bwd(
     routing_map, saved_scores, grad_probs, topk, use_pre_softmax=False,
     scaling_factor=1.0, score_function="softmax",
 ):
-    """Backward of the top-k op (CONTRACT section 3), written out by hand.
+    """Backward of the top-k op (docs/contract.md section 3), written out by hand.
 
     Args:
       routing_map: from the forward, in either format: ``[T, E]`` bool or
@@ -351,7 +351,7 @@ def score_for_aux_loss_fwd(logits, topk, score_function="softmax",
 
 def score_for_aux_loss_bwd(saved_scores, grad_scores, score_function="softmax",
                            out_dtype=jnp.float32):
-    """Backward of the aux-loss scores (CONTRACT section 3), written out by hand.
+    """Backward of the aux-loss scores (docs/contract.md section 3), written out by hand.
 
     Returns:
       ``grad_logits [T, E]`` in ``out_dtype`` (the dtype of the logits).

@@ -1,5 +1,5 @@
 """Shared helpers of the kernel tests: run a launcher and the jnp reference on
-the same inputs and compare them with the CONTRACT tolerances."""
+the same inputs and compare them with the contract tolerances."""
 
 from __future__ import annotations
 

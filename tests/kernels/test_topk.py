@@ -91,7 +91,7 @@ def test_matches_reference_hypothesis(data):
 
 
 # ----------------------------------------------------------------------------
-# Ties, -inf, NaN, signed zeros (CONTRACT section 2: lower index wins; NaN is
+# Ties, -inf, NaN, signed zeros (docs/contract.md section 2: lower index wins; NaN is
 # -inf for selection; exactly K per row)
 # ----------------------------------------------------------------------------
 

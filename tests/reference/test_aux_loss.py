@@ -1,4 +1,4 @@
-"""The jnp reference of the switch aux loss against the NumPy oracle (CONTRACT section 4)."""
+"""The jnp reference of the switch aux loss against the NumPy oracle (docs/contract.md section 4)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,115 @@
+"""The two command lines: every bad argument is a one-line argparse error
+(exit 2, no traceback), and a tiny run prints an aligned table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gpurouter import __main__ as cli
+from gpurouter import _backend, bench
+
+
+def _error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--tokens", "0"], "argument --tokens: 0 must be >= 1"),
+    (["--tokens", "-4"], "argument --tokens: -4 must be >= 1"),
+    (["--tokens", "x"], "argument --tokens: 'x' is not an integer"),
+    (["--repeats", "0"], "argument --repeats: 0 must be >= 1"),
+    (["--backend", "cuda"], "argument --backend: invalid choice: 'cuda'"),
+    (["bench", "--repeats", "0"], "argument --repeats: 0 must be >= 1"),
+    (["bench", "--loop-steps", "0"], "argument --loop-steps: 0 must be >= 1"),
+    (["bench", "--peak-tbs", "0"], "argument --peak-tbs: 0 must be a finite number > 0"),
+    (["bench", "--peak-tbs", "inf"], "argument --peak-tbs: inf must be a finite number > 0"),
+    (["bench", "--tokens", "-4"], "argument --tokens: -4 must be >= 1"),
+    (["bench", "--presets", "bogus"], "argument --presets: unknown preset 'bogus'; choose from deepseek-v3,"),
+    (["bench", "--presets", ""], "argument --presets: empty preset in ''; choose from deepseek-v3,"),
+    (["bench", "--presets", "qwen3,"], "argument --presets: empty preset in 'qwen3,'"),
+    (["bench", "--paths", "bogus"], "argument --paths: unknown path 'bogus'; choose from kernel, jax, "
+                                    "numba:zero-copy, numba:callback"),
+    (["bench", "--from-json", "/nonexistent.json"], "--from-json /nonexistent.json: not a bench result"),
+])
+def test_bad_arguments_are_one_line_errors(capsys, argv, msg):
+    assert msg in _error(capsys, argv)
+
+
+def test_paths_that_cannot_run_here_say_why(capsys):
+    if _backend.numba_gpu_available():
+        pytest.skip("a GPU is here: every path can run")
+    for path in ("kernel", "numba:zero-copy"):
+        line = _error(capsys, ["bench", "--paths", path])
+        assert f"argument --paths: {path} cannot run here: " in line
+        assert "numba-cuda" in line or "JAX does not run on a CUDA GPU" in line
+
+
+def test_demo_numba_without_a_gpu_or_simulator(capsys, monkeypatch):
+    monkeypatch.setattr(_backend, "simulator_enabled", lambda: False)
+    monkeypatch.setattr(_backend, "numba_gpu_available", lambda: False)
+    line = _error(capsys, ["--backend", "numba"])
+    assert line.startswith("python -m gpurouter: error: --backend numba: numba-cuda")
+
+
+def test_plot_without_matplotlib_says_how_to_install(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "matplotlib_missing", lambda: True)
+    line = _error(capsys, ["bench", "--paths", "jax", "--plot", "x.png"])
+    assert line.endswith("--plot needs matplotlib: pip install 'gpurouter[bench]'")
+
+
+def test_help_names_bench_and_every_option(capsys):
+    for argv, options in ((["--help"], ["--tokens", "--backend", "--dtype", "--repeats", "--no-progress"]),
+                          (["bench", "--help"], ["--presets", "--tokens", "--paths", "--repeats",
+                                                 "--loop-steps", "--peak-tbs", "--no-progress"])):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        if argv == ["--help"]:
+            assert "python -m gpurouter bench" in out.split("\n\n")[0]  # the usage lines
+        lines = out.splitlines()
+        for opt in options:  # each option's line carries help text besides its METAVAR
+            i = next(i for i, ln in enumerate(lines) if ln.strip().startswith(opt))
+            words = [w for w in lines[i].split()[1:] if not w.strip("{},").isupper()]
+            assert words or lines[i + 1].startswith(" " * 10), f"{opt} has no help text"
+        if "bench" in argv:
+            assert "deepseek-v3" in out and "nemotron-3-super" in out and "default: all" in out
+
+
+def test_bench_on_the_cpu_leaves_the_bandwidth_columns_empty(capsys):
+    if _backend.numba_gpu_available():
+        pytest.skip("a GPU is here")
+    assert cli.main(["bench", "--presets", "mixtral", "--tokens", "8", "--repeats", "1",
+                     "--loop-steps", "1", "--paths", "jax", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "GB/s and x-floor columns" in out
+    rows = [ln for ln in out.splitlines() if ln.startswith("mixtral")]
+    assert len(rows) == 3
+    head = next(ln for ln in out.splitlines() if ln.startswith("preset"))
+    for r in rows:
+        assert len(r) <= len(head)
+        gbps_cell = r[head.index("us") + 2: head.index("x floor") + 7]
+        assert gbps_cell.strip() == "", r
+
+
+def test_demo_runs_as_a_newcomer_types_it():
+    """`python -m gpurouter` in a fresh process: exit 0, no warning, an aligned table."""
+    r = subprocess.run([sys.executable, "-m", "gpurouter", "--tokens", "4", "--repeats", "1",
+                        "--backend", "jax", "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "Warning" not in r.stderr and "warn" not in r.stderr.lower(), r.stderr
+    lines = r.stdout.splitlines()
+    head = next(ln for ln in lines if ln.startswith("preset"))
+    rows = [ln for ln in lines if ln.split() and ln.split()[0] in ("deepseek-v3", "mixtral", "qwen3")]
+    assert rows
+    for row in rows:  # every column where the header puts it (E/K of Mixtral is "8/2")
+        assert row[head.index("E/K"):].split()[0] in ("256/8", "8/2", "128/8")
+        assert "(is ref)" in row
