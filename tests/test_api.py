@@ -148,3 +148,51 @@ def test_bindings_reach_kernels_only_through_the_callback_helper():
     for path in ops.glob("*.py"):
         src = path.read_text()
         assert not re.search(r"\b(pure_callback|buffer_callback|to_device|copy_to_host)\(", src), path.name
+
+
+def _run_env(code: str, **env) -> subprocess.CompletedProcess:
+    import os
+
+    full = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    full.update(env)
+    return subprocess.run([sys.executable, "-W", "always", "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=120, env=full)
+
+
+def test_simulator_raises_xla_cpu_collective_timeouts_before_jax_starts():
+    """Without it XLA:CPU ended the process when a sharded jit waited for the
+    simulator (docs/testing.md); the flags must be in place before JAX starts."""
+    from gpurouter._backend import SIMULATOR_XLA_FLAGS
+
+    r = _run_env("""
+        import os
+        import gpurouter
+        import jax
+        jax.devices()
+        print("FLAGS:", os.environ.get("XLA_FLAGS", ""))
+        """, NUMBA_ENABLE_CUDASIM="1")
+    assert r.returncode == 0, r.stderr
+    for flag in SIMULATOR_XLA_FLAGS:
+        assert flag in r.stdout
+    r = _run_env("""
+        import os
+        import gpurouter
+        print("FLAGS:", os.environ.get("XLA_FLAGS", ""))
+        """, NUMBA_ENABLE_CUDASIM="0")
+    assert "collective" not in r.stdout  # only with the simulator
+
+
+def test_simulator_warns_when_jax_started_first():
+    from gpurouter import _backend
+
+    if not (_backend.simulator_enabled() and _backend.numba_usable()):
+        pytest.skip("needs numba-cuda's simulator (NUMBA_ENABLE_CUDASIM=1 with gpurouter[sim])")
+    r = _run_env("""
+        import jax, jax.numpy as jnp
+        jax.devices()                    # JAX's CPU backend starts without the flags
+        import gpurouter as gr
+        gr.fused_topk_with_score_function(jnp.zeros((2, 8)), 2, backend="numba")
+        """, NUMBA_ENABLE_CUDASIM="1")
+    assert r.returncode == 0, r.stderr
+    assert "RuntimeWarning: gpurouter: the CUDA simulator is on" in r.stderr
+    assert "--xla_cpu_collective_call_terminate_timeout_seconds=3600" in r.stderr
