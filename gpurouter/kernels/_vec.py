@@ -108,6 +108,66 @@ def _intrinsics():
     return address, load_v4, store_v4, store_v4_evict_first
 
 
+@functools.cache
+def _pair_intrinsic():
+    """``store_v2(array, p, lo, hi)``: elements ``2p, 2p+1`` of a flat uint64
+    array := ``lo, hi``, one 16-byte store (GPU only)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    i64x2 = ir.VectorType(ir.IntType(64), 2)
+
+    @intrinsic
+    def store_v2(typingctx, array, p, lo, hi):
+        sig = types.void(array, p, lo, hi)
+
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+            i = context.cast(builder, args[1], sig.args[1], types.uint64)
+            f = builder.mul(i, ir.Constant(ir.IntType(64), 2))
+            ptr = builder.bitcast(builder.gep(data, [f]), i64x2.as_pointer())
+            vec = ir.Constant(i64x2, ir.Undefined)
+            for k in range(2):
+                v = context.cast(builder, args[2 + k], sig.args[2 + k], types.uint64)
+                vec = builder.insert_element(vec, v, ir.Constant(ir.IntType(32), k))
+            builder.store(vec, ptr, align=16)
+
+        return sig, codegen
+
+    return store_v2
+
+
+@cuda.jit(device=True)
+def _store_pair_elements(a, p, lo, hi):
+    a[_u64(2 * p)] = lo
+    a[_u64(2 * p + 1)] = hi
+
+
+@functools.cache
+def pair_u64():
+    """Device function ``store(a, p, lo, hi)``: elements ``2p, 2p+1`` of a flat
+    uint64 array (e.g. eight bf16 words) in one 16-byte store on a GPU when
+    the array's base is 16-byte aligned; two 8-byte stores otherwise and on
+    the simulator."""
+    from ._launch import simulator_enabled
+
+    if simulator_enabled():
+        return _store_pair_elements
+
+    address = _intrinsics()[0]
+    store_v2 = _pair_intrinsic()
+
+    @cuda.jit(device=True)
+    def store(a, p, lo, hi):
+        if address(a) & np.uint64(15) == 0:
+            store_v2(a, p, lo, hi)
+        else:
+            _store_pair_elements(a, p, lo, hi)
+
+    return store
+
+
 # A 16-byte store that L2 evicts first (sm_80+): for outputs far larger than
 # L2 that the kernel never reads again (the aux-loss backward's 67 MB).
 _EVICT_FIRST_STORE = (

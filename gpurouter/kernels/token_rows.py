@@ -70,7 +70,8 @@ import numpy as np
 from numba import cuda
 from numba import uint32 as nb_u32  # array declarations take numba types
 
-from ._vec import quad_f32
+from . import _launch as L
+from ._vec import pair_u64, quad_f32
 from .topk import (
     _B0,
     _B1,
@@ -92,6 +93,7 @@ from .topk import (
     _fmin,
     _no_nan,
     _u64,
+    bf16_quad,
     flat_io,
     nb_f32,
     nb_i32,
@@ -600,46 +602,36 @@ def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pr
             return np.float32(v * inv)
         return v
 
-    def weights_writer(b0, b1, b2, b3):
-        """Device function ``put(probs, saved, smem, w, fw, v0..v3, t, o_red,
-        tile_tokens, scale)``: quad ``w``'s probs (and, post-softmax, saved)
-        from its tile values and its flags ``fw`` (expert ``4q + i`` selected
-        when ``fw & b_i``: the bool map's word or the bitmap's nibble)."""
-
-        @cuda.jit(device=True)
-        def put(probs, saved, smem, w, fw, v0, v1, v2, v3, t, o_red, tile_tokens, scale):
-            w0 = w1 = w2 = w3 = _ZERO
-            m0 = m1 = m2 = m3 = False
-            if fw == 0:  # most quads: nothing selected, nothing to convert
-                zero4(probs, w)
-            else:
-                inv = smem[_u32(o_red + t)]
-                m = smem[_u32(o_red + tile_tokens + t)]
-                m0 = fw & b0 != 0
-                m1 = fw & b1 != 0
-                m2 = fw & b2 != 0
-                m3 = fw & b3 != 0
-                w0 = weight(v0, m, inv) if m0 else _ZERO
-                w1 = weight(v1, m, inv) if m1 else _ZERO
-                w2 = weight(v2, m, inv) if m2 else _ZERO
-                w3 = weight(v3, m, inv) if m3 else _ZERO
-                store4(probs, w, np.float32(scale * w0), np.float32(scale * w1),
-                       np.float32(scale * w2), np.float32(scale * w3))
-            if post_softmax:
-                store_f32(saved, w, w0 if m0 else _NEG_INF, w1 if m1 else _NEG_INF,
-                          w2 if m2 else _NEG_INF, w3 if m3 else _NEG_INF)
-
-        return put
-
-    put_word = weights_writer(_B0, _B1, _B2, _B3)
-    put_nibble = weights_writer(_N0, _N1, _N2, _N3)
+    @cuda.jit(device=True)
+    def put_word(probs, saved, smem, w, fw, v0, v1, v2, v3, t, o_red, tile_tokens, scale):
+        """BYTEMAP: quad ``w``'s probs (and, post-softmax, saved) from its tile
+        values and its map word ``fw``."""
+        w0 = w1 = w2 = w3 = _ZERO
+        m0 = m1 = m2 = m3 = False
+        if fw == 0:  # most quads: nothing selected, nothing to convert
+            zero4(probs, w)
+        else:
+            inv = smem[_u32(o_red + t)]
+            m = smem[_u32(o_red + tile_tokens + t)]
+            m0 = fw & _B0 != 0
+            m1 = fw & _B1 != 0
+            m2 = fw & _B2 != 0
+            m3 = fw & _B3 != 0
+            w0 = weight(v0, m, inv) if m0 else _ZERO
+            w1 = weight(v1, m, inv) if m1 else _ZERO
+            w2 = weight(v2, m, inv) if m2 else _ZERO
+            w3 = weight(v3, m, inv) if m3 else _ZERO
+            store4(probs, w, np.float32(scale * w0), np.float32(scale * w1),
+                   np.float32(scale * w2), np.float32(scale * w3))
+        if post_softmax:
+            store_f32(saved, w, w0 if m0 else _NEG_INF, w1 if m1 else _NEG_INF,
+                      w2 if m2 else _NEG_INF, w3 if m3 else _NEG_INF)
 
     @cuda.jit(device=True)
-    def quad_bits(probs, saved, smem, wb, eq, t, q, stride, o_bias, thr, cut, bits, fword, o_red,
-                  tile_tokens, scale):
-        """BITMAP_U8: quad ``q`` of tile token ``t``: its weights written, its
-        four flags returned as a nibble."""
-        w = wb + np.int32(t * eq + q)
+    def quad_weights(saved, smem, wb, eq, t, q, stride, o_bias, thr, cut, bits, fword, o_red, tile_tokens):
+        """BITMAP_U8: quad ``q`` of tile token ``t``: ``(nibble, w0..w3)``, its
+        four flags (bit i: expert 4q + i) and weights (0 where unselected);
+        post-softmax, its saved written."""
         base = np.int32(t * stride + 4 * q)
         v0 = smem[_u32(base)]
         v1 = smem[_u32(base + 1)]
@@ -652,8 +644,57 @@ def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pr
             r2 = np.float32(v2 + smem[_u32(o_bias + 4 * q + 2)])
             r3 = np.float32(v3 + smem[_u32(o_bias + 4 * q + 3)])
         nib = _nibble_of(r0, r1, r2, r3, q, thr, cut, bits, fword)
-        put_nibble(probs, saved, smem, w, nib, v0, v1, v2, v3, t, o_red, tile_tokens, scale)
-        return nib
+        w0 = w1 = w2 = w3 = _ZERO
+        if nib != 0:
+            inv = smem[_u32(o_red + t)]
+            m = smem[_u32(o_red + tile_tokens + t)]
+            w0 = weight(v0, m, inv) if nib & _N0 != 0 else _ZERO
+            w1 = weight(v1, m, inv) if nib & _N1 != 0 else _ZERO
+            w2 = weight(v2, m, inv) if nib & _N2 != 0 else _ZERO
+            w3 = weight(v3, m, inv) if nib & _N3 != 0 else _ZERO
+        if post_softmax:
+            store_f32(saved, wb + np.int32(t * eq + q), w0 if nib & _N0 != 0 else _NEG_INF,
+                      w1 if nib & _N1 != 0 else _NEG_INF, w2 if nib & _N2 != 0 else _NEG_INF,
+                      w3 if nib & _N3 != 0 else _NEG_INF)
+        return nib, w0, w1, w2, w3
+
+    @cuda.jit(device=True)
+    def probs_quad(probs, w, nib, w0, w1, w2, w3, scale):
+        if nib == 0:
+            zero4(probs, w)
+        else:
+            store4(probs, w, np.float32(scale * w0), np.float32(scale * w1), np.float32(scale * w2),
+                   np.float32(scale * w3))
+
+    @cuda.jit(device=True)
+    def probs_quads(probs, w, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale):
+        probs_quad(probs, w, n0, a0, a1, a2, a3, scale)
+        if two:
+            probs_quad(probs, w + 1, n1, b0, b1, b2, b3, scale)
+
+    if kind == L.BF16:
+        pair_store = pair_u64()
+
+        @cuda.jit(device=True)
+        def probs_octet(probs, w, mi, paired, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale):
+            """The octet's probs: (bf16, E % 8 == 0) its eight words in one
+            16-byte store, index ``mi`` (the map byte's), or a quad at a time."""
+            if paired:
+                if (n0 | n1) == 0:
+                    pair_store(probs, mi, np.uint64(0), np.uint64(0))
+                else:
+                    pair_store(probs, mi, bf16_quad(np.float32(scale * a0), np.float32(scale * a1),
+                                                    np.float32(scale * a2), np.float32(scale * a3)),
+                               bf16_quad(np.float32(scale * b0), np.float32(scale * b1),
+                                         np.float32(scale * b2), np.float32(scale * b3)))
+            else:
+                probs_quads(probs, w, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale)
+
+    else:
+
+        @cuda.jit(device=True)
+        def probs_octet(probs, w, mi, paired, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale):
+            probs_quads(probs, w, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale)
 
     @cuda.jit
     def kernel(
@@ -717,22 +758,31 @@ def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pr
             # An octet (two quads, 8 experts) per step: one thread assembles
             # the octet's map byte in a register and stores it (a plain uint8
             # store: no other thread writes that byte).  E % 8 == 4 leaves a
-            # last octet of one quad (its high nibble: the padding, 0).
+            # last octet of one quad (its high nibble: the padding, 0).  bf16
+            # probs with E % 8 == 0: the octet's eight words in one 16-byte
+            # store (two 8-byte stores at a 16-byte stride would each write
+            # half of every sector they touch), whose index is the map byte's.
             nb = np.int32((eq + 1) >> 1)
             mb = t0 * nb  # the tile's first map byte (int64)
+            paired = (eq & 1) == 0
             t, o, dt, do = _walk32(tid, nthreads, nb)
             while t < nt:
                 thr = smem[_u32(o_thr + t)]
                 cut = np.int32(bits[_u32(o_thr + tile_tokens + t)])
                 fword = o_flag + t * fstride
                 q = np.int32(2 * o)
-                byte = quad_bits(probs, saved, smem, wb, eq, t, q, stride, o_bias, thr, cut, bits, fword,
-                                 o_red, tile_tokens, scale)
-                if q + 1 < eq:
-                    byte |= np.uint32(quad_bits(probs, saved, smem, wb, eq, t, np.int32(q + 1), stride,
-                                                o_bias, thr, cut, bits, fword, o_red, tile_tokens,
-                                                scale) << np.uint32(4))
-                routing_map[_u64(mb + np.int32(t * nb + o))] = np.uint8(byte)
+                n0, a0, a1, a2, a3 = quad_weights(saved, smem, wb, eq, t, q, stride, o_bias, thr, cut, bits,
+                                                  fword, o_red, tile_tokens)
+                n1 = np.uint32(0)
+                b0 = b1 = b2 = b3 = _ZERO
+                two = q + 1 < eq
+                if two:
+                    n1, b0, b1, b2, b3 = quad_weights(saved, smem, wb, eq, t, np.int32(q + 1), stride, o_bias,
+                                                      thr, cut, bits, fword, o_red, tile_tokens)
+                mi = mb + np.int32(t * nb + o)
+                routing_map[_u64(mi)] = np.uint8(n0 | np.uint32(n1 << np.uint32(4)))
+                probs_octet(probs, wb + np.int32(t * eq + q), mi, paired, two, n0, a0, a1, a2, a3, n1, b0, b1,
+                            b2, b3, scale)
                 t, o = _adv32(t, o, dt, do, nb)
         else:
             # A quad per step: the quad's four flags are one word, which is

@@ -256,6 +256,14 @@ _U16 = np.uint32(16)
 _HIGH = np.uint32(0xFFFF0000)
 
 
+@cuda.jit(device=True)
+def bf16_quad(v0, v1, v2, v3):
+    """Four fp32 values as the uint64 of their bf16 words (``v0`` lowest)."""
+    lo = np.uint32(_bf16_bits(v0)) | np.uint32(np.uint32(_bf16_bits(v1)) << _U16)
+    hi = np.uint32(_bf16_bits(v2)) | np.uint32(np.uint32(_bf16_bits(v3)) << _U16)
+    return np.uint64(lo) | np.uint64(np.uint64(hi) << np.uint64(32))
+
+
 # Global-memory indices go through _u64: numba wraps signed indices (``i < 0``:
 # ``i + n``), a few 64-bit instructions per access; unsigned ones it takes as
 # they are.  (Shared-memory indices: np.uint32 likewise.)
@@ -285,9 +293,7 @@ def flat_io(kind: str):
 
         @cuda.jit(device=True)
         def store4(a, w, v0, v1, v2, v3):
-            lo = np.uint32(_bf16_bits(v0)) | np.uint32(np.uint32(_bf16_bits(v1)) << _U16)
-            hi = np.uint32(_bf16_bits(v2)) | np.uint32(np.uint32(_bf16_bits(v3)) << _U16)
-            a[_u64(w)] = np.uint64(lo) | np.uint64(np.uint64(hi) << np.uint64(32))
+            a[_u64(w)] = bf16_quad(v0, v1, v2, v3)
 
         @cuda.jit(device=True)
         def zero4(a, w):
@@ -733,8 +739,12 @@ def _pack_flags(flags, o_flag, routing_map, t0, nt, num_experts, stride, tid, nt
         base = o_flag + t * stride + 8 * b
         n = min(8, num_experts - 8 * b)
         v = np.uint32(0)
-        for i in range(n):
-            v |= np.uint32(np.uint32(flags[base + i] != 0) << np.uint32(i))
+        if n == 8:  # every byte but maybe the last: unrolled
+            for i in range(8):
+                v |= np.uint32(np.uint32(flags[base + i] != 0) << np.uint32(i))
+        else:
+            for i in range(n):
+                v |= np.uint32(np.uint32(flags[base + i] != 0) << np.uint32(i))
         routing_map[t0 + t, b] = np.uint8(v)
         t, b = _adv(t, b, dt, db, nbytes)
 

@@ -86,7 +86,8 @@ def _bias(E):
     return (np.arange(E) % 5 / 16 - 0.125).astype(np.float32)
 
 
-# (T, E, K, kwargs, dtype, path): E % 8 == 4 (a last half octet) and E % 8 == 0
+# (T, E, K, kwargs, dtype, path): E % 8 == 4 (a last half octet) and E % 8 == 0 (bf16: an
+# octet's probs in one store)
 # on the token path; E % 4 != 0 and K > 16 on the W-lane path (the backward:
 # streaming for E % 4 != 0, quads otherwise); E = 130: 17 bytes, 2 bits used
 # in the last.
@@ -97,6 +98,8 @@ TOPK_CASES = [
                     expert_bias=_bias(16)), "bfloat16", "token"),
     (5, 24, 6, dict(score_function="sqrtsoftplus", num_groups=3, group_topk=3, expert_bias=_bias(24)),
      "float16", "token"),
+    (5, 16, 3, dict(), "bfloat16", "token"),
+    (5, 28, 4, dict(score_function="sigmoid", expert_bias=_bias(28)), "bfloat16", "token"),
     (5, 10, 3, dict(), "float32", "lanes"),
     (5, 18, 4, dict(score_function="sigmoid", num_groups=3, group_topk=2, expert_bias=_bias(18)),
      "bfloat16", "lanes"),
