@@ -103,9 +103,10 @@ def test_bench_on_the_cpu_leaves_the_bandwidth_columns_empty(capsys):
 def test_demo_runs_as_a_newcomer_types_it():
     """`python -m gpurouter` in a fresh process: exit 0, no warning, an aligned table."""
     r = subprocess.run([sys.executable, "-m", "gpurouter", "--tokens", "4", "--repeats", "1",
-                        "--backend", "jax", "--no-progress"], capture_output=True, text=True, timeout=600)
+                        "--backend", "jax"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "Warning" not in r.stderr and "warn" not in r.stderr.lower(), r.stderr
+    assert "deepseek-v3 (jax)" in r.stderr and "('" not in r.stderr  # the progress label, not a tuple
     lines = r.stdout.splitlines()
     head = next(ln for ln in lines if ln.startswith("preset"))
     rows = [ln for ln in lines if ln.split() and ln.split()[0] in ("deepseek-v3", "mixtral", "qwen3")]
