@@ -23,6 +23,8 @@ import numpy as np
 
 TOPK_OP = "fused_topk_with_score_function"
 AUX_LOSS_OP = "fused_moe_aux_loss"
+Z_LOSS_OP = "router_z_loss"
+BIAS_UPDATE_OP = "update_expert_bias"
 
 
 class ScoreFunction(enum.IntEnum):
@@ -299,6 +301,42 @@ def check_topk_args(
     )
 
 
+def check_forced_indices(op: str, forced_indices, logits_shape, topk: int, compute_aux_scores: bool) -> None:
+    """``forced_indices`` (routing replay): ``[..., K]`` integers matching the
+    logits' leading dims. Where the values are concrete (not traced), each row's
+    indices must lie in ``[0, E)`` and be distinct; traced values get the
+    documented result (out-of-range entries select nothing, a repeated one once)."""
+    shape, dtype = array_meta(op, "forced_indices", forced_indices)
+    if compute_aux_scores:
+        raise ValueError(f"{op}: forced_indices must be None with compute_aux_scores=True "
+                         "(the aux scores select nothing to replay).")
+    want = tuple(logits_shape[:-1]) + (topk,)
+    if tuple(shape) != want:
+        raise ValueError(f"{op}: forced_indices shape {tuple(shape)} must be logits.shape[:-1] + (topk,) "
+                         f"= {want}.")
+    if not np.issubdtype(dtype, np.integer):
+        raise TypeError(f"{op}: forced_indices must be integers, got {_dtype_name(dtype)}.")
+    if _is_traced(forced_indices):
+        return
+    idx = np.asarray(forced_indices).reshape(-1, topk)
+    num_experts = logits_shape[-1]
+    bad = np.nonzero(((idx < 0) | (idx >= num_experts)).any(axis=1))[0]
+    if bad.size:
+        row = int(bad[0])
+        raise ValueError(f"{op}: forced_indices row {row} ({idx[row].tolist()}) must lie in "
+                         f"[0, num_experts) = [0, {num_experts}).")
+    srt = np.sort(idx, axis=1)
+    dup = np.nonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))[0]
+    if dup.size:
+        row = int(dup[0])
+        raise ValueError(f"{op}: forced_indices row {row} ({idx[row].tolist()}) must hold topk ({topk}) "
+                         "distinct experts.")
+
+
+def kernel_feature_error(op: str, argument: str) -> NotImplementedError:
+    return NotImplementedError(f'{op} (numba): {argument} is not in the kernels yet; use backend="jax".')
+
+
 def check_routing_map(op: str, routing_map, num_experts,
                       bytemap_only: bool = False) -> tuple[RoutingMapFormat, int]:
     """A routing map of either format (or a BYTEMAP only); returns ``(format, num_experts)``.
@@ -333,6 +371,35 @@ def check_routing_map(op: str, routing_map, num_experts,
         raise ValueError(f"{op}: routing_map shape {shape} (uint8, a BITMAP_U8) must end in "
                          f"ceil(num_experts / 8) = {-(-num_experts // 8)} for num_experts ({num_experts}).")
     return RoutingMapFormat.BITMAP_U8, num_experts
+
+
+def check_z_loss_args(logits_shape, logits_dtype, coeff, op: str = Z_LOSS_OP) -> float:
+    """Checks ``router_z_loss``'s arguments; returns ``coeff`` as a float."""
+    if len(logits_shape) == 0:
+        raise ValueError(f"{op}: logits rank (0) must be >= 1 (logits are [..., num_experts]).")
+    check_float_dtype(op, "logits", logits_dtype)
+    if logits_shape[-1] == 0:
+        raise ValueError(f"{op}: num_experts (logits.shape[-1] = 0) must be >= 1.")
+    return _as_finite_float(op, "coeff", coeff)
+
+
+def check_bias_update_args(bias_shape, bias_dtype, tpe_shape, tpe_dtype, rate,
+                           op: str = BIAS_UPDATE_OP) -> None:
+    """Checks ``update_expert_bias``'s arguments (``rate`` may be a traced scalar)."""
+    if len(bias_shape) != 1 or bias_shape[0] == 0:
+        raise ValueError(f"{op}: expert_bias shape {tuple(bias_shape)} must be (num_experts,), num_experts >= 1.")
+    check_float_dtype(op, "expert_bias", bias_dtype)
+    if tuple(tpe_shape) != tuple(bias_shape):
+        raise ValueError(f"{op}: tokens_per_expert shape {tuple(tpe_shape)} must be (num_experts,) = "
+                         f"{tuple(bias_shape)}.")
+    got = _dtype_name(tpe_dtype)
+    if got not in _TPE_NAMES + ("float16", "float64", "uint32", "int16", "uint8"):
+        raise TypeError(f"{op}: tokens_per_expert must be integer or float counts, got {got}.")
+    if _is_traced(rate) or hasattr(rate, "shape"):
+        if tuple(getattr(rate, "shape", ())) != ():
+            raise ValueError(f"{op}: rate shape {tuple(rate.shape)} must be () (a scalar).")
+        return
+    _as_finite_float(op, "rate", rate)
 
 
 def simulator_collectives_warning(missing_flags) -> str:

@@ -102,7 +102,10 @@ def per_row_shard_sum(
 
 
 def axis_size(op: str, axis_name) -> int:
-    """The number of shards along ``axis_name`` (a name or tuple), checked to be bound."""
+    """The number of shards along ``axis_name`` (a name or tuple), checked to be
+    bound; 1 for ``None``."""
+    if axis_name is None:
+        return 1
     size = 1
     for name in _axis_names(axis_name):
         try:

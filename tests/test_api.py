@@ -30,7 +30,7 @@ def test_topk_signature_is_tes_plus_keyword_backend():
     te = ["logits", "topk", "use_pre_softmax", "num_groups", "group_topk", "scaling_factor",
           "score_function", "expert_bias", "compute_aux_scores", "routing_map_format"]
     params = _params(gr.fused_topk_with_score_function)
-    assert [p[0] for p in params] == te + ["backend", "transport"]
+    assert [p[0] for p in params] == te + ["return_indices", "forced_indices", "backend", "transport"]
     defaults = {p[0]: p[1] for p in params}
     assert defaults["use_pre_softmax"] is False
     assert defaults["num_groups"] == -1 and defaults["group_topk"] == -1
@@ -39,7 +39,8 @@ def test_topk_signature_is_tes_plus_keyword_backend():
     assert gr.ScoreFunction(defaults["score_function"]) == gr.ScoreFunction.SOFTMAX
     assert defaults["routing_map_format"] is gr.RoutingMapFormat.BYTEMAP
     assert all(p[2] is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:10])
-    assert all(p[2] is inspect.Parameter.KEYWORD_ONLY for p in params[-2:])
+    assert defaults["return_indices"] is False and defaults["forced_indices"] is None
+    assert all(p[2] is inspect.Parameter.KEYWORD_ONLY for p in params[-4:])
     assert _params(ref.fused_topk_with_score_function) == params[:-2]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +17,11 @@ from .._checks import (
     ScoreFunction,
     TopkConfig,
     array_meta,
+    check_forced_indices,
     check_kernel_dtype,
     check_topk_args,
     check_transport,
+    kernel_feature_error,
 )
 from .._sharding import per_token_shard
 
@@ -35,9 +38,11 @@ def fused_topk_with_score_function(
     compute_aux_scores: bool = False,
     routing_map_format: str | int | RoutingMapFormat = RoutingMapFormat.BYTEMAP,
     *,
+    return_indices: bool = False,
+    forced_indices: jax.typing.ArrayLike | None = None,
     backend: str = "auto",
     transport: str = "auto",
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
     """Routes each token to ``topk`` experts; drop-in for TE's JAX router.
 
     Same arguments, defaults and results as
@@ -54,7 +59,9 @@ def fused_topk_with_score_function(
 
     With ``routing_map_format=BITMAP_U8`` the kernels write the packed map
     directly and the backward reads it; probs and gradients are those of the
-    default BYTEMAP, bit for bit.
+    default BYTEMAP, bit for bit. ``return_indices`` (the kernels write the
+    indices as they select) and ``forced_indices`` (routing replay: the
+    kernels skip the selection) are gpurouter's keyword-only extensions.
 
     Raises:
       ValueError, TypeError: bad shapes, config or dtypes (at trace time).
@@ -70,6 +77,10 @@ def fused_topk_with_score_function(
         group_topk, scaling_factor, score_function, bias_shape, bias_dtype,
         compute_aux_scores, routing_map_format,
     )
+    forced = forced_indices is not None
+    if forced:
+        check_forced_indices(TOPK_OP, forced_indices, jnp.shape(logits), cfg.topk, cfg.compute_aux_scores)
+    return_indices = bool(return_indices)
     check_transport(TOPK_OP, transport)  # validated whatever the backend
     logits = jnp.asarray(logits)
     shape, num_experts = logits.shape, logits.shape[-1]
@@ -88,15 +99,25 @@ def fused_topk_with_score_function(
             return False
         return True
 
-    backend = _backend.resolve(TOPK_OP, backend, faster=kernels_faster)
-    use_bias = (expert_bias is not None and not cfg.compute_aux_scores
+    backend = _backend.resolve(TOPK_OP, backend, faster=lambda: kernels_faster() and not (
+        return_indices or forced))
+    if backend == "numba" and (return_indices or forced):
+        raise kernel_feature_error(TOPK_OP, "forced_indices" if forced else "return_indices")
+    # The bias only selects: not with the aux scores, softmax, or a replay.
+    use_bias = (expert_bias is not None and not cfg.compute_aux_scores and not forced
                 and cfg.score_function != ScoreFunction.SOFTMAX)
     bias = jnp.asarray(expert_bias) if use_bias else None
+    # Indices the kernels write (a replay returns its forced indices instead).
+    write_indices = return_indices and not forced and not cfg.compute_aux_scores
     if backend == "jax":
-        def route(x, *b):
+        def route(x, *rest):
+            b = rest[0] if bias is not None else None
+            f = rest[0] if forced else None
             return reference.fused_topk_with_score_function(
                 x, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                score_function, b[0] if b else None, compute_aux_scores, cfg.routing_map_format)
+                score_function, b, compute_aux_scores, cfg.routing_map_format,
+                return_indices=write_indices or (return_indices and cfg.compute_aux_scores),
+                forced_indices=f)
     else:
         transport = resolve_transport(TOPK_OP, transport)
         check_kernel_dtype(TOPK_OP, "logits", logits.dtype)
@@ -108,20 +129,30 @@ def fused_topk_with_score_function(
             check_kernel_dtype(TOPK_OP, "expert_bias", bias.dtype)
             bias = bias.astype(jnp.float32)
 
-        def route(x, *b):
+        def route(x, *rest):
             if cfg.compute_aux_scores:
-                return _aux_scores(x, cfg, logits.dtype, transport)
-            return _topk(x, b[0] if b else None, cfg, transport)
+                return _aux_scores(x, cfg, logits.dtype, transport, return_indices)
+            return _topk(x, rest[0] if rest else None, cfg, _KernelCall(transport, forced, write_indices))
 
     x = logits.reshape(-1, num_experts)
     map_spec = _map_spec(x.shape, cfg)
     map_shape = shape[:-1] + map_spec.shape[-1:]
+    idx_shape = shape[:-1] + (cfg.topk,)
     if x.shape[0] == 0:
         out_dtype = jnp.float32 if cfg.compute_aux_scores else logits.dtype
-        return jnp.zeros(shape, out_dtype), jnp.zeros(map_shape, map_spec.dtype)
+        empty = (jnp.zeros(shape, out_dtype), jnp.zeros(map_shape, map_spec.dtype))
+        return (*empty, jnp.zeros(idx_shape, jnp.int32)) if return_indices else empty
+    tokens = [x]
+    if forced:
+        tokens.append(jnp.asarray(forced_indices).reshape(-1, cfg.topk).astype(jnp.int32))
     # Token-sharded logits: each device routes its own tokens (_sharding.py).
-    probs, routing_map = per_token_shard(route, [x], [] if bias is None else [bias], 2)
-    return probs.reshape(shape), routing_map.reshape(map_shape)
+    n_out = 3 if (write_indices or (return_indices and cfg.compute_aux_scores)) else 2
+    out = per_token_shard(route, tokens, [] if bias is None else [bias], n_out)
+    probs, routing_map = out[0].reshape(shape), out[1].reshape(map_shape)
+    if not return_indices:
+        return probs, routing_map
+    indices = jnp.asarray(forced_indices).astype(jnp.int32) if forced else out[2].reshape(idx_shape)
+    return probs, routing_map, indices
 
 
 # ----------------------------------------------------------------------------
@@ -138,41 +169,67 @@ def _map_spec(shape: tuple[int, int], cfg: TopkConfig) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((t, e), jnp.bool_)
 
 
-def _specs(x: jax.Array, probs_dtype, cfg: TopkConfig):
+def _specs(x: jax.Array, probs_dtype, cfg: TopkConfig, write_indices: bool = False):
     t, e = x.shape
-    return (
+    specs = (
         jax.ShapeDtypeStruct((t, e), probs_dtype),
         _map_spec((t, e), cfg),
         jax.ShapeDtypeStruct((t, e), jnp.float32),
     )
+    return specs + ((jax.ShapeDtypeStruct((t, cfg.topk), jnp.int32),) if write_indices else ())
 
 
-def _topk_launch(cfg: TopkConfig, logits, *bias, **kw):
+class _KernelCall(NamedTuple):
+    """How one top-k call reaches the kernels (static, hashable)."""
+
+    transport: str
+    forced: bool  # routing replay: the second per-token input is [T, K] int32 indices
+    write_indices: bool  # a fourth output, [T, K] int32 indices in selection order
+
+
+def _indices_kw(call: _KernelCall) -> dict:
+    # only when asked: kernel launchers without these options stay callable
+    return {"return_indices": True} if call.write_indices else {}
+
+
+def _topk_launch(cfg: TopkConfig, call: _KernelCall, logits, *extra, **kw):
+    bias = extra[0] if extra and not call.forced else None
+    if call.forced:
+        kw["forced_indices"] = extra[0]
     return _backend.kernels().topk_with_score_function_fwd(
         logits, cfg.topk, cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk,
-        cfg.scaling_factor, int(cfg.score_function), bias[0] if bias else None,
+        cfg.scaling_factor, int(cfg.score_function), bias, int(cfg.routing_map_format),
+        **_indices_kw(call), **kw,
+    )
+
+
+def _topk_plan(cfg: TopkConfig, call: _KernelCall, logits, *extra):
+    kw = _indices_kw(call)
+    if call.forced:
+        kw["forced"] = True
+    return _backend.kernels().topk_with_score_function_fwd_plan(
+        logits, bool(extra) and not call.forced, cfg.topk, cfg.use_pre_softmax, cfg.num_groups,
+        cfg.group_topk, np.float32(cfg.scaling_factor), int(cfg.score_function),
         int(cfg.routing_map_format), **kw,
     )
 
 
-def _topk_plan(cfg: TopkConfig, logits, *bias):
-    return _backend.kernels().topk_with_score_function_fwd_plan(
-        logits, bool(bias), cfg.topk, cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk,
-        np.float32(cfg.scaling_factor), int(cfg.score_function), int(cfg.routing_map_format),
-    )
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _topk(x, bias, cfg: TopkConfig, transport: str):
-    return _topk_fwd(x, bias, cfg, transport)[0]
+def _topk(x, extra, cfg: TopkConfig, call: _KernelCall):
+    """``extra``: the fp32 bias, the forced indices (``call.forced``) or None."""
+    return _topk_fwd(x, extra, cfg, call)[0]
 
 
-def _topk_fwd(x, bias, cfg: TopkConfig, transport: str):
-    probs, routing_map, saved = kernel_call(
-        functools.partial(_topk_launch, cfg), functools.partial(_topk_plan, cfg), _specs(x, x.dtype, cfg), [x],
-        [] if bias is None else [bias], transport,
+def _topk_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
+    tokens, per_call = [x], []
+    if extra is not None:
+        (tokens if call.forced else per_call).append(extra)
+    out = kernel_call(
+        functools.partial(_topk_launch, cfg, call), functools.partial(_topk_plan, cfg, call),
+        _specs(x, x.dtype, cfg, call.write_indices), tokens, per_call, call.transport,
     )
-    return (probs, routing_map), (routing_map, saved)
+    probs, routing_map, saved = out[:3]
+    return (probs, routing_map, *out[3:]), (routing_map, saved)
 
 
 def _topk_bwd_launch(cfg: TopkConfig, routing_map, saved, grad_probs, **kw):
@@ -190,42 +247,47 @@ def _topk_bwd_plan(cfg: TopkConfig, routing_map, saved, grad_probs):
     )
 
 
-def _topk_bwd(cfg: TopkConfig, transport: str, res, cts):
+def _topk_bwd(cfg: TopkConfig, call: _KernelCall, res, cts):
     routing_map, saved = res
     grad_probs = cts[0]
     (grad_logits,) = kernel_call(
         functools.partial(_topk_bwd_launch, cfg), functools.partial(_topk_bwd_plan, cfg),
         [jax.ShapeDtypeStruct(grad_probs.shape, grad_probs.dtype)],
-        [routing_map, saved, grad_probs], (), transport,
+        [routing_map, saved, grad_probs], (), call.transport,
     )
-    return grad_logits, None  # the bias only selects: no gradient (None = zero)
+    # the bias only selects and the forced indices are integers: no gradient (None = zero)
+    return grad_logits, None
 
 
 _topk.defvjp(_topk_fwd, _topk_bwd)
 
 
-def _aux_launch(cfg: TopkConfig, logits, **kw):
+def _aux_launch(cfg: TopkConfig, write_indices: bool, logits, **kw):
+    if write_indices:
+        kw["return_indices"] = True
     return _backend.kernels().score_for_aux_loss_fwd(
         logits, cfg.topk, int(cfg.score_function), int(cfg.routing_map_format), **kw
     )
 
 
-def _aux_plan(cfg: TopkConfig, logits):
+def _aux_plan(cfg: TopkConfig, write_indices: bool, logits):
+    kw = {"return_indices": True} if write_indices else {}
     return _backend.kernels().score_for_aux_loss_fwd_plan(
-        logits, cfg.topk, int(cfg.score_function), int(cfg.routing_map_format))
+        logits, cfg.topk, int(cfg.score_function), int(cfg.routing_map_format), **kw)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _aux_scores(x, cfg: TopkConfig, dtype, transport: str):
-    return _aux_scores_fwd(x, cfg, dtype, transport)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _aux_scores(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
+    return _aux_scores_fwd(x, cfg, dtype, transport, write_indices)[0]
 
 
-def _aux_scores_fwd(x, cfg: TopkConfig, dtype, transport: str):
-    scores, routing_map, saved = kernel_call(
-        functools.partial(_aux_launch, cfg), functools.partial(_aux_plan, cfg), _specs(x, jnp.float32, cfg),
-        [x], (), transport,
+def _aux_scores_fwd(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
+    out = kernel_call(
+        functools.partial(_aux_launch, cfg, write_indices), functools.partial(_aux_plan, cfg, write_indices),
+        _specs(x, jnp.float32, cfg, write_indices), [x], (), transport,
     )
-    return (scores, routing_map), saved
+    scores, routing_map, saved = out[:3]
+    return (scores, routing_map, *out[3:]), saved
 
 
 def _aux_bwd_launch(cfg: TopkConfig, out_dtype, saved, grad_scores, **kw):
@@ -241,7 +303,7 @@ def _aux_bwd_plan(cfg: TopkConfig, out_dtype, saved, grad_scores):
     return k.score_for_aux_loss_bwd_plan(saved, int(cfg.score_function), kind)
 
 
-def _aux_scores_bwd(cfg: TopkConfig, dtype, transport: str, saved, cts):
+def _aux_scores_bwd(cfg: TopkConfig, dtype, transport: str, write_indices: bool, saved, cts):
     grad_scores = cts[0].astype(jnp.float32)
     (grad_logits,) = kernel_call(
         functools.partial(_aux_bwd_launch, cfg, dtype), functools.partial(_aux_bwd_plan, cfg, dtype),

@@ -68,3 +68,26 @@ def sum_topk_values(values: jax.Array, k: int) -> jax.Array:
     for i in range(1, k):
         total = total + top[..., i]
     return total
+
+
+def selected_indices(values: jax.Array, mask: jax.Array, k: int) -> jax.Array:
+    """The ``k`` experts of ``mask`` as indices ``[..., k]`` int32, in the
+    selection order: larger ``values`` first, the lower index among equal
+    values (NaN as ``-inf``, ``-0.0 == +0.0``), as :func:`topk_mask` ranks.
+
+    ``mask`` must hold exactly ``k`` True per row (what :func:`topk_mask`
+    returns); a sort by (descending key, ascending index) puts them first.
+    """
+    key = jnp.where(mask, _order_key(lax.stop_gradient(values)), _INELIGIBLE)
+    iota = lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
+    # ~key reverses the int32 order without overflow (~INT_MIN = INT_MAX: last)
+    _, order = lax.sort((~key, iota), dimension=key.ndim - 1, num_keys=2)
+    return order[..., :k]
+
+
+def mask_of_indices(indices: jax.Array, num_experts: int) -> jax.Array:
+    """``[..., K]`` integer indices -> ``[..., E]`` bool mask; out-of-range
+    entries select nothing and a repeated entry selects its expert once."""
+    idx = indices.astype(jnp.int32)[..., :, None]  # [..., K, 1]
+    experts = lax.broadcasted_iota(jnp.int32, (1,) * (idx.ndim - 1) + (num_experts,), idx.ndim - 1)
+    return jnp.any(idx == experts, axis=-2)

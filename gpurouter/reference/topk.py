@@ -20,10 +20,11 @@ from .._checks import (
     ScoreFunction,
     TopkConfig,
     array_meta,
+    check_forced_indices,
     check_topk_args,
     score_function_of,
 )
-from ._select import sum_topk_values, topk_mask
+from ._select import mask_of_indices, selected_indices, sum_topk_values, topk_mask
 from .routing_map import map_of_format, unpack_routing_map
 
 EPS = 1e-20  # TE's epsilon in every normalisation denominator
@@ -117,8 +118,10 @@ def _select(r: jax.Array, cfg: TopkConfig) -> jax.Array:
     return topk_mask(r, cfg.topk, eligible)
 
 
-def _topk_forward(logits, expert_bias, cfg: TopkConfig):
-    """Shared forward: returns ``(probs fp32, routing_map, saved fp32)``."""
+def _topk_forward(logits, expert_bias, cfg: TopkConfig, forced=None):
+    """Shared forward: returns ``(probs fp32, routing_map, saved fp32, r fp32)``,
+    ``r`` the selection scores. With ``forced`` indices ``[T, K]`` (routing
+    replay) the experts are those, not selected: bias and groups play no part."""
     x = logits.astype(jnp.float32)
     sf = cfg.score_function
     if sf == ScoreFunction.SOFTMAX:
@@ -127,7 +130,7 @@ def _topk_forward(logits, expert_bias, cfg: TopkConfig):
     else:
         s = _activation(x, sf)
         r = s if expert_bias is None else s + lax.stop_gradient(expert_bias).astype(jnp.float32)[None, :]
-    mask = _select(r, cfg)
+    mask = _select(r, cfg) if forced is None else mask_of_indices(forced, x.shape[-1])
     if sf == ScoreFunction.SOFTMAX and not cfg.use_pre_softmax:
         t = jax.nn.softmax(jnp.where(mask, x, -jnp.inf), axis=-1)
         saved = jnp.where(mask, t, -jnp.inf)
@@ -137,7 +140,7 @@ def _topk_forward(logits, expert_bias, cfg: TopkConfig):
         t = _normalise(s, mask) if cfg.topk > 1 else s
         saved = s if sf == ScoreFunction.SIGMOID else x
     probs = jnp.where(mask, cfg.scaling_factor * t, 0)
-    return probs, mask, saved
+    return probs, mask, saved, r
 
 
 def _aux_scores_forward(logits, cfg: TopkConfig):
@@ -180,7 +183,10 @@ def fused_topk_with_score_function(
     expert_bias: jax.typing.ArrayLike | None = None,
     compute_aux_scores: bool = False,
     routing_map_format: str | int | RoutingMapFormat = RoutingMapFormat.BYTEMAP,
-) -> tuple[jax.Array, jax.Array]:
+    *,
+    return_indices: bool = False,
+    forced_indices: jax.typing.ArrayLike | None = None,
+) -> tuple[jax.Array, ...]:
     """Routes each token to ``topk`` experts (pure-jnp reference).
 
     Args:
@@ -201,6 +207,17 @@ def fused_topk_with_score_function(
         ``E`` (no bias, groups or scaling) instead of the probs.
       routing_map_format: a :class:`RoutingMapFormat`, its name (any case) or
         its int code: ``BYTEMAP`` (0, the default) or ``BITMAP_U8`` (1).
+      return_indices: also return the selected experts as ``indices
+        [..., topk]`` int32, in selection order (larger selection score
+        ``r`` first, the lower index among equal scores).
+      forced_indices: routing replay: ``[..., topk]`` integers, the experts
+        to route to (e.g. recorded by an inference engine). Nothing is
+        selected: ``expert_bias`` and the groups are ignored, and the probs
+        (and their gradient) are those a normal call that had selected these
+        experts gives. Out-of-range or repeated indices: a ``ValueError``
+        where the array is concrete; under ``jit`` an out-of-range entry
+        selects nothing and a repeated one its expert once. Not with
+        ``compute_aux_scores``.
 
     Returns:
       ``(probs, routing_map)``: ``probs [..., E]`` in the dtype of ``logits``
@@ -208,6 +225,8 @@ def fused_topk_with_score_function(
       ``routing_map`` with exactly ``topk`` experts set per row: ``[..., E]``
       bool (BYTEMAP), or ``[..., ceil(E / 8)]`` uint8 with bit ``e % 8`` of
       byte ``e // 8`` set for expert ``e`` and padding bits 0 (BITMAP_U8).
+      With ``return_indices``: ``(probs, routing_map, indices)``; with
+      ``forced_indices`` too, ``indices`` are the forced ones as int32.
 
     Algorithm (per token, in float32):
       1. score ``s``: softmax (pre), raw logits (softmax post), sigmoid or
@@ -236,19 +255,30 @@ def fused_topk_with_score_function(
       >>> [round(float(p), 4) for p in probs[0]]
       [0.0, 0.7311, 0.2689, 0.0]
     """
+    op = "fused_topk_with_score_function"
     cfg = _config(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
-                  score_function, expert_bias, compute_aux_scores, routing_map_format,
-                  "fused_topk_with_score_function")
+                  score_function, expert_bias, compute_aux_scores, routing_map_format, op)
+    if forced_indices is not None:
+        check_forced_indices(op, forced_indices, jnp.shape(logits), cfg.topk, cfg.compute_aux_scores)
     logits = jnp.asarray(logits)
     shape = logits.shape
     x = _rows(logits)
     if cfg.compute_aux_scores:
         out, mask, _ = _aux_scores_forward(x, cfg)
+        r = out
     else:
-        bias = None if expert_bias is None else jnp.asarray(expert_bias)
-        out, mask, _ = _topk_forward(x, bias, cfg)
+        bias = None if expert_bias is None or forced_indices is not None else jnp.asarray(expert_bias)
+        forced = None if forced_indices is None else jnp.asarray(forced_indices).reshape(-1, cfg.topk)
+        out, mask, _, r = _topk_forward(x, bias, cfg, forced)
         out = out.astype(logits.dtype)
-    return out.reshape(shape), map_of_format(mask.reshape(shape), cfg.routing_map_format)
+    result = (out.reshape(shape), map_of_format(mask.reshape(shape), cfg.routing_map_format))
+    if not return_indices:
+        return result
+    if forced_indices is not None:
+        indices = jnp.asarray(forced_indices).astype(jnp.int32)
+    else:
+        indices = selected_indices(r, mask, cfg.topk).reshape(shape[:-1] + (cfg.topk,))
+    return (*result, indices)
 
 
 # ----------------------------------------------------------------------------
@@ -275,7 +305,7 @@ def topk_with_score_function_fwd(
                   "topk_with_score_function_fwd")
     logits = jnp.asarray(logits)
     bias = None if expert_bias is None else jnp.asarray(expert_bias)
-    probs, mask, saved = _topk_forward(logits, bias, cfg)
+    probs, mask, saved, _ = _topk_forward(logits, bias, cfg)
     return (probs.astype(logits.dtype), map_of_format(mask, cfg.routing_map_format),
             saved.astype(jnp.float32))
 

@@ -1,0 +1,123 @@
+"""Pure-jnp reference of the router z-loss (ST-MoE) and of DeepSeek-V3's
+aux-loss-free expert-bias update. docs/losses.md says what is normalised by
+what, and what is reduced over which mesh axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .._checks import (
+    BIAS_UPDATE_OP,
+    Z_LOSS_OP,
+    array_meta,
+    check_bias_update_args,
+    check_z_loss_args,
+)
+from .._sharding import axis_size
+
+
+def _row_lse(x: jax.Array) -> jax.Array:
+    """``logsumexp`` of each row of ``x [T, E]`` (float32), 0 for an all ``-inf`` row.
+
+    A row whose every expert is masked (-inf) routes nowhere: it adds nothing
+    to the z-loss and gets no gradient (its ``logsumexp`` is ``-inf``, whose
+    square would be ``inf``). Rows with a NaN give NaN.
+    """
+    m = jnp.max(x, axis=-1, keepdims=True)
+    dead = m == -jnp.inf
+    shift = jnp.where(dead, 0.0, jax.lax.stop_gradient(m))
+    total = jnp.sum(jnp.exp(x - shift), axis=-1, keepdims=True)
+    lse = jnp.log(jnp.where(dead, 1.0, total)) + shift
+    return jnp.where(dead, 0.0, lse)[..., 0]
+
+
+def router_z_loss(
+    logits: jax.typing.ArrayLike,
+    coeff: float,
+    *,
+    axis_name: str | tuple[str, ...] | None = None,
+) -> jax.Array:
+    """Router z-loss of ST-MoE (Zoph et al. 2022, eq. 5), pure-jnp reference.
+
+    ``loss = coeff * (1 / T) * sum_t logsumexp_e(logits[t])^2``, in float32
+    whatever the dtype of ``logits``.
+
+    Args:
+      logits: ``[..., E]`` float32, bfloat16 or float16 router logits; every
+        leading dim is a token (``T`` = their product). ``-inf`` masks an
+        expert; a row of all ``-inf`` contributes 0 (and gets no gradient)
+        but still counts in ``T``.
+      coeff: the loss coefficient (a static Python float; ST-MoE uses 1e-3).
+      axis_name: inside ``shard_map`` with token-sharded ``logits``: ``T`` is
+        the global token count (this shard's rows times the axis size), so
+        each shard returns its share and the shares sum (``psum``) to the
+        loss of the whole batch.
+
+    Returns:
+      A float32 scalar.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from gpurouter import reference as ref
+      >>> round(float(ref.router_z_loss(jnp.zeros((2, 4)), 1.0)), 4)  # log(4)^2
+      1.9218
+    """
+    shape, _ = array_meta(Z_LOSS_OP, "logits", logits)
+    coeff = check_z_loss_args(shape, jnp.asarray(logits).dtype, coeff)
+    x = jnp.asarray(logits).astype(jnp.float32)
+    x = x.reshape(-1, x.shape[-1])
+    total = x.shape[0] * axis_size(Z_LOSS_OP, axis_name)
+    if total == 0:
+        return jnp.zeros((), jnp.float32)
+    lse = _row_lse(x)
+    return jnp.float32(coeff) * (jnp.sum(lse * lse) / jnp.float32(total))
+
+
+def update_expert_bias(
+    expert_bias: jax.typing.ArrayLike,
+    tokens_per_expert: jax.typing.ArrayLike,
+    rate: float | jax.typing.ArrayLike,
+    *,
+    axis_name: str | tuple[str, ...] | None = None,
+) -> jax.Array:
+    """DeepSeek-V3's aux-loss-free balancing step: the expert bias, updated.
+
+    ``new_bias = expert_bias + rate * sign(mean(load) - load)`` with ``load``
+    the tokens routed to each expert (DeepSeek-V3 technical report, section
+    2.1.2: an overloaded expert's bias goes down by ``rate``, an underloaded
+    one's up; an expert exactly at the mean keeps its bias). Pure jnp, no
+    gradient: call it outside the differentiated function, once per step.
+
+    Args:
+      expert_bias: ``[E]`` float bias (the router's ``expert_bias``).
+      tokens_per_expert: ``[E]`` int or float counts of this step
+        (e.g. :func:`gpurouter.tokens_per_expert` of the routing map).
+      rate: the update speed (DeepSeek-V3: 0.001); a Python float or a scalar
+        array (a schedule).
+      axis_name: inside ``shard_map`` over data shards: the counts are summed
+        over this axis first, so every shard computes the same new bias.
+
+    Returns:
+      ``[E]``, the dtype of ``expert_bias`` (the arithmetic is float32).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from gpurouter import reference as ref
+      >>> ref.update_expert_bias(jnp.zeros(3), jnp.array([5, 1, 3]), 0.1).tolist()
+      [-0.10000000149011612, 0.10000000149011612, 0.0]
+    """
+    bias_meta = array_meta(BIAS_UPDATE_OP, "expert_bias", expert_bias)
+    counts_meta = array_meta(BIAS_UPDATE_OP, "tokens_per_expert", tokens_per_expert)
+    check_bias_update_args(*bias_meta, *counts_meta, rate)
+    load = jnp.asarray(tokens_per_expert).astype(jnp.float32)
+    if axis_name is not None:
+        axis_size(BIAS_UPDATE_OP, axis_name)  # checks that the axis is bound
+        load = jax.lax.psum(load, axis_name)
+    bias = jnp.asarray(expert_bias)
+    step = jnp.asarray(rate, jnp.float32) * jnp.sign(jnp.mean(load) - load)
+    return (bias.astype(jnp.float32) + step).astype(bias.dtype)
+
+
+__all__ = ["router_z_loss", "update_expert_bias"]
