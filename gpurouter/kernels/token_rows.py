@@ -103,6 +103,11 @@ _u32 = np.uint32  # shared-memory indices (see topk._u64)
 _STAGE = 4  # quads per step of the staging, their loads in flight together
 _STAGE_X = 4 * _STAGE  # (local-array sizes must be plain constants on the GPU)
 _NAN = np.float32(np.nan)
+#: BITMAP_U8 phase 3 (read when a kernel is built): a warp takes 4 octets of 8
+#: tokens (``_octet_walk``; else consecutive octets of a row), and bf16 probs
+#: of an octet go out in one 16-byte store (E % 8 == 0)
+WARP_OCTETS = True
+PAIR_BF16 = True
 
 
 # ----------------------------------------------------------------------------
@@ -145,6 +150,23 @@ def _adv32(t, q, dt, dq, n):
         q = np.int32(q - n)
         t = np.int32(t + 1)
     return t, q
+
+
+@cuda.jit(device=True)
+def _octet_walk(tid, nthreads, nt, nb):
+    """The BITMAP_U8 phase 3's walk over a tile's ``[nt, nb]`` octets: a warp
+    takes a group of 8 consecutive tokens by a chunk of 4 consecutive octets,
+    lane ``l`` token ``l % 8`` and octet ``l / 8`` (a row-major walk would
+    put a warp's 32 lanes on one row at an 8-word stride: 8-way bank
+    conflicts on every tile read; here the odd row stride spreads the 8
+    rows over the banks: none).  ``(lt, lo, ngroups, nchunks, g, c, dg,
+    dc)``: the lane's token and octet in the group and chunk, the counts,
+    and the warp's start and step over ``[ngroups, nchunks]`` (``_adv32``).
+    ``nthreads``: a multiple of 32."""
+    lane = np.int32(tid & 31)
+    nchunks = np.int32((nb + 3) >> 2)
+    g, c, dg, dc = _walk32(np.int32(tid >> 5), np.int32(nthreads >> 5), nchunks)
+    return np.int32(lane & 7), np.int32(lane >> 3), np.int32((nt + 7) >> 3), nchunks, g, c, dg, dc
 
 
 @functools.cache
@@ -672,7 +694,8 @@ def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pr
         if two:
             probs_quad(probs, w + 1, n1, b0, b1, b2, b3, scale)
 
-    if kind == L.BF16:
+    warp_octets = WARP_OCTETS
+    if kind == L.BF16 and PAIR_BF16:
         pair_store = pair_u64()
 
         @cuda.jit(device=True)
@@ -695,6 +718,29 @@ def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pr
         @cuda.jit(device=True)
         def probs_octet(probs, w, mi, paired, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale):
             probs_quads(probs, w, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale)
+
+    @cuda.jit(device=True)
+    def octet(probs, saved, routing_map, smem, bits, t, o, wb, eq, nb, mb, paired, stride, o_bias, o_thr, o_flag,
+              fstride, o_red, tile_tokens, scale):
+        """BITMAP_U8: octet ``o`` (quads 2o, 2o + 1) of tile token ``t``: its
+        weights and its map byte, assembled here and stored by this thread
+        alone."""
+        thr = smem[_u32(o_thr + t)]
+        cut = np.int32(bits[_u32(o_thr + tile_tokens + t)])
+        fword = o_flag + t * fstride
+        q = np.int32(2 * o)
+        n0, a0, a1, a2, a3 = quad_weights(saved, smem, wb, eq, t, q, stride, o_bias, thr, cut, bits, fword, o_red,
+                                          tile_tokens)
+        n1 = np.uint32(0)
+        b0 = b1 = b2 = b3 = _ZERO
+        two = q + 1 < eq
+        if two:
+            n1, b0, b1, b2, b3 = quad_weights(saved, smem, wb, eq, t, np.int32(q + 1), stride, o_bias, thr, cut,
+                                              bits, fword, o_red, tile_tokens)
+        mi = mb + np.int32(t * nb + o)
+        routing_map[_u64(mi)] = np.uint8(n0 | np.uint32(n1 << np.uint32(4)))
+        probs_octet(probs, wb + np.int32(t * eq + q), mi, paired, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3,
+                    scale)
 
     @cuda.jit
     def kernel(
@@ -762,28 +808,26 @@ def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pr
             # probs with E % 8 == 0: the octet's eight words in one 16-byte
             # store (two 8-byte stores at a 16-byte stride would each write
             # half of every sector they touch), whose index is the map byte's.
+            # A warp takes 4 consecutive octets of 8 consecutive tokens
+            # (``_octet_walk``): its 32 lanes' tile reads hit 32 banks.
             nb = np.int32((eq + 1) >> 1)
             mb = t0 * nb  # the tile's first map byte (int64)
             paired = (eq & 1) == 0
-            t, o, dt, do = _walk32(tid, nthreads, nb)
-            while t < nt:
-                thr = smem[_u32(o_thr + t)]
-                cut = np.int32(bits[_u32(o_thr + tile_tokens + t)])
-                fword = o_flag + t * fstride
-                q = np.int32(2 * o)
-                n0, a0, a1, a2, a3 = quad_weights(saved, smem, wb, eq, t, q, stride, o_bias, thr, cut, bits,
-                                                  fword, o_red, tile_tokens)
-                n1 = np.uint32(0)
-                b0 = b1 = b2 = b3 = _ZERO
-                two = q + 1 < eq
-                if two:
-                    n1, b0, b1, b2, b3 = quad_weights(saved, smem, wb, eq, t, np.int32(q + 1), stride, o_bias,
-                                                      thr, cut, bits, fword, o_red, tile_tokens)
-                mi = mb + np.int32(t * nb + o)
-                routing_map[_u64(mi)] = np.uint8(n0 | np.uint32(n1 << np.uint32(4)))
-                probs_octet(probs, wb + np.int32(t * eq + q), mi, paired, two, n0, a0, a1, a2, a3, n1, b0, b1,
-                            b2, b3, scale)
-                t, o = _adv32(t, o, dt, do, nb)
+            if warp_octets:
+                lt, lo, ngroups, nchunks, g, c, dg, dc = _octet_walk(tid, nthreads, nt, nb)
+                while g < ngroups:
+                    t = np.int32(8 * g + lt)
+                    o = np.int32(4 * c + lo)
+                    if (t < nt) & (o < nb):
+                        octet(probs, saved, routing_map, smem, bits, t, o, wb, eq, nb, mb, paired, stride, o_bias,
+                              o_thr, o_flag, fstride, o_red, tile_tokens, scale)
+                    g, c = _adv32(g, c, dg, dc, nchunks)
+            else:
+                t, o, dt, do = _walk32(tid, nthreads, nb)
+                while t < nt:
+                    octet(probs, saved, routing_map, smem, bits, t, o, wb, eq, nb, mb, paired, stride, o_bias,
+                          o_thr, o_flag, fstride, o_red, tile_tokens, scale)
+                    t, o = _adv32(t, o, dt, do, nb)
         else:
             # A quad per step: the quad's four flags are one word, which is
             # also its routing-map word.
@@ -839,6 +883,26 @@ def aux_scores_fwd_kernel(kind: str, topk: int, sf: int, bitmap: bool = False):
             store_f32(scores, w, p0, p1, p2, p3)
         return p0, p1, p2, p3
 
+    warp_octets = WARP_OCTETS
+
+    @cuda.jit(device=True)
+    def octet(scores, routing_map, smem, bits, t, o, wb, eq, nb, mb, stride, o_thr, o_flag, fstride, o_red,
+              tile_tokens):
+        """BITMAP_U8: octet ``o`` of tile token ``t``: (sigmoid / sqrtsoftplus)
+        its scores, and its map byte, stored by this thread alone."""
+        thr = smem[_u32(o_thr + t)]
+        cut = np.int32(bits[_u32(o_thr + tile_tokens + t)])
+        inv = _ONE if softmax else smem[_u32(o_red + tile_tokens + t)]
+        fword = o_flag + t * fstride
+        q = np.int32(2 * o)
+        p0, p1, p2, p3 = scores_quad(scores, smem, wb + np.int32(t * eq + q), np.int32(t * stride + 4 * q), inv)
+        byte = _nibble_of(p0, p1, p2, p3, q, thr, cut, bits, fword)
+        q = np.int32(q + 1)
+        if q < eq:
+            p0, p1, p2, p3 = scores_quad(scores, smem, wb + np.int32(t * eq + q), np.int32(t * stride + 4 * q), inv)
+            byte |= np.uint32(_nibble_of(p0, p1, p2, p3, q, thr, cut, bits, fword) << np.uint32(4))
+        routing_map[_u64(mb + np.int32(t * nb + o))] = np.uint8(byte)
+
     @cuda.jit
     def kernel(
         logits,  # [T, E] kind, flat (bf16: [T*E/4] uint64)
@@ -886,26 +950,25 @@ def aux_scores_fwd_kernel(kind: str, topk: int, sf: int, bitmap: bool = False):
         # reciprocal the selection used;) the map.
         if bitmap:
             # An octet (two quads) per step, its map byte assembled in a
-            # register and stored by this thread alone (see topk_fwd_kernel).
+            # register and stored by this thread alone; a warp takes 4 octets
+            # of 8 tokens (see topk_fwd_kernel).
             nb = np.int32((eq + 1) >> 1)
             mb = t0 * nb
-            t, o, dt, do = _walk32(tid, nthreads, nb)
-            while t < nt:
-                thr = smem[_u32(o_thr + t)]
-                cut = np.int32(bits[_u32(o_thr + tile_tokens + t)])
-                inv = _ONE if softmax else smem[_u32(o_red + tile_tokens + t)]
-                fword = o_flag + t * fstride
-                q = np.int32(2 * o)
-                p0, p1, p2, p3 = scores_quad(scores, smem, wb + np.int32(t * eq + q),
-                                             np.int32(t * stride + 4 * q), inv)
-                byte = _nibble_of(p0, p1, p2, p3, q, thr, cut, bits, fword)
-                q = np.int32(q + 1)
-                if q < eq:
-                    p0, p1, p2, p3 = scores_quad(scores, smem, wb + np.int32(t * eq + q),
-                                                 np.int32(t * stride + 4 * q), inv)
-                    byte |= np.uint32(_nibble_of(p0, p1, p2, p3, q, thr, cut, bits, fword) << np.uint32(4))
-                routing_map[_u64(mb + np.int32(t * nb + o))] = np.uint8(byte)
-                t, o = _adv32(t, o, dt, do, nb)
+            if warp_octets:
+                lt, lo, ngroups, nchunks, g, c, dg, dc = _octet_walk(tid, nthreads, nt, nb)
+                while g < ngroups:
+                    t = np.int32(8 * g + lt)
+                    o = np.int32(4 * c + lo)
+                    if (t < nt) & (o < nb):
+                        octet(scores, routing_map, smem, bits, t, o, wb, eq, nb, mb, stride, o_thr, o_flag, fstride,
+                              o_red, tile_tokens)
+                    g, c = _adv32(g, c, dg, dc, nchunks)
+            else:
+                t, o, dt, do = _walk32(tid, nthreads, nb)
+                while t < nt:
+                    octet(scores, routing_map, smem, bits, t, o, wb, eq, nb, mb, stride, o_thr, o_flag, fstride,
+                          o_red, tile_tokens)
+                    t, o = _adv32(t, o, dt, do, nb)
         else:
             # A quad per step: the flag word is the quad's map word.
             t, q, dt, dq = _walk32(tid, nthreads, eq)

@@ -117,6 +117,22 @@ def test_topk_bitmap_is_the_packed_bytemap(token_tiling, T, E, k, kw, dtype, pat
     _check_topk(_logits(T, E, E + k, dtype), k, path, **kw)
 
 
+@pytest.mark.parametrize("E,dtype", [(44, "bfloat16"), (40, "bfloat16"), (40, "float32")])
+def test_octet_walk_groups_and_chunks(token_tiling, E, dtype):
+    """The token kernels' octet walk (a warp: 4 octets of 8 tokens) with 16
+    tokens per block and 2 warps: two token groups, two octet chunks (the
+    second partial), a partial last tile (21 rows), idle lanes; E % 8 == 4
+    and 0 (bf16: paired 16-byte probs stores)."""
+    token_tiling(16, 64)
+    x = _logits(21, E, E)
+    _check_topk(x, 4, "token", score_function="sigmoid", num_groups=4, group_topk=2, expert_bias=_bias(E))
+    _check_topk(x, 5, "token", use_pre_softmax=False)
+    sc0, m0, sv0 = K.score_for_aux_loss_fwd(x, 5, "sqrtsoftplus")
+    sc1, m1, sv1 = K.score_for_aux_loss_fwd(x, 5, "sqrtsoftplus", routing_map_format=1)
+    np.testing.assert_array_equal(m1, _packed(m0))
+    _same_bits(sc1, sc0, "scores")
+
+
 def test_topk_bitmap_lanes_partial_tile(tiling):
     """W-lane forward with 4 lanes and 2 tokens per block (a partial last tile),
     groups and a bias: the bytes of every block's tokens."""
