@@ -24,6 +24,10 @@ from .topk import topk_with_score_function_bwd as topk_with_score_function_bwd
 from .topk import topk_with_score_function_bwd_plan as topk_with_score_function_bwd_plan
 from .topk import topk_with_score_function_fwd as topk_with_score_function_fwd
 from .topk import topk_with_score_function_fwd_plan as topk_with_score_function_fwd_plan
+from .z_loss import router_z_loss_bwd as router_z_loss_bwd
+from .z_loss import router_z_loss_bwd_plan as router_z_loss_bwd_plan
+from .z_loss import router_z_loss_fwd as router_z_loss_fwd
+from .z_loss import router_z_loss_fwd_plan as router_z_loss_fwd_plan
 
 __all__ = [
     "MAX_EXPERTS",
@@ -36,6 +40,10 @@ __all__ = [
     "moe_aux_loss_bwd_plan",
     "moe_aux_loss_fwd",
     "moe_aux_loss_fwd_plan",
+    "router_z_loss_bwd",
+    "router_z_loss_bwd_plan",
+    "router_z_loss_fwd",
+    "router_z_loss_fwd_plan",
     "score_for_aux_loss_bwd",
     "score_for_aux_loss_bwd_plan",
     "score_for_aux_loss_fwd",

@@ -1,0 +1,166 @@
+"""Router z-loss kernels on the GPU: the forward and backward plans timed against
+their byte floors, checked against float64 NumPy at full size.
+
+``python tools/z_loss_probe.py [--tokens 65536] [--experts 256] [--dtype bf16]
+[--repeats 100] [--peak 4.0] [--sweep] [--json out.json]``
+
+Each plan runs the way the zero-copy transport runs it (``_launch.PointerLaunch``
+on raw pointers of numba device arrays), inputs rotated over three sets (more
+bytes than L2 holds).  Time: CUDA events around each launch, the launches
+queued behind a sleeping kernel (so the host's launch rate is not what is
+timed), the median of ``--repeats`` (as ``gpurouter.bench._kernel_times``).
+Byte floors at ``--peak`` TB/s: the forward reads T*E*s bytes and writes T*4
+(s = 2 for bf16 / fp16, 4 for fp32); the backward reads T*E*s + T*4 and
+writes T*E*s.  ``--sweep`` also times other tilings (``Z_HOLD``,
+``Z_THREADS``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import ml_dtypes
+import numpy as np
+from numba import cuda, uint32
+
+from gpurouter import kernels as K
+from gpurouter.kernels import _launch as L
+from gpurouter.kernels import z_loss as Z
+
+DTYPES = {"bf16": (ml_dtypes.bfloat16, L.BF16), "fp32": (np.float32, L.F32), "fp16": (np.float16, L.F16)}
+
+
+def _spin_kernel():
+    @cuda.jit
+    def spin(n):
+        for _ in range(n):
+            cuda.nanosleep(uint32(1000))
+
+    return spin
+
+
+def _ptr(a) -> int:
+    return int(a.__cuda_array_interface__["data"][0])
+
+
+def _time(launch, ptr_sets, repeats, spin) -> float:
+    """Median microseconds of ``launch(ptrs, 0)`` over ``repeats`` launches."""
+    launch(ptr_sets[0], 0)
+    cuda.synchronize()
+    times = []
+    for c0 in range(0, repeats, 25):
+        n = min(25, repeats - c0)
+        events = [cuda.event() for _ in range(n + 1)]
+        L.launch(spin, 1, 1, 0, 0, 2000)  # ~2 ms: longer than the host needs to queue the launches
+        events[0].record()
+        for i in range(n):
+            launch(ptr_sets[(c0 + i) % len(ptr_sets)], 0)
+            events[i + 1].record()
+        events[-1].synchronize()
+        times += [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(n)]
+    return statistics.median(times)
+
+
+def _lse64(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return (np.log(np.exp(x - m).sum(-1, keepdims=True)) + m)[..., 0]
+
+
+def run(tokens, experts, dtype, repeats, peak, label=""):
+    host_dtype, kind = DTYPES[dtype]
+    size = np.dtype(host_dtype).itemsize
+    rng = np.random.default_rng(0)
+    xs = [(rng.standard_normal((tokens, experts)) * 2).astype(np.float32).astype(host_dtype) for _ in range(3)]
+    words = [x.view(np.uint16) if kind == L.BF16 else x for x in xs]
+    dxs = [cuda.to_device(w) for w in words]
+    coeff, total = np.float32(1e-3), tokens
+    spec = L.spec_of((tokens, experts), kind)
+    fplan = K.router_z_loss_fwd_plan(spec, coeff, total)
+    bplan = K.router_z_loss_bwd_plan(spec, coeff, total)
+    rows_only = L.Plan("rows", fplan.ins, fplan.outs, fplan.tmps, fplan.steps[:1])
+    fwd, rows, bwd = (L.PointerLaunch(p, 0) for p in (fplan, rows_only, bplan))
+    loss = cuda.device_array((), np.float32)
+    lses = [cuda.device_array((tokens,), np.float32) for _ in xs]
+    part = cuda.device_array(fplan.tmps[0].shape, np.float32)
+    g = cuda.to_device(np.asarray(1.0, np.float32))
+    grad = cuda.device_array((tokens, experts), words[0].dtype)
+    for i, dx in enumerate(dxs):  # the saved lse of every input set, for the backward
+        fwd([_ptr(dx), _ptr(loss), _ptr(lses[i]), _ptr(part)], 0)
+    cuda.synchronize()
+
+    # checks at full size: loss, lse, a few gradient rows (float64 NumPy)
+    fwd([_ptr(dxs[0]), _ptr(loss), _ptr(lses[0]), _ptr(part)], 0)
+    cuda.synchronize()
+    want_lse = _lse64(xs[0])
+    got_lse = lses[0].copy_to_host()
+    want_loss = float(coeff) * float(np.sum(want_lse ** 2)) / total
+    lse_err = float(np.max(np.abs(got_lse - want_lse) / np.maximum(1, np.abs(want_lse))))
+    loss_rel = abs(float(loss.copy_to_host()) - want_loss) / want_loss
+    bwd([_ptr(dxs[0]), _ptr(lses[0]), _ptr(g), _ptr(grad)], 0)
+    cuda.synchronize()
+    gh = grad.copy_to_host()[:64]
+    gh = (gh.view(ml_dtypes.bfloat16) if kind == L.BF16 else gh).astype(np.float32)
+    x64 = np.asarray(xs[0][:64], np.float64)
+    want_g = 2 * float(coeff) / total * want_lse[:64, None] * np.exp(x64 - want_lse[:64, None])
+    g_err = float(np.max(np.abs(gh - want_g) / (1e-2 * np.abs(want_g) + 1e-12)))  # <= 1: within rtol 1e-2
+
+    spin = _spin_kernel()
+    t_fwd = _time(fwd, [[_ptr(dx), _ptr(loss), _ptr(lses[i]), _ptr(part)] for i, dx in enumerate(dxs)],
+                  repeats, spin)
+    t_rows = _time(rows, [[_ptr(dx), _ptr(loss), _ptr(lses[i]), _ptr(part)] for i, dx in enumerate(dxs)],
+                   repeats, spin)
+    t_bwd = _time(bwd, [[_ptr(dx), _ptr(lses[i]), _ptr(g), _ptr(grad)] for i, dx in enumerate(dxs)],
+                  repeats, spin)
+    fbytes = tokens * experts * size + tokens * 4
+    bbytes = 2 * tokens * experts * size + tokens * 4
+    ffloor, bfloor = fbytes / (peak * 1e12) * 1e6, bbytes / (peak * 1e12) * 1e6
+    tiling = Z.z_loss_tiling(tokens, experts)
+    res = dict(label=label, tokens=tokens, experts=experts, dtype=dtype, hold=Z.Z_HOLD, threads=Z.Z_THREADS,
+               grid=tiling[0], block=tiling[1], lanes=tiling[2],
+               fwd_us=t_fwd, fwd_rows_kernel_us=t_rows, bwd_us=t_bwd, fwd_floor_us=ffloor, bwd_floor_us=bfloor,
+               fwd_x_floor=t_fwd / ffloor, bwd_x_floor=t_bwd / bfloor,
+               both_x_floor=(t_fwd + t_bwd) / (ffloor + bfloor),
+               loss_rel_err=loss_rel, lse_max_err=lse_err, grad_err_over_rtol=g_err)
+    print(f"{label:>14} T={tokens} E={experts} {dtype} hold={Z.Z_HOLD} threads={Z.Z_THREADS} "
+          f"(grid {tiling[0]} x {tiling[1]}, W={tiling[2]}): fwd {t_fwd:.2f} us ({t_fwd / ffloor:.2f}x floor "
+          f"{ffloor:.2f}; rows kernel alone {t_rows:.2f}), bwd {t_bwd:.2f} us ({t_bwd / bfloor:.2f}x floor "
+          f"{bfloor:.2f}), fwd+bwd {(t_fwd + t_bwd) / (ffloor + bfloor):.2f}x; "
+          f"loss rel err {loss_rel:.1e}, lse err {lse_err:.1e}, grad err/1e-2 {g_err:.2f}", flush=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--repeats", type=int, default=100)
+    ap.add_argument("--peak", type=float, default=4.0, help="TB/s of the byte floor")
+    ap.add_argument("--sweep", action="store_true", help="also time other Z_HOLD / Z_THREADS")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    name = getattr(cuda.get_current_device(), "name", "no GPU")
+    print(name.decode() if isinstance(name, bytes) else name, flush=True)
+    results = [run(a.tokens, a.experts, a.dtype, a.repeats, a.peak, "default")]
+    if a.sweep:
+        defaults = (Z.Z_HOLD, Z.Z_THREADS)
+        for hold, threads in ((2, 256), (8, 256), (4, 128), (4, 512), (8, 512), (2, 512)):
+            Z.Z_HOLD, Z.Z_THREADS = hold, threads
+            K.router_z_loss_fwd_plan.cache_clear()
+            K.router_z_loss_bwd_plan.cache_clear()
+            results.append(run(a.tokens, a.experts, a.dtype, a.repeats, a.peak, "sweep"))
+        Z.Z_HOLD, Z.Z_THREADS = defaults
+        K.router_z_loss_fwd_plan.cache_clear()
+        K.router_z_loss_bwd_plan.cache_clear()
+        for dtype in sorted(set(DTYPES) - {a.dtype}):
+            results.append(run(a.tokens, a.experts, dtype, a.repeats, a.peak, "other dtype"))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
