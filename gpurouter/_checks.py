@@ -373,14 +373,23 @@ def check_routing_map(op: str, routing_map, num_experts,
     return RoutingMapFormat.BITMAP_U8, num_experts
 
 
-def check_z_loss_args(logits_shape, logits_dtype, coeff, op: str = Z_LOSS_OP) -> float:
-    """Checks ``router_z_loss``'s arguments; returns ``coeff`` as a float."""
+def check_z_loss_args(logits_shape, logits_dtype, coeff, total_num_tokens, shards: int = 1,
+                      op: str = Z_LOSS_OP) -> tuple[float, int]:
+    """Checks ``router_z_loss``'s arguments; returns ``(coeff, T)``, ``T``
+    defaulting to the rows times ``shards`` (1 when there are no rows: the
+    loss of no tokens is 0, not 0/0)."""
     if len(logits_shape) == 0:
         raise ValueError(f"{op}: logits rank (0) must be >= 1 (logits are [..., num_experts]).")
     check_float_dtype(op, "logits", logits_dtype)
     if logits_shape[-1] == 0:
         raise ValueError(f"{op}: num_experts (logits.shape[-1] = 0) must be >= 1.")
-    return _as_finite_float(op, "coeff", coeff)
+    coeff = _as_finite_float(op, "coeff", coeff)
+    if total_num_tokens is None:
+        return coeff, max(int(np.prod(logits_shape[:-1])) * shards, 1)
+    total_num_tokens = _as_int(op, "total_num_tokens", total_num_tokens)
+    if total_num_tokens <= 0:
+        raise ValueError(f"{op}: total_num_tokens ({total_num_tokens}) must be > 0.")
+    return coeff, total_num_tokens
 
 
 def check_bias_update_args(bias_shape, bias_dtype, tpe_shape, tpe_dtype, rate,

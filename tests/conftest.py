@@ -38,8 +38,8 @@ for _flag in SIMULATOR_XLA_FLAGS:
         os.environ["XLA_FLAGS"] += " " + _flag
 
 import jax  # noqa: E402
-import pytest
-from hypothesis import HealthCheck, settings
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Every profile: no deadline (jit compiles and simulator launches take
 # seconds), the reproduction blob printed, slow examples allowed.

@@ -15,8 +15,8 @@ from gpurouter import reference as ref
 
 def test_all():
     assert sorted(gr.__all__) == ["RoutingMapFormat", "ScoreFunction", "fused_moe_aux_loss",
-                                  "fused_topk_with_score_function", "pack_routing_map",
-                                  "tokens_per_expert", "unpack_routing_map"]
+                                  "fused_topk_with_score_function", "pack_routing_map", "router_z_loss",
+                                  "tokens_per_expert", "unpack_routing_map", "update_expert_bias"]
     for name in ref.__all__:
         assert getattr(ref, name) is not None
 

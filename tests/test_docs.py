@@ -18,7 +18,8 @@ def _text_files():
     yield ROOT / "pyproject.toml"
     for folder in ("docs", "gpurouter", "tests", "tools", ".ci"):
         for path in sorted((ROOT / folder).rglob("*")):
-            if path.is_file() and path.suffix in (".md", ".py", ".txt", ".toml", "") and "__pycache__" not in path.parts:
+            text_like = path.suffix in (".md", ".py", ".txt", ".toml", "")
+            if path.is_file() and text_like and "__pycache__" not in path.parts:
                 yield path
 
 

@@ -13,6 +13,8 @@ from .aux_loss import fused_moe_aux_loss as fused_moe_aux_loss
 from .aux_loss import global_counts as global_counts
 from .aux_loss import moe_aux_loss_bwd as moe_aux_loss_bwd
 from .aux_loss import moe_aux_loss_fwd as moe_aux_loss_fwd
+from .losses import router_z_loss as router_z_loss
+from .losses import update_expert_bias as update_expert_bias
 from .routing_map import pack_routing_map as pack_routing_map
 from .routing_map import tokens_per_expert as tokens_per_expert
 from .routing_map import unpack_routing_map as unpack_routing_map
@@ -32,10 +34,12 @@ __all__ = [
     "moe_aux_loss_bwd",
     "moe_aux_loss_fwd",
     "pack_routing_map",
+    "router_z_loss",
     "score_for_aux_loss_bwd",
     "score_for_aux_loss_fwd",
     "tokens_per_expert",
     "topk_with_score_function_bwd",
     "topk_with_score_function_fwd",
     "unpack_routing_map",
+    "update_expert_bias",
 ]

@@ -37,6 +37,7 @@ def router_z_loss(
     logits: jax.typing.ArrayLike,
     coeff: float,
     *,
+    total_num_tokens: int | None = None,
     axis_name: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
     """Router z-loss of ST-MoE (Zoph et al. 2022, eq. 5), pure-jnp reference.
@@ -50,10 +51,13 @@ def router_z_loss(
         expert; a row of all ``-inf`` contributes 0 (and gets no gradient)
         but still counts in ``T``.
       coeff: the loss coefficient (a static Python float; ST-MoE uses 1e-3).
-      axis_name: inside ``shard_map`` with token-sharded ``logits``: ``T`` is
-        the global token count (this shard's rows times the axis size), so
-        each shard returns its share and the shares sum (``psum``) to the
-        loss of the whole batch.
+      total_num_tokens: ``T``, a static int >= 1; defaults to the rows of
+        ``logits`` (times the axis size with ``axis_name``). Pass the tokens of
+        all micro-batches of a step to accumulate shares (docs/losses.md).
+      axis_name: inside ``shard_map`` with token-sharded ``logits``: ``T``
+        defaults to the global token count (this shard's rows times the axis
+        size), so each shard returns its share and the shares sum (``psum``)
+        to the loss of the whole batch.
 
     Returns:
       A float32 scalar.
@@ -64,13 +68,11 @@ def router_z_loss(
       >>> round(float(ref.router_z_loss(jnp.zeros((2, 4)), 1.0)), 4)  # log(4)^2
       1.9218
     """
-    shape, _ = array_meta(Z_LOSS_OP, "logits", logits)
-    coeff = check_z_loss_args(shape, jnp.asarray(logits).dtype, coeff)
+    shape, dtype = array_meta(Z_LOSS_OP, "logits", logits)
+    coeff, total = check_z_loss_args(shape, dtype, coeff, total_num_tokens,
+                                     axis_size(Z_LOSS_OP, axis_name))
     x = jnp.asarray(logits).astype(jnp.float32)
     x = x.reshape(-1, x.shape[-1])
-    total = x.shape[0] * axis_size(Z_LOSS_OP, axis_name)
-    if total == 0:
-        return jnp.zeros((), jnp.float32)
     lse = _row_lse(x)
     return jnp.float32(coeff) * (jnp.sum(lse * lse) / jnp.float32(total))
 

@@ -1,0 +1,101 @@
+"""Public router z-loss (backend choice, ``jax.custom_vjp`` around the kernels)
+and the expert-bias update (pure jnp on every backend)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _backend, reference
+from .._callback import kernel_call, resolve_transport
+from .._checks import Z_LOSS_OP, array_meta, check_kernel_dtype, check_transport, check_z_loss_args
+from .._sharding import axis_size, per_row_shard_sum
+from ..reference.losses import update_expert_bias as update_expert_bias
+
+
+def router_z_loss(
+    logits: jax.typing.ArrayLike,
+    coeff: float,
+    *,
+    total_num_tokens: int | None = None,
+    axis_name: str | tuple[str, ...] | None = None,
+    backend: str = "auto",
+    transport: str = "auto",
+) -> jax.Array:
+    """Router z-loss of ST-MoE: ``coeff * mean_t(logsumexp_e(logits[t])^2)``, float32.
+
+    Same arguments and result as :func:`gpurouter.reference.router_z_loss`
+    (docs/losses.md: what ``T`` is under sharding and micro-batching), plus
+    ``backend`` (``"jax"``, ``"numba"``: a deterministic row kernel and an
+    elementwise backward, or ``"auto"``: jax, the kernels have no end-to-end
+    measurement yet) and ``transport`` as for
+    :func:`gpurouter.fused_topk_with_score_function`.
+
+    Under ``jit`` with token-sharded ``logits`` (explicit sharding) every
+    backend computes each shard's share and all-reduces it; inside
+    ``shard_map`` pass ``axis_name`` and sum the shares yourself (``psum``).
+    """
+    shape, dtype = array_meta(Z_LOSS_OP, "logits", logits)
+    coeff, total = check_z_loss_args(shape, dtype, coeff, total_num_tokens, axis_size(Z_LOSS_OP, axis_name))
+    check_transport(Z_LOSS_OP, transport)
+    x = jnp.asarray(logits).reshape(-1, shape[-1])
+    # Under a token-sharded jit each shard's rows see the global T: shares.
+    if _backend.resolve(Z_LOSS_OP, backend) == "jax":
+        def loss(rows):
+            return reference.router_z_loss(rows, coeff, total_num_tokens=total)
+    else:
+        transport = resolve_transport(Z_LOSS_OP, transport)
+        check_kernel_dtype(Z_LOSS_OP, "logits", dtype)
+
+        def loss(rows):
+            return _z_loss(rows, np.float32(coeff), total, transport)
+
+    if x.shape[0] == 0:
+        return jnp.zeros((), jnp.float32)
+    # Token-sharded logits: per-shard shares, all-reduced (_sharding.py).
+    return per_row_shard_sum(loss, x, [])
+
+
+def _fwd_launch(coeff, total, logits, **kw):
+    return _backend.kernels().router_z_loss_fwd(logits, coeff, total, **kw)
+
+
+def _fwd_plan(coeff, total, logits):
+    return _backend.kernels().router_z_loss_fwd_plan(logits, coeff, total)
+
+
+def _bwd_launch(coeff, total, logits, lse, grad_loss, **kw):
+    return (_backend.kernels().router_z_loss_bwd(logits, lse, grad_loss, coeff, total, **kw),)
+
+
+def _bwd_plan(coeff, total, logits, lse, grad_loss):
+    return _backend.kernels().router_z_loss_bwd_plan(logits, coeff, total)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _z_loss(x, coeff: np.float32, total: int, transport: str):
+    return _z_loss_fwd(x, coeff, total, transport)[0]
+
+
+def _z_loss_fwd(x, coeff: np.float32, total: int, transport: str):
+    specs = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((x.shape[0],), jnp.float32))
+    loss, lse = kernel_call(functools.partial(_fwd_launch, coeff, total),
+                            functools.partial(_fwd_plan, coeff, total), specs, [], [x], transport)
+    return loss, (x, lse)
+
+
+def _z_loss_bwd(coeff: np.float32, total: int, transport: str, res, grad_loss):
+    x, lse = res
+    (grad,) = kernel_call(functools.partial(_bwd_launch, coeff, total),
+                          functools.partial(_bwd_plan, coeff, total),
+                          [jax.ShapeDtypeStruct(x.shape, x.dtype)], [], [x, lse, grad_loss.astype(jnp.float32)],
+                          transport)
+    return (grad,)
+
+
+_z_loss.defvjp(_z_loss_fwd, _z_loss_bwd)
+
+__all__ = ["router_z_loss", "update_expert_bias"]
