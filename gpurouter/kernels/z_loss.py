@@ -187,6 +187,7 @@ def _z_loss_rows_kernel(kind: str, quads: bool, hold: int):
     aligned, fetch_fast, fetch = _fetchers(kind, quads)
     load_fast = _held_loader(fetch_fast, hold)
     load_slow = _held_loader(fetch, hold)
+    held_words = 4 * hold  # a compile-time constant (local array sizes must be)
 
     @cuda.jit
     def kernel(
@@ -199,7 +200,7 @@ def _z_loss_rows_kernel(kind: str, quads: bool, hold: int):
         lanes,  # W; blockDim.x = TB * W
     ):
         red = cuda.shared.array(0, nb_f32)  # [2 * threads] lane (max, sum), then [TB] lse^2
-        held = cuda.local.array(4 * hold, nb_f32)
+        held = cuda.local.array(held_words, nb_f32)
         tid = np.int32(cuda.threadIdx.x)
         nthreads = np.int32(cuda.blockDim.x)
         w = np.int32(lanes)
@@ -309,6 +310,7 @@ def _z_loss_bwd_kernel(kind: str, quads: bool, hold: int):
     aligned, fetch_fast, fetch = _fetchers(kind, quads)
     load_fast = _held_loader(fetch_fast, hold)
     load_slow = _held_loader(fetch, hold)
+    held_words = 4 * hold  # a compile-time constant (local array sizes must be)
     if quads:
         store4 = flat_io(kind)[1]
 
@@ -344,7 +346,7 @@ def _z_loss_bwd_kernel(kind: str, quads: bool, hold: int):
         lanes,  # W; blockDim.x = TB * W
         scale,  # fp32: 2 coeff / N
     ):
-        held = cuda.local.array(4 * hold, nb_f32)
+        held = cuda.local.array(held_words, nb_f32)
         tid = np.int32(cuda.threadIdx.x)
         w = np.int32(lanes)
         tok = np.int32(tid // w)
