@@ -109,57 +109,12 @@ def run_case(name, tokens, repeats, spin):
     return res
 
 
-def run_variants(tokens, repeats, spin):
-    """DeepSeek-V3 forward: BYTEMAP against the BITMAP_U8 phase-3 variants
-    (``token_rows.WARP_OCTETS``, ``PAIR_BF16``), each checked against the
-    packed bytemap, timed alternately twice."""
-    from gpurouter.kernels import token_rows as R
-
-    E, k, G, Kg, sf, has_bias, scale = CASES["deepseek_v3"]
-    rng = np.random.default_rng(1)
-    xs = [cuda.to_device(rng.standard_normal((tokens, E), np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
-          for _ in range(3)]
-    bias = cuda.to_device((rng.integers(-32, 33, E) / 256).astype(np.float32))
-    spec = L.spec_of((tokens, E), L.BF16)
-    variants = {"bytemap": (0, True, True)}
-    for w in (True, False):
-        for pr in (True, False):
-            variants[f"bitmap{'-warp8x4' if w else '-rowmajor'}{'-pair' if pr else '-nopair'}"] = (1, w, pr)
-    runs, hosts = {}, {}
-    saved = (R.WARP_OCTETS, R.PAIR_BF16)
-    for name, (fmt, w, pr) in variants.items():
-        R.WARP_OCTETS, R.PAIR_BF16 = w, pr
-        R.topk_fwd_kernel.cache_clear()
-        K.topk_with_score_function_fwd_plan.cache_clear()
-        plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, False, G, Kg, np.float32(scale), sf, fmt)
-        outs = [_device_like(sp) for sp in plan.outs]
-        runs[name] = (L.PointerLaunch(plan, 0), [[_ptr(x), _ptr(bias)] + [_ptr(o) for o in outs] for x in xs])
-        runs[name][0](runs[name][1][0], 0)
-        cuda.synchronize()
-        hosts[name] = [o.copy_to_host() for o in outs]
-    R.WARP_OCTETS, R.PAIR_BF16 = saved
-    R.topk_fwd_kernel.cache_clear()
-    K.topk_with_score_function_fwd_plan.cache_clear()
-    ref = hosts["bytemap"]
-    packed = np.packbits(ref[1], axis=-1, bitorder="little")
-    res = {"case": "deepseek_v3 variants", "us": {n: [] for n in variants}, "ok": {}}
-    for name, h in hosts.items():
-        if name != "bytemap":
-            res["ok"][name] = bool(np.array_equal(h[1], packed) and h[0].tobytes() == ref[0].tobytes()
-                                   and h[2].tobytes() == ref[2].tobytes())
-    for _ in range(2):
-        for name in variants:
-            res["us"][name].append(round(_time(*runs[name], repeats, spin), 2))
-    return res
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variants", action="store_true", help="also the BITMAP_U8 phase-3 variants (DeepSeek-V3)")
     args = ap.parse_args()
     spin = _spin_kernel()
     out = {"device": cuda.get_current_device().name.decode() if isinstance(
@@ -172,12 +127,6 @@ def main():
         print(f"  checks: {r['checks']}")
         for what in ("fwd_us", "bwd_us"):
             print(f"  {what[:3]}  BYTEMAP {r[what][0]}  BITMAP_U8 {r[what][1]}  (median us, alternating runs)")
-    if args.variants:
-        r = run_variants(args.tokens, args.repeats, spin)
-        out["results"].append(r)
-        print(f"deepseek_v3 forward variants (checks {r['ok']}):")
-        for name, us in r["us"].items():
-            print(f"  {name:28s} {us}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

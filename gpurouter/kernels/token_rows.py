@@ -27,7 +27,10 @@ written a quad (16 bytes) at a time (``_vec``).
    memory.
 3. All threads, coalesced, a quad per step: the quad's four selection flags
    are its ``routing_map`` word (one 4-byte store); the weights, ``probs``
-   (bf16: one 8-byte store), ``saved`` for post-softmax.
+   (bf16: one 8-byte store), ``saved`` for post-softmax.  A BITMAP_U8 map
+   (``bitmap``, a compile-time constant): an octet (two quads) per step, a
+   warp on 4 octets of 8 tokens, the map byte assembled in a register and
+   stored by its thread alone (bf16 probs: one 16-byte store per octet).
 
 Ranks (docs/contract.md section 2): the register list holds fp32 scores only, no
 indices, NaN as -inf (one fmaxf with -inf), empty slots -inf; keeping the
@@ -103,11 +106,6 @@ _u32 = np.uint32  # shared-memory indices (see topk._u64)
 _STAGE = 4  # quads per step of the staging, their loads in flight together
 _STAGE_X = 4 * _STAGE  # (local-array sizes must be plain constants on the GPU)
 _NAN = np.float32(np.nan)
-#: BITMAP_U8 phase 3 (read when a kernel is built): a warp takes 4 octets of 8
-#: tokens (``_octet_walk``; else consecutive octets of a row), and bf16 probs
-#: of an octet go out in one 16-byte store (E % 8 == 0)
-WARP_OCTETS = True
-PAIR_BF16 = True
 
 
 # ----------------------------------------------------------------------------
@@ -694,8 +692,7 @@ def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pr
         if two:
             probs_quad(probs, w + 1, n1, b0, b1, b2, b3, scale)
 
-    warp_octets = WARP_OCTETS
-    if kind == L.BF16 and PAIR_BF16:
+    if kind == L.BF16:
         pair_store = pair_u64()
 
         @cuda.jit(device=True)
@@ -813,21 +810,14 @@ def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pr
             nb = np.int32((eq + 1) >> 1)
             mb = t0 * nb  # the tile's first map byte (int64)
             paired = (eq & 1) == 0
-            if warp_octets:
-                lt, lo, ngroups, nchunks, g, c, dg, dc = _octet_walk(tid, nthreads, nt, nb)
-                while g < ngroups:
-                    t = np.int32(8 * g + lt)
-                    o = np.int32(4 * c + lo)
-                    if (t < nt) & (o < nb):
-                        octet(probs, saved, routing_map, smem, bits, t, o, wb, eq, nb, mb, paired, stride, o_bias,
-                              o_thr, o_flag, fstride, o_red, tile_tokens, scale)
-                    g, c = _adv32(g, c, dg, dc, nchunks)
-            else:
-                t, o, dt, do = _walk32(tid, nthreads, nb)
-                while t < nt:
+            lt, lo, ngroups, nchunks, g, c, dg, dc = _octet_walk(tid, nthreads, nt, nb)
+            while g < ngroups:
+                t = np.int32(8 * g + lt)
+                o = np.int32(4 * c + lo)
+                if (t < nt) & (o < nb):
                     octet(probs, saved, routing_map, smem, bits, t, o, wb, eq, nb, mb, paired, stride, o_bias,
                           o_thr, o_flag, fstride, o_red, tile_tokens, scale)
-                    t, o = _adv32(t, o, dt, do, nb)
+                g, c = _adv32(g, c, dg, dc, nchunks)
         else:
             # A quad per step: the quad's four flags are one word, which is
             # also its routing-map word.
@@ -882,8 +872,6 @@ def aux_scores_fwd_kernel(kind: str, topk: int, sf: int, bitmap: bool = False):
             p3 = np.float32(p3 * inv)
             store_f32(scores, w, p0, p1, p2, p3)
         return p0, p1, p2, p3
-
-    warp_octets = WARP_OCTETS
 
     @cuda.jit(device=True)
     def octet(scores, routing_map, smem, bits, t, o, wb, eq, nb, mb, stride, o_thr, o_flag, fstride, o_red,
@@ -954,21 +942,14 @@ def aux_scores_fwd_kernel(kind: str, topk: int, sf: int, bitmap: bool = False):
             # of 8 tokens (see topk_fwd_kernel).
             nb = np.int32((eq + 1) >> 1)
             mb = t0 * nb
-            if warp_octets:
-                lt, lo, ngroups, nchunks, g, c, dg, dc = _octet_walk(tid, nthreads, nt, nb)
-                while g < ngroups:
-                    t = np.int32(8 * g + lt)
-                    o = np.int32(4 * c + lo)
-                    if (t < nt) & (o < nb):
-                        octet(scores, routing_map, smem, bits, t, o, wb, eq, nb, mb, stride, o_thr, o_flag, fstride,
-                              o_red, tile_tokens)
-                    g, c = _adv32(g, c, dg, dc, nchunks)
-            else:
-                t, o, dt, do = _walk32(tid, nthreads, nb)
-                while t < nt:
+            lt, lo, ngroups, nchunks, g, c, dg, dc = _octet_walk(tid, nthreads, nt, nb)
+            while g < ngroups:
+                t = np.int32(8 * g + lt)
+                o = np.int32(4 * c + lo)
+                if (t < nt) & (o < nb):
                     octet(scores, routing_map, smem, bits, t, o, wb, eq, nb, mb, stride, o_thr, o_flag, fstride,
                           o_red, tile_tokens)
-                    t, o = _adv32(t, o, dt, do, nb)
+                g, c = _adv32(g, c, dg, dc, nchunks)
         else:
             # A quad per step: the flag word is the quad's map word.
             t, q, dt, dq = _walk32(tid, nthreads, eq)
