@@ -105,7 +105,7 @@ def run(tokens, experts, dtype, repeats, peak, label=""):
     gh = (gh.view(ml_dtypes.bfloat16) if kind == L.BF16 else gh).astype(np.float32)
     x64 = np.asarray(xs[0][:64], np.float64)
     want_g = 2 * float(coeff) / total * want_lse[:64, None] * np.exp(x64 - want_lse[:64, None])
-    g_err = float(np.max(np.abs(gh - want_g) / (1e-2 * np.abs(want_g) + 1e-12)))  # <= 1: within rtol 1e-2
+    g_err = float(np.max(np.abs(gh - want_g)) / np.max(np.abs(want_g)))  # relative to the largest gradient
 
     spin = _spin_kernel()
     t_fwd = _time(fwd, [[_ptr(dx), _ptr(loss), _ptr(lses[i]), _ptr(part)] for i, dx in enumerate(dxs)],
@@ -123,12 +123,12 @@ def run(tokens, experts, dtype, repeats, peak, label=""):
                fwd_us=t_fwd, fwd_rows_kernel_us=t_rows, bwd_us=t_bwd, fwd_floor_us=ffloor, bwd_floor_us=bfloor,
                fwd_x_floor=t_fwd / ffloor, bwd_x_floor=t_bwd / bfloor,
                both_x_floor=(t_fwd + t_bwd) / (ffloor + bfloor),
-               loss_rel_err=loss_rel, lse_max_err=lse_err, grad_err_over_rtol=g_err)
+               loss_rel_err=loss_rel, lse_max_err=lse_err, grad_max_err_rel=g_err)
     print(f"{label:>14} T={tokens} E={experts} {dtype} hold={Z.Z_HOLD} threads={Z.Z_THREADS} "
           f"(grid {tiling[0]} x {tiling[1]}, W={tiling[2]}): fwd {t_fwd:.2f} us ({t_fwd / ffloor:.2f}x floor "
           f"{ffloor:.2f}; rows kernel alone {t_rows:.2f}), bwd {t_bwd:.2f} us ({t_bwd / bfloor:.2f}x floor "
           f"{bfloor:.2f}), fwd+bwd {(t_fwd + t_bwd) / (ffloor + bfloor):.2f}x; "
-          f"loss rel err {loss_rel:.1e}, lse err {lse_err:.1e}, grad err/1e-2 {g_err:.2f}", flush=True)
+          f"loss rel err {loss_rel:.1e}, lse err {lse_err:.1e}, grad err {g_err:.1e}", flush=True)
     return res
 
 
@@ -147,7 +147,7 @@ def main():
     results = [run(a.tokens, a.experts, a.dtype, a.repeats, a.peak, "default")]
     if a.sweep:
         defaults = (Z.Z_HOLD, Z.Z_THREADS)
-        for hold, threads in ((2, 256), (8, 256), (4, 128), (4, 512), (8, 512), (2, 512)):
+        for hold, threads in ((16, 128), (16, 512), (8, 256), (8, 128), (32, 256), (32, 512), (4, 256)):
             Z.Z_HOLD, Z.Z_THREADS = hold, threads
             K.router_z_loss_fwd_plan.cache_clear()
             K.router_z_loss_bwd_plan.cache_clear()

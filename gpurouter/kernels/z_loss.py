@@ -32,7 +32,8 @@ lanes and units, ``lse_t`` and ``grad_loss`` read once per thread, a unit per
 store (bf16: one 8-byte store; fp32: one 16-byte store).
 
 No warp intrinsics: shared memory and ``cuda.syncthreads()`` only (the CUDA
-simulator runs the same kernels).  ``exp`` is ``topk._exp`` (``ex2.approx``).
+simulator runs the same kernels).  ``exp(x - m)`` is ``2^(fma(x, log2 e, -m log2 e))``,
+one ``ex2.approx`` (``_exp2``; Python on the simulator).
 """
 
 from __future__ import annotations
@@ -48,15 +49,15 @@ import numpy as np
 from numba import cuda
 
 from . import _launch as L
-from .topk import _NEG_INF, _ZERO, _exp, _fmax, _u64, array_views, flat_io, loader, nb_f32, storer
+from .topk import _NEG_INF, _ZERO, _fmax, _u64, array_views, flat_io, loader, nb_f32, storer
 
 OP = "router_z_loss"
 
 #: threads per block of both kernels at most (a block: TB rows x W lanes)
 Z_THREADS = 256
 #: units (four experts each) a lane loads at once, before using any: its
-#: loads in flight together (E = 256: W = 16 lanes, one step of 4 units)
-Z_HOLD = 4
+#: loads in flight together (E = 256: W = 4 lanes, one step of 16 units)
+Z_HOLD = 16
 #: lanes per row at most (E >= 4 * Z_HOLD * Z_MAX_LANES: several steps per lane)
 Z_MAX_LANES = 32
 #: threads of the final single-block kernel at most
@@ -84,7 +85,60 @@ def z_loss_tiling(num_tokens: int, num_experts: int):
 
 # ----------------------------------------------------------------------------
 # Device helpers
+#
+# Exponentials in base 2: exp(x - m) = 2^(x log2(e) - m log2(e)), one fma and
+# one ex2.approx per element (topk._exp is a mul and an ex2 after the
+# subtraction).  The row's shift is kept as ``sh2 = f32(m * log2(e))`` (0 for
+# m = -inf), so every term of a sum is ``2^(fma(x, log2 e, -sh2))`` and
+# ``lse = (sh2 + log2(s)) ln 2`` is consistent with the terms whatever the
+# rounding of ``sh2``.
 # ----------------------------------------------------------------------------
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2 = np.float32(0.6931471805599453)
+_EXP2_CLAMP = np.float32(126.0)
+
+if L.simulator_enabled():
+
+    @cuda.jit(device=True)
+    def _exp2(a):
+        """fp32 ``2^a`` (the simulator's: Python doubles, the argument capped so
+        that ``math.pow`` never raises OverflowError; arguments are <= 0 here)."""
+        if a > _EXP2_CLAMP:
+            a = _EXP2_CLAMP
+        return np.float32(math.pow(2.0, a))
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def _exp2(a):
+        """fp32 ``2^a``: libdevice's exp2f, one ``ex2.approx.f32`` (2 ulp)."""
+        return libdevice.exp2f(a)
+
+
+@cuda.jit(device=True)
+def _shift2(m):
+    """The base-2 shift of a row maximum ``m``: ``f32(m log2 e)``, 0 for -inf."""
+    return np.float32(m * _LOG2E) if m != _NEG_INF else _ZERO
+
+
+@cuda.jit(device=True)
+def _term(x, sh2):
+    """``2^(x log2 e - sh2)``: exp(x - m) for the row's shift (0 for x = -inf)."""
+    return _exp2(cuda.fma(x, _LOG2E, -sh2))
+
+
+@cuda.jit(device=True)
+def _rescale(s, m_old, m_new):
+    """A sum of terms shifted by ``m_old``, shifted by ``m_new >= m_old`` instead:
+    unchanged when the max did not move; 0 (NaN stays NaN) when the old max
+    was -inf (every old term 0); else times ``2^(sh2(m_old) - sh2(m_new)) <= 1``."""
+    if m_old == m_new:
+        return s
+    if m_old == _NEG_INF:
+        return np.float32(s * _ZERO)
+    return np.float32(s * _exp2(np.float32(_shift2(m_old) - _shift2(m_new))))
 
 
 @cuda.jit(device=True)
@@ -93,21 +147,17 @@ def _merge(ma, sa, mb, sb):
     new max keeps its sum (both -inf: sums of 0, no ``-inf - -inf``); the other
     is rescaled by ``exp(m_side - m) <= 1`` (0 from -inf).  NaN sums stay NaN."""
     m = _fmax(ma, mb)
-    if ma != m:
-        sa = np.float32(sa * _exp(np.float32(ma - m)))
-    if mb != m:
-        sb = np.float32(sb * _exp(np.float32(mb - m)))
-    return m, np.float32(sa + sb)
+    return m, np.float32(_rescale(sa, ma, m) + _rescale(sb, mb, m))
 
 
 @cuda.jit(device=True)
 def _finish(m, s):
-    """``lse`` from the row's ``(max, sum)``: ``m + log(s)``; an all -inf row (m is
-    -inf) gives its sum, 0, or NaN where a NaN entered it (fmaxf drops NaN
-    from the max but not from the sum)."""
+    """``lse`` from the row's ``(max, sum)``: ``(sh2 + log2(s)) ln 2``; an all -inf
+    row (m is -inf) gives its sum, 0, or NaN where a NaN entered it (fmaxf
+    drops NaN from the max but not from the sum)."""
     if m == _NEG_INF:
         return s
-    return np.float32(m + np.float32(math.log(s)))
+    return np.float32(np.float32(_shift2(m) + np.float32(math.log2(s))) * _LN2)
 
 
 @functools.cache
@@ -226,16 +276,14 @@ def _z_loss_rows_kernel(kind: str, quads: bool, hold: int):
                 if u0 + h * w < nu:
                     cm = _fmax(cm, _fmax(_fmax(held[4 * h], held[4 * h + 1]),
                                          _fmax(held[4 * h + 2], held[4 * h + 3])))
-            if cm > m:  # a new max: rescale the sum (m = -inf: s * 0, NaN stays NaN)
-                s = np.float32(s * _exp(np.float32(m - cm)))
+            if cm > m:  # a new max: rescale the sum
+                s = _rescale(s, m, cm)
                 m = cm
-            sh = m if m != _NEG_INF else _ZERO  # an all -inf step so far: exp(-inf - 0) = 0
+            sh2 = _shift2(m)  # an all -inf step so far: 2^(-inf - 0) = 0
             for h in range(hold):
                 if u0 + h * w < nu:
-                    e01 = np.float32(_exp(np.float32(held[4 * h] - sh))
-                                     + _exp(np.float32(held[4 * h + 1] - sh)))
-                    e23 = np.float32(_exp(np.float32(held[4 * h + 2] - sh))
-                                     + _exp(np.float32(held[4 * h + 3] - sh)))
+                    e01 = np.float32(_term(held[4 * h], sh2) + _term(held[4 * h + 1], sh2))
+                    e23 = np.float32(_term(held[4 * h + 2], sh2) + _term(held[4 * h + 3], sh2))
                     s = np.float32(s + np.float32(e01 + e23))
             u0 = np.int32(u0 + hold * w)
 
@@ -261,13 +309,18 @@ def _z_loss_rows_kernel(kind: str, quads: bool, hold: int):
                 lse[_u64(token)] = v
                 sq = np.float32(v * v)
             red[2 * nthreads + tok] = sq
-        # Barrier: thread 0 reads every row's square.
-        cuda.syncthreads()
-        if tid == 0:
-            acc = _ZERO
-            for r in range(tb):
-                acc = np.float32(acc + red[2 * nthreads + r])
-            partial[cuda.blockIdx.x] = acc
+        # The TB squares in a fixed-shape tree (pairs r, r + ceil(n/2)).
+        o = 2 * nthreads
+        k = tb
+        while k > 1:
+            # Barrier: this level reads the squares (or the previous level's sums).
+            cuda.syncthreads()
+            half = np.int32((k + 1) // 2)
+            if tid < k - half:
+                red[o + tid] = np.float32(red[o + tid] + red[o + tid + half])
+            k = half
+        if tid == 0:  # the last level's sum is thread 0's own (no barrier needed)
+            partial[cuda.blockIdx.x] = red[o]
 
     return kernel
 
@@ -359,6 +412,7 @@ def _z_loss_bwd_kernel(kind: str, quads: bool, hold: int):
         fast = aligned(logits)
         v = lse[_u64(token)]
         a = np.float32(np.float32(grad_loss[0] * scale) * v)  # 0 on a dead row (v = 0)
+        v2 = np.float32(v * _LOG2E)  # exp(x - v) = 2^(fma(x, log2 e, -v2))
         u0 = lane
         while u0 < nu:
             if fast:
@@ -369,10 +423,8 @@ def _z_loss_bwd_kernel(kind: str, quads: bool, hold: int):
                 u = np.int32(u0 + h * w)
                 if u < nu:
                     put(grad_logits, token, u, nu, n,
-                        np.float32(a * _exp(np.float32(held[4 * h] - v))),
-                        np.float32(a * _exp(np.float32(held[4 * h + 1] - v))),
-                        np.float32(a * _exp(np.float32(held[4 * h + 2] - v))),
-                        np.float32(a * _exp(np.float32(held[4 * h + 3] - v))))
+                        np.float32(a * _term(held[4 * h], v2)), np.float32(a * _term(held[4 * h + 1], v2)),
+                        np.float32(a * _term(held[4 * h + 2], v2)), np.float32(a * _term(held[4 * h + 3], v2)))
             u0 = np.int32(u0 + hold * w)
 
     return kernel
