@@ -119,12 +119,14 @@ def run(tokens, experts, dtype, repeats, peak, label=""):
     ffloor, bfloor = fbytes / (peak * 1e12) * 1e6, bbytes / (peak * 1e12) * 1e6
     tiling = Z.z_loss_tiling(tokens, experts)
     res = dict(label=label, tokens=tokens, experts=experts, dtype=dtype, hold=Z.Z_HOLD, threads=Z.Z_THREADS,
+               bwd_hold=Z.Z_BWD_HOLD, bwd_threads=Z.Z_BWD_THREADS,
                grid=tiling[0], block=tiling[1], lanes=tiling[2],
                fwd_us=t_fwd, fwd_rows_kernel_us=t_rows, bwd_us=t_bwd, fwd_floor_us=ffloor, bwd_floor_us=bfloor,
                fwd_x_floor=t_fwd / ffloor, bwd_x_floor=t_bwd / bfloor,
                both_x_floor=(t_fwd + t_bwd) / (ffloor + bfloor),
                loss_rel_err=loss_rel, lse_max_err=lse_err, grad_max_err_rel=g_err)
     print(f"{label:>14} T={tokens} E={experts} {dtype} hold={Z.Z_HOLD} threads={Z.Z_THREADS} "
+          f"bwd hold={Z.Z_BWD_HOLD} threads={Z.Z_BWD_THREADS} "
           f"(grid {tiling[0]} x {tiling[1]}, W={tiling[2]}): fwd {t_fwd:.2f} us ({t_fwd / ffloor:.2f}x floor "
           f"{ffloor:.2f}; rows kernel alone {t_rows:.2f}), bwd {t_bwd:.2f} us ({t_bwd / bfloor:.2f}x floor "
           f"{bfloor:.2f}), fwd+bwd {(t_fwd + t_bwd) / (ffloor + bfloor):.2f}x; "
@@ -146,13 +148,13 @@ def main():
     print(name.decode() if isinstance(name, bytes) else name, flush=True)
     results = [run(a.tokens, a.experts, a.dtype, a.repeats, a.peak, "default")]
     if a.sweep:
-        defaults = (Z.Z_HOLD, Z.Z_THREADS)
+        defaults = (Z.Z_HOLD, Z.Z_THREADS, Z.Z_BWD_HOLD, Z.Z_BWD_THREADS)
         for hold, threads in ((16, 128), (16, 512), (8, 256), (8, 128), (32, 256), (32, 512), (4, 256)):
-            Z.Z_HOLD, Z.Z_THREADS = hold, threads
+            Z.Z_HOLD, Z.Z_THREADS = Z.Z_BWD_HOLD, Z.Z_BWD_THREADS = hold, threads
             K.router_z_loss_fwd_plan.cache_clear()
             K.router_z_loss_bwd_plan.cache_clear()
             results.append(run(a.tokens, a.experts, a.dtype, a.repeats, a.peak, "sweep"))
-        Z.Z_HOLD, Z.Z_THREADS = defaults
+        Z.Z_HOLD, Z.Z_THREADS, Z.Z_BWD_HOLD, Z.Z_BWD_THREADS = defaults
         K.router_z_loss_fwd_plan.cache_clear()
         K.router_z_loss_bwd_plan.cache_clear()
         for dtype in sorted(set(DTYPES) - {a.dtype}):

@@ -6,7 +6,7 @@ nothing and gets no gradient; NaN for a row with a NaN) and
 token count under sharding; default T).  The reference is
 ``gpurouter.reference.router_z_loss``.
 
-Layout (``z_loss_tiling``): a row's experts are cut into *units* of four (a
+Layout (``z_loss_tiling``; the measured knobs are below): a row's experts are cut into *units* of four (a
 quad of ``E % 4 == 0`` rows, seen flat through ``topk.array_views``: bf16 as one
 8-byte uint64, fp32 as one 16-byte load; otherwise four elements loaded one by
 one, those past E masked), and a row is owned by W lanes (threads), lane ``l``
@@ -53,11 +53,20 @@ from .topk import _NEG_INF, _ZERO, _fmax, _u64, array_views, flat_io, loader, nb
 
 OP = "router_z_loss"
 
-#: threads per block of both kernels at most (a block: TB rows x W lanes)
-Z_THREADS = 256
+# Measured on an H200 (tools/z_loss_probe.py --sweep, T = 65536, E = 256, bf16,
+# kernel times behind a sleep kernel, median of 100):
+#   forward  (hold, threads): (16, 128) 28.3 us, (16, 256) 29.7, (8, 128) 31.1,
+#            (32, 256) 30.4, (8, 256) 32.7, (16, 512) 35.4, (4, 256) 39.3;
+#   backward (hold, threads): (8, 128) 23.3 us, (8, 256) 23.9, (4, 256) 24.0,
+#            (16, 128) 28.0, (16, 256) 28.3, (32, 256) 125 (registers spill).
+#: threads per block of the forward's row kernel at most (a block: TB rows x W lanes)
+Z_THREADS = 128
 #: units (four experts each) a lane loads at once, before using any: its
 #: loads in flight together (E = 256: W = 4 lanes, one step of 16 units)
 Z_HOLD = 16
+#: the backward's threads per block and held units (E = 256: W = 8 lanes of 8 units)
+Z_BWD_THREADS = 128
+Z_BWD_HOLD = 8
 #: lanes per row at most (E >= 4 * Z_HOLD * Z_MAX_LANES: several steps per lane)
 Z_MAX_LANES = 32
 #: threads of the final single-block kernel at most
@@ -67,18 +76,21 @@ Z_FINAL_THREADS = 1024
 _FINAL_WORDS = Z_FINAL_THREADS
 
 
-def z_loss_tiling(num_tokens: int, num_experts: int):
-    """``(grid, threads, lanes, units, quads)`` of the z-loss kernels.
+def z_loss_tiling(num_tokens: int, num_experts: int, backward: bool = False):
+    """``(grid, threads, lanes, units, quads)`` of the z-loss forward's row kernel
+    (``backward``: of the backward kernel).
 
     ``units = ceil(E / 4)``; ``quads``: E % 4 == 0 (a unit is one vector
     access), else a unit is four masked element accesses.  W = ``lanes``: the
-    smallest power of two with ``W * Z_HOLD >= units``, at most
-    ``Z_MAX_LANES``; a block holds ``TB = Z_THREADS / W`` rows (at most T),
-    ``threads = TB * W``; ``grid = ceil(T / TB)`` (0 when T == 0).
+    smallest power of two with ``W * hold >= units`` (``Z_HOLD`` or
+    ``Z_BWD_HOLD``), at most ``Z_MAX_LANES``; a block holds ``TB = threads / W``
+    rows (``Z_THREADS`` or ``Z_BWD_THREADS``; at most T), ``threads = TB * W``;
+    ``grid = ceil(T / TB)`` (0 when T == 0).
     """
+    hold, threads = (Z_BWD_HOLD, Z_BWD_THREADS) if backward else (Z_HOLD, Z_THREADS)
     units = -(-int(num_experts) // 4)
-    lanes = min(Z_MAX_LANES, L.pow2_at_least(-(-units // Z_HOLD)))
-    tb = max(1, min(max(1, Z_THREADS // lanes), int(num_tokens)))
+    lanes = min(Z_MAX_LANES, L.pow2_at_least(-(-units // hold)))
+    tb = max(1, min(max(1, threads // lanes), int(num_tokens)))
     grid = -(-int(num_tokens) // tb)
     return grid, tb * lanes, lanes, units, num_experts % 4 == 0
 
@@ -544,13 +556,13 @@ def router_z_loss_bwd_plan(logits: L.Spec, coeff: np.float32, total_num_tokens: 
     num_tokens, num_experts = logits.shape
     ins = (logits, L.spec_of((num_tokens,), L.F32), L.spec_of((), L.F32))
     outs = (L.spec_of(logits.shape, logits.kind),)
-    grid, threads, lanes, units, quads = z_loss_tiling(num_tokens, num_experts)
+    grid, threads, lanes, units, quads = z_loss_tiling(num_tokens, num_experts, backward=True)
     if not grid:
         return L.Plan(OP + "_bwd", ins, outs)
     # 2 coeff / N in fp32, in that order (the reference: coeff * (S / N), d/d lse_t: 2 lse_t)
     scale = np.float32(np.float32(np.float32(coeff) / np.float32(total_num_tokens)) * np.float32(2))
     grad = L.Out(0, array_views(logits.kind, logits.shape)[0]) if quads else L.Out(0)
-    step = L.Step(_z_loss_bwd_kernel(logits.kind, quads, Z_HOLD), grid, threads, 0,
+    step = L.Step(_z_loss_bwd_kernel(logits.kind, quads, Z_BWD_HOLD), grid, threads, 0,
                   (_logits_arg(logits, quads), L.In(1), L.In(2, L.spec_of((1,), L.F32)), grad,
                    num_tokens, num_experts, units, lanes, scale))
     return L.Plan(OP + "_bwd", ins, outs, (), (step,))
