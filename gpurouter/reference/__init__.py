@@ -8,6 +8,7 @@ kernels mirror.
 
 from .._checks import RoutingMapFormat as RoutingMapFormat
 from .._checks import ScoreFunction as ScoreFunction
+from . import moe as moe
 from .aux_loss import aux_loss_coeff as aux_loss_coeff
 from .aux_loss import fused_moe_aux_loss as fused_moe_aux_loss
 from .aux_loss import global_counts as global_counts

@@ -1,0 +1,75 @@
+"""The MoE layer around the router (public): the MoE block, expert
+parallelism, and the token-level ops it is built from.
+
+``moe`` is TE's ``transformer_engine.jax.moe.moe`` (argument names and weight
+layouts): gpurouter's router on ``x @ gate_kernel``, a dropless dispatch, a
+gated FFN on grouped GEMMs, the weighted combine, and (``ep_axis``) the rows
+sent to their experts' devices with ``ragged_all_to_all``. docs/moe.md has the
+data flow and the math.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+
+from . import reference
+from ._checks import check_backend
+from ._ops.aux_loss import fused_moe_aux_loss
+from ._ops.topk import fused_topk_with_score_function
+
+
+def moe(
+    x: jax.typing.ArrayLike,
+    gate_kernel: jax.typing.ArrayLike,
+    wi_0: jax.typing.ArrayLike,
+    wi_1: jax.typing.ArrayLike,
+    wo: jax.typing.ArrayLike,
+    wi_0_bias: jax.typing.ArrayLike | None = None,
+    wi_1_bias: jax.typing.ArrayLike | None = None,
+    wo_bias: jax.typing.ArrayLike | None = None,
+    expert_bias: jax.typing.ArrayLike | None = None,
+    *,
+    num_experts: int,
+    num_experts_per_tok: int,
+    activation_type: str = "silu",
+    score_function: str = "softmax",
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float = 1.0,
+    aux_loss_coeff: float = 0.0,
+    apply_topk_weights_early: bool = False,
+    ep_axis: str | None = None,
+    align_size: int = 0,
+    grouped_matmul: Callable = jax.lax.ragged_dot,
+    backend: str = "auto",
+) -> tuple[jax.Array, jax.Array | None]:
+    """A dropless MoE block; the arguments of :func:`gpurouter.reference.moe.moe`
+    plus ``backend``, the backend of its router and aux-loss ops
+    (``"auto"``, ``"jax"``, ``"numba"``: see
+    :func:`gpurouter.fused_topk_with_score_function`). The dispatch, the
+    experts and the combine are jnp (XLA) on every backend for now.
+
+    ``grouped_matmul`` is any function with ``jax.lax.ragged_dot``'s
+    signature, e.g. a tuned Pallas grouped GEMM.
+
+    Returns:
+      ``(output [..., H] in x's dtype, aux_loss float32 scalar or None)``.
+    """
+    check_backend("moe", backend)
+    return reference.moe.moe(
+        x, gate_kernel, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, expert_bias,
+        num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, activation_type=activation_type,
+        score_function=score_function, use_pre_softmax=use_pre_softmax, num_groups=num_groups,
+        group_topk=group_topk, scaling_factor=scaling_factor, aux_loss_coeff=aux_loss_coeff,
+        apply_topk_weights_early=apply_topk_weights_early, ep_axis=ep_axis, align_size=align_size,
+        grouped_matmul=grouped_matmul,
+        router=functools.partial(fused_topk_with_score_function, backend=backend),
+        aux_loss=functools.partial(fused_moe_aux_loss, backend=backend),
+    )
+
+
+__all__ = ["moe"]

@@ -1,0 +1,199 @@
+"""Pure-jnp reference of the MoE block (TE's ``transformer_engine.jax.moe.moe``):
+router, dropless argsort dispatch, gated expert FFN on grouped GEMMs, combine.
+
+docs/moe.md has the data flow and the math. The dispatch is the argsort form
+MaxText and TE's ``pure_jax_token_dispatch`` use: the ``T * K`` (token,
+expert) pairs sorted by expert, stable, so rows are expert-major with
+ascending token index inside an expert.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from .. import _ep
+from .._checks import MOE_OP, check_moe_args
+from .._sharding import axis_size
+from .aux_loss import fused_moe_aux_loss
+from .routing_map import tokens_per_expert
+from .topk import fused_topk_with_score_function
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu": jax.nn.gelu,
+    "relu": jax.nn.relu,
+    "linear": lambda v: v,
+}
+
+
+def moe(
+    x: jax.typing.ArrayLike,
+    gate_kernel: jax.typing.ArrayLike,
+    wi_0: jax.typing.ArrayLike,
+    wi_1: jax.typing.ArrayLike,
+    wo: jax.typing.ArrayLike,
+    wi_0_bias: jax.typing.ArrayLike | None = None,
+    wi_1_bias: jax.typing.ArrayLike | None = None,
+    wo_bias: jax.typing.ArrayLike | None = None,
+    expert_bias: jax.typing.ArrayLike | None = None,
+    *,
+    num_experts: int,
+    num_experts_per_tok: int,
+    activation_type: str = "silu",
+    score_function: str = "softmax",
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float = 1.0,
+    aux_loss_coeff: float = 0.0,
+    apply_topk_weights_early: bool = False,
+    ep_axis: str | None = None,
+    align_size: int = 0,
+    grouped_matmul: Callable = jax.lax.ragged_dot,
+    router: Callable | None = None,
+    aux_loss: Callable | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """A dropless MoE block (pure-jnp reference of :func:`gpurouter.moe.moe`).
+
+    Args:
+      x: ``[..., H]`` tokens.
+      gate_kernel: ``[H, E]``, the router's projection (logits ``x @ gate_kernel``).
+      wi_0, wi_1: ``[E, H, M]``, the gate and up projections of each expert.
+      wo: ``[E, M, H]``, the down projection.
+      wi_0_bias, wi_1_bias: ``[E, M]`` or None; wo_bias: ``[E, H]`` or None.
+      expert_bias: ``[E]`` router selection bias (sigmoid / sqrtsoftplus).
+      num_experts: ``E``; num_experts_per_tok: ``K``.
+      activation_type: ``"silu"`` (SwiGLU), ``"gelu"`` (GeGLU), ``"relu"``,
+        ``"linear"``: ``h = act(x wi_0 + b0) * (x wi_1 + b1)``.
+      score_function, use_pre_softmax, num_groups, group_topk,
+        scaling_factor: the router's (``None`` groups: no grouping).
+      aux_loss_coeff: > 0 adds the switch load-balancing loss of the aux
+        scores (:func:`gpurouter.fused_moe_aux_loss`).
+      apply_topk_weights_early: multiply the routing weight into ``h``
+        before ``wo`` (and the ``wo_bias`` by it: TE PR #2864's fix, else a
+        token gets K biases) instead of into the expert outputs at the
+        combine. Both give the same output.
+      ep_axis: expert parallelism: inside ``jax.shard_map``, with this
+        device's tokens and the ``E / P`` experts' weights it owns (``wi_0``
+        etc. ``[E / P, ...]``; ``gate_kernel`` and ``expert_bias`` whole),
+        the mesh axis the experts are split over (gpurouter/_ep.py). The aux
+        loss is then the global one's share of this device.
+      align_size: > 0 pads each expert's rows with zero rows to a multiple of
+        it (for grouped GEMMs that need aligned groups; the buffer has
+        ``T*K + E*(align_size - 1)`` rows); 0: no padding. The output does
+        not depend on it.
+      grouped_matmul: the grouped GEMM, ``f(lhs [N, K], rhs [G, K, N'],
+        group_sizes [G]) -> [N, N']`` (``jax.lax.ragged_dot``'s signature).
+      router, aux_loss: the router op and aux-loss op to call (the public
+        block passes gpurouter's with its backend); default: the references.
+
+    Returns:
+      ``(output [..., H] in x's dtype, aux_loss float32 scalar or None)``.
+    """
+    check_moe_args(jnp.shape(x), jnp.shape(gate_kernel), jnp.shape(wi_0), jnp.shape(wi_1), jnp.shape(wo),
+                   None if wi_0_bias is None else jnp.shape(wi_0_bias),
+                   None if wi_1_bias is None else jnp.shape(wi_1_bias),
+                   None if wo_bias is None else jnp.shape(wo_bias),
+                   num_experts, num_experts_per_tok, activation_type, align_size,
+                   axis_size(MOE_OP, ep_axis))
+    router = router or fused_topk_with_score_function
+    aux_loss = aux_loss or fused_moe_aux_loss
+    x = jnp.asarray(x)
+    shape, hidden = x.shape, x.shape[-1]
+    xf = x.reshape(-1, hidden)
+    t, k, e = xf.shape[0], num_experts_per_tok, num_experts
+    logits = xf @ jnp.asarray(gate_kernel).astype(x.dtype)
+    route_kw = dict(use_pre_softmax=use_pre_softmax, num_groups=-1 if num_groups is None else num_groups,
+                    group_topk=-1 if group_topk is None else group_topk, scaling_factor=scaling_factor,
+                    score_function=score_function)
+    probs, _, idx = router(logits, k, expert_bias=expert_bias, return_indices=True, **route_kw)
+    acc = _accumulation_type(x.dtype)
+    weights = jnp.take_along_axis(probs, idx, axis=-1).astype(acc)  # [T, K]
+
+    # Dispatch: the T*K pairs sorted by expert (stable: token order inside an expert).
+    flat_e = idx.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    rows_e = flat_e[order]  # expert of each sorted row
+    group_sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+    xs = xf[order // k]
+    w_rows = weights.reshape(-1)[order]  # the routing weight of each sorted row
+    weights_ = dict(wi_0=wi_0, wi_1=wi_1, wo=wo, wi_0_bias=wi_0_bias, wi_1_bias=wi_1_bias, wo_bias=wo_bias)
+    ffn = functools.partial(_expert_ffn, **weights_, activation=ACTIVATIONS[activation_type],
+                            early=apply_topk_weights_early, align_size=align_size,
+                            grouped_matmul=grouped_matmul, dtype=x.dtype)
+    if ep_axis is None:
+        z = ffn(xs, rows_e, group_sizes, w_rows)
+    else:  # rows to their experts' devices and back (gpurouter/_ep.py)
+        shards = axis_size(MOE_OP, ep_axis)
+        ep = dict(axis_name=ep_axis, num_shards=shards)
+        recv, local_sizes, state = _ep.dispatch(xs, rows_e, group_sizes, num_experts=e, **ep)
+        recv_w, _, _ = _ep.dispatch(w_rows[:, None], rows_e, group_sizes, num_experts=e, **ep)
+        rows = jnp.arange(recv.shape[0], dtype=jnp.int32)
+        local_e = jnp.minimum(jnp.searchsorted(jnp.cumsum(local_sizes), rows, side="right"),
+                              local_sizes.shape[0] - 1)
+        z = _ep.combine(ffn(recv, local_e, local_sizes, recv_w[:, 0]), state, **ep)
+
+    # Combine: back to (token, k) order, weighted (late) or plain (early) sum in fp32.
+    z_tk = jnp.zeros_like(z).at[order].set(z).reshape(t, k, hidden)
+    if not apply_topk_weights_early:
+        z_tk = z_tk * weights[:, :, None]
+    out = jnp.sum(z_tk, axis=1).astype(x.dtype).reshape(shape)
+
+    loss = None
+    if aux_loss_coeff > 0:
+        scores, aux_map = router(logits, k, compute_aux_scores=True, score_function=score_function)
+        loss = aux_loss(scores, tokens_per_expert(aux_map), k, aux_loss_coeff,
+                        axis_name=ep_axis).astype(jnp.float32)
+    return out, loss
+
+
+def _accumulation_type(dtype):
+    """float64 for float64 inputs (the tests' oracle precision), else float32."""
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def _expert_ffn(xs, rows_e, group_sizes, w_rows, *, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, activation,
+                early: bool, align_size: int, grouped_matmul, dtype):
+    """The experts on rows sorted by expert: ``xs [N, H]`` (``rows_e [N]`` their
+    experts, ``group_sizes [G]``, ``w_rows [N]`` their routing weights) ->
+    ``z [N, H]`` (fp32 at least), ``act(x wi_0 + b0) * (x wi_1 + b1) @ wo + bo``, the
+    weight multiplied into ``h`` (and ``bo``) when ``early``. Rows past
+    ``sum(group_sizes)`` give 0. ``align_size > 0`` pads each group with zero
+    rows to a multiple of it for the grouped GEMMs and drops them after."""
+    n, num_groups = xs.shape[0], group_sizes.shape[0]
+    real = jnp.arange(n, dtype=jnp.int32) < jnp.sum(group_sizes, dtype=jnp.int32)
+    dest = None
+    if align_size > 0:
+        padded = (group_sizes + align_size - 1) // align_size * align_size
+        pad_offsets = jnp.cumsum(padded - group_sizes) - (padded - group_sizes)  # exclusive
+        dest = jnp.arange(n, dtype=jnp.int32) + pad_offsets[rows_e]
+        rows = n + num_groups * (align_size - 1)
+        real = jnp.zeros((rows,), bool).at[dest].set(real)
+        xs = jnp.zeros((rows,) + xs.shape[1:], xs.dtype).at[dest].set(xs)
+        rows_e = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(rows, dtype=jnp.int32), side="right"),
+                             num_groups - 1)
+        w_rows = jnp.zeros((rows,), w_rows.dtype).at[dest].set(w_rows)
+        group_sizes = padded
+
+    def project(w, b):
+        out = grouped_matmul(xs, jnp.asarray(w).astype(dtype), group_sizes)
+        return out if b is None else out + jnp.asarray(b).astype(out.dtype)[rows_e]
+
+    h = activation(project(wi_0, wi_0_bias)) * project(wi_1, wi_1_bias)
+    h = jnp.where(real[:, None], h, 0)  # padding and tail rows exactly 0 (where: no NaN * 0)
+    acc = _accumulation_type(dtype)
+    w = jnp.where(real, w_rows, 0).astype(acc)
+    if early:
+        h = (h.astype(acc) * w[:, None]).astype(h.dtype)
+    z = grouped_matmul(h, jnp.asarray(wo).astype(h.dtype), group_sizes).astype(acc)
+    if wo_bias is not None:
+        b = jnp.where(real[:, None], jnp.asarray(wo_bias).astype(acc)[rows_e], 0)
+        z = z + (b * w[:, None] if early else b)
+    return z if dest is None else z[dest]
+
+
+__all__ = ["moe", "ACTIVATIONS", "MOE_OP"]
