@@ -106,7 +106,10 @@ def _segment_sum(v: jax.Array, offsets: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------
 
 
+@jax.jit
 def _dbias_dscales(dy, scales, bias, offsets, dbias, dscales):
+    # jit: one compiled program per shape when called eagerly (the segmented
+    # scan is dozens of small ops); inlined under an enclosing jit.
     n = dy.shape[0]
     dy32 = dy.astype(F32)
     offsets = jnp.asarray(offsets)
@@ -295,8 +298,13 @@ def grouped_scaled_bias_add(
       [[1.0], [20.0], [0.0]]
     """
     check_scaled_bias_add_args(y, bias, scales, group_sizes)
-    return _scaled_bias_add(jnp.asarray(y), jnp.asarray(bias), jnp.asarray(scales),
-                            _group_offsets(group_sizes))
+    return _scaled_bias_add_jit(jnp.asarray(y), jnp.asarray(bias), jnp.asarray(scales),
+                                jnp.asarray(group_sizes))
+
+
+@jax.jit
+def _scaled_bias_add_jit(y, bias, scales, group_sizes):
+    return _scaled_bias_add(y, bias, scales, _group_offsets(group_sizes))
 
 
 # ----------------------------------------------------------------------------
@@ -355,7 +363,7 @@ def _gather_rows(x: jax.Array, src: jax.Array, num_experts: int, weights=None) -
 
 
 def _dispatch_maps(m: jax.Array, cfg: DispatchConfig):
-    """Index maps of a bool ``[T, E]`` map: ``(row_id_map, src, pad_offsets, tokens_per_expert)``."""
+    """Index maps of a bool ``[T, E]`` map: ``(row_id_map, pad_offsets, tokens_per_expert)``."""
     counts = jnp.sum(m, axis=0, dtype=I32)  # [E]
     if cfg.align_size is None:
         padded = counts
@@ -370,8 +378,7 @@ def _dispatch_maps(m: jax.Array, cfg: DispatchConfig):
     dest = starts[None, :] + rank
     r = cfg.num_rows
     row_id_map = jnp.where(m & (dest < r), dest, -1).astype(I32)
-    src, _, _, _ = _row_maps(row_id_map, r)
-    return row_id_map, src, pad_offsets, padded
+    return row_id_map, pad_offsets, padded
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -482,9 +489,13 @@ def token_dispatch(
     """
     cfg = check_token_dispatch_args(inp, routing_map, num_out_tokens, probs, align_size, num_experts)
     m = unpack_routing_map(jnp.asarray(routing_map), cfg.num_experts)
-    row_id_map, _, pad_offsets, tpe = _dispatch_maps(m, cfg)
-    out, pp = _dispatch_apply(jnp.asarray(inp), None if probs is None else jnp.asarray(probs),
-                              row_id_map, cfg.num_rows)
+    return _dispatch(jnp.asarray(inp), m, None if probs is None else jnp.asarray(probs), cfg)
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _dispatch(inp, m, probs, cfg: DispatchConfig):
+    row_id_map, pad_offsets, tpe = _dispatch_maps(m, cfg)
+    out, pp = _dispatch_apply(inp, probs, row_id_map, cfg.num_rows)
     return out, pp, row_id_map, (None if cfg.align_size is None else pad_offsets), tpe
 
 
@@ -585,11 +596,16 @@ def token_combine(
       [1.0, 11.0, 3.0]
     """
     check_token_combine_args(inp, row_id_map, merging_probs, pad_offsets)
-    inp = jnp.asarray(inp)
-    row_id_map = jnp.asarray(row_id_map).astype(I32)
+    return _combine(jnp.asarray(inp), jnp.asarray(row_id_map),
+                    None if merging_probs is None else jnp.asarray(merging_probs))
+
+
+@jax.jit
+def _combine(inp, row_id_map, merging_probs):
+    row_id_map = row_id_map.astype(I32)
     if merging_probs is None:
         return _combine_plain(inp, row_id_map)
-    return _combine_weighted(inp, jnp.asarray(merging_probs), row_id_map)
+    return _combine_weighted(inp, merging_probs, row_id_map)
 
 
 __all__ = [
