@@ -256,6 +256,29 @@ def map_input(x, name: str, op: str, stream, shape):
     return d, fmt
 
 
+def index_input(x, name: str, op: str, stream, shape):
+    """Expert indices ``[T, K]`` (the routing replay's ``forced_indices``) -> a
+    device int32 array: host integers are converted (values outside int32
+    become -1: they select nothing either way); a device array must already
+    be int32.  A wrong shape is a ValueError, a non-integer dtype a TypeError."""
+    shape = tuple(int(v) for v in shape)
+    if is_device_array(x):
+        d = x if hasattr(x, "copy_to_host") else _wrap_cai(x)
+        if np.dtype(d.dtype) != np.int32:
+            raise TypeError(f"{op}: a device {name} must be int32, got {d.dtype}.")
+    else:
+        h = np.asarray(x)
+        if not np.issubdtype(h.dtype, np.integer):
+            raise TypeError(f"{op}: {name} must be integers, got {h.dtype}.")
+        big = (h < np.iinfo(np.int32).min) | (h > np.iinfo(np.int32).max)
+        d = np.ascontiguousarray(np.where(big, -1, h).astype(np.int32))
+    if tuple(int(v) for v in d.shape) != shape:
+        raise ValueError(f"{op}: {name} must have shape {shape} (tokens, topk), got {tuple(d.shape)}.")
+    if not is_device_array(x):
+        d = cuda.to_device(d, stream=stream)
+    return d
+
+
 # ----------------------------------------------------------------------------
 # Arrays out
 # ----------------------------------------------------------------------------

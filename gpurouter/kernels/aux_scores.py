@@ -45,9 +45,11 @@ OP = "score_for_aux_loss"
 
 
 @functools.cache
-def _aux_scores_fwd_kernel(kind: str, kcap: int, bitmap: bool = False):
+def _aux_scores_fwd_kernel(kind: str, kcap: int, bitmap: bool = False, indices: bool = False):
     """The W-lane aux-score forward; ``bitmap`` (compile-time): the routing map
-    is BITMAP_U8 (``topk._pack_flags``), else the bool map."""
+    is BITMAP_U8 (``topk._pack_flags``), else the bool map; ``indices``
+    (compile-time): lane-0's list (the selection order) into ``xarr``
+    (``[T, K]`` int32; never read otherwise)."""
     stage = _stager(kind)
 
     @cuda.jit
@@ -66,6 +68,7 @@ def _aux_scores_fwd_kernel(kind: str, kcap: int, bitmap: bool = False):
         o_idx,
         o_cnt,
         o_flag,  # byte offset of the flags
+        xarr,  # [T, K] int32, out (``indices``; else unused)
     ):
         num_tokens = logits.shape[0]
         num_experts = logits.shape[1]
@@ -100,6 +103,8 @@ def _aux_scores_fwd_kernel(kind: str, kcap: int, bitmap: bool = False):
             lead = o_idx + (tid - lane) * lstride
             for q in range(lane, topk, lanes):
                 flags[o_flag + row + ism[lead + q]] = 1
+                if indices:
+                    xarr[t0 + tok, q] = ism[lead + q]
         # Barrier: phase 5 reads the flags.
         cuda.syncthreads()
 
@@ -131,8 +136,8 @@ def _aux_scores_bwd_kernel(out_kind: str):
     return _stream_bwd_kernel(L.F32, out_kind, False)
 
 
-def score_for_aux_loss_fwd(logits, topk, score_function="softmax", routing_map_format=0, *, out=None,
-                           stream=0):
+def score_for_aux_loss_fwd(logits, topk, score_function="softmax", routing_map_format=0, *,
+                           return_indices=False, out=None, stream=0):
     """Aux-loss scores and their plain top-K routing map.
 
     Args:
@@ -141,12 +146,16 @@ def score_for_aux_loss_fwd(logits, topk, score_function="softmax", routing_map_f
       score_function: "softmax" | "sigmoid" | "sqrtsoftplus" | 0..2.
       routing_map_format: 0 (BYTEMAP, (T, E) bool) or 1 (BITMAP_U8,
         (T, ceil(E/8)) uint8, LSB first along the expert axis).
-      out: optional ``(scores, routing_map, saved_scores)`` device arrays.
+      return_indices: also return ``indices (T, K) int32``, the top-K in
+        selection order (larger score first, the lower index among equal
+        ones, NaN as -inf), written by the selecting kernel.
+      out: optional ``(scores, routing_map, saved_scores[, indices])`` device arrays.
       stream: numba stream or int CUDA stream handle.
 
     Returns:
       ``(scores (T, E) float32, routing_map (T, E) bool or (T, ceil(E/8))
-      uint8, saved_scores (T, E) float32)``.
+      uint8, saved_scores (T, E) float32)``, and ``indices`` with
+      ``return_indices``.
     """
     op = OP + "_fwd"
     sf = L.score_function_code(score_function, op)
@@ -159,19 +168,25 @@ def score_for_aux_loss_fwd(logits, topk, score_function="softmax", routing_map_f
         raise ValueError(f"{op}: topk ({topk}) must be in [1, num_experts ({num_experts})].")
     check_limits(op, num_experts, topk)
     to_host = not L.any_on_device(logits) and out is None
-    plan = score_for_aux_loss_fwd_plan(L.spec_of(d_logits.shape, kind), topk, sf, fmt)
+    plan = score_for_aux_loss_fwd_plan(L.spec_of(d_logits.shape, kind), topk, sf, fmt, bool(return_indices))
     return L.execute(plan, [d_logits], out, s, to_host)
 
 
 @functools.cache
-def score_for_aux_loss_fwd_plan(logits: L.Spec, topk: int, sf: int, map_format: int = 0) -> L.Plan:
-    """The launches of the forward (input: logits; outputs: scores, map, saved);
-    the map's Spec: ``bool [T, E]`` (``map_format`` 0) or ``uint8 [T, ceil(E/8)]``
+def score_for_aux_loss_fwd_plan(logits: L.Spec, topk: int, sf: int, map_format: int = 0,
+                                return_indices: bool = False) -> L.Plan:
+    """The launches of the forward (input: logits; outputs: scores, map, saved
+    and, with ``return_indices``, ``indices`` ``int32 [T, K]``); the map's
+    Spec: ``bool [T, E]`` (``map_format`` 0) or ``uint8 [T, ceil(E/8)]``
     (1, BITMAP_U8)."""
     fmt = L.map_format_code(map_format, OP + "_fwd_plan", "map_format")
     bitmap = fmt == L.BITMAP_U8
+    indices = bool(return_indices)
+    ind = (True,) if indices else ()
     shape = logits.shape
     outs = (L.spec_of(shape, L.F32), L.map_spec(shape[0], shape[1], fmt), L.spec_of(shape, L.F32))
+    if indices:
+        outs += (L.Spec((shape[0], int(topk)), np.int32),)
     if shape[0] == 0:
         return L.Plan(OP + "_fwd", (logits,), outs)
     if L.token_path(shape[1], int(topk)):
@@ -179,16 +194,18 @@ def score_for_aux_loss_fwd_plan(logits: L.Spec, topk: int, sf: int, map_format: 
 
         lay = L.token_layout(shape[0], shape[1])
         words, quads, flat = array_views(logits.kind, shape)
-        step = L.Step(aux_scores_fwd_kernel(logits.kind, int(topk), int(sf), bitmap), lay.grid,
+        xarr = L.Out(3, L.Spec((shape[0] * int(topk),), np.int32)) if indices else L.Out(2, L.Spec((1,), np.int32))
+        step = L.Step(aux_scores_fwd_kernel(logits.kind, int(topk), int(sf), bitmap, *ind), lay.grid,
                       lay.threads, lay.shared,
                       (L.In(0, words), L.Out(0, flat), L.Out(1, map_view(outs[1], quads)), L.Out(2, flat),
-                       shape[0], shape[1], lay.tb, lay.stride, lay.o_flag, lay.o_red, lay.o_thr))
+                       shape[0], shape[1], lay.tb, lay.stride, lay.o_flag, lay.o_red, lay.o_thr, xarr))
         return L.Plan(OP + "_fwd", (logits,), outs, (), (step,))
     lay = L.select_layout(shape[0], shape[1], int(topk))
-    step = L.Step(_aux_scores_fwd_kernel(logits.kind, topk_capacity(topk), bitmap), lay.grid,
+    step = L.Step(_aux_scores_fwd_kernel(logits.kind, topk_capacity(topk), bitmap, *ind), lay.grid,
                   lay.threads, lay.shared,
                   (L.In(0), L.Out(0), L.Out(1), L.Out(2), int(topk), int(sf), lay.tb, lay.lanes,
-                   lay.stride, lay.list_stride, lay.o_list, lay.o_idx, lay.o_cnt, lay.o_flag))
+                   lay.stride, lay.list_stride, lay.o_list, lay.o_idx, lay.o_cnt, lay.o_flag,
+                   L.Out(3) if indices else L.Out(2, L.Spec((1, 1), np.int32))))
     return L.Plan(OP + "_fwd", (logits,), outs, (), (step,))
 
 

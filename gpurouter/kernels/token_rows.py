@@ -168,8 +168,9 @@ def _octet_walk(tid, nthreads, nt, nb):
 
 
 @functools.cache
-def _selector(topk: int, gcap: int, has_bias: bool, post: bool, scaled: bool = False):
-    """Device function ``select(smem, row, E, G, Kg, o_gs, o_bias, bits, fword) -> (total, m, thr, cut)``:
+def _selector(topk: int, gcap: int, has_bias: bool, post: bool, scaled: bool = False,
+              indices: bool = False, forced: bool = False, asc: bool = False):
+    """Device function ``select(smem, row, E, G, Kg, o_gs, o_bias, bits, fword, xarr, xb) -> (total, m, thr, cut)``:
     one thread's (group-limited) top-K (``topk``, a compile-time constant)
     of its tile row ``smem[row:row+E]`` plus, with ``has_bias``, the bias at
     ``smem[o_bias:o_bias+E]``; with ``scaled`` (the aux scores of sigmoid and
@@ -208,6 +209,17 @@ def _selector(topk: int, gcap: int, has_bias: bool, post: bool, scaled: bool = F
        in ascending order: selected when the score beats ``thr``, or equals it
        while places remain; dropped groups are never selected, not even as
        fillers.
+
+    ``indices`` (compile-time): the selected experts in selection order go
+    to ``xarr[xb:xb+K]`` (flat int32): the scans that test each kept expert
+    (``selected_sum``, ``mark``, or ``collect`` where neither runs) list the
+    hits in ascending index order with their scores, and each hit's place is
+    the number of list values above its score plus the earlier hits of equal
+    score (``place``: register compares, no sort).  ``forced``
+    (compile-time, the routing replay): no selection; the token's experts
+    are ``xarr[xb:xb+K]`` (outside [0, E): none; a repeat: once), set as
+    bits (the bit way), and the weights' statistics are those the normal
+    call that selected them computes, in its order (``replay``).
     """
     kcap = topk + 1  # the list: K + 1 scores, to see whether a tie crosses the threshold
     push_k = _pusher(kcap)
@@ -251,7 +263,7 @@ def _selector(topk: int, gcap: int, has_bias: bool, post: bool, scaled: bool = F
         return np.float32(total + total2)
 
     @cuda.jit(device=True)
-    def selected_sum(smem, row, o_bias, lo, hi, thr, cut, total):
+    def selected_sum(smem, row, o_bias, lo, hi, thr, cut, total, sel, rv, n):
         # With a bias: the selected experts' own scores (not s + b), ascending.
         j = np.int32(lo)
         while j < hi:
@@ -259,8 +271,42 @@ def _selector(topk: int, gcap: int, has_bias: bool, post: bool, scaled: bool = F
             r = np.float32(v + smem[_u32(o_bias + j)])
             hit = (r > thr) | ((r == thr) & (j <= cut))
             total = np.float32(total + (v if hit else _ZERO))
+            if indices:
+                if hit & (n < topk):
+                    sel[n] = j
+                    rv[n] = r
+                    n = np.int32(n + 1)
             j = np.int32(j + 1)
-        return total
+        return total, n
+
+    @cuda.jit(device=True)
+    def collect(smem, row, o_bias, lo, hi, thr, cut, sel, rv, n, scale):
+        # ``indices`` without a bias: the selected experts, ascending.
+        j = np.int32(lo)
+        while j < hi:
+            r = score_at(smem, row, o_bias, j, scale)
+            if ((r > thr) | ((r == thr) & (j <= cut))) & (n < topk):
+                sel[n] = j
+                rv[n] = r
+                n = np.int32(n + 1)
+            j = np.int32(j + 1)
+        return n
+
+    @cuda.jit(device=True)
+    def place(keys, sel, rv, n, xarr, xb):
+        # Hit a (ascending index) goes to the place after the list values
+        # above its score and the earlier hits of the same score.
+        for a in range(topk):
+            if a < n:
+                r = rv[a]
+                pos = np.int32(0)
+                for q in range(topk):
+                    pos = np.int32(pos + np.int32(keys[q] > r))
+                b = np.int32(0)
+                while b < a:
+                    pos = np.int32(pos + np.int32(rv[b] == r))
+                    b = np.int32(b + 1)
+                xarr[_u64(xb + pos)] = sel[a]
 
     @cuda.jit(device=True)
     def tie_cut(smem, row, o_bias, lo, hi, thr, need, cut, scale):
@@ -282,7 +328,7 @@ def _selector(topk: int, gcap: int, has_bias: bool, post: bool, scaled: bool = F
             j = np.int32(j + 1)
 
     @cuda.jit(device=True)
-    def mark(smem, row, o_bias, lo, hi, thr, need, bits, fword, total, scale):
+    def mark(smem, row, o_bias, lo, hi, thr, need, bits, fword, total, scale, sel, rv, n):
         # The bit way (rare: rows with fewer than K scores above -inf), kept
         # simple: one expert a step, no branch on the data.
         j = np.int32(lo)
@@ -295,11 +341,70 @@ def _selector(topk: int, gcap: int, has_bias: bool, post: bool, scaled: bool = F
             total = np.float32(total + (v if hit else _ZERO))
             a = _u32(fword + (j >> 5))
             bits[a] = bits[a] | np.uint32(np.uint32(hit) << np.uint32(j & 31))
+            if indices:
+                if hit & (n < topk):
+                    sel[n] = j
+                    rv[n] = r
+                    n = np.int32(n + 1)
             j = np.int32(j + 1)
-        return need, total
+        return need, total, n
+
+    push_asc = _pusher(topk)
 
     @cuda.jit(device=True)
-    def select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword):
+    def replay(smem, row, num_experts, bits, fword, xarr, xb):
+        # The routing replay: the forced experts as bits; their scores (NaN as
+        # -inf) into the register list, as the normal call's K selected; their
+        # indices, negated, into a second list (descending: ascending index).
+        keys = cuda.local.array(kcap, nb_f32)
+        up = cuda.local.array(topk, nb_f32)
+        for q in range(kcap):
+            keys[q] = _NEG_INF
+        for q in range(topk):
+            up[q] = _NEG_INF
+        w = np.int32(0)
+        while w < (num_experts + 31) >> 5:
+            bits[_u32(fword + w)] = np.uint32(0)
+            w = np.int32(w + 1)
+        for a in range(topk):
+            j = np.int32(xarr[_u64(xb + a)])
+            if (j >= 0) & (j < num_experts):
+                wa = _u32(fword + (j >> 5))
+                bit = np.uint32(np.uint32(1) << np.uint32(j & 31))
+                if bits[wa] & bit == 0:  # a repeat selects its expert once
+                    bits[wa] = bits[wa] | bit
+                    push_k(keys, _no_nan(smem[_u32(row + j)]))
+                    push_asc(up, np.float32(-np.float32(j)))
+        # The normal call's sums: of the selected tile values in ascending
+        # index order (with a bias, ``asc``, or on the bit way: a K-th score
+        # of -inf), else of the list (descending).
+        rawsum = _ZERO
+        for q in range(topk):
+            if up[q] > _NEG_INF:
+                rawsum = np.float32(rawsum + smem[_u32(row + np.int32(-up[q]))])
+        total = rawsum
+        m = _ZERO
+        if post:
+            m = keys[0]
+            e = _ZERO
+            for q in range(topk):
+                e += _exp(keys[q] - m)
+            if total == total:
+                total = e
+        elif not asc:
+            if keys[topk - 1] > _NEG_INF:
+                total = _ZERO
+                for q in range(topk):
+                    total = np.float32(total + keys[q])
+        return total, m, _NAN, np.int32(num_experts)
+
+    @cuda.jit(device=True)
+    def select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword, xarr, xb):
+        if forced:
+            return replay(smem, row, num_experts, bits, fword, xarr, xb)
+        sel = cuda.local.array(topk, nb_i32)  # ``indices``: the hits, ascending, and their scores
+        rv = cuda.local.array(topk, nb_f32)
+        n = np.int32(0)
         keys = cuda.local.array(kcap, nb_f32)
         for q in range(kcap):
             keys[q] = _NEG_INF
@@ -389,7 +494,9 @@ def _selector(topk: int, gcap: int, has_bias: bool, post: bool, scaled: bool = F
                 hi = np.int32(lo + gsize)
                 if (kept >> g) & 1:
                     if has_bias and norm:
-                        total = selected_sum(smem, row, o_bias, lo, hi, thr, cut, total)
+                        total, n = selected_sum(smem, row, o_bias, lo, hi, thr, cut, total, sel, rv, n)
+                    elif indices:
+                        n = collect(smem, row, o_bias, lo, hi, thr, cut, sel, rv, n, scale)
                 else:
                     drop(smem, row, lo, hi)
                 g = np.int32(g + 1)
@@ -406,10 +513,12 @@ def _selector(topk: int, gcap: int, has_bias: bool, post: bool, scaled: bool = F
             g = np.int32(0)
             while g < ngroups:
                 if (kept >> g) & 1:
-                    need, total = mark(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize),
-                                       thr, need, bits, fword, total, scale)
+                    need, total, n = mark(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize),
+                                          thr, need, bits, fword, total, scale, sel, rv, n)
                 g = np.int32(g + 1)
             thr = _NAN  # phase 3: read the bits
+        if indices:
+            place(keys, sel, rv, n, xarr, xb)
         m = _ZERO
         if post:
             m = keys[0]
@@ -598,15 +707,21 @@ def _softmax_rows():
 
 @functools.cache
 def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pre: bool,
-                    bitmap: bool = False):
+                    bitmap: bool = False, indices: bool = False, forced: bool = False, asc: bool = False):
     """The top-k forward for logits of ``kind``; ``topk`` (K) and ``gcap`` >=
     K / Kg (0: no groups; a power of two) size the register lists; the score
     function, the bias, ``use_pre_softmax`` (softmax only) and the map format
-    (``bitmap``: BITMAP_U8, else the bool map) are compile-time constants."""
+    (``bitmap``: BITMAP_U8, else the bool map) are compile-time constants.
+    ``indices``: the selected experts in selection order into ``xarr``
+    (``[T*K]`` int32, written by each token's thread as it selects);
+    ``forced`` (the routing replay, no bias, no groups): ``xarr`` holds the
+    experts, and ``asc`` says that the replayed call had a bias (its weights'
+    sum runs in ascending expert order: ``_selector``).  Without them
+    ``xarr`` is never read."""
     stage = _stager(kind, sf, has_bias)
     _, store4, zero4 = flat_io(kind)
     store_f32 = quad_f32()[1]
-    select = _selector(topk, gcap, has_bias, sf == _SOFTMAX and not pre)
+    select = _selector(topk, gcap, has_bias, sf == _SOFTMAX and not pre, False, indices, forced, asc)
     stats, normalise = _softmax_rows()
     pre_softmax = sf == _SOFTMAX and pre
     post_softmax = sf == _SOFTMAX and not pre
@@ -758,6 +873,7 @@ def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pr
         o_red,
         o_thr,
         o_bias,
+        xarr,  # [T*K] int32: indices out (``indices``), forced in (``forced``); else unused
     ):
         smem = cuda.shared.array(0, nb_f32)  # one dynamic allocation, two views
         bits = cuda.shared.array(0, nb_u32)
@@ -785,7 +901,8 @@ def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pr
         # s + bias; the weights, s itself.)
         if valid:
             total, m, thr, cut = select(smem, row, num_experts, num_groups, group_topk,
-                                        o_gs + tid * (num_groups | 1), o_bias, bits, o_flag + tid * fstride)
+                                        o_gs + tid * (num_groups | 1), o_bias, bits, o_flag + tid * fstride,
+                                        xarr, (t0 + tid) * topk)
             if norm:
                 total = np.float32(total + _EPS)
             smem[_u32(o_red + tid)] = np.float32(_ONE / total)  # phase 3 multiplies
@@ -845,15 +962,16 @@ def topk_fwd_kernel(kind: str, topk: int, gcap: int, sf: int, has_bias: bool, pr
 
 
 @functools.cache
-def aux_scores_fwd_kernel(kind: str, topk: int, sf: int, bitmap: bool = False):
+def aux_scores_fwd_kernel(kind: str, topk: int, sf: int, bitmap: bool = False, indices: bool = False):
     """The aux-score forward for logits of ``kind``; K (``topk``), the score
     function and the map format (``bitmap``: BITMAP_U8) are compile-time
-    constants."""
+    constants; ``indices``: the top-K in selection order into ``xarr``
+    (``[T*K]`` int32; never read otherwise)."""
     softmax = sf == _SOFTMAX
     stage = _stager(kind, sf, False)
     # softmax: select on the normalised tile; sigmoid / sqrtsoftplus: one
     # scan of the raw row gives its sum and the (scaled) list
-    select = _selector(topk, 0, False, False, not softmax)
+    select = _selector(topk, 0, False, False, not softmax, indices)
     stats, normalise = _softmax_rows()
     store_f32 = quad_f32()[1]
 
@@ -904,6 +1022,7 @@ def aux_scores_fwd_kernel(kind: str, topk: int, sf: int, bitmap: bool = False):
         o_flag,  # word offsets (_launch.token_layout, no groups)
         o_red,
         o_thr,
+        xarr,  # [T*K] int32, out (``indices``; else unused)
     ):
         smem = cuda.shared.array(0, nb_f32)
         bits = cuda.shared.array(0, nb_u32)
@@ -927,7 +1046,8 @@ def aux_scores_fwd_kernel(kind: str, topk: int, sf: int, bitmap: bool = False):
             stats(smem, row, valid, num_experts, o_red + tid, o_red + tile_tokens + tid)
             normalise(smem, o_red, tile_tokens, scores, saved, True, wb, nt, eq, stride, tid, nthreads)
         if valid:
-            total, _, thr, cut = select(smem, row, num_experts, 1, 0, 0, 0, bits, o_flag + tid * fstride)
+            total, _, thr, cut = select(smem, row, num_experts, 1, 0, 0, 0, bits, o_flag + tid * fstride,
+                                        xarr, (t0 + tid) * topk)
             if not softmax:
                 smem[_u32(o_red + tile_tokens + tid)] = np.float32(_ONE / np.float32(total + _EPS))
             smem[_u32(o_thr + tid)] = thr

@@ -755,10 +755,16 @@ def _pack_flags(flags, o_flag, routing_map, t0, nt, num_experts, stride, tid, nt
 
 
 @functools.cache
-def _topk_fwd_kernel(kind: str, kcap: int, bitmap: bool = False):
+def _topk_fwd_kernel(kind: str, kcap: int, bitmap: bool = False, indices: bool = False,
+                     forced: bool = False):
     """The forward kernel for logits of ``kind``; ``kcap`` >= K sizes the merge
     scratch; ``bitmap`` (compile-time): the routing map is BITMAP_U8
-    (``_pack_flags``), else the bool map."""
+    (``_pack_flags``), else the bool map.  ``indices`` (compile-time): lane-0's
+    list, which is the selection order, goes to ``xarr`` (``[T, K]`` int32);
+    ``forced`` (the routing replay; no bias, no groups): no selection, the
+    list is ``xarr``'s row in its order (outside [0, E): skipped; a repeat:
+    once), so the weights' sums run in the order a normal call that
+    returned these indices used.  Otherwise ``xarr`` is never read."""
     load = loader(kind)
     store = storer(kind)
     stage = _stager(kind)
@@ -788,6 +794,7 @@ def _topk_fwd_kernel(kind: str, kcap: int, bitmap: bool = False):
         o_grp,
         o_keep,
         o_flag,  # byte offset of the flags
+        xarr,  # [T, K] int32: indices out (``indices``), forced in (``forced``); else unused
     ):
         num_tokens = logits.shape[0]
         num_experts = logits.shape[1]
@@ -817,18 +824,40 @@ def _topk_fwd_kernel(kind: str, kcap: int, bitmap: bool = False):
                        tid, nthreads, True)
 
         # Phase 2 (W lanes per token): selection into the token's lane-0 list.
-        _select(smem, ism, row, tok, valid, lane, tid, lanes, num_experts, topk,
-                group_topk > 0, num_groups, group_topk, group_lanes, o_list, o_idx, o_cnt,
-                o_grp, o_keep, lstride, tv, ti)
+        lead = o_list + (tid - lane) * lstride
+        d = o_idx - o_list
+        cnt = topk
+        if forced:
+            # the replay: lane 0 lists the token's forced experts, in order
+            if valid and lane == 0:
+                n = 0
+                for a in range(topk):
+                    j = xarr[t0 + tok, a]
+                    ok = j >= 0 and j < num_experts
+                    if ok:
+                        for b in range(n):
+                            if ism[lead + d + b] == j:
+                                ok = False
+                    if ok:
+                        ism[lead + d + n] = j
+                        n += 1
+                ism[o_cnt + tid] = n
+            cuda.syncthreads()
+            if valid:
+                cnt = ism[o_cnt + tid - lane]
+        else:
+            _select(smem, ism, row, tok, valid, lane, tid, lanes, num_experts, topk,
+                    group_topk > 0, num_groups, group_topk, group_lanes, o_list, o_idx, o_cnt,
+                    o_grp, o_keep, lstride, tv, ti)
 
         # Weights, gathered from the UNBIASED scores s (no (s + b) - b): lane
         # q takes list entries q, q + W, ...; first replace each list value by
         # s (the tile holds r = s + b with a bias: recompute s from the logit),
-        lead = o_list + (tid - lane) * lstride
-        d = o_idx - o_list
         if valid:
-            for q in range(lane, topk, lanes):
+            for q in range(lane, cnt, lanes):
                 j = ism[lead + d + q]
+                if indices:
+                    xarr[t0 + tok, q] = j
                 if has_bias:
                     s = _activation(load(logits, t0 + tok, j), sf)
                 else:
@@ -843,16 +872,16 @@ def _topk_fwd_kernel(kind: str, kcap: int, bitmap: bool = False):
             m = _NEG_INF
             total = _ZERO
             if post_softmax:
-                for q in range(topk):
+                for q in range(cnt):
                     if smem[lead + q] > m:
                         m = smem[lead + q]
-                for q in range(topk):
+                for q in range(cnt):
                     total += _exp(smem[lead + q] - m)
             elif sf != _SOFTMAX and topk > 1:
-                for q in range(topk):
+                for q in range(cnt):
                     total += smem[lead + q]
                 total = np.float32(total + _EPS)
-            for q in range(lane, topk, lanes):
+            for q in range(lane, cnt, lanes):
                 w = smem[lead + q]
                 if post_softmax:
                     w = np.float32(_exp(w - m) / total)
@@ -1348,6 +1377,8 @@ def topk_with_score_function_fwd(
     expert_bias=None,
     routing_map_format=0,
     *,
+    return_indices=False,
+    forced_indices=None,
     out=None,
     stream=0,
 ):
@@ -1365,13 +1396,26 @@ def topk_with_score_function_fwd(
       routing_map_format: 0 (BYTEMAP): the map is (T, E) bool; 1 (BITMAP_U8):
         (T, ceil(E/8)) uint8, bit ``e % 8`` of byte ``e // 8`` set iff the
         token routes to expert ``e`` (``np.packbits(map, -1, bitorder="little")``).
-      out: optional ``(probs, routing_map, saved_scores)`` device arrays to write.
+      return_indices: also return ``indices (T, K) int32``, the selected
+        experts in selection order (larger ``s + bias`` first, the lower index
+        among equal scores, NaN as -inf), written by the selecting kernel.
+      forced_indices: (T, K) integers, host or device (int32 on the device):
+        the routing replay.  No selection: token t's experts are
+        ``forced_indices[t]`` (entries outside [0, E) select nothing, a repeat
+        selects its expert once); the bias is not read and the groups are
+        ignored; everything after the selection is the normal call's.  An
+        ``expert_bias`` given here only says that the replayed call had one
+        (the weights' normaliser is then summed in that call's order, so a
+        replay of returned indices is bit for bit the call).  Not with
+        ``return_indices``.
+      out: optional ``(probs, routing_map, saved_scores[, indices])`` device arrays to write.
       stream: numba stream or int CUDA stream handle (0: default).
 
     Returns:
       ``(probs (T, E) logits dtype, routing_map (T, E) bool or (T, ceil(E/8))
-      uint8, saved_scores (T, E) float32)``; probs and saved_scores are the
-      same bits in both formats.
+      uint8, saved_scores (T, E) float32)``, and ``indices (T, K) int32``
+      with ``return_indices``; probs and saved_scores are the same bits in
+      both formats.
 
     Notes:
       fp32 math throughout.  Ties: the lower expert index wins; NaN counts
@@ -1386,7 +1430,10 @@ def topk_with_score_function_fwd(
     topk = int(topk)
     _check_config(op, num_experts, topk, num_groups, group_topk, sf,
                   use_pre_softmax, expert_bias is not None)
-    to_host = not L.any_on_device(logits, expert_bias) and out is None
+    forced = forced_indices is not None
+    if forced and return_indices:
+        raise ValueError(f"{op}: return_indices with forced_indices: the indices are the forced ones.")
+    to_host = not L.any_on_device(logits, expert_bias, forced_indices) and out is None
     d_bias = None
     if expert_bias is not None and sf != _SOFTMAX:
         d_bias, bkind = L.device_input(expert_bias, "expert_bias", op, s, ndim=1)
@@ -1395,56 +1442,89 @@ def topk_with_score_function_fwd(
                              f"got {tuple(d_bias.shape)} {d_bias.dtype}.")
     plan = topk_with_score_function_fwd_plan(
         L.spec_of(d_logits.shape, kind), d_bias is not None, topk, bool(use_pre_softmax),
-        num_groups, group_topk, np.float32(scaling_factor), sf, fmt)
+        num_groups, group_topk, np.float32(scaling_factor), sf, fmt, bool(return_indices), forced)
+    if forced:
+        d_forced = L.index_input(forced_indices, "forced_indices", op, s, (num_tokens, topk))
+        return L.execute(plan, [d_logits, d_forced], out, s, to_host)
     return L.execute(plan, [d_logits] if d_bias is None else [d_logits, d_bias], out, s, to_host)
 
 
 @functools.cache
 def topk_with_score_function_fwd_plan(logits: L.Spec, has_bias: bool, topk: int, pre: bool,
                                       num_groups, group_topk, scale: np.float32, sf: int,
-                                      map_format: int = 0) -> L.Plan:
+                                      map_format: int = 0, return_indices: bool = False,
+                                      forced: bool = False) -> L.Plan:
     """The launches of the forward (inputs: logits, bias; outputs: probs, map, saved).
 
     Arguments are validated (by the launcher or, under JAX, at trace time);
     ``map_format`` is checked here too.  The map's Spec: ``bool [T, E]``
     (0, BYTEMAP) or ``uint8 [T, ceil(E/8)]`` (1, BITMAP_U8).
+    ``return_indices``: a fourth output, ``indices`` ``int32 [T, K]`` (the
+    selection order).  ``forced`` (the routing replay): the inputs are
+    ``(logits, forced int32 [T, K])``, never a bias; ``has_bias`` then says
+    whether the replayed call had one (the order of the weights' sum), and
+    the groups choose only the kernel path the replayed call took.
     """
     fmt = L.map_format_code(map_format, OP + "_fwd_plan", "map_format")
     bitmap = fmt == L.BITMAP_U8
+    indices = bool(return_indices) and not forced
     num_tokens, num_experts = logits.shape
     grouped = group_topk is not None and group_topk > 0
     shape = (num_tokens, num_experts)
+    idx_spec = L.Spec((num_tokens, int(topk)), np.int32)
     outs = (L.spec_of(shape, logits.kind), L.map_spec(num_tokens, num_experts, fmt),
-            L.spec_of(shape, L.F32))
+            L.spec_of(shape, L.F32)) + ((idx_spec,) if indices else ())
     bias_spec = L.spec_of((num_experts,), L.F32)
-    ins = (logits, bias_spec) if has_bias else (logits,)
+    if forced:
+        ins = (logits, idx_spec)
+    else:
+        ins = (logits, bias_spec) if has_bias else (logits,)
     if num_tokens == 0:
         return L.Plan(OP + "_fwd", ins, outs)
     # without a bias the kernel gets any [E] fp32 array (never read): saved's first row
-    bias = L.In(1) if has_bias else L.Out(2, bias_spec)
+    bias = L.In(1) if has_bias and not forced else L.Out(2, bias_spec)
     G = int(num_groups) if grouped else 1
+    flat_idx = L.Spec((num_tokens * int(topk),), np.int32)
+    # indices out, forced in, or (never read) any int32 array: saved's first words
+    xarr = L.In(1, flat_idx) if forced else L.Out(3, flat_idx) if indices else L.Out(2, L.Spec((1,), np.int32))
+    # (the replay takes the kernel path of the call it replays: the same sums)
     if L.token_path(num_experts, int(topk), G if grouped else 0, bool(has_bias)):
         from .token_rows import topk_fwd_kernel
 
-        gcap = L.pow2_at_least(int(topk) // int(group_topk)) if grouped else 0
-        lay = L.token_layout(num_tokens, num_experts, G if grouped else 0, bool(has_bias))
+        post = sf == _SOFTMAX and not pre
+        if forced:  # no groups, no bias: the bits say which experts
+            lay = L.token_layout(num_tokens, num_experts)
+            kern = topk_fwd_kernel(logits.kind, int(topk), 0, int(sf), False, bool(pre) and sf == _SOFTMAX,
+                                   bitmap, False, True, bool(has_bias) and not post)
+            G, Kg = 1, -1
+        else:
+            gcap = L.pow2_at_least(int(topk) // int(group_topk)) if grouped else 0
+            lay = L.token_layout(num_tokens, num_experts, G if grouped else 0, bool(has_bias))
+            kern = topk_fwd_kernel(logits.kind, int(topk), gcap, int(sf), bool(has_bias),
+                                   bool(pre) and sf == _SOFTMAX, bitmap, *((True,) if indices else ()))
+            Kg = int(group_topk) if grouped else -1
         words, quads, flat = array_views(logits.kind, shape)
-        kern = topk_fwd_kernel(logits.kind, int(topk), gcap, int(sf), bool(has_bias),
-                               bool(pre) and sf == _SOFTMAX, bitmap)
         step = L.Step(kern, lay.grid, lay.threads, lay.shared,
                       (L.In(0, words), bias, L.Out(0, words), L.Out(1, map_view(outs[1], quads)),
                        L.Out(2, flat),
-                       num_tokens, num_experts, G, int(group_topk) if grouped else -1,
+                       num_tokens, num_experts, G, Kg,
                        np.float32(scale), lay.tb, lay.stride, lay.o_flag, lay.o_gs, lay.o_red,
-                       lay.o_thr, lay.o_bias))
+                       lay.o_thr, lay.o_bias, xarr))
         return L.Plan(OP + "_fwd", ins, outs, (), (step,))
-    lay = L.select_layout(num_tokens, num_experts, int(topk), G if grouped else 0)
-    step = L.Step(_topk_fwd_kernel(logits.kind, topk_capacity(topk), bitmap), lay.grid, lay.threads,
-                  lay.shared,
+    if forced:
+        lay = L.select_layout(num_tokens, num_experts, int(topk))
+        kern = _topk_fwd_kernel(logits.kind, topk_capacity(topk), bitmap, False, True)
+        has_bias, G, Kg = False, 1, -1
+    else:
+        lay = L.select_layout(num_tokens, num_experts, int(topk), G if grouped else 0)
+        kern = _topk_fwd_kernel(logits.kind, topk_capacity(topk), bitmap, *((True,) if indices else ()))
+        Kg = int(group_topk) if grouped else -1
+    xarr2 = L.In(1) if forced else L.Out(3) if indices else L.Out(2, L.Spec((1, 1), np.int32))
+    step = L.Step(kern, lay.grid, lay.threads, lay.shared,
                   (L.In(0), bias, L.Out(0), L.Out(1), L.Out(2), int(topk), int(sf), bool(pre),
-                   bool(has_bias), G, int(group_topk) if grouped else -1, np.float32(scale),
+                   bool(has_bias), G, Kg, np.float32(scale),
                    lay.tb, lay.lanes, lay.stride, lay.list_stride, lay.group_lanes, lay.o_list,
-                   lay.o_idx, lay.o_cnt, lay.o_grp, lay.o_keep, lay.o_flag))
+                   lay.o_idx, lay.o_cnt, lay.o_grp, lay.o_keep, lay.o_flag, xarr2))
     return L.Plan(OP + "_fwd", ins, outs, (), (step,))
 
 
