@@ -19,6 +19,11 @@ from . import reference
 from ._checks import check_backend
 from ._ops.aux_loss import fused_moe_aux_loss
 from ._ops.topk import fused_topk_with_score_function
+from .moe_ops import compute_grouped_dbias as compute_grouped_dbias
+from .moe_ops import compute_grouped_dbias_dscales as compute_grouped_dbias_dscales
+from .moe_ops import grouped_scaled_bias_add as grouped_scaled_bias_add
+from .moe_ops import token_combine as token_combine
+from .moe_ops import token_dispatch as token_dispatch
 
 
 def moe(
@@ -72,4 +77,11 @@ def moe(
     )
 
 
-__all__ = ["moe"]
+__all__ = [
+    "compute_grouped_dbias",
+    "compute_grouped_dbias_dscales",
+    "grouped_scaled_bias_add",
+    "moe",
+    "token_combine",
+    "token_dispatch",
+]
