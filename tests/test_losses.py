@@ -15,15 +15,11 @@ import oracles
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_public import _backend_kw, _tie_free_logits
+from test_public import BACKENDS, _backend_kw, _tie_free_logits
 from tolerances import assert_close
 
 import gpurouter as gr
 from gpurouter import reference as ref
-
-# The z-loss kernels land separately: until then its numba variants are not collected.
-BACKENDS = ["jax"]
-
 
 def _logits(seed, shape, dtype="float32", masked=True):
     """Random logits with some -inf entries and, when ``masked``, an all -inf row."""
