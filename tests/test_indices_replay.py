@@ -12,7 +12,7 @@ import oracles
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_public import CONFIGS, _backend_kw, _call, _tie_free_logits
+from test_public import BACKENDS, CONFIGS, _backend_kw, _call, _tie_free_logits
 
 import gpurouter as gr
 from gpurouter import reference as ref
@@ -62,7 +62,7 @@ def test_ties_put_the_lower_index_first():
     assert idx.tolist() == [[1, 2, 4, 3]]
 
 
-@pytest.mark.parametrize("backend", ["jax"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_replay_of_returned_indices_is_the_same_call(backend, name, dtype):
@@ -138,3 +138,20 @@ def test_forced_indices_errors(forced, exc, msg):
 def test_zero_tokens_with_indices():
     p, m, idx = gr.fused_topk_with_score_function(jnp.zeros((0, 8)), 2, return_indices=True)
     assert idx.shape == (0, 2) and idx.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sf", ["softmax", "sigmoid"])
+def test_indices_of_every_backend_match_the_reference(backend, sf):
+    x = _tie_free_logits((2, 5, 12), jnp.float32, seed=10)
+    x = x.at[0, 0].set(-jnp.inf).at[0, 1, 3:].set(jnp.nan)  # filler rows
+    kw = dict(score_function=sf, return_indices=True, routing_map_format="bitmap_u8")
+    _, bits, idx = jax.jit(lambda x: gr.fused_topk_with_score_function(x, 3, **kw, **_backend_kw(backend)))(x)
+    _, want_bits, want = ref.fused_topk_with_score_function(x, 3, **kw)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(bits), np.asarray(want_bits))
+    _, _, aidx = gr.fused_topk_with_score_function(x, 3, score_function=sf, compute_aux_scores=True,
+                                                  return_indices=True, **_backend_kw(backend))
+    _, _, want_a = ref.fused_topk_with_score_function(x, 3, score_function=sf, compute_aux_scores=True,
+                                                      return_indices=True)
+    np.testing.assert_array_equal(np.asarray(aidx), np.asarray(want_a))

@@ -21,7 +21,6 @@ from .._checks import (
     check_kernel_dtype,
     check_topk_args,
     check_transport,
-    kernel_feature_error,
 )
 from .._sharding import per_token_shard
 
@@ -101,8 +100,6 @@ def fused_topk_with_score_function(
 
     backend = _backend.resolve(TOPK_OP, backend, faster=lambda: kernels_faster() and not (
         return_indices or forced))
-    if backend == "numba" and (return_indices or forced):
-        raise kernel_feature_error(TOPK_OP, "forced_indices" if forced else "return_indices")
     # The bias only selects: not with the aux scores, softmax, or a replay.
     use_bias = (expert_bias is not None and not cfg.compute_aux_scores and not forced
                 and cfg.score_function != ScoreFunction.SOFTMAX)
@@ -132,7 +129,9 @@ def fused_topk_with_score_function(
         def route(x, *rest):
             if cfg.compute_aux_scores:
                 return _aux_scores(x, cfg, logits.dtype, transport, return_indices)
-            return _topk(x, rest[0] if rest else None, cfg, _KernelCall(transport, forced, write_indices))
+            replay_bias = forced and expert_bias is not None and cfg.score_function != ScoreFunction.SOFTMAX
+            return _topk(x, rest[0] if rest else None, cfg,
+                         _KernelCall(transport, forced, write_indices, replay_bias))
 
     x = logits.reshape(-1, num_experts)
     map_spec = _map_spec(x.shape, cfg)
@@ -185,6 +184,9 @@ class _KernelCall(NamedTuple):
     transport: str
     forced: bool  # routing replay: the second per-token input is [T, K] int32 indices
     write_indices: bool  # a fourth output, [T, K] int32 indices in selection order
+    # a replay of a call with an expert bias: the bias is never read, but the
+    # kernels then sum the weights' normaliser in that call's order (bit-exact)
+    replay_bias: bool = False
 
 
 def _indices_kw(call: _KernelCall) -> dict:
@@ -196,6 +198,8 @@ def _topk_launch(cfg: TopkConfig, call: _KernelCall, logits, *extra, **kw):
     bias = extra[0] if extra and not call.forced else None
     if call.forced:
         kw["forced_indices"] = extra[0]
+        if call.replay_bias:  # any [E] fp32 array: its values are not read
+            bias = np.zeros((logits.shape[-1],), np.float32)
     return _backend.kernels().topk_with_score_function_fwd(
         logits, cfg.topk, cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk,
         cfg.scaling_factor, int(cfg.score_function), bias, int(cfg.routing_map_format),
@@ -208,7 +212,7 @@ def _topk_plan(cfg: TopkConfig, call: _KernelCall, logits, *extra):
     if call.forced:
         kw["forced"] = True
     return _backend.kernels().topk_with_score_function_fwd_plan(
-        logits, bool(extra) and not call.forced, cfg.topk, cfg.use_pre_softmax, cfg.num_groups,
+        logits, (bool(extra) and not call.forced) or call.replay_bias, cfg.topk, cfg.use_pre_softmax, cfg.num_groups,
         cfg.group_topk, np.float32(cfg.scaling_factor), int(cfg.score_function),
         int(cfg.routing_map_format), **kw,
     )

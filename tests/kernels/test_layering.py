@@ -10,7 +10,7 @@ import pytest
 pytestmark = pytest.mark.cuda  # kernel-layer tests (these need no GPU, only the sources)
 
 KERNELS = pathlib.Path(__file__).resolve().parents[2] / "gpurouter" / "kernels"
-OPS = ("topk.py", "aux_scores.py", "aux_loss.py")
+OPS = ("topk.py", "token_rows.py", "aux_scores.py", "aux_loss.py", "z_loss.py")
 
 
 def _src(name):
