@@ -21,6 +21,7 @@ from tolerances import assert_close
 import gpurouter as gr
 from gpurouter import reference as ref
 
+
 def _logits(seed, shape, dtype="float32", masked=True):
     """Random logits with some -inf entries and, when ``masked``, an all -inf row."""
     rng = np.random.default_rng(seed)
