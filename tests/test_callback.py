@@ -139,3 +139,18 @@ def test_device_call_with_empty_arrays_launches_nothing(monkeypatch):
     e = np.zeros((0, 8), np.float32)
     cb._device_call(_FakePlan, 1, 1, [_Buf(e)], [_Buf(e)], 0)
     assert calls == []
+
+
+def test_plans_of_a_bitmap_backward_and_a_replay_take_their_int_inputs(monkeypatch):
+    """The zero-copy callback describes XLA's buffers by spec_for: a BITMAP_U8
+    map (uint8) and forced indices (int32) must pass (the bitmap backward once
+    failed here on the GPU: 'spec_for: array must be ... got uint8')."""
+    calls = _recording(monkeypatch)
+    bits, saved, grad = (np.zeros((6, 2), np.uint8), np.zeros((6, 12), np.float32),
+                         np.zeros((6, 12), np.uint16))
+    out = np.zeros((6, 12), np.uint16)
+    cb._run_plans(_FakePlan, 3, 1, [_ptr_of(bits), _ptr_of(saved), _ptr_of(grad)], [_ptr_of(out)], 0)
+    (specs, _, _), = calls
+    assert specs[0] == L.Spec((6, 2), np.uint8, None)
+    forced = np.zeros((6, 3), np.int32)
+    assert L.spec_for(forced.shape, forced.dtype).dtype == np.int32

@@ -678,7 +678,7 @@ def spec_of(shape, kind) -> Spec:
 def spec_for(shape, dtype) -> Spec:
     """The Spec of an array with host or device dtype ``dtype`` (bfloat16 -> its words)."""
     dtype = np.dtype(dtype)
-    if dtype == np.bool_:
+    if dtype in (np.bool_, np.uint8):  # routing maps: BYTEMAP bool, BITMAP_U8 bytes
         return Spec(shape, dtype, None)
     kind = _kind_of(dtype, True, "array", "spec_for", True)
     return Spec(shape, DEVICE_DTYPE.get(kind, dtype), kind)
