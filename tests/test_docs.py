@@ -24,7 +24,7 @@ def _text_files():
 
 
 def test_nothing_points_outside_the_repository():
-    """A clone has no ../shared (or any sibling): the contract is docs/contract.md."""
+    """A clone has no sibling folders (the shared spec folder): the contract is docs/contract.md."""
     outside = re.compile(r"\.\./shared|shared/spec|shared/gpu")
     here = pathlib.Path(__file__).resolve()
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in _text_files() if p.resolve() != here

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import ml_dtypes
 import numpy as np
-from numba import cuda, uint32
+from _timing import median_us as _time  # tools/_timing.py (the script's own folder)
+from _timing import ptr as _ptr
+from _timing import spin_kernel as _spin_kernel
+from numba import cuda
 
 from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
@@ -33,33 +35,6 @@ CASES = {  # name: (E, K, G, Kg, sf, bias, scale)
     "deepseek_v3": (256, 8, 8, 4, L.SIGMOID, True, 2.5),
     "nemotron_wlane": (512, 22, -1, -1, L.SIGMOID, True, 5.0),
 }
-
-
-def _spin_kernel():
-    @cuda.jit
-    def spin(n):
-        for _ in range(n):
-            cuda.nanosleep(uint32(1000))
-
-    return spin
-
-
-def _ptr(a) -> int:
-    return int(a.__cuda_array_interface__["data"][0])
-
-
-def _time(launch, ptr_sets, repeats, spin) -> float:
-    """Median microseconds of ``launch(ptrs, 0)`` over ``repeats`` launches."""
-    launch(ptr_sets[0], 0)
-    cuda.synchronize()
-    events = [cuda.event() for _ in range(repeats + 1)]
-    L.launch(spin, 1, 1, 0, 0, 20000)  # ~20 ms: longer than the host needs to queue the launches
-    events[0].record()
-    for i in range(repeats):
-        launch(ptr_sets[i % len(ptr_sets)], 0)
-        events[i + 1].record()
-    events[-1].synchronize()
-    return statistics.median(events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(repeats))
 
 
 def _device_like(spec):

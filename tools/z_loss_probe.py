@@ -19,48 +19,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import ml_dtypes
 import numpy as np
-from numba import cuda, uint32
+from _timing import median_us as _time  # tools/_timing.py (the script's own folder)
+from _timing import ptr as _ptr
+from _timing import spin_kernel as _spin_kernel
+from numba import cuda
 
 from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
 from gpurouter.kernels import z_loss as Z
 
 DTYPES = {"bf16": (ml_dtypes.bfloat16, L.BF16), "fp32": (np.float32, L.F32), "fp16": (np.float16, L.F16)}
-
-
-def _spin_kernel():
-    @cuda.jit
-    def spin(n):
-        for _ in range(n):
-            cuda.nanosleep(uint32(1000))
-
-    return spin
-
-
-def _ptr(a) -> int:
-    return int(a.__cuda_array_interface__["data"][0])
-
-
-def _time(launch, ptr_sets, repeats, spin) -> float:
-    """Median microseconds of ``launch(ptrs, 0)`` over ``repeats`` launches."""
-    launch(ptr_sets[0], 0)
-    cuda.synchronize()
-    times = []
-    for c0 in range(0, repeats, 25):
-        n = min(25, repeats - c0)
-        events = [cuda.event() for _ in range(n + 1)]
-        L.launch(spin, 1, 1, 0, 0, 2000)  # ~2 ms: longer than the host needs to queue the launches
-        events[0].record()
-        for i in range(n):
-            launch(ptr_sets[(c0 + i) % len(ptr_sets)], 0)
-            events[i + 1].record()
-        events[-1].synchronize()
-        times += [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(n)]
-    return statistics.median(times)
 
 
 def _lse64(x):

@@ -1,0 +1,47 @@
+"""Kernel timing shared by the probes in tools/ (GPU only): CUDA events around
+plan launches on raw pointers, queued behind a sleep kernel so that the
+host's launch rate is not what is timed (as ``python -m gpurouter bench``)."""
+
+from __future__ import annotations
+
+import statistics
+
+from numba import cuda, uint32
+
+from gpurouter.kernels import _launch as L
+
+
+def spin_kernel():
+    """A one-thread kernel that sleeps about ``n`` microseconds."""
+
+    @cuda.jit
+    def spin(n):
+        for _ in range(n):
+            cuda.nanosleep(uint32(1000))
+
+    return spin
+
+
+def ptr(a) -> int:
+    """The device pointer of any array with ``__cuda_array_interface__``."""
+    return int(a.__cuda_array_interface__["data"][0])
+
+
+def median_us(launch, ptr_sets, repeats, spin) -> float:
+    """Median microseconds of ``launch(ptrs, 0)`` over ``repeats`` launches,
+    ``ptrs`` rotated over ``ptr_sets``; batches of 25 launches, each behind a
+    ~2 ms sleep (longer than the host needs to queue them)."""
+    launch(ptr_sets[0], 0)
+    cuda.synchronize()
+    times = []
+    for c0 in range(0, repeats, 25):
+        n = min(25, repeats - c0)
+        events = [cuda.event() for _ in range(n + 1)]
+        L.launch(spin, 1, 1, 0, 0, 2000)
+        events[0].record()
+        for i in range(n):
+            launch(ptr_sets[(c0 + i) % len(ptr_sets)], 0)
+            events[i + 1].record()
+        events[-1].synchronize()
+        times += [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(n)]
+    return statistics.median(times)
