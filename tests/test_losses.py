@@ -114,6 +114,14 @@ def test_update_expert_bias_matches_oracle(data):
                                atol=1e-7)
 
 
+def test_update_expert_bias_under_vmap_and_scan():
+    counts = jnp.array([[4, 0, 2, 2], [0, 4, 2, 2]], jnp.int32)
+    out = jax.vmap(lambda c: gr.update_expert_bias(jnp.zeros(4), c, 0.5))(counts)
+    assert out.tolist() == [[-0.5, 0.5, 0.0, 0.0], [0.5, -0.5, 0.0, 0.0]]
+    bias, _ = jax.lax.scan(lambda b, c: (gr.update_expert_bias(b, c, 0.5), None), jnp.zeros(4), counts)
+    assert bias.tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
 def test_update_expert_bias_under_jit_with_a_traced_rate_keeps_the_dtype():
     bias = jnp.zeros((4,), jnp.bfloat16)
     f = jax.jit(lambda b, c, r: gr.update_expert_bias(b, c, r))

@@ -359,7 +359,7 @@ def _op_cases():
 
 
 @pytest.mark.parametrize("name,fn,args", _op_cases(), ids=[c[0] for c in _op_cases()])
-def test_every_op_under_jit_checkpoint_and_scan(name, fn, args):
+def test_every_op_under_jit_checkpoint_scan_and_vmap(name, fn, args):
     want = fn(*args)
     want_g = jax.grad(fn, argnums=tuple(range(len(args))))(*args)
     np.testing.assert_allclose(float(jax.jit(fn)(*args)), float(want), rtol=1e-6)
@@ -375,6 +375,12 @@ def test_every_op_under_jit_checkpoint_and_scan(name, fn, args):
     np.testing.assert_allclose(float(total), float(fn(*args) + fn(*(2 * a for a in args))), rtol=1e-5)
     g_scan = jax.grad(lambda st: jax.lax.scan(body, jnp.float32(0), st)[0])(stacked)
     for a, b in zip(g_scan, want_g, strict=True):
+        np.testing.assert_allclose(np.asarray(a[0]), np.asarray(b), rtol=1e-5, atol=1e-6)
+    # vmap over a leading batch of the float arguments (values and gradients)
+    vals = jax.vmap(fn)(*stacked)
+    np.testing.assert_allclose(np.asarray(vals), [float(want), float(fn(*(2 * a for a in args)))], rtol=1e-5)
+    g_vmap = jax.vmap(jax.grad(fn, argnums=tuple(range(len(args)))))(*stacked)
+    for a, b in zip(g_vmap, want_g, strict=True):
         np.testing.assert_allclose(np.asarray(a[0]), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
