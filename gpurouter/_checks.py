@@ -333,10 +333,6 @@ def check_forced_indices(op: str, forced_indices, logits_shape, topk: int, compu
                          "distinct experts.")
 
 
-def kernel_feature_error(op: str, argument: str) -> NotImplementedError:
-    return NotImplementedError(f'{op} (numba): {argument} is not in the kernels yet; use backend="jax".')
-
-
 def check_routing_map(op: str, routing_map, num_experts,
                       bytemap_only: bool = False) -> tuple[RoutingMapFormat, int]:
     """A routing map of either format (or a BYTEMAP only); returns ``(format, num_experts)``.
