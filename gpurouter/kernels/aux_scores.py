@@ -20,6 +20,7 @@ import functools
 import numpy as np
 from numba import cuda
 
+from .._checks import check_topk_args
 from . import _launch as L
 from ._limits import check_limits
 from .topk import (
@@ -163,9 +164,9 @@ def score_for_aux_loss_fwd(logits, topk, score_function="softmax", routing_map_f
     s = L.resolve_stream(stream)
     d_logits, kind = L.device_input(logits, "logits", op, s, ndim=2)
     num_tokens, num_experts = (int(v) for v in d_logits.shape)
-    topk = int(topk)
-    if num_experts < 1 or not 1 <= topk <= num_experts:
-        raise ValueError(f"{op}: topk ({topk}) must be in [1, num_experts ({num_experts})].")
+    # the rules of gpurouter._checks, the one place they are written
+    topk = check_topk_args((1, num_experts), np.float32, topk, False, -1, -1, 1.0, sf, None, None, True, fmt,
+                           op=op).topk
     check_limits(op, num_experts, topk)
     to_host = not L.any_on_device(logits) and out is None
     plan = score_for_aux_loss_fwd_plan(L.spec_of(d_logits.shape, kind), topk, sf, fmt, bool(return_indices))

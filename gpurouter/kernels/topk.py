@@ -34,6 +34,7 @@ from numba import float32 as nb_f32  # array declarations take numba types
 from numba import int32 as nb_i32
 from numba import uint8 as nb_u8
 
+from .._checks import check_topk_args
 from . import _launch as L
 from ._limits import check_limits
 
@@ -1339,31 +1340,14 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, sf: int, dense
 # ----------------------------------------------------------------------------
 
 
-def _check_config(op, num_experts, topk, num_groups, group_topk, sf, pre, bias_given):
-    if num_experts < 1:
-        raise ValueError(f"{op}: num_experts ({num_experts}) must be >= 1.")
-    if not 1 <= topk <= num_experts:
-        raise ValueError(f"{op}: topk ({topk}) must be in [1, num_experts ({num_experts})].")
-    grouped = group_topk is not None and group_topk > 0
-    if grouped:
-        if num_groups is None or num_groups < 1 or num_experts % num_groups:
-            raise ValueError(
-                f"{op}: num_experts ({num_experts}) must be divisible by num_groups ({num_groups})."
-            )
-        if group_topk > num_groups:
-            raise ValueError(
-                f"{op}: group_topk ({group_topk}) must be <= num_groups ({num_groups}).")
-        if topk % group_topk:
-            raise ValueError(f"{op}: topk ({topk}) must be divisible by group_topk ({group_topk}).")
-        if topk // group_topk > num_experts // num_groups:
-            raise ValueError(
-                f"{op}: topk / group_topk ({topk // group_topk}) must be <= "
-                f"num_experts / num_groups ({num_experts // num_groups})."
-            )
-    if bias_given and sf == _SOFTMAX:
-        raise ValueError(f"{op}: expert_bias is only allowed with sigmoid or sqrtsoftplus.")
-    check_limits(op, num_experts, topk, num_groups if grouped else 1)
-    return grouped
+def _check_config(op, num_experts, topk, num_groups, group_topk, sf, pre, scaling_factor, bias_given, fmt):
+    """The launcher's configuration, by the rules of ``gpurouter._checks`` (the
+    one place they are written; the public ops apply them at trace time), then
+    the kernel limits."""
+    cfg = check_topk_args((1, num_experts), np.float32, topk, pre, num_groups, group_topk, scaling_factor, sf,
+                          (num_experts,) if bias_given else None, np.float32, False, fmt, op=op)
+    check_limits(op, num_experts, cfg.topk, cfg.num_groups if cfg.grouped else 1)
+    return cfg.grouped
 
 
 def topk_with_score_function_fwd(
@@ -1428,8 +1412,8 @@ def topk_with_score_function_fwd(
     d_logits, kind = L.device_input(logits, "logits", op, s, ndim=2)
     num_tokens, num_experts = (int(v) for v in d_logits.shape)
     topk = int(topk)
-    _check_config(op, num_experts, topk, num_groups, group_topk, sf,
-                  use_pre_softmax, expert_bias is not None)
+    _check_config(op, num_experts, topk, num_groups, group_topk, sf, use_pre_softmax, scaling_factor,
+                  expert_bias is not None, fmt)
     forced = forced_indices is not None
     if forced and return_indices:
         raise ValueError(f"{op}: return_indices with forced_indices: the indices are the forced ones.")

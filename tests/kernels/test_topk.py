@@ -350,3 +350,22 @@ def test_streaming_bwd_lanes_and_partial_blocks(sf, pre, T, E, k):
     g = random_cotangent(10, x.shape)
     assert_close(K.score_for_aux_loss_bwd(sv, g, sf),
                  host(ref.score_for_aux_loss_bwd(sv, g, sf)), "grads", np.float32, E=E)
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(topk=9), "topk_with_score_function_fwd: topk (9) must be <= num_experts (8)."),
+    (dict(topk=2, num_groups=3, group_topk=1), "topk_with_score_function_fwd: num_experts (8) must be divisible "
+                                               "by num_groups (3)."),
+    (dict(topk=2, scaling_factor=float("inf")), "topk_with_score_function_fwd: scaling_factor (inf) must be finite."),
+    (dict(topk=2, expert_bias=np.zeros(8, np.float32)), "topk_with_score_function_fwd: expert_bias (shape (8,)) "
+                                                        "must be None with score_function ('softmax')"),
+])
+def test_launcher_config_errors_are_the_checks_module_s(kwargs, msg):
+    """The kernel launchers apply the rules of gpurouter._checks (written once)."""
+    import re
+
+    with pytest.raises((ValueError, TypeError), match="^" + re.escape(msg)):
+        K.topk_with_score_function_fwd(np.zeros((2, 8), np.float32), **kwargs)
+    if "topk" in kwargs and len(kwargs) == 1:
+        with pytest.raises(ValueError, match=re.escape("score_for_aux_loss_fwd: topk (9) must be <= num_experts (8).")):
+            K.score_for_aux_loss_fwd(np.zeros((2, 8), np.float32), 9)
