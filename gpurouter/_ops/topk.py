@@ -98,14 +98,15 @@ def fused_topk_with_score_function(
             return False
         return True
 
+    # "auto" keeps indices and replays on jax: no end-to-end measurement yet
     backend = _backend.resolve(TOPK_OP, backend, faster=lambda: kernels_faster() and not (
         return_indices or forced))
     # The bias only selects: not with the aux scores, softmax, or a replay.
     use_bias = (expert_bias is not None and not cfg.compute_aux_scores and not forced
                 and cfg.score_function != ScoreFunction.SOFTMAX)
     bias = jnp.asarray(expert_bias) if use_bias else None
-    # Indices the kernels write (a replay returns its forced indices instead).
-    write_indices = return_indices and not forced and not cfg.compute_aux_scores
+    # Indices the op computes (a replay returns its forced indices instead).
+    write_indices = return_indices and not forced
     if backend == "jax":
         def route(x, *rest):
             b = rest[0] if bias is not None else None
@@ -113,8 +114,7 @@ def fused_topk_with_score_function(
             return reference.fused_topk_with_score_function(
                 x, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
                 score_function, b, compute_aux_scores, cfg.routing_map_format,
-                return_indices=write_indices or (return_indices and cfg.compute_aux_scores),
-                forced_indices=f)
+                return_indices=write_indices, forced_indices=f)
     else:
         transport = resolve_transport(TOPK_OP, transport)
         check_kernel_dtype(TOPK_OP, "logits", logits.dtype)
@@ -128,7 +128,7 @@ def fused_topk_with_score_function(
 
         def route(x, *rest):
             if cfg.compute_aux_scores:
-                return _aux_scores(x, cfg, logits.dtype, transport, return_indices)
+                return _aux_scores(x, cfg, logits.dtype, transport, write_indices)
             replay_bias = forced and expert_bias is not None and cfg.score_function != ScoreFunction.SOFTMAX
             return _topk(x, rest[0] if rest else None, cfg,
                          _KernelCall(transport, forced, write_indices, replay_bias))
@@ -145,7 +145,7 @@ def fused_topk_with_score_function(
     if forced:
         tokens.append(jnp.asarray(forced_indices).reshape(-1, cfg.topk).astype(jnp.int32))
     # Token-sharded logits: each device routes its own tokens (_sharding.py).
-    n_out = 3 if (write_indices or (return_indices and cfg.compute_aux_scores)) else 2
+    n_out = 3 if write_indices else 2
     out = per_token_shard(route, tokens, [] if bias is None else [bias], n_out)
     probs, routing_map = out[0].reshape(shape), out[1].reshape(map_shape)
     if not return_indices:
