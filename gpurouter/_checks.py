@@ -594,21 +594,30 @@ def _check_accumulator(op: str, name: str, x, want: tuple[int, ...]) -> None:
         raise TypeError(f"{op}: {name} must be float32 (it is accumulated into), got {_dtype_name(dtype)}.")
 
 
+def _check_scales(op: str, scales, n: int) -> None:
+    s_shape, s_dtype = array_meta(op, "scales", scales)
+    if tuple(s_shape) != (n,):
+        raise ValueError(f"{op}: scales shape {s_shape} must be (num_rows,) = ({n},).")
+    check_float_dtype(op, "scales", s_dtype)
+
+
+def _check_grouped_bias(op: str, bias, h: int, rows_name: str) -> int:
+    """``bias [G, H]`` with ``G >= 1`` and the rows' ``H``; returns ``G``."""
+    b_shape, b_dtype = _rank2(op, "bias", bias, "num_groups, hidden")
+    if b_shape[1] != h or b_shape[0] < 1:
+        raise ValueError(f"{op}: bias shape {b_shape} must be (num_groups, hidden) with num_groups >= 1 "
+                         f"and hidden = {rows_name}.shape[1] ({h}).")
+    check_float_dtype(op, "bias", b_dtype)
+    return b_shape[0]
+
+
 def check_grouped_dbias_dscales_args(dy, scales, bias, offsets, dbias, dscales,
                                      op: str = GROUPED_DBIAS_DSCALES_OP) -> tuple[int, int, int]:
     """Checks ``compute_grouped_dbias_dscales``; returns ``(N, H, G)``."""
     (n, h), dy_dtype = _rank2(op, "dy", dy, "num_rows, hidden")
     check_float_dtype(op, "dy", dy_dtype)
-    s_shape, s_dtype = array_meta(op, "scales", scales)
-    if tuple(s_shape) != (n,):
-        raise ValueError(f"{op}: scales shape {s_shape} must be (num_rows,) = ({n},).")
-    check_float_dtype(op, "scales", s_dtype)
-    b_shape, b_dtype = _rank2(op, "bias", bias, "num_groups, hidden")
-    if b_shape[1] != h or b_shape[0] < 1:
-        raise ValueError(f"{op}: bias shape {b_shape} must be (num_groups, hidden) with num_groups >= 1 "
-                         f"and hidden = dy.shape[1] ({h}).")
-    check_float_dtype(op, "bias", b_dtype)
-    g = b_shape[0]
+    _check_scales(op, scales, n)
+    g = _check_grouped_bias(op, bias, h, "dy")
     _check_offsets(op, offsets, g)
     _check_accumulator(op, "dbias", dbias, (g, h))
     _check_accumulator(op, "dscales", dscales, (n,))
@@ -633,16 +642,8 @@ def check_scaled_bias_add_args(y, bias, scales, group_sizes,
     """Checks ``grouped_scaled_bias_add``; returns ``(N, H, G)``."""
     (n, h), y_dtype = _rank2(op, "y", y, "num_rows, hidden")
     check_float_dtype(op, "y", y_dtype)
-    b_shape, b_dtype = _rank2(op, "bias", bias, "num_groups, hidden")
-    if b_shape[1] != h or b_shape[0] < 1:
-        raise ValueError(f"{op}: bias shape {b_shape} must be (num_groups, hidden) with num_groups >= 1 "
-                         f"and hidden = y.shape[1] ({h}).")
-    check_float_dtype(op, "bias", b_dtype)
-    s_shape, s_dtype = array_meta(op, "scales", scales)
-    if tuple(s_shape) != (n,):
-        raise ValueError(f"{op}: scales shape {s_shape} must be (num_rows,) = ({n},).")
-    check_float_dtype(op, "scales", s_dtype)
-    g = b_shape[0]
+    g = _check_grouped_bias(op, bias, h, "y")
+    _check_scales(op, scales, n)
     gs_shape, gs_dtype = array_meta(op, "group_sizes", group_sizes)
     if tuple(gs_shape) != (g,):
         raise ValueError(f"{op}: group_sizes shape {gs_shape} must be (num_groups,) = ({g},).")
