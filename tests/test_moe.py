@@ -185,3 +185,10 @@ def test_block_errors(change, exc, msg):
 def test_block_config_errors(kw, msg):
     with pytest.raises(ValueError, match="^" + re.escape(msg)):
         _call(gmoe.moe, _params(seed=7), kw)
+
+
+def test_activation_names_are_the_checks():
+    from gpurouter._checks import MOE_ACTIVATIONS
+    from gpurouter.reference.moe import ACTIVATIONS
+
+    assert tuple(ACTIVATIONS) == MOE_ACTIVATIONS

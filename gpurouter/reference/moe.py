@@ -22,6 +22,7 @@ from .aux_loss import fused_moe_aux_loss
 from .routing_map import tokens_per_expert
 from .topk import fused_topk_with_score_function
 
+# the names _checks.MOE_ACTIVATIONS accepts (tests/test_moe.py holds them equal)
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
     "gelu": jax.nn.gelu,
@@ -99,7 +100,7 @@ def moe(
                    None if wi_1_bias is None else jnp.shape(wi_1_bias),
                    None if wo_bias is None else jnp.shape(wo_bias),
                    num_experts, num_experts_per_tok, activation_type, align_size,
-                   axis_size(MOE_OP, ep_axis))
+                   shards := axis_size(MOE_OP, ep_axis))
     router = router or fused_topk_with_score_function
     aux_loss = aux_loss or fused_moe_aux_loss
     x = jnp.asarray(x)
@@ -128,7 +129,6 @@ def moe(
     if ep_axis is None:
         z = ffn(xs, rows_e, group_sizes, w_rows)
     else:  # rows to their experts' devices and back (gpurouter/_ep.py)
-        shards = axis_size(MOE_OP, ep_axis)
         ep = dict(axis_name=ep_axis, num_shards=shards)
         recv, local_sizes, state = _ep.dispatch(xs, rows_e, group_sizes, num_experts=e, **ep)
         recv_w, _, _ = _ep.dispatch(w_rows[:, None], rows_e, group_sizes, num_experts=e, **ep)
@@ -196,4 +196,4 @@ def _expert_ffn(xs, rows_e, group_sizes, w_rows, *, wi_0, wi_1, wo, wi_0_bias, w
     return z if dest is None else z[dest]
 
 
-__all__ = ["moe", "ACTIVATIONS", "MOE_OP"]
+__all__ = ["moe"]
