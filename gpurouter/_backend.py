@@ -31,7 +31,7 @@ AUTO_MIN_EXPERTS = 64
 # XLA:CPU ends the whole process ("Termination timeout for 'all reduce ...'
 # exceeded") when a collective's participants wait longer than these timeouts
 # for each other. On the CUDA simulator one kernel launch can take seconds and
-# launches are serialised (_callback._LAUNCH_LOCK), so a sharded jit on
+# launches are serialised (_transport.host._LAUNCH_LOCK), so a sharded jit on
 # several CPU devices can leave devices waiting for minutes: with the
 # simulator, gpurouter raises the timeouts before JAX's CPU backend starts.
 SIMULATOR_XLA_FLAGS = (
@@ -105,6 +105,22 @@ def numba_gpu_available() -> bool:
         return False
 
 
+@functools.cache
+def zero_copy_available() -> bool:
+    """True when JAX runs on a CUDA GPU, ``buffer_callback`` exists and numba
+    sees a real GPU: the device transports can run ("ffi" also needs its ABI
+    check, ``_transport.ffi.available``)."""
+    import jax
+
+    if jax.default_backend() != "gpu" or simulator_enabled():
+        return False
+    try:
+        from jax.experimental import buffer_callback  # noqa: F401
+    except ImportError:
+        return False
+    return numba_gpu_available()
+
+
 def numba_usable() -> bool:
     """True when ``backend="numba"`` can run here: numba-cuda imports and sees a
     GPU, or runs on the simulator."""
@@ -126,8 +142,6 @@ def resolve(op: str, backend: str, *, faster: Callable[[], bool] | None = None) 
     """
     check_backend(op, backend)
     if backend == "auto":
-        from ._callback import zero_copy_available
-
         if faster is not None and zero_copy_available() and faster():
             return "numba"
         return "jax"

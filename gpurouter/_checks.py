@@ -70,7 +70,7 @@ class RoutingMapFormat(enum.IntEnum):
 _FLOAT_NAMES = ("float32", "bfloat16", "float16")
 _TPE_NAMES = ("int32", "int64", "float32", "bfloat16")
 BACKENDS = ("auto", "jax", "numba")
-TRANSPORTS = ("auto", "callback", "zero-copy")
+TRANSPORTS = ("auto", "callback", "ffi", "zero-copy")
 
 
 def _dtype_name(dtype) -> str:

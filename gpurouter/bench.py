@@ -166,7 +166,7 @@ def _spin_kernel():
 def _kernel_times(planner, n_token: int, arg_sets, outs, repeats: int, check=None) -> tuple[float, float]:
     """``(kernel seconds, host seconds)``: medians over ``repeats`` launches.
 
-    Runs exactly what a zero-copy callback runs (``_callback._run_plans`` on the
+    Runs exactly what a zero-copy callback runs (``_transport.buffer._run_plans`` on the
     arrays' raw pointers), inputs rotated over ``arg_sets``. Kernel time: CUDA
     events around each launch, the launches queued behind a 2 ms sleep kernel.
     Host time: the Python time of one call, the per-call overhead of the
@@ -175,7 +175,7 @@ def _kernel_times(planner, n_token: int, arg_sets, outs, repeats: int, check=Non
     """
     from numba import cuda
 
-    from . import _callback as cb
+    from ._transport import buffer as cb
     from .kernels import _launch as L
 
     stream = cuda.stream()
@@ -209,7 +209,7 @@ def _kernel_times(planner, n_token: int, arg_sets, outs, repeats: int, check=Non
 @contextlib.contextmanager
 def _callback_timer():
     """Records the Python seconds of every zero-copy callback body run inside."""
-    from . import _callback as cb
+    from ._transport import buffer as cb
 
     inner, times = cb._device_call, []
 
@@ -302,6 +302,7 @@ def _kernel_rows(name, p, xs, bias, repeats, peak, want_p, want_m) -> list[Row]:
     from . import kernels as K
     from ._host import aux_loss_coeff
     from .kernels import _launch as L
+    from .kernels import _plan
 
     e, k = p.num_experts, p.topk
     tokens = xs[0].shape[0]
@@ -375,7 +376,7 @@ def _kernel_rows(name, p, xs, bias, repeats, peak, want_p, want_m) -> list[Row]:
             _bytes("aux_scores", "bwd", tokens, e, 2))
         tpe = cuda.to_device(np.arange(e, dtype=np.int32))
         c = aux_loss_coeff(e, 1e-4, k, tokens)
-        loss_plan = K.moe_aux_loss_fwd_plan(L.spec_of((tokens, e), L.F32), L.spec_for((e,), np.int32), c)
+        loss_plan = K.moe_aux_loss_fwd_plan(_plan.spec_of((tokens, e), L.F32), _plan.spec_for((e,), np.int32), c)
         loss_outs = [cuda.device_array((), np.float32), cuda.device_array((), np.float32)]
         loss_outs += [cuda.device_array(t.shape, t.dtype) for t in loss_plan.tmps]
         add("aux_loss", "fwd", _kernel_times(lambda pr, t: loss_plan, 0, [[pr, tpe] for pr in g32], loss_outs,
@@ -444,7 +445,7 @@ PATHS = ("kernel", "jax", "numba:zero-copy", "numba:callback")
 
 def _path_problem(path: str) -> str:
     """Why ``path`` cannot run on this machine ("" when it can)."""
-    from . import _backend, _callback
+    from . import _backend
 
     if path == "jax":
         return ""
@@ -456,7 +457,7 @@ def _path_problem(path: str) -> str:
         except ImportError:
             return "numba-cuda is not installed (pip install 'gpurouter[cuda13]')"
         return "numba-cuda sees no CUDA GPU"
-    if path in ("kernel", "numba:zero-copy") and not _callback.zero_copy_available():
+    if path in ("kernel", "numba:zero-copy") and not _backend.zero_copy_available():
         return "JAX does not run on a CUDA GPU here (the zero-copy transport needs it)"
     return ""
 

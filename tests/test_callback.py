@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpurouter import _callback as cb
+from gpurouter._transport import buffer as cb
 
 pytest.importorskip("numba")
 L = pytest.importorskip("gpurouter.kernels._launch")
+_plan = pytest.importorskip("gpurouter.kernels._plan")
 
 
 def _ptr_of(a: np.ndarray) -> cb._Ptr:
@@ -48,7 +49,7 @@ def test_unbatched_call_is_one_launch_on_the_buffers(monkeypatch):
     cb._run_plans(_FakePlan, 1, 2, [_ptr_of(x), _ptr_of(b)], [_ptr_of(o) for o in outs], 7)
     (specs, ptrs, stream), = calls
     assert stream == 7
-    assert specs == (L.spec_for((6, 8), np.uint16), L.spec_for((8,), np.float32))
+    assert specs == (_plan.spec_for((6, 8), np.uint16), _plan.spec_for((8,), np.float32))
     assert specs[0].kind == L.BF16
     assert ptrs == [x.ctypes.data, b.ctypes.data] + [o.ctypes.data for o in outs]
 
@@ -60,7 +61,7 @@ def test_vmap_batch_folds_into_tokens(monkeypatch):
     out = np.zeros((2, 3, 5, 8), np.float32)
     cb._run_plans(_FakePlan, 1, 1, [_ptr_of(x), _ptr_of(b)], [_ptr_of(out)], 0)
     (specs, ptrs, _), = calls
-    assert specs == (L.spec_for((30, 8), np.float32), L.spec_for((8,), np.float32))
+    assert specs == (_plan.spec_for((30, 8), np.float32), _plan.spec_for((8,), np.float32))
     assert ptrs == [x.ctypes.data, b.ctypes.data, out.ctypes.data]
 
 
@@ -72,7 +73,7 @@ def test_batched_bias_launches_once_per_element_at_the_right_offsets(monkeypatch
     cb._run_plans(_FakePlan, 1, 1, [_ptr_of(x), _ptr_of(b)], [_ptr_of(out)], 0)
     assert len(calls) == 6
     for (specs, ptrs, _), (i, j) in zip(calls, np.ndindex(2, 3), strict=True):
-        assert specs == (L.spec_for((5, 8), np.float32), L.spec_for((8,), np.float32))
+        assert specs == (_plan.spec_for((5, 8), np.float32), _plan.spec_for((8,), np.float32))
         assert ptrs == [x[i, j].ctypes.data, b[i, 0].ctypes.data, out[i, j].ctypes.data]
 
 
@@ -118,7 +119,7 @@ def test_device_call_caches_the_launch_and_takes_new_pointers(monkeypatch):
         out = np.zeros((2, 6, 8), np.float32)
         cb._device_call(Planner, 1, 1, [_Buf(x), _Buf(b)], [_Buf(out)], 5)
         assert calls[-1][1:] == ([x.ctypes.data, b.ctypes.data, out.ctypes.data], 5)
-    assert made == [(L.spec_for((12, 8), np.uint16), L.spec_for((8,), np.float32))]
+    assert made == [(_plan.spec_for((12, 8), np.uint16), _plan.spec_for((8,), np.float32))]
     assert made[0][0].kind == L.BF16 and len(calls) == 3
 
 
@@ -151,6 +152,6 @@ def test_plans_of_a_bitmap_backward_and_a_replay_take_their_int_inputs(monkeypat
     out = np.zeros((6, 12), np.uint16)
     cb._run_plans(_FakePlan, 3, 1, [_ptr_of(bits), _ptr_of(saved), _ptr_of(grad)], [_ptr_of(out)], 0)
     (specs, _, _), = calls
-    assert specs[0] == L.Spec((6, 2), np.uint8, None)
+    assert specs[0] == _plan.Spec((6, 2), np.uint8, None)
     forced = np.zeros((6, 3), np.int32)
-    assert L.spec_for(forced.shape, forced.dtype).dtype == np.int32
+    assert _plan.spec_for(forced.shape, forced.dtype).dtype == np.int32

@@ -202,7 +202,7 @@ def test_float64_rejected_by_the_kernel_backend():
 
 def test_bad_transport():
     with pytest.raises(ValueError, match=re.escape(
-            f"{TOPK}: transport ('gpu') must be one of 'auto', 'callback', 'zero-copy'.")):
+            f"{TOPK}: transport ('gpu') must be one of 'auto', 'callback', 'ffi', 'zero-copy'.")):
         gr.fused_topk_with_score_function(X8, 2, backend="numba", transport="gpu")
 
 

@@ -29,6 +29,7 @@ from numba import cuda
 
 from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
+from gpurouter.kernels import _plan, _pointer
 
 CASES = {  # name: (E, K, G, Kg, sf, bias, scale)
     "deepseek_v3": (256, 8, 8, 4, L.SIGMOID, True, 2.5),
@@ -48,7 +49,7 @@ def run_case(name, tokens, repeats, spin):
     xs = [cuda.to_device(x.view(np.uint16)) for x in xs_h]
     bias_h = (rng.integers(-32, 33, E) / 256).astype(np.float32)
     bias = cuda.to_device(bias_h)
-    spec = L.spec_of((tokens, E), L.BF16)
+    spec = _plan.spec_of((tokens, E), L.BF16)
     args = (spec, has_bias, k, False, G, Kg, np.float32(scale), sf, 0)
     plans = {"plain": K.topk_with_score_function_fwd_plan(*args),
              "indices": K.topk_with_score_function_fwd_plan(*args, return_indices=True),
@@ -60,7 +61,7 @@ def run_case(name, tokens, repeats, spin):
             "indices": [[_ptr(x)] + b + [_ptr(o) for o in outs["indices"]] for x in xs],
             # replays the first set's indices on every set (the same work)
             "replay": [[_ptr(x), _ptr(idx)] + [_ptr(o) for o in outs["replay"]] for x in xs]}
-    launches = {v: L.PointerLaunch(p, 0) for v, p in plans.items()}
+    launches = {v: _pointer.PointerLaunch(p, 0) for v, p in plans.items()}
     res = {"case": name, "T": tokens, "E": E, "K": k,
            "kernel": {v: p.steps[0].kernel.py_func.__module__ for v, p in plans.items()}}
     for v in ("plain", "indices", "replay"):  # the replay reads the indices call's output
@@ -73,8 +74,9 @@ def run_case(name, tokens, repeats, spin):
     r = (1 / (1 + np.exp(-x0)) + bias_h) if sf == L.SIGMOID else x0
     rs = np.take_along_axis(r, ih.astype(np.int64), 1)
     res["checks"] = {
-        "indices_call_same_outputs": all(a.tobytes() == c.tobytes() for a, c in zip(h["plain"], h["indices"][:3])),
-        "replay_same_bytes": all(a.tobytes() == c.tobytes() for a, c in zip(h["plain"], h["replay"])),
+        "indices_call_same_outputs": all(a.tobytes() == c.tobytes()
+                                         for a, c in zip(h["plain"], h["indices"][:3], strict=True)),
+        "replay_same_bytes": all(a.tobytes() == c.tobytes() for a, c in zip(h["plain"], h["replay"], strict=True)),
         "indices_are_the_map": bool((np.sort(ih, 1) == np.sort(np.nonzero(m)[1].reshape(tokens, k), 1)).all()),
         "indices_in_order": bool((np.diff(rs, axis=1) <= 1e-6).all()),
     }

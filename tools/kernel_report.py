@@ -19,6 +19,7 @@ from numba import cuda
 
 from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
+from gpurouter.kernels import _plan, _pointer
 from gpurouter.presets import PRESETS
 
 
@@ -26,14 +27,14 @@ def plans(preset: str, tokens: int):
     p = PRESETS[preset]
     kw = p.router_kwargs()
     sf = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}[kw["score_function"]]
-    x = L.spec_of((tokens, p.num_experts), L.BF16)
+    x = _plan.spec_of((tokens, p.num_experts), L.BF16)
     yield "topk fwd", K.topk_with_score_function_fwd_plan(
         x, p.expert_bias, p.topk, kw["use_pre_softmax"], kw["num_groups"] or -1, kw["group_topk"] or -1,
         np.float32(kw["scaling_factor"]), sf)
     yield "topk bwd", K.topk_with_score_function_bwd_plan(x, p.topk, kw["use_pre_softmax"],
                                                           np.float32(kw["scaling_factor"]), sf)
     yield "aux scores fwd", K.score_for_aux_loss_fwd_plan(x, p.topk, sf)
-    yield "aux scores bwd", K.score_for_aux_loss_bwd_plan(L.spec_of(x.shape, L.F32), sf, L.BF16)
+    yield "aux scores bwd", K.score_for_aux_loss_bwd_plan(_plan.spec_of(x.shape, L.F32), sf, L.BF16)
 
 
 def main():
@@ -48,7 +49,7 @@ def main():
     for name, plan in plans(args.preset, args.tokens):
         specs = {"in": plan.ins, "out": plan.outs, "tmp": plan.tmps}
         for st in plan.steps:
-            kern = st.kernel.compile(tuple(L._numba_type(a, specs) for a in st.args))
+            kern = st.kernel.compile(tuple(_pointer._numba_type(a, specs) for a in st.args))
             cufunc = kern._codelibrary.get_cufunc()
             blocks = ctx.get_active_blocks_per_multiprocessor(cufunc, st.block, st.shared)
             sass = kern.inspect_sass()
@@ -75,7 +76,7 @@ def main():
                     arrays[role].append(cuda.to_device(h))
             for st in plan.steps:
                 L.launch(st.kernel, st.grid, st.block, 0, st.shared,
-                         *(L._resolve(a, arrays) for a in st.args))
+                         *(_plan._resolve(a, arrays) for a in st.args))
             cuda.synchronize()
 
 

@@ -30,6 +30,7 @@ from numba import cuda
 
 from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
+from gpurouter.kernels import _plan, _pointer
 
 CASES = {  # name: (E, K, G, Kg, sf, bias, scale)
     "deepseek_v3": (256, 8, 8, 4, L.SIGMOID, True, 2.5),
@@ -48,18 +49,18 @@ def run_case(name, tokens, repeats, spin):
           for _ in range(3)]
     bias = cuda.to_device((rng.integers(-32, 33, E) / 256).astype(np.float32))
     grad = cuda.to_device(rng.standard_normal((tokens, E), np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
-    spec = L.spec_of((tokens, E), L.BF16)
+    spec = _plan.spec_of((tokens, E), L.BF16)
     res = {"case": name, "T": tokens, "E": E, "K": k, "fwd_us": {0: [], 1: []}, "bwd_us": {0: [], 1: []}}
     fwd, bwd, outs, gl = {}, {}, {}, {}
     for fmt in (0, 1):
         plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, False, G, Kg, np.float32(scale), sf, fmt)
         res.setdefault("fwd_kernel", {})[fmt] = plan.steps[0].kernel.py_func.__module__
         outs[fmt] = [_device_like(sp) for sp in plan.outs]
-        fwd[fmt] = (L.PointerLaunch(plan, 0),
+        fwd[fmt] = (_pointer.PointerLaunch(plan, 0),
                     [[_ptr(x)] + ([_ptr(bias)] if has_bias else []) + [_ptr(o) for o in outs[fmt]] for x in xs])
         bplan = K.topk_with_score_function_bwd_plan(spec, k, False, np.float32(scale), sf, fmt)
         gl[fmt] = _device_like(bplan.outs[0])
-        bwd[fmt] = (L.PointerLaunch(bplan, 0),
+        bwd[fmt] = (_pointer.PointerLaunch(bplan, 0),
                     [[_ptr(outs[fmt][1]), _ptr(outs[fmt][2]), _ptr(grad), _ptr(gl[fmt])]])
     # correctness at full size: the first input set, both formats
     for fmt in (0, 1):

@@ -30,6 +30,7 @@ import numpy as np
 from numba import cuda
 
 from gpurouter.kernels import _launch as L
+from gpurouter.kernels import _plan, _pointer
 from gpurouter.kernels import token_rows as R
 from gpurouter.kernels import topk as T
 from gpurouter.presets import PRESETS
@@ -58,7 +59,7 @@ def _time(plan, arrays, repeats):
     def launch():
         for st in plan.steps:
             L.launch(st.kernel, st.grid, st.block, 0, st.shared,
-                     *(L._resolve(a, arrays) for a in st.args))
+                     *(_plan._resolve(a, arrays) for a in st.args))
 
     launch()  # compile + warm
     cuda.synchronize()
@@ -73,14 +74,14 @@ def _time(plan, arrays, repeats):
     return statistics.median(events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(repeats))
 
 
-def _plan(preset, tokens, groups=True):
+def _preset_plan(preset, tokens, groups=True):
     p = PRESETS[preset]
     kw = p.router_kwargs()
     sf = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}[kw["score_function"]]
     g, kg = (kw["num_groups"] or -1, kw["group_topk"] or -1) if groups else (-1, -1)
     T.topk_with_score_function_fwd_plan.cache_clear()
     return T.topk_with_score_function_fwd_plan(
-        L.spec_of((tokens, p.num_experts), L.BF16), p.expert_bias, p.topk, kw["use_pre_softmax"],
+        _plan.spec_of((tokens, p.num_experts), L.BF16), p.expert_bias, p.topk, kw["use_pre_softmax"],
         g, kg, np.float32(kw["scaling_factor"]), sf)
 
 
@@ -137,25 +138,25 @@ def main():
     ap.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    plan = _plan(args.preset, args.tokens)
+    plan = _preset_plan(args.preset, args.tokens)
     arrays = _arrays(plan, rng)
     print(f"{args.preset} T={args.tokens}: {plan.steps[0].grid} blocks x {plan.steps[0].block} threads, "
           f"{plan.steps[0].shared} B shared")
     print(f"  full              {_time(plan, arrays, args.repeats):8.1f} us")
     specs = {"in": plan.ins, "out": plan.outs, "tmp": plan.tmps}
     st = plan.steps[0]
-    kern = st.kernel.compile(tuple(L._numba_type(a, specs) for a in st.args))
+    kern = st.kernel.compile(tuple(_pointer._numba_type(a, specs) for a in st.args))
     cufunc = kern._codelibrary.get_cufunc()
     blocks = cuda.current_context().get_active_blocks_per_multiprocessor(cufunc, st.block, st.shared)
     print(f"  ({blocks} blocks/SM fit; {kern.regs_per_thread} registers)")
     cufunc.set_shared_memory_carveout(100)
     print(f"  full, maxshared   {_time(plan, arrays, args.repeats):8.1f} us")
     cufunc.set_shared_memory_carveout(-1)
-    print(f"  no-groups         {_time(_plan(args.preset, args.tokens, False), arrays, args.repeats):8.1f} us")
+    print(f"  no-groups         {_time(_preset_plan(args.preset, args.tokens, False), arrays, args.repeats):8.1f} us")
     with _with_selector(_no_select):
-        print(f"  no-select         {_time(_plan(args.preset, args.tokens), arrays, args.repeats):8.1f} us")
+        print(f"  no-select         {_time(_preset_plan(args.preset, args.tokens), arrays, args.repeats):8.1f} us")
     with _with_selector(_keys_only):
-        print(f"  keys-only (all E) {_time(_plan(args.preset, args.tokens), arrays, args.repeats):8.1f} us")
+        print(f"  keys-only (all E) {_time(_preset_plan(args.preset, args.tokens), arrays, args.repeats):8.1f} us")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from numba import cuda
 
 from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
+from gpurouter.kernels import _plan, _pointer
 from gpurouter.kernels import z_loss as Z
 
 DTYPES = {"bf16": (ml_dtypes.bfloat16, L.BF16), "fp32": (np.float32, L.F32), "fp16": (np.float16, L.F16)}
@@ -48,11 +49,11 @@ def run(tokens, experts, dtype, repeats, peak, label=""):
     words = [x.view(np.uint16) if kind == L.BF16 else x for x in xs]
     dxs = [cuda.to_device(w) for w in words]
     coeff, total = np.float32(1e-3), tokens
-    spec = L.spec_of((tokens, experts), kind)
+    spec = _plan.spec_of((tokens, experts), kind)
     fplan = K.router_z_loss_fwd_plan(spec, coeff, total)
     bplan = K.router_z_loss_bwd_plan(spec, coeff, total)
-    rows_only = L.Plan("rows", fplan.ins, fplan.outs, fplan.tmps, fplan.steps[:1])
-    fwd, rows, bwd = (L.PointerLaunch(p, 0) for p in (fplan, rows_only, bplan))
+    rows_only = _plan.Plan("rows", fplan.ins, fplan.outs, fplan.tmps, fplan.steps[:1])
+    fwd, rows, bwd = (_pointer.PointerLaunch(p, 0) for p in (fplan, rows_only, bplan))
     loss = cuda.device_array((), np.float32)
     lses = [cuda.device_array((tokens,), np.float32) for _ in xs]
     part = cuda.device_array(fplan.tmps[0].shape, np.float32)

@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 import gpurouter as gr
-from gpurouter import _callback as cb
+from gpurouter._transport import buffer as cb
 from gpurouter.presets import PRESETS
 
 
@@ -88,7 +88,7 @@ def main():
     cb._device_call = timed
     wall(rows[3][1], xs, args.repeats)
     print(f"{'callback body (median)':<34}{statistics.median(body) * 1e6:>10.1f} us / call")
-    # The body step by step (calls seen before: _callback's direct path).
+    # The body step by step (calls seen before: the buffer transport.s direct path).
     parts = {k: [] for k in ("array interfaces", "cached-launch lookup", "launch",
                              "  of which cuLaunchKernel", "  of which cuCtxGetCurrent")}
     pushed = []

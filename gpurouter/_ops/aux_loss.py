@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 
 from .. import _backend, reference
-from .._callback import kernel_call, resolve_transport
 from .._checks import (
     AUX_LOSS_OP,
     AuxLossConfig,
@@ -19,6 +18,7 @@ from .._checks import (
 )
 from .._host import aux_loss_coeff
 from .._sharding import per_row_shard_sum
+from .._transport import kernel_call, resolve_transport
 
 
 def fused_moe_aux_loss(

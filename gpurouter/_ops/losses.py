@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _backend, reference
-from .._callback import kernel_call, resolve_transport
 from .._checks import Z_LOSS_OP, array_meta, check_kernel_dtype, check_transport, check_z_loss_args
 from .._sharding import axis_size, per_row_shard_sum
+from .._transport import kernel_call, resolve_transport
 from ..reference.losses import update_expert_bias as update_expert_bias
 
 

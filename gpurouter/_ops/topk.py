@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _backend, reference
-from .._callback import kernel_call, resolve_transport
 from .._checks import (
     TOPK_OP,
     RoutingMapFormat,
@@ -23,6 +22,7 @@ from .._checks import (
     check_transport,
 )
 from .._sharding import per_token_shard
+from .._transport import kernel_call, resolve_transport
 
 
 def fused_topk_with_score_function(

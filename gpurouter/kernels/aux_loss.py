@@ -25,6 +25,7 @@ from numba import cuda
 
 from .._host import aux_loss_coeff
 from . import _launch as L
+from ._plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
 from .topk import _ZERO, _u64, array_views, flat_io, loader1, nb_f32, storer, storer1
 
 OP = "moe_aux_loss"
@@ -314,27 +315,27 @@ def moe_aux_loss_fwd(probs, tokens_per_expert, topk, coeff, total_num_tokens=Non
     total = num_rows if total_num_tokens is None else int(total_num_tokens)
     c_host = aux_loss_coeff(n_exp, coeff, int(topk), total)
     to_host = not L.any_on_device(probs, tokens_per_expert) and out is None
-    plan = moe_aux_loss_fwd_plan(L.spec_of(d_probs.shape, kind), L.spec_for(d_tpe.shape, d_tpe.dtype),
+    plan = moe_aux_loss_fwd_plan(spec_of(d_probs.shape, kind), spec_for(d_tpe.shape, d_tpe.dtype),
                                  c_host)
-    return L.execute(plan, [d_probs, d_tpe], out, s, to_host)
+    return execute(plan, [d_probs, d_tpe], out, s, to_host)
 
 
 @functools.cache
-def moe_aux_loss_fwd_plan(probs: L.Spec, tokens_per_expert: L.Spec, c: np.float32) -> L.Plan:
+def moe_aux_loss_fwd_plan(probs: Spec, tokens_per_expert: Spec, c: np.float32) -> Plan:
     """The launches of the forward (inputs: probs, tokens_per_expert; outputs: loss,
     saved_coeff; scratch: the per-block column partials). ``c`` is the fp32 C."""
     num_rows, num_cols = probs.shape
-    outs = (L.spec_of((), probs.kind), L.spec_of((), L.F32))
+    outs = (spec_of((), probs.kind), spec_of((), L.F32))
     grid, threads, cl, rows = L.column_tiling(num_rows, num_cols)
     _, final_threads, _, _ = L.column_tiling(grid, num_cols, L.COLUMN_FINAL_THREADS)  # one block: the partials
-    tmps = (L.spec_of((grid, num_cols), L.F32),)
+    tmps = (spec_of((grid, num_cols), L.F32),)
     steps = (
-        L.Step(_aux_loss_partial_kernel(probs.kind), grid, threads, 0, (L.In(0), L.Tmp(0), rows, cl)),
-        L.Step(_aux_loss_final_kernel(tokens_per_expert.kind, probs.kind), 1, final_threads, 0,
-               (L.Tmp(0), L.In(1), np.float32(c), L.Out(0, L.spec_of((1,), probs.kind)),
-                L.Out(1, L.spec_of((1,), L.F32)), cl)),
+        Step(_aux_loss_partial_kernel(probs.kind), grid, threads, 0, (In(0), Tmp(0), rows, cl)),
+        Step(_aux_loss_final_kernel(tokens_per_expert.kind, probs.kind), 1, final_threads, 0,
+               (Tmp(0), In(1), np.float32(c), Out(0, spec_of((1,), probs.kind)),
+                Out(1, spec_of((1,), L.F32)), cl)),
     )
-    return L.Plan(OP + "_fwd", (probs, tokens_per_expert), outs, tmps, steps)
+    return Plan(OP + "_fwd", (probs, tokens_per_expert), outs, tmps, steps)
 
 
 def moe_aux_loss_bwd(saved_coeff, tokens_per_expert, grad_loss, num_rows, *, out=None, stream=0):
@@ -360,29 +361,29 @@ def moe_aux_loss_bwd(saved_coeff, tokens_per_expert, grad_loss, num_rows, *, out
     d_tpe, tpe_kind = L.device_input(tokens_per_expert, "tokens_per_expert", op, s,
                                      allow_int=True, ndim=1)
     to_host = not L.any_on_device(saved_coeff, tokens_per_expert, grad_loss) and out is None
-    plan = moe_aux_loss_bwd_plan(L.spec_for(d_tpe.shape, d_tpe.dtype), L.spec_of((), kind), int(num_rows))
-    return L.execute(plan, [d_coeff, d_tpe, d_grad], out, s, to_host)[0]
+    plan = moe_aux_loss_bwd_plan(spec_for(d_tpe.shape, d_tpe.dtype), spec_of((), kind), int(num_rows))
+    return execute(plan, [d_coeff, d_tpe, d_grad], out, s, to_host)[0]
 
 
 @functools.cache
-def moe_aux_loss_bwd_plan(tokens_per_expert: L.Spec, grad_loss: L.Spec, num_rows: int) -> L.Plan:
+def moe_aux_loss_bwd_plan(tokens_per_expert: Spec, grad_loss: Spec, num_rows: int) -> Plan:
     """The launches of the backward (inputs: saved_coeff, tokens_per_expert,
     grad_loss; output: grad_probs [num_rows, C] in grad_loss's kind)."""
     num_cols = tokens_per_expert.shape[0]
     kind = grad_loss.kind
-    ins = (L.spec_of((), L.F32), tokens_per_expert, grad_loss)
-    outs = (L.spec_of((num_rows, num_cols), kind),)
+    ins = (spec_of((), L.F32), tokens_per_expert, grad_loss)
+    outs = (spec_of((num_rows, num_cols), kind),)
     if num_rows == 0 or num_cols == 0:
-        return L.Plan(OP + "_bwd", ins, outs)
+        return Plan(OP + "_bwd", ins, outs)
     if num_cols % 4 == 0:  # a quad of columns per store
         grid, threads, cl = L.fill_tiling(num_rows, num_cols // 4)
         words = array_views(kind, (num_rows, num_cols))[0]
-        step = L.Step(_aux_loss_bwd_quad_kernel(tokens_per_expert.kind, kind), grid, threads, 0,
-                      (L.In(0, L.spec_of((1,), L.F32)), L.In(1), L.In(2, L.spec_of((1,), kind)),
-                       L.Out(0, words), num_rows, num_cols, cl))
-        return L.Plan(OP + "_bwd", ins, outs, (), (step,))
+        step = Step(_aux_loss_bwd_quad_kernel(tokens_per_expert.kind, kind), grid, threads, 0,
+                      (In(0, spec_of((1,), L.F32)), In(1), In(2, spec_of((1,), kind)),
+                       Out(0, words), num_rows, num_cols, cl))
+        return Plan(OP + "_bwd", ins, outs, (), (step,))
     grid, threads, cl, rows = L.column_tiling(num_rows, num_cols)
-    step = L.Step(_aux_loss_bwd_kernel(tokens_per_expert.kind, kind), 2 * grid, threads, 0,
-                  (L.In(0, L.spec_of((1,), L.F32)), L.In(1), L.In(2, L.spec_of((1,), kind)), L.Out(0),
+    step = Step(_aux_loss_bwd_kernel(tokens_per_expert.kind, kind), 2 * grid, threads, 0,
+                  (In(0, spec_of((1,), L.F32)), In(1), In(2, spec_of((1,), kind)), Out(0),
                    -(-num_rows // (2 * grid)), cl))
-    return L.Plan(OP + "_bwd", ins, outs, (), (step,))
+    return Plan(OP + "_bwd", ins, outs, (), (step,))

@@ -23,6 +23,7 @@ from numba import cuda
 from .._checks import check_topk_args
 from . import _launch as L
 from ._limits import check_limits
+from ._plan import In, Out, Plan, Spec, Step, execute, map_spec, spec_of
 from .topk import (
     _SOFTMAX,
     _adv,
@@ -169,13 +170,13 @@ def score_for_aux_loss_fwd(logits, topk, score_function="softmax", routing_map_f
                            op=op).topk
     check_limits(op, num_experts, topk)
     to_host = not L.any_on_device(logits) and out is None
-    plan = score_for_aux_loss_fwd_plan(L.spec_of(d_logits.shape, kind), topk, sf, fmt, bool(return_indices))
-    return L.execute(plan, [d_logits], out, s, to_host)
+    plan = score_for_aux_loss_fwd_plan(spec_of(d_logits.shape, kind), topk, sf, fmt, bool(return_indices))
+    return execute(plan, [d_logits], out, s, to_host)
 
 
 @functools.cache
-def score_for_aux_loss_fwd_plan(logits: L.Spec, topk: int, sf: int, map_format: int = 0,
-                                return_indices: bool = False) -> L.Plan:
+def score_for_aux_loss_fwd_plan(logits: Spec, topk: int, sf: int, map_format: int = 0,
+                                return_indices: bool = False) -> Plan:
     """The launches of the forward (input: logits; outputs: scores, map, saved
     and, with ``return_indices``, ``indices`` ``int32 [T, K]``); the map's
     Spec: ``bool [T, E]`` (``map_format`` 0) or ``uint8 [T, ceil(E/8)]``
@@ -185,29 +186,29 @@ def score_for_aux_loss_fwd_plan(logits: L.Spec, topk: int, sf: int, map_format: 
     indices = bool(return_indices)
     ind = (True,) if indices else ()
     shape = logits.shape
-    outs = (L.spec_of(shape, L.F32), L.map_spec(shape[0], shape[1], fmt), L.spec_of(shape, L.F32))
+    outs = (spec_of(shape, L.F32), map_spec(shape[0], shape[1], fmt), spec_of(shape, L.F32))
     if indices:
-        outs += (L.Spec((shape[0], int(topk)), np.int32),)
+        outs += (Spec((shape[0], int(topk)), np.int32),)
     if shape[0] == 0:
-        return L.Plan(OP + "_fwd", (logits,), outs)
+        return Plan(OP + "_fwd", (logits,), outs)
     if L.token_path(shape[1], int(topk)):
         from .token_rows import aux_scores_fwd_kernel
 
         lay = L.token_layout(shape[0], shape[1])
         words, quads, flat = array_views(logits.kind, shape)
-        xarr = L.Out(3, L.Spec((shape[0] * int(topk),), np.int32)) if indices else L.Out(2, L.Spec((1,), np.int32))
-        step = L.Step(aux_scores_fwd_kernel(logits.kind, int(topk), int(sf), bitmap, *ind), lay.grid,
+        xarr = Out(3, Spec((shape[0] * int(topk),), np.int32)) if indices else Out(2, Spec((1,), np.int32))
+        step = Step(aux_scores_fwd_kernel(logits.kind, int(topk), int(sf), bitmap, *ind), lay.grid,
                       lay.threads, lay.shared,
-                      (L.In(0, words), L.Out(0, flat), L.Out(1, map_view(outs[1], quads)), L.Out(2, flat),
+                      (In(0, words), Out(0, flat), Out(1, map_view(outs[1], quads)), Out(2, flat),
                        shape[0], shape[1], lay.tb, lay.stride, lay.o_flag, lay.o_red, lay.o_thr, xarr))
-        return L.Plan(OP + "_fwd", (logits,), outs, (), (step,))
+        return Plan(OP + "_fwd", (logits,), outs, (), (step,))
     lay = L.select_layout(shape[0], shape[1], int(topk))
-    step = L.Step(_aux_scores_fwd_kernel(logits.kind, topk_capacity(topk), bitmap, *ind), lay.grid,
+    step = Step(_aux_scores_fwd_kernel(logits.kind, topk_capacity(topk), bitmap, *ind), lay.grid,
                   lay.threads, lay.shared,
-                  (L.In(0), L.Out(0), L.Out(1), L.Out(2), int(topk), int(sf), lay.tb, lay.lanes,
+                  (In(0), Out(0), Out(1), Out(2), int(topk), int(sf), lay.tb, lay.lanes,
                    lay.stride, lay.list_stride, lay.o_list, lay.o_idx, lay.o_cnt, lay.o_flag,
-                   L.Out(3) if indices else L.Out(2, L.Spec((1, 1), np.int32))))
-    return L.Plan(OP + "_fwd", (logits,), outs, (), (step,))
+                   Out(3) if indices else Out(2, Spec((1, 1), np.int32))))
+    return Plan(OP + "_fwd", (logits,), outs, (), (step,))
 
 
 def score_for_aux_loss_bwd(saved_scores, grad_scores, score_function="softmax",
@@ -238,28 +239,28 @@ def score_for_aux_loss_bwd(saved_scores, grad_scores, score_function="softmax",
     if tuple(d_grad.shape) != shape:
         raise ValueError(f"{op}: grad_scores shape {tuple(d_grad.shape)} != saved_scores {shape}.")
     to_host = not L.any_on_device(saved_scores, grad_scores) and out is None
-    plan = score_for_aux_loss_bwd_plan(L.spec_of(shape, L.F32), sf, out_kind)
-    return L.execute(plan, [d_saved, d_grad], out, s, to_host)[0]
+    plan = score_for_aux_loss_bwd_plan(spec_of(shape, L.F32), sf, out_kind)
+    return execute(plan, [d_saved, d_grad], out, s, to_host)[0]
 
 
 @functools.cache
-def score_for_aux_loss_bwd_plan(saved: L.Spec, sf: int, out_kind: str) -> L.Plan:
+def score_for_aux_loss_bwd_plan(saved: Spec, sf: int, out_kind: str) -> Plan:
     """The launches of the backward (inputs: saved, grad_scores; output: grad_logits)."""
     shape = saved.shape
-    ins, outs = (saved, saved), (L.spec_of(shape, out_kind),)
+    ins, outs = (saved, saved), (spec_of(shape, out_kind),)
     if shape[0] == 0:
-        return L.Plan(OP + "_bwd", ins, outs)
+        return Plan(OP + "_bwd", ins, outs)
     # (map: saved, never read; topk 2: the normalised form; pre False; scale 1)
     if shape[1] % 4 == 0:
         grid, threads, lanes = L.quad_tiling(shape[0], shape[1], dense=True)
         hold = L.quad_hold(shape[1], lanes)
         words, _, flat = array_views(out_kind, shape)
-        step = L.Step(quad_bwd_kernel(L.F32, out_kind, False, int(sf), False, hold), grid, threads,
+        step = Step(quad_bwd_kernel(L.F32, out_kind, False, int(sf), False, hold), grid, threads,
                       8 * threads,
-                      (L.In(0, flat), L.In(0, flat), L.In(1, flat), L.Out(0, words), shape[0],
+                      (In(0, flat), In(0, flat), In(1, flat), Out(0, words), shape[0],
                        shape[1], 2, np.float32(1.0), lanes))
-        return L.Plan(OP + "_bwd", ins, outs, (), (step,))
+        return Plan(OP + "_bwd", ins, outs, (), (step,))
     grid, threads, lanes = L.stream_tiling(shape[0], shape[1])
-    step = L.Step(_aux_scores_bwd_kernel(out_kind), grid, threads, 8 * threads,
-                  (L.In(0), L.In(0), L.In(1), L.Out(0), 2, int(sf), False, np.float32(1.0), lanes))
-    return L.Plan(OP + "_bwd", ins, outs, (), (step,))
+    step = Step(_aux_scores_bwd_kernel(out_kind), grid, threads, 8 * threads,
+                  (In(0), In(0), In(1), Out(0), 2, int(sf), False, np.float32(1.0), lanes))
+    return Plan(OP + "_bwd", ins, outs, (), (step,))

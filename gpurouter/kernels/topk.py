@@ -37,6 +37,7 @@ from numba import uint8 as nb_u8
 from .._checks import check_topk_args
 from . import _launch as L
 from ._limits import check_limits
+from ._plan import In, Out, Plan, Spec, Step, execute, map_spec, spec_of
 
 OP = "topk_with_score_function"
 
@@ -339,8 +340,8 @@ def array_views(kind: str, shape):
     quads (the four bools of a quad: one word)."""
     t, e = shape
     n = t * e
-    words = L.Spec((n // 4,), np.uint64) if kind == L.BF16 else L.Spec((n,), L.DEVICE_DTYPE[kind])
-    return words, L.Spec((n // 4,), np.uint32), L.Spec((n,), np.float32)
+    words = Spec((n // 4,), np.uint64) if kind == L.BF16 else Spec((n,), L.DEVICE_DTYPE[kind])
+    return words, Spec((n // 4,), np.uint32), Spec((n,), np.float32)
 
 
 def topk_capacity(topk: int) -> int:
@@ -1425,19 +1426,19 @@ def topk_with_score_function_fwd(
             raise ValueError(f"{op}: expert_bias must be float32 of shape ({num_experts},), "
                              f"got {tuple(d_bias.shape)} {d_bias.dtype}.")
     plan = topk_with_score_function_fwd_plan(
-        L.spec_of(d_logits.shape, kind), d_bias is not None, topk, bool(use_pre_softmax),
+        spec_of(d_logits.shape, kind), d_bias is not None, topk, bool(use_pre_softmax),
         num_groups, group_topk, np.float32(scaling_factor), sf, fmt, bool(return_indices), forced)
     if forced:
         d_forced = L.index_input(forced_indices, "forced_indices", op, s, (num_tokens, topk))
-        return L.execute(plan, [d_logits, d_forced], out, s, to_host)
-    return L.execute(plan, [d_logits] if d_bias is None else [d_logits, d_bias], out, s, to_host)
+        return execute(plan, [d_logits, d_forced], out, s, to_host)
+    return execute(plan, [d_logits] if d_bias is None else [d_logits, d_bias], out, s, to_host)
 
 
 @functools.cache
-def topk_with_score_function_fwd_plan(logits: L.Spec, has_bias: bool, topk: int, pre: bool,
+def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, pre: bool,
                                       num_groups, group_topk, scale: np.float32, sf: int,
                                       map_format: int = 0, return_indices: bool = False,
-                                      forced: bool = False) -> L.Plan:
+                                      forced: bool = False) -> Plan:
     """The launches of the forward (inputs: logits, bias; outputs: probs, map, saved).
 
     Arguments are validated (by the launcher or, under JAX, at trace time);
@@ -1455,22 +1456,22 @@ def topk_with_score_function_fwd_plan(logits: L.Spec, has_bias: bool, topk: int,
     num_tokens, num_experts = logits.shape
     grouped = group_topk is not None and group_topk > 0
     shape = (num_tokens, num_experts)
-    idx_spec = L.Spec((num_tokens, int(topk)), np.int32)
-    outs = (L.spec_of(shape, logits.kind), L.map_spec(num_tokens, num_experts, fmt),
-            L.spec_of(shape, L.F32)) + ((idx_spec,) if indices else ())
-    bias_spec = L.spec_of((num_experts,), L.F32)
+    idx_spec = Spec((num_tokens, int(topk)), np.int32)
+    outs = (spec_of(shape, logits.kind), map_spec(num_tokens, num_experts, fmt),
+            spec_of(shape, L.F32)) + ((idx_spec,) if indices else ())
+    bias_spec = spec_of((num_experts,), L.F32)
     if forced:
         ins = (logits, idx_spec)
     else:
         ins = (logits, bias_spec) if has_bias else (logits,)
     if num_tokens == 0:
-        return L.Plan(OP + "_fwd", ins, outs)
+        return Plan(OP + "_fwd", ins, outs)
     # without a bias the kernel gets any [E] fp32 array (never read): saved's first row
-    bias = L.In(1) if has_bias and not forced else L.Out(2, bias_spec)
+    bias = In(1) if has_bias and not forced else Out(2, bias_spec)
     G = int(num_groups) if grouped else 1
-    flat_idx = L.Spec((num_tokens * int(topk),), np.int32)
+    flat_idx = Spec((num_tokens * int(topk),), np.int32)
     # indices out, forced in, or (never read) any int32 array: saved's first words
-    xarr = L.In(1, flat_idx) if forced else L.Out(3, flat_idx) if indices else L.Out(2, L.Spec((1,), np.int32))
+    xarr = In(1, flat_idx) if forced else Out(3, flat_idx) if indices else Out(2, Spec((1,), np.int32))
     # (the replay takes the kernel path of the call it replays: the same sums)
     if L.token_path(num_experts, int(topk), G if grouped else 0, bool(has_bias)):
         from .token_rows import topk_fwd_kernel
@@ -1488,13 +1489,13 @@ def topk_with_score_function_fwd_plan(logits: L.Spec, has_bias: bool, topk: int,
                                    bool(pre) and sf == _SOFTMAX, bitmap, *((True,) if indices else ()))
             Kg = int(group_topk) if grouped else -1
         words, quads, flat = array_views(logits.kind, shape)
-        step = L.Step(kern, lay.grid, lay.threads, lay.shared,
-                      (L.In(0, words), bias, L.Out(0, words), L.Out(1, map_view(outs[1], quads)),
-                       L.Out(2, flat),
+        step = Step(kern, lay.grid, lay.threads, lay.shared,
+                      (In(0, words), bias, Out(0, words), Out(1, map_view(outs[1], quads)),
+                       Out(2, flat),
                        num_tokens, num_experts, G, Kg,
                        np.float32(scale), lay.tb, lay.stride, lay.o_flag, lay.o_gs, lay.o_red,
                        lay.o_thr, lay.o_bias, xarr))
-        return L.Plan(OP + "_fwd", ins, outs, (), (step,))
+        return Plan(OP + "_fwd", ins, outs, (), (step,))
     if forced:
         lay = L.select_layout(num_tokens, num_experts, int(topk))
         kern = _topk_fwd_kernel(logits.kind, topk_capacity(topk), bitmap, False, True)
@@ -1503,13 +1504,13 @@ def topk_with_score_function_fwd_plan(logits: L.Spec, has_bias: bool, topk: int,
         lay = L.select_layout(num_tokens, num_experts, int(topk), G if grouped else 0)
         kern = _topk_fwd_kernel(logits.kind, topk_capacity(topk), bitmap, *((True,) if indices else ()))
         Kg = int(group_topk) if grouped else -1
-    xarr2 = L.In(1) if forced else L.Out(3) if indices else L.Out(2, L.Spec((1, 1), np.int32))
-    step = L.Step(kern, lay.grid, lay.threads, lay.shared,
-                  (L.In(0), bias, L.Out(0), L.Out(1), L.Out(2), int(topk), int(sf), bool(pre),
+    xarr2 = In(1) if forced else Out(3) if indices else Out(2, Spec((1, 1), np.int32))
+    step = Step(kern, lay.grid, lay.threads, lay.shared,
+                  (In(0), bias, Out(0), Out(1), Out(2), int(topk), int(sf), bool(pre),
                    bool(has_bias), G, Kg, np.float32(scale),
                    lay.tb, lay.lanes, lay.stride, lay.list_stride, lay.group_lanes, lay.o_list,
                    lay.o_idx, lay.o_cnt, lay.o_grp, lay.o_keep, lay.o_flag, xarr2))
-    return L.Plan(OP + "_fwd", ins, outs, (), (step,))
+    return Plan(OP + "_fwd", ins, outs, (), (step,))
 
 
 def topk_with_score_function_bwd(
@@ -1550,44 +1551,44 @@ def topk_with_score_function_bwd(
     if tuple(d_grad.shape) != shape:
         raise ValueError(f"{op}: grad_probs shape {tuple(d_grad.shape)} != saved_scores {shape}.")
     d_map, fmt = L.map_input(routing_map, "routing_map", op, s, shape)
-    plan = topk_with_score_function_bwd_plan(L.spec_of(shape, kind), int(topk), bool(use_pre_softmax),
+    plan = topk_with_score_function_bwd_plan(spec_of(shape, kind), int(topk), bool(use_pre_softmax),
                                              np.float32(scaling_factor), sf, fmt)
-    return L.execute(plan, [d_map, d_saved, d_grad], out, s, to_host)[0]
+    return execute(plan, [d_map, d_saved, d_grad], out, s, to_host)[0]
 
 
-def map_view(spec: L.Spec, quads: L.Spec) -> L.Spec:
+def map_view(spec: Spec, quads: Spec) -> Spec:
     """The flat view a quad kernel takes of a routing map of ``spec``: the bool
     map as uint32 quad words (``quads``, from ``array_views``), a BITMAP_U8
     map as its bytes."""
     if spec.dtype == np.uint8:
-        return L.Spec((spec.shape[0] * spec.shape[1],), np.uint8)
+        return Spec((spec.shape[0] * spec.shape[1],), np.uint8)
     return quads
 
 
 @functools.cache
-def topk_with_score_function_bwd_plan(grad_probs: L.Spec, topk: int, pre: bool, scale: np.float32,
-                                      sf: int, map_format: int = 0) -> L.Plan:
+def topk_with_score_function_bwd_plan(grad_probs: Spec, topk: int, pre: bool, scale: np.float32,
+                                      sf: int, map_format: int = 0) -> Plan:
     """The launches of the backward (inputs: map, saved, grad_probs; output:
     grad_logits).  The map's Spec: ``bool [T, E]`` (``map_format`` 0) or
     ``uint8 [T, ceil(E/8)]`` (1, BITMAP_U8)."""
     fmt = L.map_format_code(map_format, OP + "_bwd_plan", "map_format")
     bitmap = fmt == L.BITMAP_U8
     shape = grad_probs.shape
-    ins = (L.map_spec(shape[0], shape[1], fmt), L.spec_of(shape, L.F32), grad_probs)
+    ins = (map_spec(shape[0], shape[1], fmt), spec_of(shape, L.F32), grad_probs)
     outs = (grad_probs,)
     if shape[0] == 0:
-        return L.Plan(OP + "_bwd", ins, outs)
+        return Plan(OP + "_bwd", ins, outs)
     if shape[1] % 4 == 0:
         dense = bool(pre) and sf == _SOFTMAX
         grid, threads, lanes = L.quad_tiling(shape[0], shape[1], dense=dense)
         words, quads, flat = array_views(grad_probs.kind, shape)
-        step = L.Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True, int(sf), dense, 0, bitmap),
+        step = Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True, int(sf), dense, 0, bitmap),
                       grid, threads, 8 * threads,
-                      (L.In(0, map_view(ins[0], quads)), L.In(1, flat), L.In(2, words), L.Out(0, words),
+                      (In(0, map_view(ins[0], quads)), In(1, flat), In(2, words), Out(0, words),
                        shape[0], shape[1], int(topk), np.float32(scale), lanes))
-        return L.Plan(OP + "_bwd", ins, outs, (), (step,))
+        return Plan(OP + "_bwd", ins, outs, (), (step,))
     grid, threads, lanes = L.stream_tiling(shape[0], shape[1])
-    step = L.Step(_topk_bwd_kernel(grad_probs.kind, bitmap), grid, threads, 8 * threads,
-                  (L.In(0), L.In(1), L.In(2), L.Out(0), int(topk), int(sf), bool(pre),
+    step = Step(_topk_bwd_kernel(grad_probs.kind, bitmap), grid, threads, 8 * threads,
+                  (In(0), In(1), In(2), Out(0), int(topk), int(sf), bool(pre),
                    np.float32(scale), lanes))
-    return L.Plan(OP + "_bwd", ins, outs, (), (step,))
+    return Plan(OP + "_bwd", ins, outs, (), (step,))

@@ -49,6 +49,7 @@ import numpy as np
 from numba import cuda
 
 from . import _launch as L
+from ._plan import In, Out, Plan, Ref, Spec, Step, Tmp, execute, spec_of
 from .topk import _NEG_INF, _ZERO, _fmax, _u64, array_views, flat_io, loader, nb_f32, storer
 
 OP = "router_z_loss"
@@ -465,9 +466,9 @@ def _logits_input(logits, op: str, stream):
     return d, kind
 
 
-def _logits_arg(logits: L.Spec, quads: bool) -> L.Ref:
+def _logits_arg(logits: Spec, quads: bool) -> Ref:
     """The logits as the kernels take them: flat quads (``array_views``) or 2-D."""
-    return L.In(0, array_views(logits.kind, logits.shape)[0]) if quads else L.In(0)
+    return In(0, array_views(logits.kind, logits.shape)[0]) if quads else In(0)
 
 
 def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, out=None, stream=0):
@@ -490,30 +491,30 @@ def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, out=None, stream=
     d, kind = _logits_input(logits, op, s)
     c, total = _static_args(op, int(d.shape[0]), coeff, total_num_tokens)
     to_host = not L.any_on_device(logits) and out is None
-    plan = router_z_loss_fwd_plan(L.spec_of(d.shape, kind), c, total)
-    return tuple(L.execute(plan, [d], out, s, to_host))
+    plan = router_z_loss_fwd_plan(spec_of(d.shape, kind), c, total)
+    return tuple(execute(plan, [d], out, s, to_host))
 
 
 @functools.cache
-def router_z_loss_fwd_plan(logits: L.Spec, coeff: np.float32, total_num_tokens: int) -> L.Plan:
+def router_z_loss_fwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: int) -> Plan:
     """The launches of the forward: input logits; outputs ``loss () f32``,
     ``lse (T,) f32``; scratch: the per-block partial sums of ``lse^2``."""
     num_tokens, num_experts = logits.shape
-    outs = (L.spec_of((), L.F32), L.spec_of((num_tokens,), L.F32))
+    outs = (spec_of((), L.F32), spec_of((num_tokens,), L.F32))
     grid, threads, lanes, units, quads = z_loss_tiling(num_tokens, num_experts)
-    tmps = (L.spec_of((max(grid, 1),), L.F32),)
+    tmps = (spec_of((max(grid, 1),), L.F32),)
     steps = []
     if grid:
         tb = threads // lanes
-        steps.append(L.Step(_z_loss_rows_kernel(logits.kind, quads, Z_HOLD), grid, threads,
+        steps.append(Step(_z_loss_rows_kernel(logits.kind, quads, Z_HOLD), grid, threads,
                             4 * (2 * threads + tb),
-                            (_logits_arg(logits, quads), L.Out(1), L.Tmp(0), num_tokens, num_experts,
+                            (_logits_arg(logits, quads), Out(1), Tmp(0), num_tokens, num_experts,
                              units, lanes)))
     final = min(Z_FINAL_THREADS, L.pow2_at_least(max(grid, 1)))
-    steps.append(L.Step(_z_loss_final_kernel, 1, final, 0,
-                        (L.Tmp(0), L.Out(0, L.spec_of((1,), L.F32)), grid, np.float32(coeff),
+    steps.append(Step(_z_loss_final_kernel, 1, final, 0,
+                        (Tmp(0), Out(0, spec_of((1,), L.F32)), grid, np.float32(coeff),
                          np.float32(total_num_tokens))))
-    return L.Plan(OP + "_fwd", (logits,), outs, tmps, steps)
+    return Plan(OP + "_fwd", (logits,), outs, tmps, steps)
 
 
 def router_z_loss_bwd(logits, saved_lse, grad_loss, coeff, total_num_tokens=None, *, out=None,
@@ -545,24 +546,24 @@ def router_z_loss_bwd(logits, saved_lse, grad_loss, coeff, total_num_tokens=None
         raise TypeError(f"{op}: grad_loss must be float32, got {d_g.dtype}.")
     c, total = _static_args(op, num_tokens, coeff, total_num_tokens)
     to_host = not L.any_on_device(logits, saved_lse, grad_loss) and out is None
-    plan = router_z_loss_bwd_plan(L.spec_of(d.shape, kind), c, total)
-    return L.execute(plan, [d, d_lse, d_g], out, s, to_host)[0]
+    plan = router_z_loss_bwd_plan(spec_of(d.shape, kind), c, total)
+    return execute(plan, [d, d_lse, d_g], out, s, to_host)[0]
 
 
 @functools.cache
-def router_z_loss_bwd_plan(logits: L.Spec, coeff: np.float32, total_num_tokens: int) -> L.Plan:
+def router_z_loss_bwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: int) -> Plan:
     """The launches of the backward: inputs logits, ``lse (T,) f32``,
     ``grad_loss () f32``; output ``grad_logits`` (logits' shape and kind)."""
     num_tokens, num_experts = logits.shape
-    ins = (logits, L.spec_of((num_tokens,), L.F32), L.spec_of((), L.F32))
-    outs = (L.spec_of(logits.shape, logits.kind),)
+    ins = (logits, spec_of((num_tokens,), L.F32), spec_of((), L.F32))
+    outs = (spec_of(logits.shape, logits.kind),)
     grid, threads, lanes, units, quads = z_loss_tiling(num_tokens, num_experts, backward=True)
     if not grid:
-        return L.Plan(OP + "_bwd", ins, outs)
+        return Plan(OP + "_bwd", ins, outs)
     # 2 coeff / N in fp32, in that order (the reference: coeff * (S / N), d/d lse_t: 2 lse_t)
     scale = np.float32(np.float32(np.float32(coeff) / np.float32(total_num_tokens)) * np.float32(2))
-    grad = L.Out(0, array_views(logits.kind, logits.shape)[0]) if quads else L.Out(0)
-    step = L.Step(_z_loss_bwd_kernel(logits.kind, quads, Z_BWD_HOLD), grid, threads, 0,
-                  (_logits_arg(logits, quads), L.In(1), L.In(2, L.spec_of((1,), L.F32)), grad,
+    grad = Out(0, array_views(logits.kind, logits.shape)[0]) if quads else Out(0)
+    step = Step(_z_loss_bwd_kernel(logits.kind, quads, Z_BWD_HOLD), grid, threads, 0,
+                  (_logits_arg(logits, quads), In(1), In(2, spec_of((1,), L.F32)), grad,
                    num_tokens, num_experts, units, lanes, scale))
-    return L.Plan(OP + "_bwd", ins, outs, (), (step,))
+    return Plan(OP + "_bwd", ins, outs, (), (step,))

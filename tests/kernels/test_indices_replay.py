@@ -56,10 +56,11 @@ def _path(plan):
 
 def _plan(x, k, kw, fmt, **extra):
     from gpurouter.kernels import _launch as L
+    from gpurouter.kernels import _plan
 
     sf = L.score_function_code(kw.get("score_function", "softmax"), "test")
     return K.topk_with_score_function_fwd_plan(
-        L.spec_for(x.shape, x.dtype), kw.get("expert_bias") is not None, k, kw.get("use_pre_softmax", False),
+        _plan.spec_for(x.shape, x.dtype), kw.get("expert_bias") is not None, k, kw.get("use_pre_softmax", False),
         kw.get("num_groups", -1), kw.get("group_topk", -1), np.float32(kw.get("scaling_factor", 1.0)), sf, fmt,
         **extra)
 
@@ -179,6 +180,7 @@ def test_aux_score_indices(token_tiling, E, k, sf, dtype, fmt):
 def test_device_arrays_and_plans(token_tiling):
     token_tiling(2)
     from gpurouter.kernels import _launch as L
+    from gpurouter.kernels import _plan
 
     x = _logits(3, 8, 2)
     p, m, s, idx = K.topk_with_score_function_fwd(cuda.to_device(x), 2, return_indices=True)
@@ -186,8 +188,8 @@ def test_device_arrays_and_plans(token_tiling):
     p2, _, _ = K.topk_with_score_function_fwd(cuda.to_device(x), 2, forced_indices=idx)
     _same_bits(p2.copy_to_host(), p.copy_to_host(), "probs")
     plan = _plan(x, 2, dict(expert_bias=_bias(8), score_function="sigmoid"), 0, forced=True)
-    assert plan.ins == (L.spec_of((3, 8), L.F32), L.Spec((3, 2), np.int32))
-    assert _plan(x, 2, {}, 1, return_indices=True).outs[3] == L.Spec((3, 2), np.int32)
+    assert plan.ins == (_plan.spec_of((3, 8), L.F32), _plan.Spec((3, 2), np.int32))
+    assert _plan(x, 2, {}, 1, return_indices=True).outs[3] == _plan.Spec((3, 2), np.int32)
     assert len(_plan(x, 2, {}, 0).outs) == 3
     with pytest.raises(ValueError, match="return_indices with forced_indices"):
         K.topk_with_score_function_fwd(x, 2, return_indices=True, forced_indices=np.zeros((3, 2), np.int32))

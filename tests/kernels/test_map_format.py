@@ -58,16 +58,17 @@ def _check_topk(x, k, path, **kw):
     """Both formats' forwards and backwards: bitmap = packed bool map, the
     rest bit-identical; ``path``: the forward kernel the plan must take."""
     from gpurouter.kernels import _launch as L
+    from gpurouter.kernels import _plan
 
     T, E = x.shape
     bias = kw.get("expert_bias")
     sf = L.score_function_code(kw.get("score_function", "softmax"), "test")
     plan = K.topk_with_score_function_fwd_plan(
-        L.spec_for(x.shape, x.dtype), bias is not None, k, kw.get("use_pre_softmax", False),
+        _plan.spec_for(x.shape, x.dtype), bias is not None, k, kw.get("use_pre_softmax", False),
         kw.get("num_groups", -1), kw.get("group_topk", -1), np.float32(kw.get("scaling_factor", 1.0)),
         sf, 1)
     assert _path(plan) == path
-    assert plan.outs[1] == L.Spec((T, -(-E // 8)), np.uint8)
+    assert plan.outs[1] == _plan.Spec((T, -(-E // 8)), np.uint8)
     p0, m0, s0 = K.topk_with_score_function_fwd(x, k, **kw)
     p1, m1, s1 = K.topk_with_score_function_fwd(x, k, **kw, routing_map_format=1)
     assert m1.dtype == np.uint8 and m1.shape == (T, -(-E // 8))
@@ -161,13 +162,14 @@ def test_topk_bitmap_bit_order():
 @pytest.mark.parametrize("E,path", [(12, "token"), (10, "lanes")])
 def test_aux_scores_bitmap_is_the_packed_bytemap(token_tiling, sf, E, path):
     from gpurouter.kernels import _launch as L
+    from gpurouter.kernels import _plan
 
     token_tiling(2)
     x = _logits(5, E, 3 * E)
     if sf != "softmax":
         x = np.where(np.isneginf(x), np.float32(-30.0), x)
-    plan = K.score_for_aux_loss_fwd_plan(L.spec_of(x.shape, L.F32), 3, L.score_function_code(sf, "t"), 1)
-    assert _path(plan) == path and plan.outs[1] == L.Spec((5, 2), np.uint8)
+    plan = K.score_for_aux_loss_fwd_plan(_plan.spec_of(x.shape, L.F32), 3, L.score_function_code(sf, "t"), 1)
+    assert _path(plan) == path and plan.outs[1] == _plan.Spec((5, 2), np.uint8)
     sc0, m0, sv0 = K.score_for_aux_loss_fwd(x, 3, sf)
     sc1, m1, sv1 = K.score_for_aux_loss_fwd(x, 3, sf, routing_map_format=1)
     assert m1.dtype == np.uint8 and m1.shape == (5, 2)
@@ -209,17 +211,18 @@ def test_bad_routing_map_format(bad):
 
 def test_bad_plan_map_format():
     from gpurouter.kernels import _launch as L
+    from gpurouter.kernels import _plan
 
-    spec = L.spec_of((2, 8), L.F32)
+    spec = _plan.spec_of((2, 8), L.F32)
     with pytest.raises(ValueError, match="topk_with_score_function_fwd_plan: map_format must be 0"):
         K.topk_with_score_function_fwd_plan(spec, False, 2, False, -1, -1, np.float32(1), 1, 2)
     with pytest.raises(ValueError, match="topk_with_score_function_bwd_plan: map_format must be 0"):
         K.topk_with_score_function_bwd_plan(spec, 2, False, np.float32(1), 1, map_format=3)
     with pytest.raises(ValueError, match="score_for_aux_loss_fwd_plan: map_format must be 0"):
         K.score_for_aux_loss_fwd_plan(spec, 2, 1, map_format=-1)
-    plan = K.topk_with_score_function_bwd_plan(L.spec_of((2, 12), L.F32), 2, False, np.float32(1), 1,
+    plan = K.topk_with_score_function_bwd_plan(_plan.spec_of((2, 12), L.F32), 2, False, np.float32(1), 1,
                                                map_format=1)
-    assert plan.ins[0] == L.Spec((2, 2), np.uint8)
+    assert plan.ins[0] == _plan.Spec((2, 2), np.uint8)
 
 
 def test_bwd_map_errors():

@@ -36,16 +36,16 @@ def _kernel_of(plan):
 def test_dispatch():
     """E % 4 == 0 and K <= 16 take the token kernels, the rest the W-lane ones."""
     from gpurouter.kernels import _launch as L
-    from gpurouter.kernels import aux_scores, topk
+    from gpurouter.kernels import _plan, aux_scores, topk
 
     def fwd(E, k, G=-1, Kg=-1):
-        return topk.topk_with_score_function_fwd_plan(L.spec_of((5, E), L.BF16), False, k, False,
+        return topk.topk_with_score_function_fwd_plan(_plan.spec_of((5, E), L.BF16), False, k, False,
                                                       G, Kg, np.float32(1), 1)
 
     assert _kernel_of(fwd(256, 8, 8, 4)) and _kernel_of(fwd(8, 2)) and _kernel_of(fwd(32, 16))
     assert not _kernel_of(fwd(10, 4)) and not _kernel_of(fwd(64, 17))
-    assert _kernel_of(aux_scores.score_for_aux_loss_fwd_plan(L.spec_of((5, 12), L.F32), 3, 0))
-    assert not _kernel_of(aux_scores.score_for_aux_loss_fwd_plan(L.spec_of((5, 13), L.F32), 3, 0))
+    assert _kernel_of(aux_scores.score_for_aux_loss_fwd_plan(_plan.spec_of((5, 12), L.F32), 3, 0))
+    assert not _kernel_of(aux_scores.score_for_aux_loss_fwd_plan(_plan.spec_of((5, 13), L.F32), 3, 0))
 
 
 @pytest.mark.parametrize("sf,pre", FWD_MODES)

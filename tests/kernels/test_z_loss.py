@@ -19,6 +19,7 @@ from tolerances import assert_close  # noqa: E402
 
 from gpurouter import reference as ref  # noqa: E402
 from gpurouter.kernels import _launch as L  # noqa: E402
+from gpurouter.kernels import _plan, _pointer  # noqa: E402
 from gpurouter.kernels import z_loss as Z  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -180,17 +181,17 @@ def test_deterministic(small_tiles):
 
 
 def test_plans():
-    spec = L.spec_of((70, 256), L.BF16)
+    spec = _plan.spec_of((70, 256), L.BF16)
     fwd = K.router_z_loss_fwd_plan(spec, np.float32(COEFF), 100)
     assert fwd is K.router_z_loss_fwd_plan(spec, np.float32(COEFF), 100)  # cached
     assert fwd.ins == (spec,)
-    assert fwd.outs == (L.Spec((), np.float32, L.F32), L.Spec((70,), np.float32, L.F32))
+    assert fwd.outs == (_plan.Spec((), np.float32, L.F32), _plan.Spec((70,), np.float32, L.F32))
     grid = Z.z_loss_tiling(70, 256)[0]
-    assert fwd.tmps == (L.Spec((grid,), np.float32, L.F32),) and len(fwd.steps) == 2
+    assert fwd.tmps == (_plan.Spec((grid,), np.float32, L.F32),) and len(fwd.steps) == 2
     bwd = K.router_z_loss_bwd_plan(spec, np.float32(COEFF), 100)
-    assert bwd.ins == (spec, L.spec_of((70,), L.F32), L.spec_of((), L.F32))
+    assert bwd.ins == (spec, _plan.spec_of((70,), L.F32), _plan.spec_of((), L.F32))
     assert bwd.outs == (spec,) and bwd.tmps == () and len(bwd.steps) == 1
-    empty = L.spec_of((0, 3), L.F32)
+    empty = _plan.spec_of((0, 3), L.F32)
     assert len(K.router_z_loss_fwd_plan(empty, np.float32(1), 1).steps) == 1  # the final block only
     assert K.router_z_loss_bwd_plan(empty, np.float32(1), 1).steps == ()
 
@@ -249,9 +250,9 @@ def test_gpu_pointer_launch(dtype, T, E):
     x = _logits(T, E, dtype, seed=11, masked=0.02)
     c = np.float32(1e-3)
     loss, lse, grad = _check(x, total=2 * T, coeff=float(c))
-    spec = L.spec_of((T, E), L.kind_of_dtype(x.dtype, "logits", "test"))
-    fwd = L.PointerLaunch(K.router_z_loss_fwd_plan(spec, c, 2 * T), 0)
-    bwd = L.PointerLaunch(K.router_z_loss_bwd_plan(spec, c, 2 * T), 0)
+    spec = _plan.spec_of((T, E), L.kind_of_dtype(x.dtype, "logits", "test"))
+    fwd = _pointer.PointerLaunch(K.router_z_loss_fwd_plan(spec, c, 2 * T), 0)
+    bwd = _pointer.PointerLaunch(K.router_z_loss_bwd_plan(spec, c, 2 * T), 0)
     words = x.view(np.uint16) if dtype == BF16 else x
     dx = cuda.to_device(words)
     dloss, dlse = cuda.device_array((), np.float32), cuda.device_array((T,), np.float32)

@@ -1,0 +1,106 @@
+"""How the kernels reach JAX: the one package that calls ``jax.pure_callback``,
+``jax.experimental.buffer_callback`` or ``jax.ffi.ffi_call``.
+
+``kernel_call(launcher, planner, out_specs, token_args, call_args, transport)``
+runs a kernel launcher (or its plan) and returns JAX arrays, through one of
+three transports, one module each:
+
+- ``"ffi"`` (``ffi.py``, ABI in ``ffi_abi.py``): XLA calls a compiled handler
+  that launches the plan's kernels on XLA's stream: no Python per call;
+- ``"zero-copy"`` (``buffer.py``): ``buffer_callback``, a Python launch on
+  XLA's buffers;
+- ``"callback"`` (``host.py``): ``pure_callback`` on host copies (the CPU and
+  simulator path).
+
+For all of them results are declared once, by ``out_specs``
+(``jax.ShapeDtypeStruct``\\ s of the unbatched call), and ``vmap`` batch dims
+fold into the token axis where the rows allow (``_shared.launches``).
+Nothing here validates input: the ops check everything at trace time, before
+they get here (an exception inside a callback is undefined behaviour in JAX).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+from jax import lax
+
+from .. import _backend
+from .host import Launcher, host_call
+
+
+def resolve_transport(op: str, transport: str) -> str:
+    """``"auto"`` -> ``"ffi"`` where JAX runs on a CUDA GPU and the FFI ABI
+    checks out, ``"zero-copy"`` where only buffer_callback does, else
+    ``"callback"``. An explicit transport that cannot run here is a
+    RuntimeError naming ``op`` and what it needs."""
+    gpu = _backend.zero_copy_available()
+    if transport == "auto":  # (the value was checked by _checks.check_transport)
+        return "zero-copy" if gpu else "callback"
+    if transport in ("zero-copy", "ffi") and not gpu:
+        raise RuntimeError(
+            f"{op}: transport=\"{transport}\" needs JAX on a CUDA GPU (jax.default_backend() == "
+            f"\"gpu\", now {jax.default_backend()!r}) and numba-cuda on a real GPU; "
+            "use transport=\"callback\"."
+        )
+    if transport == "ffi":
+        raise RuntimeError(f"{op}: transport=\"ffi\" is not built yet; use transport=\"zero-copy\".")
+    return transport
+
+
+def _varying(x) -> frozenset:
+    """The manual mesh axes ``x`` varies along (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    if hasattr(aval, "vma"):  # jax < 0.10 spelling
+        return frozenset(aval.vma)
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10+
+    return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def _match_varying_axes(outs, ins):
+    """Marks the outputs varying over every manual mesh axis an input varies over.
+
+    Inside ``shard_map`` JAX types each value with the manual axes it varies
+    along; a callback's outputs come out typed invariant, which would break
+    ``custom_vjp`` (cotangent types must match the primal inputs) and any
+    later collective. The outputs of a per-shard kernel vary as its inputs do.
+    """
+    vma = frozenset().union(*(_varying(a) for a in ins))
+    fixed = []
+    for o in outs:
+        missing = tuple(sorted(vma - _varying(o)))
+        fixed.append(lax.pcast(o, missing, to="varying") if missing else o)
+    return tuple(fixed)
+
+
+def kernel_call(
+    launcher: Launcher,
+    planner: Callable,
+    out_specs: Sequence[jax.ShapeDtypeStruct],
+    token_args: Sequence[jax.Array],
+    call_args: Sequence[jax.Array] = (),
+    transport: str = "callback",
+) -> tuple[jax.Array, ...]:
+    """Calls ``launcher(*token_args, *call_args)`` through the chosen transport.
+
+    Args:
+      launcher: a kernel launcher with all static configuration bound; NumPy
+        arrays in, NumPy arrays out (callback transport).
+      planner: the launcher's plan function with all static configuration
+        bound: ``planner(*specs)`` of the arrays' ``kernels._plan.Spec`` objects
+        gives the ``Plan`` the ffi and zero-copy transports launch on XLA's buffers.
+      out_specs: shapes and dtypes of the outputs of one unbatched call.
+      token_args: arrays whose leading axis is tokens (rows independent); empty
+        for ops that reduce over rows, which then run once per vmap element.
+      call_args: the other array arguments (biases, counts, scalars).
+      transport: ``"ffi"``, ``"zero-copy"`` or ``"callback"`` (already resolved).
+    """
+    args = (*token_args, *call_args)
+    if transport == "zero-copy":
+        from .buffer import buffer_call
+
+        outs = buffer_call(planner, out_specs, token_args, call_args)
+    else:
+        outs = host_call(launcher, out_specs, len(token_args), args)
+    return _match_varying_axes(outs, args)
