@@ -228,6 +228,7 @@ def _element_io(kind: str):
 def popc32(x):
     """The set bits of a uint32 (SWAR: the same integer ops on a GPU and the simulator)."""
     x = np.uint32(x - np.uint32(np.uint32(x >> np.uint32(1)) & np.uint32(0x55555555)))
-    x = np.uint32(np.uint32(x & np.uint32(0x33333333)) + np.uint32(np.uint32(x >> np.uint32(2)) & np.uint32(0x33333333)))
+    m2 = np.uint32(0x33333333)
+    x = np.uint32(np.uint32(x & m2) + np.uint32(np.uint32(x >> np.uint32(2)) & m2))
     x = np.uint32(np.uint32(x + np.uint32(x >> np.uint32(4))) & np.uint32(0x0F0F0F0F))
     return np.int32(np.uint32(np.uint32(x * np.uint32(0x01010101)) >> np.uint32(24)))
