@@ -336,8 +336,10 @@ def test_dispatch_padding_rows_are_zero_and_combine_pad_offsets_is_optional():
 # ----------------------------------------------------------------------------
 
 
-def _op_cases():
-    """(name, differentiable fn of float args, float args): one per op."""
+def _op_cases(backend="jax"):
+    """(name, differentiable fn of float args, float args): one per op (``backend``:
+    the ops with kernels only, on that backend)."""
+    kw = dict(backend=backend)
     rng = np.random.default_rng(3)
     off = jnp.asarray([0, 2, 2, 5], jnp.int32)
     dy, sc, b = _rand(rng, (6, 3), jnp.float32), _rand(rng, (6,), jnp.float32), _rand(rng, (3, 3), jnp.float32)
@@ -346,20 +348,28 @@ def _op_cases():
     n_out = int(m.sum())
     _, _, rid, _, _ = mo.token_dispatch(x, m, n_out, align_size=2)
     z = _rand(rng, (int(mo.token_dispatch(x, m, n_out, align_size=2)[0].shape[0]), 3), jnp.float32)
-    return [
+    cases = [
         ("dbias_dscales", lambda d, s, bb: sum(jnp.sum(a ** 2) for a in
-                                              mo.compute_grouped_dbias_dscales(d, s, bb, off)), (dy, sc, b)),
-        ("dbias", lambda d: jnp.sum(mo.compute_grouped_dbias(d, off, 3) ** 2), (dy,)),
+                                              mo.compute_grouped_dbias_dscales(d, s, bb, off, **kw)), (dy, sc, b)),
+        ("dbias", lambda d: jnp.sum(mo.compute_grouped_dbias(d, off, 3, **kw) ** 2), (dy,)),
         ("scaled_bias_add", lambda y, bb, s: jnp.sum(mo.grouped_scaled_bias_add(
-            y, bb, s, jnp.asarray([2, 0, 3])) ** 2), (dy, b, sc)),
+            y, bb, s, jnp.asarray([2, 0, 3]), **kw) ** 2), (dy, b, sc)),
         ("dispatch", lambda a, q: sum(jnp.sum(o ** 2) for o in
                                       mo.token_dispatch(a, m, n_out, q, 2)[:2]), (x, p)),
-        ("combine", lambda a, q: jnp.sum(mo.token_combine(a, rid, q) ** 2), (z, p)),
+        ("combine", lambda a, q: jnp.sum(mo.token_combine(a, rid, q, **kw) ** 2), (z, p)),
     ]
+    return [c for c in cases if backend == "jax" or c[0] != "dispatch"]
 
 
-@pytest.mark.parametrize("name,fn,args", _op_cases(), ids=[c[0] for c in _op_cases()])
-def test_every_op_under_jit_checkpoint_scan_and_vmap(name, fn, args):
+def _backend_cases():
+    """(backend, name, fn, args) of every op on jax and of the kernel ops on numba (simulator or GPU)."""
+    out = [pytest.param("jax", *c, id=f"jax-{c[0]}") for c in _op_cases()]
+    out += [pytest.param("numba", *c, id=f"numba-{c[0]}", marks=pytest.mark.cuda) for c in _op_cases("numba")]
+    return out
+
+
+@pytest.mark.parametrize("backend,name,fn,args", _backend_cases())
+def test_every_op_under_jit_checkpoint_scan_and_vmap(backend, name, fn, args):
     want = fn(*args)
     want_g = jax.grad(fn, argnums=tuple(range(len(args))))(*args)
     np.testing.assert_allclose(float(jax.jit(fn)(*args)), float(want), rtol=1e-6)
@@ -390,11 +400,11 @@ def test_every_op_under_jit_checkpoint_scan_and_vmap(name, fn, args):
 
 
 @pytest.mark.parametrize("name", OPS)
-def test_signature_is_the_reference_plus_keyword_backend(name):
+def test_signature_is_the_reference_plus_keyword_backend_and_transport(name):
     pub = list(inspect.signature(getattr(mo, name)).parameters.values())
-    assert pub[-1].name == "backend" and pub[-1].default == "auto"
-    assert pub[-1].kind is inspect.Parameter.KEYWORD_ONLY
-    assert pub[:-1] == list(inspect.signature(getattr(ref, name)).parameters.values())
+    assert [(p.name, p.default) for p in pub[-2:]] == [("backend", "auto"), ("transport", "auto")]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in pub[-2:])
+    assert pub[:-2] == list(inspect.signature(getattr(ref, name)).parameters.values())
 
 
 def test_te_positional_order():
@@ -487,10 +497,16 @@ def _valid_args(op):
     return {DBS: (D, S, B, OFF), DB: (D, OFF, 2), SBA: (D, B, S, GS), DIS: (D, M, 4), COM: (D, RID)}[op]
 
 
+def test_token_dispatch_has_no_kernel_yet():
+    with pytest.raises(NotImplementedError, match="^" + re.escape(f'{DIS} (numba): no kernel yet; use backend="jax".')):
+        mo.token_dispatch(*_valid_args(DIS), backend="numba")
+
+
 @pytest.mark.parametrize("op", OPS)
-def test_numba_backend_has_no_kernel_yet(op):
-    with pytest.raises(NotImplementedError, match="^" + re.escape(f'{op} (numba): no kernel yet; use backend="jax".')):
-        getattr(mo, op)(*_valid_args(op), backend="numba")
+def test_backend_and_transport_values(op):
+    with pytest.raises(ValueError, match="^" + re.escape(f"{op}: transport ('pcie') must be one of 'auto', "
+                                                         "'callback', 'ffi', 'zero-copy'.")):
+        getattr(mo, op)(*_valid_args(op), transport="pcie")
     with pytest.raises(ValueError, match="^" + re.escape(f"{op}: backend ('cuda') must be one of 'auto', 'jax', "
                                                          "'numba'.")):
         getattr(mo, op)(*_valid_args(op), backend="cuda")
