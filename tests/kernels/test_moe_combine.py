@@ -13,6 +13,7 @@ import pytest
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
 from gpurouter.kernels import moe_combine as C  # noqa: E402
+from gpurouter.kernels import moe_plans as P  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -27,13 +28,13 @@ def lanes(monkeypatch):
         monkeypatch.setattr(C, "CMB_THREADS", n)
         if hold is not None:
             monkeypatch.setattr(C, "CMB_HOLD", hold)  # <= the module's: the shared arrays' size
-        C.token_combine_fwd_plan.cache_clear()
-        C.token_combine_bwd_plan.cache_clear()
+        P.token_combine_fwd_plan.cache_clear()
+        P.token_combine_bwd_plan.cache_clear()
 
     yield force
     monkeypatch.undo()
-    C.token_combine_fwd_plan.cache_clear()
-    C.token_combine_bwd_plan.cache_clear()
+    P.token_combine_fwd_plan.cache_clear()
+    P.token_combine_bwd_plan.cache_clear()
 
 
 def _f32(a):

@@ -13,6 +13,7 @@ import pytest
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
 from gpurouter.kernels import moe_grouped_dbias as M  # noqa: E402
+from gpurouter.kernels import moe_plans as P  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -28,11 +29,11 @@ def small_tiles(monkeypatch):
         monkeypatch.setattr(M, "DB_CHUNK_ROWS", rows)
         monkeypatch.setattr(M, "DB_MAX_LANES", lanes)
         monkeypatch.setattr(M, "DB_GROUP_HOLD", hold)
-        M.grouped_dbias_dscales_plan.cache_clear()
+        P.grouped_dbias_dscales_plan.cache_clear()
 
     yield force
     monkeypatch.undo()
-    M.grouped_dbias_dscales_plan.cache_clear()
+    P.grouped_dbias_dscales_plan.cache_clear()
 
 
 def _case(rng, n, h, offsets, dtype):
