@@ -35,8 +35,12 @@ def resolve_transport(op: str, transport: str) -> str:
     checks out, ``"zero-copy"`` where only buffer_callback does, else
     ``"callback"``. An explicit transport that cannot run here is a
     RuntimeError naming ``op`` and what it needs."""
+    from . import ffi
+
     gpu = _backend.zero_copy_available()
     if transport == "auto":  # (the value was checked by _checks.check_transport)
+        if gpu and ffi.available():
+            return "ffi"
         return "zero-copy" if gpu else "callback"
     if transport in ("zero-copy", "ffi") and not gpu:
         raise RuntimeError(
@@ -44,8 +48,9 @@ def resolve_transport(op: str, transport: str) -> str:
             f"\"gpu\", now {jax.default_backend()!r}) and numba-cuda on a real GPU; "
             "use transport=\"callback\"."
         )
-    if transport == "ffi":
-        raise RuntimeError(f"{op}: transport=\"ffi\" is not built yet; use transport=\"zero-copy\".")
+    if transport == "ffi" and ffi.unavailable_reason() is not None:
+        raise RuntimeError(f"{op}: transport=\"ffi\" cannot run with this jaxlib: "
+                           f"{ffi.unavailable_reason()} Use transport=\"zero-copy\".")
     return transport
 
 
@@ -97,7 +102,11 @@ def kernel_call(
       transport: ``"ffi"``, ``"zero-copy"`` or ``"callback"`` (already resolved).
     """
     args = (*token_args, *call_args)
-    if transport == "zero-copy":
+    if transport == "ffi":
+        from .ffi import ffi_call
+
+        outs = ffi_call(planner, out_specs, token_args, call_args)
+    elif transport == "zero-copy":
         from .buffer import buffer_call
 
         outs = buffer_call(planner, out_specs, token_args, call_args)
