@@ -30,6 +30,7 @@ traced the call (``jax.export`` of these ops is not supported).
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import warnings
 
@@ -45,6 +46,10 @@ MAX_DEVICES = 64
 #: parameter slots a step may have (the handler's stack copy), arrays a call may have
 MAX_PARAMS = 256
 MAX_ARRAYS = 32
+#: XLA_FFI_Handler_Traits the handler declares (1: COMMAND_BUFFER_COMPATIBLE,
+#: XLA may capture its launches in a CUDA graph; its launches depend only on
+#: buffer addresses and the plan attribute)
+TRAITS = int(os.environ.get("GPUROUTER_FFI_TRAITS", "0"))
 #: jaxlib versions this transport was run with (the header check decides elsewhere)
 TESTED_JAXLIB = ("0.10.2 (CPU: ABI and structure tests)", "0.11.2 (H200: the GPU suite)")
 
@@ -122,7 +127,7 @@ def _handler():
             st64(md + abi.MD_VERSION_STRUCT_SIZE + 8, 0)
             st32(md + abi.MD_VERSION_MAJOR, abi.DECLARED_VERSION[0])
             st32(md + abi.MD_VERSION_MINOR, abi.DECLARED_VERSION[1])
-            st32(md + abi.MD_TRAITS, 0)
+            st32(md + abi.MD_TRAITS, TRAITS)
             return 0
         api = ld64(frame + abi.CF_API)
         api_size = ld64(api + abi.API_STRUCT_SIZE)
@@ -334,9 +339,9 @@ def _batched(planner, out_specs, n_token: int):
         if n_token and not any(in_batched[n_token:]):
             tokens = [a.reshape((-1, *a.shape[2:])) for a in full[:n_token]]
             outs = call(*tokens, *args[n_token:])
-            return [o.reshape((axis_size, -1, *o.shape[1:])) for o in outs], [True] * len(outs)
+            return tuple(o.reshape((axis_size, -1, *o.shape[1:])) for o in outs), (True,) * len(outs)
         outs = lax.map(lambda xs: tuple(call(*xs)), tuple(full))
-        return list(outs), [True] * len(outs)
+        return tuple(outs), (True,) * len(outs)
 
     return call
 

@@ -131,7 +131,8 @@ class Api(ctypes.Structure):  # XLA_FFI_Api
 #: without a layout change, e.g. XLA_FFI_Extension_Base -> XLA_FFI_InternalExtension
 #: in API 0.4, is listed under each name; a header needs one of them)
 STRUCTS = {
-    "XLA_FFI_Extension_Base": ExtensionBase, "XLA_FFI_InternalExtension": ExtensionBase, "XLA_FFI_Api_Version": ApiVersion,
+    "XLA_FFI_Extension_Base": ExtensionBase, "XLA_FFI_InternalExtension": ExtensionBase,
+    "XLA_FFI_Api_Version": ApiVersion,
     "XLA_FFI_Args": Args, "XLA_FFI_Rets": Rets, "XLA_FFI_Attrs": Attrs,
     "XLA_FFI_CallFrame": CallFrame, "XLA_FFI_Buffer": Buffer, "XLA_FFI_ByteSpan": ByteSpan,
     "XLA_FFI_Scalar": Scalar, "XLA_FFI_Metadata": Metadata,
