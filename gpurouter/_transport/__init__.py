@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
-from jax import lax
 
 from .. import _backend
+from ._shared import match_varying_axes
 from .host import Launcher, host_call
 
 
@@ -52,31 +52,6 @@ def resolve_transport(op: str, transport: str) -> str:
         raise RuntimeError(f"{op}: transport=\"ffi\" cannot run with this jaxlib: "
                            f"{ffi.unavailable_reason()} Use transport=\"zero-copy\".")
     return transport
-
-
-def _varying(x) -> frozenset:
-    """The manual mesh axes ``x`` varies along (empty outside shard_map)."""
-    aval = jax.typeof(x)
-    if hasattr(aval, "vma"):  # jax < 0.10 spelling
-        return frozenset(aval.vma)
-    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10+
-    return frozenset(getattr(mat, "varying", ()) or ())
-
-
-def _match_varying_axes(outs, ins):
-    """Marks the outputs varying over every manual mesh axis an input varies over.
-
-    Inside ``shard_map`` JAX types each value with the manual axes it varies
-    along; a callback's outputs come out typed invariant, which would break
-    ``custom_vjp`` (cotangent types must match the primal inputs) and any
-    later collective. The outputs of a per-shard kernel vary as its inputs do.
-    """
-    vma = frozenset().union(*(_varying(a) for a in ins))
-    fixed = []
-    for o in outs:
-        missing = tuple(sorted(vma - _varying(o)))
-        fixed.append(lax.pcast(o, missing, to="varying") if missing else o)
-    return tuple(fixed)
 
 
 def kernel_call(
@@ -112,4 +87,4 @@ def kernel_call(
         outs = buffer_call(planner, out_specs, token_args, call_args)
     else:
         outs = host_call(launcher, out_specs, len(token_args), args)
-    return _match_varying_axes(outs, args)
+    return match_varying_axes(outs, args)

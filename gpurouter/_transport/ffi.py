@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from . import ffi_abi as abi
-from ._shared import COMPILE_LOCK, plan_of, to_words, word_spec
+from ._shared import COMPILE_LOCK, plan_of, to_words, varying, word_spec
 
 TARGET = "gpurouter_plan"
 MAGIC = 0x67707572_6F757465  # "gpuroute"
@@ -312,7 +312,22 @@ def _record(plan) -> int:
     return int(hit[0].ctypes.data)
 
 
-def _unbatched_call(planner, out_specs, args):
+def _unbatched_call(planner, out_specs, n_token: int, args):
+    """One call on unbatched arrays; token-parallel calls (``n_token`` > 0)
+    split over a token-sharded mesh by ``partition.token_parallel`` when JAX
+    has several devices and the call is not inside ``shard_map``."""
+    if n_token and len(jax.devices()) > 1 and not any(varying(a) for a in args):
+        from .partition import token_parallel
+
+        def local(*xs):
+            t = xs[0].shape[0]
+            return _launch(planner, [jax.ShapeDtypeStruct((t, *s.shape[1:]), s.dtype) for s in out_specs], xs)
+
+        return token_parallel(local, n_token, args, [word_spec(s) for s in out_specs])
+    return _launch(planner, out_specs, args)
+
+
+def _launch(planner, out_specs, args):
     plan = plan_of(planner, args)
     results = tuple(word_spec(s) for s in out_specs) + tuple(
         jax.ShapeDtypeStruct(t.shape, t.dtype) for t in plan.tmps)
@@ -330,7 +345,7 @@ def _batched(planner, out_specs, n_token: int):
 
     @jax.custom_batching.custom_vmap
     def call(*args):
-        return _unbatched_call(planner, out_specs, args)
+        return _unbatched_call(planner, out_specs, n_token, args)
 
     @call.def_vmap
     def rule(axis_size, in_batched, *args):
