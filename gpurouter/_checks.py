@@ -736,3 +736,29 @@ def check_token_combine_args(inp, row_id_map, merging_probs, pad_offsets,
             raise ValueError(f"{op}: pad_offsets shape {o_shape} must be (num_experts,) = ({e},).")
         _check_int_dtype(op, "pad_offsets", o_dtype)
     return r, h, t, e
+
+
+# ----------------------------------------------------------------------------
+# The numba backend of the token-level MoE ops (gpurouter/_ops/moe_ops.py,
+# kernels in gpurouter/kernels/moe_*.py)
+# ----------------------------------------------------------------------------
+
+#: the token-level MoE ops with kernels (grouped_scaled_bias_add: its backward)
+MOE_KERNEL_OPS = (GROUPED_DBIAS_DSCALES_OP, GROUPED_DBIAS_OP, SCALED_BIAS_ADD_OP, TOKEN_COMBINE_OP)
+
+
+def check_moe_kernel_backend(op: str, backend: str) -> str:
+    """``backend`` of a token-level MoE op, checked; ``"numba"`` for an op
+    without kernels (``token_dispatch``) is a ``NotImplementedError``."""
+    check_backend(op, backend)
+    if backend == "numba" and op not in MOE_KERNEL_OPS:
+        raise moe_no_kernel_error(op)
+    return backend
+
+
+def check_moe_kernel_limit(op: str, name: str, value: int, limit: int) -> None:
+    """A valid size beyond what a MoE kernel takes: ``NotImplementedError``."""
+    if value > limit:
+        raise NotImplementedError(
+            f"{op} (numba): {name} ({value}) exceeds the kernel limit of {limit}; use backend=\"jax\"."
+        )

@@ -70,9 +70,10 @@ def grouped_cases(draw):
     return sizes, offsets, n, h, dtype, seed
 
 
+@pytest.mark.parametrize("backend", ["jax", pytest.param("numba", marks=pytest.mark.cuda)])
 @FEWER
 @given(case=grouped_cases(), accumulate=hps.booleans())
-def test_grouped_dbias_dscales_vs_oracle(case, accumulate):
+def test_grouped_dbias_dscales_vs_oracle(case, accumulate, backend):
     sizes, offsets, n, h, dtype, seed = case
     rng = np.random.default_rng(seed)
     unowned = [i for i in range(n) if i < offsets[0] or i >= offsets[-1]]
@@ -86,7 +87,7 @@ def test_grouped_dbias_dscales_vs_oracle(case, accumulate):
                   dscales=jnp.asarray(rng.standard_normal(n), jnp.float32))
         want_db = want_db + _np(kw["dbias"])
         want_ds = want_ds + _np(kw["dscales"])
-    db, ds = mo.compute_grouped_dbias_dscales(dy, scales, bias, jnp.asarray(offsets), **kw)
+    db, ds = mo.compute_grouped_dbias_dscales(dy, scales, bias, jnp.asarray(offsets), **kw, backend=backend)
     assert db.dtype == jnp.float32 and ds.dtype == jnp.float32
     assert db.shape == (len(sizes), h) and ds.shape == (n,)
     _close(db, want_db, jnp.float32, n)
@@ -98,14 +99,15 @@ def test_grouped_dbias_dscales_vs_oracle(case, accumulate):
             assert not np.any(np.asarray(db[g]))  # an empty group: exactly 0
 
 
+@pytest.mark.parametrize("backend", ["jax", pytest.param("numba", marks=pytest.mark.cuda)])
 @FEWER
 @given(case=grouped_cases())
-def test_grouped_dbias_vs_oracle(case):
+def test_grouped_dbias_vs_oracle(case, backend):
     sizes, offsets, n, h, dtype, seed = case
     rng = np.random.default_rng(seed)
     unowned = [i for i in range(n) if i < offsets[0] or i >= offsets[-1]]
     dy = _rand(rng, (n, h), dtype, nan_rows=unowned)
-    db = mo.compute_grouped_dbias(dy, jnp.asarray(offsets), len(sizes))
+    db = mo.compute_grouped_dbias(dy, jnp.asarray(offsets), len(sizes), backend=backend)
     assert db.dtype == jnp.float32
     _close(db, orc.grouped_dbias(_np(jnp.nan_to_num(dy)), offsets, len(sizes)), jnp.float32, n)
 
@@ -151,9 +153,10 @@ def test_grouped_dbias_traced_offsets_under_jit():
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", ["jax", pytest.param("numba", marks=pytest.mark.cuda)])
 @FEWER
 @given(case=grouped_cases())
-def test_grouped_scaled_bias_add_fwd_bwd_vs_oracle(case):
+def test_grouped_scaled_bias_add_fwd_bwd_vs_oracle(case, backend):
     sizes, offsets, n, h, dtype, seed = case
     n = n - int(offsets[0])  # group_sizes start at row 0: no head rows, the same tail
     offsets = offsets - offsets[0]
@@ -163,7 +166,7 @@ def test_grouped_scaled_bias_add_fwd_bwd_vs_oracle(case):
     bias = _rand(rng, (len(sizes), h), dtype)
     scales = _rand(rng, (n,), dtype)
     gs = jnp.asarray(sizes, jnp.int32)
-    out, vjp = jax.vjp(lambda a, b, s: mo.grouped_scaled_bias_add(a, b, s, gs), y, bias, scales)
+    out, vjp = jax.vjp(lambda a, b, s: mo.grouped_scaled_bias_add(a, b, s, gs, backend=backend), y, bias, scales)
     assert out.dtype == y.dtype
     want = orc.scaled_bias_add(_np(y), _np(bias), _np(scales), sizes)
     np.testing.assert_array_equal(np.isnan(_np(out)), np.isnan(want))
@@ -263,9 +266,10 @@ def test_token_dispatch_fwd_bwd_vs_oracle(case):
         _close(d_p, w_dp, dtype)
 
 
+@pytest.mark.parametrize("backend", ["jax", pytest.param("numba", marks=pytest.mark.cuda)])
 @FEWER
 @given(case=routing_cases())
-def test_token_combine_fwd_bwd_vs_oracle(case):
+def test_token_combine_fwd_bwd_vs_oracle(case, backend):
     m, h, num_out, align, dtype, with_probs, _, rng = case
     t, e = m.shape
     _, _, w_rid, _, _ = orc.dispatch(np.zeros((t, 1)), m, num_out, None, align)
@@ -276,9 +280,9 @@ def test_token_combine_fwd_bwd_vs_oracle(case):
     w = jnp.asarray(np.where(m, rng.random((t, e)), 0.0), dtype) if with_probs else None
     rid = jnp.asarray(w_rid, jnp.int32)
     if w is None:
-        y, vjp = jax.vjp(lambda a: mo.token_combine(a, rid), z)
+        y, vjp = jax.vjp(lambda a: mo.token_combine(a, rid, backend=backend), z)
     else:
-        y, vjp = jax.vjp(lambda a, b: mo.token_combine(a, rid, b), z, w)
+        y, vjp = jax.vjp(lambda a, b: mo.token_combine(a, rid, b, backend=backend), z, w)
     assert y.dtype == z.dtype and y.shape == (t, h)
     z_clean = _np(jnp.nan_to_num(z))
     _close(y, orc.combine(z_clean, w_rid, None if w is None else _np(w)), dtype, e)
@@ -336,8 +340,10 @@ def test_dispatch_padding_rows_are_zero_and_combine_pad_offsets_is_optional():
 # ----------------------------------------------------------------------------
 
 
-def _op_cases():
-    """(name, differentiable fn of float args, float args): one per op."""
+def _op_cases(backend="jax"):
+    """(name, differentiable fn of float args, float args): one per op (``backend``:
+    the ops with kernels only, on that backend)."""
+    kw = dict(backend=backend)
     rng = np.random.default_rng(3)
     off = jnp.asarray([0, 2, 2, 5], jnp.int32)
     dy, sc, b = _rand(rng, (6, 3), jnp.float32), _rand(rng, (6,), jnp.float32), _rand(rng, (3, 3), jnp.float32)
@@ -346,20 +352,28 @@ def _op_cases():
     n_out = int(m.sum())
     _, _, rid, _, _ = mo.token_dispatch(x, m, n_out, align_size=2)
     z = _rand(rng, (int(mo.token_dispatch(x, m, n_out, align_size=2)[0].shape[0]), 3), jnp.float32)
-    return [
+    cases = [
         ("dbias_dscales", lambda d, s, bb: sum(jnp.sum(a ** 2) for a in
-                                              mo.compute_grouped_dbias_dscales(d, s, bb, off)), (dy, sc, b)),
-        ("dbias", lambda d: jnp.sum(mo.compute_grouped_dbias(d, off, 3) ** 2), (dy,)),
+                                              mo.compute_grouped_dbias_dscales(d, s, bb, off, **kw)), (dy, sc, b)),
+        ("dbias", lambda d: jnp.sum(mo.compute_grouped_dbias(d, off, 3, **kw) ** 2), (dy,)),
         ("scaled_bias_add", lambda y, bb, s: jnp.sum(mo.grouped_scaled_bias_add(
-            y, bb, s, jnp.asarray([2, 0, 3])) ** 2), (dy, b, sc)),
+            y, bb, s, jnp.asarray([2, 0, 3]), **kw) ** 2), (dy, b, sc)),
         ("dispatch", lambda a, q: sum(jnp.sum(o ** 2) for o in
                                       mo.token_dispatch(a, m, n_out, q, 2)[:2]), (x, p)),
-        ("combine", lambda a, q: jnp.sum(mo.token_combine(a, rid, q) ** 2), (z, p)),
+        ("combine", lambda a, q: jnp.sum(mo.token_combine(a, rid, q, **kw) ** 2), (z, p)),
     ]
+    return [c for c in cases if backend == "jax" or c[0] != "dispatch"]
 
 
-@pytest.mark.parametrize("name,fn,args", _op_cases(), ids=[c[0] for c in _op_cases()])
-def test_every_op_under_jit_checkpoint_scan_and_vmap(name, fn, args):
+def _backend_cases():
+    """(backend, name, fn, args) of every op on jax and of the kernel ops on numba (simulator or GPU)."""
+    out = [pytest.param("jax", *c, id=f"jax-{c[0]}") for c in _op_cases()]
+    out += [pytest.param("numba", *c, id=f"numba-{c[0]}", marks=pytest.mark.cuda) for c in _op_cases("numba")]
+    return out
+
+
+@pytest.mark.parametrize("backend,name,fn,args", _backend_cases())
+def test_every_op_under_jit_checkpoint_scan_and_vmap(backend, name, fn, args):
     want = fn(*args)
     want_g = jax.grad(fn, argnums=tuple(range(len(args))))(*args)
     np.testing.assert_allclose(float(jax.jit(fn)(*args)), float(want), rtol=1e-6)
@@ -390,11 +404,11 @@ def test_every_op_under_jit_checkpoint_scan_and_vmap(name, fn, args):
 
 
 @pytest.mark.parametrize("name", OPS)
-def test_signature_is_the_reference_plus_keyword_backend(name):
+def test_signature_is_the_reference_plus_keyword_backend_and_transport(name):
     pub = list(inspect.signature(getattr(mo, name)).parameters.values())
-    assert pub[-1].name == "backend" and pub[-1].default == "auto"
-    assert pub[-1].kind is inspect.Parameter.KEYWORD_ONLY
-    assert pub[:-1] == list(inspect.signature(getattr(ref, name)).parameters.values())
+    assert [(p.name, p.default) for p in pub[-2:]] == [("backend", "auto"), ("transport", "auto")]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in pub[-2:])
+    assert pub[:-2] == list(inspect.signature(getattr(ref, name)).parameters.values())
 
 
 def test_te_positional_order():
@@ -487,10 +501,16 @@ def _valid_args(op):
     return {DBS: (D, S, B, OFF), DB: (D, OFF, 2), SBA: (D, B, S, GS), DIS: (D, M, 4), COM: (D, RID)}[op]
 
 
+def test_token_dispatch_has_no_kernel_yet():
+    with pytest.raises(NotImplementedError, match="^" + re.escape(f'{DIS} (numba): no kernel yet; use backend="jax".')):
+        mo.token_dispatch(*_valid_args(DIS), backend="numba")
+
+
 @pytest.mark.parametrize("op", OPS)
-def test_numba_backend_has_no_kernel_yet(op):
-    with pytest.raises(NotImplementedError, match="^" + re.escape(f'{op} (numba): no kernel yet; use backend="jax".')):
-        getattr(mo, op)(*_valid_args(op), backend="numba")
+def test_backend_and_transport_values(op):
+    with pytest.raises(ValueError, match="^" + re.escape(f"{op}: transport ('pcie') must be one of 'auto', "
+                                                         "'callback', 'ffi', 'zero-copy'.")):
+        getattr(mo, op)(*_valid_args(op), transport="pcie")
     with pytest.raises(ValueError, match="^" + re.escape(f"{op}: backend ('cuda') must be one of 'auto', 'jax', "
                                                          "'numba'.")):
         getattr(mo, op)(*_valid_args(op), backend="cuda")
@@ -506,3 +526,46 @@ def test_traced_static_arguments_are_refused_under_jit():
     with pytest.raises(TypeError, match="^" + re.escape(
             f"{DB}: num_groups must be a static Python int, got a traced value")):
         jax.jit(lambda g: mo.compute_grouped_dbias(D, OFF, g))(2)
+
+
+# ----------------------------------------------------------------------------
+# The numba backend (the CUDA simulator in CI, a GPU where there is one)
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_numba_grouped_dbias_dscales_is_bit_identical_across_runs():
+    rng = np.random.default_rng(0)
+    n, h, g = 300, 8, 5
+    dy = jnp.asarray(rng.standard_normal((n, h)) * 100, jnp.bfloat16)
+    scales = jnp.asarray(rng.random(n), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((g, h)), jnp.float32)
+    offsets = jnp.asarray([0, 10, 10, 140, 141, 290], jnp.int32)
+    f = jax.jit(lambda *a: mo.compute_grouped_dbias_dscales(*a, backend="numba"))
+    first = [np.asarray(a) for a in f(dy, scales, bias, offsets)]
+    for got in (f(dy, scales, bias, offsets), mo.compute_grouped_dbias_dscales(dy, scales, bias, offsets,
+                                                                                 backend="numba")):
+        for a, b in zip(got, first, strict=True):  # the kernel's order, eager or under jit
+            np.testing.assert_array_equal(np.asarray(a), b)
+    want = orc.grouped_dbias_dscales(_np(dy), _np(scales), _np(bias), np.asarray(offsets))
+    _close(first[0], want[0], jnp.float32, n)
+    _close(first[1], want[1], jnp.float32, h)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op,args,kwargs,exc,msg", [c for c in CASES if c[0] != DIS],
+                         ids=[c[4].split(": ", 1)[1][:48] for c in CASES if c[0] != DIS])
+def test_errors_on_numba_read_the_same(op, args, kwargs, exc, msg):
+    with pytest.raises(exc, match="^" + re.escape(msg)):
+        getattr(mo, op)(*args, **kwargs, backend="numba")
+
+
+@pytest.mark.cuda
+def test_numba_refuses_float64_and_too_many_experts():
+    with jax.enable_x64(True):
+        with pytest.raises(TypeError, match="^" + re.escape(
+                f"{DBS}: dy dtype (float64) must be float32, bfloat16 or float16 with backend=\"numba\"")):
+            mo.compute_grouped_dbias_dscales(D.astype(jnp.float64), S, B, OFF, backend="numba")
+    with pytest.raises(NotImplementedError, match="^" + re.escape(
+            f'{COM} (numba): num_experts (1025) exceeds the kernel limit of 1024; use backend="jax".')):
+        mo.token_combine(D, jnp.full((4, 1025), -1, jnp.int32), backend="numba")

@@ -29,9 +29,10 @@ import statistics
 import numpy as np
 from numba import cuda
 
+from gpurouter.kernels import _device as D
 from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _plan, _pointer
-from gpurouter.kernels import token_rows as R
+from gpurouter.kernels import _plan, _pointer, _token_rows
+from gpurouter.kernels import token_topk_fwd as R
 from gpurouter.kernels import topk as T
 from gpurouter.presets import PRESETS
 
@@ -86,20 +87,20 @@ def _preset_plan(preset, tokens, groups=True):
 
 
 def _with_selector(make):
-    """Runs with ``token_rows._selector`` replaced by ``make`` (caches cleared around)."""
-    orig = R._selector
+    """Runs with ``token_topk_fwd.token_selector`` replaced by ``make`` (caches cleared around)."""
+    orig = R.token_selector
 
     def clear():
-        R.topk_fwd_kernel.cache_clear()
+        R.token_topk_fwd_kernel.cache_clear()
         T.topk_with_score_function_fwd_plan.cache_clear()
 
     class _Swap:
         def __enter__(self):
-            R._selector = make
+            R.token_selector = make
             clear()
 
         def __exit__(self, *exc):
-            R._selector = orig
+            R.token_selector = orig
             clear()
 
     return _Swap()
@@ -115,7 +116,7 @@ def _no_select(topk, gcap, has_bias, post, scaled=False):
 
 
 def _keys_only(topk, gcap, has_bias, post, scaled=False):
-    push = R._pusher(topk + 1)
+    push = _token_rows.register_pusher(topk + 1)
 
     @cuda.jit(device=True)
     def select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword):
@@ -124,7 +125,7 @@ def _keys_only(topk, gcap, has_bias, post, scaled=False):
             keys[q] = np.float32(-np.inf)
         j = np.int32(0)
         while j < num_experts:
-            push(keys, T._no_nan(smem[R._u32(row + j)]))
+            push(keys, D.nan_as_neg_inf(smem[D.u32(row + j)]))
             j = np.int32(j + 1)
         return np.float32(1), np.float32(0), keys[topk - 1], np.int32(num_experts)
 

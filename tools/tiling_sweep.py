@@ -1,5 +1,5 @@
 """Kernel times of the DeepSeek-V3 and Qwen3 router kernels under other tiling
-knobs of ``kernels/_launch.py`` (GPU only): the measurements behind the
+knobs of ``kernels/_tiling.py`` (GPU only): the measurements behind the
 knobs' defaults.
 
 ``python tools/tiling_sweep.py [--presets deepseek-v3,qwen3] [--repeats 30]``
@@ -14,7 +14,7 @@ import argparse
 import json
 
 from gpurouter import bench
-from gpurouter.kernels import _launch as L
+from gpurouter.kernels import _tiling as L
 from gpurouter.kernels import aux_scores, topk
 
 SETTINGS = [

@@ -30,7 +30,7 @@ from numba import cuda
 from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
 from gpurouter.kernels import _plan, _pointer
-from gpurouter.kernels import z_loss as Z
+from gpurouter.kernels import _tiling as Z
 
 DTYPES = {"bf16": (ml_dtypes.bfloat16, L.BF16), "fp32": (np.float32, L.F32), "fp16": (np.float16, L.F16)}
 

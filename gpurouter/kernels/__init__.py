@@ -53,3 +53,24 @@ __all__ = [
     "topk_with_score_function_fwd",
     "topk_with_score_function_fwd_plan",
 ]
+
+# Token-level MoE ops (moe_*.py)
+from .moe_combine import CMB_MAX_EXPERTS as CMB_MAX_EXPERTS  # noqa: E402
+from .moe_combine import token_combine_bwd as token_combine_bwd  # noqa: E402
+from .moe_combine import token_combine_bwd_plan as token_combine_bwd_plan  # noqa: E402
+from .moe_combine import token_combine_fwd as token_combine_fwd  # noqa: E402
+from .moe_combine import token_combine_fwd_plan as token_combine_fwd_plan  # noqa: E402
+from .moe_grouped_dbias import grouped_dbias as grouped_dbias  # noqa: E402
+from .moe_grouped_dbias import grouped_dbias_dscales as grouped_dbias_dscales  # noqa: E402
+from .moe_grouped_dbias import grouped_dbias_dscales_plan as grouped_dbias_dscales_plan  # noqa: E402
+
+__all__ += [
+    "CMB_MAX_EXPERTS",
+    "grouped_dbias",
+    "grouped_dbias_dscales",
+    "grouped_dbias_dscales_plan",
+    "token_combine_bwd",
+    "token_combine_bwd_plan",
+    "token_combine_fwd",
+    "token_combine_fwd_plan",
+]

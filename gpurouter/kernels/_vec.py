@@ -33,7 +33,7 @@ import functools
 import numpy as np
 from numba import cuda
 
-_u64 = np.uint64  # unsigned indices: numba wraps signed ones (see topk._u64)
+_u64 = np.uint64  # unsigned indices: numba wraps signed ones (see _device.u64)
 
 
 @functools.cache

@@ -6,7 +6,7 @@
 Deterministic by construction (≠TE, which uses float atomics): a grid of at
 most 256 blocks writes per-block column partials ``[nblocks, C]`` (block b sums
 a fixed row range; its threads are row lanes x column lanes, each summing its
-rows with 4 interleaved accumulators so that enough loads are in flight); one
+rows with 8 interleaved accumulators so that enough loads are in flight); one
 single-block kernel then reduces the partials the same way, weights them by
 ``tokens_per_expert`` and sums over columns with a fixed-shape tree, times C.
 No atomics; every order fixed.
@@ -22,22 +22,25 @@ import functools
 
 import numpy as np
 from numba import cuda
+from numba import float32 as nb_f32  # array declarations take numba types
 
 from .._host import aux_loss_coeff
-from . import _launch as L
+from . import _tiling
+from ._access import array_views, flat_io, loader_1d, loader_2d, storer_1d, storer_2d
+from ._device import ZERO, u64
+from ._launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
 from ._plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
-from .topk import _ZERO, _u64, array_views, flat_io, loader1, nb_f32, storer, storer1
 
 OP = "moe_aux_loss"
 
 # Shared-array sizes must be compile-time constants: numba freezes module
-# globals as constants, but types ``L.COLUMN_THREADS`` (a module attribute)
+# globals as constants, but types ``_tiling.COLUMN_THREADS`` (a module attribute)
 # as a plain int64, which cuda.shared.array rejects on the GPU (the
 # simulator accepts anything).
-_RED_WORDS = L.COLUMN_THREADS
-_FINAL_RED_WORDS = L.COLUMN_FINAL_THREADS
+_RED_WORDS = _tiling.COLUMN_THREADS
+_FINAL_RED_WORDS = _tiling.COLUMN_FINAL_THREADS
 
-# Column sums (_launch.column_tiling): a block is RL row lanes x CL column
+# Column sums (_tiling.column_tiling): a block is RL row lanes x CL column
 # lanes. Thread (rl, cl) owns columns cl, cl + CL, ... and, of its block's
 # rows, those congruent to rl mod RL, summed with 8 independent accumulators
 # (several loads in flight per thread: the sums are bandwidth-bound only if
@@ -46,24 +49,22 @@ _FINAL_RED_WORDS = L.COLUMN_FINAL_THREADS
 
 
 @functools.cache
-def _lane_column_sum(kind: str):
+def lane_column_sum(kind: str):
     """Device function ``sum(src, r0, r1, c, rl, nrl)``: fp32 sum of ``src[r, c]``
     (``src`` of ``kind``) over ``r0 <= r < r1`` with ``r = r0 + rl (mod nrl)``, in
     a fixed order: 8 interleaved accumulators, then a pairwise tree of them."""
-    from .topk import loader
-
-    load = loader(kind)
+    load = loader_2d(kind)
 
     @cuda.jit(device=True)
     def column_sum(src, r0, r1, c, rl, nrl):
-        a0 = _ZERO
-        a1 = _ZERO
-        a2 = _ZERO
-        a3 = _ZERO
-        a4 = _ZERO
-        a5 = _ZERO
-        a6 = _ZERO
-        a7 = _ZERO
+        a0 = ZERO
+        a1 = ZERO
+        a2 = ZERO
+        a3 = ZERO
+        a4 = ZERO
+        a5 = ZERO
+        a6 = ZERO
+        a7 = ZERO
         r = r0 + rl
         while r + 7 * nrl < r1:  # 8 independent loads in flight
             a0 += load(src, r, c)
@@ -85,11 +86,11 @@ def _lane_column_sum(kind: str):
 
 
 @functools.cache
-def _aux_loss_partial_kernel(kind: str):
-    column_sum = _lane_column_sum(kind)
+def aux_loss_partial_kernel(kind: str):
+    column_sum = lane_column_sum(kind)
 
     @cuda.jit
-    def kernel(
+    def aux_loss_partial(
         probs,  # [T, C] kind
         partial,  # [nblocks, C] fp32, out
         rows_per_block,
@@ -109,7 +110,7 @@ def _aux_loss_partial_kernel(kind: str):
         c0 = 0
         while c0 < num_cols:  # same trip count in every thread: barriers inside are uniform
             c = c0 + cl
-            acc = _ZERO
+            acc = ZERO
             if c < num_cols:
                 acc = column_sum(probs, r0, r1, c, rl, nrl)
             red[tid] = acc
@@ -123,17 +124,17 @@ def _aux_loss_partial_kernel(kind: str):
             cuda.syncthreads()
             c0 += col_lanes
 
-    return kernel
+    return aux_loss_partial
 
 
 @functools.cache
-def _aux_loss_final_kernel(tpe_kind: str, out_kind: str):
-    load_tpe = loader1(tpe_kind)
-    store = storer1(out_kind)
-    column_sum = _lane_column_sum(L.F32)
+def aux_loss_final_kernel(tpe_kind: str, out_kind: str):
+    load_tpe = loader_1d(tpe_kind)
+    store = storer_1d(out_kind)
+    column_sum = lane_column_sum(F32)
 
     @cuda.jit
-    def kernel(
+    def aux_loss_final(
         partial,  # [nblocks, C] fp32
         tokens_per_expert,  # [C] tpe_kind
         coeff,  # fp32 scalar: C
@@ -149,11 +150,11 @@ def _aux_loss_final_kernel(tpe_kind: str, out_kind: str):
         cl = tid - rl * col_lanes
         nblocks = partial.shape[0]
         num_cols = partial.shape[1]
-        total = _ZERO  # row lane 0: sum over its columns of colsum * tpe
+        total = ZERO  # row lane 0: sum over its columns of colsum * tpe
         c0 = 0
         while c0 < num_cols:
             c = c0 + cl
-            acc = _ZERO
+            acc = ZERO
             if c < num_cols:
                 acc = column_sum(partial, 0, nblocks, c, rl, nrl)
             red[tid] = acc
@@ -166,7 +167,7 @@ def _aux_loss_final_kernel(tpe_kind: str, out_kind: str):
             # Barrier: red is reused by the next chunk (and by the tree below).
             cuda.syncthreads()
             c0 += col_lanes
-        red[tid] = total if rl == 0 else _ZERO
+        red[tid] = total if rl == 0 else ZERO
         # Barrier: the tree reads other threads' sums.
         cuda.syncthreads()
         n = nthreads  # fixed-shape tree over any n: pairs (i, i + ceil(n/2))
@@ -181,7 +182,7 @@ def _aux_loss_final_kernel(tpe_kind: str, out_kind: str):
             store(loss, 0, np.float32(coeff * red[0]))
             saved_coeff[0] = coeff
 
-    return kernel
+    return aux_loss_final
 
 
 # ----------------------------------------------------------------------------
@@ -190,13 +191,13 @@ def _aux_loss_final_kernel(tpe_kind: str, out_kind: str):
 
 
 @functools.cache
-def _aux_loss_bwd_kernel(tpe_kind: str, out_kind: str):
-    load_tpe = loader1(tpe_kind)
-    load_grad = loader1(out_kind)
-    store = storer(out_kind)
+def aux_loss_bwd_kernel(tpe_kind: str, out_kind: str):
+    load_tpe = loader_1d(tpe_kind)
+    load_grad = loader_1d(out_kind)
+    store = storer_2d(out_kind)
 
     @cuda.jit
-    def kernel(
+    def aux_loss_bwd(
         coeff,  # [1] fp32: C
         tokens_per_expert,  # [C] tpe_kind
         grad_loss,  # [1] out_kind
@@ -221,27 +222,27 @@ def _aux_loss_bwd_kernel(tpe_kind: str, out_kind: str):
             for r in range(r0 + rl, r1, nrl):
                 store(grad_probs, r, c, v)
 
-    return kernel
+    return aux_loss_bwd
 
 
 @functools.cache
-def _aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str):
+def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str):
     """The backward for C a multiple of 4, a quad of columns per store, grad_probs
     seen flat (``array_views``): fp32 as 16-byte stores that L2 evicts first
     (``_vec.quad_store_once_f32``: the output is larger than L2 and the
     kernel never reads it), bf16 as one uint64 per quad, fp16 as elements."""
     from ._vec import quad_store_once_f32
 
-    load_tpe = loader1(tpe_kind)
-    load_grad = loader1(out_kind)
-    store4 = quad_store_once_f32() if out_kind == L.F32 else flat_io(out_kind)[1]
+    load_tpe = loader_1d(tpe_kind)
+    load_grad = loader_1d(out_kind)
+    store4 = quad_store_once_f32() if out_kind == F32 else flat_io(out_kind)[1]
 
     @cuda.jit(device=True)
     def value(c0, tokens_per_expert, c, g):
         return np.float32(np.float32(c0 * load_tpe(tokens_per_expert, c)) * g)
 
     @cuda.jit
-    def kernel(
+    def aux_loss_bwd_quad(
         coeff,  # [1] fp32: C
         tokens_per_expert,  # [C] tpe_kind
         grad_loss,  # [1] out_kind
@@ -251,8 +252,8 @@ def _aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str):
         col_lanes,  # CL; blockDim.x == RL * CL
     ):
         # Thread (rl, cl) computes its column quads' values once and writes
-        # them down its rows, grid-strided (_launch.fill_tiling; int32
-        # counters, unsigned indices: topk._u64).
+        # them down its rows, grid-strided (_tiling.fill_tiling; int32
+        # counters, unsigned indices: _device.u64).
         eq = np.int32(num_cols // 4)
         tid = np.int32(cuda.threadIdx.x)
         nrl = np.int32(cuda.blockDim.x // col_lanes)
@@ -264,18 +265,18 @@ def _aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str):
         g = load_grad(grad_loss, 0)
         cq = cl
         while cq < eq:
-            c = _u64(4 * cq)
+            c = u64(4 * cq)
             v0 = value(c0, tokens_per_expert, c, g)
-            v1 = value(c0, tokens_per_expert, c + _u64(1), g)
-            v2 = value(c0, tokens_per_expert, c + _u64(2), g)
-            v3 = value(c0, tokens_per_expert, c + _u64(3), g)
+            v1 = value(c0, tokens_per_expert, c + u64(1), g)
+            v2 = value(c0, tokens_per_expert, c + u64(2), g)
+            v3 = value(c0, tokens_per_expert, c + u64(3), g)
             r = first
             while r < num_rows:
                 store4(grad_probs, np.int64(r) * eq + cq, v0, v1, v2, v3)
                 r = np.int32(r + step)
             cq = np.int32(cq + col_lanes)
 
-    return kernel
+    return aux_loss_bwd_quad
 
 
 def moe_aux_loss_fwd(probs, tokens_per_expert, topk, coeff, total_num_tokens=None,
@@ -297,11 +298,11 @@ def moe_aux_loss_fwd(probs, tokens_per_expert, topk, coeff, total_num_tokens=Non
       ``(loss () probs dtype, saved_coeff () float32)``; bit-identical run to run.
     """
     op = OP + "_fwd"
-    s = L.resolve_stream(stream)
-    d_probs, kind = L.device_input(probs, "probs", op, s, ndim=2)
-    d_tpe, tpe_kind = L.device_input(tokens_per_expert, "tokens_per_expert", op, s,
+    s = resolve_stream(stream)
+    d_probs, kind = device_input(probs, "probs", op, s, ndim=2)
+    d_tpe, tpe_kind = device_input(tokens_per_expert, "tokens_per_expert", op, s,
                                      allow_int=True, ndim=1)
-    if tpe_kind == L.F16:
+    if tpe_kind == F16:
         raise TypeError(f"{op}: tokens_per_expert must be int32, int64, float32 or bfloat16, "
                         "got float16.")
     num_rows, num_cols = (int(v) for v in d_probs.shape)
@@ -314,7 +315,7 @@ def moe_aux_loss_fwd(probs, tokens_per_expert, topk, coeff, total_num_tokens=Non
                          f"num_experts ({n_exp}).")
     total = num_rows if total_num_tokens is None else int(total_num_tokens)
     c_host = aux_loss_coeff(n_exp, coeff, int(topk), total)
-    to_host = not L.any_on_device(probs, tokens_per_expert) and out is None
+    to_host = not any_on_device(probs, tokens_per_expert) and out is None
     plan = moe_aux_loss_fwd_plan(spec_of(d_probs.shape, kind), spec_for(d_tpe.shape, d_tpe.dtype),
                                  c_host)
     return execute(plan, [d_probs, d_tpe], out, s, to_host)
@@ -325,15 +326,16 @@ def moe_aux_loss_fwd_plan(probs: Spec, tokens_per_expert: Spec, c: np.float32) -
     """The launches of the forward (inputs: probs, tokens_per_expert; outputs: loss,
     saved_coeff; scratch: the per-block column partials). ``c`` is the fp32 C."""
     num_rows, num_cols = probs.shape
-    outs = (spec_of((), probs.kind), spec_of((), L.F32))
-    grid, threads, cl, rows = L.column_tiling(num_rows, num_cols)
-    _, final_threads, _, _ = L.column_tiling(grid, num_cols, L.COLUMN_FINAL_THREADS)  # one block: the partials
-    tmps = (spec_of((grid, num_cols), L.F32),)
+    outs = (spec_of((), probs.kind), spec_of((), F32))
+    grid, threads, cl, rows = _tiling.column_tiling(num_rows, num_cols)
+    # one block: the partials
+    _, final_threads, _, _ = _tiling.column_tiling(grid, num_cols, _tiling.COLUMN_FINAL_THREADS)
+    tmps = (spec_of((grid, num_cols), F32),)
     steps = (
-        Step(_aux_loss_partial_kernel(probs.kind), grid, threads, 0, (In(0), Tmp(0), rows, cl)),
-        Step(_aux_loss_final_kernel(tokens_per_expert.kind, probs.kind), 1, final_threads, 0,
+        Step(aux_loss_partial_kernel(probs.kind), grid, threads, 0, (In(0), Tmp(0), rows, cl)),
+        Step(aux_loss_final_kernel(tokens_per_expert.kind, probs.kind), 1, final_threads, 0,
                (Tmp(0), In(1), np.float32(c), Out(0, spec_of((1,), probs.kind)),
-                Out(1, spec_of((1,), L.F32)), cl)),
+                Out(1, spec_of((1,), F32)), cl)),
     )
     return Plan(OP + "_fwd", (probs, tokens_per_expert), outs, tmps, steps)
 
@@ -353,14 +355,14 @@ def moe_aux_loss_bwd(saved_coeff, tokens_per_expert, grad_loss, num_rows, *, out
       grad_probs (R, C), dtype of grad_loss.
     """
     op = OP + "_bwd"
-    s = L.resolve_stream(stream)
-    d_coeff, ckind = L.scalar_input(saved_coeff, "saved_coeff", op, s)
-    if ckind != L.F32:
+    s = resolve_stream(stream)
+    d_coeff, ckind = scalar_input(saved_coeff, "saved_coeff", op, s)
+    if ckind != F32:
         raise TypeError(f"{op}: saved_coeff must be float32, got {d_coeff.dtype}.")
-    d_grad, kind = L.scalar_input(grad_loss, "grad_loss", op, s)
-    d_tpe, tpe_kind = L.device_input(tokens_per_expert, "tokens_per_expert", op, s,
+    d_grad, kind = scalar_input(grad_loss, "grad_loss", op, s)
+    d_tpe, tpe_kind = device_input(tokens_per_expert, "tokens_per_expert", op, s,
                                      allow_int=True, ndim=1)
-    to_host = not L.any_on_device(saved_coeff, tokens_per_expert, grad_loss) and out is None
+    to_host = not any_on_device(saved_coeff, tokens_per_expert, grad_loss) and out is None
     plan = moe_aux_loss_bwd_plan(spec_for(d_tpe.shape, d_tpe.dtype), spec_of((), kind), int(num_rows))
     return execute(plan, [d_coeff, d_tpe, d_grad], out, s, to_host)[0]
 
@@ -371,19 +373,19 @@ def moe_aux_loss_bwd_plan(tokens_per_expert: Spec, grad_loss: Spec, num_rows: in
     grad_loss; output: grad_probs [num_rows, C] in grad_loss's kind)."""
     num_cols = tokens_per_expert.shape[0]
     kind = grad_loss.kind
-    ins = (spec_of((), L.F32), tokens_per_expert, grad_loss)
+    ins = (spec_of((), F32), tokens_per_expert, grad_loss)
     outs = (spec_of((num_rows, num_cols), kind),)
     if num_rows == 0 or num_cols == 0:
         return Plan(OP + "_bwd", ins, outs)
     if num_cols % 4 == 0:  # a quad of columns per store
-        grid, threads, cl = L.fill_tiling(num_rows, num_cols // 4)
+        grid, threads, cl = _tiling.fill_tiling(num_rows, num_cols // 4)
         words = array_views(kind, (num_rows, num_cols))[0]
-        step = Step(_aux_loss_bwd_quad_kernel(tokens_per_expert.kind, kind), grid, threads, 0,
-                      (In(0, spec_of((1,), L.F32)), In(1), In(2, spec_of((1,), kind)),
+        step = Step(aux_loss_bwd_quad_kernel(tokens_per_expert.kind, kind), grid, threads, 0,
+                      (In(0, spec_of((1,), F32)), In(1), In(2, spec_of((1,), kind)),
                        Out(0, words), num_rows, num_cols, cl))
         return Plan(OP + "_bwd", ins, outs, (), (step,))
-    grid, threads, cl, rows = L.column_tiling(num_rows, num_cols)
-    step = Step(_aux_loss_bwd_kernel(tokens_per_expert.kind, kind), 2 * grid, threads, 0,
-                  (In(0, spec_of((1,), L.F32)), In(1), In(2, spec_of((1,), kind)), Out(0),
+    grid, threads, cl, rows = _tiling.column_tiling(num_rows, num_cols)
+    step = Step(aux_loss_bwd_kernel(tokens_per_expert.kind, kind), 2 * grid, threads, 0,
+                  (In(0, spec_of((1,), F32)), In(1), In(2, spec_of((1,), kind)), Out(0),
                    -(-num_rows // (2 * grid)), cl))
     return Plan(OP + "_bwd", ins, outs, (), (step,))

@@ -1,4 +1,5 @@
-"""Fixtures shared by the kernel tests."""
+"""Fixtures shared by the kernel tests: the tiling knobs of ``gpurouter/kernels/_tiling.py``
+forced for a test (plans forgotten around it)."""
 
 from __future__ import annotations
 
@@ -20,13 +21,13 @@ def tiling(monkeypatch):
     W-lane row forward kernels for the test (the thread-per-token kernels are
     switched off; the backwards stream: ``stream_tiling``)."""
     pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
-    from gpurouter.kernels import _launch
+    from gpurouter.kernels import _tiling
 
     def force(lanes, threads=None):
-        monkeypatch.setattr(_launch, "TOKEN_MAX_TOPK", 0)  # the W-lane kernels, not token_rows
-        monkeypatch.setattr(_launch, "row_lanes", lambda num_experts: lanes)
+        monkeypatch.setattr(_tiling, "TOKEN_MAX_TOPK", 0)  # the W-lane kernels, not the token ones
+        monkeypatch.setattr(_tiling, "row_lanes", lambda num_experts: lanes)
         if threads is not None:
-            monkeypatch.setattr(_launch, "ROW_THREADS", threads)
+            monkeypatch.setattr(_tiling, "ROW_THREADS", threads)
         _clear_row_plans()
 
     yield force
@@ -40,13 +41,36 @@ def token_tiling(monkeypatch):
     tokens per block (and their minimum threads) for the test: small caps give
     several blocks and a partial last tile on tiny inputs."""
     pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
-    from gpurouter.kernels import _launch
+    from gpurouter.kernels import _tiling
 
     def force(tokens, threads=32):
-        monkeypatch.setattr(_launch, "TOKEN_MAX_TOKENS", tokens)
-        monkeypatch.setattr(_launch, "TOKEN_MIN_THREADS", threads)
+        monkeypatch.setattr(_tiling, "TOKEN_MAX_TOKENS", tokens)
+        monkeypatch.setattr(_tiling, "TOKEN_MIN_THREADS", threads)
         _clear_row_plans()
 
     yield force
     monkeypatch.undo()
     _clear_row_plans()
+
+
+@pytest.fixture(params=[1, 4], ids=["hold1", "hold4"])
+def quad_lanes(monkeypatch, request):
+    """Forces the quad backwards to W = 2 lanes per token and 4 tokens per block
+    (several quads per lane, a partial last block), a lane holding 1 of its
+    quads in registers (the others loaded again in pass 2) or all of them,
+    plans forgotten around it."""
+    pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+    from gpurouter.kernels import _tiling, aux_scores, topk
+
+    def clear():
+        topk.topk_with_score_function_bwd_plan.cache_clear()
+        aux_scores.score_for_aux_loss_bwd_plan.cache_clear()
+
+    monkeypatch.setattr(_tiling, "QUAD_LANES_SPARSE", 2)
+    monkeypatch.setattr(_tiling, "QUAD_LANES_DENSE", 2)
+    monkeypatch.setattr(_tiling, "QUAD_THREADS", 8)
+    monkeypatch.setattr(_tiling, "QUAD_HOLD", request.param)
+    clear()
+    yield
+    monkeypatch.undo()
+    clear()

@@ -112,8 +112,8 @@ def test_empty_rows():
 
 def test_bwd_grid_strided_rows(monkeypatch):
     """The backward's fill with fewer blocks than its rows need: each row lane
-    writes several rows, ``grid * RL`` apart (``_launch.fill_tiling``)."""
-    from gpurouter.kernels import _launch as L
+    writes several rows, ``grid * RL`` apart (``_tiling.fill_tiling``)."""
+    from gpurouter.kernels import _tiling as L
     from gpurouter.kernels import aux_loss
 
     monkeypatch.setattr(L, "FILL_BLOCKS", 2)

@@ -19,7 +19,6 @@ from numba import cuda  # noqa: E402
 from strategies import np_dtype  # noqa: E402
 
 from ._helpers import FWD_MODES  # noqa: E402
-from .test_token_rows import quad_lanes  # noqa: E402, F401  (the fixture)
 
 pytestmark = pytest.mark.cuda
 
@@ -51,7 +50,7 @@ def _logits(T, E, seed, dtype="float32", specials=True):
 
 def _path(plan):
     mod = plan.steps[0].kernel.py_func.__module__
-    return "token" if mod.endswith("token_rows") else "lanes"
+    return "token" if mod.startswith("gpurouter.kernels.token_") else "lanes"
 
 
 def _check_topk(x, k, path, **kw):
@@ -143,7 +142,7 @@ def test_topk_bitmap_lanes_partial_tile(tiling):
 
 
 @pytest.mark.parametrize("sf,pre", FWD_MODES)
-def test_quad_bwd_bitmap_several_quads_per_lane(quad_lanes, sf, pre):  # noqa: F811
+def test_quad_bwd_bitmap_several_quads_per_lane(quad_lanes, sf, pre):
     """The quad backward with 2 lanes per token, 4 tokens per block (a partial
     last block), each lane several quads: a token's nibbles from its own bytes."""
     _check_topk(_logits(5, 20, 6), 3, "token", use_pre_softmax=pre, score_function=sf)

@@ -19,7 +19,7 @@ from tolerances import assert_close  # noqa: E402
 
 from gpurouter import reference as ref  # noqa: E402
 from gpurouter.kernels import _launch as L  # noqa: E402
-from gpurouter.kernels import _plan, _pointer  # noqa: E402
+from gpurouter.kernels import _plan, _pointer, _tiling  # noqa: E402
 from gpurouter.kernels import z_loss as Z  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -148,7 +148,7 @@ def small_tiles(monkeypatch):
     def force(threads, hold, lanes):
         for name, value in (("Z_THREADS", threads), ("Z_BWD_THREADS", threads), ("Z_HOLD", hold),
                             ("Z_BWD_HOLD", hold), ("Z_MAX_LANES", lanes)):
-            monkeypatch.setattr(Z, name, value)
+            monkeypatch.setattr(_tiling, name, value)
         clear()
 
     yield force
@@ -166,7 +166,7 @@ def small_tiles(monkeypatch):
 ])
 def test_small_tiles(small_tiles, dtype, T, E, knobs, want):
     small_tiles(*knobs)
-    assert Z.z_loss_tiling(T, E)[:3] == want == Z.z_loss_tiling(T, E, backward=True)[:3]
+    assert _tiling.z_loss_tiling(T, E)[:3] == want == _tiling.z_loss_tiling(T, E, backward=True)[:3]
     _check(_logits(T, E, dtype, seed=3), total=T + 3)
 
 
@@ -186,7 +186,7 @@ def test_plans():
     assert fwd is K.router_z_loss_fwd_plan(spec, np.float32(COEFF), 100)  # cached
     assert fwd.ins == (spec,)
     assert fwd.outs == (_plan.Spec((), np.float32, L.F32), _plan.Spec((70,), np.float32, L.F32))
-    grid = Z.z_loss_tiling(70, 256)[0]
+    grid = _tiling.z_loss_tiling(70, 256)[0]
     assert fwd.tmps == (_plan.Spec((grid,), np.float32, L.F32),) and len(fwd.steps) == 2
     bwd = K.router_z_loss_bwd_plan(spec, np.float32(COEFF), 100)
     assert bwd.ins == (spec, _plan.spec_of((70,), L.F32), _plan.spec_of((), L.F32))

@@ -1,0 +1,418 @@
+"""``token_combine`` (TE ``permutation.token_combine``): Numba kernels, forward and
+a one-pass backward.
+
+``row_id_map [T, E] int32`` holds the dispatched row of each routed pair
+``(t, e)`` or -1 (a row outside ``[0, R)`` counts as not routed); ``w =
+merging_probs [T, E]`` (all ones without)::
+
+    out[t]         = sum_{e routed, ascending} w[t, e] z[row(t, e)]      (fp32)
+    d_z[row(t, e)] = w[t, e] dy[t]         (every row no pair points to: exactly 0)
+    d_w[t, e]      = sum_h z[row(t, e), h] dy[t, h]  if routed, else 0
+
+Tiling (``combine_tiling``): one block per token, its W lanes over the
+units (four columns, ``moe_io``) of the hidden row, lane ``l`` units
+``l, l + W, ...``.  First the token's routed experts are listed in
+ascending order in shared memory (``_lister``: a flag per expert, the flags
+packed into 32-bit words, each routed expert's rank the set bits before it:
+three barriers, no scan), with their rows and weights; then
+
+- forward: per unit, the listed rows ``CMB_HOLD`` at a time (their loads
+  issued before any is used), summed in list order, one store;
+- backward: per ``CMB_HOLD`` listed rows, each lane loads ``dy[t]``'s unit and
+  the rows' units, stores ``w dy`` into their ``d_z`` rows and keeps a partial
+  dot per row; the lanes' partials are summed in shared memory in a fixed
+  two-stage order (``moe_grouped_dbias``'s), written as ``d_w``.  The
+  experts the token is not routed to get ``d_w = 0`` while listing: ``d_z``
+  and ``d_w`` come out of one pass over ``dy`` and the routed rows of ``z``.
+
+The rows of ``d_z`` no pair points to are zeroed by three small kernels
+before it (a scratch ``int32 [R]`` flag per row: cleared, marked from the map,
+then the unmarked rows written with zeros): no NaN from an uninitialised
+row of ``z`` or ``dy`` reaches any output.  Every sum has a fixed order:
+bit-identical run to run.  No warp intrinsics (the simulator runs the same
+kernels).
+"""
+
+from __future__ import annotations
+
+from . import _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+
+# isort: split
+
+import functools
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+
+from . import _launch as L
+from ._plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
+from .moe_io import _ONE, _ZERO, flat_view, popc32, pow2_at_least, scalar_io, unit_io
+
+OP = "token_combine"
+
+#: lanes (threads) per block at most (H = 2048: 512 units, two per lane)
+CMB_THREADS = 256
+#: listed rows whose loads a lane issues at once (forward and backward)
+CMB_HOLD = 8
+#: experts per token at most: the shared list holds every routed expert
+CMB_MAX_EXPERTS = 1024
+#: the d_z padding kernels: threads per block, blocks at most (grid-strided)
+CMB_FILL_THREADS = 256
+CMB_FILL_BLOCKS = 1024
+
+_WORDS = CMB_MAX_EXPERTS // 32
+_RED_WORDS = CMB_HOLD * CMB_THREADS
+
+
+def combine_tiling(hidden: int):
+    """``(lanes, units, quads)``: W lanes per block (a power of two, at most
+    ``CMB_THREADS``, no more than the units), units of four columns, and
+    whether ``H % 4 == 0`` (flat vector accesses)."""
+    units = -(-int(hidden) // 4)
+    return min(CMB_THREADS, pow2_at_least(max(units, 1))), units, hidden % 4 == 0 and hidden > 0
+
+
+@functools.cache
+def _lister(w_kind: str, has_w: bool, zero_dw: bool):
+    """Device function ``list_routed(rid, w, d_w, t, e_count, r_count, flag, words,
+    lrow, le, lw, lane, nl) -> count``: token ``t``'s routed experts in
+    ascending order into the shared ``lrow`` (rows), ``le`` (experts) and ``lw``
+    (weights); ``zero_dw``: ``d_w[t, e] = 0`` for the others.  Every thread of
+    the block calls it (it holds three barriers)."""
+    load_w, store_w = scalar_io(w_kind)
+
+    @cuda.jit(device=True)
+    def list_routed(rid, w, d_w, t, e_count, r_count, flag, words, lrow, le, lw, lane, nl):
+        base = np.int64(t) * e_count
+        for e in range(lane, e_count, nl):
+            v = rid[base + e]
+            ok = v >= 0 and v < r_count
+            flag[e] = np.int32(1) if ok else np.int32(0)
+            if zero_dw and not ok:
+                store_w(d_w, base + e, _ZERO)
+        # Barrier: the flags are in.
+        cuda.syncthreads()
+        nw = (e_count + 31) // 32
+        for wi in range(lane, nw, nl):
+            m = np.uint32(0)
+            for b in range(32):
+                e = wi * 32 + b
+                if e < e_count:
+                    if flag[e] != 0:
+                        m = np.uint32(m | np.uint32(np.uint32(1) << np.uint32(b)))
+            words[wi] = m
+        # Barrier: the words are in.
+        cuda.syncthreads()
+        for e in range(lane, e_count, nl):
+            if flag[e] != 0:
+                wi = e // 32
+                below = np.uint32(np.uint32(np.uint32(1) << np.uint32(e - wi * 32)) - np.uint32(1))
+                rank = popc32(np.uint32(words[wi] & below))
+                for j in range(wi):
+                    rank += popc32(words[j])
+                lrow[rank] = rid[base + e]
+                le[rank] = e
+                if has_w:
+                    lw[rank] = load_w(w, base + e)
+                else:
+                    lw[rank] = _ONE
+        count = np.int32(0)
+        for j in range(nw):
+            count += popc32(words[j])
+        # Barrier: the list is in.
+        cuda.syncthreads()
+        return count
+
+    return list_routed
+
+
+@functools.cache
+def _combine_fwd_kernel(z_kind, w_kind, quads, has_w, hold):
+    load_z = unit_io(z_kind, quads)[0]
+    store_o = unit_io(z_kind, quads)[1]
+    list_routed = _lister(w_kind, has_w, False)
+    held_words = 4 * hold
+
+    @cuda.jit
+    def kernel(
+        z,  # [R, H] z_kind (quads: flat)
+        rid,  # [T * E] int32 (flat)
+        w,  # [T * E] w_kind (flat; placeholder without)
+        out,  # [T, H] z_kind, out (quads: flat)
+        e_count, r_count, h, units,
+    ):
+        flag = cuda.shared.array(CMB_MAX_EXPERTS, int32)
+        words = cuda.shared.array(_WORDS, uint32)
+        lrow = cuda.shared.array(CMB_MAX_EXPERTS, int32)
+        le = cuda.shared.array(CMB_MAX_EXPERTS, int32)
+        lw = cuda.shared.array(CMB_MAX_EXPERTS, float32)
+        held = cuda.local.array(held_words, float32)
+        lane = np.int32(cuda.threadIdx.x)
+        nl = np.int32(cuda.blockDim.x)
+        t = np.int64(cuda.blockIdx.x)
+        cnt = list_routed(rid, w, w, t, e_count, r_count, flag, words, lrow, le, lw, lane, nl)
+        for u in range(lane, units, nl):
+            a0 = a1 = a2 = a3 = _ZERO
+            k0 = np.int32(0)
+            while k0 < cnt:
+                m = min(np.int32(hold), cnt - k0)
+                for k in range(hold):  # the loads first, then the sums in list order
+                    if k < m:
+                        v0, v1, v2, v3 = load_z(z, lrow[k0 + k], u, units, h)
+                        held[4 * k] = v0
+                        held[4 * k + 1] = v1
+                        held[4 * k + 2] = v2
+                        held[4 * k + 3] = v3
+                for k in range(hold):
+                    if k < m:
+                        if has_w:
+                            c = lw[k0 + k]
+                            a0 = np.float32(a0 + np.float32(c * held[4 * k]))
+                            a1 = np.float32(a1 + np.float32(c * held[4 * k + 1]))
+                            a2 = np.float32(a2 + np.float32(c * held[4 * k + 2]))
+                            a3 = np.float32(a3 + np.float32(c * held[4 * k + 3]))
+                        else:
+                            a0 = np.float32(a0 + held[4 * k])
+                            a1 = np.float32(a1 + held[4 * k + 1])
+                            a2 = np.float32(a2 + held[4 * k + 2])
+                            a3 = np.float32(a3 + held[4 * k + 3])
+                k0 += m
+            store_o(out, t, u, units, h, a0, a1, a2, a3)
+
+    return kernel
+
+
+# Backward (docs/ops/moe_ops.md section 5): out[t] = sum_e w[t, e] z[row(t, e)] is
+# linear in each z row and each weight, so with dy = d out[t]:
+#   d z[row(t, e)] = w[t, e] dy[t]   (a row appears in one pair at most: no sum)
+#   d w[t, e]      = <z[row(t, e)], dy[t]>
+# and rows no pair points to get no cotangent (0).
+@functools.cache
+def _combine_bwd_kernel(dy_kind, z_kind, w_kind, quads, has_w, hold):
+    load_dy = unit_io(dy_kind, quads)[0]
+    load_z, store_dz = unit_io(z_kind, quads)
+    store_w = scalar_io(w_kind)[1]
+    list_routed = _lister(w_kind, has_w, has_w)
+    held_words = 4 * hold
+
+    @cuda.jit
+    def kernel(
+        dy,  # [T, H] dy_kind (quads: flat)
+        z,  # [R, H] z_kind (quads: flat)
+        rid,  # [T * E] int32 (flat)
+        w,  # [T * E] w_kind (flat; placeholder without)
+        d_z,  # [R, H] z_kind, out (quads: flat)
+        d_w,  # [T * E] w_kind, out (flat; placeholder without)
+        e_count, r_count, h, units,
+    ):
+        flag = cuda.shared.array(CMB_MAX_EXPERTS, int32)
+        words = cuda.shared.array(_WORDS, uint32)
+        lrow = cuda.shared.array(CMB_MAX_EXPERTS, int32)
+        le = cuda.shared.array(CMB_MAX_EXPERTS, int32)
+        lw = cuda.shared.array(CMB_MAX_EXPERTS, float32)
+        red = cuda.shared.array(_RED_WORDS, float32)  # [hold, W] lane partial dots
+        red2 = cuda.shared.array(_RED_WORDS, float32)  # [hold, P] stage-1 sums
+        held = cuda.local.array(held_words, float32)
+        part = cuda.local.array(hold, float32)
+        lane = np.int32(cuda.threadIdx.x)
+        nl = np.int32(cuda.blockDim.x)
+        t = np.int64(cuda.blockIdx.x)
+        cnt = list_routed(rid, w, d_w, t, e_count, r_count, flag, words, lrow, le, lw, lane, nl)
+        parts = max(np.int32(1), np.int32(nl // hold))
+        k0 = np.int32(0)
+        while k0 < cnt:  # the same count in every thread: the barriers below are uniform
+            m = min(np.int32(hold), cnt - k0)
+            for k in range(hold):
+                part[k] = _ZERO
+            for u in range(lane, units, nl):
+                d0, d1, d2, d3 = load_dy(dy, t, u, units, h)
+                for k in range(hold):
+                    if k < m:
+                        v0, v1, v2, v3 = load_z(z, lrow[k0 + k], u, units, h) if has_w else (
+                            _ZERO, _ZERO, _ZERO, _ZERO)
+                        held[4 * k] = v0
+                        held[4 * k + 1] = v1
+                        held[4 * k + 2] = v2
+                        held[4 * k + 3] = v3
+                for k in range(hold):
+                    if k < m:
+                        c = lw[k0 + k]
+                        store_dz(d_z, lrow[k0 + k], u, units, h, np.float32(c * d0), np.float32(c * d1),
+                                 np.float32(c * d2), np.float32(c * d3))
+                        if has_w:
+                            p = np.float32(part[k] + np.float32(held[4 * k] * d0))
+                            p = np.float32(p + np.float32(held[4 * k + 1] * d1))
+                            p = np.float32(p + np.float32(held[4 * k + 2] * d2))
+                            part[k] = np.float32(p + np.float32(held[4 * k + 3] * d3))
+            if has_w:
+                for k in range(hold):
+                    red[k * nl + lane] = part[k]
+                # Barrier: the lanes' partial dots are in.
+                cuda.syncthreads()
+                for idx in range(lane, hold * parts, nl):
+                    k = idx // parts
+                    p = idx - k * parts
+                    s = _ZERO
+                    for j in range(p, nl, parts):
+                        s = np.float32(s + red[k * nl + j])
+                    red2[idx] = s
+                # Barrier: the stage-1 sums are in (and ``red`` is free again).
+                cuda.syncthreads()
+                for k in range(lane, m, nl):
+                    s = _ZERO
+                    for p in range(parts):
+                        s = np.float32(s + red2[k * parts + p])
+                    store_w(d_w, t * e_count + le[k0 + k], s)
+            k0 += m
+
+    return kernel
+
+
+@cuda.jit
+def _clear_kernel(owned, r_count):  # owned [R] int32 := 0 (grid-strided)
+    for i in range(cuda.grid(1), r_count, cuda.gridsize(1)):
+        owned[i] = 0
+
+
+@cuda.jit
+def _mark_kernel(rid, owned, pairs, r_count):  # rid [T * E] int32; owned[row] := 1 for each routed pair
+    for i in range(cuda.grid(1), pairs, cuda.gridsize(1)):
+        v = rid[i]
+        if v >= 0 and v < r_count:
+            owned[v] = 1  # the same value from every writer: no race on the result
+
+
+@functools.cache
+def _zero_rows_kernel(kind, quads):
+    store = unit_io(kind, quads)[1]
+
+    @cuda.jit
+    def kernel(d_z, owned, r_count, h, units):  # the units of every row no pair points to := 0
+        for i in range(cuda.grid(1), r_count * units, cuda.gridsize(1)):
+            r = i // units
+            if owned[r] == 0:
+                store(d_z, r, i - r * units, units, h, _ZERO, _ZERO, _ZERO, _ZERO)
+
+    return kernel
+
+
+# ----------------------------------------------------------------------------
+# Plans and launchers
+# ----------------------------------------------------------------------------
+
+
+def _flat(ref_fn, i, spec: Spec, quads: bool):
+    return ref_fn(i, flat_view(spec.kind, spec.shape)) if quads else ref_fn(i)
+
+
+def _fill_grid(n: int) -> int:
+    return max(1, min(CMB_FILL_BLOCKS, -(-n // CMB_FILL_THREADS)))
+
+
+@functools.cache
+def token_combine_fwd_plan(inp: Spec, row_id_map: Spec, merging_probs: Spec | None = None) -> Plan:
+    """The launches of the forward: inputs ``inp [R, H]``, ``row_id_map [T, E] int32``
+    and, maybe, ``merging_probs [T, E]``; output ``[T, H]`` of inp's kind."""
+    r, h = inp.shape
+    t, e = row_id_map.shape
+    lanes, units, quads = combine_tiling(h)
+    has_w = merging_probs is not None
+    outs = (spec_of((t, h), inp.kind),)
+    rid = In(1, Spec((max(t * e, 1),), np.int32))
+    w = In(2, Spec((max(t * e, 1),), merging_probs.dtype)) if has_w else rid
+    steps = []
+    if t and units:
+        kern = _combine_fwd_kernel(inp.kind, merging_probs.kind if has_w else L.F32, quads, has_w, CMB_HOLD)
+        steps.append(Step(kern, t, lanes, 0, (_flat(In, 0, inp, quads), rid, w, _flat(Out, 0, outs[0], quads),
+                                              e, r, h, units)))
+    return Plan(OP + "_fwd", (inp, row_id_map) + ((merging_probs,) if has_w else ()), outs, (), steps)
+
+
+@functools.cache
+def token_combine_bwd_plan(grad: Spec, inp: Spec, row_id_map: Spec, merging_probs: Spec | None = None) -> Plan:
+    """The launches of the backward: inputs ``grad [T, H]`` (d out), ``inp [R, H]``,
+    ``row_id_map [T, E] int32`` and, maybe, ``merging_probs [T, E]``; outputs
+    ``d_inp [R, H]`` (inp's kind) and, with probs, ``d_merging_probs [T, E]``
+    (their kind); scratch: a flag per row of ``inp``."""
+    r, h = inp.shape
+    t, e = row_id_map.shape
+    lanes, units, quads = combine_tiling(h)
+    has_w = merging_probs is not None
+    outs = (spec_of((r, h), inp.kind),) + ((spec_of((t, e), merging_probs.kind),) if has_w else ())
+    tmps = (Spec((max(r, 1),), np.int32),)
+    flat_te = Spec((max(t * e, 1),), np.int32)
+    rid = In(2, flat_te)
+    w = In(3, Spec((max(t * e, 1),), merging_probs.dtype)) if has_w else rid
+    d_w = Out(1, Spec((max(t * e, 1),), merging_probs.dtype)) if has_w else rid
+    d_z = _flat(Out, 0, outs[0], quads)
+    steps = []
+    if r and units:
+        grid = _fill_grid(r)
+        steps.append(Step(_clear_kernel, grid, CMB_FILL_THREADS, 0, (Tmp(0), r)))
+        if t * e:
+            steps.append(Step(_mark_kernel, _fill_grid(t * e), CMB_FILL_THREADS, 0, (rid, Tmp(0), t * e, r)))
+        steps.append(Step(_zero_rows_kernel(inp.kind, quads), _fill_grid(r * units), CMB_FILL_THREADS, 0,
+                          (d_z, Tmp(0), r, h, units)))
+    if t and (units or has_w):
+        kern = _combine_bwd_kernel(grad.kind, inp.kind, merging_probs.kind if has_w else L.F32, quads, has_w,
+                                   CMB_HOLD)
+        steps.append(Step(kern, t, lanes, 0, (_flat(In, 0, grad, quads), _flat(In, 1, inp, quads), rid, w, d_z,
+                                              d_w, e, r, h, units)))
+    ins = (grad, inp, row_id_map) + ((merging_probs,) if has_w else ())
+    return Plan(OP + "_bwd", ins, outs, tmps, steps)
+
+
+def _rid_input(row_id_map, op, stream):
+    if L.is_device_array(row_id_map):
+        d = row_id_map if hasattr(row_id_map, "copy_to_host") else L._wrap_cai(row_id_map)
+        if np.dtype(d.dtype) != np.int32 or len(d.shape) != 2:
+            raise TypeError(f"{op}: a device row_id_map must be int32 [T, E], got {d.dtype} {tuple(d.shape)}.")
+        return d
+    h = np.asarray(row_id_map)
+    if h.ndim != 2 or not np.issubdtype(h.dtype, np.integer):
+        raise TypeError(f"{op}: row_id_map must be integers [T, E], got {h.dtype} {h.shape}.")
+    h = np.where((h < 0) | (h > np.iinfo(np.int32).max), -1, h).astype(np.int32)
+    return L.device_input(h, "row_id_map", op, stream, allow_int=True)[0]
+
+
+def _inputs(op, inp, row_id_map, merging_probs, stream):
+    d_z, _ = L.device_input(inp, "inp", op, stream, ndim=2)
+    d_rid = _rid_input(row_id_map, op, stream)
+    t, e = (int(v) for v in d_rid.shape)
+    if e > CMB_MAX_EXPERTS:
+        raise NotImplementedError(f"{op} (numba): num_experts ({e}) exceeds the kernel limit of "
+                                  f"{CMB_MAX_EXPERTS}; use backend=\"jax\".")
+    d_w = None
+    if merging_probs is not None:
+        d_w, _ = L.device_input(merging_probs, "merging_probs", op, stream, ndim=2)
+        if tuple(d_w.shape) != (t, e):
+            raise ValueError(f"{op}: merging_probs shape {tuple(d_w.shape)} must be row_id_map's ({t}, {e}).")
+    return d_z, d_rid, d_w
+
+
+def token_combine_fwd(inp, row_id_map, merging_probs=None, *, out=None, stream=0):
+    """``out [T, H]`` (inp's dtype): the routed rows of ``inp [R, H]`` summed per
+    token in ascending expert order, weighted by ``merging_probs [T, E]`` if given."""
+    op = OP + "_fwd"
+    s = L.resolve_stream(stream)
+    d_z, d_rid, d_w = _inputs(op, inp, row_id_map, merging_probs, s)
+    arrays = [a for a in (d_z, d_rid, d_w) if a is not None]
+    plan = token_combine_fwd_plan(*(spec_for(a.shape, a.dtype) for a in arrays))
+    to_host = not L.any_on_device(inp, row_id_map, merging_probs) and out is None
+    return execute(plan, arrays, out, s, to_host)[0]
+
+
+def token_combine_bwd(grad, inp, row_id_map, merging_probs=None, *, out=None, stream=0):
+    """``(d_inp [R, H], d_merging_probs [T, E] or None)`` in one pass (module docstring)."""
+    op = OP + "_bwd"
+    s = L.resolve_stream(stream)
+    d_z, d_rid, d_w = _inputs(op, inp, row_id_map, merging_probs, s)
+    d_g, _ = L.device_input(grad, "grad", op, s, ndim=2)
+    if tuple(d_g.shape) != (int(d_rid.shape[0]), int(d_z.shape[1])):
+        raise ValueError(f"{op}: grad shape {tuple(d_g.shape)} must be (num_tokens, hidden) = "
+                         f"({int(d_rid.shape[0])}, {int(d_z.shape[1])}).")
+    arrays = [a for a in (d_g, d_z, d_rid, d_w) if a is not None]
+    plan = token_combine_bwd_plan(*(spec_for(a.shape, a.dtype) for a in arrays))
+    to_host = not L.any_on_device(grad, inp, row_id_map, merging_probs) and out is None
+    res = execute(plan, arrays, out, s, to_host)
+    return (res[0], res[1] if merging_probs is not None else None)

@@ -1,0 +1,137 @@
+"""Kernel vs float64 oracle: the grouped dbias / dscales launchers
+(``gpurouter/kernels/moe_grouped_dbias.py``), on the CUDA simulator at tiny
+shapes with the tiling forced small (several chunks, groups spanning many
+chunks, several column blocks), and on a GPU at a real shape (``gpu``)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import moe_oracles as orc
+import numpy as np
+import pytest
+
+K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+
+from gpurouter.kernels import moe_grouped_dbias as M  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+BF16 = ml_dtypes.bfloat16
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Chunks of ``rows``, at most ``lanes`` lanes per block and ``hold``
+    partial rows per load batch of kernel 2 (plans re-made for the test)."""
+
+    def force(rows=4, lanes=2, hold=2):
+        monkeypatch.setattr(M, "DB_CHUNK_ROWS", rows)
+        monkeypatch.setattr(M, "DB_MAX_LANES", lanes)
+        monkeypatch.setattr(M, "DB_GROUP_HOLD", hold)
+        M.grouped_dbias_dscales_plan.cache_clear()
+
+    yield force
+    monkeypatch.undo()
+    M.grouped_dbias_dscales_plan.cache_clear()
+
+
+def _case(rng, n, h, offsets, dtype):
+    g = len(offsets) - 1
+    dy = rng.standard_normal((n, h)).astype(np.float32)
+    for i in range(n):  # rows no group owns hold NaN: nothing may read them
+        if i < max(offsets[0], 0) or i >= offsets[-1]:
+            dy[i] = np.nan
+    return (dy.astype(dtype), rng.standard_normal(n).astype(dtype), rng.standard_normal((g, h)).astype(dtype),
+            np.asarray(offsets, np.int32))
+
+
+def _f32(a):
+    return np.asarray(a).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16, np.float16])
+@pytest.mark.parametrize("n,h,offsets", [
+    (23, 8, [2, 3, 3, 17, 21]),   # quads, a group over four chunks, an empty one, head and tail rows
+    (23, 6, [0, 23]),             # one group over every chunk, H % 4 != 0
+    (9, 20, [0, 0, 0, 9]),        # empty groups first; H = 20: 5 units, 2 column blocks
+    (5, 3, [0, 5, 5, 5]),         # one chunk... and empty groups after
+])
+def test_launchers_vs_oracle(small_tiles, dtype, n, h, offsets):
+    small_tiles()
+    rng = np.random.default_rng(n * h)
+    dy, s, b, o = _case(rng, n, h, offsets, dtype)
+    db_in = rng.standard_normal(b.shape).astype(np.float32)
+    ds_in = rng.standard_normal(n).astype(np.float32)
+    want_db, want_ds = orc.grouped_dbias_dscales(np.nan_to_num(_f32(dy)), _f32(s), _f32(b), o)
+    db, ds = K.grouped_dbias_dscales(dy, s, b, o)
+    assert db.dtype == np.float32 and ds.dtype == np.float32
+    np.testing.assert_allclose(db, want_db, rtol=1e-5, atol=1e-5 * np.sqrt(n))
+    np.testing.assert_allclose(ds, want_ds, rtol=1e-5, atol=1e-5 * np.sqrt(h))
+    owned = [i for i in range(n) if o[0] <= i < o[-1]]
+    assert all(ds[i] == 0 for i in range(n) if i not in owned)  # exactly 0, NaN never read
+    for g in range(len(offsets) - 1):
+        if o[g] == o[g + 1]:
+            assert not db[g].any()  # an empty group: exactly 0
+    # accumulators: added to, one fp32 add (the reference's order)
+    db2, ds2 = K.grouped_dbias_dscales(dy, s, b, o, db_in, ds_in)
+    np.testing.assert_array_equal(db2, db + db_in)
+    np.testing.assert_array_equal(ds2, ds + ds_in)
+    # without scales: the same kernels
+    np.testing.assert_allclose(K.grouped_dbias(dy, o), orc.grouped_dbias(np.nan_to_num(_f32(dy)), o, len(o) - 1),
+                               rtol=1e-5, atol=1e-5 * np.sqrt(n))
+    np.testing.assert_array_equal(K.grouped_dbias(dy, o, db_in), K.grouped_dbias(dy, o) + db_in)
+
+
+def test_bit_identical_and_independent_of_device_placement(small_tiles):
+    from numba import cuda
+
+    small_tiles(rows=8, lanes=4, hold=3)
+    rng = np.random.default_rng(1)
+    dy, s, b, o = _case(rng, 40, 24, [0, 1, 30, 31, 40], np.float32)
+    dy = dy * np.float32(1e3)
+    first = K.grouped_dbias_dscales(dy, s, b, o)
+    for _ in range(2):
+        for a, f in zip(K.grouped_dbias_dscales(dy, s, b, o), first, strict=True):
+            np.testing.assert_array_equal(a, f)
+    dev = K.grouped_dbias_dscales(*(cuda.to_device(a) for a in (dy, s, b, o)))
+    for a, f in zip(dev, first, strict=True):
+        np.testing.assert_array_equal(a.copy_to_host(), f)
+
+
+def test_plan_layout():
+    from gpurouter.kernels._plan import spec_for
+
+    dy = spec_for((65536, 2048), np.uint16)
+    plan = K.grouped_dbias_dscales_plan(dy, spec_for((65536,), np.float32), spec_for((128, 2048), np.float32),
+                                        spec_for((129,), np.int32))
+    assert [st.grid for st in plan.steps] == [512, 128 * 4]  # 512 chunks of 128 rows; 4 blocks per group
+    assert plan.steps[0].block == 256  # 512 units of four columns, two per lane
+    assert plan.tmps[0].shape == (1024, 2048)  # two partial rows per chunk
+    wide = K.grouped_dbias_dscales_plan(spec_for((32768, 7168), np.uint16), spec_for((32768,), np.float32),
+                                        spec_for((256, 7168), np.float32), spec_for((257,), np.int32))
+    assert wide.steps[0].grid == 256 * 4 and wide.steps[0].block == 224  # 4 column blocks of 224 lanes
+    assert len(wide.steps) == 3  # + the dscales of the column blocks summed in order
+
+
+@pytest.mark.gpu
+def test_gpu_qwen3_like_shape_vs_oracle_and_repeats():
+    """N = T K = 65536 rows of H = 2048 bf16, 128 groups of uneven sizes (on a GPU)."""
+    rng = np.random.default_rng(0)
+    n, h, g = 65536, 2048, 128
+    sizes = rng.multinomial(n - 1000, np.ones(g) / g)
+    sizes[5] = 0
+    o = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    dy = rng.standard_normal((n, h)).astype(BF16)
+    s = rng.random(n).astype(np.float32)
+    b = rng.standard_normal((g, h)).astype(BF16)
+    db, ds = K.grouped_dbias_dscales(dy, s, b, o)
+    dyf = np.nan_to_num(_f32(dy)).astype(np.float64)
+    rows = np.repeat(np.arange(g), sizes)
+    want_db = np.zeros((g, h))
+    np.add.at(want_db, rows, dyf[: o[-1]] * s[: o[-1], None])
+    want_ds = np.zeros(n)
+    want_ds[: o[-1]] = np.einsum("ih,ih->i", dyf[: o[-1]], _f32(b).astype(np.float64)[rows])
+    np.testing.assert_allclose(db, want_db, rtol=1e-4, atol=1e-5 * np.sqrt(n))
+    np.testing.assert_allclose(ds, want_ds, rtol=1e-4, atol=1e-5 * np.sqrt(h))
+    for a, f in zip(K.grouped_dbias_dscales(dy, s, b, o), (db, ds), strict=True):
+        np.testing.assert_array_equal(a, f)

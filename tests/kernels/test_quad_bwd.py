@@ -1,0 +1,43 @@
+"""The quad backward (``gpurouter/kernels/quad_bwd.py``, E a multiple of 4) of
+the top-k and aux-score ops against the reference, several quads per lane
+(the ``quad_lanes`` fixture of conftest.py); its BITMAP_U8 map: test_map_format.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+
+from strategies import random_cotangent, tie_free_rows_np  # noqa: E402
+
+from gpurouter import reference as ref  # noqa: E402
+
+from ._helpers import FWD_MODES, check_topk_bwd, check_topk_fwd, host  # noqa: E402
+from .test_topk import _cfg  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.parametrize("sf,pre", FWD_MODES)
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_quad_bwd_several_quads_per_lane(quad_lanes, sf, pre, dtype):
+    cfg = _cfg(5, 20, 3, sf, pre, -1, -1, 2.5 if sf != "softmax" else 1.0, False, dtype)
+    x = tie_free_rows_np(12, cfg, None)
+    _, m, s = check_topk_fwd(K, x, dtype, cfg.kwargs())
+    check_topk_bwd(K, m, s, random_cotangent(13, x.shape, dtype), dtype, cfg.kwargs())
+
+
+@pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_quad_aux_bwd_several_quads_per_lane(quad_lanes, sf):
+    from strategies import np_dtype
+    from tolerances import assert_close
+
+    x = (np.random.default_rng(3).permutation(100).reshape(5, 20) / 16 - 3).astype(np.float32)
+    _, _, sv = K.score_for_aux_loss_fwd(x, 3, sf)
+    g = random_cotangent(9, x.shape)
+    for dtype in ("float32", "bfloat16"):
+        dx = K.score_for_aux_loss_bwd(sv, g, sf, np_dtype(dtype))
+        rdx = host(ref.score_for_aux_loss_bwd(sv, g, sf, np_dtype(dtype)))
+        assert_close(dx, rdx, "grads", np_dtype(dtype), E=20, err_msg=f"aux grad {sf} {dtype}")

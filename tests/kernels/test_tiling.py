@@ -1,0 +1,55 @@
+"""The tilings of ``gpurouter/kernels/_tiling.py`` (host code): every layout up
+to the kernel limits fits the shared-memory budget; the model presets' shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+
+
+pytestmark = pytest.mark.cuda
+
+
+def test_row_layouts_fit_shared_memory():
+    """Every valid config up to the limits fits the 48 KiB budget (pure host code)."""
+    from gpurouter.kernels import _tiling as L
+    from gpurouter.kernels._limits import SMEM_BUDGET
+
+    for E in (1, 8, 20, 128, 256, 1000, 1024, 4096, 8192):
+        for k in (1, 8, 64):
+            if k > E:
+                continue
+            for G in (0, 8, 64):
+                if G > E:
+                    continue
+                lay = L.select_layout(65536, E, k, G)
+                assert lay.shared <= SMEM_BUDGET, (E, k, G, lay)
+                assert lay.threads == lay.tb * lay.lanes and lay.lanes & (lay.lanes - 1) == 0
+                assert lay.o_flag >= 4 * (lay.o_keep + lay.tb * G)
+    lay = L.select_layout(65536, 256, 8, 8)
+    assert (lay.lanes, lay.tb, lay.group_lanes) == (8, 16, 1)  # DeepSeek-V3
+    assert L.row_stride(256, 8) % 32 == 8  # P / W odd: conflict-free lane scans
+
+
+def test_token_layouts_fit_shared_memory():
+    """Every token-path config up to the limits fits the 48 KiB budget (host code)."""
+    from gpurouter.kernels import _tiling as L
+    from gpurouter.kernels._limits import MAX_EXPERTS, SMEM_BUDGET
+
+    for E in (4, 8, 128, 256, 1024, 4096, MAX_EXPERTS):
+        for G in (0, 8, 64):
+            for bias in (False, True):
+                if not L.token_path(E, 8, G, bias):
+                    assert (E, bias) == (MAX_EXPERTS, True)  # the W-lane kernels take it
+                    with pytest.raises(NotImplementedError, match="does not fit"):
+                        L.token_layout(1, E, G, bias)
+                    continue
+                for T in (1, 7, 65536):
+                    lay = L.token_layout(T, E, G, bias)
+                    assert lay.shared <= SMEM_BUDGET, (E, G, lay)
+                    assert lay.threads >= lay.tb and lay.threads % 32 == 0
+                    assert lay.stride % 2 == 1 and lay.grid * lay.tb >= T
+    lay = L.token_layout(65536, 256, 8, True)
+    assert (lay.tb, lay.threads) == (32, 256)  # DeepSeek-V3

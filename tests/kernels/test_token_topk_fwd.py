@@ -1,0 +1,178 @@
+"""The thread-per-token top-k forward (``gpurouter/kernels/token_topk_fwd.py``)
+against the reference: the dispatch to it, specials, fillers, ties, groups,
+quads in every dtype, several blocks with a partial last tile.  Tiny shapes
+(E a multiple of 4, K <= 16): the simulator runs them; the TE shapes are in
+test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+
+from numba import cuda  # noqa: E402
+from strategies import random_cotangent, tie_free_rows_np  # noqa: E402
+
+from gpurouter import reference as ref  # noqa: E402
+
+from ._helpers import (  # noqa: E402
+    FWD_MODES,
+    check_special_rows,
+    check_topk_bwd,
+    check_topk_fwd,
+    host,
+)
+from .test_topk import _bias, _cfg, _sel  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+
+def _kernel_of(plan):
+    """True when the plan's kernel is a thread-per-token one (``token_topk_fwd.py``,
+    ``token_aux_scores_fwd.py``)."""
+    return plan.steps[0].kernel.py_func.__module__.startswith("gpurouter.kernels.token_")
+
+
+def test_dispatch():
+    """E % 4 == 0 and K <= 16 take the token kernels, the rest the W-lane ones."""
+    from gpurouter.kernels import _launch as L
+    from gpurouter.kernels import _plan, aux_scores, topk
+
+    def fwd(E, k, G=-1, Kg=-1):
+        return topk.topk_with_score_function_fwd_plan(_plan.spec_of((5, E), L.BF16), False, k, False,
+                                                      G, Kg, np.float32(1), 1)
+
+    assert _kernel_of(fwd(256, 8, 8, 4)) and _kernel_of(fwd(8, 2)) and _kernel_of(fwd(32, 16))
+    assert not _kernel_of(fwd(10, 4)) and not _kernel_of(fwd(64, 17))
+    assert _kernel_of(aux_scores.score_for_aux_loss_fwd_plan(_plan.spec_of((5, 12), L.F32), 3, 0))
+    assert not _kernel_of(aux_scores.score_for_aux_loss_fwd_plan(_plan.spec_of((5, 13), L.F32), 3, 0))
+
+
+@pytest.mark.parametrize("sf,pre", FWD_MODES)
+def test_specials_fillers_partial_tile(token_tiling, sf, pre):
+    # 2 tokens per block: 5 rows give 3 blocks, the last one partial
+    token_tiling(2)
+    ninf, nan = -np.inf, np.nan
+    x = np.array([
+        [ninf] * 12,                                                       # all -inf
+        [ninf, 1.0, ninf, ninf, ninf, ninf, ninf, 2.0, ninf, ninf, ninf, ninf],  # 2 finite < K
+        [nan, 0.5, 0.25, 0.75, ninf, -1.0, nan, 3.0, 0.5, nan, 0.1, -0.0],  # NaN as -inf
+        [0.5, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan, nan],      # mostly NaN
+        [0.1, 0.9, -0.3, 0.7, 0.2, -0.8, 0.4, 0.6, -0.5, 0.3, 0.0, -0.1],  # plain
+    ], np.float32)
+    check_special_rows(K, x, 4, pre, sf, [[0, 1, 2, 3], [0, 1, 2, 7]])
+
+
+@pytest.mark.parametrize("sf", ["softmax", "sigmoid"])
+def test_ties_and_signed_zeros(token_tiling, sf):
+    token_tiling(2)
+    x = np.zeros((3, 12), np.float32)
+    x[1] = [1, 2, 2, 0, 2, 2, 1, 0, 2, 2, 1, 2]
+    x[2] = [-0.0, 0.0, 0.0, -0.0, -1, -0.0, 3, 3, 0.0, -2, 3, -0.0]
+    p, m, _ = K.topk_with_score_function_fwd(x, 5, score_function=sf)
+    rp, rm, _ = (host(a) for a in ref.topk_with_score_function_fwd(x, 5, score_function=sf))
+    assert _sel(m) == [[0, 1, 2, 3, 4], [1, 2, 4, 5, 8], [0, 1, 6, 7, 10]]
+    np.testing.assert_array_equal(m, rm)
+    np.testing.assert_allclose(p, rp, atol=1e-6, rtol=1e-5)
+
+
+def test_group_ties_and_dropped_fillers(token_tiling):
+    token_tiling(1)
+    x = np.zeros((2, 16), np.float32)
+    p, m, _ = K.topk_with_score_function_fwd(x, 4, num_groups=4, group_topk=2,
+                                             score_function="sigmoid")
+    assert _sel(m) == [[0, 1, 2, 3]] * 2
+    # group 2 holds the only finite values; groups 0, 1, 3 tie at -inf (row 1:
+    # a NaN group score, as -inf): groups 0 and 2 kept, fillers from group 0 only
+    x = np.full((2, 16), -np.inf, np.float32)
+    x[:, 8:10] = [1.0, 2.0]
+    x[1, 0] = np.nan
+    p, m, _ = K.topk_with_score_function_fwd(x, 4, num_groups=4, group_topk=2)
+    rm = host(ref.topk_with_score_function_fwd(x, 4, num_groups=4, group_topk=2)[1])
+    assert _sel(m) == [[0, 1, 8, 9]] * 2
+    np.testing.assert_array_equal(m, rm)
+
+
+@pytest.mark.parametrize("sf,pre", FWD_MODES)
+@pytest.mark.parametrize("grouped", [False, True], ids=["flat", "groups"])
+def test_ties_across_the_threshold(token_tiling, sf, pre, grouped):
+    """Coarse-grid rows (ties everywhere, as bf16 logits give), a bias with
+    repeated values, rows with fewer than K finite scores, all in one block
+    with tie-free rows: the threshold way with and without a tie cutoff and
+    the bit way side by side, maps exact against the reference."""
+    token_tiling(8)
+    rng = np.random.default_rng(21)
+    T, E, k = 12, 32, 6
+    x = (rng.integers(-6, 7, (T, E)) / 4).astype(np.float32)
+    x[3] = rng.permutation(E) / 8  # tie-free
+    x[5, :] = -np.inf
+    x[5, [4, 9, 30]] = [1.0, 1.0, 0.5]  # 3 finite < K: -inf fillers
+    x[7, ::3] = np.nan
+    x[9, :] = 0.25  # one value everywhere
+    if sf != "softmax":
+        x = np.where(np.isneginf(x), np.float32(-30.0), x)
+    kw = dict(topk=k, use_pre_softmax=pre, score_function=sf, scaling_factor=1.5)
+    if grouped:
+        kw.update(num_groups=4, group_topk=2)
+    bias = None
+    if sf != "softmax":
+        bias = (np.arange(E) % 3 / 8).astype(np.float32)
+    p, m, s = K.topk_with_score_function_fwd(x, expert_bias=bias, **kw)
+    rp, rm, rs = (host(a) for a in ref.topk_with_score_function_fwd(x, expert_bias=bias, **kw))
+    assert (m.sum(-1) == k).all()
+    np.testing.assert_array_equal(m, rm)
+    np.testing.assert_array_equal(np.isnan(p), np.isnan(rp))
+    np.testing.assert_allclose(p, rp, atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(s, rs, atol=1e-6, rtol=1e-5)
+
+
+SHAPES = [
+    (5, 24, 3, 3, 3),
+    (5, 20, 2, 5, 1),
+    (5, 28, 6, 7, 3),
+    (5, 16, 16, -1, -1),
+    (5, 8, 1, -1, -1),
+    (5, 16, 8, 4, 2),
+    (5, 32, 8, 8, 4),
+    (5, 20, 3, -1, -1),
+    (5, 24, 5, -1, -1),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}E{}K{}G{}Kg{}".format(*s))
+@pytest.mark.parametrize("sf", ["sigmoid", "softmax", "sqrtsoftplus"])
+def test_shapes_fwd_bwd(token_tiling, shape, sf):
+    token_tiling(2)
+    T, E, k, G, Kg = shape
+    cfg = _cfg(T, E, k, sf, False, G, Kg, 2.5, sf != "softmax")
+    bias = _bias(E, 7) if cfg.has_bias else None
+    x = tie_free_rows_np(11, cfg, bias)
+    _, m, s = check_topk_fwd(K, x, "float32", cfg.kwargs(), bias)
+    check_topk_bwd(K, m, s, random_cotangent(4, x.shape), "float32", cfg.kwargs())
+
+
+@pytest.mark.parametrize("sf,pre", FWD_MODES)
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+def test_half_quads(token_tiling, sf, pre, dtype):
+    """bf16 rows travel as uint64 quads, fp16 element by element: both against the reference."""
+    token_tiling(2)
+    cfg = _cfg(5, 16, 4, sf, pre, 4, 2, 2.5, sf != "softmax", dtype)
+    bias = _bias(16, 5) if cfg.has_bias else None
+    x = tie_free_rows_np(6, cfg, bias)
+    _, m, s = check_topk_fwd(K, x, dtype, cfg.kwargs(), bias)
+    check_topk_bwd(K, m, s, random_cotangent(8, x.shape, dtype), dtype, cfg.kwargs())
+
+
+def test_misaligned_word_views_are_refused():
+    """A device array the kernels read as wider words (the bool map as uint32
+    quads) that does not start on a word boundary is a ValueError, not a
+    fault in the kernel."""
+    x = cuda.to_device(np.zeros((2, 8), np.float32))
+    probs = cuda.device_array((2, 8), np.float32)
+    saved = cuda.device_array((2, 8), np.float32)
+    rmap = cuda.device_array(17, np.bool_)[1:].reshape(2, 8)
+    with pytest.raises(ValueError, match=r"topk_with_score_function_fwd: a device output array .* not a "
+                                         r"multiple of 4 bytes"):
+        K.topk_with_score_function_fwd(x, 2, out=(probs, rmap, saved))

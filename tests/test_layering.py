@@ -1,0 +1,178 @@
+"""Source rules of the package, read as plain text (no import, no GPU, no
+``cuda`` marker: they run in every CI).
+
+- The import graph of every ``gpurouter/**/*.py`` (relative and absolute
+  imports, function-level ones included) has no cycle.
+- No file is over ``MAX_LINES`` lines (``LONG_FILES`` lists the exceptions,
+  each with its reason).
+- Every kernel module has its test: a module of ``gpurouter/kernels`` that
+  defines a ``@cuda.jit`` kernel (not a device function) is tested by
+  ``tests/kernels/test_<module>.py``.
+- The kernel layer (HOUSE_STYLE): no jax, no host<->device copies outside
+  ``_launch.py``, no warp intrinsics, ``_compat`` imported before numba.cuda.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "gpurouter"
+KERNELS = PACKAGE / "kernels"
+KERNEL_TESTS = ROOT / "tests" / "kernels"
+
+MAX_LINES = 400
+#: files allowed over MAX_LINES, with the reason
+LONG_FILES = {
+    "gpurouter/bench.py": "the benchmark CLI's tables and plots; not a kernel or op module",
+}
+
+
+def _sources():
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the gpurouter modules it imports (anywhere in the file).
+
+    ``from X import y`` names module ``X.y`` when that is a module, else
+    ``X``; a module outside package ``X`` importing from it also runs
+    ``X/__init__.py`` first, so that is an edge too."""
+    paths = {_module_name(p): p for p in _sources()}
+    modules = set(paths)
+    graph = {}
+    for name, path in paths.items():
+        is_package = path.name == "__init__.py"
+        package = name if is_package else name.rpartition(".")[0]
+        edges = set()
+
+        def add(target: str, importer: str = name, edges: set = edges):
+            if target not in modules or target == importer:
+                return
+            edges.add(target)
+            # a dotted target from outside its package runs the package's __init__ first
+            parent = target.rpartition(".")[0]
+            while parent and not (importer == parent or importer.startswith(parent + ".")):
+                if parent in modules:
+                    edges.add(parent)
+                parent = parent.rpartition(".")[0]
+
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    add(alias.name)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                for alias in node.names:
+                    sub = f"{source}.{alias.name}"
+                    add(sub if sub in modules else source)
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_sees_relative_absolute_and_function_level_imports():
+    graph = _import_graph()
+    assert "gpurouter.kernels._launch" in graph["gpurouter.kernels._plan"]  # from ._launch import ...
+    assert "gpurouter._checks" in graph["gpurouter.kernels.topk"]  # from .._checks import ...
+    assert "gpurouter.kernels._pointer" in graph["gpurouter._transport.buffer"]  # in a function
+    assert {"gpurouter.kernels", "gpurouter.kernels._launch"} <= graph["gpurouter.bench"]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles():
+    cycles = _cycles(_import_graph())
+    assert not cycles, "import cycles (each a set of modules that import each other): " + "; ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_no_file_over_max_lines():
+    long = {}
+    for path in _sources():
+        rel = path.relative_to(ROOT).as_posix()
+        n = len(path.read_text().splitlines())
+        if n > MAX_LINES and rel not in LONG_FILES:
+            long[rel] = n
+    assert not long, f"files over {MAX_LINES} lines (split them by job): {long}"
+
+
+def _defines_a_kernel(src: str) -> bool:
+    return re.search(r"^\s*@cuda\.jit\s*$", src, re.M) is not None
+
+
+def test_every_kernel_module_has_its_test():
+    missing = [p.name for p in sorted(KERNELS.glob("*.py"))
+               if _defines_a_kernel(p.read_text()) and not (KERNEL_TESTS / f"test_{p.stem}.py").exists()]
+    assert not missing, f"kernel modules without tests/kernels/test_<module>.py: {missing}"
+
+
+def test_kernel_layer_never_imports_jax():
+    for path in KERNELS.glob("*.py"):
+        assert not re.search(r"^\s*(import jax|from jax)", path.read_text(), re.M), path.name
+
+
+def test_kernel_modules_never_move_arrays():
+    for path in KERNELS.glob("*.py"):
+        if path.name not in ("_launch.py", "_plan.py"):
+            assert "to_device" not in path.read_text(), f"{path.name}: host<->device copies belong in _launch.py"
+
+
+def test_no_warp_intrinsics():
+    # the simulator has none of them; the kernels use shared memory + syncthreads only
+    for path in KERNELS.glob("*.py"):
+        assert not re.search(r"shfl_|syncwarp|ballot_sync|all_sync|any_sync|activemask",
+                             path.read_text()), path.name
+
+
+def test_compat_imported_first():
+    # (every kernels module loads after kernels/__init__.py, which imports _compat
+    # first; the modules that compile kernels or device functions say so too)
+    for path in KERNELS.glob("*.py"):
+        src = path.read_text()
+        if re.search(r"^\s*@cuda\.jit", src, re.M):
+            assert "from . import _compat" in src, path.name
+            assert src.index("from . import _compat") < src.index("from numba import cuda"), path.name
