@@ -63,3 +63,40 @@ def test_unsharded_operands_run_whole():
                                             jax.ShapeDtypeStruct((8, 4), jnp.bool_),
                                             jax.ShapeDtypeStruct((8, 1), jnp.int32)]))(x)
     assert out[0].shape == (8, 4) and (8, 4) in seen
+
+
+def test_the_ffi_call_under_vmap_and_on_a_mesh_asks_for_plans_of_the_right_size(monkeypatch):
+    """The ffi transport's batching and partitioning, its launch faked by jnp:
+    a folded vmap batch asks for results of the folded token count, a batched
+    per-call array for one element's, a token-sharded mesh for one shard's."""
+    from gpurouter._transport import ffi
+
+    asked = []
+
+    def fake_launch(planner, out_specs, args):
+        asked.append((args[0].shape[0], tuple(s.shape for s in out_specs)))
+        x, b = args
+        assert all(s.shape[0] == x.shape[0] for s in out_specs)
+        return (x * 2 + b[None, :], x > 0)
+
+    monkeypatch.setattr(ffi, "_launch", fake_launch)
+    specs = (jax.ShapeDtypeStruct((32, 8), jnp.float32), jax.ShapeDtypeStruct((32, 8), jnp.bool_))
+
+    def op(x, b):
+        return ffi.ffi_call(None, specs, [x], [b])
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 32, 8), jnp.float32)
+    b = jnp.arange(4 * 8, dtype=jnp.float32).reshape(4, 8)
+    folded = jax.jit(jax.vmap(lambda x: op(x, b[0])))(x)
+    assert asked[-1][0] == 128 and folded[0].shape == (4, 32, 8)
+    np.testing.assert_array_equal(np.asarray(folded[0]), np.asarray(x * 2 + b[0][None, None, :]))
+    mapped = jax.jit(jax.vmap(op))(x, b)
+    assert asked[-1][0] == 32
+    np.testing.assert_array_equal(np.asarray(mapped[0]), np.asarray(x * 2 + b[:, None, :]))
+    mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
+    xs = jax.device_put(x[0], NamedSharding(mesh, P("d", None)))
+    f = jax.jit(op)
+    assert "all-gather" not in f.lower(xs, b[0]).compile().as_text()
+    sharded = f(xs, b[0])
+    assert asked[-1][0] == 4 and sharded[0].sharding.spec[0] == "d"
+    np.testing.assert_array_equal(np.asarray(sharded[0]), np.asarray(x[0] * 2 + b[0][None, :]))

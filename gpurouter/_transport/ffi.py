@@ -313,18 +313,25 @@ def _record(plan) -> int:
 
 
 def _unbatched_call(planner, out_specs, n_token: int, args):
-    """One call on unbatched arrays; token-parallel calls (``n_token`` > 0)
-    split over a token-sharded mesh by ``partition.token_parallel`` when JAX
-    has several devices and the call is not inside ``shard_map``."""
-    if n_token and len(jax.devices()) > 1 and not any(varying(a) for a in args):
+    """One call on unbatched arrays. Token-parallel calls (``n_token`` > 0:
+    every result has the tokens of ``args[0]`` on axis 0, the vmap rule may
+    have folded a batch into them) split over a token-sharded mesh by
+    ``partition.token_parallel`` when JAX has several devices and the call
+    is not inside ``shard_map``."""
+    if not n_token:
+        return _launch(planner, out_specs, args)
+
+    def per_token(*xs):
+        t = xs[0].shape[0]
+        return _launch(planner, [jax.ShapeDtypeStruct((t, *s.shape[1:]), s.dtype) for s in out_specs], xs)
+
+    if len(jax.devices()) > 1 and not any(varying(a) for a in args):
         from .partition import token_parallel
 
-        def local(*xs):
-            t = xs[0].shape[0]
-            return _launch(planner, [jax.ShapeDtypeStruct((t, *s.shape[1:]), s.dtype) for s in out_specs], xs)
-
-        return token_parallel(local, n_token, args, [word_spec(s) for s in out_specs])
-    return _launch(planner, out_specs, args)
+        t = args[0].shape[0]
+        return token_parallel(per_token, n_token, args,
+                              [word_spec(jax.ShapeDtypeStruct((t, *s.shape[1:]), s.dtype)) for s in out_specs])
+    return per_token(*args)
 
 
 def _launch(planner, out_specs, args):
