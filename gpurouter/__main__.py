@@ -148,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "steps":
+        from .bench_steps import main as steps_main
+
+        return steps_main(argv[1:])
     if argv and argv[0] == "demo":
         argv = argv[1:]
     return demo(argv)

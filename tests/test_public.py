@@ -26,13 +26,16 @@ _NUMBA_MARKS = [
     pytest.mark.skipif(not _backend.numba_usable(),
                        reason="backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1"),
 ]
-# "numba" picks its transport automatically (zero-copy when JAX is on a GPU);
-# "numba:callback" forces pure_callback, which is then tested on the GPU too.
+# "numba" picks its transport automatically (ffi when JAX is on a GPU);
+# "numba:zero-copy" and "numba:callback" force the other two, which are then
+# tested on the GPU too.
+_ON_GPU_ONLY = pytest.mark.skipif(jax.default_backend() != "gpu",
+                                  reason="on a CPU 'numba' already means the callback transport")
 BACKENDS = [
     "jax",
     pytest.param("numba", marks=_NUMBA_MARKS),
-    pytest.param("numba:callback", marks=[*_NUMBA_MARKS, pytest.mark.skipif(
-        jax.default_backend() != "gpu", reason="on a CPU 'numba' already means the callback transport")]),
+    pytest.param("numba:zero-copy", marks=[*_NUMBA_MARKS, _ON_GPU_ONLY]),
+    pytest.param("numba:callback", marks=[*_NUMBA_MARKS, _ON_GPU_ONLY]),
 ]
 
 
@@ -225,14 +228,14 @@ def test_kernel_vjp_matches_reference_vjp(data):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transport", ["zero-copy", "callback"])
+@pytest.mark.parametrize("transport", ["ffi", "zero-copy", "callback"])
 @pytest.mark.parametrize("preset", ["deepseek-v3", "qwen3", "mixtral", "nemotron-3-super"])
 def test_presets_on_the_gpu(preset, transport):
     """Real shapes, bf16, jit + grad + vmap + fori_loop, through each transport."""
     from gpurouter.presets import PRESETS
 
-    if transport == "zero-copy" and jax.default_backend() != "gpu":
-        pytest.skip("zero-copy needs JAX on a GPU")
+    if transport != "callback" and jax.default_backend() != "gpu":
+        pytest.skip(f"{transport} needs JAX on a GPU")
     p = PRESETS[preset]
     x = _tie_free_logits((2, 2048, p.num_experts), jnp.bfloat16, seed=11)
     bias = jnp.linspace(-0.01, 0.01, p.num_experts, dtype=jnp.float32) if p.expert_bias else None

@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
-from jax import lax
 
 from .. import _backend
+from ._shared import match_varying_axes
 from .host import Launcher, host_call
 
 
@@ -35,8 +35,12 @@ def resolve_transport(op: str, transport: str) -> str:
     checks out, ``"zero-copy"`` where only buffer_callback does, else
     ``"callback"``. An explicit transport that cannot run here is a
     RuntimeError naming ``op`` and what it needs."""
+    from . import ffi
+
     gpu = _backend.zero_copy_available()
     if transport == "auto":  # (the value was checked by _checks.check_transport)
+        if gpu and ffi.available():
+            return "ffi"
         return "zero-copy" if gpu else "callback"
     if transport in ("zero-copy", "ffi") and not gpu:
         raise RuntimeError(
@@ -44,34 +48,10 @@ def resolve_transport(op: str, transport: str) -> str:
             f"\"gpu\", now {jax.default_backend()!r}) and numba-cuda on a real GPU; "
             "use transport=\"callback\"."
         )
-    if transport == "ffi":
-        raise RuntimeError(f"{op}: transport=\"ffi\" is not built yet; use transport=\"zero-copy\".")
+    if transport == "ffi" and ffi.unavailable_reason() is not None:
+        raise RuntimeError(f"{op}: transport=\"ffi\" cannot run with this jaxlib: "
+                           f"{ffi.unavailable_reason()} Use transport=\"zero-copy\".")
     return transport
-
-
-def _varying(x) -> frozenset:
-    """The manual mesh axes ``x`` varies along (empty outside shard_map)."""
-    aval = jax.typeof(x)
-    if hasattr(aval, "vma"):  # jax < 0.10 spelling
-        return frozenset(aval.vma)
-    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10+
-    return frozenset(getattr(mat, "varying", ()) or ())
-
-
-def _match_varying_axes(outs, ins):
-    """Marks the outputs varying over every manual mesh axis an input varies over.
-
-    Inside ``shard_map`` JAX types each value with the manual axes it varies
-    along; a callback's outputs come out typed invariant, which would break
-    ``custom_vjp`` (cotangent types must match the primal inputs) and any
-    later collective. The outputs of a per-shard kernel vary as its inputs do.
-    """
-    vma = frozenset().union(*(_varying(a) for a in ins))
-    fixed = []
-    for o in outs:
-        missing = tuple(sorted(vma - _varying(o)))
-        fixed.append(lax.pcast(o, missing, to="varying") if missing else o)
-    return tuple(fixed)
 
 
 def kernel_call(
@@ -97,10 +77,14 @@ def kernel_call(
       transport: ``"ffi"``, ``"zero-copy"`` or ``"callback"`` (already resolved).
     """
     args = (*token_args, *call_args)
-    if transport == "zero-copy":
+    if transport == "ffi":
+        from .ffi import ffi_call
+
+        outs = ffi_call(planner, out_specs, token_args, call_args)
+    elif transport == "zero-copy":
         from .buffer import buffer_call
 
         outs = buffer_call(planner, out_specs, token_args, call_args)
     else:
         outs = host_call(launcher, out_specs, len(token_args), args)
-    return _match_varying_axes(outs, args)
+    return match_varying_axes(outs, args)

@@ -1,0 +1,408 @@
+"""Transport ``"ffi"``: XLA calls a compiled handler that launches a plan's kernels.
+
+No Python and no GIL per call. One handler for every op, a ``numba.cfunc``
+compiled once per process and registered with XLA's typed FFI as the CUDA
+target ``gpurouter_plan``. Each traced call passes one attribute, ``plan``:
+the address of its *launch record*, built here at trace time from the op's
+kernel plan (``kernels._plan.Plan``) and kept for the life of the process:
+
+    header   MAGIC, n_ins, n_rets, cuLaunchKernel, cuCtxGetCurrent,
+             cuCtxPushCurrent, cuCtxPopCurrent, 5 messages, MAX_DEVICES device
+             offsets (0: no kernels for that GPU), the element count of every
+             array (ins, then outs and tmps)
+    device   context, n_steps, then per step: kernel handle, grid, block,
+             shared bytes, n_params, n_holes, the parameter block (8-byte
+             slots, ``kernels._pointer.compile_steps``), (slot, array) holes
+
+The handler answers XLA's metadata query, checks the call frame, the API
+table and every buffer against the record, gets XLA's stream and device
+ordinal, copies the device's parameter blocks to its own stack, writes the
+buffers' addresses into the holes and calls ``cuLaunchKernel`` per step; a
+failure comes back as an XLA error (``XLA_FFI_Error_Create``) whose message
+names the op and the rule, never as a crash. Scratch arrays are extra XLA
+outputs: nothing is allocated in the handler. Records are filled for every
+GPU JAX sees (per-device tables for several GPUs in one process).
+
+Not serialisable: a record's address is only valid in the process that
+traced the call (``jax.export`` of these ops is not supported).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import warnings
+
+import jax
+import numpy as np
+
+from . import ffi_abi as abi
+from ._shared import COMPILE_LOCK, plan_of, to_words, varying, word_spec
+
+TARGET = "gpurouter_plan"
+MAGIC = 0x67707572_6F757465  # "gpuroute"
+MAX_DEVICES = 64
+#: parameter slots a step may have (the handler's stack copy), arrays a call may have
+MAX_PARAMS = 256
+MAX_ARRAYS = 32
+#: XLA_FFI_Handler_Traits the handler declares (1: COMMAND_BUFFER_COMPATIBLE,
+#: XLA may capture its launches in a CUDA graph; its launches depend only on
+#: buffer addresses and the plan attribute)
+TRAITS = int(os.environ.get("GPUROUTER_FFI_TRAITS", "0"))
+#: jaxlib versions this transport was run with (the header check decides elsewhere)
+TESTED_JAXLIB = ("0.10.2 (CPU: ABI and structure tests)", "0.11.2 (H200: the GPU suite)")
+
+# header word indices
+_N_INS, _N_RETS, _LAUNCH, _GET_CTX, _PUSH, _POP = 1, 2, 3, 4, 5, 6
+_MSG_CALL, _MSG_DEVICE, _MSG_LAUNCH, _MSG_CONTEXT, _MSG_SIZES = 7, 8, 9, 10, 11
+_DEVICES = 12
+_COUNTS = _DEVICES + MAX_DEVICES
+# errors the handler raises before it has a record
+_MSG_FRAME = b"gpurouter ffi: XLA's call frame or API table is older than the handler reads\0"
+_MSG_ATTR = b"gpurouter ffi: the call has no int64 'plan' attribute (not a gpurouter call)\0"
+_MSG_MAJOR = b"gpurouter ffi: XLA's FFI API major version is not 0; use transport=\"zero-copy\"\0"
+
+
+def _message(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode() + b"\0", np.uint8).copy()
+
+
+_STATIC = {name: np.frombuffer(m, np.uint8).copy() for name, m in
+           (("frame", _MSG_FRAME), ("attr", _MSG_ATTR), ("major", _MSG_MAJOR))}
+
+
+@functools.cache
+def _handler():
+    """The cfunc (compiled once per process; about two seconds)."""
+    from numba import cfunc, njit, types
+
+
+    ld8, ld32, ld64, st8, st32, st64, scratch, caller = abi.intrinsics()
+    call_api = caller(("i64", "i64"))  # XLA_FFI_Error* fn(Args*)
+    call1 = caller(("i32", "i64"))  # CUresult fn(void*)
+    launch = caller(("i32", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64", "i64", "i64"))
+    frame_msg, attr_msg, major_msg = (int(_STATIC[k].ctypes.data) for k in ("frame", "attr", "major"))
+    plan_name = int.from_bytes(b"plan", "little")
+
+    @njit(inline="always")
+    def fail(api, message, code):
+        args = scratch(4)
+        st64(args, abi.ERR_SIZE)
+        st64(args + 8, 0)
+        st64(args + abi.ERR_MESSAGE, message)
+        st32(args + abi.ERR_ERRC, code)
+        return call_api(ld64(api + abi.API_ERROR_CREATE), (args,))
+
+    @njit
+    def fail_code(api, message, code):
+        """``message`` + " (CUresult <code>)" in a stack buffer."""
+        buf = scratch(32)  # 256 bytes: messages are under 200
+        n = 0
+        while n < 200 and ld8(message + n) != 0:
+            st8(buf + n, ld8(message + n))
+            n += 1
+        for ch in (32, 40, 67, 85, 114, 101, 115, 117, 108, 116, 32):  # " (CUresult "
+            st8(buf + n, ch)
+            n += 1
+        digits = scratch(2)
+        k, v = 0, code if code > 0 else 0
+        while k == 0 or v > 0:
+            st8(digits + k, 48 + v % 10)
+            k += 1
+            v //= 10
+        while k > 0:
+            k -= 1
+            st8(buf + n, ld8(digits + k))
+            n += 1
+        st8(buf + n, 41)  # ")"
+        st8(buf + n + 1, 0)
+        return fail(api, buf, abi.ERROR_INTERNAL)
+
+    def handler(frame):
+        ext = ld64(frame + abi.CF_EXTENSION)
+        if ext != 0 and ld32(ext + abi.EXT_TYPE) == abi.EXTENSION_METADATA:
+            md = ld64(ext + abi.EXT_METADATA)
+            st64(md + abi.MD_VERSION_STRUCT_SIZE, abi.VERSION_SIZE)
+            st64(md + abi.MD_VERSION_STRUCT_SIZE + 8, 0)
+            st32(md + abi.MD_VERSION_MAJOR, abi.DECLARED_VERSION[0])
+            st32(md + abi.MD_VERSION_MINOR, abi.DECLARED_VERSION[1])
+            st32(md + abi.MD_TRAITS, TRAITS)
+            return 0
+        api = ld64(frame + abi.CF_API)
+        api_size = ld64(api + abi.API_STRUCT_SIZE)
+        if ld64(frame + abi.CF_STRUCT_SIZE) < abi.CF_MIN_SIZE or api_size < abi.API_STREAM_GET + 8:
+            return fail(api, frame_msg, abi.ERROR_FAILED_PRECONDITION)
+        if ld32(api + abi.API_MAJOR) != abi.ABI_MAJOR:
+            return fail(api, major_msg, abi.ERROR_FAILED_PRECONDITION)
+        rec = 0
+        for i in range(ld64(frame + abi.CF_ATTRS_SIZE)):
+            name = ld64(ld64(frame + abi.CF_ATTRS_NAMES) + 8 * i)
+            attr = ld64(ld64(frame + abi.CF_ATTRS_ATTRS) + 8 * i)
+            if (ld64(name + abi.SPAN_LEN) == 4 and ld32(ld64(name + abi.SPAN_PTR)) == plan_name
+                    and ld32(ld64(frame + abi.CF_ATTRS_TYPES) + 4 * i) == abi.ATTR_SCALAR
+                    and ld32(attr + abi.SCALAR_DTYPE) == abi.DTYPE_S64):
+                rec = ld64(ld64(attr + abi.SCALAR_VALUE))
+        if rec == 0 or ld64(rec) != MAGIC:
+            return fail(api, attr_msg, abi.ERROR_INVALID_ARGUMENT)
+        n_ins, n_rets = ld64(rec + 8 * _N_INS), ld64(rec + 8 * _N_RETS)
+        if ld64(frame + abi.CF_ARGS_SIZE) != n_ins or ld64(frame + abi.CF_RETS_SIZE) != n_rets:
+            return fail(api, ld64(rec + 8 * _MSG_CALL), abi.ERROR_INVALID_ARGUMENT)
+        ptrs = scratch(MAX_ARRAYS)
+        for a in range(n_ins + n_rets):
+            if a < n_ins:
+                kind = ld32(ld64(frame + abi.CF_ARGS_TYPES) + 4 * a)
+                buf = ld64(ld64(frame + abi.CF_ARGS_ARGS) + 8 * a)
+            else:
+                kind = ld32(ld64(frame + abi.CF_RETS_TYPES) + 4 * (a - n_ins))
+                buf = ld64(ld64(frame + abi.CF_RETS_RETS) + 8 * (a - n_ins))
+            if kind != abi.ARG_BUFFER:
+                return fail(api, ld64(rec + 8 * _MSG_CALL), abi.ERROR_INVALID_ARGUMENT)
+            count = 1
+            dims = ld64(buf + abi.BUF_DIMS)
+            for d in range(ld64(buf + abi.BUF_RANK)):
+                count *= ld64(dims + 8 * d)
+            if count != ld64(rec + 8 * (_COUNTS + a)):
+                return fail(api, ld64(rec + 8 * _MSG_SIZES), abi.ERROR_INVALID_ARGUMENT)
+            st64(ptrs + 8 * a, ld64(buf + abi.BUF_DATA))
+        ctx = ld64(frame + abi.CF_CTX)
+        stream_args = scratch(4)
+        st64(stream_args, abi.STREAM_SIZE)
+        st64(stream_args + 8, 0)
+        st64(stream_args + abi.STREAM_CTX, ctx)
+        st64(stream_args + abi.STREAM_OUT, 0)
+        err = call_api(ld64(api + abi.API_STREAM_GET), (stream_args,))
+        if err != 0:
+            return err
+        stream = ld64(stream_args + abi.STREAM_OUT)
+        ordinal = 0
+        if api_size >= abi.API_DEVICE_ORDINAL_GET + 8:
+            ordinal_args = scratch(4)
+            st64(ordinal_args, abi.ORDINAL_SIZE)
+            st64(ordinal_args + 8, 0)
+            st64(ordinal_args + abi.ORDINAL_CTX, ctx)
+            st32(ordinal_args + abi.ORDINAL_OUT, 0)
+            err = call_api(ld64(api + abi.API_DEVICE_ORDINAL_GET), (ordinal_args,))
+            if err != 0:
+                return err
+            ordinal = ld32(ordinal_args + abi.ORDINAL_OUT)
+        if ordinal < 0 or ordinal >= MAX_DEVICES or ld64(rec + 8 * (_DEVICES + ordinal)) == 0:
+            return fail(api, ld64(rec + 8 * _MSG_DEVICE), abi.ERROR_FAILED_PRECONDITION)
+        dev = rec + 8 * ld64(rec + 8 * (_DEVICES + ordinal))
+        context = ld64(dev)
+        current = scratch(1)
+        st64(current, 0)
+        call1(ld64(rec + 8 * _GET_CTX), (current,))
+        pushed = ld64(current) != context
+        if pushed and call1(ld64(rec + 8 * _PUSH), (context,)) != 0:
+            return fail(api, ld64(rec + 8 * _MSG_CONTEXT), abi.ERROR_INTERNAL)
+        params = scratch(MAX_PARAMS)
+        argv = scratch(MAX_PARAMS)
+        w = dev + 16
+        status = 0
+        for _ in range(ld64(dev + 8)):
+            n_params, n_holes = ld64(w + 32), ld64(w + 40)
+            for j in range(n_params):
+                st64(params + 8 * j, ld64(w + 48 + 8 * j))
+                st64(argv + 8 * j, params + 8 * j)
+            holes = w + 48 + 8 * n_params
+            for h in range(n_holes):
+                st64(params + 8 * ld64(holes + 16 * h), ld64(ptrs + 8 * ld64(holes + 16 * h + 8)))
+            status = launch(ld64(rec + 8 * _LAUNCH),
+                            (ld64(w), ld64(w + 8), 1, 1, ld64(w + 16), 1, 1, ld64(w + 24), stream, argv, 0))
+            if status != 0:
+                break
+            w = holes + 16 * n_holes
+        if pushed:
+            call1(ld64(rec + 8 * _POP), (current,))
+        if status != 0:
+            return fail_code(api, ld64(rec + 8 * _MSG_LAUNCH), status)
+        return 0
+
+    return cfunc(types.int64(types.int64), nopython=True)(handler)
+
+
+@functools.cache
+def _driver() -> tuple[int, int, int, int]:
+    """Addresses of cuLaunchKernel, cuCtxGetCurrent, cuCtxPushCurrent_v2, cuCtxPopCurrent_v2."""
+    import ctypes
+
+    from ..kernels._pointer import _libcuda
+
+    lib = _libcuda()
+    return tuple(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in
+                 ("cuLaunchKernel", "cuCtxGetCurrent", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2"))
+
+
+_REGISTERED: list[bool] = []
+_RECORDS: dict = {}  # id(plan) -> (record, messages, plan): alive for the process
+_RECORDS_LOCK = threading.Lock()
+
+
+def _register() -> None:
+    if not _REGISTERED:
+        with COMPILE_LOCK:
+            if not _REGISTERED:
+                handler = _handler()
+                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler.address), platform="CUDA")
+                _REGISTERED.append(handler)  # XLA keeps the raw address: keep the cfunc alive
+
+
+def _gpu_ordinals() -> list[int]:
+    """The CUDA ordinals of the GPUs JAX runs on in this process."""
+    return sorted({int(d.local_hardware_id) for d in jax.local_devices(backend="gpu")})
+
+
+def build_record(plan, ordinals, compiled: dict, context: dict, driver) -> tuple[np.ndarray, list]:
+    """The launch record of ``plan`` (see the module docstring): ``compiled``
+    maps each ordinal to ``kernels._pointer.compile_steps(plan, ordinal)``,
+    ``context`` to its CUDA context. Returns ``(record, messages)``; both must
+    outlive every call that names the record."""
+    op = plan.op
+    specs = (*plan.ins, *plan.outs, *plan.tmps)
+    if len(specs) > MAX_ARRAYS:
+        raise NotImplementedError(f"{op}: a plan of {len(specs)} arrays (the ffi handler takes {MAX_ARRAYS})")
+    seen = ", ".join(map(str, ordinals))
+    messages = [
+        _message(f"gpurouter ffi ({op}): XLA passed other arguments than the traced call "
+                 f"({len(plan.ins)} inputs, {len(plan.outs) + len(plan.tmps)} results, all arrays)"),
+        _message(f"gpurouter ffi ({op}): no kernels for this GPU (traced for CUDA devices {seen}); "
+                 "trace the call again in this process"),
+        _message(f"gpurouter ffi ({op}): cuLaunchKernel failed"),
+        _message(f"gpurouter ffi ({op}): cuCtxPushCurrent failed"),
+        _message(f"gpurouter ffi ({op}): an array's size differs from the traced call's "
+                 f"({', '.join(str(s.shape) for s in specs)})"),
+    ]
+    header = [MAGIC, len(plan.ins), len(plan.outs) + len(plan.tmps), *driver,
+              *(int(m.ctypes.data) for m in messages)]
+    body, offsets = [], [0] * MAX_DEVICES
+    start = len(header) + MAX_DEVICES + len(specs)
+    for ordinal in ordinals:
+        if ordinal >= MAX_DEVICES:
+            raise NotImplementedError(f"{op}: CUDA device {ordinal} (the ffi handler takes {MAX_DEVICES})")
+        offsets[ordinal] = start + len(body)
+        steps = compiled[ordinal]
+        body += [context[ordinal], len(steps)]
+        for st in steps:
+            params = np.frombuffer(st.params, np.int64)
+            if len(params) > MAX_PARAMS:
+                raise NotImplementedError(f"{op}: kernel {st.name} takes {len(params)} parameter words "
+                                          f"(the ffi handler copies {MAX_PARAMS})")
+            body += [st.handle, st.grid, st.block, st.shared, len(params), len(st.holes), *params.tolist()]
+            body += [v for hole in st.holes for v in hole]
+    counts = [int(np.prod(s.shape, dtype=np.int64)) for s in specs]
+    record = np.array(header + offsets + counts + body, np.int64)
+    return record, messages
+
+
+def _record(plan) -> int:
+    """The address of ``plan``'s launch record, built on first use."""
+    hit = _RECORDS.get(id(plan))
+    if hit is None:
+        from ..kernels._pointer import compile_steps, primary_context
+
+        with COMPILE_LOCK, _RECORDS_LOCK:
+            hit = _RECORDS.get(id(plan))
+            if hit is None:
+                ordinals = _gpu_ordinals()
+                compiled = {o: compile_steps(plan, o) for o in ordinals}
+                context = {o: primary_context(o) for o in ordinals}
+                record, messages = build_record(plan, ordinals, compiled, context, _driver())
+                hit = _RECORDS[id(plan)] = (record, messages, plan)  # the plan keeps its id unique
+    return int(hit[0].ctypes.data)
+
+
+def _unbatched_call(planner, out_specs, n_token: int, args):
+    """One call on unbatched arrays. Token-parallel calls (``n_token`` > 0:
+    every result has the tokens of ``args[0]`` on axis 0, the vmap rule may
+    have folded a batch into them) split over a token-sharded mesh by
+    ``partition.token_parallel`` when JAX has several devices and the call
+    is not inside ``shard_map``."""
+    if not n_token:
+        return _launch(planner, out_specs, args)
+
+    def per_token(*xs):
+        t = xs[0].shape[0]
+        return _launch(planner, [jax.ShapeDtypeStruct((t, *s.shape[1:]), s.dtype) for s in out_specs], xs)
+
+    if len(jax.devices()) > 1 and not any(varying(a) for a in args):
+        from .partition import token_parallel
+
+        t = args[0].shape[0]
+        return token_parallel(per_token, n_token, args,
+                              [word_spec(jax.ShapeDtypeStruct((t, *s.shape[1:]), s.dtype)) for s in out_specs])
+    return per_token(*args)
+
+
+def _launch(planner, out_specs, args):
+    plan = plan_of(planner, args)
+    results = tuple(word_spec(s) for s in out_specs) + tuple(
+        jax.ShapeDtypeStruct(t.shape, t.dtype) for t in plan.tmps)
+    _register()
+    call = jax.ffi.ffi_call(TARGET, results, vmap_method="sequential")
+    return call(*args, plan=np.int64(_record(plan)))[: len(out_specs)]
+
+
+def _batched(planner, out_specs, n_token: int):
+    """The call as a function of its arrays, with a vmap rule: a batch of
+    per-token arrays folds into the token axis (one launch, a plan for the
+    larger T) when no per-call array is batched; otherwise ``lax.map``
+    runs the unbatched call once per batch element."""
+    from jax import lax
+
+    @jax.custom_batching.custom_vmap
+    def call(*args):
+        return _unbatched_call(planner, out_specs, n_token, args)
+
+    @call.def_vmap
+    def rule(axis_size, in_batched, *args):
+        full = [a if b else jax.numpy.broadcast_to(a, (axis_size, *a.shape))
+                for a, b in zip(args, in_batched, strict=True)]
+        if n_token and not any(in_batched[n_token:]):
+            tokens = [a.reshape((-1, *a.shape[2:])) for a in full[:n_token]]
+            outs = call(*tokens, *args[n_token:])
+            return tuple(o.reshape((axis_size, -1, *o.shape[1:])) for o in outs), (True,) * len(outs)
+        outs = lax.map(lambda xs: tuple(call(*xs)), tuple(full))
+        return tuple(outs), (True,) * len(outs)
+
+    return call
+
+
+def ffi_call(planner, out_specs, token_args, call_args) -> tuple[jax.Array, ...]:
+    """The plan of ``planner`` run by the handler on XLA's buffers and stream."""
+    from jax import lax
+
+    args = [to_words(jax.numpy.asarray(a)) for a in (*token_args, *call_args)]
+    specs = tuple(out_specs)
+    outs = _batched(planner, specs, len(token_args))(*args)
+    return tuple(lax.bitcast_convert_type(o, jax.numpy.bfloat16) if s.dtype == jax.numpy.bfloat16 else o
+                 for o, s in zip(outs, specs, strict=True))
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """Why the handler cannot run with this jaxlib, or None when it can: the
+    installed jaxlib's c_api.h must match ``ffi_abi``'s declarations."""
+    if not all(hasattr(jax.ffi, n) for n in ("ffi_call", "register_ffi_target", "pycapsule")):
+        return "jax.ffi lacks ffi_call, register_ffi_target or pycapsule."
+    path = abi.header_path()
+    if path is None:
+        return "the installed jaxlib ships no include/xla/ffi/api/c_api.h to check the ABI against."
+    bad = abi.header_mismatches(path.read_text())
+    if bad:
+        return f"its XLA FFI ABI differs from the one gpurouter reads ({'; '.join(bad[:3])})."
+    return None
+
+
+_WARNED: list[bool] = []
+
+
+def available() -> bool:
+    """True when the ABI checks out; warns once (and the caller falls back to
+    ``"zero-copy"``) when it does not."""
+    reason = unavailable_reason()
+    if reason is not None and not _WARNED:
+        _WARNED.append(True)
+        warnings.warn(f"gpurouter: transport \"ffi\" is off: {reason} transport=\"auto\" uses "
+                      "\"zero-copy\" instead.", RuntimeWarning, stacklevel=4)
+    return reason is None

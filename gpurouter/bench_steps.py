@@ -1,0 +1,215 @@
+"""``python -m gpurouter steps``: what a jitted training step pays for routing.
+
+Two tables (GPU; JSON with ``--json``):
+
+1. **Steps**: the marginal time of one forward + backward step through the
+   public API inside a jitted ``lax.fori_loop`` (bf16 logits; the loop runs
+   N and 2N steps and the difference is divided by N, so compile, dispatch
+   and the loop's fixed cost drop out), per config and path: ``jax`` (the
+   jnp reference), ``numba:ffi``, ``numba:zero-copy`` and ``auto``; the
+   ratio is jax / numba:ffi. Configs: DeepSeek-V3 and Qwen3 at several token
+   counts, Mixtral, and the aux path (aux scores + switch aux loss).
+2. **Transport cost**: one op ``out = 2 x + y`` on float32[n] per loop step,
+   as an XLA fusion and as a numba kernel through each transport; the cost
+   of a transport is its step time minus the fusion's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from ._cli import comma_list, positive_int
+from ._progress import progress
+
+#: (config, preset, tokens, aux path)
+CONFIGS = {
+    f"{preset}@{t}": (preset, t, False)
+    for preset, ts in (("deepseek-v3", (256, 4096, 16384, 65536)), ("qwen3", (256, 4096, 8192, 16384, 65536)),
+                       ("mixtral", (65536,)))
+    for t in ts
+}
+CONFIGS.update({f"aux@{t}": ("deepseek-v3", t, True) for t in (8192, 65536)})
+PATHS = ("jax", "numba:ffi", "numba:zero-copy", "auto")
+
+
+def _path_kw(path: str) -> dict:
+    backend, _, transport = path.partition(":")
+    return dict(backend=backend, transport=transport or "auto")
+
+
+def _marginal_us(make_loop, x, steps: int, repeats: int) -> float:
+    """Median over ``repeats`` of (time(2N steps) - time(N steps)) / N, in us."""
+    import jax
+
+    loops = {n: jax.jit(make_loop(n)) for n in (steps, 2 * steps)}
+    for f in loops.values():
+        jax.block_until_ready(f(x))
+    diffs = []
+    for _ in range(repeats):
+        t = {}
+        for n, f in loops.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(x))
+            t[n] = time.perf_counter() - t0
+        diffs.append((t[2 * steps] - t[steps]) / steps * 1e6)
+    return statistics.median(diffs)
+
+
+def _step_loop(preset, tokens: int, aux: bool, path: str):
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    import gpurouter as gr
+    from gpurouter.presets import PRESETS
+
+    p = PRESETS[preset]
+    kw = p.router_kwargs()
+    e = p.num_experts
+    bias = jnp.linspace(-0.01, 0.01, e, dtype=jnp.float32) if p.expert_bias and not aux else None
+    w = jax.random.normal(jax.random.PRNGKey(1), (tokens, e), jnp.float32)
+    pk = _path_kw(path)
+
+    def loss(x):
+        if aux:
+            scores, routing_map = gr.fused_topk_with_score_function(x, p.topk, score_function=kw["score_function"],
+                                                                    compute_aux_scores=True, **pk)
+            tpe = jnp.sum(routing_map, axis=0, dtype=jnp.int32)
+            return gr.fused_moe_aux_loss(scores, tpe, p.topk, 1e-2, **pk).astype(jnp.float32)
+        probs, _ = gr.fused_topk_with_score_function(x, **kw, expert_bias=bias, **pk)
+        return jnp.sum(probs.astype(jnp.float32) * w)
+
+    def step(_, x):
+        g = jax.grad(loss)(x)
+        return (x.astype(jnp.float32) - 1e-3 * g.astype(jnp.float32)).astype(x.dtype)
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (tokens, e), jnp.float32).astype(jnp.bfloat16)
+    return (lambda n: lambda x: lax.fori_loop(0, n, step, x)), x
+
+
+def step_rows(configs, paths, steps: int, repeats: int, show: bool) -> list[dict]:
+    rows = {name: {"config": name, "preset": CONFIGS[name][0], "tokens": CONFIGS[name][1],
+                   "aux": CONFIGS[name][2]} for name in configs}
+    work = [(name, path) for name in configs for path in paths]
+    for name, path in progress(work, len(work), "steps", show, describe=lambda w: f"{w[0]} {w[1]}"):
+        make, x = _step_loop(*CONFIGS[name], path)
+        rows[name][path] = _marginal_us(make, x, steps, repeats)
+    for row in rows.values():
+        if "jax" in row and "numba:ffi" in row:
+            row["ratio"] = row["jax"] / row["numba:ffi"]
+            if "auto" in row:
+                row["auto_vs_faster"] = row["auto"] / min(row["jax"], row["numba:ffi"])
+    return list(rows.values())
+
+
+def _axpy_op():
+    """``2 x + y`` as a numba kernel plan, called through ``kernel_call``."""
+    from numba import cuda
+
+    from ._transport import kernel_call
+    from .kernels._plan import In, Out, Plan, Step, execute
+
+    @cuda.jit
+    def bench_axpy(x, y, out):
+        i = cuda.grid(1)
+        if i < out.shape[0]:
+            out[i] = 2.0 * x[i] + y[i]
+
+    plans = {}
+
+    def planner(x, y):
+        if x not in plans:
+            n = x.shape[0]
+            plans[x] = Plan("bench_axpy", (x, y), (x,), (), [Step(bench_axpy, -(-n // 256), 256, 0,
+                                                                  (In(0), In(1), Out(0)))])
+        return plans[x]
+
+    def launcher(x, y):
+        from .kernels._plan import spec_for
+
+        plan = planner(spec_for(x.shape, x.dtype), spec_for(y.shape, y.dtype))
+        return execute(plan, [cuda.to_device(x), cuda.to_device(y)], None, 0, True)
+
+    def op(x, y, transport):
+        import jax
+
+        return kernel_call(launcher, planner, [jax.ShapeDtypeStruct(x.shape, x.dtype)], [], [x, y], transport)[0]
+
+    return op
+
+
+def transport_rows(sizes, steps: int, repeats: int) -> list[dict]:
+    import jax.numpy as jnp
+    from jax import lax
+
+    op = _axpy_op()
+    rows = []
+    for n in sizes:
+        x, y = jnp.ones((n,), jnp.float32), jnp.full((n,), 1e-6, jnp.float32)
+        row = {"n": n}
+        bodies = {"xla fusion": lambda c, y=y: 2.0 * c + y}
+        bodies.update({t: (lambda c, t=t, y=y: op(c, y, t)) for t in ("ffi", "zero-copy", "callback")})
+        for name, body in bodies.items():
+            row[name] = _marginal_us(lambda k, body=body: lambda c: lax.fori_loop(0, k, lambda i, c: body(c), c),
+                                     x, steps, repeats)
+        for t in ("ffi", "zero-copy", "callback"):
+            row[f"{t} cost"] = row[t] - row["xla fusion"]
+        rows.append(row)
+    return rows
+
+
+def _fmt(v) -> str:
+    return f"{v:9.1f}" if isinstance(v, float) else f"{v!s:>9}"
+
+
+def table(rows: list[dict], keys: list[str]) -> str:
+    lines = [" ".join(f"{k:>16}" for k in keys)]
+    for r in rows:
+        lines.append(" ".join(f"{_fmt(r.get(k, '')):>16}" for k in keys))
+    return "\n".join(lines)
+
+
+def _sizes(text: str) -> list[int]:
+    return [positive_int(s) for s in text.split(",")]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpurouter steps", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", type=comma_list(tuple(CONFIGS), "config"), default=list(CONFIGS),
+                        help=f"comma-separated configs (default: all: {', '.join(CONFIGS)})")
+    parser.add_argument("--paths", type=comma_list(PATHS, "path"), default=list(PATHS),
+                        help=f"comma-separated paths (default: {', '.join(PATHS)})")
+    parser.add_argument("--steps", type=positive_int, default=20, help="N: loops of N and 2N steps (default 20)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed repeats, median (default 5)")
+    parser.add_argument("--transport-sizes", type=_sizes, default=[1024, 1048576],
+                        help="comma-separated n of the transport-cost op (default 1024,1048576)")
+    parser.add_argument("--json", help="write results as JSON here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    args = parser.parse_args(argv)
+    import jax
+
+    if jax.default_backend() != "gpu":
+        parser.error("the steps bench needs JAX on a CUDA GPU (jax.default_backend() is "
+                     f"{jax.default_backend()!r})")
+    from .bench import _gpu_info
+
+    info = _gpu_info()
+    steps = step_rows(args.configs, args.paths, args.steps, args.repeats, not args.no_progress)
+    print(table(steps, ["config", *args.paths, "ratio", "auto_vs_faster"]))
+    transports = transport_rows(args.transport_sizes, 200, args.repeats)
+    print()
+    print(table(transports, ["n", "xla fusion", "ffi", "zero-copy", "callback", "ffi cost", "zero-copy cost",
+                             "callback cost"]))
+    print(f"\nus per step (marginal); GPU {info.get('gpu')}, commit {info.get('commit')}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "steps": steps, "transports": transports}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

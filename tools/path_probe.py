@@ -1,0 +1,82 @@
+"""Kernel time of the two top-k forward paths against the token count (GPU).
+
+The thread-per-token kernels (``token_topk_fwd``: one thread routes one
+token, up to 256 tokens a block) win at large T; at small T a block per
+256 tokens leaves most SMs idle and one thread's whole row is the latency.
+The W-lane kernels (``lane_topk_fwd``: W threads per token) have more
+threads per token. This times both, per preset, over T (CUDA events, plans
+launched on raw pointers as the transports launch them), to set the token
+count below which the plans take the lane path (``_tiling.TOKEN_PATH_MIN_TOKENS``).
+
+    python3 tools/path_probe.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import ml_dtypes
+import numpy as np
+from _timing import median_us, ptr, spin_kernel
+from numba import cuda
+
+from gpurouter import kernels as K
+from gpurouter.kernels import _launch as L
+from gpurouter.kernels import _plan, _pointer, _tiling
+from gpurouter.kernels import aux_scores as AS
+
+CASES = {  # name: (E, K, G, Kg, sf, bias, pre)
+    "deepseek-v3": (256, 8, 8, 4, L.SIGMOID, True, False),
+    "qwen3": (128, 8, -1, -1, L.SOFTMAX, False, True),
+    "kimi-k2": (384, 8, -1, -1, L.SIGMOID, True, False),
+    "mixtral": (8, 2, -1, -1, L.SOFTMAX, False, False),
+}
+
+
+def time_plan(plan, arrays, repeats, spin):
+    outs = [cuda.device_array(s.shape, dtype=s.dtype) for s in plan.outs]
+    launch = _pointer.PointerLaunch(plan, 0)
+    return median_us(launch, [[ptr(a) for a in arrays] + [ptr(o) for o in outs]], repeats, spin)
+
+
+def main(argv):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="256,1024,2048,4096,8192,16384,65536")
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    spin = spin_kernel()
+    real = _tiling.token_path
+    rows = []
+    for name, (e, k, g, kg, sf, has_bias, pre) in CASES.items():
+        for t in (int(v) for v in args.tokens.split(",")):
+            rng = np.random.default_rng(0)
+            x = cuda.to_device(rng.standard_normal((t, e), np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
+            bias = cuda.to_device(np.linspace(-0.01, 0.01, e, dtype=np.float32))
+            spec = _plan.spec_of((t, e), L.BF16)
+            row = {"case": name, "T": t}
+            for path in ("token", "lane"):
+                _tiling.token_path = real if path == "token" else (lambda *a, **k: False)
+                K.topk_with_score_function_fwd_plan.cache_clear()
+                AS.score_for_aux_loss_fwd_plan.cache_clear()
+                try:
+                    plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(1.0), sf, 0)
+                    row[f"{path} topk"] = time_plan(plan, [x, bias] if has_bias else [x], args.repeats, spin)
+                    aplan = K.score_for_aux_loss_fwd_plan(spec, k, sf, 0)
+                    row[f"{path} aux"] = time_plan(aplan, [x], args.repeats, spin)
+                finally:
+                    _tiling.token_path = real
+            K.topk_with_score_function_fwd_plan.cache_clear()
+            AS.score_for_aux_loss_fwd_plan.cache_clear()
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
