@@ -743,13 +743,16 @@ def check_token_combine_args(inp, row_id_map, merging_probs, pad_offsets,
 # kernels in gpurouter/kernels/moe_*.py)
 # ----------------------------------------------------------------------------
 
-#: the token-level MoE ops with kernels (grouped_scaled_bias_add: its backward)
-MOE_KERNEL_OPS = (GROUPED_DBIAS_DSCALES_OP, GROUPED_DBIAS_OP, SCALED_BIAS_ADD_OP, TOKEN_COMBINE_OP)
+#: the token-level MoE ops with kernels (grouped_scaled_bias_add: its backward;
+#: token_dispatch: its row copy and backward)
+MOE_KERNEL_OPS = (GROUPED_DBIAS_DSCALES_OP, GROUPED_DBIAS_OP, SCALED_BIAS_ADD_OP, TOKEN_COMBINE_OP,
+                  TOKEN_DISPATCH_OP)
 
 
 def check_moe_kernel_backend(op: str, backend: str) -> str:
     """``backend`` of a token-level MoE op, checked; ``"numba"`` for an op
-    without kernels (``token_dispatch``) is a ``NotImplementedError``."""
+    without kernels (none left: every op of MOE_KERNEL_OPS has them) is a
+    ``NotImplementedError``."""
     check_backend(op, backend)
     if backend == "numba" and op not in MOE_KERNEL_OPS:
         raise moe_no_kernel_error(op)

@@ -8,10 +8,10 @@ keyword-only ``backend`` and ``transport``: ``"jax"`` runs the reference;
 ``gpurouter/_ops/moe_ops.py``) through ``transport`` (as for the router ops):
 ``compute_grouped_dbias_dscales`` and ``compute_grouped_dbias`` (one kernel
 family, deterministic), ``grouped_scaled_bias_add`` (its backward on those
-kernels, its elementwise forward in jnp) and ``token_combine`` (forward, and a
-backward giving ``d_inp`` and ``d_merging_probs`` in one pass);
-``token_dispatch`` has no kernel yet (``"numba"`` raises
-``NotImplementedError``). ``"auto"`` (the default) runs the reference: the
+kernels, its elementwise forward in jnp), ``token_combine`` (forward, and a
+backward giving ``d_inp`` and ``d_merging_probs`` in one pass) and
+``token_dispatch`` (its integer index maps in jnp, the row copy and the
+backward's fp32 sum of the K copies on the kernels). ``"auto"`` (the default) runs the reference: the
 kernels have no GPU measurement against it yet (``tools/moe_bench.py``). The
 backend is checked before the arguments; the arguments are checked at trace
 time, with the reference's messages, on every backend.
@@ -33,6 +33,7 @@ from ._checks import (
     check_moe_kernel_backend,
     check_scaled_bias_add_args,
     check_token_combine_args,
+    check_token_dispatch_args,
     check_transport,
 )
 from .reference import moe_ops as _ref
@@ -149,12 +150,16 @@ def token_dispatch(
 
     Args:
       num_experts: ``E`` for a BITMAP_U8 ``routing_map`` without ``probs``.
-      backend: ``"auto"`` or ``"jax"``; ``"numba"`` raises ``NotImplementedError`` (no kernel yet).
-      transport: checked; unused until the kernel exists.
+      backend: ``"jax"``, ``"numba"`` (the index maps in jnp, the row copy on
+        the kernels, the backward's K copies summed by the combine kernel) or
+        ``"auto"`` (jax).
+      transport: as for :func:`compute_grouped_dbias_dscales`.
     """
-    _numba(TOKEN_DISPATCH_OP, backend, transport)  # "numba": NotImplementedError (no kernel yet)
-    return _ref.token_dispatch(inp, routing_map, num_out_tokens, probs, align_size,
-                               num_experts=num_experts)
+    if not _numba(TOKEN_DISPATCH_OP, backend, transport):
+        return _ref.token_dispatch(inp, routing_map, num_out_tokens, probs, align_size,
+                                   num_experts=num_experts)
+    cfg = check_token_dispatch_args(inp, routing_map, num_out_tokens, probs, align_size, num_experts)
+    return _kernels().token_dispatch(inp, routing_map, probs, cfg, transport)
 
 
 def token_combine(

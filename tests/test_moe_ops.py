@@ -218,16 +218,17 @@ def routing_cases(draw):
     return m, h, num_out, align, dtype, with_probs, bitmap, rng
 
 
+@pytest.mark.parametrize("backend", ["jax", pytest.param("numba", marks=pytest.mark.cuda)])
 @FEWER
 @given(case=routing_cases())
-def test_token_dispatch_fwd_bwd_vs_oracle(case):
+def test_token_dispatch_fwd_bwd_vs_oracle(case, backend):
     m, h, num_out, align, dtype, with_probs, bitmap, rng = case
     t, e = m.shape
     x = _rand(rng, (t, h), dtype)
     probs = jnp.asarray(np.where(m, rng.random((t, e)), 0.0), dtype) if with_probs else None
     rmap = pack_routing_map(jnp.asarray(m)) if bitmap else jnp.asarray(m)
     kw = dict(num_experts=e) if bitmap and not with_probs else {}
-    out, pp, rid, pad, tpe = mo.token_dispatch(x, rmap, num_out, probs, align, **kw)
+    out, pp, rid, pad, tpe = mo.token_dispatch(x, rmap, num_out, probs, align, **kw, backend=backend)
     w_out, w_pp, w_rid, w_pad, w_tpe = orc.dispatch(_np(x), m, num_out, None if probs is None else _np(probs),
                                                     align)
     np.testing.assert_array_equal(np.asarray(rid), w_rid)
@@ -252,7 +253,7 @@ def test_token_dispatch_fwd_bwd_vs_oracle(case):
     d_pp = None if probs is None else _rand(rng, (out.shape[0],), dtype, nan_rows=free)
 
     def f(a, p):
-        o, q, *_ = mo.token_dispatch(a, rmap, num_out, p, align, **kw)
+        o, q, *_ = mo.token_dispatch(a, rmap, num_out, p, align, **kw, backend=backend)
         return o, q
 
     _, vjp = jax.vjp(f, x, probs)
@@ -312,27 +313,29 @@ def test_dispatch_then_combine_is_the_prob_weighted_sum(case):
     _close(y, want, jnp.float32, e)
 
 
-def test_dispatch_rows_past_num_out_tokens_are_dropped():
+@pytest.mark.parametrize("backend", ["jax", pytest.param("numba", marks=pytest.mark.cuda)])
+def test_dispatch_rows_past_num_out_tokens_are_dropped(backend):
     m = jnp.asarray([[True, True], [True, False], [False, True]])
     x = jnp.asarray([[1.0], [2.0], [3.0]])
-    out, _, rid, _, tpe = mo.token_dispatch(x, m, 3)
+    out, _, rid, _, tpe = mo.token_dispatch(x, m, 3, backend=backend)
     np.testing.assert_array_equal(np.asarray(rid), [[0, 2], [1, -1], [-1, -1]])
     np.testing.assert_array_equal(np.asarray(out[:, 0]), [1.0, 2.0, 1.0])
     np.testing.assert_array_equal(np.asarray(tpe), [2, 2])
-    d = jax.grad(lambda a: jnp.sum(mo.token_dispatch(a, m, 3)[0]))(x)
+    d = jax.grad(lambda a: jnp.sum(mo.token_dispatch(a, m, 3, backend=backend)[0]))(x)
     np.testing.assert_array_equal(np.asarray(d[:, 0]), [2.0, 1.0, 0.0])
 
 
-def test_dispatch_padding_rows_are_zero_and_combine_pad_offsets_is_optional():
+@pytest.mark.parametrize("backend", ["jax", pytest.param("numba", marks=pytest.mark.cuda)])
+def test_dispatch_padding_rows_are_zero_and_combine_pad_offsets_is_optional(backend):
     m = jnp.asarray([[True, False], [True, True], [False, True]])
     x = jnp.asarray([[1.0], [2.0], [3.0]], jnp.bfloat16)
-    out, _, rid, pad, tpe = mo.token_dispatch(x, m, 4, align_size=4)
+    out, _, rid, pad, tpe = mo.token_dispatch(x, m, 4, align_size=4, backend=backend)
     assert out.shape == (8, 1)  # ((4 + 2 * 3) // 4) * 4
     np.testing.assert_array_equal(np.asarray(pad), [0, 2])
     np.testing.assert_array_equal(np.asarray(tpe), [4, 4])
     np.testing.assert_array_equal(_np(out[:, 0]), [1, 2, 0, 0, 2, 3, 0, 0])
-    np.testing.assert_array_equal(np.asarray(mo.token_combine(out, rid)),
-                                  np.asarray(mo.token_combine(out, rid, pad_offsets=pad)))
+    np.testing.assert_array_equal(np.asarray(mo.token_combine(out, rid, backend=backend)),
+                                  np.asarray(mo.token_combine(out, rid, pad_offsets=pad, backend=backend)))
 
 
 # ----------------------------------------------------------------------------
@@ -359,10 +362,10 @@ def _op_cases(backend="jax"):
         ("scaled_bias_add", lambda y, bb, s: jnp.sum(mo.grouped_scaled_bias_add(
             y, bb, s, jnp.asarray([2, 0, 3]), **kw) ** 2), (dy, b, sc)),
         ("dispatch", lambda a, q: sum(jnp.sum(o ** 2) for o in
-                                      mo.token_dispatch(a, m, n_out, q, 2)[:2]), (x, p)),
+                                      mo.token_dispatch(a, m, n_out, q, 2, **kw)[:2]), (x, p)),
         ("combine", lambda a, q: jnp.sum(mo.token_combine(a, rid, q, **kw) ** 2), (z, p)),
     ]
-    return [c for c in cases if backend == "jax" or c[0] != "dispatch"]
+    return cases
 
 
 def _backend_cases():
@@ -501,11 +504,6 @@ def _valid_args(op):
     return {DBS: (D, S, B, OFF), DB: (D, OFF, 2), SBA: (D, B, S, GS), DIS: (D, M, 4), COM: (D, RID)}[op]
 
 
-def test_token_dispatch_has_no_kernel_yet():
-    with pytest.raises(NotImplementedError, match="^" + re.escape(f'{DIS} (numba): no kernel yet; use backend="jax".')):
-        mo.token_dispatch(*_valid_args(DIS), backend="numba")
-
-
 @pytest.mark.parametrize("op", OPS)
 def test_backend_and_transport_values(op):
     with pytest.raises(ValueError, match="^" + re.escape(f"{op}: transport ('pcie') must be one of 'auto', "
@@ -553,8 +551,7 @@ def test_numba_grouped_dbias_dscales_is_bit_identical_across_runs():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("op,args,kwargs,exc,msg", [c for c in CASES if c[0] != DIS],
-                         ids=[c[4].split(": ", 1)[1][:48] for c in CASES if c[0] != DIS])
+@pytest.mark.parametrize("op,args,kwargs,exc,msg", CASES, ids=[c[4].split(": ", 1)[1][:48] for c in CASES])
 def test_errors_on_numba_read_the_same(op, args, kwargs, exc, msg):
     with pytest.raises(exc, match="^" + re.escape(msg)):
         getattr(mo, op)(*args, **kwargs, backend="numba")

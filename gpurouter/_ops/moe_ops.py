@@ -12,7 +12,11 @@ array is a per-call argument (``vmap`` runs one launch per batch element).
 - ``grouped_scaled_bias_add``: the forward is elementwise jnp (XLA fuses it),
   the backward the grouped dbias/dscales kernels;
 - ``token_combine``: forward one kernel call, backward one kernel call that
-  computes ``d_inp`` and ``d_merging_probs`` together.
+  computes ``d_inp`` and ``d_merging_probs`` together;
+- ``token_dispatch``: the integer index maps (``row_id_map``, counts,
+  ``pad_offsets``) and the small ``permuted_probs`` scatter in jnp, the row
+  copy on the kernels (the unweighted combine backward's), its backward the
+  unweighted combine forward (the K copies summed in fp32).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from .._checks import (
     GROUPED_DBIAS_OP,
     SCALED_BIAS_ADD_OP,
     TOKEN_COMBINE_OP,
+    TOKEN_DISPATCH_OP,
     check_kernel_dtype,
     check_moe_kernel_limit,
 )
@@ -296,3 +301,80 @@ def token_combine(inp, row_id_map, merging_probs, transport: str):
     if merging_probs is None:
         return _combine_plain(inp, rid, transport)
     return _combine_weighted(inp, merging_probs, rid, transport)
+
+
+# ----------------------------------------------------------------------------
+# Token dispatch: the index maps in jnp (integer, exact), the row copy on the kernels
+# ----------------------------------------------------------------------------
+
+
+def _df_plan(num_rows, *specs):
+    return _backend.kernels().token_dispatch_fwd_plan(*specs, num_rows)
+
+
+def _df_launch(num_rows, *arrays, **kw):
+    return (_backend.kernels().token_dispatch_fwd(*arrays, num_rows, **kw),)
+
+
+_dispatch_maps = jax.jit(_ref._dispatch_maps, static_argnums=(1,))  # integer maps, one program eagerly
+
+
+def _routed(rid, num_rows):
+    return (rid >= 0) & (rid < num_rows)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _dispatch_apply(inp, probs, rid, num_rows, transport):
+    return _dispatch_apply_fwd(inp, probs, rid, num_rows, transport)[0]
+
+
+def _dispatch_apply_fwd(inp, probs, rid, num_rows, transport):
+    (out,) = kernel_call(functools.partial(_df_launch, num_rows), functools.partial(_df_plan, num_rows),
+                         [jax.ShapeDtypeStruct((num_rows, inp.shape[1]), inp.dtype)], [], [inp, rid], transport)
+    pp = None
+    if probs is not None:
+        # permuted_probs[row(t, e)] = probs[t, e]: an integer-indexed scatter of
+        # unique rows (each written once: deterministic), padding rows 0.
+        dest = jnp.where(_routed(rid, num_rows), rid, num_rows).reshape(-1)
+        pp = jnp.zeros((num_rows,), probs.dtype).at[dest].set(probs.reshape(-1), mode="drop")
+    like = jnp.zeros((0,), inp.dtype)
+    return (out, pp), (rid, like, None if probs is None else probs[:0, :0])
+
+
+def _dispatch_apply_bwd(num_rows, transport, res, cts):
+    rid, like, probs_like = res
+    d_out, d_pp = cts
+    # d_inp[t] = sum of the K copies' cotangents: the unweighted combine forward
+    # (fp32, ascending expert order); padding rows are never read.
+    d_inp = _combine_call(d_out.astype(like.dtype), rid, None, transport)
+    d_probs = None
+    if probs_like is not None:
+        routed = _routed(rid, num_rows)
+        d_pp = jnp.zeros((num_rows,), probs_like.dtype) if d_pp is None else d_pp
+        d_probs = jnp.where(routed, d_pp[jnp.where(routed, rid, 0)], 0).astype(probs_like.dtype)
+    return d_inp, d_probs, None
+
+
+_dispatch_apply.defvjp(_dispatch_apply_fwd, _dispatch_apply_bwd)
+
+
+def token_dispatch(inp, routing_map, probs, cfg, transport: str):
+    """``(output, permuted_probs, row_id_map, pad_offsets, tokens_per_expert)``
+    with the row copy on the kernels (``cfg``: the checked DispatchConfig)."""
+    from ..reference.routing_map import unpack_routing_map
+
+    op = TOKEN_DISPATCH_OP
+    transport = resolve_transport(op, transport)
+    inp = jnp.asarray(inp)
+    check_kernel_dtype(op, "inp", inp.dtype)
+    if probs is not None:
+        probs = jnp.asarray(probs)
+        check_kernel_dtype(op, "probs", probs.dtype)
+    check_moe_kernel_limit(op, "num_experts", cfg.num_experts, _backend.kernels().CMB_MAX_EXPERTS)
+    if inp.shape[0] == 0 or inp.shape[1] == 0:
+        return _ref.token_dispatch(inp, routing_map, cfg.num_out_tokens, probs, cfg.align_size,
+                                   num_experts=cfg.num_experts)
+    m = unpack_routing_map(jnp.asarray(routing_map), cfg.num_experts)
+    rid, pad_offsets, tpe = _dispatch_maps(m, cfg)
+    out, pp = _dispatch_apply(inp, probs, rid, cfg.num_rows, transport)
+    return out, pp, rid, (None if cfg.align_size is None else pad_offsets), tpe

@@ -74,3 +74,7 @@ __all__ += [
     "token_combine_fwd",
     "token_combine_fwd_plan",
 ]
+from .moe_plans import token_dispatch_fwd as token_dispatch_fwd  # noqa: E402
+from .moe_plans import token_dispatch_fwd_plan as token_dispatch_fwd_plan  # noqa: E402
+
+__all__ += ["token_dispatch_fwd", "token_dispatch_fwd_plan"]

@@ -196,14 +196,7 @@ def token_combine_bwd_plan(grad: Spec, inp: Spec, row_id_map: Spec, merging_prob
     w = In(3, Spec((max(t * e, 1),), merging_probs.dtype)) if has_w else rid
     d_w = Out(1, Spec((max(t * e, 1),), merging_probs.dtype)) if has_w else rid
     d_z = _flat(Out, 0, outs[0], quads)
-    steps = []
-    if r and units:
-        grid = _fill_grid(r)
-        steps.append(Step(C._clear_kernel, grid, C.CMB_FILL_THREADS, 0, (Tmp(0), r)))
-        if t * e:
-            steps.append(Step(C._mark_kernel, _fill_grid(t * e), C.CMB_FILL_THREADS, 0, (rid, Tmp(0), t * e, r)))
-        steps.append(Step(C._zero_rows_kernel(inp.kind, quads), _fill_grid(r * units), C.CMB_FILL_THREADS, 0,
-                          (d_z, Tmp(0), r, h, units)))
+    steps = _zero_unreferenced_rows(d_z, rid, inp.kind, quads, t * e, r, h, units)
     if t and (units or has_w):
         kern = C._combine_bwd_kernel(grad.kind, inp.kind, merging_probs.kind if has_w else L.F32, quads, has_w,
                                    C.CMB_HOLD)
@@ -211,6 +204,58 @@ def token_combine_bwd_plan(grad: Spec, inp: Spec, row_id_map: Spec, merging_prob
                                               d_w, e, r, h, units)))
     ins = (grad, inp, row_id_map) + ((merging_probs,) if has_w else ())
     return Plan(C.OP + "_bwd", ins, outs, tmps, steps)
+
+
+def _zero_unreferenced_rows(rows, rid, kind, quads, pairs, r, h, units) -> list:
+    """The steps that write zeros into the rows of ``rows [R, H]`` no pair of
+    ``rid`` points to: a flag per row (``Tmp(0)``) cleared, marked, read."""
+    if not (r and units):
+        return []
+    steps = [Step(C._clear_kernel, _fill_grid(r), C.CMB_FILL_THREADS, 0, (Tmp(0), r))]
+    if pairs:
+        steps.append(Step(C._mark_kernel, _fill_grid(pairs), C.CMB_FILL_THREADS, 0, (rid, Tmp(0), pairs, r)))
+    steps.append(Step(C._zero_rows_kernel(kind, quads), _fill_grid(r * units), C.CMB_FILL_THREADS, 0,
+                      (rows, Tmp(0), r, h, units)))
+    return steps
+
+
+@functools.cache
+def token_dispatch_fwd_plan(inp: Spec, row_id_map: Spec, num_rows: int) -> Plan:
+    """The row copy of ``token_dispatch``: inputs ``inp [T, H]``, ``row_id_map
+    [T, E] int32``; output ``[R, H]`` (inp's kind), ``out[row(t, e)] = inp[t]``,
+    every other row exactly 0; scratch: a flag per row.  It is the unweighted
+    ``token_combine`` backward (the same kernels: a block per token, its routed
+    rows listed, ``inp[t]`` loaded once and stored into each); the dispatch's
+    backward is the unweighted ``token_combine`` forward (the K copies summed
+    in fp32, ascending expert order)."""
+    t, h = inp.shape
+    e = row_id_map.shape[1]
+    r = int(num_rows)
+    lanes, units, quads = C.combine_tiling(h)
+    outs = (spec_of((r, h), inp.kind),)
+    tmps = (Spec((max(r, 1),), np.int32),)
+    rid = In(1, Spec((max(t * e, 1),), np.int32))
+    out = _flat(Out, 0, outs[0], quads)
+    steps = _zero_unreferenced_rows(out, rid, inp.kind, quads, t * e, r, h, units)
+    if t and units and r:
+        kern = C._combine_bwd_kernel(inp.kind, inp.kind, L.F32, quads, False, C.CMB_HOLD)
+        # z and the weights are never read without weights: the output and the map stand in
+        steps.append(Step(kern, t, lanes, 0, (_flat(In, 0, inp, quads), out, rid, rid, out, rid, e, r, h, units)))
+    return Plan("token_dispatch_fwd", (inp, row_id_map), outs, tmps, steps)
+
+
+def token_dispatch_fwd(inp, row_id_map, num_rows, *, out=None, stream=0):
+    """``[R, H]`` (inp's dtype): ``out[row_id_map[t, e]] = inp[t]`` for every
+    routed pair, every other row 0 (``token_dispatch_fwd_plan``)."""
+    op = "token_dispatch_fwd"
+    s = L.resolve_stream(stream)
+    d_x, _ = L.device_input(inp, "inp", op, s, ndim=2)
+    d_rid = _rid_input(row_id_map, op, s)
+    if int(d_rid.shape[0]) != int(d_x.shape[0]):
+        raise ValueError(f"{op}: row_id_map shape {tuple(d_rid.shape)} must have inp's {int(d_x.shape[0])} rows.")
+    plan = token_dispatch_fwd_plan(spec_for(d_x.shape, d_x.dtype), spec_for(d_rid.shape, d_rid.dtype), int(num_rows))
+    to_host = not L.any_on_device(inp, row_id_map) and out is None
+    return execute(plan, [d_x, d_rid], out, s, to_host)[0]
 
 
 def _rid_input(row_id_map, op, stream):

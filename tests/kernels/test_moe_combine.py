@@ -106,6 +106,26 @@ def test_rows_outside_the_output_are_not_routed_and_results_repeat(lanes):
     np.testing.assert_array_equal(K.token_combine_fwd(z, rid, w), y)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_dispatch_row_copy_vs_oracle(lanes, dtype):
+    """``token_dispatch_fwd``: the unweighted combine backward's kernels copying
+    each token into its rows; padding rows exactly 0."""
+    lanes(2, 2)
+    rng = np.random.default_rng(3)
+    t, e, h, align = 7, 35, 6, 4
+    m = rng.random((t, e)) < 0.3
+    x = rng.standard_normal((t, h)).astype(dtype)
+    num_out = max(int(m.sum()), 1)
+    w_out, _, rid, _, _ = orc.dispatch(_f32(x), m, num_out, None, align)
+    out = K.token_dispatch_fwd(x, rid.astype(np.int32), w_out.shape[0])
+    assert out.dtype == x.dtype
+    np.testing.assert_array_equal(_f32(out), w_out)  # a copy: exact
+    # its backward is the unweighted combine forward: the K copies summed
+    g = rng.standard_normal(w_out.shape).astype(np.float32)
+    np.testing.assert_allclose(K.token_combine_fwd(g, rid.astype(np.int32)), orc.dispatch_bwd(g, None, rid)[0],
+                               rtol=1e-5, atol=1e-5 * np.sqrt(e))
+
+
 def test_plan_layout():
     from gpurouter.kernels._plan import spec_for
 
