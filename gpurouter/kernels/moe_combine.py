@@ -54,9 +54,11 @@ CMB_THREADS = 256
 CMB_HOLD = 8
 #: experts per token at most: the shared list holds every routed expert
 CMB_MAX_EXPERTS = 1024
-#: the d_z padding kernels: threads per block, blocks at most (grid-strided)
+#: the d_z padding kernels: threads per block, blocks at most (grid-strided flags)
 CMB_FILL_THREADS = 256
 CMB_FILL_BLOCKS = 1024
+#: rows per block of the zero-row kernel
+CMB_ZERO_ROWS = 64
 
 _WORDS = CMB_MAX_EXPERTS // 32
 _RED_WORDS = CMB_HOLD * CMB_THREADS
@@ -281,14 +283,25 @@ def _mark_kernel(rid, owned, pairs, r_count):  # rid [T * E] int32; owned[row] :
 
 
 @functools.cache
-def _zero_rows_kernel(kind, quads):
+def _zero_rows_kernel(kind, quads, rows_per_block):
+    """Block ``b`` owns rows ``b rows_per_block ..`` (``CMB_ZERO_ROWS``): their flags into shared
+    memory once, then the block's lanes write zero units into the unflagged
+    rows only (a block-uniform branch per row: the rows that are held cost a
+    shared read, not a global one per unit)."""
     store = unit_io(kind, quads)[1]
 
     @cuda.jit
     def kernel(d_z, owned, r_count, h, units):  # the units of every row no pair points to := 0
-        for i in range(cuda.grid(1), r_count * units, cuda.gridsize(1)):
-            r = i // units
-            if owned[r] == 0:
-                store(d_z, r, i - r * units, units, h, _ZERO, _ZERO, _ZERO, _ZERO)
+        flags = cuda.shared.array(rows_per_block, int32)
+        lane = cuda.threadIdx.x
+        r0 = np.int64(cuda.blockIdx.x) * rows_per_block
+        for k in range(lane, rows_per_block, cuda.blockDim.x):
+            flags[k] = owned[r0 + k] if r0 + k < r_count else np.int32(1)
+        # Barrier: the block's row flags are in.
+        cuda.syncthreads()
+        for k in range(rows_per_block):
+            if flags[k] == 0:
+                for u in range(lane, units, cuda.blockDim.x):
+                    store(d_z, r0 + k, u, units, h, _ZERO, _ZERO, _ZERO, _ZERO)
 
     return kernel

@@ -214,8 +214,8 @@ def _zero_unreferenced_rows(rows, rid, kind, quads, pairs, r, h, units) -> list:
     steps = [Step(C._clear_kernel, _fill_grid(r), C.CMB_FILL_THREADS, 0, (Tmp(0), r))]
     if pairs:
         steps.append(Step(C._mark_kernel, _fill_grid(pairs), C.CMB_FILL_THREADS, 0, (rid, Tmp(0), pairs, r)))
-    steps.append(Step(C._zero_rows_kernel(kind, quads), _fill_grid(r * units), C.CMB_FILL_THREADS, 0,
-                      (rows, Tmp(0), r, h, units)))
+    steps.append(Step(C._zero_rows_kernel(kind, quads, C.CMB_ZERO_ROWS), -(-r // C.CMB_ZERO_ROWS),
+                      min(C.CMB_FILL_THREADS, pow2_at_least(units)), 0, (rows, Tmp(0), r, h, units)))
     return steps
 
 

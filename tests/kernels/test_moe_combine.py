@@ -22,10 +22,12 @@ BF16 = ml_dtypes.bfloat16
 
 @pytest.fixture
 def lanes(monkeypatch):
-    """At most ``n`` lanes per token and ``hold`` rows per load batch (plans re-made)."""
+    """At most ``n`` lanes per token and ``hold`` rows per load batch, three rows
+    per block of the zero-row kernel (plans re-made)."""
 
     def force(n, hold=None):
         monkeypatch.setattr(C, "CMB_THREADS", n)
+        monkeypatch.setattr(C, "CMB_ZERO_ROWS", 3)
         if hold is not None:
             monkeypatch.setattr(C, "CMB_HOLD", hold)  # <= the module's: the shared arrays' size
         P.token_combine_fwd_plan.cache_clear()
