@@ -142,15 +142,15 @@ def test_zero_tokens():
 def test_a_failed_launch_is_an_error_naming_the_op_and_the_process_lives_on():
     """A record whose kernel handle is 0: cuLaunchKernel refuses it, the handler
     returns XLA's error with the CUresult, and the next call works."""
-    from gpurouter._transport import ffi
+    from gpurouter._transport import ffi, ffi_record
     from gpurouter.kernels._plan import Plan, Spec
     from gpurouter.kernels._pointer import CompiledStep, primary_context
 
     plan = Plan("broken_op", [Spec((4,), np.float32)], [Spec((4,), np.float32)], [], [])
-    ordinals = ffi._gpu_ordinals()
+    ordinals = ffi_record._gpu_ordinals()
     step = CompiledStep(0, 1, 32, 0, bytes(8), [], "none")
-    rec, msgs = ffi.build_record(plan, ordinals, {o: [step] for o in ordinals},
-                                 {o: primary_context(o) for o in ordinals}, ffi._driver())
+    rec, msgs = ffi_record.build_record(plan, ordinals, {o: [step] for o in ordinals},
+                                 {o: primary_context(o) for o in ordinals}, ffi_record._driver())
     ffi._register()
     call = jax.ffi.ffi_call(ffi.TARGET, jax.ShapeDtypeStruct((4,), jnp.float32))
     with pytest.raises(Exception, match=re.escape("gpurouter ffi (broken_op): cuLaunchKernel failed (CUresult ")):

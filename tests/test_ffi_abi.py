@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpurouter._transport import ffi, ffi_abi
+from gpurouter._transport import ffi, ffi_abi, ffi_record
 
 numba = pytest.importorskip("numba")
 
@@ -94,11 +94,11 @@ def _plan():
 def test_a_record_lays_out_every_device_and_step():
     params = np.arange(12, dtype=np.int64).tobytes()
     steps = {0: [_Step(11, params, [(4, 0), (10, 1)])], 2: [_Step(22, params, [(4, 2)])] * 2}
-    rec, _ = ffi.build_record(_plan(), [0, 2], steps, {0: 100, 2: 200}, (1, 2, 3, 4))
-    assert rec[0] == ffi.MAGIC and (rec[1], rec[2]) == (1, 2) and list(rec[3:7]) == [1, 2, 3, 4]
-    assert list(rec[ffi._COUNTS:ffi._COUNTS + 3]) == [32, 32, 2]
-    assert rec[ffi._DEVICES + 1] == 0  # no kernels for GPU 1
-    dev0, dev2 = rec[ffi._DEVICES], rec[ffi._DEVICES + 2]
+    rec, _ = ffi_record.build_record(_plan(), [0, 2], steps, {0: 100, 2: 200}, (1, 2, 3, 4))
+    assert rec[0] == ffi_record.MAGIC and (rec[1], rec[2]) == (1, 2) and list(rec[3:7]) == [1, 2, 3, 4]
+    assert list(rec[ffi_record.COUNTS:ffi_record.COUNTS + 3]) == [32, 32, 2]
+    assert rec[ffi_record.DEVICES + 1] == 0  # no kernels for GPU 1
+    dev0, dev2 = rec[ffi_record.DEVICES], rec[ffi_record.DEVICES + 2]
     assert list(rec[dev0:dev0 + 8]) == [100, 1, 11, 3, 64, 128, 12, 2]
     assert list(rec[dev0 + 8:dev0 + 20]) == list(range(12)) and list(rec[dev0 + 20:dev0 + 24]) == [4, 0, 10, 1]
     assert list(rec[dev2:dev2 + 2]) == [200, 2]
@@ -106,11 +106,11 @@ def test_a_record_lays_out_every_device_and_step():
 
 
 def test_limits_of_a_record_are_errors_naming_the_op():
-    big = np.zeros(ffi.MAX_PARAMS + 1, np.int64).tobytes()
+    big = np.zeros(ffi_record.MAX_PARAMS + 1, np.int64).tobytes()
     with pytest.raises(NotImplementedError, match="test_op: kernel k takes 257 parameter words"):
-        ffi.build_record(_plan(), [0], {0: [_Step(1, big, [])]}, {0: 0}, (0, 0, 0, 0))
+        ffi_record.build_record(_plan(), [0], {0: [_Step(1, big, [])]}, {0: 0}, (0, 0, 0, 0))
     with pytest.raises(NotImplementedError, match="test_op: CUDA device 64"):
-        ffi.build_record(_plan(), [64], {64: []}, {64: 0}, (0, 0, 0, 0))
+        ffi_record.build_record(_plan(), [64], {64: []}, {64: 0}, (0, 0, 0, 0))
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ def test_the_handler_checks_everything_before_the_stream(cpu_target):
     """XLA:CPU answers the stream query with its own error: reaching it means the
     metadata, call frame, attribute, record and buffer checks all passed."""
     params = np.zeros(12, np.int64).tobytes()
-    rec, _ = ffi.build_record(_plan(), [0], {0: [_Step(0, params, [(4, 0)])]}, {0: 0}, (0, 0, 0, 0))
+    rec, _ = ffi_record.build_record(_plan(), [0], {0: [_Step(0, params, [(4, 0)])]}, {0: 0}, (0, 0, 0, 0))
     x = np.ones((4, 8), np.float32)
     with pytest.raises(Exception, match="GPU context is not available"):
         _run(cpu_target, x, plan=np.int64(rec.ctypes.data))
@@ -150,7 +150,7 @@ def test_the_handler_checks_everything_before_the_stream(cpu_target):
 
 
 def test_the_handler_refuses_a_call_with_other_arguments(cpu_target):
-    rec, _ = ffi.build_record(_plan(), [0], {0: []}, {0: 0}, (0, 0, 0, 0))
+    rec, _ = ffi_record.build_record(_plan(), [0], {0: []}, {0: 0}, (0, 0, 0, 0))
     outs = (jax.ShapeDtypeStruct((4, 8), jnp.float32),)  # the plan has a scratch result too
     with jax.default_device(jax.devices("cpu")[0]), pytest.raises(Exception, match=re.escape(
             "gpurouter ffi (test_op): XLA passed other arguments than the traced call (1 inputs, 2 results")):

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 import warnings
 
 import jax
@@ -39,37 +38,33 @@ import numpy as np
 
 from . import ffi_abi as abi
 from ._shared import COMPILE_LOCK, plan_of, to_words, varying, word_spec
+from .ffi_record import (
+    COUNTS,
+    DEVICES,
+    GET_CTX_FN,
+    LAUNCH_FN,
+    MAGIC,
+    MAX_ARRAYS,
+    MAX_DEVICES,
+    MAX_PARAMS,
+    MSG_CALL,
+    MSG_CONTEXT,
+    MSG_DEVICE,
+    MSG_LAUNCH,
+    MSG_SIZES,
+    N_INS,
+    N_RETS,
+    POP_FN,
+    PUSH_FN,
+    STATIC_MESSAGES,
+    _record,
+)
 
 TARGET = "gpurouter_plan"
-MAGIC = 0x67707572_6F757465  # "gpuroute"
-MAX_DEVICES = 64
-#: parameter slots a step may have (the handler's stack copy), arrays a call may have
-MAX_PARAMS = 256
-MAX_ARRAYS = 32
 #: XLA_FFI_Handler_Traits the handler declares (1: COMMAND_BUFFER_COMPATIBLE,
 #: XLA may capture its launches in a CUDA graph; its launches depend only on
 #: buffer addresses and the plan attribute)
 TRAITS = int(os.environ.get("GPUROUTER_FFI_TRAITS", "0"))
-#: jaxlib versions this transport was run with (the header check decides elsewhere)
-TESTED_JAXLIB = ("0.10.2 (CPU: ABI and structure tests)", "0.11.2 (H200: the GPU suite)")
-
-# header word indices
-_N_INS, _N_RETS, _LAUNCH, _GET_CTX, _PUSH, _POP = 1, 2, 3, 4, 5, 6
-_MSG_CALL, _MSG_DEVICE, _MSG_LAUNCH, _MSG_CONTEXT, _MSG_SIZES = 7, 8, 9, 10, 11
-_DEVICES = 12
-_COUNTS = _DEVICES + MAX_DEVICES
-# errors the handler raises before it has a record
-_MSG_FRAME = b"gpurouter ffi: XLA's call frame or API table is older than the handler reads\0"
-_MSG_ATTR = b"gpurouter ffi: the call has no int64 'plan' attribute (not a gpurouter call)\0"
-_MSG_MAJOR = b"gpurouter ffi: XLA's FFI API major version is not 0; use transport=\"zero-copy\"\0"
-
-
-def _message(text: str) -> np.ndarray:
-    return np.frombuffer(text.encode() + b"\0", np.uint8).copy()
-
-
-_STATIC = {name: np.frombuffer(m, np.uint8).copy() for name, m in
-           (("frame", _MSG_FRAME), ("attr", _MSG_ATTR), ("major", _MSG_MAJOR))}
 
 
 @functools.cache
@@ -77,12 +72,11 @@ def _handler():
     """The cfunc (compiled once per process; about two seconds)."""
     from numba import cfunc, njit, types
 
-
     ld8, ld32, ld64, st8, st32, st64, scratch, caller = abi.intrinsics()
     call_api = caller(("i64", "i64"))  # XLA_FFI_Error* fn(Args*)
     call1 = caller(("i32", "i64"))  # CUresult fn(void*)
     launch = caller(("i32", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64", "i64", "i64"))
-    frame_msg, attr_msg, major_msg = (int(_STATIC[k].ctypes.data) for k in ("frame", "attr", "major"))
+    frame_msg, attr_msg, major_msg = (int(STATIC_MESSAGES[k].ctypes.data) for k in ("frame", "attr", "major"))
     plan_name = int.from_bytes(b"plan", "little")
 
     @njit(inline="always")
@@ -145,9 +139,9 @@ def _handler():
                 rec = ld64(ld64(attr + abi.SCALAR_VALUE))
         if rec == 0 or ld64(rec) != MAGIC:
             return fail(api, attr_msg, abi.ERROR_INVALID_ARGUMENT)
-        n_ins, n_rets = ld64(rec + 8 * _N_INS), ld64(rec + 8 * _N_RETS)
+        n_ins, n_rets = ld64(rec + 8 * N_INS), ld64(rec + 8 * N_RETS)
         if ld64(frame + abi.CF_ARGS_SIZE) != n_ins or ld64(frame + abi.CF_RETS_SIZE) != n_rets:
-            return fail(api, ld64(rec + 8 * _MSG_CALL), abi.ERROR_INVALID_ARGUMENT)
+            return fail(api, ld64(rec + 8 * MSG_CALL), abi.ERROR_INVALID_ARGUMENT)
         ptrs = scratch(MAX_ARRAYS)
         for a in range(n_ins + n_rets):
             if a < n_ins:
@@ -157,13 +151,13 @@ def _handler():
                 kind = ld32(ld64(frame + abi.CF_RETS_TYPES) + 4 * (a - n_ins))
                 buf = ld64(ld64(frame + abi.CF_RETS_RETS) + 8 * (a - n_ins))
             if kind != abi.ARG_BUFFER:
-                return fail(api, ld64(rec + 8 * _MSG_CALL), abi.ERROR_INVALID_ARGUMENT)
+                return fail(api, ld64(rec + 8 * MSG_CALL), abi.ERROR_INVALID_ARGUMENT)
             count = 1
             dims = ld64(buf + abi.BUF_DIMS)
             for d in range(ld64(buf + abi.BUF_RANK)):
                 count *= ld64(dims + 8 * d)
-            if count != ld64(rec + 8 * (_COUNTS + a)):
-                return fail(api, ld64(rec + 8 * _MSG_SIZES), abi.ERROR_INVALID_ARGUMENT)
+            if count != ld64(rec + 8 * (COUNTS + a)):
+                return fail(api, ld64(rec + 8 * MSG_SIZES), abi.ERROR_INVALID_ARGUMENT)
             st64(ptrs + 8 * a, ld64(buf + abi.BUF_DATA))
         ctx = ld64(frame + abi.CF_CTX)
         stream_args = scratch(4)
@@ -186,16 +180,16 @@ def _handler():
             if err != 0:
                 return err
             ordinal = ld32(ordinal_args + abi.ORDINAL_OUT)
-        if ordinal < 0 or ordinal >= MAX_DEVICES or ld64(rec + 8 * (_DEVICES + ordinal)) == 0:
-            return fail(api, ld64(rec + 8 * _MSG_DEVICE), abi.ERROR_FAILED_PRECONDITION)
-        dev = rec + 8 * ld64(rec + 8 * (_DEVICES + ordinal))
+        if ordinal < 0 or ordinal >= MAX_DEVICES or ld64(rec + 8 * (DEVICES + ordinal)) == 0:
+            return fail(api, ld64(rec + 8 * MSG_DEVICE), abi.ERROR_FAILED_PRECONDITION)
+        dev = rec + 8 * ld64(rec + 8 * (DEVICES + ordinal))
         context = ld64(dev)
         current = scratch(1)
         st64(current, 0)
-        call1(ld64(rec + 8 * _GET_CTX), (current,))
+        call1(ld64(rec + 8 * GET_CTX_FN), (current,))
         pushed = ld64(current) != context
-        if pushed and call1(ld64(rec + 8 * _PUSH), (context,)) != 0:
-            return fail(api, ld64(rec + 8 * _MSG_CONTEXT), abi.ERROR_INTERNAL)
+        if pushed and call1(ld64(rec + 8 * PUSH_FN), (context,)) != 0:
+            return fail(api, ld64(rec + 8 * MSG_CONTEXT), abi.ERROR_INTERNAL)
         params = scratch(MAX_PARAMS)
         argv = scratch(MAX_PARAMS)
         w = dev + 16
@@ -208,35 +202,21 @@ def _handler():
             holes = w + 48 + 8 * n_params
             for h in range(n_holes):
                 st64(params + 8 * ld64(holes + 16 * h), ld64(ptrs + 8 * ld64(holes + 16 * h + 8)))
-            status = launch(ld64(rec + 8 * _LAUNCH),
+            status = launch(ld64(rec + 8 * LAUNCH_FN),
                             (ld64(w), ld64(w + 8), 1, 1, ld64(w + 16), 1, 1, ld64(w + 24), stream, argv, 0))
             if status != 0:
                 break
             w = holes + 16 * n_holes
         if pushed:
-            call1(ld64(rec + 8 * _POP), (current,))
+            call1(ld64(rec + 8 * POP_FN), (current,))
         if status != 0:
-            return fail_code(api, ld64(rec + 8 * _MSG_LAUNCH), status)
+            return fail_code(api, ld64(rec + 8 * MSG_LAUNCH), status)
         return 0
 
     return cfunc(types.int64(types.int64), nopython=True)(handler)
 
 
-@functools.cache
-def _driver() -> tuple[int, int, int, int]:
-    """Addresses of cuLaunchKernel, cuCtxGetCurrent, cuCtxPushCurrent_v2, cuCtxPopCurrent_v2."""
-    import ctypes
-
-    from ..kernels._pointer import _libcuda
-
-    lib = _libcuda()
-    return tuple(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in
-                 ("cuLaunchKernel", "cuCtxGetCurrent", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2"))
-
-
-_REGISTERED: list[bool] = []
-_RECORDS: dict = {}  # id(plan) -> (record, messages, plan): alive for the process
-_RECORDS_LOCK = threading.Lock()
+_REGISTERED: list = []
 
 
 def _register() -> None:
@@ -246,70 +226,6 @@ def _register() -> None:
                 handler = _handler()
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler.address), platform="CUDA")
                 _REGISTERED.append(handler)  # XLA keeps the raw address: keep the cfunc alive
-
-
-def _gpu_ordinals() -> list[int]:
-    """The CUDA ordinals of the GPUs JAX runs on in this process."""
-    return sorted({int(d.local_hardware_id) for d in jax.local_devices(backend="gpu")})
-
-
-def build_record(plan, ordinals, compiled: dict, context: dict, driver) -> tuple[np.ndarray, list]:
-    """The launch record of ``plan`` (see the module docstring): ``compiled``
-    maps each ordinal to ``kernels._pointer.compile_steps(plan, ordinal)``,
-    ``context`` to its CUDA context. Returns ``(record, messages)``; both must
-    outlive every call that names the record."""
-    op = plan.op
-    specs = (*plan.ins, *plan.outs, *plan.tmps)
-    if len(specs) > MAX_ARRAYS:
-        raise NotImplementedError(f"{op}: a plan of {len(specs)} arrays (the ffi handler takes {MAX_ARRAYS})")
-    seen = ", ".join(map(str, ordinals))
-    messages = [
-        _message(f"gpurouter ffi ({op}): XLA passed other arguments than the traced call "
-                 f"({len(plan.ins)} inputs, {len(plan.outs) + len(plan.tmps)} results, all arrays)"),
-        _message(f"gpurouter ffi ({op}): no kernels for this GPU (traced for CUDA devices {seen}); "
-                 "trace the call again in this process"),
-        _message(f"gpurouter ffi ({op}): cuLaunchKernel failed"),
-        _message(f"gpurouter ffi ({op}): cuCtxPushCurrent failed"),
-        _message(f"gpurouter ffi ({op}): an array's size differs from the traced call's "
-                 f"({', '.join(str(s.shape) for s in specs)})"),
-    ]
-    header = [MAGIC, len(plan.ins), len(plan.outs) + len(plan.tmps), *driver,
-              *(int(m.ctypes.data) for m in messages)]
-    body, offsets = [], [0] * MAX_DEVICES
-    start = len(header) + MAX_DEVICES + len(specs)
-    for ordinal in ordinals:
-        if ordinal >= MAX_DEVICES:
-            raise NotImplementedError(f"{op}: CUDA device {ordinal} (the ffi handler takes {MAX_DEVICES})")
-        offsets[ordinal] = start + len(body)
-        steps = compiled[ordinal]
-        body += [context[ordinal], len(steps)]
-        for st in steps:
-            params = np.frombuffer(st.params, np.int64)
-            if len(params) > MAX_PARAMS:
-                raise NotImplementedError(f"{op}: kernel {st.name} takes {len(params)} parameter words "
-                                          f"(the ffi handler copies {MAX_PARAMS})")
-            body += [st.handle, st.grid, st.block, st.shared, len(params), len(st.holes), *params.tolist()]
-            body += [v for hole in st.holes for v in hole]
-    counts = [int(np.prod(s.shape, dtype=np.int64)) for s in specs]
-    record = np.array(header + offsets + counts + body, np.int64)
-    return record, messages
-
-
-def _record(plan) -> int:
-    """The address of ``plan``'s launch record, built on first use."""
-    hit = _RECORDS.get(id(plan))
-    if hit is None:
-        from ..kernels._pointer import compile_steps, primary_context
-
-        with COMPILE_LOCK, _RECORDS_LOCK:
-            hit = _RECORDS.get(id(plan))
-            if hit is None:
-                ordinals = _gpu_ordinals()
-                compiled = {o: compile_steps(plan, o) for o in ordinals}
-                context = {o: primary_context(o) for o in ordinals}
-                record, messages = build_record(plan, ordinals, compiled, context, _driver())
-                hit = _RECORDS[id(plan)] = (record, messages, plan)  # the plan keeps its id unique
-    return int(hit[0].ctypes.data)
 
 
 def _unbatched_call(planner, out_specs, n_token: int, args):
