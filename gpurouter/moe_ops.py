@@ -11,9 +11,9 @@ family, deterministic), ``grouped_scaled_bias_add`` (its backward on those
 kernels, its elementwise forward in jnp), ``token_combine`` (forward, and a
 backward giving ``d_inp`` and ``d_merging_probs`` in one pass) and
 ``token_dispatch`` (its integer index maps in jnp, the row copy and the
-backward's fp32 sum of the K copies on the kernels). ``"auto"`` (the default) runs the reference: the
-kernels have no GPU measurement against it yet (``tools/moe_bench.py``). The
-backend is checked before the arguments; the arguments are checked at trace
+backward's fp32 sum of the K copies on the kernels). ``"auto"`` (the
+default) runs the reference: the kernels have no GPU measurement against it
+yet (``tools/moe_bench.py``). The backend is checked before the arguments; the arguments are checked at trace
 time, with the reference's messages, on every backend.
 """
 
