@@ -566,3 +566,22 @@ def test_numba_refuses_float64_and_too_many_experts():
     with pytest.raises(NotImplementedError, match="^" + re.escape(
             f'{COM} (numba): num_experts (1025) exceeds the kernel limit of 1024; use backend="jax".')):
         mo.token_combine(D, jnp.full((4, 1025), -1, jnp.int32), backend="numba")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["zero-copy", "ffi", "callback"])
+def test_numba_transports_agree_on_a_gpu(transport):
+    """Every transport launches the same plans: the same bits as the default's (on a GPU)."""
+    rng = np.random.default_rng(5)
+    dy, sc = _rand(rng, (300, 64), jnp.bfloat16), _rand(rng, (300,), jnp.float32)
+    b, off = _rand(rng, (4, 64), jnp.bfloat16), jnp.asarray([0, 50, 50, 200, 290], jnp.int32)
+    m = jnp.asarray(rng.random((40, 8)) < 0.4)
+    x, p = _rand(rng, (40, 64), jnp.bfloat16), jnp.asarray(rng.random((40, 8)), jnp.float32)
+
+    def run(**kw):
+        out, pp, rid, _, _ = mo.token_dispatch(x, m, int(m.sum()) + 3, p, 4, backend="numba", **kw)
+        y, vjp = jax.vjp(lambda a, q: mo.token_combine(a, rid, q, backend="numba", **kw), out, p)
+        return (*mo.compute_grouped_dbias_dscales(dy, sc, b, off, backend="numba", **kw), out, pp, y, *vjp(x))
+
+    for a, want in zip(run(transport=transport), run(), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(want))
