@@ -13,21 +13,6 @@ from collections.abc import Callable
 
 from ._checks import check_backend
 
-# "auto" picks the kernels only where they are expected to beat the jnp
-# reference: JAX on a CUDA GPU with the zero-copy transport and a working
-# numba-cuda, for the router top-k with K <= AUTO_MAX_TOPK and
-# E >= AUTO_MIN_EXPERTS. Measured on an H200 (docs/benchmarks.md, commit
-# f6533ac, a jitted 50-step forward + backward loop), zero-copy numba over the
-# jitted reference: DeepSeek-V3 4.61x, DeepSeek-V4 2.36x, Llama-4 2.22x,
-# Qwen3 2.08x, Kimi-K2 2.07x (E >= 128, K <= 8); Mixtral (E = 8) 0.71x, where
-# the two callbacks' fixed cost (~60-80 us each inside XLA) outweighs 9 us
-# kernels (1.28x at 9b7f9e1: that cost varies from run to run); Nemotron-3
-# Super (K = 22) 0.74x. The aux scores and the aux loss have no end-to-end
-# measurement against the reference: "auto" keeps them on jax.
-AUTO_MAX_TOPK = 8
-AUTO_MIN_EXPERTS = 64
-
-
 # XLA:CPU ends the whole process ("Termination timeout for 'all reduce ...'
 # exceeded") when a collective's participants wait longer than these timeouts
 # for each other. On the CUDA simulator one kernel launch can take seconds and
@@ -138,7 +123,7 @@ def resolve(op: str, backend: str, *, faster: Callable[[], bool] | None = None) 
     reference: JAX itself on a CUDA GPU with the zero-copy transport and a
     working numba-cuda (never the simulator), and ``faster()`` (asked only
     then) says the kernels take this call and measured faster for its kind
-    (see AUTO_MAX_TOPK). Without ``faster``: jax.
+    (``gpurouter._auto``: the rule and its measurements). Without ``faster``: jax.
     """
     check_backend(op, backend)
     if backend == "auto":

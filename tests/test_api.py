@@ -115,29 +115,42 @@ def test_auto_is_jax_without_a_gpu(monkeypatch):
 
 
 def test_auto_picks_numba_only_where_it_measured_faster(monkeypatch):
-    """With the zero-copy transport available (faked): numba for a top-k with
-    K <= 8 that the kernels take, jax for larger K, float64, the aux scores
-    and the aux loss."""
+    """gpurouter/_auto.py: with a device transport available (faked), numba from
+    AUTO_MIN_ELEMENTS logits on (twice as many for zero-copy), for a top-k with
+    K <= AUTO_MAX_TOPK, the aux scores and the aux loss; never indices,
+    replays or float64; jax below the threshold and for the z-loss."""
     import jax.numpy as jnp
 
-    from gpurouter import _backend
+    from gpurouter import _auto, _backend, _transport
 
     monkeypatch.setattr(_backend, "zero_copy_available", lambda: True)
     assert _backend.resolve("op", "auto", faster=lambda: True) == "numba"
     assert _backend.resolve("op", "auto", faster=lambda: False) == "jax"
-    assert _backend.resolve("op", "auto") == "jax"  # the aux loss passes no predicate
-    chosen = []
-    monkeypatch.setattr(_backend, "resolve", lambda op, b, faster=None: chosen.append(
+    assert _backend.resolve("op", "auto") == "jax"  # the z-loss passes no predicate
+    for transport, n in _auto.AUTO_MIN_ELEMENTS.items():
+        monkeypatch.setattr(_transport, "resolve_transport", lambda op, t, transport=transport: transport)
+        assert _auto.kernels_faster("op", "auto", n // 256, 256)
+        assert not _auto.kernels_faster("op", "auto", n // 256 - 1, 256)
+        assert not _auto.kernels_faster("op", "auto", n, 256, topk=_auto.AUTO_MAX_TOPK + 1)
+    monkeypatch.setattr(_transport, "resolve_transport", lambda op, t: "callback")
+    assert not _auto.kernels_faster("op", "callback", 1 << 30, 256)
+
+    asked = []
+    monkeypatch.setattr(_backend, "resolve", lambda op, b, faster=None: asked.append(
         faster is not None and faster()) or "jax")
-    x = jnp.zeros((4, _backend.AUTO_MIN_EXPERTS), jnp.float32)
+    monkeypatch.setattr(_transport, "resolve_transport", lambda op, t: "ffi")
+    big = _auto.AUTO_MIN_ELEMENTS["ffi"] // 64
+    x = jnp.zeros((big, 64), jnp.float32)
     gr.fused_topk_with_score_function(x, 8)
-    gr.fused_topk_with_score_function(x, _backend.AUTO_MAX_TOPK + 1)
+    gr.fused_topk_with_score_function(x[:-1], 8)  # one token short
+    gr.fused_topk_with_score_function(x, _auto.AUTO_MAX_TOPK + 1)
+    gr.fused_topk_with_score_function(x, 2, return_indices=True)
     gr.fused_topk_with_score_function(x, 2, compute_aux_scores=True)
-    gr.fused_topk_with_score_function(x[:, :_backend.AUTO_MIN_EXPERTS - 4], 2)  # too few experts
+    gr.fused_moe_aux_loss(x, jnp.ones((64,), jnp.int32), 2, 0.1)
     if _backend.numba_usable():
-        assert chosen == [True, False, False, False]
-    else:
-        assert chosen[1:] == [False, False, False]
+        assert asked == [True, False, False, False, True, True]
+    else:  # no kernel layer: "auto" never asks for numba
+        assert asked[1:4] == [False, False, False]
 
 
 def test_bindings_reach_kernels_only_through_the_callback_helper():

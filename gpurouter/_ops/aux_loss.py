@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _backend, reference
+from .._auto import kernels_faster as kernels_faster_here
 from .._checks import (
     AUX_LOSS_OP,
     AuxLossConfig,
@@ -66,7 +67,11 @@ def fused_moe_aux_loss(
     check_transport(AUX_LOSS_OP, transport)  # validated whatever the backend
     probs = jnp.asarray(probs)
     tokens_per_expert = jnp.asarray(tokens_per_expert)
-    if _backend.resolve(AUX_LOSS_OP, backend) == "jax":
+    def kernels_faster() -> bool:  # "auto": the measured rule (gpurouter/_auto.py)
+        return probs.dtype != jnp.float64 and kernels_faster_here(
+            AUX_LOSS_OP, transport, probs.shape[0], probs.shape[1])
+
+    if _backend.resolve(AUX_LOSS_OP, backend, faster=kernels_faster) == "jax":
         def loss(p, t):
             return reference.fused_moe_aux_loss(
                 p, t, topk, coeff, total_num_tokens=cfg.total_num_tokens,

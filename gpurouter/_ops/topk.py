@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _backend, reference
+from .._auto import kernels_faster as kernels_faster_here
 from .._checks import (
     TOPK_OP,
     RoutingMapFormat,
@@ -85,22 +86,18 @@ def fused_topk_with_score_function(
     shape, num_experts = logits.shape, logits.shape[-1]
 
     def kernels_faster() -> bool:
-        # "auto": measured faster for the router top-k with K <= AUTO_MAX_TOPK
-        # and E >= AUTO_MIN_EXPERTS (_backend.py); only where the kernels
-        # take the call at all.
-        if (cfg.compute_aux_scores or cfg.topk > _backend.AUTO_MAX_TOPK
-                or num_experts < _backend.AUTO_MIN_EXPERTS or logits.dtype == jnp.float64):
+        # "auto": the measured rule (gpurouter/_auto.py), only where the
+        # kernels take the call at all; indices and replays stay on jax.
+        if return_indices or forced or logits.dtype == jnp.float64:
             return False
         try:
             _backend.kernels().check_limits(TOPK_OP, num_experts, cfg.topk,
                                             cfg.num_groups if cfg.grouped else 1)
         except (ImportError, NotImplementedError):
             return False
-        return True
+        return kernels_faster_here(TOPK_OP, transport, logits.size // max(num_experts, 1), num_experts, cfg.topk)
 
-    # "auto" keeps indices and replays on jax: no end-to-end measurement yet
-    backend = _backend.resolve(TOPK_OP, backend, faster=lambda: kernels_faster() and not (
-        return_indices or forced))
+    backend = _backend.resolve(TOPK_OP, backend, faster=kernels_faster)
     # The bias only selects: not with the aux scores, softmax, or a replay.
     use_bias = (expert_bias is not None and not cfg.compute_aux_scores and not forced
                 and cfg.score_function != ScoreFunction.SOFTMAX)

@@ -1,0 +1,40 @@
+"""``backend="auto"``: where the kernels measured faster than the jnp reference.
+
+The one rule (docs/contract.md section 5; its measurements: docs/benchmarks.md,
+"Steps through the public API"). ``backend="auto"`` picks the numba kernels
+only when JAX runs on a CUDA GPU with a device transport and:
+
+- the call has at least ``AUTO_MIN_ELEMENTS[transport]`` logits (tokens x
+  experts): below that the launch cost (one per forward, one per backward)
+  outweighs the work. H200, jitted forward + backward steps, jax / numba:ffi:
+  DeepSeek-V3 (E=256) T=256 0.9x, T=4096 2.9x, T=16384 8.2x; Qwen3 (E=128)
+  T=256 0.4x, T=4096 1.1x, T=8192 2.0x; Mixtral (E=8) T=65536 2.7x; the aux
+  path (aux scores + aux loss) T=8192 1.8x. The zero-copy transport costs
+  more per call (its Python), so its threshold is twice as high;
+- for the router top-k: K <= ``AUTO_MAX_TOPK`` (Nemotron-3 Super's K=22
+  forward measured slower than the reference), and neither
+  ``return_indices`` nor ``forced_indices`` (not measured end to end).
+
+The z-loss and the token-level MoE ops have no end-to-end measurement yet:
+"auto" keeps them on jax.
+"""
+
+from __future__ import annotations
+
+AUTO_MAX_TOPK = 8
+AUTO_MIN_ELEMENTS = {"ffi": 1 << 19, "zero-copy": 1 << 20}
+
+
+def kernels_faster(op: str, transport: str, num_tokens: int, num_experts: int,
+                   topk: int | None = None) -> bool:
+    """True where the kernels measured faster for this call (asked only when
+    JAX runs on a CUDA GPU, see ``_backend.resolve``)."""
+    from ._transport import resolve_transport
+
+    if topk is not None and topk > AUTO_MAX_TOPK:
+        return False
+    try:
+        transport = resolve_transport(op, transport)
+    except RuntimeError:  # an explicit transport that cannot run here
+        return False
+    return num_tokens * num_experts >= AUTO_MIN_ELEMENTS.get(transport, float("inf"))
