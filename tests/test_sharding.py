@@ -186,3 +186,37 @@ def test_axis_name_outside_a_mapped_context():
             "fused_moe_aux_loss: axis_name ('data') must be a mesh axis bound here (inside "
             "jax.shard_map, vmap or pmap over it), or None.")):
         gr.fused_moe_aux_loss(probs, tpe, 4, 0.01, axis_name="data")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_auto_axes_mesh_runs_per_shard(backend):
+    """A mesh with Auto axes (``Mesh(devices, names)``, what most training code
+    builds): the ffi transport routes each shard's tokens where they are (no
+    all-gather, outputs and gradients token-sharded); on the jax backend and
+    the callbacks XLA decides (it gathers; values only)."""
+    from jax.sharding import Mesh
+
+    from gpurouter._transport import resolve_transport
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    x = _logits((4 * N, E))
+    w = jax.random.normal(jax.random.PRNGKey(2), x.shape, jnp.float32)
+    sharding = NamedSharding(mesh, P("data", None))
+    xs, ws = jax.device_put(x, sharding), jax.device_put(w, sharding)
+    route = functools.partial(_route, backend=backend)
+    fwd = jax.jit(route, in_shardings=sharding)
+    bwd = jax.jit(jax.grad(functools.partial(_loss, route)), in_shardings=(sharding, sharding))
+    probs, rmap = fwd(xs)
+    grad = bwd(xs, ws)
+    per_shard = backend == "numba" and resolve_transport("test", "auto") == "ffi"
+    if per_shard:
+        assert probs.sharding.spec[0] == "data" and grad.sharding.spec[0] == "data"
+        for f, args in ((fwd, (xs,)), (bwd, (xs, ws))):
+            hlo = f.lower(*args).compile().as_text()
+            gathers = [ln.strip()[:160] for ln in hlo.splitlines() if re.search(r"\ball-gather(-start)?\(", ln)]
+            assert not gathers, gathers
+    want_p, want_m = _route_ref(x)
+    np.testing.assert_array_equal(np.asarray(rmap), np.asarray(want_m))
+    np.testing.assert_allclose(np.asarray(probs), np.asarray(want_p), atol=1e-6, rtol=1e-5)
+    want_g = jax.grad(functools.partial(_loss, _route_ref))(x, w)
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want_g), atol=1e-5 * 4, rtol=1e-4)
