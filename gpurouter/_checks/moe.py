@@ -1,0 +1,300 @@
+"""The rules of the MoE ops: the token-level ops (grouped dbias / dscales,
+the grouped scaled bias add, token dispatch and combine) with their numba
+backend's limits, and the MoE block ``moe``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .common import (
+    RoutingMapFormat,
+    _as_int,
+    _dtype_name,
+    _is_traced,
+    array_meta,
+    check_backend,
+    check_float_dtype,
+)
+from .topk import check_routing_map
+
+# ----------------------------------------------------------------------------
+# Token-level MoE ops (gpurouter/moe_ops.py, gpurouter/reference/moe_ops.py):
+# grouped dbias / dscales, the grouped scaled bias add, token dispatch and combine.
+# ----------------------------------------------------------------------------
+
+GROUPED_DBIAS_DSCALES_OP = "compute_grouped_dbias_dscales"
+GROUPED_DBIAS_OP = "compute_grouped_dbias"
+SCALED_BIAS_ADD_OP = "grouped_scaled_bias_add"
+TOKEN_DISPATCH_OP = "token_dispatch"
+TOKEN_COMBINE_OP = "token_combine"
+
+
+def moe_no_kernel_error(op: str) -> NotImplementedError:
+    return NotImplementedError(f'{op} (numba): no kernel yet; use backend="jax".')
+
+
+def check_moe_backend(op: str, backend: str) -> str:
+    """``backend`` of a token-level MoE op: ``"auto"`` and ``"jax"`` give ``"jax"``;
+    ``"numba"`` is a ``NotImplementedError`` (no kernels yet)."""
+    check_backend(op, backend)
+    if backend == "numba":
+        raise moe_no_kernel_error(op)
+    return "jax"
+
+
+def _rank2(op: str, name: str, x, what: str) -> tuple[tuple[int, ...], np.dtype]:
+    shape, dtype = array_meta(op, name, x)
+    if len(shape) != 2:
+        raise ValueError(f"{op}: {name} shape {shape} must have rank 2 ([{what}]).")
+    return shape, dtype
+
+
+def _check_int_dtype(op: str, name: str, dtype) -> None:
+    if not np.issubdtype(dtype, np.integer):
+        raise TypeError(f"{op}: {name} must be integers, got {_dtype_name(dtype)}.")
+
+
+def _check_offsets(op: str, offsets, num_groups: int) -> None:
+    """``offsets [G + 1]`` integers; where concrete, non-decreasing."""
+    shape, dtype = array_meta(op, "offsets", offsets)
+    if tuple(shape) != (num_groups + 1,):
+        raise ValueError(f"{op}: offsets shape {shape} must be (num_groups + 1,) = ({num_groups + 1},).")
+    _check_int_dtype(op, "offsets", dtype)
+    if _is_traced(offsets):
+        return
+    o = np.asarray(offsets)
+    if (np.diff(o) < 0).any():
+        raise ValueError(f"{op}: offsets ({o.tolist()}) must be non-decreasing.")
+
+
+def _check_accumulator(op: str, name: str, x, want: tuple[int, ...]) -> None:
+    """An optional fp32 accumulator (``dbias`` / ``dscales``), as TE asserts."""
+    if x is None:
+        return
+    shape, dtype = array_meta(op, name, x)
+    if tuple(shape) != want:
+        raise ValueError(f"{op}: {name} shape {shape} must be {want} (it is accumulated into).")
+    if _dtype_name(dtype) != "float32":
+        raise TypeError(f"{op}: {name} must be float32 (it is accumulated into), got {_dtype_name(dtype)}.")
+
+
+def _check_scales(op: str, scales, n: int) -> None:
+    s_shape, s_dtype = array_meta(op, "scales", scales)
+    if tuple(s_shape) != (n,):
+        raise ValueError(f"{op}: scales shape {s_shape} must be (num_rows,) = ({n},).")
+    check_float_dtype(op, "scales", s_dtype)
+
+
+def _check_grouped_bias(op: str, bias, h: int, rows_name: str) -> int:
+    """``bias [G, H]`` with ``G >= 1`` and the rows' ``H``; returns ``G``."""
+    b_shape, b_dtype = _rank2(op, "bias", bias, "num_groups, hidden")
+    if b_shape[1] != h or b_shape[0] < 1:
+        raise ValueError(f"{op}: bias shape {b_shape} must be (num_groups, hidden) with num_groups >= 1 "
+                         f"and hidden = {rows_name}.shape[1] ({h}).")
+    check_float_dtype(op, "bias", b_dtype)
+    return b_shape[0]
+
+
+def check_grouped_dbias_dscales_args(dy, scales, bias, offsets, dbias, dscales,
+                                     op: str = GROUPED_DBIAS_DSCALES_OP) -> tuple[int, int, int]:
+    """Checks ``compute_grouped_dbias_dscales``; returns ``(N, H, G)``."""
+    (n, h), dy_dtype = _rank2(op, "dy", dy, "num_rows, hidden")
+    check_float_dtype(op, "dy", dy_dtype)
+    _check_scales(op, scales, n)
+    g = _check_grouped_bias(op, bias, h, "dy")
+    _check_offsets(op, offsets, g)
+    _check_accumulator(op, "dbias", dbias, (g, h))
+    _check_accumulator(op, "dscales", dscales, (n,))
+    return n, h, g
+
+
+def check_grouped_dbias_args(dy, offsets, num_groups, dbias,
+                             op: str = GROUPED_DBIAS_OP) -> tuple[int, int, int]:
+    """Checks ``compute_grouped_dbias``; returns ``(N, H, G)``."""
+    (n, h), dy_dtype = _rank2(op, "dy", dy, "num_rows, hidden")
+    check_float_dtype(op, "dy", dy_dtype)
+    g = _as_int(op, "num_groups", num_groups)
+    if g < 1:
+        raise ValueError(f"{op}: num_groups ({g}) must be >= 1.")
+    _check_offsets(op, offsets, g)
+    _check_accumulator(op, "dbias", dbias, (g, h))
+    return n, h, g
+
+
+def check_scaled_bias_add_args(y, bias, scales, group_sizes,
+                               op: str = SCALED_BIAS_ADD_OP) -> tuple[int, int, int]:
+    """Checks ``grouped_scaled_bias_add``; returns ``(N, H, G)``."""
+    (n, h), y_dtype = _rank2(op, "y", y, "num_rows, hidden")
+    check_float_dtype(op, "y", y_dtype)
+    g = _check_grouped_bias(op, bias, h, "y")
+    _check_scales(op, scales, n)
+    gs_shape, gs_dtype = array_meta(op, "group_sizes", group_sizes)
+    if tuple(gs_shape) != (g,):
+        raise ValueError(f"{op}: group_sizes shape {gs_shape} must be (num_groups,) = ({g},).")
+    _check_int_dtype(op, "group_sizes", gs_dtype)
+    if not _is_traced(group_sizes):
+        sizes = np.asarray(group_sizes)
+        if (sizes < 0).any():
+            raise ValueError(f"{op}: group_sizes ({sizes.tolist()}) must be >= 0.")
+    return n, h, g
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """Validated static configuration of one ``token_dispatch`` call."""
+
+    num_tokens: int
+    hidden: int
+    num_experts: int
+    routing_map_format: RoutingMapFormat
+    num_out_tokens: int
+    align_size: int | None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the dispatched output: ``num_out_tokens``, or TE's aligned
+        worst case ``((num_out_tokens + E * (A - 1)) // A) * A``."""
+        a = self.align_size
+        if a is None:
+            return self.num_out_tokens
+        return ((self.num_out_tokens + self.num_experts * (a - 1)) // a) * a
+
+
+def check_token_dispatch_args(inp, routing_map, num_out_tokens, probs, align_size, num_experts,
+                              op: str = TOKEN_DISPATCH_OP) -> DispatchConfig:
+    """Checks ``token_dispatch``; returns the config.
+
+    ``E`` is ``routing_map.shape[1]`` for a bool map; for a uint8 map
+    (BITMAP_U8) it is ``num_experts``, else ``probs.shape[1]``.
+    """
+    (t, h), inp_dtype = _rank2(op, "inp", inp, "num_tokens, hidden")
+    check_float_dtype(op, "inp", inp_dtype)
+    m_shape, m_dtype = _rank2(op, "routing_map", routing_map, "num_tokens, num_experts")
+    if m_shape[0] != t:
+        raise ValueError(f"{op}: routing_map shape {m_shape} must have num_tokens = inp.shape[0] ({t}) rows.")
+    p_shape = None
+    if probs is not None:
+        p_shape, p_dtype = _rank2(op, "probs", probs, "num_tokens, num_experts")
+        check_float_dtype(op, "probs", p_dtype)
+    if num_experts is not None:
+        num_experts = _as_int(op, "num_experts", num_experts)
+        if p_shape is not None and p_shape[1] != num_experts:
+            raise ValueError(f"{op}: num_experts ({num_experts}) must equal probs.shape[1] ({p_shape[1]}).")
+    elif p_shape is not None and _dtype_name(m_dtype) == "uint8":
+        num_experts = p_shape[1]
+    elif _dtype_name(m_dtype) == "uint8":
+        raise ValueError(f"{op}: num_experts must be given (or probs) with a uint8 routing_map (BITMAP_U8): "
+                         "its byte count only bounds it.")
+    fmt, e = check_routing_map(op, routing_map, num_experts)
+    if p_shape is not None and tuple(p_shape) != (t, e):
+        raise ValueError(f"{op}: probs shape {p_shape} must be (num_tokens, num_experts) = ({t}, {e}).")
+    n_out = _as_int(op, "num_out_tokens", num_out_tokens)
+    if n_out <= 0:
+        raise ValueError(f"{op}: num_out_tokens ({n_out}) must be > 0.")
+    if align_size is not None:
+        align_size = _as_int(op, "align_size", align_size)
+        if align_size < 1:
+            raise ValueError(f"{op}: align_size ({align_size}) must be >= 1 (or None).")
+    return DispatchConfig(num_tokens=t, hidden=h, num_experts=e, routing_map_format=fmt,
+                          num_out_tokens=n_out, align_size=align_size)
+
+
+def check_token_combine_args(inp, row_id_map, merging_probs, pad_offsets,
+                             op: str = TOKEN_COMBINE_OP) -> tuple[int, int, int, int]:
+    """Checks ``token_combine``; returns ``(R, H, T, E)``."""
+    (r, h), inp_dtype = _rank2(op, "inp", inp, "num_rows, hidden")
+    check_float_dtype(op, "inp", inp_dtype)
+    (t, e), m_dtype = _rank2(op, "row_id_map", row_id_map, "num_tokens, num_experts")
+    _check_int_dtype(op, "row_id_map", m_dtype)
+    if e < 1:
+        raise ValueError(f"{op}: num_experts (row_id_map.shape[1] = 0) must be >= 1.")
+    if merging_probs is not None:
+        p_shape, p_dtype = array_meta(op, "merging_probs", merging_probs)
+        if tuple(p_shape) != (t, e):
+            raise ValueError(f"{op}: merging_probs shape {p_shape} must be row_id_map's "
+                             f"(num_tokens, num_experts) = ({t}, {e}).")
+        check_float_dtype(op, "merging_probs", p_dtype)
+    if pad_offsets is not None:
+        o_shape, o_dtype = array_meta(op, "pad_offsets", pad_offsets)
+        if tuple(o_shape) != (e,):
+            raise ValueError(f"{op}: pad_offsets shape {o_shape} must be (num_experts,) = ({e},).")
+        _check_int_dtype(op, "pad_offsets", o_dtype)
+    return r, h, t, e
+
+
+# ----------------------------------------------------------------------------
+# The numba backend of the token-level MoE ops (gpurouter/_ops/moe_ops.py,
+# kernels in gpurouter/kernels/moe_*.py)
+# ----------------------------------------------------------------------------
+
+#: the token-level MoE ops with kernels (grouped_scaled_bias_add: its backward;
+#: token_dispatch: its row copy and backward)
+MOE_KERNEL_OPS = (GROUPED_DBIAS_DSCALES_OP, GROUPED_DBIAS_OP, SCALED_BIAS_ADD_OP, TOKEN_COMBINE_OP,
+                  TOKEN_DISPATCH_OP)
+
+
+def check_moe_kernel_backend(op: str, backend: str) -> str:
+    """``backend`` of a token-level MoE op, checked; ``"numba"`` for an op
+    without kernels (none left: every op of MOE_KERNEL_OPS has them) is a
+    ``NotImplementedError``."""
+    check_backend(op, backend)
+    if backend == "numba" and op not in MOE_KERNEL_OPS:
+        raise moe_no_kernel_error(op)
+    return backend
+
+
+def check_moe_kernel_limit(op: str, name: str, value: int, limit: int) -> None:
+    """A valid size beyond what a MoE kernel takes: ``NotImplementedError``."""
+    if value > limit:
+        raise NotImplementedError(
+            f"{op} (numba): {name} ({value}) exceeds the kernel limit of {limit}; use backend=\"jax\"."
+        )
+
+
+# ----------------------------------------------------------------------------
+# The MoE block (gpurouter/moe.py, gpurouter/reference/moe.py)
+# ----------------------------------------------------------------------------
+
+MOE_OP = "moe"
+MOE_ACTIVATIONS = ("silu", "gelu", "relu", "linear")
+
+
+def check_moe_args(x_shape, gate_shape, wi_0_shape, wi_1_shape, wo_shape, b0_shape, b1_shape, bo_shape,
+                   num_experts, num_experts_per_tok, activation_type, align_size, ep_shards: int = 1,
+                   op: str = MOE_OP) -> None:
+    """Checks the MoE block's shapes and config (TE's weight layouts; with
+    expert parallelism over ``ep_shards`` devices the expert weights are this
+    device's ``num_experts / ep_shards``)."""
+    e = _as_int(op, "num_experts", num_experts)
+    k = _as_int(op, "num_experts_per_tok", num_experts_per_tok)
+    align_size = _as_int(op, "align_size", align_size)
+    if align_size < 0:
+        raise ValueError(f"{op}: align_size ({align_size}) must be >= 0 (0: no padding).")
+    if e < 1:
+        raise ValueError(f"{op}: num_experts ({e}) must be >= 1.")
+    if e % ep_shards:
+        raise ValueError(f"{op}: num_experts ({e}) must be divisible by the ep_axis size ({ep_shards}).")
+    if not 1 <= k <= e:
+        raise ValueError(f"{op}: num_experts_per_tok ({k}) must be in [1, num_experts ({e})].")
+    if len(x_shape) < 1:
+        raise ValueError(f"{op}: x rank (0) must be >= 1 (x is [..., hidden]).")
+    h = x_shape[-1]
+    if tuple(gate_shape) != (h, e):
+        raise ValueError(f"{op}: gate_kernel shape {tuple(gate_shape)} must be (hidden, num_experts) = {(h, e)}.")
+    e = e // ep_shards  # the experts whose weights this device holds
+    if len(wi_0_shape) != 3 or tuple(wi_0_shape[:2]) != (e, h):
+        raise ValueError(f"{op}: wi_0 shape {tuple(wi_0_shape)} must be (local experts, hidden, M) = ({e}, {h}, M).")
+    m = wi_0_shape[2]
+    if tuple(wi_1_shape) != (e, h, m):
+        raise ValueError(f"{op}: wi_1 shape {tuple(wi_1_shape)} must be wi_0's, {(e, h, m)}.")
+    if tuple(wo_shape) != (e, m, h):
+        raise ValueError(f"{op}: wo shape {tuple(wo_shape)} must be (num_experts, M, hidden) = {(e, m, h)}.")
+    for name, got, want in (("wi_0_bias", b0_shape, (e, m)), ("wi_1_bias", b1_shape, (e, m)),
+                            ("wo_bias", bo_shape, (e, h))):
+        if got is not None and tuple(got) != want:
+            raise ValueError(f"{op}: {name} shape {tuple(got)} must be {want}.")
+    if activation_type not in MOE_ACTIVATIONS:
+        raise ValueError(f"{op}: activation_type ({activation_type!r}) must be one of "
+                         f"{', '.join(map(repr, MOE_ACTIVATIONS))}.")
