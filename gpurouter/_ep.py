@@ -21,6 +21,8 @@ use it, GPUs the real collective.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -48,9 +50,21 @@ def a2a_params(counts: jax.Array, me: jax.Array, num_shards: int):
             output_offsets.astype(jnp.int32), recv_sizes.astype(jnp.int32))
 
 
-def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+def ragged_all_to_all(operand, num_rows: int, input_offsets, send_sizes, output_offsets, recv_sizes, *,
                       axis_name, num_shards: int):
-    """``jax.lax.ragged_all_to_all``, or its exact stand-in on XLA:CPU."""
+    """``jax.lax.ragged_all_to_all`` into a zero buffer of ``num_rows`` rows
+    (or its exact stand-in on XLA:CPU) with its own backward: the cotangent rows travel back the way they came, a
+    second ragged all-to-all with the offsets mirrored. (JAX's own transpose
+    of the collective gave wrong gradients on two H200s with jax 0.11.2,
+    while the forward was right; the CPU stand-in differentiated by JAX was
+    right: tests/test_moe.py, docs/moe.md.)"""
+    params = (input_offsets, send_sizes, output_offsets, recv_sizes)
+    return _exchange(operand, params, axis_name, num_shards, (operand.shape, int(num_rows)))
+
+
+def _exchange_raw(operand, params, num_rows: int, axis_name, num_shards: int):
+    input_offsets, send_sizes, output_offsets, recv_sizes = params
+    output = jnp.zeros((num_rows,) + operand.shape[1:], operand.dtype)
     if jax.default_backend() != "cpu":
         return lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                                      axis_name=axis_name)
@@ -68,6 +82,30 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
     return output
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _exchange(operand, params, axis_name, num_shards: int, shapes):
+    return _exchange_raw(operand, params, shapes[1], axis_name, num_shards)
+
+
+def _exchange_fwd(operand, params, axis_name, num_shards: int, shapes):
+    return _exchange_raw(operand, params, shapes[1], axis_name, num_shards), params
+
+
+def _exchange_bwd(axis_name, num_shards: int, shapes, params, ct):
+    """Operand row ``input_offsets[j] + i`` went to shard j's row
+    ``output_offsets[j] + i``: its cotangent comes back from there."""
+    input_offsets, send_sizes, output_offsets, recv_sizes = params
+    me = lax.axis_index(axis_name)
+    landed = lax.all_gather(output_offsets, axis_name)[:, me]  # where each source's rows are in mine
+    came_from = lax.all_gather(input_offsets, axis_name)[:, me]  # where they were in the source's operand
+    back = (landed.astype(jnp.int32), recv_sizes, came_from.astype(jnp.int32), send_sizes)
+    d_operand = _exchange_raw(ct, back, shapes[0][0], axis_name, num_shards)
+    return d_operand, None
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
 def dispatch(xs, rows_expert, group_sizes, *, axis_name, num_shards: int, num_experts: int):
     """Sends the expert-sorted rows ``xs [N, H]`` (``rows_expert [N]`` their
     global experts, ``group_sizes [E]`` this device's counts) to their experts'
@@ -77,13 +115,13 @@ def dispatch(xs, rows_expert, group_sizes, *, axis_name, num_shards: int, num_ex
     me = lax.axis_index(axis_name)
     counts = lax.all_gather(group_sizes, axis_name)  # [P, E]
     params = a2a_params(counts, me, num_shards)
-    buf = jnp.zeros((num_shards * xs.shape[0],) + xs.shape[1:], xs.dtype)
-    received = ragged_all_to_all(xs, buf, *params, axis_name=axis_name, num_shards=num_shards)
+    n_buf = num_shards * xs.shape[0]
+    received = ragged_all_to_all(xs, n_buf, *params, axis_name=axis_name, num_shards=num_shards)
     # local expert of each received row: source-major chunks, each expert-major
     mine = lax.dynamic_slice_in_dim(counts, me * e_local, e_local, axis=1)  # [P, E_l]
     ends = jnp.cumsum(mine.reshape(-1))
     n_recv = ends[-1]
-    rows = jnp.arange(buf.shape[0], dtype=jnp.int32)
+    rows = jnp.arange(n_buf, dtype=jnp.int32)
     slot = jnp.searchsorted(ends, rows, side="right")  # the (source, local expert) slot of each row
     local_e = jnp.where(rows < n_recv, slot % e_local, e_local)  # the unused tail sorts last
     order = jnp.argsort(local_e, stable=True)
@@ -100,6 +138,5 @@ def combine(z, state, *, axis_name, num_shards: int):
     # the source shard s expects its rows at its own input_offsets[me]
     all_in = lax.all_gather(input_offsets, axis_name)  # [src, dst]
     rev_out = all_in[:, me]
-    out = jnp.zeros((n,) + z.shape[1:], z.dtype)
-    return ragged_all_to_all(back, out, rev_in.astype(jnp.int32), recv_sizes, rev_out.astype(jnp.int32),
+    return ragged_all_to_all(back, n, rev_in.astype(jnp.int32), recv_sizes, rev_out.astype(jnp.int32),
                              send_sizes, axis_name=axis_name, num_shards=num_shards)
