@@ -36,6 +36,8 @@ def test_the_offsets_are_the_c_layout_of_the_header():
             ffi_abi.CF_ATTRS_ATTRS, ffi_abi.CF_MIN_SIZE) == (16, 24, 56, 112, 160, 168)
     assert (ffi_abi.BUF_DATA, ffi_abi.BUF_RANK, ffi_abi.BUF_DIMS) == (24, 32, 40)
     assert (ffi_abi.API_ERROR_CREATE, ffi_abi.API_STREAM_GET, ffi_abi.API_DEVICE_ORDINAL_GET) == (48, 80, 184)
+    assert (ffi_abi.STREAM_CTX, ffi_abi.STREAM_OUT) == (ffi_abi.ORDINAL_CTX, ffi_abi.ORDINAL_OUT) == (
+        ffi_abi.QUERY_CTX, ffi_abi.QUERY_OUT)  # one Args layout for both context queries
     _, _, version = ffi_abi.parse_header(_header())
     assert version[0] == ffi_abi.ABI_MAJOR and version >= ffi_abi.DECLARED_VERSION
 

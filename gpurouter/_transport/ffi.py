@@ -88,6 +88,16 @@ def _handler():
         st32(args + abi.ERR_ERRC, code)
         return call_api(ld64(api + abi.API_ERROR_CREATE), (args,))
 
+    @njit(inline="always")
+    def ask(api, function, args, size, ctx):
+        """Calls the API function at offset ``function`` with an Args struct
+        {struct_size, extension_start, ctx, out} at ``args`` (out zeroed)."""
+        st64(args, size)
+        st64(args + 8, 0)
+        st64(args + abi.QUERY_CTX, ctx)
+        st64(args + abi.QUERY_OUT, 0)
+        return call_api(ld64(api + function), (args,))
+
     @njit
     def fail_code(api, message, code):
         """``message`` + " (CUresult <code>)" in a stack buffer."""
@@ -160,26 +170,17 @@ def _handler():
                 return fail(api, ld64(rec + 8 * MSG_SIZES), abi.ERROR_INVALID_ARGUMENT)
             st64(ptrs + 8 * a, ld64(buf + abi.BUF_DATA))
         ctx = ld64(frame + abi.CF_CTX)
-        stream_args = scratch(4)
-        st64(stream_args, abi.STREAM_SIZE)
-        st64(stream_args + 8, 0)
-        st64(stream_args + abi.STREAM_CTX, ctx)
-        st64(stream_args + abi.STREAM_OUT, 0)
-        err = call_api(ld64(api + abi.API_STREAM_GET), (stream_args,))
+        query = scratch(4)  # the Args struct of the two context queries
+        err = ask(api, abi.API_STREAM_GET, query, abi.STREAM_SIZE, ctx)
         if err != 0:
             return err
-        stream = ld64(stream_args + abi.STREAM_OUT)
+        stream = ld64(query + abi.QUERY_OUT)
         ordinal = 0
         if api_size >= abi.API_DEVICE_ORDINAL_GET + 8:
-            ordinal_args = scratch(4)
-            st64(ordinal_args, abi.ORDINAL_SIZE)
-            st64(ordinal_args + 8, 0)
-            st64(ordinal_args + abi.ORDINAL_CTX, ctx)
-            st32(ordinal_args + abi.ORDINAL_OUT, 0)
-            err = call_api(ld64(api + abi.API_DEVICE_ORDINAL_GET), (ordinal_args,))
+            err = ask(api, abi.API_DEVICE_ORDINAL_GET, query, abi.ORDINAL_SIZE, ctx)
             if err != 0:
                 return err
-            ordinal = ld32(ordinal_args + abi.ORDINAL_OUT)
+            ordinal = ld32(query + abi.QUERY_OUT)
         if ordinal < 0 or ordinal >= MAX_DEVICES or ld64(rec + 8 * (DEVICES + ordinal)) == 0:
             return fail(api, ld64(rec + 8 * MSG_DEVICE), abi.ERROR_FAILED_PRECONDITION)
         dev = rec + 8 * ld64(rec + 8 * (DEVICES + ordinal))

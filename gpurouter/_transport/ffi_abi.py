@@ -202,6 +202,9 @@ STREAM_OUT = _at(StreamGetArgs, "stream")
 ORDINAL_SIZE = DeviceOrdinalGetArgs.device_ordinal.offset + ctypes.sizeof(_i32)
 ORDINAL_CTX = _at(DeviceOrdinalGetArgs, "ctx")
 ORDINAL_OUT = _at(DeviceOrdinalGetArgs, "device_ordinal")
+#: the two context queries' Args share their layout up to the out field
+#: (ctx, then the out field at the same offsets; tests/test_ffi_abi.py)
+QUERY_CTX, QUERY_OUT = STREAM_CTX, STREAM_OUT
 
 
 # ----------------------------------------------------------------------------
