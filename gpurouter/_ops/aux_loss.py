@@ -88,28 +88,36 @@ def fused_moe_aux_loss(
 
 
 def _fwd_launch(cfg: AuxLossConfig, probs, tokens_per_expert, **kw):
-    return _backend.kernels().moe_aux_loss_fwd(
+    from ..kernels.aux_loss import moe_aux_loss_fwd
+
+    return moe_aux_loss_fwd(
         probs, tokens_per_expert, cfg.topk, cfg.coeff, cfg.total_num_tokens, cfg.num_experts,
         **kw,
     )
 
 
 def _bwd_launch(num_rows: int, saved_coeff, tokens_per_expert, grad_loss, **kw):
-    out = _backend.kernels().moe_aux_loss_bwd(
+    from ..kernels.aux_loss import moe_aux_loss_bwd
+
+    out = moe_aux_loss_bwd(
         saved_coeff, tokens_per_expert, grad_loss, num_rows, **kw
     )
     return (out,)
 
 
 def _fwd_plan(cfg: AuxLossConfig, probs, tokens_per_expert):
+    from ..kernels.aux_loss import moe_aux_loss_fwd_plan
+
     rows, cols = probs.shape
     c = aux_loss_coeff(cols if cfg.num_experts is None else cfg.num_experts, cfg.coeff, cfg.topk,
                        rows if cfg.total_num_tokens is None else cfg.total_num_tokens)
-    return _backend.kernels().moe_aux_loss_fwd_plan(probs, tokens_per_expert, c)
+    return moe_aux_loss_fwd_plan(probs, tokens_per_expert, c)
 
 
 def _bwd_plan(num_rows: int, saved_coeff, tokens_per_expert, grad_loss):
-    return _backend.kernels().moe_aux_loss_bwd_plan(tokens_per_expert, grad_loss, num_rows)
+    from ..kernels.aux_loss import moe_aux_loss_bwd_plan
+
+    return moe_aux_loss_bwd_plan(tokens_per_expert, grad_loss, num_rows)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

@@ -60,19 +60,27 @@ def router_z_loss(
 
 
 def _fwd_launch(coeff, total, logits, **kw):
-    return _backend.kernels().router_z_loss_fwd(logits, coeff, total, **kw)
+    from ..kernels.z_loss import router_z_loss_fwd
+
+    return router_z_loss_fwd(logits, coeff, total, **kw)
 
 
 def _fwd_plan(coeff, total, logits):
-    return _backend.kernels().router_z_loss_fwd_plan(logits, coeff, total)
+    from ..kernels.z_loss import router_z_loss_fwd_plan
+
+    return router_z_loss_fwd_plan(logits, coeff, total)
 
 
 def _bwd_launch(coeff, total, logits, lse, grad_loss, **kw):
-    return (_backend.kernels().router_z_loss_bwd(logits, lse, grad_loss, coeff, total, **kw),)
+    from ..kernels.z_loss import router_z_loss_bwd
+
+    return (router_z_loss_bwd(logits, lse, grad_loss, coeff, total, **kw),)
 
 
 def _bwd_plan(coeff, total, logits, lse, grad_loss):
-    return _backend.kernels().router_z_loss_bwd_plan(logits, coeff, total)
+    from ..kernels.z_loss import router_z_loss_bwd_plan
+
+    return router_z_loss_bwd_plan(logits, coeff, total)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

@@ -91,8 +91,9 @@ def fused_topk_with_score_function(
         if return_indices or forced or logits.dtype == jnp.float64:
             return False
         try:
-            _backend.kernels().check_limits(TOPK_OP, num_experts, cfg.topk,
-                                            cfg.num_groups if cfg.grouped else 1)
+            from ..kernels._limits import check_limits
+
+            check_limits(TOPK_OP, num_experts, cfg.topk, cfg.num_groups if cfg.grouped else 1)
         except (ImportError, NotImplementedError):
             return False
         return kernels_faster_here(TOPK_OP, transport, logits.size // max(num_experts, 1), num_experts, cfg.topk)
@@ -115,9 +116,9 @@ def fused_topk_with_score_function(
     else:
         transport = resolve_transport(TOPK_OP, transport)
         check_kernel_dtype(TOPK_OP, "logits", logits.dtype)
-        _backend.kernels().check_limits(
-            TOPK_OP, num_experts, cfg.topk, cfg.num_groups if cfg.grouped else 1
-        )
+        from ..kernels._limits import check_limits
+
+        check_limits(TOPK_OP, num_experts, cfg.topk, cfg.num_groups if cfg.grouped else 1)
         if bias is not None:
             # The kernels read an fp32 bias; a half bias is upcast here (exactly).
             check_kernel_dtype(TOPK_OP, "expert_bias", bias.dtype)
@@ -192,12 +193,14 @@ def _indices_kw(call: _KernelCall) -> dict:
 
 
 def _topk_launch(cfg: TopkConfig, call: _KernelCall, logits, *extra, **kw):
+    from ..kernels.topk import topk_with_score_function_fwd
+
     bias = extra[0] if extra and not call.forced else None
     if call.forced:
         kw["forced_indices"] = extra[0]
         if call.replay_bias:  # any [E] fp32 array: its values are not read
             bias = np.zeros((logits.shape[-1],), np.float32)
-    return _backend.kernels().topk_with_score_function_fwd(
+    return topk_with_score_function_fwd(
         logits, cfg.topk, cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk,
         cfg.scaling_factor, int(cfg.score_function), bias, int(cfg.routing_map_format),
         **_indices_kw(call), **kw,
@@ -205,10 +208,12 @@ def _topk_launch(cfg: TopkConfig, call: _KernelCall, logits, *extra, **kw):
 
 
 def _topk_plan(cfg: TopkConfig, call: _KernelCall, logits, *extra):
+    from ..kernels.topk import topk_with_score_function_fwd_plan
+
     kw = _indices_kw(call)
     if call.forced:
         kw["forced"] = True
-    return _backend.kernels().topk_with_score_function_fwd_plan(
+    return topk_with_score_function_fwd_plan(
         logits, (bool(extra) and not call.forced) or call.replay_bias, cfg.topk, cfg.use_pre_softmax, cfg.num_groups,
         cfg.group_topk, np.float32(cfg.scaling_factor), int(cfg.score_function),
         int(cfg.routing_map_format), **kw,
@@ -234,7 +239,9 @@ def _topk_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
 
 
 def _topk_bwd_launch(cfg: TopkConfig, routing_map, saved, grad_probs, **kw):
-    out = _backend.kernels().topk_with_score_function_bwd(
+    from ..kernels.topk import topk_with_score_function_bwd
+
+    out = topk_with_score_function_bwd(
         routing_map, saved, grad_probs, cfg.topk, cfg.use_pre_softmax,
         cfg.scaling_factor, int(cfg.score_function), **kw,
     )
@@ -242,7 +249,9 @@ def _topk_bwd_launch(cfg: TopkConfig, routing_map, saved, grad_probs, **kw):
 
 
 def _topk_bwd_plan(cfg: TopkConfig, routing_map, saved, grad_probs):
-    return _backend.kernels().topk_with_score_function_bwd_plan(
+    from ..kernels.topk import topk_with_score_function_bwd_plan
+
+    return topk_with_score_function_bwd_plan(
         grad_probs, cfg.topk, cfg.use_pre_softmax, np.float32(cfg.scaling_factor),
         int(cfg.score_function), int(cfg.routing_map_format),
     )
@@ -264,16 +273,20 @@ _topk.defvjp(_topk_fwd, _topk_bwd)
 
 
 def _aux_launch(cfg: TopkConfig, write_indices: bool, logits, **kw):
+    from ..kernels.aux_scores import score_for_aux_loss_fwd
+
     if write_indices:
         kw["return_indices"] = True
-    return _backend.kernels().score_for_aux_loss_fwd(
+    return score_for_aux_loss_fwd(
         logits, cfg.topk, int(cfg.score_function), int(cfg.routing_map_format), **kw
     )
 
 
 def _aux_plan(cfg: TopkConfig, write_indices: bool, logits):
+    from ..kernels.aux_scores import score_for_aux_loss_fwd_plan
+
     kw = {"return_indices": True} if write_indices else {}
-    return _backend.kernels().score_for_aux_loss_fwd_plan(
+    return score_for_aux_loss_fwd_plan(
         logits, cfg.topk, int(cfg.score_function), int(cfg.routing_map_format), **kw)
 
 
@@ -292,16 +305,20 @@ def _aux_scores_fwd(x, cfg: TopkConfig, dtype, transport: str, write_indices: bo
 
 
 def _aux_bwd_launch(cfg: TopkConfig, out_dtype, saved, grad_scores, **kw):
-    out = _backend.kernels().score_for_aux_loss_bwd(
+    from ..kernels.aux_scores import score_for_aux_loss_bwd
+
+    out = score_for_aux_loss_bwd(
         saved, grad_scores, int(cfg.score_function), out_dtype, **kw
     )
     return (out,)
 
 
 def _aux_bwd_plan(cfg: TopkConfig, out_dtype, saved, grad_scores):
-    k = _backend.kernels()
-    kind = k.kind_of_dtype(out_dtype, "out_dtype", "score_for_aux_loss_bwd")
-    return k.score_for_aux_loss_bwd_plan(saved, int(cfg.score_function), kind)
+    from ..kernels._launch import kind_of_dtype
+    from ..kernels.aux_scores import score_for_aux_loss_bwd_plan
+
+    kind = kind_of_dtype(out_dtype, "out_dtype", "score_for_aux_loss_bwd")
+    return score_for_aux_loss_bwd_plan(saved, int(cfg.score_function), kind)
 
 
 def _aux_scores_bwd(cfg: TopkConfig, dtype, transport: str, write_indices: bool, saved, cts):

@@ -1,0 +1,215 @@
+"""The numba backend of token dispatch and combine: ``jax.custom_vjp`` around
+the kernels of ``gpurouter/kernels/moe_combine.py`` (docs/ops/moe_ops.md).
+
+- ``token_combine``: forward one kernel call, backward one kernel call that
+  computes ``d_inp`` and ``d_merging_probs`` together;
+- ``token_dispatch``: the integer index maps (``row_id_map``, counts,
+  ``pad_offsets``) and the small ``permuted_probs`` scatter in jnp, the row
+  copy on the kernels (the unweighted combine backward's), its backward the
+  unweighted combine forward (the K copies summed in fp32).
+
+Every array is a per-call argument (``vmap`` runs one launch per batch
+element); every launch goes through :func:`gpurouter._transport.kernel_call`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .._checks import (
+    TOKEN_COMBINE_OP,
+    TOKEN_DISPATCH_OP,
+    check_kernel_dtype,
+    check_moe_kernel_limit,
+)
+from .._transport import kernel_call, resolve_transport
+from ..reference import moe_ops as _ref
+
+F32 = jnp.float32
+I32 = jnp.int32
+
+# ----------------------------------------------------------------------------
+# Token combine
+# ----------------------------------------------------------------------------
+
+
+def _cf_plan(*specs):
+    from ..kernels.moe_plans import token_combine_fwd_plan
+
+    return token_combine_fwd_plan(*specs)
+
+
+def _cf_launch(*arrays, **kw):
+    from ..kernels.moe_plans import token_combine_fwd
+
+    return (token_combine_fwd(*arrays, **kw),)
+
+
+def _cb_plan(*specs):
+    from ..kernels.moe_plans import token_combine_bwd_plan
+
+    return token_combine_bwd_plan(*specs)
+
+
+def _cb_launch(*arrays, **kw):
+    from ..kernels.moe_plans import token_combine_bwd
+
+    d_z, d_w = token_combine_bwd(*arrays, **kw)
+    return (d_z,) if d_w is None else (d_z, d_w)
+
+
+def _combine_call(inp, rid, w, transport):
+    t = rid.shape[0]
+    args = [inp, rid] + ([w] if w is not None else [])
+    (out,) = kernel_call(_cf_launch, _cf_plan, [jax.ShapeDtypeStruct((t, inp.shape[1]), inp.dtype)], [], args,
+                         transport)
+    return out
+
+
+def _combine_bwd_call(dy, inp, rid, w, transport):
+    specs = [jax.ShapeDtypeStruct(inp.shape, inp.dtype)]
+    if w is not None:
+        specs.append(jax.ShapeDtypeStruct(w.shape, w.dtype))
+    args = [dy.astype(inp.dtype), inp, rid] + ([w] if w is not None else [])
+    return kernel_call(_cb_launch, _cb_plan, specs, [], args, transport)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _combine_weighted(inp, merging_probs, rid, transport):
+    return _combine_call(inp, rid, merging_probs, transport)
+
+
+def _combine_weighted_fwd(inp, merging_probs, rid, transport):
+    return _combine_call(inp, rid, merging_probs, transport), (inp, merging_probs, rid)
+
+
+def _combine_weighted_bwd(transport, res, dy):
+    inp, merging_probs, rid = res
+    d_inp, d_w = _combine_bwd_call(dy, inp, rid, merging_probs, transport)  # one pass, both
+    return d_inp, d_w, None
+
+
+_combine_weighted.defvjp(_combine_weighted_fwd, _combine_weighted_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _combine_plain(inp, rid, transport):
+    return _combine_call(inp, rid, None, transport)
+
+
+def _combine_plain_fwd(inp, rid, transport):
+    return _combine_call(inp, rid, None, transport), (inp, rid)
+
+
+def _combine_plain_bwd(transport, res, dy):
+    inp, rid = res
+    (d_inp,) = _combine_bwd_call(dy, inp, rid, None, transport)
+    return d_inp, None
+
+
+_combine_plain.defvjp(_combine_plain_fwd, _combine_plain_bwd)
+
+
+def token_combine(inp, row_id_map, merging_probs, transport: str):
+    """``[T, H]`` in ``inp.dtype`` by the kernels (arguments checked)."""
+    from ..kernels.moe_combine import CMB_MAX_EXPERTS
+
+    op = TOKEN_COMBINE_OP
+    transport = resolve_transport(op, transport)
+    inp, rid = jnp.asarray(inp), jnp.asarray(row_id_map)
+    check_kernel_dtype(op, "inp", inp.dtype)
+    if merging_probs is not None:
+        merging_probs = jnp.asarray(merging_probs)
+        check_kernel_dtype(op, "merging_probs", merging_probs.dtype)
+    check_moe_kernel_limit(op, "num_experts", rid.shape[1], CMB_MAX_EXPERTS)
+    if inp.shape[0] == 0 or inp.shape[1] == 0 or rid.shape[0] == 0:
+        return _ref.token_combine(inp, rid, merging_probs)
+    rid = rid.astype(I32)
+    if merging_probs is None:
+        return _combine_plain(inp, rid, transport)
+    return _combine_weighted(inp, merging_probs, rid, transport)
+
+
+# ----------------------------------------------------------------------------
+# Token dispatch: the index maps in jnp (integer, exact), the row copy on the kernels
+# ----------------------------------------------------------------------------
+
+
+def _df_plan(num_rows, *specs):
+    from ..kernels.moe_plans import token_dispatch_fwd_plan
+
+    return token_dispatch_fwd_plan(*specs, num_rows)
+
+
+def _df_launch(num_rows, *arrays, **kw):
+    from ..kernels.moe_plans import token_dispatch_fwd
+
+    return (token_dispatch_fwd(*arrays, num_rows, **kw),)
+
+
+_dispatch_maps = jax.jit(_ref._dispatch_maps, static_argnums=(1,))  # integer maps, one program eagerly
+
+
+def _routed(rid, num_rows):
+    return (rid >= 0) & (rid < num_rows)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _dispatch_apply(inp, probs, rid, num_rows, transport):
+    return _dispatch_apply_fwd(inp, probs, rid, num_rows, transport)[0]
+
+
+def _dispatch_apply_fwd(inp, probs, rid, num_rows, transport):
+    (out,) = kernel_call(functools.partial(_df_launch, num_rows), functools.partial(_df_plan, num_rows),
+                         [jax.ShapeDtypeStruct((num_rows, inp.shape[1]), inp.dtype)], [], [inp, rid], transport)
+    pp = None
+    if probs is not None:
+        # permuted_probs[row(t, e)] = probs[t, e]: an integer-indexed scatter of
+        # unique rows (each written once: deterministic), padding rows 0.
+        dest = jnp.where(_routed(rid, num_rows), rid, num_rows).reshape(-1)
+        pp = jnp.zeros((num_rows,), probs.dtype).at[dest].set(probs.reshape(-1), mode="drop")
+    like = jnp.zeros((0,), inp.dtype)
+    return (out, pp), (rid, like, None if probs is None else probs[:0, :0])
+
+
+def _dispatch_apply_bwd(num_rows, transport, res, cts):
+    rid, like, probs_like = res
+    d_out, d_pp = cts
+    # d_inp[t] = sum of the K copies' cotangents: the unweighted combine forward
+    # (fp32, ascending expert order); padding rows are never read.
+    d_inp = _combine_call(d_out.astype(like.dtype), rid, None, transport)
+    d_probs = None
+    if probs_like is not None:
+        routed = _routed(rid, num_rows)
+        d_pp = jnp.zeros((num_rows,), probs_like.dtype) if d_pp is None else d_pp
+        d_probs = jnp.where(routed, d_pp[jnp.where(routed, rid, 0)], 0).astype(probs_like.dtype)
+    return d_inp, d_probs, None
+
+
+_dispatch_apply.defvjp(_dispatch_apply_fwd, _dispatch_apply_bwd)
+
+
+def token_dispatch(inp, routing_map, probs, cfg, transport: str):
+    """``(output, permuted_probs, row_id_map, pad_offsets, tokens_per_expert)``
+    with the row copy on the kernels (``cfg``: the checked DispatchConfig)."""
+    from ..kernels.moe_combine import CMB_MAX_EXPERTS
+    from ..reference.routing_map import unpack_routing_map
+
+    op = TOKEN_DISPATCH_OP
+    transport = resolve_transport(op, transport)
+    inp = jnp.asarray(inp)
+    check_kernel_dtype(op, "inp", inp.dtype)
+    if probs is not None:
+        probs = jnp.asarray(probs)
+        check_kernel_dtype(op, "probs", probs.dtype)
+    check_moe_kernel_limit(op, "num_experts", cfg.num_experts, CMB_MAX_EXPERTS)
+    if inp.shape[0] == 0 or inp.shape[1] == 0:
+        return _ref.token_dispatch(inp, routing_map, cfg.num_out_tokens, probs, cfg.align_size,
+                                   num_experts=cfg.num_experts)
+    m = unpack_routing_map(jnp.asarray(routing_map), cfg.num_experts)
+    rid, pad_offsets, tpe = _dispatch_maps(m, cfg)
+    out, pp = _dispatch_apply(inp, probs, rid, cfg.num_rows, transport)
+    return out, pp, rid, (None if cfg.align_size is None else pad_offsets), tpe
