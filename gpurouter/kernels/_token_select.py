@@ -44,8 +44,9 @@ from ._token_scans import token_scans
 
 @functools.cache
 def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled: bool = False,
-              indices: bool = False, forced: bool = False, asc: bool = False):
-    """Device function ``select(smem, row, E, G, Kg, o_gs, o_bias, bits, fword, xarr, xb) -> (total, m, thr, cut)``:
+              indices: bool = False, forced: bool = False, asc: bool = False, keys_out: bool = False):
+    """Device function ``select(smem, row, E, G, Kg, o_gs, o_bias, bits, fword, xarr, xb, o_keys) -> (total, m,
+    thr, cut)``:
     one thread's (group-limited) top-K (``topk``, a compile-time constant)
     of its tile row ``smem[row:row+E]`` plus, with ``has_bias``, the bias at
     ``smem[o_bias:o_bias+E]``; with ``scaled`` (the aux scores of sigmoid and
@@ -95,7 +96,12 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
     are ``xarr[xb:xb+K]`` (outside [0, E): none; a repeat: once), set as
     bits (the bit way), and the weights' statistics are those the normal
     call that selected them computes, in its order (``replay``).
+    ``keys_out`` (compile-time, instead of ``indices``): the K largest
+    scores of the list (descending, NaN as -inf) go to ``smem[o_keys:o_keys+K]``,
+    from which the kernel's phase 3 places each selected expert
+    (``_token_scans.quad_placer``); no hit lists.
     """
+    indices = bool(indices) and not keys_out  # the hit lists and ``place``
     list_len = topk + 1  # the list: K + 1 scores, to see whether a tie crosses the threshold
     push_k = register_pusher(list_len)
     glist = max(1, group_cap)  # the group list's size (a constant: numba sizes local arrays at compile time)
@@ -274,7 +280,7 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
         return total, n
 
     @cuda.jit(device=True)
-    def token_select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword, xarr, xb):
+    def token_select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword, xarr, xb, o_keys):
         if forced:
             return replay(smem, row, num_experts, bits, fword, xarr, xb)
         sel = cuda.local.array(topk, nb_i32)  # ``indices``: the hits, ascending, and their scores
@@ -307,7 +313,10 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
             total, n = bit_way(smem, row, o_bias, num_experts, kept, ngroups, gsize, thr, need, bits, fword, total,
                                scale, sel, rv, n)
             thr = NAN  # phase 3: read the bits
-        if indices:
+        if keys_out:
+            for q in range(topk):
+                smem[u32(o_keys + q)] = keys[q]
+        elif indices:
             place(keys, sel, rv, n, xarr, xb)
         m = ZERO
         if post:
