@@ -170,53 +170,33 @@ def token_scans(topk: int, has_bias: bool, scaled: bool, indices: bool):
 
 @functools.cache
 def quad_placer(topk: int, has_bias: bool):
-    """Device function ``place_quad(xarr, xb, smem, o_keys, row, o_bias, q, nib,
-    thr, bits, fword)``: the top-k forward's indices, written by phase 3 (all
-    threads) instead of the token's thread: the selected experts of quad
-    ``q`` of a tile row (``nib``: bit ``i`` for expert ``4q + i``; its score
-    re-read from the tile, so that no score stays live in a register across
-    the quad's stores, NaN as -inf) go to ``xarr[xb + place]``, where
-    ``place`` is the number of the token's K selected scores
-    (``smem[o_keys:o_keys+K]``, written by the selection) above the expert's,
-    plus the selected experts of a lower index and the same score: the rank
-    under (score desc, index asc), which is ``place`` of ``token_scans``.
-    That second count needs a scan of the lower experts only where the score
-    appears more than once among the K (a tie: rare outside -inf fillers);
-    on the threshold way every lower expert of that score is selected, on
-    the bit way (``thr`` NaN) the bits say which are."""
+    """Device function ``place_quad(xarr, xb, smem, o_keys, row, o_bias, q,
+    nib)``: the top-k forward's indices, written by phase 3 (all threads)
+    instead of the token's thread: the selected experts of quad ``q`` of a
+    tile row (``nib``: bit ``i`` for expert ``4q + i``; its score re-read
+    from the tile, so that no score stays live in a register across the
+    quad's stores; NaN as -inf) go to ``xarr[xb + place]``, where ``place``
+    is the number of the token's K selected scores (``smem[o_keys:o_keys+K]``,
+    written by the selection) above the expert's: its rank under (score
+    desc, index asc) when the K scores are distinct.  A token whose K scores
+    are not (a tie, -inf fillers) was placed by its selecting thread, which
+    marked its first key NaN (never a key: NaN counts as -inf): nothing to
+    do here."""
     score_at = token_scans(topk, has_bias, False, False)[0]
 
     @cuda.jit(device=True)
-    def tied_below(smem, row, o_bias, j, r, thr, bits, fword):
-        c = np.int32(0)
-        i = np.int32(0)
-        while i < j:
-            hit = nan_as_neg_inf(score_at(smem, row, o_bias, i, ONE)) == r
-            if thr != thr:
-                hit = hit & (np.uint32(bits[u32(fword + (i >> 5))] >> np.uint32(i & 31)) & np.uint32(1) != 0)
-            c = np.int32(c + np.int32(hit))
-            i = np.int32(i + 1)
-        return c
-
-    @cuda.jit(device=True)
-    def place_one(xarr, xb, smem, o_keys, row, o_bias, j, thr, bits, fword):
-        r = nan_as_neg_inf(score_at(smem, row, o_bias, j, ONE))
-        above = np.int32(0)
-        same = np.int32(0)
-        for q in range(topk):
-            k = smem[u32(o_keys + q)]
-            above = np.int32(above + np.int32(k > r))
-            same = np.int32(same + np.int32(k == r))
-        if same > 1:
-            above = np.int32(above + tied_below(smem, row, o_bias, j, r, thr, bits, fword))
-        xarr[u64(xb + above)] = j
-
-    @cuda.jit(device=True)
-    def place_quad(xarr, xb, smem, o_keys, row, o_bias, q, nib, thr, bits, fword):
+    def place_quad(xarr, xb, smem, o_keys, row, o_bias, q, nib):
         f = np.uint32(nib)
+        if smem[u32(o_keys)] != smem[u32(o_keys)]:
+            f = np.uint32(0)
         while f != 0:  # the quad's selected experts, lowest first
             i = np.int32(0 if f & 1 else (1 if f & 2 else (2 if f & 4 else 3)))
-            place_one(xarr, xb, smem, o_keys, row, o_bias, np.int32(4 * q + i), thr, bits, fword)
+            j = np.int32(4 * q + i)
+            r = nan_as_neg_inf(score_at(smem, row, o_bias, j, ONE))
+            above = np.int32(0)
+            for k in range(topk):
+                above = np.int32(above + np.int32(smem[u32(o_keys + k)] > r))
+            xarr[u64(xb + above)] = j
             f = np.uint32(f & np.uint32(f - np.uint32(1)))
 
     return place_quad

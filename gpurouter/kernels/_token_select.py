@@ -99,7 +99,11 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
     ``keys_out`` (compile-time, instead of ``indices``): the K largest
     scores of the list (descending, NaN as -inf) go to ``smem[o_keys:o_keys+K]``,
     from which the kernel's phase 3 places each selected expert
-    (``_token_scans.quad_placer``); no hit lists.
+    (``_token_scans.quad_placer``: its rank is the number of larger keys);
+    no hit lists.  Where two of the K are equal (a tie, or -inf fillers),
+    that rank needs the indices: the thread lists its selected experts
+    (``collect_selected``, one more scan, rare outside such rows) and places
+    them itself (``place``), marking ``smem[o_keys]`` NaN.
     """
     indices = bool(indices) and not keys_out  # the hit lists and ``place``
     list_len = topk + 1  # the list: K + 1 scores, to see whether a tie crosses the threshold
@@ -280,6 +284,45 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
         return total, n
 
     @cuda.jit(device=True)
+    def collect_selected(smem, row, o_bias, lo, hi, thr, cut, bitway, bits, fword, sel, rv, n):
+        # ``keys_out`` with equal keys: the selected experts of [lo, hi),
+        # ascending, with their scores (NaN as -inf), by the rule or the bits.
+        j = np.int32(lo)
+        while j < hi:
+            r = nan_as_neg_inf(score_at(smem, row, o_bias, j, ONE))
+            if bitway:
+                hit = np.uint32(bits[u32(fword + (j >> 5))] >> np.uint32(j & 31)) & np.uint32(1) != 0
+            else:
+                hit = (r > thr) | ((r == thr) & (j <= cut))
+            if hit & (n < topk):
+                sel[n] = j
+                rv[n] = r
+                n = np.int32(n + 1)
+            j = np.int32(j + 1)
+        return n
+
+    @cuda.jit(device=True)
+    def put_keys(smem, row, o_bias, keys, kept, ngroups, gsize, thr, cut, bits, fword, sel, rv, xarr, xb, o_keys):
+        # ``keys_out``: the K keys for phase 3, or, where two are equal, the
+        # indices placed here and the first key marked NaN.
+        dup = False
+        for q in range(topk - 1):
+            dup = dup | (keys[q] == keys[q + 1])
+        if dup:
+            n = np.int32(0)
+            g = np.int32(0)
+            while g < ngroups:
+                if (kept >> g) & 1:
+                    n = collect_selected(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize), thr,
+                                         cut, not (thr > NEG_INF), bits, fword, sel, rv, n)
+                g = np.int32(g + 1)
+            place(keys, sel, rv, n, xarr, xb)
+            smem[u32(o_keys)] = NAN
+        else:
+            for q in range(topk):
+                smem[u32(o_keys + q)] = keys[q]
+
+    @cuda.jit(device=True)
     def token_select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword, xarr, xb, o_keys):
         if forced:
             return replay(smem, row, num_experts, bits, fword, xarr, xb)
@@ -306,6 +349,7 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
                 need = np.int32(need - 1)
         total = ZERO
         cut = np.int32(num_experts)  # every expert scoring thr is in
+        thr0 = thr
         if thr > NEG_INF:
             cut, total, n = threshold_way(smem, row, o_bias, keys, kept, ngroups, gsize, thr, need, cut, total,
                                           scale, sel, rv, n)
@@ -314,8 +358,8 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
                                scale, sel, rv, n)
             thr = NAN  # phase 3: read the bits
         if keys_out:
-            for q in range(topk):
-                smem[u32(o_keys + q)] = keys[q]
+            put_keys(smem, row, o_bias, keys, kept, ngroups, gsize, thr0, cut, bits, fword, sel, rv, xarr, xb,
+                     o_keys)
         elif indices:
             place(keys, sel, rv, n, xarr, xb)
         m = ZERO

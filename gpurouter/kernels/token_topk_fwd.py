@@ -235,9 +235,9 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         probs_octet(probs, w, mi, paired, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale)
         if indices:  # after the stores: the placing re-reads the scores it needs
             row = np.int32(t * stride)
-            place_quad(xarr, xb, smem, o_keys, row, o_bias, q, n0, thr, bits, fword)
+            place_quad(xarr, xb, smem, o_keys, row, o_bias, q, n0)
             if two:
-                place_quad(xarr, xb, smem, o_keys, row, o_bias, np.int32(q + 1), n1, thr, bits, fword)
+                place_quad(xarr, xb, smem, o_keys, row, o_bias, np.int32(q + 1), n1)
 
     @kernel_jit(max_registers)
     def token_topk_fwd(
@@ -349,7 +349,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
                 if indices:  # after the stores: the placing re-reads the scores it needs
                     if fw != 0:
                         place_quad(xarr, (t0 + t) * topk, smem, o_keys + t * topk, np.int32(t * stride), o_bias, q,
-                                   word_nibble(fw), thr, bits, np.int32(o_flag + t * fstride))
+                                   word_nibble(fw))
                 t, q = flat_next_i32(t, q, dt, dq, eq)
 
     return token_topk_fwd
