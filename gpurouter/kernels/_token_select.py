@@ -36,6 +36,7 @@ import numpy as np
 from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
 from numba import int32 as nb_i32
+from numba import int64 as nb_i64
 
 from ._device import EPS, NAN, NEG_INF, ONE, ZERO, exp_f32, nan_as_neg_inf, u32, u64
 from ._token_rows import register_pusher
@@ -105,14 +106,15 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
     (``collect_selected``, one more scan, rare outside such rows) and places
     them itself (``place``), marking ``smem[o_keys]`` NaN.
     """
-    indices = bool(indices) and not keys_out  # the hit lists and ``place``
+    indices = 0 if keys_out else int(indices)  # the hit lists (1: local arrays, 2: packed) and ``place``
+    hit_t = nb_i64 if indices == 2 else nb_i32
     list_len = topk + 1  # the list: K + 1 scores, to see whether a tie crosses the threshold
     push_k = register_pusher(list_len)
     glist = max(1, group_cap)  # the group list's size (a constant: numba sizes local arrays at compile time)
     push_g = register_pusher(glist)
     norm = topk > 1  # (only read by sigmoid / sqrtsoftplus rows: softmax-pre needs no total)
 
-    score_at, scan, scan_sum, selected_sum, collect, place, tie_cut, drop, mark = token_scans(
+    score_at, scan, scan_sum, selected_sum, collect, place, tie_cut, drop, mark, place_packed = token_scans(
         topk, has_bias, scaled, indices)
     push_asc = register_pusher(topk)
 
@@ -326,7 +328,8 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
     def token_select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword, xarr, xb, o_keys):
         if forced:
             return replay(smem, row, num_experts, bits, fword, xarr, xb)
-        sel = cuda.local.array(topk, nb_i32)  # ``indices``: the hits, ascending, and their scores
+        sel = cuda.local.array(topk, hit_t)  # ``indices``: the hits, ascending, and their scores
+        sel[0] = 0
         rv = cuda.local.array(topk, nb_f32)
         n = np.int32(0)
         keys = cuda.local.array(list_len, nb_f32)
@@ -360,6 +363,8 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
         if keys_out:
             put_keys(smem, row, o_bias, keys, kept, ngroups, gsize, thr0, cut, bits, fword, sel, rv, xarr, xb,
                      o_keys)
+        elif indices == 2:
+            place_packed(keys, sel[0], smem, row, o_bias, xarr, xb)
         elif indices:
             place(keys, sel, rv, n, xarr, xb)
         m = ZERO

@@ -77,16 +77,19 @@ def kernel_jit(max_registers: int):
 
 @functools.cache
 def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, has_bias: bool, use_pre_softmax: bool,
-                    bitmap: bool = False, indices: bool = False, forced: bool = False, asc: bool = False,
+                    bitmap: bool = False, indices: int = 0, forced: bool = False, asc: bool = False,
                     max_registers: int = 0):
     """The top-k forward for logits of ``kind``; ``topk`` (K) and ``group_cap`` >=
     K / Kg (0: no groups; a power of two) size the register lists; the score
     function, the bias, ``use_pre_softmax`` (softmax only) and the map format
     (``bitmap``: BITMAP_U8, else the bool map) are compile-time constants.
     ``indices``: the selected experts in selection order into ``xarr``
-    (``[T*K]`` int32): the selection leaves each token's K selected scores in
-    shared memory (``[TB, K]`` fp32 after the layout's words: ``o_keys``)
-    and phase 3 places every selected expert it writes (``quad_placer``);
+    (``[T*K]`` int32), written by each token's thread as it selects, from a
+    hit list in local memory (1) or packed in a register (2: E <= 256, K <=
+    8; ``_token_scans.token_scans``), or (3) by phase 3: the selection
+    leaves each token's K selected scores in shared memory (``[TB, K]`` fp32
+    after the layout's words: ``o_keys``) and phase 3 places every selected
+    expert it writes (``quad_placer``);
     ``forced`` (the routing replay, no bias, no groups): ``xarr`` holds the
     experts, and ``asc`` says that the replayed call had a bias (its weights'
     sum runs in ascending expert order: ``token_selector``).  Without them
@@ -99,7 +102,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
     # indices: the selection leaves the K largest scores in shared memory,
     # phase 3 places each selected expert (``_token_scans.quad_placer``)
     token_select = token_selector(topk, group_cap, has_bias, score_fn == SOFTMAX and not use_pre_softmax, False,
-                                  False, forced, asc, indices)
+                                  0 if indices == 3 else int(indices), forced, asc, indices == 3)
     place_quad = quad_placer(topk, has_bias)
     stats, normalise = softmax_rows()
     pre_softmax = score_fn == SOFTMAX and use_pre_softmax
@@ -233,7 +236,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         mi = mb + np.int32(t * nb + o)
         routing_map[u64(mi)] = np.uint8(n0 | np.uint32(n1 << np.uint32(4)))
         probs_octet(probs, w, mi, paired, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale)
-        if indices:  # after the stores: the placing re-reads the scores it needs
+        if indices == 3:  # after the stores: the placing re-reads the scores it needs
             row = np.int32(t * stride)
             place_quad(xarr, xb, smem, o_keys, row, o_bias, q, n0)
             if two:
@@ -346,7 +349,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
                                 o_flag + t * fstride)
                 routing_map[u64(w)] = fw
                 put_word(probs, saved, smem, w, fw, v0, v1, v2, v3, t, o_red, tile_tokens, scale)
-                if indices:  # after the stores: the placing re-reads the scores it needs
+                if indices == 3:  # after the stores: the placing re-reads the scores it needs
                     if fw != 0:
                         place_quad(xarr, (t0 + t) * topk, smem, o_keys + t * topk, np.int32(t * stride), o_bias, q,
                                    word_nibble(fw))
