@@ -1,6 +1,6 @@
 """Top-k indices (``return_indices``) and routing replay (``forced_indices``)
 on the GPU: the top-k forward plain, with indices, and replayed, timed and
-checked at full size.  ``--ways 1,2,3``: the indices timed for each way
+checked at full size.  ``--ways 2,1``: the indices timed for each way
 of the thread-per-token kernel (``kernels.topk.TOKEN_INDICES_WAY``; variants
 ``indices@w``).
 

@@ -116,13 +116,6 @@ def quad_nibble(r0, r1, r2, r3, q, thr, cut, bits, fword):
     return np.uint32(np.int32(c0 | np.int32(c1 << 1)) | np.int32(np.int32(c2 << 2) | np.int32(c3 << 3)))
 
 
-@cuda.jit(device=True)
-def word_nibble(fw):
-    """The four flags of a bool-map quad word (a byte per expert) as bits 0..3."""
-    return np.uint32((fw & np.uint32(1)) | ((fw >> np.uint32(7)) & np.uint32(2))
-                     | ((fw >> np.uint32(14)) & np.uint32(4)) | ((fw >> np.uint32(21)) & np.uint32(8)))
-
-
 @functools.cache
 def token_stager(kind: str, score_fn: int, has_bias: bool):
     """Device function staging the forward tile, ``STAGE_QUADS`` quads per step, their

@@ -196,36 +196,3 @@ def token_scans(topk: int, has_bias: bool, scaled: bool, indices: int):
 
     return score_at, scan, scan_sum, selected_sum, collect, place, tie_cut, drop, mark, place_packed
 
-
-@functools.cache
-def quad_placer(topk: int, has_bias: bool):
-    """Device function ``place_quad(xarr, xb, smem, o_keys, row, o_bias, q,
-    nib)``: the top-k forward's indices, written by phase 3 (all threads)
-    instead of the token's thread: the selected experts of quad ``q`` of a
-    tile row (``nib``: bit ``i`` for expert ``4q + i``; its score re-read
-    from the tile, so that no score stays live in a register across the
-    quad's stores; NaN as -inf) go to ``xarr[xb + place]``, where ``place``
-    is the number of the token's K selected scores (``smem[o_keys:o_keys+K]``,
-    written by the selection) above the expert's: its rank under (score
-    desc, index asc) when the K scores are distinct.  A token whose K scores
-    are not (a tie, -inf fillers) was placed by its selecting thread, which
-    marked its first key NaN (never a key: NaN counts as -inf): nothing to
-    do here."""
-    score_at = token_scans(topk, has_bias, False, 0)[0]
-
-    @cuda.jit(device=True)
-    def place_quad(xarr, xb, smem, o_keys, row, o_bias, q, nib):
-        f = np.uint32(nib)
-        if smem[u32(o_keys)] != smem[u32(o_keys)]:
-            f = np.uint32(0)
-        while f != 0:  # the quad's selected experts, lowest first
-            i = np.int32(0 if f & 1 else (1 if f & 2 else (2 if f & 4 else 3)))
-            j = np.int32(4 * q + i)
-            r = nan_as_neg_inf(score_at(smem, row, o_bias, j, ONE))
-            above = np.int32(0)
-            for k in range(topk):
-                above = np.int32(above + np.int32(smem[u32(o_keys + k)] > r))
-            xarr[u64(xb + above)] = j
-            f = np.uint32(f & np.uint32(f - np.uint32(1)))
-
-    return place_quad

@@ -45,9 +45,9 @@ from ._token_scans import token_scans
 
 @functools.cache
 def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled: bool = False,
-              indices: bool = False, forced: bool = False, asc: bool = False, keys_out: bool = False):
-    """Device function ``select(smem, row, E, G, Kg, o_gs, o_bias, bits, fword, xarr, xb, o_keys) -> (total, m,
-    thr, cut)``:
+              indices: int = 0, forced: bool = False, asc: bool = False):
+    """Device function ``select(smem, row, E, G, Kg, o_gs, o_bias, bits, fword, xarr, xb) -> (total, m, thr,
+    cut)``:
     one thread's (group-limited) top-K (``topk``, a compile-time constant)
     of its tile row ``smem[row:row+E]`` plus, with ``has_bias``, the bias at
     ``smem[o_bias:o_bias+E]``; with ``scaled`` (the aux scores of sigmoid and
@@ -97,16 +97,11 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
     are ``xarr[xb:xb+K]`` (outside [0, E): none; a repeat: once), set as
     bits (the bit way), and the weights' statistics are those the normal
     call that selected them computes, in its order (``replay``).
-    ``keys_out`` (compile-time, instead of ``indices``): the K largest
-    scores of the list (descending, NaN as -inf) go to ``smem[o_keys:o_keys+K]``,
-    from which the kernel's phase 3 places each selected expert
-    (``_token_scans.quad_placer``: its rank is the number of larger keys);
-    no hit lists.  Where two of the K are equal (a tie, or -inf fillers),
-    that rank needs the indices: the thread lists its selected experts
-    (``collect_selected``, one more scan, rare outside such rows) and places
-    them itself (``place``), marking ``smem[o_keys]`` NaN.
+    ``indices`` 1 lists the hits in local arrays, 2 (E <= 256, K <= 8) packs
+    their indices in one register (``_token_scans.token_scans``;
+    ``place_packed``).
     """
-    indices = 0 if keys_out else int(indices)  # the hit lists (1: local arrays, 2: packed) and ``place``
+    indices = int(indices)  # the hit lists (1: local arrays, 2: packed) and ``place``
     hit_t = nb_i64 if indices == 2 else nb_i32
     list_len = topk + 1  # the list: K + 1 scores, to see whether a tie crosses the threshold
     push_k = register_pusher(list_len)
@@ -286,46 +281,7 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
         return total, n
 
     @cuda.jit(device=True)
-    def collect_selected(smem, row, o_bias, lo, hi, thr, cut, bitway, bits, fword, sel, rv, n):
-        # ``keys_out`` with equal keys: the selected experts of [lo, hi),
-        # ascending, with their scores (NaN as -inf), by the rule or the bits.
-        j = np.int32(lo)
-        while j < hi:
-            r = nan_as_neg_inf(score_at(smem, row, o_bias, j, ONE))
-            if bitway:
-                hit = np.uint32(bits[u32(fword + (j >> 5))] >> np.uint32(j & 31)) & np.uint32(1) != 0
-            else:
-                hit = (r > thr) | ((r == thr) & (j <= cut))
-            if hit & (n < topk):
-                sel[n] = j
-                rv[n] = r
-                n = np.int32(n + 1)
-            j = np.int32(j + 1)
-        return n
-
-    @cuda.jit(device=True)
-    def put_keys(smem, row, o_bias, keys, kept, ngroups, gsize, thr, cut, bits, fword, sel, rv, xarr, xb, o_keys):
-        # ``keys_out``: the K keys for phase 3, or, where two are equal, the
-        # indices placed here and the first key marked NaN.
-        dup = False
-        for q in range(topk - 1):
-            dup = dup | (keys[q] == keys[q + 1])
-        if dup:
-            n = np.int32(0)
-            g = np.int32(0)
-            while g < ngroups:
-                if (kept >> g) & 1:
-                    n = collect_selected(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize), thr,
-                                         cut, not (thr > NEG_INF), bits, fword, sel, rv, n)
-                g = np.int32(g + 1)
-            place(keys, sel, rv, n, xarr, xb)
-            smem[u32(o_keys)] = NAN
-        else:
-            for q in range(topk):
-                smem[u32(o_keys + q)] = keys[q]
-
-    @cuda.jit(device=True)
-    def token_select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword, xarr, xb, o_keys):
+    def token_select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword, xarr, xb):
         if forced:
             return replay(smem, row, num_experts, bits, fword, xarr, xb)
         sel = cuda.local.array(topk, hit_t)  # ``indices``: the hits, ascending, and their scores
@@ -352,7 +308,6 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
                 need = np.int32(need - 1)
         total = ZERO
         cut = np.int32(num_experts)  # every expert scoring thr is in
-        thr0 = thr
         if thr > NEG_INF:
             cut, total, n = threshold_way(smem, row, o_bias, keys, kept, ngroups, gsize, thr, need, cut, total,
                                           scale, sel, rv, n)
@@ -360,10 +315,7 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
             total, n = bit_way(smem, row, o_bias, num_experts, kept, ngroups, gsize, thr, need, bits, fword, total,
                                scale, sel, rv, n)
             thr = NAN  # phase 3: read the bits
-        if keys_out:
-            put_keys(smem, row, o_bias, keys, kept, ngroups, gsize, thr0, cut, bits, fword, sel, rv, xarr, xb,
-                     o_keys)
-        elif indices == 2:
+        if indices == 2:
             place_packed(keys, sel[0], smem, row, o_bias, xarr, xb)
         elif indices:
             place(keys, sel, rv, n, xarr, xb)

@@ -60,9 +60,7 @@ from ._token_rows import (
     quad_nibble,
     softmax_rows,
     token_stager,
-    word_nibble,
 )
-from ._token_scans import quad_placer
 from ._token_select import token_selector
 from ._vec import pair_u64, quad_f32
 
@@ -86,24 +84,18 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
     ``indices``: the selected experts in selection order into ``xarr``
     (``[T*K]`` int32), written by each token's thread as it selects, from a
     hit list in local memory (1) or packed in a register (2: E <= 256, K <=
-    8; ``_token_scans.token_scans``), or (3) by phase 3: the selection
-    leaves each token's K selected scores in shared memory (``[TB, K]`` fp32
-    after the layout's words: ``o_keys``) and phase 3 places every selected
-    expert it writes (``quad_placer``);
+    8; ``_token_scans.token_scans``);
     ``forced`` (the routing replay, no bias, no groups): ``xarr`` holds the
     experts, and ``asc`` says that the replayed call had a bias (its weights'
     sum runs in ascending expert order: ``token_selector``).  Without them
     ``xarr`` is never read.  ``max_registers`` (0: the compiler's choice;
-    ignored on the simulator): a register cap, so that the placing's live
+    ignored on the simulator): a register cap, so that the indices' live
     values do not cost resident blocks."""
     stage = token_stager(kind, score_fn, has_bias)
     _, store4, zero4 = flat_io(kind)
     store_f32 = quad_f32()[1]
-    # indices: the selection leaves the K largest scores in shared memory,
-    # phase 3 places each selected expert (``_token_scans.quad_placer``)
     token_select = token_selector(topk, group_cap, has_bias, score_fn == SOFTMAX and not use_pre_softmax, False,
-                                  0 if indices == 3 else int(indices), forced, asc, indices == 3)
-    place_quad = quad_placer(topk, has_bias)
+                                  int(indices), forced, asc)
     stats, normalise = softmax_rows()
     pre_softmax = score_fn == SOFTMAX and use_pre_softmax
     post_softmax = score_fn == SOFTMAX and not use_pre_softmax
@@ -214,10 +206,10 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
 
     @cuda.jit(device=True)
     def octet(probs, saved, routing_map, smem, bits, t, o, wb, eq, nb, mb, paired, stride, o_bias, o_thr, o_flag,
-              fstride, o_red, tile_tokens, scale, xarr, xb, o_keys):
+              fstride, o_red, tile_tokens, scale):
         """BITMAP_U8: octet ``o`` (quads 2o, 2o + 1) of tile token ``t``: its
         weights and its map byte, assembled here and stored by this thread
-        alone; with ``indices``, its selected experts placed."""
+        alone."""
         thr = smem[u32(o_thr + t)]
         cut = np.int32(bits[u32(o_thr + tile_tokens + t)])
         inv = smem[u32(o_red + t)]
@@ -236,11 +228,6 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         mi = mb + np.int32(t * nb + o)
         routing_map[u64(mi)] = np.uint8(n0 | np.uint32(n1 << np.uint32(4)))
         probs_octet(probs, w, mi, paired, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale)
-        if indices == 3:  # after the stores: the placing re-reads the scores it needs
-            row = np.int32(t * stride)
-            place_quad(xarr, xb, smem, o_keys, row, o_bias, q, n0)
-            if two:
-                place_quad(xarr, xb, smem, o_keys, row, o_bias, np.int32(q + 1), n1)
 
     @kernel_jit(max_registers)
     def token_topk_fwd(
@@ -274,9 +261,6 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         eq = np.int32(num_experts // 4)
         fstride = np.int32(((num_experts + 31) >> 5) | 1)  # _tiling.token_flag_stride
         wb = t0 * eq  # the tile's first quad (int64)
-        o_keys = o_bias  # ``indices``: [TB, K] fp32 after the layout (the plan's shared size counts it)
-        if has_bias:
-            o_keys = o_bias + num_experts
 
         # 1. All threads: s (the bias into shared memory), saved.
         stage(logits, bias, saved, smem, o_bias, wb, nt, eq, stride, tid, nthreads)
@@ -293,7 +277,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         if valid:
             total, m, thr, cut = token_select(smem, row, num_experts, num_groups, group_topk,
                                               o_gs + tid * (num_groups | 1), o_bias, bits, o_flag + tid * fstride,
-                                              xarr, (t0 + tid) * topk, o_keys + tid * topk)
+                                              xarr, (t0 + tid) * topk)
             if norm:
                 total = np.float32(total + EPS)
             smem[u32(o_red + tid)] = np.float32(ONE / total)  # phase 3 multiplies
@@ -324,8 +308,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
                 o = np.int32(4 * c + lo)
                 if (t < nt) & (o < nb):
                     octet(probs, saved, routing_map, smem, bits, t, o, wb, eq, nb, mb, paired, stride, o_bias,
-                          o_thr, o_flag, fstride, o_red, tile_tokens, scale, xarr, (t0 + t) * topk,
-                          o_keys + t * topk)
+                          o_thr, o_flag, fstride, o_red, tile_tokens, scale)
                 g, c = flat_next_i32(g, c, dg, dc, nchunks)
         else:
             # A quad per step: the quad's four flags are one word, which is
@@ -349,10 +332,6 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
                                 o_flag + t * fstride)
                 routing_map[u64(w)] = fw
                 put_word(probs, saved, smem, w, fw, v0, v1, v2, v3, t, o_red, tile_tokens, scale)
-                if indices == 3:  # after the stores: the placing re-reads the scores it needs
-                    if fw != 0:
-                        place_quad(xarr, (t0 + t) * topk, smem, o_keys + t * topk, np.int32(t * stride), o_bias, q,
-                                   word_nibble(fw))
                 t, q = flat_next_i32(t, q, dt, dq, eq)
 
     return token_topk_fwd

@@ -140,8 +140,8 @@ def topk_with_score_function_fwd(
 
 #: how the thread-per-token top-k forward writes its indices where E <= 256
 #: and K <= 8 (``token_topk_fwd_kernel``'s ``indices``): 2, the hits packed in
-#: a register by the selecting thread; 3, placed by phase 3 from the K keys
-#: (elsewhere: 1, the hit lists in local memory)
+#: a register by the selecting thread; 1, the hit lists in local memory (the
+#: only way elsewhere).  Figures: docs/benchmarks.md
 TOKEN_INDICES_WAY = 2
 
 #: an SM of the GPUs the kernels are tuned on (sm_90: H100, H200): shared
@@ -149,14 +149,11 @@ TOKEN_INDICES_WAY = 2
 SM_SHARED, BLOCK_RESERVED, SM_REGISTERS, SM_THREADS = 233472, 1024, 65536, 2048
 
 
-def _register_cap(lay, topk: int, way: int) -> int:
+def _register_cap(lay) -> int:
     """The register cap of a thread-per-token forward with indices: what lets as
-    many blocks be resident as its shared memory (the layout plus the
-    ``[TB, K]`` keys) allows, so that phase 3's placing never costs
-    occupancy (the compiler otherwise takes more registers than the plain
-    kernel's for it, and spills none when capped there)."""
-    keys = 4 * lay.tb * topk if way == 3 else 0
-    blocks = min(SM_THREADS // lay.threads, SM_SHARED // (lay.shared + keys + BLOCK_RESERVED))
+    many blocks be resident as its shared memory allows, so that the indices'
+    live values never cost occupancy."""
+    blocks = min(SM_THREADS // lay.threads, SM_SHARED // (lay.shared + BLOCK_RESERVED))
     return max(32, min(255, SM_REGISTERS // (max(1, blocks) * lay.threads) // 8 * 8))
 
 
@@ -211,15 +208,12 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
             group_cap = _tiling.pow2_at_least(int(topk) // int(group_topk)) if grouped else 0
             lay = _tiling.token_layout(num_tokens, num_experts, G if grouped else 0, bool(has_bias))
             way = TOKEN_INDICES_WAY if num_experts <= 256 and int(topk) <= 8 else 1
-            ind = (way, False, False, _register_cap(lay, int(topk), way)) if indices else ()
+            ind = (way, False, False, _register_cap(lay)) if indices else ()
             kern = token_topk_fwd_kernel(logits.kind, int(topk), group_cap, int(score_fn), bool(has_bias),
                                    bool(pre_softmax) and score_fn == SOFTMAX, bitmap, *ind)
             Kg = int(group_topk) if grouped else -1
         words, quads, flat = array_views(logits.kind, shape)
-        # indices: the K selected scores of each tile token, [TB, K] fp32 after
-        # the layout (the kernel's ``o_keys``), for phase 3's placing
-        shared = lay.shared + (4 * lay.tb * int(topk) if indices and TOKEN_INDICES_WAY == 3 else 0)
-        step = Step(kern, lay.grid, lay.threads, shared,
+        step = Step(kern, lay.grid, lay.threads, lay.shared,
                       (In(0, words), bias, Out(0, words), Out(1, map_view(outs[1], quads)),
                        Out(2, flat),
                        num_tokens, num_experts, G, Kg,
