@@ -1,8 +1,10 @@
 """Top-k indices (``return_indices``) and routing replay (``forced_indices``)
 on the GPU: the top-k forward plain, with indices, and replayed, timed and
-checked at full size.
+checked at full size.  ``--ways 2,1``: the indices timed for each way
+of the thread-per-token kernel (``kernels.topk.TOKEN_INDICES_WAY``; variants
+``indices@w``).
 
-``python tools/indices_probe.py [--tokens 65536] [--repeats 50] [--json out.json]``
+``python tools/indices_probe.py [--tokens 65536] [--repeats 50] [--ways 2] [--json out.json]``
 
 Cases (bf16 logits, BYTEMAP): DeepSeek-V3 (E=256, K=8, 8 groups / 4,
 sigmoid + fp32 bias, scaling 2.5), Qwen3 (E=128, K=8, softmax), Mixtral
@@ -42,7 +44,18 @@ def _device_like(spec):
     return cuda.device_array(spec.shape, dtype=spec.dtype)
 
 
-def run_case(name, tokens, repeats, spin):
+def _indices_plan(args, way):
+    old = K.topk.TOKEN_INDICES_WAY
+    K.topk.TOKEN_INDICES_WAY = way
+    K.topk_with_score_function_fwd_plan.cache_clear()
+    try:
+        return K.topk_with_score_function_fwd_plan(*args, return_indices=True)
+    finally:
+        K.topk.TOKEN_INDICES_WAY = old
+        K.topk_with_score_function_fwd_plan.cache_clear()
+
+
+def run_case(name, tokens, repeats, spin, ways=(2,)):
     E, k, G, Kg, sf, has_bias, scale = CASES[name]
     rng = np.random.default_rng(0)
     xs_h = [rng.standard_normal((tokens, E), np.float32).astype(ml_dtypes.bfloat16) for _ in range(3)]
@@ -52,19 +65,21 @@ def run_case(name, tokens, repeats, spin):
     spec = _plan.spec_of((tokens, E), L.BF16)
     args = (spec, has_bias, k, False, G, Kg, np.float32(scale), sf, 0)
     plans = {"plain": K.topk_with_score_function_fwd_plan(*args),
-             "indices": K.topk_with_score_function_fwd_plan(*args, return_indices=True),
+             "indices": _indices_plan(args, ways[0]),
              "replay": K.topk_with_score_function_fwd_plan(*args, forced=True)}
+    for w in ways[1:]:
+        plans[f"indices@{w}"] = _indices_plan(args, w)
     outs = {v: [_device_like(sp) for sp in p.outs] for v, p in plans.items()}
     b = [_ptr(bias)] if has_bias else []
     idx = outs["indices"][3]
-    ptrs = {"plain": [[_ptr(x)] + b + [_ptr(o) for o in outs["plain"]] for x in xs],
-            "indices": [[_ptr(x)] + b + [_ptr(o) for o in outs["indices"]] for x in xs],
+    ptrs = {v: [[_ptr(x)] + b + [_ptr(o) for o in outs[v]] for x in xs] for v in plans if v.startswith("indices")}
+    ptrs |= {"plain": [[_ptr(x)] + b + [_ptr(o) for o in outs["plain"]] for x in xs],
             # replays the first set's indices on every set (the same work)
             "replay": [[_ptr(x), _ptr(idx)] + [_ptr(o) for o in outs["replay"]] for x in xs]}
     launches = {v: _pointer.PointerLaunch(p, 0) for v, p in plans.items()}
     res = {"case": name, "T": tokens, "E": E, "K": k,
            "kernel": {v: p.steps[0].kernel.py_func.__module__ for v, p in plans.items()}}
-    for v in ("plain", "indices", "replay"):  # the replay reads the indices call's output
+    for v in ["plain", "indices", "replay"] + [v for v in plans if "@" in v]:  # the replay reads "indices"
         launches[v](ptrs[v][0], 0)
         cuda.synchronize()
     h = {v: [o.copy_to_host() for o in outs[v]] for v in plans}
@@ -79,6 +94,7 @@ def run_case(name, tokens, repeats, spin):
         "replay_same_bytes": all(a.tobytes() == c.tobytes() for a, c in zip(h["plain"], h["replay"], strict=True)),
         "indices_are_the_map": bool((np.sort(ih, 1) == np.sort(np.nonzero(m)[1].reshape(tokens, k), 1)).all()),
         "indices_in_order": bool((np.diff(rs, axis=1) <= 1e-6).all()),
+        "ways_same_indices": all(h[v][3].tobytes() == ih.tobytes() for v in plans if "@" in v),
     }
     res["fwd_us"] = {v: [] for v in plans}
     for _ in range(2):
@@ -92,6 +108,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--ways", default="2", help="TOKEN_INDICES_WAY values, the first is 'indices'")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     spin = _spin_kernel()
@@ -99,7 +116,7 @@ def main():
     out = {"device": dev.decode() if isinstance(dev, bytes) else str(dev), "results": []}
     print(f"device: {out['device']}")
     for name in a.cases.split(","):
-        r = run_case(name, a.tokens, a.repeats, spin)
+        r = run_case(name, a.tokens, a.repeats, spin, tuple(int(w) for w in a.ways.split(",")))
         out["results"].append(r)
         print(f"{name} T={r['T']} E={r['E']} K={r['K']} kernels {r['kernel']}")
         print(f"  checks: {r['checks']}")

@@ -104,15 +104,16 @@ def quad_flags(r0, r1, r2, r3, q, thr, cut, bits, fword):
 def quad_nibble(r0, r1, r2, r3, q, thr, cut, bits, fword):
     """``quad_flags`` for a BITMAP_U8 map: quad ``q``'s four selection flags as
     bits 0..3 (expert ``4q + i``: bit ``i``), half of its map byte.  The bit
-    way's nibble is the bits themselves."""
+    way's nibble is the bits themselves.  int32 throughout (numba would
+    widen the index compares and the flag ORs to 64 bits)."""
     if thr != thr:
         return np.uint32(np.uint32(bits[u32(fword + (q >> 3))] >> np.uint32(4 * (q & 7))) & np.uint32(15))
-    j = 4 * q
-    return (np.uint32((r0 > thr) | ((r0 == thr) & (j <= cut)))
-            | np.uint32(np.uint32((r1 > thr) | ((r1 == thr) & (j + 1 <= cut))) << np.uint32(1))
-            | np.uint32(np.uint32((r2 > thr) | ((r2 == thr) & (j + 2 <= cut))) << np.uint32(2))
-            | np.uint32(np.uint32((r3 > thr) | ((r3 == thr) & (j + 3 <= cut))) << np.uint32(3)))
-
+    j = np.int32(4 * q)
+    c0 = np.int32((r0 > thr) | ((r0 == thr) & (j <= cut)))
+    c1 = np.int32((r1 > thr) | ((r1 == thr) & (np.int32(j + 1) <= cut)))
+    c2 = np.int32((r2 > thr) | ((r2 == thr) & (np.int32(j + 2) <= cut)))
+    c3 = np.int32((r3 > thr) | ((r3 == thr) & (np.int32(j + 3) <= cut)))
+    return np.uint32(np.int32(c0 | np.int32(c1 << 1)) | np.int32(np.int32(c2 << 2) | np.int32(c3 << 3)))
 
 
 @functools.cache

@@ -14,13 +14,14 @@ import functools
 
 import numpy as np
 from numba import cuda
+from numba import float32 as nb_f32  # array declarations take numba types
 
-from ._device import NEG_INF, ZERO, nan_as_neg_inf, u32, u64
+from ._device import NEG_INF, ONE, ZERO, nan_as_neg_inf, u32, u64
 from ._token_rows import register_pusher
 
 
 @functools.cache
-def token_scans(topk: int, has_bias: bool, scaled: bool, indices: bool):
+def token_scans(topk: int, has_bias: bool, scaled: bool, indices: int):
     """The scans of ``_token_select.token_selector(topk, ..., has_bias, ...,
     scaled, indices)``, its compile-time constants baked in: ``(score_at,
     scan, scan_sum, selected_sum, collect, place, tie_cut, drop, mark)``.
@@ -39,9 +40,30 @@ def token_scans(topk: int, has_bias: bool, scaled: bool, indices: bool):
       in selection order;
     - ``tie_cut``: the need-th expert scoring exactly the threshold;
     - ``drop(smem, row, lo, hi)``: a dropped group's experts to -inf.
+
+    ``indices`` 1: the hits go to local arrays of K (``sel``, ``rv``: indexed
+    by the runtime count, so in local memory); 2 (E <= 256, K <= 8): the
+    hits' indices are bytes shifted into one int64 register (``sel[0]``, the
+    latest lowest), without a branch, and ``place_packed`` re-reads their
+    scores from the tile.
     """
+    packed = indices == 2
     list_len = topk + 1  # the list: K + 1 scores, to see whether a tie crosses the threshold
     push_k = register_pusher(list_len)
+
+    @cuda.jit(device=True)
+    def hit_push(sel, rv, n, j, r, hit):
+        # a selected expert, in ascending order, onto the hit list
+        if packed:
+            take = hit & (n < topk)
+            acc = sel[0]
+            sel[0] = np.int64(np.int64(acc << np.int64(8)) | np.int64(j)) if take else acc
+            return np.int32(n + np.int32(take))
+        if hit & (n < topk):
+            sel[n] = j
+            rv[n] = r
+            n = np.int32(n + 1)
+        return n
 
     @cuda.jit(device=True)
     def score_at(smem, row, o_bias, j, scale):
@@ -88,10 +110,7 @@ def token_scans(topk: int, has_bias: bool, scaled: bool, indices: bool):
             hit = (r > thr) | ((r == thr) & (j <= cut))
             total = np.float32(total + (v if hit else ZERO))
             if indices:
-                if hit & (n < topk):
-                    sel[n] = j
-                    rv[n] = r
-                    n = np.int32(n + 1)
+                n = hit_push(sel, rv, n, j, r, hit)
             j = np.int32(j + 1)
         return total, n
 
@@ -101,10 +120,7 @@ def token_scans(topk: int, has_bias: bool, scaled: bool, indices: bool):
         j = np.int32(lo)
         while j < hi:
             r = score_at(smem, row, o_bias, j, scale)
-            if ((r > thr) | ((r == thr) & (j <= cut))) & (n < topk):
-                sel[n] = j
-                rv[n] = r
-                n = np.int32(n + 1)
+            n = hit_push(sel, rv, n, j, r, (r > thr) | ((r == thr) & (j <= cut)))
             j = np.int32(j + 1)
         return n
 
@@ -158,11 +174,25 @@ def token_scans(topk: int, has_bias: bool, scaled: bool, indices: bool):
             a = u32(fword + (j >> 5))
             bits[a] = bits[a] | np.uint32(np.uint32(hit) << np.uint32(j & 31))
             if indices:
-                if hit & (n < topk):
-                    sel[n] = j
-                    rv[n] = r
-                    n = np.int32(n + 1)
+                n = hit_push(sel, rv, n, j, r, hit)
             j = np.int32(j + 1)
         return need, total, n
 
-    return score_at, scan, scan_sum, selected_sum, collect, place, tie_cut, drop, mark
+    @cuda.jit(device=True)
+    def place_packed(keys, acc, smem, row, o_bias, xarr, xb):
+        # ``place`` of a packed list (K hits: exactly K are selected; hit a,
+        # ascending, is byte K-1-a), the scores re-read (NaN as -inf)
+        rs = cuda.local.array(topk, nb_f32)
+        for a in range(topk):
+            j = np.int32(np.int64(acc >> np.int64(8 * (topk - 1 - a))) & np.int64(255))
+            r = nan_as_neg_inf(score_at(smem, row, o_bias, j, ONE))
+            rs[a] = r
+            pos = np.int32(0)
+            for q in range(topk):
+                pos = np.int32(pos + np.int32(keys[q] > r))
+            for b in range(a):
+                pos = np.int32(pos + np.int32(rs[b] == r))
+            xarr[u64(xb + pos)] = j
+
+    return score_at, scan, scan_sum, selected_sum, collect, place, tie_cut, drop, mark, place_packed
+

@@ -36,6 +36,7 @@ import numpy as np
 from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
 from numba import int32 as nb_i32
+from numba import int64 as nb_i64
 
 from ._device import EPS, NAN, NEG_INF, ONE, ZERO, exp_f32, nan_as_neg_inf, u32, u64
 from ._token_rows import register_pusher
@@ -44,8 +45,9 @@ from ._token_scans import token_scans
 
 @functools.cache
 def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled: bool = False,
-              indices: bool = False, forced: bool = False, asc: bool = False):
-    """Device function ``select(smem, row, E, G, Kg, o_gs, o_bias, bits, fword, xarr, xb) -> (total, m, thr, cut)``:
+              indices: int = 0, forced: bool = False, asc: bool = False):
+    """Device function ``select(smem, row, E, G, Kg, o_gs, o_bias, bits, fword, xarr, xb) -> (total, m, thr,
+    cut)``:
     one thread's (group-limited) top-K (``topk``, a compile-time constant)
     of its tile row ``smem[row:row+E]`` plus, with ``has_bias``, the bias at
     ``smem[o_bias:o_bias+E]``; with ``scaled`` (the aux scores of sigmoid and
@@ -95,14 +97,19 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
     are ``xarr[xb:xb+K]`` (outside [0, E): none; a repeat: once), set as
     bits (the bit way), and the weights' statistics are those the normal
     call that selected them computes, in its order (``replay``).
+    ``indices`` 1 lists the hits in local arrays, 2 (E <= 256, K <= 8) packs
+    their indices in one register (``_token_scans.token_scans``;
+    ``place_packed``).
     """
+    indices = int(indices)  # the hit lists (1: local arrays, 2: packed) and ``place``
+    hit_t = nb_i64 if indices == 2 else nb_i32
     list_len = topk + 1  # the list: K + 1 scores, to see whether a tie crosses the threshold
     push_k = register_pusher(list_len)
     glist = max(1, group_cap)  # the group list's size (a constant: numba sizes local arrays at compile time)
     push_g = register_pusher(glist)
     norm = topk > 1  # (only read by sigmoid / sqrtsoftplus rows: softmax-pre needs no total)
 
-    score_at, scan, scan_sum, selected_sum, collect, place, tie_cut, drop, mark = token_scans(
+    score_at, scan, scan_sum, selected_sum, collect, place, tie_cut, drop, mark, place_packed = token_scans(
         topk, has_bias, scaled, indices)
     push_asc = register_pusher(topk)
 
@@ -277,7 +284,8 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
     def token_select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword, xarr, xb):
         if forced:
             return replay(smem, row, num_experts, bits, fword, xarr, xb)
-        sel = cuda.local.array(topk, nb_i32)  # ``indices``: the hits, ascending, and their scores
+        sel = cuda.local.array(topk, hit_t)  # ``indices``: the hits, ascending, and their scores
+        sel[0] = 0
         rv = cuda.local.array(topk, nb_f32)
         n = np.int32(0)
         keys = cuda.local.array(list_len, nb_f32)
@@ -307,7 +315,9 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
             total, n = bit_way(smem, row, o_bias, num_experts, kept, ngroups, gsize, thr, need, bits, fword, total,
                                scale, sel, rv, n)
             thr = NAN  # phase 3: read the bits
-        if indices:
+        if indices == 2:
+            place_packed(keys, sel[0], smem, row, o_bias, xarr, xb)
+        elif indices:
             place(keys, sel, rv, n, xarr, xb)
         m = ZERO
         if post:

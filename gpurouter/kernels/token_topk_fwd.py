@@ -51,7 +51,7 @@ from numba import uint32 as nb_u32
 
 from ._access import bf16_quad, flat_io
 from ._device import B0, B1, B2, B3, EPS, N0, N1, N2, N3, NEG_INF, ONE, SOFTMAX, ZERO, exp_f32, u32, u64
-from ._launch import BF16
+from ._launch import BF16, simulator_enabled
 from ._token_rows import (
     flat_next_i32,
     flat_walk_i32,
@@ -65,24 +65,37 @@ from ._token_select import token_selector
 from ._vec import pair_u64, quad_f32
 
 
+def kernel_jit(max_registers: int):
+    """``cuda.jit``, with a register cap where one is asked for on a GPU (the
+    simulator's ``jit`` takes none)."""
+    if max_registers and not simulator_enabled():
+        return cuda.jit(max_registers=int(max_registers))
+    return cuda.jit
+
+
 @functools.cache
 def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, has_bias: bool, use_pre_softmax: bool,
-                    bitmap: bool = False, indices: bool = False, forced: bool = False, asc: bool = False):
+                    bitmap: bool = False, indices: int = 0, forced: bool = False, asc: bool = False,
+                    max_registers: int = 0):
     """The top-k forward for logits of ``kind``; ``topk`` (K) and ``group_cap`` >=
     K / Kg (0: no groups; a power of two) size the register lists; the score
     function, the bias, ``use_pre_softmax`` (softmax only) and the map format
     (``bitmap``: BITMAP_U8, else the bool map) are compile-time constants.
     ``indices``: the selected experts in selection order into ``xarr``
-    (``[T*K]`` int32, written by each token's thread as it selects);
+    (``[T*K]`` int32), written by each token's thread as it selects, from a
+    hit list in local memory (1) or packed in a register (2: E <= 256, K <=
+    8; ``_token_scans.token_scans``);
     ``forced`` (the routing replay, no bias, no groups): ``xarr`` holds the
     experts, and ``asc`` says that the replayed call had a bias (its weights'
     sum runs in ascending expert order: ``token_selector``).  Without them
-    ``xarr`` is never read."""
+    ``xarr`` is never read.  ``max_registers`` (0: the compiler's choice;
+    ignored on the simulator): a register cap, so that the indices' live
+    values do not cost resident blocks."""
     stage = token_stager(kind, score_fn, has_bias)
     _, store4, zero4 = flat_io(kind)
     store_f32 = quad_f32()[1]
     token_select = token_selector(topk, group_cap, has_bias, score_fn == SOFTMAX and not use_pre_softmax, False,
-                                  indices, forced, asc)
+                                  int(indices), forced, asc)
     stats, normalise = softmax_rows()
     pre_softmax = score_fn == SOFTMAX and use_pre_softmax
     post_softmax = score_fn == SOFTMAX and not use_pre_softmax
@@ -124,10 +137,9 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
                       w2 if m2 else NEG_INF, w3 if m3 else NEG_INF)
 
     @cuda.jit(device=True)
-    def quad_weights(saved, smem, wb, eq, t, q, stride, o_bias, thr, cut, bits, fword, o_red, tile_tokens):
-        """BITMAP_U8: quad ``q`` of tile token ``t``: ``(nibble, w0..w3)``, its
-        four flags (bit i: expert 4q + i) and weights (0 where unselected);
-        post-softmax, its saved written."""
+    def octet_quad(smem, t, q, stride, o_bias, thr, cut, bits, fword):
+        """BITMAP_U8: quad ``q`` of tile token ``t``: ``(nibble, v0..v3)``, its
+        four flags (bit i: expert 4q + i) and tile values."""
         base = np.int32(t * stride + 4 * q)
         v0 = smem[u32(base)]
         v1 = smem[u32(base + 1)]
@@ -135,24 +147,26 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         v3 = smem[u32(base + 3)]
         r0, r1, r2, r3 = v0, v1, v2, v3
         if has_bias:
-            r0 = np.float32(v0 + smem[u32(o_bias + 4 * q)])
-            r1 = np.float32(v1 + smem[u32(o_bias + 4 * q + 1)])
-            r2 = np.float32(v2 + smem[u32(o_bias + 4 * q + 2)])
-            r3 = np.float32(v3 + smem[u32(o_bias + 4 * q + 3)])
-        nib = quad_nibble(r0, r1, r2, r3, q, thr, cut, bits, fword)
-        w0 = w1 = w2 = w3 = ZERO
-        if nib != 0:
-            inv = smem[u32(o_red + t)]
-            m = smem[u32(o_red + tile_tokens + t)]
-            w0 = weight(v0, m, inv) if nib & N0 != 0 else ZERO
-            w1 = weight(v1, m, inv) if nib & N1 != 0 else ZERO
-            w2 = weight(v2, m, inv) if nib & N2 != 0 else ZERO
-            w3 = weight(v3, m, inv) if nib & N3 != 0 else ZERO
+            ob = np.int32(o_bias + 4 * q)
+            r0 = np.float32(v0 + smem[u32(ob)])
+            r1 = np.float32(v1 + smem[u32(ob + 1)])
+            r2 = np.float32(v2 + smem[u32(ob + 2)])
+            r3 = np.float32(v3 + smem[u32(ob + 3)])
+        return quad_nibble(r0, r1, r2, r3, q, thr, cut, bits, fword), v0, v1, v2, v3
+
+    @cuda.jit(device=True)
+    def quad_weights(saved, w, nib, v0, v1, v2, v3, m, inv):
+        """BITMAP_U8: a quad's weights (0 where unselected), computed without a
+        branch (a warp's lanes nearly always include a selected quad, so a
+        branch would run both ways); post-softmax, its saved written."""
+        w0 = weight(v0, m, inv) if nib & N0 != 0 else ZERO
+        w1 = weight(v1, m, inv) if nib & N1 != 0 else ZERO
+        w2 = weight(v2, m, inv) if nib & N2 != 0 else ZERO
+        w3 = weight(v3, m, inv) if nib & N3 != 0 else ZERO
         if post_softmax:
-            store_f32(saved, wb + np.int32(t * eq + q), w0 if nib & N0 != 0 else NEG_INF,
-                      w1 if nib & N1 != 0 else NEG_INF, w2 if nib & N2 != 0 else NEG_INF,
-                      w3 if nib & N3 != 0 else NEG_INF)
-        return nib, w0, w1, w2, w3
+            store_f32(saved, w, w0 if nib & N0 != 0 else NEG_INF, w1 if nib & N1 != 0 else NEG_INF,
+                      w2 if nib & N2 != 0 else NEG_INF, w3 if nib & N3 != 0 else NEG_INF)
+        return w0, w1, w2, w3
 
     @cuda.jit(device=True)
     def probs_quad(probs, w, nib, w0, w1, w2, w3, scale):
@@ -162,35 +176,33 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
             store4(probs, w, np.float32(scale * w0), np.float32(scale * w1), np.float32(scale * w2),
                    np.float32(scale * w3))
 
-    @cuda.jit(device=True)
-    def probs_quads(probs, w, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale):
-        probs_quad(probs, w, n0, a0, a1, a2, a3, scale)
-        if two:
-            probs_quad(probs, w + 1, n1, b0, b1, b2, b3, scale)
-
     if kind == BF16:
         pair_store = pair_u64()
 
         @cuda.jit(device=True)
         def probs_octet(probs, w, mi, paired, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale):
             """The octet's probs: (bf16, E % 8 == 0) its eight words in one
-            16-byte store, index ``mi`` (the map byte's), or a quad at a time."""
+            16-byte store, index ``mi`` (the map byte's), converted without a
+            branch (an octet with nothing selected scales by 0: +0.0, the
+            zeros a quad with nothing selected stores), or a quad at a time."""
             if paired:
-                if (n0 | n1) == 0:
-                    pair_store(probs, mi, np.uint64(0), np.uint64(0))
-                else:
-                    pair_store(probs, mi, bf16_quad(np.float32(scale * a0), np.float32(scale * a1),
-                                                    np.float32(scale * a2), np.float32(scale * a3)),
-                               bf16_quad(np.float32(scale * b0), np.float32(scale * b1),
-                                         np.float32(scale * b2), np.float32(scale * b3)))
+                sq = scale if (n0 | n1) != 0 else ZERO
+                pair_store(probs, mi, bf16_quad(np.float32(sq * a0), np.float32(sq * a1),
+                                                np.float32(sq * a2), np.float32(sq * a3)),
+                           bf16_quad(np.float32(sq * b0), np.float32(sq * b1),
+                                     np.float32(sq * b2), np.float32(sq * b3)))
             else:
-                probs_quads(probs, w, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale)
+                probs_quad(probs, w, n0, a0, a1, a2, a3, scale)
+                if two:
+                    probs_quad(probs, w + 1, n1, b0, b1, b2, b3, scale)
 
     else:
 
         @cuda.jit(device=True)
         def probs_octet(probs, w, mi, paired, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale):
-            probs_quads(probs, w, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale)
+            probs_quad(probs, w, n0, a0, a1, a2, a3, scale)
+            if two:
+                probs_quad(probs, w + 1, n1, b0, b1, b2, b3, scale)
 
     @cuda.jit(device=True)
     def octet(probs, saved, routing_map, smem, bits, t, o, wb, eq, nb, mb, paired, stride, o_bias, o_thr, o_flag,
@@ -200,22 +212,24 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         alone."""
         thr = smem[u32(o_thr + t)]
         cut = np.int32(bits[u32(o_thr + tile_tokens + t)])
-        fword = o_flag + t * fstride
+        inv = smem[u32(o_red + t)]
+        m = smem[u32(o_red + tile_tokens + t)]
+        fword = np.int32(o_flag + t * fstride)
         q = np.int32(2 * o)
-        n0, a0, a1, a2, a3 = quad_weights(saved, smem, wb, eq, t, q, stride, o_bias, thr, cut, bits, fword, o_red,
-                                          tile_tokens)
+        w = wb + np.int32(t * eq + q)
+        n0, v0, v1, v2, v3 = octet_quad(smem, t, q, stride, o_bias, thr, cut, bits, fword)
+        a0, a1, a2, a3 = quad_weights(saved, w, n0, v0, v1, v2, v3, m, inv)
         n1 = np.uint32(0)
         b0 = b1 = b2 = b3 = ZERO
         two = q + 1 < eq
         if two:
-            n1, b0, b1, b2, b3 = quad_weights(saved, smem, wb, eq, t, np.int32(q + 1), stride, o_bias, thr, cut,
-                                              bits, fword, o_red, tile_tokens)
+            n1, v0, v1, v2, v3 = octet_quad(smem, t, np.int32(q + 1), stride, o_bias, thr, cut, bits, fword)
+            b0, b1, b2, b3 = quad_weights(saved, w + 1, n1, v0, v1, v2, v3, m, inv)
         mi = mb + np.int32(t * nb + o)
         routing_map[u64(mi)] = np.uint8(n0 | np.uint32(n1 << np.uint32(4)))
-        probs_octet(probs, wb + np.int32(t * eq + q), mi, paired, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3,
-                    scale)
+        probs_octet(probs, w, mi, paired, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale)
 
-    @cuda.jit
+    @kernel_jit(max_registers)
     def token_topk_fwd(
         logits,  # [T, E] kind, flat (bf16: [T*E/4] uint64)
         bias,  # [E] fp32 (any fp32 array without a bias; never read then)
@@ -313,8 +327,9 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
                     r1 = np.float32(v1 + smem[u32(o_bias + 4 * q + 1)])
                     r2 = np.float32(v2 + smem[u32(o_bias + 4 * q + 2)])
                     r3 = np.float32(v3 + smem[u32(o_bias + 4 * q + 3)])
-                fw = quad_flags(r0, r1, r2, r3, q, smem[u32(o_thr + t)],
-                               np.int32(bits[u32(o_thr + tile_tokens + t)]), bits, o_flag + t * fstride)
+                thr = smem[u32(o_thr + t)]
+                fw = quad_flags(r0, r1, r2, r3, q, thr, np.int32(bits[u32(o_thr + tile_tokens + t)]), bits,
+                                o_flag + t * fstride)
                 routing_map[u64(w)] = fw
                 put_word(probs, saved, smem, w, fw, v0, v1, v2, v3, t, o_red, tile_tokens, scale)
                 t, q = flat_next_i32(t, q, dt, dq, eq)

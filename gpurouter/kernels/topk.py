@@ -138,6 +138,25 @@ def topk_with_score_function_fwd(
     return execute(plan, [d_logits] if d_bias is None else [d_logits, d_bias], out, s, to_host)
 
 
+#: how the thread-per-token top-k forward writes its indices where E <= 256
+#: and K <= 8 (``token_topk_fwd_kernel``'s ``indices``): 2, the hits packed in
+#: a register by the selecting thread; 1, the hit lists in local memory (the
+#: only way elsewhere).  Figures: docs/benchmarks.md
+TOKEN_INDICES_WAY = 2
+
+#: an SM of the GPUs the kernels are tuned on (sm_90: H100, H200): shared
+#: memory (of which 1 KiB is reserved per block), 32-bit registers, threads
+SM_SHARED, BLOCK_RESERVED, SM_REGISTERS, SM_THREADS = 233472, 1024, 65536, 2048
+
+
+def _register_cap(lay) -> int:
+    """The register cap of a thread-per-token forward with indices: what lets as
+    many blocks be resident as its shared memory allows, so that the indices'
+    live values never cost occupancy."""
+    blocks = min(SM_THREADS // lay.threads, SM_SHARED // (lay.shared + BLOCK_RESERVED))
+    return max(32, min(255, SM_REGISTERS // (max(1, blocks) * lay.threads) // 8 * 8))
+
+
 @functools.cache
 def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, pre_softmax: bool,
                                       num_groups, group_topk, scale: np.float32, score_fn: int,
@@ -188,8 +207,10 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
         else:
             group_cap = _tiling.pow2_at_least(int(topk) // int(group_topk)) if grouped else 0
             lay = _tiling.token_layout(num_tokens, num_experts, G if grouped else 0, bool(has_bias))
+            way = TOKEN_INDICES_WAY if num_experts <= 256 and int(topk) <= 8 else 1
+            ind = (way, False, False, _register_cap(lay)) if indices else ()
             kern = token_topk_fwd_kernel(logits.kind, int(topk), group_cap, int(score_fn), bool(has_bias),
-                                   bool(pre_softmax) and score_fn == SOFTMAX, bitmap, *((True,) if indices else ()))
+                                   bool(pre_softmax) and score_fn == SOFTMAX, bitmap, *ind)
             Kg = int(group_topk) if grouped else -1
         words, quads, flat = array_views(logits.kind, shape)
         step = Step(kern, lay.grid, lay.threads, lay.shared,

@@ -197,3 +197,24 @@ def test_device_arrays_and_plans(token_tiling):
         K.topk_with_score_function_fwd(x, 2, forced_indices=np.zeros((3, 3), np.int32))
     with pytest.raises(TypeError, match="int32"):
         K.topk_with_score_function_fwd(x, 2, forced_indices=cuda.to_device(np.zeros((3, 2), np.int64)))
+
+
+@pytest.mark.parametrize("way", [1, 2])
+@pytest.mark.parametrize("fmt", [0, 1])
+def test_token_indices_ways(token_tiling, monkeypatch, way, fmt):
+    """Every way the thread-per-token forward writes its indices (hit lists in
+    local memory, packed in a register) gives the
+    reference's indices and the plain call's outputs, on ties, -inf fillers
+    and NaN rows, with groups and a bias."""
+    from gpurouter.kernels import topk as T
+
+    monkeypatch.setattr(T, "TOKEN_INDICES_WAY", way)
+    token_tiling(2)  # clears the cached plans
+    kw = dict(score_function="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.5, expert_bias=_bias(16))
+    x = _logits(5, 16, 7 + way, "bfloat16")
+    p, m, s, idx = K.topk_with_score_function_fwd(x, 4, **kw, routing_map_format=fmt, return_indices=True)
+    np.testing.assert_array_equal(idx, _ref_indices(x, 4, dict(kw, routing_map_format=fmt)))
+    for a, b, what in zip((p, m, s), K.topk_with_score_function_fwd(x, 4, **kw, routing_map_format=fmt),
+                          ("probs", "routing_map", "saved"), strict=True):
+        _same_bits(a, b, what)
+    T.topk_with_score_function_fwd_plan.cache_clear()
