@@ -14,18 +14,18 @@ import pytest
 from jax import lax
 
 import gpurouter as gr
+from gpurouter.presets import PRESETS
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(jax.default_backend() != "gpu", reason="the ffi transport needs JAX on a CUDA GPU"),
 ]
 
-ROUTERS = {
-    "deepseek-v3": dict(topk=8, num_groups=8, group_topk=4, scaling_factor=2.5, score_function="sigmoid",
-                        use_pre_softmax=False),
-    "qwen3": dict(topk=8, score_function="softmax", use_pre_softmax=True),
-    "mixtral": dict(topk=2, score_function="softmax"),
-    "sqrtsoftplus": dict(topk=4, score_function="sqrtsoftplus", scaling_factor=1.5),
+ROUTERS = {  # the presets' routers, and two variants the presets lack
+    "deepseek-v3": PRESETS["deepseek-v3"].router_kwargs(),
+    "qwen3": dict(PRESETS["qwen3"].router_kwargs(), use_pre_softmax=True),
+    "mixtral": PRESETS["mixtral"].router_kwargs(),
+    "sqrtsoftplus": dict(PRESETS["deepseek-v4"].router_kwargs(), topk=4),
 }
 EXPERTS = {"deepseek-v3": 256, "qwen3": 128, "mixtral": 8, "sqrtsoftplus": 64}
 

@@ -15,12 +15,13 @@ from jax.sharding import PartitionSpec as P
 
 import gpurouter as gr
 from gpurouter import reference as ref
+from gpurouter.presets import PRESETS
 
 GPUS = jax.devices("gpu") if jax.default_backend() == "gpu" else []
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(len(GPUS) < 2, reason=f"needs >= 2 GPUs, have {len(GPUS)}")]
-KW = dict(topk=8, num_groups=8, group_topk=4, scaling_factor=2.5, score_function="sigmoid")
-E = 256
+KW = PRESETS["deepseek-v3"].router_kwargs()
+E = PRESETS["deepseek-v3"].num_experts
 
 
 def _inputs(t=512, seed=0):
