@@ -5,8 +5,8 @@ token, up to 256 tokens a block) win at large T; at small T a block per
 256 tokens leaves most SMs idle and one thread's whole row is the latency.
 The W-lane kernels (``lane_topk_fwd``: W threads per token) have more
 threads per token. This times both, per preset, over T (CUDA events, plans
-launched on raw pointers as the transports launch them), to set the token
-count below which the plans take the lane path (``_tiling.TOKEN_PATH_MIN_TOKENS``).
+launched on raw pointers as the transports launch them), through the plans'
+``path=`` argument.
 
     python3 tools/path_probe.py --json out.json
 """
@@ -24,8 +24,7 @@ from numba import cuda
 
 from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _plan, _pointer, _tiling
-from gpurouter.kernels import aux_scores as AS
+from gpurouter.kernels import _plan, _pointer
 
 CASES = {  # name: (E, K, G, Kg, sf, bias, pre)
     "deepseek-v3": (256, 8, 8, 4, L.SIGMOID, True, False),
@@ -48,7 +47,6 @@ def main(argv):
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     spin = spin_kernel()
-    real = _tiling.token_path
     rows = []
     for name, (e, k, g, kg, sf, has_bias, pre) in CASES.items():
         for t in (int(v) for v in args.tokens.split(",")):
@@ -58,18 +56,11 @@ def main(argv):
             spec = _plan.spec_of((t, e), L.BF16)
             row = {"case": name, "T": t}
             for path in ("token", "lane"):
-                _tiling.token_path = real if path == "token" else (lambda *a, **k: False)
-                K.topk_with_score_function_fwd_plan.cache_clear()
-                AS.score_for_aux_loss_fwd_plan.cache_clear()
-                try:
-                    plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(1.0), sf, 0)
-                    row[f"{path} topk"] = time_plan(plan, [x, bias] if has_bias else [x], args.repeats, spin)
-                    aplan = K.score_for_aux_loss_fwd_plan(spec, k, sf, 0)
-                    row[f"{path} aux"] = time_plan(aplan, [x], args.repeats, spin)
-                finally:
-                    _tiling.token_path = real
-            K.topk_with_score_function_fwd_plan.cache_clear()
-            AS.score_for_aux_loss_fwd_plan.cache_clear()
+                plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(1.0), sf, 0,
+                                                           path=path)
+                row[f"{path} topk"] = time_plan(plan, [x, bias] if has_bias else [x], args.repeats, spin)
+                aplan = K.score_for_aux_loss_fwd_plan(spec, k, sf, 0, path=path)
+                row[f"{path} aux"] = time_plan(aplan, [x], args.repeats, spin)
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.json:

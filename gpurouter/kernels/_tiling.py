@@ -173,6 +173,26 @@ def token_path(num_experts: int, topk: int, num_groups: int = 0, has_bias: bool 
             and 4 * _token_words(1, num_experts, max(0, int(num_groups)), has_bias) <= SMEM_BUDGET)
 
 
+#: the forward kernel families a plan can take (``path=``)
+PATHS = ("auto", "token", "lane")
+
+
+def use_token_path(path: str, op: str, num_experts: int, topk: int, num_groups: int = 0,
+                   has_bias: bool = False) -> bool:
+    """The forward's kernel family: ``"auto"`` the thread-per-token kernels
+    where ``token_path`` takes the shape, else the W-lane ones; ``"token"`` or
+    ``"lane"`` forces one (a kernel author's or a test's choice; a replay must
+    take the path of the call it replays to give its bits). ``"token"`` on a
+    shape the token kernels do not take is a ValueError naming ``op``."""
+    if path not in PATHS:
+        raise ValueError(f"{op}: path must be one of {', '.join(map(repr, PATHS))}, got {path!r}.")
+    fits = token_path(num_experts, topk, num_groups, has_bias)
+    if path == "token" and not fits:
+        raise ValueError(f"{op}: path='token' needs K <= {TOKEN_MAX_TOPK}, E a multiple of 4 and one token's "
+                         f"tile within {SMEM_BUDGET} bytes of shared memory (E={num_experts}, K={topk}).")
+    return fits if path == "auto" else path == "token"
+
+
 class TokenLayout:
     """Launch shape and shared memory of a thread-per-token kernel: ``tb``
     tokens per block (thread t owns tile row t), ``threads >= tb``.  Word

@@ -53,7 +53,7 @@ OP = "score_for_aux_loss"
 
 
 def score_for_aux_loss_fwd(logits, topk, score_function="softmax", routing_map_format=0, *,
-                           return_indices=False, out=None, stream=0):
+                           return_indices=False, path="auto", out=None, stream=0):
     """Aux-loss scores and their plain top-K routing map.
 
     Args:
@@ -65,6 +65,7 @@ def score_for_aux_loss_fwd(logits, topk, score_function="softmax", routing_map_f
       return_indices: also return ``indices (T, K) int32``, the top-K in
         selection order (larger score first, the lower index among equal
         ones, NaN as -inf), written by the selecting kernel.
+      path: the kernel family, as for ``topk_with_score_function_fwd``.
       out: optional ``(scores, routing_map, saved_scores[, indices])`` device arrays.
       stream: numba stream or int CUDA stream handle.
 
@@ -84,13 +85,14 @@ def score_for_aux_loss_fwd(logits, topk, score_function="softmax", routing_map_f
                            op=op).topk
     check_limits(op, num_experts, topk)
     to_host = not any_on_device(logits) and out is None
-    plan = score_for_aux_loss_fwd_plan(spec_of(d_logits.shape, kind), topk, score_fn, fmt, bool(return_indices))
+    plan = score_for_aux_loss_fwd_plan(spec_of(d_logits.shape, kind), topk, score_fn, fmt, bool(return_indices),
+                                       path)
     return execute(plan, [d_logits], out, s, to_host)
 
 
 @functools.cache
 def score_for_aux_loss_fwd_plan(logits: Spec, topk: int, score_fn: int, map_format: int = 0,
-                                return_indices: bool = False) -> Plan:
+                                return_indices: bool = False, path: str = "auto") -> Plan:
     """The launches of the forward (input: logits; outputs: scores, map, saved
     and, with ``return_indices``, ``indices`` ``int32 [T, K]``); the map's
     Spec: ``bool [T, E]`` (``map_format`` 0) or ``uint8 [T, ceil(E/8)]``
@@ -105,7 +107,7 @@ def score_for_aux_loss_fwd_plan(logits: Spec, topk: int, score_fn: int, map_form
         outs += (Spec((shape[0], int(topk)), np.int32),)
     if shape[0] == 0:
         return Plan(OP + "_fwd", (logits,), outs)
-    if _tiling.token_path(shape[1], int(topk)):
+    if _tiling.use_token_path(path, OP + "_fwd_plan", shape[1], int(topk)):
         lay = _tiling.token_layout(shape[0], shape[1])
         words, quads, flat = array_views(logits.kind, shape)
         xarr = Out(3, Spec((shape[0] * int(topk),), np.int32)) if indices else Out(2, Spec((1,), np.int32))

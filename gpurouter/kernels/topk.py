@@ -68,6 +68,7 @@ def topk_with_score_function_fwd(
     *,
     return_indices=False,
     forced_indices=None,
+    path="auto",
     out=None,
     stream=0,
 ):
@@ -97,6 +98,8 @@ def topk_with_score_function_fwd(
         (the weights' normaliser is then summed in that call's order, so a
         replay of returned indices is bit for bit the call).  Not with
         ``return_indices``.
+      path: the kernel family: "auto" (thread-per-token where it takes the
+        shape, else W-lane), "token" or "lane" (``_tiling.use_token_path``).
       out: optional ``(probs, routing_map, saved_scores[, indices])`` device arrays to write.
       stream: numba stream or int CUDA stream handle (0: default).
 
@@ -131,7 +134,7 @@ def topk_with_score_function_fwd(
                              f"got {tuple(d_bias.shape)} {d_bias.dtype}.")
     plan = topk_with_score_function_fwd_plan(
         spec_of(d_logits.shape, kind), d_bias is not None, topk, bool(use_pre_softmax),
-        num_groups, group_topk, np.float32(scaling_factor), score_fn, fmt, bool(return_indices), forced)
+        num_groups, group_topk, np.float32(scaling_factor), score_fn, fmt, bool(return_indices), forced, path)
     if forced:
         d_forced = index_input(forced_indices, "forced_indices", op, s, (num_tokens, topk))
         return execute(plan, [d_logits, d_forced], out, s, to_host)
@@ -161,7 +164,7 @@ def _register_cap(lay) -> int:
 def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, pre_softmax: bool,
                                       num_groups, group_topk, scale: np.float32, score_fn: int,
                                       map_format: int = 0, return_indices: bool = False,
-                                      forced: bool = False) -> Plan:
+                                      forced: bool = False, path: str = "auto") -> Plan:
     """The launches of the forward (inputs: logits, bias; outputs: probs, map, saved).
 
     Arguments are validated (by the launcher or, under JAX, at trace time);
@@ -196,7 +199,7 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     # indices out, forced in, or (never read) any int32 array: saved's first words
     xarr = In(1, flat_idx) if forced else Out(3, flat_idx) if indices else Out(2, Spec((1,), np.int32))
     # (the replay takes the kernel path of the call it replays: the same sums)
-    if _tiling.token_path(num_experts, int(topk), G if grouped else 0, bool(has_bias)):
+    if _tiling.use_token_path(path, OP + "_fwd_plan", num_experts, int(topk), G if grouped else 0, bool(has_bias)):
         post = score_fn == SOFTMAX and not pre_softmax
         if forced:  # no groups, no bias: the bits say which experts
             lay = _tiling.token_layout(num_tokens, num_experts)

@@ -224,3 +224,29 @@ def test_launcher_config_errors_are_the_checks_module_s(kwargs, msg):
     if "topk" in kwargs and len(kwargs) == 1:
         with pytest.raises(ValueError, match=re.escape("score_for_aux_loss_fwd: topk (9) must be <= num_experts (8).")):
             K.score_for_aux_loss_fwd(np.zeros((2, 8), np.float32), 9)
+
+
+@pytest.mark.parametrize("sf,grouped", [("sigmoid", True), ("softmax", False), ("sqrtsoftplus", False)])
+def test_the_kernel_family_is_an_explicit_argument(sf, grouped):
+    """``path=`` picks the thread-per-token or the W-lane forward (no patched
+    globals): both agree with the reference and with each other; the aux
+    scores too; a bad path and "token" where those kernels cannot run are
+    ValueErrors naming the op."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((9, 16)).astype(np.float32)
+    bias = np.linspace(-0.1, 0.1, 16, dtype=np.float32) if sf != "softmax" else None
+    kw = dict(num_groups=4 if grouped else -1, group_topk=2 if grouped else -1, scaling_factor=1.5,
+              score_function=sf, expert_bias=bias)
+    want = ref.topk_with_score_function_fwd(x, 4, **kw)
+    got = {path: K.topk_with_score_function_fwd(x, 4, **kw, path=path) for path in ("token", "lane")}
+    for outs in got.values():
+        np.testing.assert_array_equal(outs[1], np.asarray(want[1]))
+        np.testing.assert_allclose(outs[0], np.asarray(want[0]), rtol=1e-6, atol=1e-7)
+    aux = {path: K.score_for_aux_loss_fwd(x, 4, sf, path=path) for path in ("token", "lane")}
+    np.testing.assert_array_equal(aux["token"][1], aux["lane"][1])
+    np.testing.assert_allclose(aux["token"][0], aux["lane"][0], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="topk_with_score_function_fwd_plan: path must be one of 'auto', "
+                                         "'token', 'lane', got 'fast'"):
+        K.topk_with_score_function_fwd(x, 4, **kw, path="fast")
+    with pytest.raises(ValueError, match="path='token' needs K <= 16, E a multiple of 4"):
+        K.topk_with_score_function_fwd(x[:, :14], 4, score_function="softmax", path="token")
