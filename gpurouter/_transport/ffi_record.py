@@ -28,8 +28,6 @@ MAX_DEVICES = 64
 #: parameter slots a step may have (the handler's stack copy), arrays a call may have
 MAX_PARAMS = 256
 MAX_ARRAYS = 32
-#: jaxlib versions this transport was run with (the header check decides elsewhere)
-TESTED_JAXLIB = ("0.10.2 (CPU: ABI and structure tests)", "0.11.2 (H200: the GPU suite)")
 
 # header word indices
 N_INS, N_RETS, LAUNCH_FN, GET_CTX_FN, PUSH_FN, POP_FN = 1, 2, 3, 4, 5, 6
