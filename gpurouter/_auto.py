@@ -6,10 +6,11 @@ only when JAX runs on a CUDA GPU with a device transport and:
 
 - the call has at least ``AUTO_MIN_ELEMENTS[transport]`` logits (tokens x
   experts): below that the launch cost (one per forward, one per backward)
-  outweighs the work. H200, jitted forward + backward steps, jax / numba:ffi:
-  DeepSeek-V3 (E=256) T=256 0.9x, T=4096 2.9x, T=16384 8.2x; Qwen3 (E=128)
-  T=256 0.4x, T=4096 1.1x, T=8192 2.0x; Mixtral (E=8) T=65536 2.7x; the aux
-  path (aux scores + aux loss) T=8192 1.8x. The zero-copy transport costs
+  outweighs the work. H200, jitted forward + backward steps, jax / numba:ffi
+  (commits f53ab13; 6747d01): DeepSeek-V3 (E=256) T=256 0.9x; 0.6x, T=4096
+  2.9x; 3.2x, T=16384 8.2x; 8.2x; Qwen3 (E=128) T=256 0.4x; 0.7x, T=4096
+  1.1x; 1.2x, T=8192 2.0x; 1.7x; Mixtral (E=8) T=65536 2.7x; 3.8x; the aux
+  path (aux scores + aux loss) T=8192 1.8x; 1.9x. The zero-copy transport costs
   more per call (its Python), so its threshold is twice as high;
 - for the router top-k: K <= ``AUTO_MAX_TOPK`` (Nemotron-3 Super's K=22
   forward measured slower than the reference), and neither
