@@ -148,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "moe-bench":
+        from .bench_moe import main as moe_main
+
+        return moe_main(argv[1:])
     if argv and argv[0] == "steps":
         from .bench_steps import main as steps_main
 

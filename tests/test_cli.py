@@ -38,6 +38,11 @@ def _error(capsys, argv) -> str:
     (["bench", "--paths", "bogus"], "argument --paths: unknown path 'bogus'; choose from kernel, jax, "
                                     "numba:zero-copy, numba:callback"),
     (["bench", "--from-json", "/nonexistent.json"], "--from-json /nonexistent.json: not a bench result"),
+    (["steps", "--configs", "bogus"], "argument --configs: unknown config 'bogus'; choose from deepseek-v3@256,"),
+    (["steps", "--steps", "0"], "argument --steps: 0 must be >= 1"),
+    (["moe-bench", "--shapes", "bogus"], "unknown shape 'bogus'; choose from qwen3-like, deepseek-v3-like"),
+    (["moe-bench", "--scale", "2"], "--scale must be in (0, 1], got 2.0"),
+    (["moe-bench", "--repeats", "0"], "argument --repeats: 0 must be >= 1"),
 ])
 def test_bad_arguments_are_one_line_errors(capsys, argv, msg):
     assert msg in _error(capsys, argv)
@@ -114,3 +119,18 @@ def test_demo_runs_as_a_newcomer_types_it():
     for row in rows:  # every column where the header puts it (E/K of Mixtral is "8/2")
         assert row[head.index("E/K"):].split()[0] in ("256/8", "8/2", "128/8")
         assert "(is ref)" in row
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _backend.numba_usable(), reason="the MoE bench times backend='numba'")
+def test_moe_bench_tiny_runs_and_writes_json(capsys, tmp_path):
+    """``python -m gpurouter moe-bench --tiny``: both blocks and every stage timed."""
+    import json
+
+    out = tmp_path / "moe.json"
+    assert cli.main(["moe-bench", "--tiny", "--repeats", "1", "--no-progress", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    for key in ("block numba ms", "block jax ms", "router ms", "dispatch+combine ms", "grouped GEMMs ms",
+                "ragged_dot TFLOP/s"):
+        assert row[key] > 0, key
+    assert "block jax / numba=" in capsys.readouterr().out
