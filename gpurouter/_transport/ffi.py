@@ -127,11 +127,12 @@ def _handler():
         ext = ld64(frame + abi.CF_EXTENSION)
         if ext != 0 and ld32(ext + abi.EXT_TYPE) == abi.EXTENSION_METADATA:
             md = ld64(ext + abi.EXT_METADATA)
-            st64(md + abi.MD_VERSION_STRUCT_SIZE, abi.VERSION_SIZE)
-            st64(md + abi.MD_VERSION_STRUCT_SIZE + 8, 0)
-            st32(md + abi.MD_VERSION_MAJOR, abi.DECLARED_VERSION[0])
-            st32(md + abi.MD_VERSION_MINOR, abi.DECLARED_VERSION[1])
-            st32(md + abi.MD_TRAITS, TRAITS)
+            if ld64(md + abi.MD_STRUCT_SIZE) >= abi.MD_TRAITS + 4:  # the fields written below
+                st64(md + abi.MD_VERSION_STRUCT_SIZE, abi.VERSION_SIZE)
+                st64(md + abi.MD_VERSION_STRUCT_SIZE + 8, 0)
+                st32(md + abi.MD_VERSION_MAJOR, abi.DECLARED_VERSION[0])
+                st32(md + abi.MD_VERSION_MINOR, abi.DECLARED_VERSION[1])
+                st32(md + abi.MD_TRAITS, TRAITS)
             return 0
         api = ld64(frame + abi.CF_API)
         api_size = ld64(api + abi.API_STRUCT_SIZE)

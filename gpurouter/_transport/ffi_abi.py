@@ -172,6 +172,7 @@ CF_MIN_SIZE = ctypes.sizeof(CallFrame)
 
 EXT_TYPE = _at(ExtensionBase, "type")
 EXT_METADATA = _at(MetadataExtension, "metadata")
+MD_STRUCT_SIZE = _at(Metadata, "struct_size")
 MD_VERSION_STRUCT_SIZE = _at(Metadata, "api_version", "struct_size")
 MD_VERSION_MAJOR = _at(Metadata, "api_version", "major_version")
 MD_VERSION_MINOR = _at(Metadata, "api_version", "minor_version")
