@@ -39,7 +39,8 @@ SHAPES = {
 TINY = (64, 32, 8, 2, 16, dict(score_function="softmax"))
 
 
-def _median_ms(fn, args, repeats: int) -> float:
+def median_ms(fn, args, repeats: int) -> float:
+    """Median wall milliseconds of ``fn(*args)`` (jitted; one warm-up call first)."""
     import jax
 
     jax.block_until_ready(fn(*args))
@@ -110,16 +111,16 @@ def run_shape(name, shape, repeats: int) -> dict:
     x, g, w0, w1, wo = _inputs(t, h, e, m, jnp.bfloat16)
     row = {"shape": name, "T": t, "H": h, "E": e, "K": k, "M": m}
     for backend in ("numba", "jax"):
-        row[f"block {backend} ms"] = _median_ms(_block_step(e, k, router, backend), (x, g, w0, w1, wo), repeats)
+        row[f"block {backend} ms"] = median_ms(_block_step(e, k, router, backend), (x, g, w0, w1, wo), repeats)
     row["block jax / numba"] = row["block jax ms"] / row["block numba ms"]
     route, permute, gemms = _stage_steps(e, k, router)
     idx = jnp.argsort(-(x @ g).astype(jnp.float32), axis=-1)[:, :k].astype(jnp.int32)
     sizes = jnp.bincount(idx.reshape(-1), length=e).astype(jnp.int32)
     xs = jnp.repeat(x, k, axis=0)  # N = T K rows (their order does not change the work)
     weights = jnp.full((t, k), 1.0 / k, jnp.float32)
-    row["router ms"] = _median_ms(route, (x, g), repeats)
-    row["dispatch+combine ms"] = _median_ms(permute, (x, idx, weights), repeats)
-    row["grouped GEMMs ms"] = _median_ms(gemms, (xs, sizes, w0, w1, wo), repeats)
+    row["router ms"] = median_ms(route, (x, g), repeats)
+    row["dispatch+combine ms"] = median_ms(permute, (x, idx, weights), repeats)
+    row["grouped GEMMs ms"] = median_ms(gemms, (xs, sizes, w0, w1, wo), repeats)
     flops = 18.0 * t * k * h * m
     row["ragged_dot TFLOP/s"] = flops / (row["grouped GEMMs ms"] * 1e-3) / 1e12
     row["GEMM share of the jax block"] = row["grouped GEMMs ms"] / row["block jax ms"]

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from gpurouter import _ep
 from gpurouter import moe as gmoe
+from gpurouter.bench_moe import median_ms
 
 SHAPES = {  # T, H, E, K, M
     "qwen3-like": (8192, 2048, 128, 8, 768),
@@ -83,15 +82,6 @@ def exchange_step(mesh, kw, n_dev):
         return jax.value_and_grad(f)(xs)
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("ep"), out_specs=(P(), P("ep")), check_vma=False))
 
-
-def median_ms(fn, args, repeats):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def check_equal(mesh, n_dev):
