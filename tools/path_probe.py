@@ -9,6 +9,12 @@ launched on raw pointers as the transports launch them), through the plans'
 ``path=`` argument.
 
     python3 tools/path_probe.py --json out.json
+    python3 tools/path_probe.py --cases large-k --tokens 65536 --token-max-topk 64
+
+``--cases large-k`` times the issue's large-K shapes (E = 512 at K = 8 ... 64,
+and E = 2304, K = 36); ``--token-max-topk`` lifts the token kernels' K limit
+(``_tiling.TOKEN_MAX_TOPK``) for the run, and every row checks that the two
+paths wrote the same bits (``same``).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from numba import cuda
 
 from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _plan, _pointer
+from gpurouter.kernels import _plan, _pointer, _tiling
 
 CASES = {  # name: (E, K, G, Kg, sf, bias, pre)
     "deepseek-v3": (256, 8, 8, 4, L.SIGMOID, True, False),
@@ -32,35 +38,51 @@ CASES = {  # name: (E, K, G, Kg, sf, bias, pre)
     "kimi-k2": (384, 8, -1, -1, L.SIGMOID, True, False),
     "mixtral": (8, 2, -1, -1, L.SOFTMAX, False, False),
 }
+LARGE_K = {f"e512-k{k}": (512, k, -1, -1, L.SIGMOID, True, False) for k in (8, 16, 22, 32, 64)}
+LARGE_K["e2304-k36"] = (2304, 36, -1, -1, L.SIGMOID, True, False)
 
 
 def time_plan(plan, arrays, repeats, spin):
+    """(median us, the outputs of the last launch as host arrays)."""
     outs = [cuda.device_array(s.shape, dtype=s.dtype) for s in plan.outs]
     launch = _pointer.PointerLaunch(plan, 0)
-    return median_us(launch, [[ptr(a) for a in arrays] + [ptr(o) for o in outs]], repeats, spin)
+    us = median_us(launch, [[ptr(a) for a in arrays] + [ptr(o) for o in outs]], repeats, spin)
+    return us, [o.copy_to_host() for o in outs]
 
 
 def main(argv):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="256,1024,2048,4096,8192,16384,65536")
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--cases", default="presets", choices=("presets", "large-k"))
+    ap.add_argument("--token-max-topk", type=int, help="lift _tiling.TOKEN_MAX_TOPK for this run")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.token_max_topk is not None:
+        _tiling.TOKEN_MAX_TOPK = args.token_max_topk
     spin = spin_kernel()
     rows = []
-    for name, (e, k, g, kg, sf, has_bias, pre) in CASES.items():
+    cases = CASES if args.cases == "presets" else LARGE_K
+    for name, (e, k, g, kg, sf, has_bias, pre) in cases.items():
         for t in (int(v) for v in args.tokens.split(",")):
             rng = np.random.default_rng(0)
             x = cuda.to_device(rng.standard_normal((t, e), np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
             bias = cuda.to_device(np.linspace(-0.01, 0.01, e, dtype=np.float32))
             spec = _plan.spec_of((t, e), L.BF16)
             row = {"case": name, "T": t}
+            outs = {}
             for path in ("token", "lane"):
-                plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(1.0), sf, 0,
-                                                           path=path)
-                row[f"{path} topk"] = time_plan(plan, [x, bias] if has_bias else [x], args.repeats, spin)
-                aplan = K.score_for_aux_loss_fwd_plan(spec, k, sf, 0, path=path)
-                row[f"{path} aux"] = time_plan(aplan, [x], args.repeats, spin)
+                try:
+                    plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(1.0), sf,
+                                                               0, path=path)
+                    aplan = K.score_for_aux_loss_fwd_plan(spec, k, sf, 0, path=path)
+                except ValueError as err:  # path='token' on a shape it does not take
+                    row[f"{path} error"] = str(err)
+                    continue
+                row[f"{path} topk"], outs[path] = time_plan(plan, [x, bias] if has_bias else [x], args.repeats, spin)
+                row[f"{path} aux"], _ = time_plan(aplan, [x], args.repeats, spin)
+            if len(outs) == 2:
+                row["same"] = all(np.array_equal(a, b) for a, b in zip(outs["token"], outs["lane"]))
             print(json.dumps(row), flush=True)
             rows.append(row)
     if args.json:
