@@ -8,7 +8,7 @@ Two tables (GPU; JSON with ``--json``):
    and the loop's fixed cost drop out), per config and path: ``jax`` (the
    jnp reference), ``numba:ffi``, ``numba:zero-copy`` and ``auto``; the
    ratio is jax / numba:ffi. Configs: DeepSeek-V3 and Qwen3 at several token
-   counts, Mixtral, and the aux path (aux scores + switch aux loss).
+   counts, Mixtral, Nemotron-3 Super (K = 22), and the aux path (aux scores + switch aux loss).
 2. **Transport cost**: one op ``out = 2 x + y`` on float32[n] per loop step,
    as an XLA fusion and as a numba kernel through each transport; the cost
    of a transport is its step time minus the fusion's.
@@ -29,7 +29,7 @@ from ._progress import progress
 CONFIGS = {
     f"{preset}@{t}": (preset, t, False)
     for preset, ts in (("deepseek-v3", (256, 4096, 16384, 65536)), ("qwen3", (256, 4096, 8192, 16384, 65536)),
-                       ("mixtral", (65536,)))
+                       ("mixtral", (65536,)), ("nemotron-3-super", (4096, 65536)))
     for t in ts
 }
 CONFIGS.update({f"aux@{t}": ("deepseek-v3", t, True) for t in (8192, 65536)})

@@ -24,8 +24,6 @@ from ._limits import SMEM_BUDGET
 # W-lane row kernels
 # ----------------------------------------------------------------------------
 
-
-
 #: threads per block of the row forward kernels (top-k, aux scores)
 #: before shared memory forces fewer: several tokens of W lanes each.
 ROW_THREADS = 128
@@ -104,14 +102,11 @@ def _select_words(tb: int, lanes: int, p: int, ls: int, groups: int):
 
 def select_layout(num_tokens: int, num_experts: int, topk: int, num_groups: int = 0,
                   lanes: int | None = None) -> RowLayout:
-    """Layout of the forward row kernels (top-k fwd, aux scores fwd).
-
-    ``num_groups``: G when grouping is on, else 0.  W = ``row_lanes(E)``
-    (or ``lanes``); the block takes ``ROW_THREADS / W`` tokens, fewer (then
-    fewer lanes) until the shared memory fits ``SMEM_BUDGET``.  Group lanes:
-    ``W / G`` lanes share a group in the group-score pass when G divides W,
-    else 1 lane takes whole groups.
-    """
+    """Layout of the forward row kernels (top-k fwd, aux scores fwd). ``num_groups``:
+    G when grouping is on, else 0.  W = ``row_lanes(E)`` (or ``lanes``); the
+    block takes ``ROW_THREADS / W`` tokens, fewer (then fewer lanes) until the
+    shared memory fits ``SMEM_BUDGET``.  ``W / G`` lanes share a group in the
+    group-score pass when G divides W, else 1 lane takes whole groups."""
     w = row_lanes(num_experts) if lanes is None else int(lanes)
     ls = topk | 1  # odd list stride: lanes reading slot q of their lists hit distinct banks
     g = max(0, int(num_groups))
@@ -138,8 +133,10 @@ def select_layout(num_tokens: int, num_experts: int, topk: int, num_groups: int 
 
 
 #: the thread-per-token forwards (``token_topk_fwd.py``, ``token_aux_scores_fwd.py``)
-#: take K <= this (their top-K lists live in registers) and E a multiple of 4
-TOKEN_MAX_TOPK = 16
+#: take K <= this (their top-K lists live in registers) and E a multiple of 4;
+#: measured faster than the W-lane kernels at every K up to 64 (E = 512 and
+#: 2304, T = 4096 and 65536: docs/benchmarks.md, "Large K")
+TOKEN_MAX_TOPK = 64
 #: tokens per block of the thread-per-token kernels at most, threads at least
 TOKEN_MAX_TOKENS = 256
 TOKEN_MIN_THREADS = 256  # measured: docs/benchmarks.md (tools/tiling_sweep.py)
@@ -153,22 +150,42 @@ def pow2_at_least(n: int) -> int:
     return c
 
 
-def _token_words(tb: int, num_experts: int, num_groups: int, has_bias: bool) -> int:
+def _token_words(tb: int, num_experts: int, num_groups: int, has_bias: bool, lane_topk: int = 0) -> int:
     """Shared-memory words of a thread-per-token block (see ``TokenLayout``)."""
     g = (num_groups | 1) if num_groups > 0 else 0
-    return tb * ((num_experts | 1) + token_flag_stride(num_experts) + g + 4) + (num_experts if has_bias else 0)
+    lanes = 2 * _token_threads(tb, num_experts) + tb * (lane_cap(lane_topk) + 1) if lane_topk else 0
+    return (tb * ((num_experts | 1) + token_flag_stride(num_experts) + g + 4) + (num_experts if has_bias else 0)
+            + lanes)
+
+
+def _token_threads(tb: int, num_experts: int) -> int:
+    """Threads of a thread-per-token block (see ``token_layout``)."""
+    return -(-max(tb, min(TOKEN_MIN_THREADS, tb * num_experts // 4)) // 32) * 32
+
+
+def lane_cap(topk: int) -> int:
+    """C, the candidates a token's lanes may hand to its thread (``_token_rows.lane_candidates``)."""
+    return 2 * (topk + 1)
+
+
+def token_lanes(num_tokens: int, num_experts: int, topk: int, num_groups: int = 0, has_bias: bool = False) -> bool:
+    """True when the thread-per-token top-k forward lists each token over the
+    block's idle threads (``_token_rows.lane_candidates``): no groups, W >= 2."""
+    if (num_groups > 0 or not token_path(num_experts, topk, num_groups, has_bias)
+            or 4 * _token_words(1, num_experts, 0, has_bias, topk) > SMEM_BUDGET):
+        return False
+    lay = token_layout(num_tokens, num_experts, 0, has_bias, topk)
+    return lay.threads // lay.tb >= 2
 
 
 def token_flag_stride(num_experts: int) -> int:
-    """Words per token of the thread-per-token kernels' selection bits (a bit
-    per expert; odd, so a warp's rows hit distinct banks)."""
+    """Words per token of the token kernels' selection bits (odd: distinct banks)."""
     return -(-num_experts // 32) | 1
 
 
 def token_path(num_experts: int, topk: int, num_groups: int = 0, has_bias: bool = False) -> bool:
-    """True when the thread-per-token forward kernels take ``(E, K)``: K <=
-    ``TOKEN_MAX_TOPK``, E a multiple of 4, and one token's block fits
-    ``SMEM_BUDGET``."""
+    """True when the thread-per-token forward kernels take ``(E, K)``: K <= ``TOKEN_MAX_TOPK``,
+    E a multiple of 4, and one token's block fits ``SMEM_BUDGET``."""
     return (1 <= topk <= TOKEN_MAX_TOPK and num_experts % 4 == 0
             and 4 * _token_words(1, num_experts, max(0, int(num_groups)), has_bias) <= SMEM_BUDGET)
 
@@ -206,12 +223,16 @@ class TokenLayout:
         o_thr  + [2 * tb]      per token: fp32 selection threshold (NaN: read the bits),
                                then int32 tie cutoff (``_token_select.token_selector``)
         o_bias + [E]           fp32 expert bias
+        o_lanes + [2 * threads + tb * (C + 1)]
+                               the lanes' list bounds and counts, then per token
+                               its count and C candidates (``token_lanes`` only,
+                               C = ``lane_cap(K)``: ``_token_rows.lane_candidates``)
 
     (Odd row strides: a warp's threads, one per row, hit distinct banks.)
     """
 
     __slots__ = ("grid", "threads", "tb", "stride", "o_flag", "o_gs", "o_red", "o_thr", "o_bias",
-                 "shared")
+                 "o_lanes", "shared")
 
     def __init__(self, **kw):
         for k in self.__slots__:
@@ -222,31 +243,33 @@ class TokenLayout:
 
 
 def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
-                 has_bias: bool = False) -> TokenLayout:
+                 has_bias: bool = False, lane_topk: int = 0) -> TokenLayout:
     """Layout of the thread-per-token kernels (``token_path``): as many tokens
     per block (a power of two, at most ``TOKEN_MAX_TOKENS``, at most T) as fit
     ``SMEM_BUDGET``; threads: the tokens, at least ``TOKEN_MIN_THREADS`` (the
     coalesced phases want them) unless the tile has fewer quads, a multiple of
-    32.  The bias (``has_bias``) takes E words."""
+    32.  The bias (``has_bias``) takes E words; ``lane_topk`` K > 0 the
+    lanes' words (``token_lanes``)."""
     g = max(0, int(num_groups))
     tb = TOKEN_MAX_TOKENS
-    while tb > 1 and 4 * _token_words(tb, num_experts, g, has_bias) > SMEM_BUDGET:
+    while tb > 1 and 4 * _token_words(tb, num_experts, g, has_bias, lane_topk) > SMEM_BUDGET:
         tb //= 2
-    if 4 * _token_words(tb, num_experts, g, has_bias) > SMEM_BUDGET:
+    if 4 * _token_words(tb, num_experts, g, has_bias, lane_topk) > SMEM_BUDGET:
         raise NotImplementedError(f"E={num_experts}: one token does not fit "
                                   f"{SMEM_BUDGET} bytes of shared memory")
     tb = max(1, min(tb, num_tokens))
-    quads = tb * num_experts // 4
-    threads = -(-max(tb, min(TOKEN_MIN_THREADS, quads)) // 32) * 32
+    threads = _token_threads(tb, num_experts)
     p = num_experts | 1
     o_flag = tb * p
     o_gs = o_flag + tb * token_flag_stride(num_experts)
     o_red = o_gs + tb * ((g | 1) if g else 0)
     o_thr = o_red + 2 * tb
     o_bias = o_thr + 2 * tb
+    o_lanes = o_bias + (num_experts if has_bias else 0)
+    lanes = 2 * threads + tb * (lane_cap(lane_topk) + 1) if lane_topk else 0
     return TokenLayout(grid=-(-num_tokens // tb), threads=threads, tb=tb, stride=p, o_flag=o_flag,
-                       o_gs=o_gs, o_red=o_red, o_thr=o_thr, o_bias=o_bias,
-                       shared=4 * (o_bias + (num_experts if has_bias else 0)))
+                       o_gs=o_gs, o_red=o_red, o_thr=o_thr, o_bias=o_bias, o_lanes=o_lanes,
+                       shared=4 * (o_lanes + lanes))
 
 
 #: threads per block of the streaming backward kernels
@@ -255,11 +278,9 @@ STREAM_THREADS = 256
 
 def stream_tiling(num_tokens: int, num_experts: int):
     """``(grid, threads, lanes)`` of the streaming backward kernels: W lanes per
-    token read its row straight from global memory (no shared-memory tile),
-    lane ``l`` experts ``l, l + W, ...``. W = 32 (a warp per token: each
-    warp-wide access is one contiguous piece of a row) or, for E < 32, E
-    rounded up to a power of two (a warp then covers whole consecutive rows).
-    """
+    token read its row from global memory, lane ``l`` experts ``l, l + W, ...``;
+    W = 32 (a warp's access: one contiguous piece of a row) or, for E < 32, E
+    rounded up to a power of two (a warp covers whole consecutive rows)."""
     w = 32
     if num_experts < 32:
         w = 1
@@ -292,9 +313,8 @@ def quad_tiling(num_tokens: int, num_experts: int, dense: bool):
 
 
 def quad_hold(num_experts: int, lanes: int) -> int:
-    """Quads a lane of the aux-score backward loads at once and keeps in
-    registers between its passes: all of its ``ceil(E / 4 / W)``, at most
-    ``QUAD_HOLD``."""
+    """Quads a lane of the aux-score backward loads at once and keeps in registers
+    between its passes: all of its ``ceil(E / 4 / W)``, at most ``QUAD_HOLD``."""
     return min(QUAD_HOLD, -(-(num_experts // 4) // lanes))
 
 

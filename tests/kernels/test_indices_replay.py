@@ -71,7 +71,7 @@ def _ref_indices(x, k, kw):
 
 
 # (T, E, K, kwargs, dtype, path, map format): every score function, pre and
-# post softmax, groups, bias, K = 1, K > 16 and E % 4 != 0 (W-lane).
+# post softmax, groups, bias, K = 1, K > 16 (both paths) and E % 4 != 0 (W-lane).
 CASES = [
     (5, 16, 4, dict(), "bfloat16", "token", 0),
     (5, 12, 3, dict(use_pre_softmax=True, scaling_factor=1.5), "float32", "token", 1),
@@ -84,6 +84,8 @@ CASES = [
      "bfloat16", "lanes", 0),
     (5, 10, 4, dict(), "float32", "lanes", 1),
     (4, 20, 17, dict(score_function="sqrtsoftplus", scaling_factor=2.5), "float32", "lanes", 0),
+    (4, 20, 17, dict(score_function="sqrtsoftplus", scaling_factor=2.5), "float32", "token", 1),
+    (4, 24, 18, dict(score_function="sigmoid", expert_bias=_bias(24)), "bfloat16", "token", 0),
     (4, 18, 1, dict(use_pre_softmax=True), "bfloat16", "lanes", 1),
 ]
 
@@ -96,7 +98,7 @@ CASES = [
 def test_indices_and_replay(token_tiling, tiling, T, E, k, kw, dtype, path, fmt):
     if path == "token":
         token_tiling(2)  # several blocks, a partial last tile
-    elif E % 4 == 0 and k <= 16:
+    elif E % 4 == 0:
         tiling(2, 4)  # the W-lane path: 2 lanes, 2 tokens per block
     x = _logits(T, E, 31 * E + k, dtype)
     assert _path(_plan(x, k, kw, fmt, return_indices=True)) == path

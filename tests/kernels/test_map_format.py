@@ -88,7 +88,7 @@ def _bias(E):
 
 # (T, E, K, kwargs, dtype, path): E % 8 == 4 (a last half octet) and E % 8 == 0 (bf16: an
 # octet's probs in one store)
-# on the token path; E % 4 != 0 and K > 16 on the W-lane path (the backward:
+# on the token path (K = 17 included); E % 4 != 0 on the W-lane path (the backward:
 # streaming for E % 4 != 0, quads otherwise); E = 130: 17 bytes, 2 bits used
 # in the last.
 TOPK_CASES = [
@@ -103,7 +103,7 @@ TOPK_CASES = [
     (5, 10, 3, dict(), "float32", "lanes"),
     (5, 18, 4, dict(score_function="sigmoid", num_groups=3, group_topk=2, expert_bias=_bias(18)),
      "bfloat16", "lanes"),
-    (4, 20, 17, dict(score_function="sqrtsoftplus", scaling_factor=2.5), "float32", "lanes"),
+    (4, 20, 17, dict(score_function="sqrtsoftplus", scaling_factor=2.5), "float32", "token"),
     (4, 130, 4, dict(use_pre_softmax=True), "float32", "lanes"),
 ]
 
@@ -273,7 +273,7 @@ def test_bwd_ignores_padding_bits():
     (2048, 132, 8, dict(use_pre_softmax=True), "float32", "token"),
     (7168, 128, 8, dict(), "bfloat16", "token"),
     (7168, 512, 22, dict(score_function="sigmoid", scaling_factor=5.0, expert_bias=_bias(512)),
-     "bfloat16", "lanes"),
+     "bfloat16", "token"),
     (2048, 130, 6, dict(score_function="sqrtsoftplus"), "float16", "lanes"),
 ], ids=["deepseek_v3", "E132-pre", "qwen3", "nemotron", "E130"])
 def test_gpu_shapes(T, E, k, kw, dtype, path):

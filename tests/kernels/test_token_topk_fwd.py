@@ -1,7 +1,7 @@
 """The thread-per-token top-k forward (``gpurouter/kernels/token_topk_fwd.py``)
 against the reference: the dispatch to it, specials, fillers, ties, groups,
 quads in every dtype, several blocks with a partial last tile.  Tiny shapes
-(E a multiple of 4, K <= 16): the simulator runs them; the TE shapes are in
+(E a multiple of 4, K <= 64): the simulator runs them; the TE shapes are in
 test_gpu.py.
 """
 
@@ -36,7 +36,7 @@ def _kernel_of(plan):
 
 
 def test_dispatch():
-    """E % 4 == 0 and K <= 16 take the token kernels, the rest the W-lane ones."""
+    """E % 4 == 0 and K <= 64 take the token kernels, the rest the W-lane ones."""
     from gpurouter.kernels import _launch as L
     from gpurouter.kernels import _plan, aux_scores, topk
 
@@ -45,7 +45,8 @@ def test_dispatch():
                                                       G, Kg, np.float32(1), 1)
 
     assert _kernel_of(fwd(256, 8, 8, 4)) and _kernel_of(fwd(8, 2)) and _kernel_of(fwd(32, 16))
-    assert not _kernel_of(fwd(10, 4)) and not _kernel_of(fwd(64, 17))
+    assert _kernel_of(fwd(64, 17)) and _kernel_of(fwd(512, 22)) and _kernel_of(fwd(68, 64))
+    assert not _kernel_of(fwd(10, 4)) and not _kernel_of(fwd(68, 65))
     assert _kernel_of(aux_scores.score_for_aux_loss_fwd_plan(_plan.spec_of((5, 12), L.F32), 3, 0))
     assert not _kernel_of(aux_scores.score_for_aux_loss_fwd_plan(_plan.spec_of((5, 13), L.F32), 3, 0))
 
@@ -128,6 +129,30 @@ def test_ties_across_the_threshold(token_tiling, sf, pre, grouped):
     np.testing.assert_allclose(s, rs, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("sf", ["softmax", "sigmoid"])
+def test_large_k_ties_and_fillers(token_tiling, sf):
+    """K = 20 of E = 32 (a 21-slot register list): bf16-like ties across the
+    threshold, a row of one value, fewer than K finite scores; maps exact
+    against the reference."""
+    token_tiling(4)
+    rng = np.random.default_rng(5)
+    T, E, k = 6, 32, 20
+    x = (rng.integers(-4, 5, (T, E)) / 4).astype(np.float32)
+    x[1] = 0.5
+    x[2, :] = -np.inf
+    x[2, 3:30:2] = np.arange(14) / 16  # 14 finite < K
+    x[4, ::5] = np.nan
+    if sf != "softmax":
+        x = np.where(np.isneginf(x), np.float32(-30.0), x)
+    bias = (np.arange(E) % 4 / 8).astype(np.float32) if sf != "softmax" else None
+    kw = dict(topk=k, score_function=sf, scaling_factor=1.5)
+    p, m, _ = K.topk_with_score_function_fwd(x, expert_bias=bias, **kw)
+    rp, rm, _ = (host(a) for a in ref.topk_with_score_function_fwd(x, expert_bias=bias, **kw))
+    assert (m.sum(-1) == k).all()
+    np.testing.assert_array_equal(m, rm)
+    np.testing.assert_allclose(p, rp, atol=1e-6, rtol=1e-5)
+
+
 SHAPES = [
     (5, 24, 3, 3, 3),
     (5, 20, 2, 5, 1),
@@ -138,6 +163,9 @@ SHAPES = [
     (5, 32, 8, 8, 4),
     (5, 20, 3, -1, -1),
     (5, 24, 5, -1, -1),
+    (5, 48, 22, -1, -1),  # large K (Nemotron-3 Super's 22): a 23-slot register list
+    (5, 64, 24, 8, 4),
+    (5, 40, 33, -1, -1),
 ]
 
 

@@ -248,5 +248,5 @@ def test_the_kernel_family_is_an_explicit_argument(sf, grouped):
     with pytest.raises(ValueError, match="topk_with_score_function_fwd_plan: path must be one of 'auto', "
                                          "'token', 'lane', got 'fast'"):
         K.topk_with_score_function_fwd(x, 4, **kw, path="fast")
-    with pytest.raises(ValueError, match="path='token' needs K <= 16, E a multiple of 4"):
+    with pytest.raises(ValueError, match="path='token' needs K <= 64, E a multiple of 4"):
         K.topk_with_score_function_fwd(x[:, :14], 4, score_function="softmax", path="token")
