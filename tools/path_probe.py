@@ -58,10 +58,14 @@ def main(argv):
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--cases", default="presets", choices=("presets", "large-k"))
     ap.add_argument("--token-max-topk", type=int, help="lift _tiling.TOKEN_MAX_TOPK for this run")
+    ap.add_argument("--token-min-threads", type=int, help="set _tiling.TOKEN_MIN_THREADS for this run")
+    ap.add_argument("--paths", default="token,lane", help="the kernel families to time (default token,lane)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.token_max_topk is not None:
         _tiling.TOKEN_MAX_TOPK = args.token_max_topk
+    if args.token_min_threads is not None:
+        _tiling.TOKEN_MIN_THREADS = args.token_min_threads
     spin = spin_kernel()
     rows = []
     cases = CASES if args.cases == "presets" else LARGE_K
@@ -71,9 +75,9 @@ def main(argv):
             x = cuda.to_device(rng.standard_normal((t, e), np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
             bias = cuda.to_device(np.linspace(-0.01, 0.01, e, dtype=np.float32))
             spec = _plan.spec_of((t, e), L.BF16)
-            row = {"case": name, "T": t}
+            row = {"case": name, "T": t, "token min threads": _tiling.TOKEN_MIN_THREADS}
             outs = {}
-            for path in ("token", "lane"):
+            for path in args.paths.split(","):
                 try:
                     plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(1.0), sf,
                                                                0, path=path)
@@ -82,6 +86,8 @@ def main(argv):
                     row[f"{path} error"] = str(err)
                     continue
                 row[f"{path} topk"], outs[path] = time_plan(plan, [x, bias] if has_bias else [x], args.repeats, spin)
+                regs = plan.steps[0].kernel.get_regs_per_thread()
+                row[f"{path} regs"] = sorted(regs.values()) if isinstance(regs, dict) else regs
                 row[f"{path} aux"], _ = time_plan(aplan, [x], args.repeats, spin)
             if len(outs) == 2:  # (outs[2], saved, is only written where the backward reads it)
                 row["same map"] = bool(np.array_equal(outs["token"][1], outs["lane"][1]))

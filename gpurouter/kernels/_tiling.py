@@ -150,32 +150,15 @@ def pow2_at_least(n: int) -> int:
     return c
 
 
-def _token_words(tb: int, num_experts: int, num_groups: int, has_bias: bool, lane_topk: int = 0) -> int:
+def _token_words(tb: int, num_experts: int, num_groups: int, has_bias: bool) -> int:
     """Shared-memory words of a thread-per-token block (see ``TokenLayout``)."""
     g = (num_groups | 1) if num_groups > 0 else 0
-    lanes = 2 * _token_threads(tb, num_experts) + tb * (lane_cap(lane_topk) + 1) if lane_topk else 0
-    return (tb * ((num_experts | 1) + token_flag_stride(num_experts) + g + 4) + (num_experts if has_bias else 0)
-            + lanes)
+    return tb * ((num_experts | 1) + token_flag_stride(num_experts) + g + 4) + (num_experts if has_bias else 0)
 
 
 def _token_threads(tb: int, num_experts: int) -> int:
     """Threads of a thread-per-token block (see ``token_layout``)."""
     return -(-max(tb, min(TOKEN_MIN_THREADS, tb * num_experts // 4)) // 32) * 32
-
-
-def lane_cap(topk: int) -> int:
-    """C, the candidates a token's lanes may hand to its thread (``_token_rows.lane_candidates``)."""
-    return 2 * (topk + 1)
-
-
-def token_lanes(num_tokens: int, num_experts: int, topk: int, num_groups: int = 0, has_bias: bool = False) -> bool:
-    """True when the thread-per-token top-k forward lists each token over the
-    block's idle threads (``_token_rows.lane_candidates``): no groups, W >= 2."""
-    if (num_groups > 0 or not token_path(num_experts, topk, num_groups, has_bias)
-            or 4 * _token_words(1, num_experts, 0, has_bias, topk) > SMEM_BUDGET):
-        return False
-    lay = token_layout(num_tokens, num_experts, 0, has_bias, topk)
-    return lay.threads // lay.tb >= 2
 
 
 def token_flag_stride(num_experts: int) -> int:
@@ -223,16 +206,12 @@ class TokenLayout:
         o_thr  + [2 * tb]      per token: fp32 selection threshold (NaN: read the bits),
                                then int32 tie cutoff (``_token_select.token_selector``)
         o_bias + [E]           fp32 expert bias
-        o_lanes + [2 * threads + tb * (C + 1)]
-                               the lanes' list bounds and counts, then per token
-                               its count and C candidates (``token_lanes`` only,
-                               C = ``lane_cap(K)``: ``_token_rows.lane_candidates``)
 
     (Odd row strides: a warp's threads, one per row, hit distinct banks.)
     """
 
     __slots__ = ("grid", "threads", "tb", "stride", "o_flag", "o_gs", "o_red", "o_thr", "o_bias",
-                 "o_lanes", "shared")
+                 "shared")
 
     def __init__(self, **kw):
         for k in self.__slots__:
@@ -243,18 +222,17 @@ class TokenLayout:
 
 
 def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
-                 has_bias: bool = False, lane_topk: int = 0) -> TokenLayout:
+                 has_bias: bool = False) -> TokenLayout:
     """Layout of the thread-per-token kernels (``token_path``): as many tokens
     per block (a power of two, at most ``TOKEN_MAX_TOKENS``, at most T) as fit
     ``SMEM_BUDGET``; threads: the tokens, at least ``TOKEN_MIN_THREADS`` (the
     coalesced phases want them) unless the tile has fewer quads, a multiple of
-    32.  The bias (``has_bias``) takes E words; ``lane_topk`` K > 0 the
-    lanes' words (``token_lanes``)."""
+    32.  The bias (``has_bias``) takes E words."""
     g = max(0, int(num_groups))
     tb = TOKEN_MAX_TOKENS
-    while tb > 1 and 4 * _token_words(tb, num_experts, g, has_bias, lane_topk) > SMEM_BUDGET:
+    while tb > 1 and 4 * _token_words(tb, num_experts, g, has_bias) > SMEM_BUDGET:
         tb //= 2
-    if 4 * _token_words(tb, num_experts, g, has_bias, lane_topk) > SMEM_BUDGET:
+    if 4 * _token_words(tb, num_experts, g, has_bias) > SMEM_BUDGET:
         raise NotImplementedError(f"E={num_experts}: one token does not fit "
                                   f"{SMEM_BUDGET} bytes of shared memory")
     tb = max(1, min(tb, num_tokens))
@@ -265,11 +243,9 @@ def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
     o_red = o_gs + tb * ((g | 1) if g else 0)
     o_thr = o_red + 2 * tb
     o_bias = o_thr + 2 * tb
-    o_lanes = o_bias + (num_experts if has_bias else 0)
-    lanes = 2 * threads + tb * (lane_cap(lane_topk) + 1) if lane_topk else 0
     return TokenLayout(grid=-(-num_tokens // tb), threads=threads, tb=tb, stride=p, o_flag=o_flag,
-                       o_gs=o_gs, o_red=o_red, o_thr=o_thr, o_bias=o_bias, o_lanes=o_lanes,
-                       shared=4 * (o_lanes + lanes))
+                       o_gs=o_gs, o_red=o_red, o_thr=o_thr, o_bias=o_bias,
+                       shared=4 * (o_bias + (num_experts if has_bias else 0)))
 
 
 #: threads per block of the streaming backward kernels

@@ -22,20 +22,7 @@ from numba import float32 as nb_f32  # array declarations take numba types
 from numba import int32 as nb_i32
 
 from ._access import flat_io
-from ._device import (
-    NEG_INF,
-    ONE,
-    SIGMOID,
-    SOFTMAX,
-    ZERO,
-    activation,
-    exp_f32,
-    fmax_f32,
-    fmin_f32,
-    nan_as_neg_inf,
-    u32,
-    u64,
-)
+from ._device import NEG_INF, ONE, SIGMOID, SOFTMAX, ZERO, activation, exp_f32, fmax_f32, fmin_f32, u32, u64
 from ._vec import quad_f32
 
 STAGE_QUADS = 4  # quads per step of the staging, their loads in flight together
@@ -58,84 +45,6 @@ def register_pusher(cap: int):
         keys[0] = fmax_f32(keys[0], v)
 
     return push
-
-
-@functools.cache
-def lane_candidates(topk: int, has_bias: bool):
-    """Device function ``gather(smem, bits, tid, nthreads, nt, tile_tokens,
-    stride, o_bias, num_experts, o_lanes)``, run by every thread of the block
-    before the selection: the block's W = ``nthreads // tile_tokens`` threads
-    a token (``tid // W``; lane ``tid % W``) each keep the K + 1 largest
-    selection scores (plus the bias, NaN as -inf) of experts ``lane, lane + W,
-    ...`` in a register list.  ``lb``, the largest of the lanes' (K + 1)-th
-    values, bounds the row's (K + 1)-th value from below (that lane alone has
-    K + 1 values >= lb), so the row's K + 1 largest are all among the lanes'
-    entries >= lb: the lanes write those, the token's *candidates*, to
-    ``smem[o_tok + 1:]`` and their count to ``bits[o_tok]``, o_tok = ``o_lanes
-    + 2 * nthreads + t * (C + 1)``, C = ``_tiling.lane_cap(K)``.  More than C
-    (ties at the bound): the count alone, and the token's thread scans its
-    row.  The token's thread pushes the candidates into its own list
-    (``_token_select``): the same K + 1 values, a W-th of the row's pushes on
-    the thread's path.  Ends before the caller's barrier."""
-    list_len = topk + 1
-    cap = 2 * list_len  # _tiling.lane_cap
-    push = register_pusher(list_len)
-
-    @cuda.jit(device=True)
-    def gather(smem, bits, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, o_lanes):
-        lanes = np.int32(nthreads // tile_tokens)
-        t = np.int32(tid // lanes)
-        lane = np.int32(tid - t * lanes)
-        live = t < nt
-        first = np.int32(t * lanes)
-        o_cnt = np.int32(o_lanes + nthreads)
-        keys = cuda.local.array(list_len, nb_f32)
-        for q in range(list_len):
-            keys[q] = NEG_INF
-        cuda.syncthreads()  # the staged tile (and bias)
-        if live:
-            row = np.int32(t * stride)
-            j = lane
-            while j < num_experts:
-                v = smem[u32(row + j)]
-                if has_bias:
-                    v = np.float32(v + smem[u32(o_bias + j)])
-                push(keys, nan_as_neg_inf(v))
-                j = np.int32(j + lanes)
-        smem[u32(o_lanes + tid)] = keys[topk]
-        cuda.syncthreads()
-        lb = NEG_INF
-        if live:
-            i = np.int32(0)
-            while i < lanes:
-                lb = fmax_f32(lb, smem[u32(o_lanes + first + i)])
-                i = np.int32(i + 1)
-        c = np.int32(0)
-        for q in range(list_len):
-            c = np.int32(c + np.int32(keys[q] >= lb))
-        bits[u32(o_cnt + tid)] = np.uint32(c)
-        cuda.syncthreads()
-        if live:
-            before = np.int32(0)
-            total = np.int32(0)
-            i = np.int32(0)
-            while i < lanes:
-                ci = np.int32(bits[u32(o_cnt + first + i)])
-                total = np.int32(total + ci)
-                if i < lane:
-                    before = np.int32(before + ci)
-                i = np.int32(i + 1)
-            o_tok = np.int32(o_cnt + nthreads + t * (cap + 1))
-            if lane == 0:
-                bits[u32(o_tok)] = np.uint32(total)
-            if total <= cap:
-                pos = np.int32(o_tok + 1 + before)
-                for q in range(list_len):
-                    if keys[q] >= lb:
-                        smem[u32(pos)] = keys[q]
-                        pos = np.int32(pos + 1)
-
-    return gather
 
 
 @cuda.jit(device=True)

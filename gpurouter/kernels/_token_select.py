@@ -39,16 +39,15 @@ from numba import int32 as nb_i32
 from numba import int64 as nb_i64
 
 from ._device import EPS, NAN, NEG_INF, ONE, ZERO, exp_f32, nan_as_neg_inf, u32, u64
-from ._tiling import lane_cap
 from ._token_rows import register_pusher
 from ._token_scans import token_scans
 
 
 @functools.cache
 def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled: bool = False,
-              indices: int = 0, forced: bool = False, asc: bool = False, lanes: bool = False):
-    """Device function ``select(smem, row, E, G, Kg, o_gs, o_bias, bits, fword, xarr, xb, o_tok) -> (total, m,
-    thr, cut)``:
+              indices: int = 0, forced: bool = False, asc: bool = False):
+    """Device function ``select(smem, row, E, G, Kg, o_gs, o_bias, bits, fword, xarr, xb) -> (total, m, thr,
+    cut)``:
     one thread's (group-limited) top-K (``topk``, a compile-time constant)
     of its tile row ``smem[row:row+E]`` plus, with ``has_bias``, the bias at
     ``smem[o_bias:o_bias+E]``; with ``scaled`` (the aux scores of sigmoid and
@@ -69,10 +68,7 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
        ``smem[o_gs + g]``; a group is kept when fewer than Kg groups rank
        before it (larger score, NaN as -inf, then lower group).
     2. The K + 1 largest scores of the kept experts (all E ungrouped): a
-       register list, no indices; with ``lanes`` (no groups, not ``scaled``)
-       from the token's candidates at ``o_tok`` when its lanes listed them
-       (``_token_rows.lane_candidates``: the same K + 1 values), else from
-       its row.  ``thr``, the K-th largest, is the
+       register list, no indices.  ``thr``, the K-th largest, is the
        threshold; ``need`` of the K places go to experts scoring exactly
        ``thr``.  Among equal scores the lower index wins (docs/contract.md section
        2), so when the (K+1)-th equals ``thr`` too (a tie crosses the
@@ -116,8 +112,6 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
     score_at, scan, scan_sum, selected_sum, collect, place, tie_cut, drop, mark, place_packed = token_scans(
         topk, has_bias, scaled, indices)
     push_asc = register_pusher(topk)
-    lanes = bool(lanes) and group_cap == 0 and not scaled and not forced
-    cap = lane_cap(topk)
 
     @cuda.jit(device=True)
     def post_stats(keys, total):
@@ -215,21 +209,12 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
         return kept
 
     @cuda.jit(device=True)
-    def list_keys(smem, row, o_bias, num_experts, keys, kept, ngroups, gsize, bits, o_tok):
+    def list_keys(smem, row, o_bias, num_experts, keys, kept, ngroups, gsize):
         # Step 2: the K + 1 largest scores of the kept experts into ``keys``;
         # returns ``(scale, rowsum)`` (``scaled``: 1 / (sum + eps) and the sum).
         scale = ONE
         rowsum = ZERO
-        if lanes:
-            count = np.int32(bits[u32(o_tok)])
-            if count <= cap:
-                i = np.int32(0)
-                while i < count:
-                    push_k(keys, smem[u32(o_tok + 1 + i)])
-                    i = np.int32(i + 1)
-            else:  # ties at the lanes' bound: the whole row
-                scan(smem, row, o_bias, 0, num_experts, keys, ONE)
-        elif scaled:
+        if scaled:
             rowsum = scan_sum(smem, row, num_experts, keys)
             scale = np.float32(ONE / np.float32(rowsum + EPS))
             if rowsum - rowsum == ZERO:  # finite: every score finite and >= 0, the order kept
@@ -296,7 +281,7 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
         return total, n
 
     @cuda.jit(device=True)
-    def token_select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword, xarr, xb, o_tok):
+    def token_select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword, xarr, xb):
         if forced:
             return replay(smem, row, num_experts, bits, fword, xarr, xb)
         sel = cuda.local.array(topk, hit_t)  # ``indices``: the hits, ascending, and their scores
@@ -315,7 +300,7 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
             kept = keep_groups(smem, row, o_bias, o_gs, ngroups, gsize, group_topk)
         else:
             kept = 1
-        scale, rowsum = list_keys(smem, row, o_bias, num_experts, keys, kept, ngroups, gsize, bits, o_tok)
+        scale, rowsum = list_keys(smem, row, o_bias, num_experts, keys, kept, ngroups, gsize)
         thr = keys[topk - 1]
         need = np.int32(topk)
         for q in range(topk):

@@ -52,11 +52,9 @@ from numba import uint32 as nb_u32
 from ._access import bf16_quad, flat_io
 from ._device import B0, B1, B2, B3, EPS, N0, N1, N2, N3, NEG_INF, ONE, SOFTMAX, ZERO, exp_f32, u32, u64
 from ._launch import BF16, simulator_enabled
-from ._tiling import lane_cap
 from ._token_rows import (
     flat_next_i32,
     flat_walk_i32,
-    lane_candidates,
     octet_walk,
     quad_flags,
     quad_nibble,
@@ -78,7 +76,7 @@ def kernel_jit(max_registers: int):
 @functools.cache
 def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, has_bias: bool, use_pre_softmax: bool,
                     bitmap: bool = False, indices: int = 0, forced: bool = False, asc: bool = False,
-                    max_registers: int = 0, lanes: bool = False):
+                    max_registers: int = 0):
     """The top-k forward for logits of ``kind``; ``topk`` (K) and ``group_cap`` >=
     K / Kg (0: no groups; a power of two) size the register lists; the score
     function, the bias, ``use_pre_softmax`` (softmax only) and the map format
@@ -92,16 +90,12 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
     sum runs in ascending expert order: ``token_selector``).  Without them
     ``xarr`` is never read.  ``max_registers`` (0: the compiler's choice;
     ignored on the simulator): a register cap, so that the indices' live
-    values do not cost resident blocks.  ``lanes`` (no groups, not
-    ``forced``; ``_tiling.token_lanes``): the block's other threads list each
-    token's candidates first (``_token_rows.lane_candidates``)."""
+    values do not cost resident blocks."""
     stage = token_stager(kind, score_fn, has_bias)
     _, store4, zero4 = flat_io(kind)
     store_f32 = quad_f32()[1]
     token_select = token_selector(topk, group_cap, has_bias, score_fn == SOFTMAX and not use_pre_softmax, False,
-                                  int(indices), forced, asc, lanes)
-    gather = lane_candidates(topk, has_bias)
-    lane_words = lane_cap(topk) + 1  # a token's count and candidates
+                                  int(indices), forced, asc)
     stats, normalise = softmax_rows()
     pre_softmax = score_fn == SOFTMAX and use_pre_softmax
     post_softmax = score_fn == SOFTMAX and not use_pre_softmax
@@ -255,7 +249,6 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         o_thr,
         o_bias,
         xarr,  # [T*K] int32: indices out (``indices``), forced in (``forced``); else unused
-        o_lanes,  # word offset of the lanes' area (``lanes``; else unused)
     ):
         smem = cuda.shared.array(0, nb_f32)  # one dynamic allocation, two views
         bits = cuda.shared.array(0, nb_u32)
@@ -277,10 +270,6 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
             stats(smem, row, valid, num_experts, o_red + tid, o_red + tile_tokens + tid)
             normalise(smem, o_red, tile_tokens, saved, saved, False, wb, nt, eq, stride, tid, nthreads)
 
-        if lanes:  # 2a. W threads per token: its candidates (then a barrier)
-            gather(smem, bits, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, o_lanes)
-            cuda.syncthreads()
-
         # 2. Thread per token: selection, then the weights' statistics:
         # post-softmax the max and sum exp(s - max) of the selected scores,
         # normalised the sum of the selected scores + eps.  (Selection reads
@@ -288,8 +277,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         if valid:
             total, m, thr, cut = token_select(smem, row, num_experts, num_groups, group_topk,
                                               o_gs + tid * (num_groups | 1), o_bias, bits, o_flag + tid * fstride,
-                                              xarr, (t0 + tid) * topk,
-                                              o_lanes + 2 * nthreads + tid * lane_words)
+                                              xarr, (t0 + tid) * topk)
             if norm:
                 total = np.float32(total + EPS)
             smem[u32(o_red + tid)] = np.float32(ONE / total)  # phase 3 multiplies

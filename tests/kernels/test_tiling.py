@@ -54,23 +54,3 @@ def test_token_layouts_fit_shared_memory():
     lay = L.token_layout(65536, 256, 8, True)
     assert (lay.tb, lay.threads) == (32, 256)  # DeepSeek-V3
 
-
-def test_token_lanes_layouts():
-    """The lanes' area (``token_lanes``): after the bias, inside the budget,
-    on for ungrouped shapes with idle threads, off for groups and one thread a
-    token; the tokens per block are those without it at the presets."""
-    from gpurouter.kernels import _tiling as L
-    from gpurouter.kernels._limits import SMEM_BUDGET
-
-    for E, K, G, bias, on in ((512, 22, 0, True, True), (384, 8, 0, True, True), (128, 8, 0, False, True),
-                              (256, 6, 0, True, True), (256, 8, 8, True, False), (8, 2, 0, False, False),
-                              (2304, 36, 0, True, True), (4096, 64, 0, True, True)):
-        assert L.token_lanes(65536, E, K, G, bias) == on, (E, K, G)
-        if not on:
-            continue
-        lay = L.token_layout(65536, E, 0, bias, K)
-        assert lay.o_lanes == lay.o_bias + (E if bias else 0)
-        assert lay.shared == 4 * (lay.o_lanes + 2 * lay.threads + lay.tb * (L.lane_cap(K) + 1)) <= SMEM_BUDGET
-        assert lay.threads // lay.tb >= 2
-        if E <= 512:
-            assert lay.tb == L.token_layout(65536, E, 0, bias).tb
