@@ -50,7 +50,8 @@ SWEEP = [("units", dict(Z_VEC_MAX_HOLD=0))] + [
         (256, 4, 256, True, False), (256, 4, 768, True, False), (256, 4, 1 << 20, False, False),
         (256, 4, 1 << 20, False, True), (128, 4, 1024, True, False), (512, 4, 256, True, False),
         (256, 8, 512, True, False), (256, 8, 512, False, False), (256, 8, 1024, False, True),
-        (256, 2, 512, True, False), (512, 2, 512, True, False), (128, 2, 1024, True, True))
+        (256, 2, 512, True, False), (512, 2, 512, True, False), (128, 2, 1024, True, True),
+        (512, 4, 512, True, False), (128, 4, 512, True, True), (1024, 4, 128, True, False))
 ] + [("final 128", dict(Z_FINAL_THREADS=128))]
 
 
