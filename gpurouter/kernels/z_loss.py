@@ -324,9 +324,9 @@ def router_z_loss_fwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: in
     steps = []
     if vec:
         grid, threads, lanes, vecs, hold, iters = vec
-        kern = z_loss_vec_rows_kernel(logits.kind, hold, *_tiling.Z_VEC_FWD[3:])
+        kern = z_loss_vec_rows_kernel(logits.kind, hold, lanes, *_tiling.Z_VEC_FWD[3:])
         steps.append(Step(kern, grid, threads, 4 * (4 * threads + threads // lanes),
-                          (In(0, word_view(logits)), Out(1), Tmp(0), num_tokens, vecs, lanes, iters)))
+                          (In(0, word_view(logits)), Out(1), Tmp(0), num_tokens, vecs, iters)))
     elif grid:
         tb = threads // lanes
         steps.append(Step(z_loss_rows_kernel(logits.kind, quads, _tiling.Z_HOLD), grid, threads,
@@ -389,9 +389,9 @@ def router_z_loss_bwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: in
     vec = logits.kind != F16 and _tiling.z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize, True)
     if vec:
         grid, threads, lanes, vecs, hold, iters = vec
-        kern = z_loss_vec_bwd_kernel(logits.kind, hold, *_tiling.Z_VEC_BWD[3:])
+        kern = z_loss_vec_bwd_kernel(logits.kind, hold, lanes, *_tiling.Z_VEC_BWD[3:])
         step = Step(kern, grid, threads, 0, (In(0, word_view(logits)), In(1), In(2, spec_of((1,), F32)),
-                                             Out(0, word_view(logits)), num_tokens, vecs, lanes, iters, scale))
+                                             Out(0, word_view(logits)), num_tokens, vecs, iters, scale))
         return Plan(OP + "_bwd", ins, outs, (), (step,))
     grad = Out(0, array_views(logits.kind, logits.shape)[0]) if quads else Out(0)
     step = Step(z_loss_bwd_kernel(logits.kind, quads, _tiling.Z_BWD_HOLD), grid, threads, 0,

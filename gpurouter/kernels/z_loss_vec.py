@@ -4,15 +4,17 @@ backward when a row is a whole number of 16-byte vectors (bf16 with
 ``z_loss.py`` picks these or its unit kernels, and holds the plans.
 
 Layout: the logits seen flat as uint32 words (bf16: two experts a word, fp32:
-one), a row as ``V`` vectors of four words.  W lanes own a row, lane ``l``
-holding vectors ``l, l + W, ...`` (``hold`` of them, all of the row: one
-step), so a warp's load is W * 16 contiguous bytes of each of its rows.  A
-block's TB = threads / W row slots walk ``iters`` consecutive groups of TB
-rows (a block owns ``TB * iters`` consecutive rows); the loads of the next
-group are issued before the current one is used (``prefetch``): each warp
-keeps loads in flight while it computes, and a few blocks per SM keep the
-memory busy without a second wave (the unit kernels load, then compute,
-in lock step: measured at 2.8x the byte floor).
+one), a row as ``V`` vectors of four words.  W lanes (a compile-time
+constant) own a row, lane ``l`` holding vectors ``l, l + W, ...`` (``hold`` of
+them, all of the row: one step), so a warp's load is W * 16 contiguous bytes
+of each of its rows.  A block's TB = threads / W row slots walk ``iters``
+consecutive groups of TB rows (a block owns ``TB * iters`` consecutive rows);
+with ``prefetch`` the next group's loads are issued before the current one
+is used.  The unit kernels were instruction-bound (about 18 instructions an
+element, fp32 logits as slow as bf16): here an element costs about four
+(unpack, fma, ``ex2.approx.ftz``, add or multiply; ``_z_loss_io``), the max
+of a bf16 row is taken two experts an instruction, the gradient packed two
+a ``cvt``.
 
 Forward: a lane takes its max ``m_l`` (fmaxf drops NaN; the sum keeps it),
 then ``s_l = sum 2^(fma(x, log2 e, -m_l log2 e))``: one exp per element, no
@@ -42,14 +44,11 @@ from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
 from numba import uint32 as nb_u32
 
-from ._access import bf16_bits
 from ._device import NEG_INF, ZERO, fmax_f32, u64
-from ._launch import BF16, simulator_enabled
-from ._logsumexp import LOG2E, exp2_term, lse_of, rescale_sum, shift2
+from ._launch import BF16
+from ._logsumexp import LOG2E, lse_of, rescale_sum, shift2
 from ._plan import Spec
-
-_NC_LOAD = "{ .reg .u64 g; cvta.to.global.u64 g, $4; ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [g]; }"
-_CS_STORE = "{ .reg .u64 g; cvta.to.global.u64 g, $0; st.global.cs.v4.u32 [g], {$1, $2, $3, $4}; }"
+from ._z_loss_io import load_words, single_ops, store_words, vector_io
 
 
 def word_view(logits: Spec) -> Spec:
@@ -57,153 +56,95 @@ def word_view(logits: Spec) -> Spec:
     return Spec((logits.shape[0] * logits.shape[1] * logits.dtype.itemsize // 4,), np.uint32)
 
 
-@cuda.jit(device=True)
-def _load_words(a, v):
-    f = u64(4 * v)
-    return a[f], a[f + 1], a[f + 2], a[f + 3]
-
-
-@cuda.jit(device=True)
-def _store_words(a, v, w0, w1, w2, w3):
-    f = u64(4 * v)
-    a[f] = w0
-    a[f + 1] = w1
-    a[f + 2] = w2
-    a[f + 3] = w3
-
-
 @functools.cache
-def vector_io(hints: bool):
-    """``(aligned(a) -> bool, load(a, v) -> 4 x uint32, store(a, v, w0..w3))`` on
-    vector ``v`` (words ``4v .. 4v+3``) of a flat uint32 array: one 16-byte
-    access (callers test ``aligned`` once; else ``_load_words`` / ``_store_words``).
-    ``hints``: loads through the non-coherent path without L1 allocation and
-    streaming (evict-first) stores, as inline PTX.  The simulator: word accesses."""
-    from ._vec import quad_f32_unchecked
-
-    if simulator_enabled():
-        return quad_f32_unchecked()[0], _load_words, _store_words
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    i32, i64 = ir.IntType(32), ir.IntType(64)
-    u32x4 = ir.VectorType(i32, 4)
-
-    def pointer(context, builder, sig, args):
-        data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
-        w = builder.mul(context.cast(builder, args[1], sig.args[1], types.uint64), ir.Constant(i64, 4))
-        return builder.bitcast(builder.gep(data, [w]), u32x4.as_pointer())
-
-    @intrinsic
-    def load_v(typingctx, array, v):
-        sig = types.UniTuple(types.uint32, 4)(array, v)
-
-        def codegen(context, builder, sig, args):
-            ptr = pointer(context, builder, sig, args)
-            if hints:
-                fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i64])
-                asm = ir.InlineAsm(fnty, _NC_LOAD, "=r,=r,=r,=r,l")
-                res = builder.call(asm, [builder.ptrtoint(ptr, i64)])
-                parts = [builder.extract_value(res, i) for i in range(4)]
-            else:
-                vec = builder.load(ptr, align=16)
-                parts = [builder.extract_element(vec, ir.Constant(i32, i)) for i in range(4)]
-            return context.make_tuple(builder, sig.return_type, parts)
-
-        return sig, codegen
-
-    @intrinsic
-    def store_v(typingctx, array, v, w0, w1, w2, w3):
-        sig = types.void(array, v, w0, w1, w2, w3)
-
-        def codegen(context, builder, sig, args):
-            ptr = pointer(context, builder, sig, args)
-            vals = [context.cast(builder, args[2 + i], sig.args[2 + i], types.uint32) for i in range(4)]
-            if hints:
-                fnty = ir.FunctionType(ir.VoidType(), [i64] + [i32] * 4)
-                asm = ir.InlineAsm(fnty, _CS_STORE, "l,r,r,r,r", side_effect=True)
-                builder.call(asm, [builder.ptrtoint(ptr, i64)] + vals)
-            else:
-                vec = ir.Constant(u32x4, ir.Undefined)
-                for i in range(4):
-                    vec = builder.insert_element(vec, vals[i], ir.Constant(i32, i))
-                builder.store(vec, ptr, align=16)
-
-        return sig, codegen
-
-    return quad_f32_unchecked()[0], load_v, store_v
-
-
-@functools.cache
-def _row_pieces(kind: str, hold: int, hints: bool):
-    """Device functions of both kernels for ``kind`` and ``hold`` vectors a lane:
-    ``fetch(held, a, fast, row, lane, lanes, vecs)`` (every load issued
-    before any use; vectors past the row's end read its last vector),
-    ``row_max(held, lane, lanes, vecs)``, ``row_sum(held, lane, lanes, vecs, sh2)``
-    and ``grad_word(word, a, v2)`` (a word of the gradient)."""
+def _row_pieces(kind: str, hold: int, lanes: int, hints: bool):
+    """Device functions of both kernels for ``kind``, ``hold`` vectors a lane and
+    W = ``lanes``: ``fetch(held, a, fast, row, lane, vecs)`` (every load issued
+    before any use; vectors past the row's end read its last vector, which
+    leaves the max alone), ``row_max(held)``, ``row_sum(held, lane, vecs, sh2)``
+    (those past the end masked) and ``grad_word(word, a, v2)``."""
     aligned, load_v, store_v = vector_io(hints)
+    exp2, max2, pack2 = single_ops()
     pair = kind == BF16
+    words = 4 * hold
     hi_mask = np.uint32(0xFFFF0000)
     shift = np.uint32(16)
 
     @cuda.jit(device=True)
-    def fetch(held, a, fast, row, lane, lanes, vecs):
+    def fetch(held, a, fast, row, lane, vecs):
         base = np.int64(row) * vecs
         for h in range(hold):
             v = base + min(np.int32(lane + h * lanes), np.int32(vecs - 1))
             if fast:
                 w0, w1, w2, w3 = load_v(a, v)
             else:
-                w0, w1, w2, w3 = _load_words(a, v)
+                w0, w1, w2, w3 = load_words(a, v)
             held[4 * h] = w0
             held[4 * h + 1] = w1
             held[4 * h + 2] = w2
             held[4 * h + 3] = w3
 
-    if pair:  # bf16: the low word's expert is the top half of an fp32
+    @cuda.jit(device=True)
+    def lo(w):  # bf16: the low word's expert is the top half of an fp32
+        return np.uint32(w << shift).view(np.float32)
+
+    @cuda.jit(device=True)
+    def hi(w):
+        return np.uint32(w & hi_mask).view(np.float32)
+
+    @cuda.jit(device=True)
+    def term(x, sh2):  # exp(x - m) = 2^(fma(x, log2 e, -sh2))
+        return exp2(cuda.fma(x, LOG2E, -sh2))
+
+    if pair and max2 is not None:
 
         @cuda.jit(device=True)
-        def word_max(m, w):
-            m = fmax_f32(m, np.uint32(w << shift).view(np.float32))
-            return fmax_f32(m, np.uint32(w & hi_mask).view(np.float32))
+        def row_max(held):
+            m2 = held[0]
+            for i in range(1, words):
+                m2 = max2(m2, held[i])
+            return fmax_f32(lo(m2), hi(m2))
+
+    elif pair:
 
         @cuda.jit(device=True)
-        def word_sum(w, sh2):
-            return np.float32(exp2_term(np.uint32(w << shift).view(np.float32), sh2)
-                              + exp2_term(np.uint32(w & hi_mask).view(np.float32), sh2))
-
-        @cuda.jit(device=True)
-        def grad_word(w, a, v2):
-            lo = bf16_bits(np.float32(a * exp2_term(np.uint32(w << shift).view(np.float32), v2)))
-            hi = bf16_bits(np.float32(a * exp2_term(np.uint32(w & hi_mask).view(np.float32), v2)))
-            return np.uint32(np.uint32(lo) | np.uint32(np.uint32(hi) << shift))
+        def row_max(held):
+            m = NEG_INF
+            for i in range(words):
+                m = fmax_f32(fmax_f32(m, lo(held[i])), hi(held[i]))
+            return m
 
     else:
 
         @cuda.jit(device=True)
-        def word_max(m, w):
-            return fmax_f32(m, np.uint32(w).view(np.float32))
+        def row_max(held):
+            m = NEG_INF
+            for i in range(words):
+                m = fmax_f32(m, np.uint32(held[i]).view(np.float32))
+            return m
+
+    if pair:
 
         @cuda.jit(device=True)
         def word_sum(w, sh2):
-            return exp2_term(np.uint32(w).view(np.float32), sh2)
+            return np.float32(term(lo(w), sh2) + term(hi(w), sh2))
 
         @cuda.jit(device=True)
         def grad_word(w, a, v2):
-            return np.float32(a * exp2_term(np.uint32(w).view(np.float32), v2)).view(np.uint32)
+            return pack2(np.float32(a * term(lo(w), v2)), np.float32(a * term(hi(w), v2)))
+
+    else:
+
+        @cuda.jit(device=True)
+        def word_sum(w, sh2):
+            return term(np.uint32(w).view(np.float32), sh2)
+
+        @cuda.jit(device=True)
+        def grad_word(w, a, v2):
+            return np.float32(a * term(np.uint32(w).view(np.float32), v2)).view(np.uint32)
 
     @cuda.jit(device=True)
-    def row_max(held, lane, lanes, vecs):
-        m = NEG_INF
-        for h in range(hold):
-            if lane + h * lanes < vecs:
-                for j in range(4):
-                    m = word_max(m, held[4 * h + j])
-        return m
-
-    @cuda.jit(device=True)
-    def row_sum(held, lane, lanes, vecs, sh2):
+    def row_sum(held, lane, vecs, sh2):
         s = ZERO
         for h in range(hold):
             if lane + h * lanes < vecs:  # pairwise within a vector: short add chains
@@ -216,10 +157,11 @@ def _row_pieces(kind: str, hold: int, hints: bool):
 
 
 @functools.cache
-def z_loss_vec_rows_kernel(kind: str, hold: int, prefetch: bool, hints: bool):
+def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool):
     """The forward's row kernel on vectors (see the module docstring)."""
-    aligned, _, fetch, row_max, row_sum, _ = _row_pieces(kind, hold, hints)
-    words = 4 * hold  # a compile-time constant (local array sizes must be)
+    aligned, _, fetch, row_max, row_sum, _ = _row_pieces(kind, hold, lanes, hints)
+    words = 4 * hold  # compile-time constants (local array sizes, unrolled loops)
+    w = np.int32(lanes)
 
     @cuda.jit
     def z_loss_vec_rows(
@@ -228,15 +170,13 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, prefetch: bool, hints: bool):
         partial,  # [>= grid] fp32, out: the block's sum of lse^2 (rows in order)
         num_tokens,
         vecs,  # V: 16-byte vectors a row
-        lanes,  # W; blockDim.x = TB * W
-        iters,  # row groups a block walks
+        iters,  # row groups a block walks; blockDim.x = TB * W
     ):
         red = cuda.shared.array(0, nb_f32)  # [2 slots][max, sum][threads], then [TB] running sums
         cur = cuda.local.array(words, nb_u32)
         nxt = cuda.local.array(words, nb_u32)
         tid = np.int32(cuda.threadIdx.x)
         nthreads = np.int32(cuda.blockDim.x)
-        w = np.int32(lanes)
         tok = np.int32(tid // w)
         lane = np.int32(tid - tok * w)
         tb = np.int32(nthreads // w)
@@ -244,13 +184,13 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, prefetch: bool, hints: bool):
         row = np.int64(cuda.blockIdx.x) * tb * iters + tok
         fast = aligned(logits)
         acc = ZERO
-        fetch(cur, logits, fast, min(row, last), lane, w, vecs)
+        fetch(cur, logits, fast, min(row, last), lane, vecs)
         for k in range(iters):
             more = k + 1 < iters
             if prefetch and more:  # the next group's loads in flight during this one
-                fetch(nxt, logits, fast, min(row + tb, last), lane, w, vecs)
-            m = row_max(cur, lane, w, vecs)
-            s = row_sum(cur, lane, w, vecs, shift2(m))
+                fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
+            m = row_max(cur)
+            s = row_sum(cur, lane, vecs, shift2(m))
             o = np.int32((k & 1) * 2 * nthreads)
             red[o + tid] = m
             red[o + nthreads + tid] = s
@@ -258,12 +198,12 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, prefetch: bool, hints: bool):
             # writes slot k & 1 only after passing group k + 1's barrier,
             # which lane 0 reaches after its reads of group k.
             cuda.syncthreads()
-            if lane == 0:
-                mm = NEG_INF
-                for i in range(w):
+            if lane == 0:  # W pairs in lane order (W a constant: unrolled, loads together)
+                mm = red[o + tid]
+                for i in range(1, lanes):
                     mm = fmax_f32(mm, red[o + tid + i])
                 ss = ZERO
-                for i in range(w):
+                for i in range(lanes):
                     ss = np.float32(ss + rescale_sum(red[o + nthreads + tid + i], red[o + tid + i], mm))
                 v = lse_of(mm, ss)
                 if row < num_tokens:
@@ -273,7 +213,7 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, prefetch: bool, hints: bool):
                 for i in range(words):
                     cur[i] = nxt[i]
             elif more:
-                fetch(cur, logits, fast, min(row + tb, last), lane, w, vecs)
+                fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
             row += tb
         if lane == 0:
             red[4 * nthreads + tok] = acc
@@ -289,10 +229,11 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, prefetch: bool, hints: bool):
 
 
 @functools.cache
-def z_loss_vec_bwd_kernel(kind: str, hold: int, prefetch: bool, hints: bool):
+def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool):
     """The backward on vectors: ``grad = (g * scale) lse_t exp(x - lse_t)``."""
-    aligned, store_v, fetch, _, _, grad_word = _row_pieces(kind, hold, hints)
+    aligned, store_v, fetch, _, _, grad_word = _row_pieces(kind, hold, lanes, hints)
     words = 4 * hold
+    w = np.int32(lanes)
 
     @cuda.jit
     def z_loss_vec_bwd(
@@ -302,14 +243,12 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, prefetch: bool, hints: bool):
         grad_logits,  # as logits, out
         num_tokens,
         vecs,
-        lanes,
         iters,
         scale,  # fp32: 2 coeff / N
     ):
         cur = cuda.local.array(words, nb_u32)
         nxt = cuda.local.array(words, nb_u32)
         tid = np.int32(cuda.threadIdx.x)
-        w = np.int32(lanes)
         tok = np.int32(tid // w)
         lane = np.int32(tid - tok * w)
         tb = np.int32(cuda.blockDim.x // w)
@@ -317,13 +256,13 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, prefetch: bool, hints: bool):
         row = np.int64(cuda.blockIdx.x) * tb * iters + tok
         fast = aligned(logits) and aligned(grad_logits)
         g = np.float32(grad_loss[0] * scale)
-        fetch(cur, logits, fast, min(row, last), lane, w, vecs)
+        fetch(cur, logits, fast, min(row, last), lane, vecs)
         v = lse[u64(min(row, last))]
         nv = v
         for k in range(iters):
             more = k + 1 < iters
             if prefetch and more:
-                fetch(nxt, logits, fast, min(row + tb, last), lane, w, vecs)
+                fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
                 nv = lse[u64(min(row + tb, last))]
             if row < num_tokens:
                 a = np.float32(g * v)  # 0 on a dead row (v = 0)
@@ -339,13 +278,13 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, prefetch: bool, hints: bool):
                         if fast:
                             store_v(grad_logits, base + u, o0, o1, o2, o3)
                         else:
-                            _store_words(grad_logits, base + u, o0, o1, o2, o3)
+                            store_words(grad_logits, base + u, o0, o1, o2, o3)
             if prefetch:
                 for i in range(words):
                     cur[i] = nxt[i]
                 v = nv
             elif more:
-                fetch(cur, logits, fast, min(row + tb, last), lane, w, vecs)
+                fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
                 v = lse[u64(min(row + tb, last))]
             row += tb
 
