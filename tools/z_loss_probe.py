@@ -11,8 +11,9 @@ queued behind a sleeping kernel (so the host's launch rate is not what is
 timed), the median of ``--repeats`` (as ``gpurouter.bench._kernel_times``).
 Byte floors at ``--peak`` TB/s: the forward reads T*E*s bytes and writes T*4
 (s = 2 for bf16 / fp16, 4 for fp32); the backward reads T*E*s + T*4 and
-writes T*E*s.  ``--sweep`` also times other tilings (``Z_HOLD``,
-``Z_THREADS``).
+writes T*E*s.  ``--sweep`` also times other tilings (``SWEEP``: the vector
+kernels' ``Z_VEC_FWD`` / ``Z_VEC_BWD``, the unit kernels with
+``Z_VEC_MAX_HOLD = 0``) and the other dtypes.
 """
 
 from __future__ import annotations
@@ -41,13 +42,30 @@ def _lse64(x):
     return (np.log(np.exp(x - m).sum(-1, keepdims=True)) + m)[..., 0]
 
 
-def run(tokens, experts, dtype, repeats, peak, label=""):
+#: (label, _tiling knobs): (threads, held vectors, blocks at most, prefetch, hints) each way
+SWEEP = [("units", dict(Z_VEC_MAX_HOLD=0)), ("final 128", dict(Z_FINAL_THREADS=128))] + [
+    (f"vec {v}", dict(Z_VEC_FWD=v, Z_VEC_BWD=v)) for v in (
+        (256, 4, 396, True, False), (128, 2, 1024, True, True), (256, 4, 396, True, True),
+        (256, 4, 396, False, False), (256, 4, 512, True, False), (256, 4, 264, True, False),
+        (256, 4, 1 << 20, False, False), (128, 4, 924, True, False), (128, 4, 924, True, True),
+        (256, 8, 396, False, False), (256, 8, 512, False, False), (256, 8, 1024, False, True),
+        (256, 2, 512, True, True), (128, 2, 1024, True, False), (128, 2, 2048, False, True),
+        (512, 4, 264, True, False))
+]
+
+
+def _inputs(tokens, experts, dtype):
     host_dtype, kind = DTYPES[dtype]
-    size = np.dtype(host_dtype).itemsize
     rng = np.random.default_rng(0)
     xs = [(rng.standard_normal((tokens, experts)) * 2).astype(np.float32).astype(host_dtype) for _ in range(3)]
     words = [x.view(np.uint16) if kind == L.BF16 else x for x in xs]
-    dxs = [cuda.to_device(w) for w in words]
+    return xs, words, [cuda.to_device(w) for w in words]
+
+
+def run(tokens, experts, dtype, repeats, peak, label="", data=None):
+    host_dtype, kind = DTYPES[dtype]
+    size = np.dtype(host_dtype).itemsize
+    xs, words, dxs = data or _inputs(tokens, experts, dtype)
     coeff, total = np.float32(1e-3), tokens
     spec = _plan.spec_of((tokens, experts), kind)
     fplan = K.router_z_loss_fwd_plan(spec, coeff, total)
@@ -89,21 +107,27 @@ def run(tokens, experts, dtype, repeats, peak, label=""):
     fbytes = tokens * experts * size + tokens * 4
     bbytes = 2 * tokens * experts * size + tokens * 4
     ffloor, bfloor = fbytes / (peak * 1e12) * 1e6, bbytes / (peak * 1e12) * 1e6
-    tiling = Z.z_loss_tiling(tokens, experts)
-    res = dict(label=label, tokens=tokens, experts=experts, dtype=dtype, hold=Z.Z_HOLD, threads=Z.Z_THREADS,
-               bwd_hold=Z.Z_BWD_HOLD, bwd_threads=Z.Z_BWD_THREADS,
+    vec = None if kind == L.F16 else Z.z_loss_vec_tiling(tokens, experts, size)
+    tiling = vec or Z.z_loss_tiling(tokens, experts)
+    knobs = dict(vec_fwd=Z.Z_VEC_FWD, vec_bwd=Z.Z_VEC_BWD, vec=bool(vec), final_threads=Z.Z_FINAL_THREADS) \
+        if vec else dict(hold=Z.Z_HOLD, threads=Z.Z_THREADS, bwd_hold=Z.Z_BWD_HOLD, bwd_threads=Z.Z_BWD_THREADS)
+    res = dict(label=label, tokens=tokens, experts=experts, dtype=dtype, **knobs,
                grid=tiling[0], block=tiling[1], lanes=tiling[2],
                fwd_us=t_fwd, fwd_rows_kernel_us=t_rows, bwd_us=t_bwd, fwd_floor_us=ffloor, bwd_floor_us=bfloor,
                fwd_x_floor=t_fwd / ffloor, bwd_x_floor=t_bwd / bfloor,
                both_x_floor=(t_fwd + t_bwd) / (ffloor + bfloor),
                loss_rel_err=loss_rel, lse_max_err=lse_err, grad_max_err_rel=g_err)
-    print(f"{label:>14} T={tokens} E={experts} {dtype} hold={Z.Z_HOLD} threads={Z.Z_THREADS} "
-          f"bwd hold={Z.Z_BWD_HOLD} threads={Z.Z_BWD_THREADS} "
-          f"(grid {tiling[0]} x {tiling[1]}, W={tiling[2]}): fwd {t_fwd:.2f} us ({t_fwd / ffloor:.2f}x floor "
+    print(f"{label:>34} T={tokens} E={experts} {dtype} {knobs} (grid {tiling[0]} x {tiling[1]}, "
+          f"W={tiling[2]}): fwd {t_fwd:.2f} us ({t_fwd / ffloor:.2f}x floor "
           f"{ffloor:.2f}; rows kernel alone {t_rows:.2f}), bwd {t_bwd:.2f} us ({t_bwd / bfloor:.2f}x floor "
           f"{bfloor:.2f}), fwd+bwd {(t_fwd + t_bwd) / (ffloor + bfloor):.2f}x; "
           f"loss rel err {loss_rel:.1e}, lse err {lse_err:.1e}, grad err {g_err:.1e}", flush=True)
     return res
+
+
+def _clear():
+    K.router_z_loss_fwd_plan.cache_clear()
+    K.router_z_loss_bwd_plan.cache_clear()
 
 
 def main():
@@ -113,22 +137,26 @@ def main():
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--peak", type=float, default=4.0, help="TB/s of the byte floor")
-    ap.add_argument("--sweep", action="store_true", help="also time other Z_HOLD / Z_THREADS")
+    ap.add_argument("--sweep", action="store_true", help="also time the SWEEP tilings and the other dtypes")
     ap.add_argument("--json")
     a = ap.parse_args()
     name = getattr(cuda.get_current_device(), "name", "no GPU")
     print(name.decode() if isinstance(name, bytes) else name, flush=True)
-    results = [run(a.tokens, a.experts, a.dtype, a.repeats, a.peak, "default")]
+    data = _inputs(a.tokens, a.experts, a.dtype)
+    results = [run(a.tokens, a.experts, a.dtype, a.repeats, a.peak, "default", data)]
     if a.sweep:
-        defaults = (Z.Z_HOLD, Z.Z_THREADS, Z.Z_BWD_HOLD, Z.Z_BWD_THREADS)
-        for hold, threads in ((16, 128), (16, 512), (8, 256), (8, 128), (32, 256), (32, 512), (4, 256)):
-            Z.Z_HOLD, Z.Z_THREADS = Z.Z_BWD_HOLD, Z.Z_BWD_THREADS = hold, threads
-            K.router_z_loss_fwd_plan.cache_clear()
-            K.router_z_loss_bwd_plan.cache_clear()
-            results.append(run(a.tokens, a.experts, a.dtype, a.repeats, a.peak, "sweep"))
-        Z.Z_HOLD, Z.Z_THREADS, Z.Z_BWD_HOLD, Z.Z_BWD_THREADS = defaults
-        K.router_z_loss_fwd_plan.cache_clear()
-        K.router_z_loss_bwd_plan.cache_clear()
+        for label, knobs in SWEEP:
+            saved = {k: getattr(Z, k) for k in knobs}
+            for k, v in knobs.items():
+                setattr(Z, k, v)
+            _clear()
+            try:
+                results.append(run(a.tokens, a.experts, a.dtype, a.repeats, a.peak, label, data))
+            except Exception as e:  # a variant that fails to compile or run: say so, go on
+                print(f"{label}: {type(e).__name__}: {e}", flush=True)
+            for k, v in saved.items():
+                setattr(Z, k, v)
+        _clear()
         for dtype in sorted(set(DTYPES) - {a.dtype}):
             results.append(run(a.tokens, a.experts, dtype, a.repeats, a.peak, "other dtype"))
     if a.json:

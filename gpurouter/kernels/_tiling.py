@@ -341,20 +341,40 @@ def fill_tiling(num_rows: int, num_quads: int):
 # Router z-loss
 # ----------------------------------------------------------------------------
 
-#: threads per block of the forward's row kernel at most (a block: TB rows x W
-#: lanes); with ``Z_HOLD``, chosen by ``tools/z_loss_probe.py --sweep``
-#: (figures: docs/benchmarks.md)
+#: the unit kernels: threads per block of the forward's (TB rows x W lanes) and
+#: the units (four experts) a lane loads at once (``tools/z_loss_probe.py --sweep``)
 Z_THREADS = 128
-#: units (four experts each) a lane loads at once, before using any: its
-#: loads in flight together (E = 256: W = 4 lanes, one step of 16 units)
 Z_HOLD = 16
-#: the backward's threads per block and held units (E = 256: W = 8 lanes of 8 units)
+#: the backward's threads per block and held units
 Z_BWD_THREADS = 128
 Z_BWD_HOLD = 8
 #: lanes per row at most (E >= 4 * Z_HOLD * Z_MAX_LANES: several steps per lane)
 Z_MAX_LANES = 32
 #: threads of the final single-block kernel at most
 Z_FINAL_THREADS = 1024
+#: vector kernels (``z_loss_vec.py``): (threads, held vectors, blocks at most (396: three
+#: of 256 on each of 132 SMs), prefetch, hints); more held than Z_VEC_MAX_HOLD: unit kernels
+Z_VEC_FWD = (256, 4, 396, True, False)
+Z_VEC_BWD = (128, 2, 1024, True, True)
+Z_VEC_MAX_HOLD = 8
+
+
+def z_loss_vec_tiling(num_tokens: int, num_experts: int, itemsize: int, backward: bool = False):
+    """``(grid, threads, lanes, vecs, hold, iters)`` of a vector kernel (None: a
+    row is no whole number of ``vecs`` 16-byte vectors, or too long).  W: the least
+    power of two (<= 32) with ``W * hold >= vecs``; TB = threads / W rows (<= T)
+    a group; a block walks ``iters`` groups, the fewest that keep its grid cap."""
+    threads, hold, blocks = (Z_VEC_BWD if backward else Z_VEC_FWD)[:3]
+    if (num_experts * itemsize) % 16 or num_tokens < 1:
+        return None
+    vecs = num_experts * itemsize // 16
+    lanes = min(32, pow2_at_least(-(-vecs // hold)))
+    hold = -(-vecs // lanes)
+    if hold > Z_VEC_MAX_HOLD:
+        return None
+    tb = max(1, min(threads // lanes, num_tokens))
+    iters = -(-((num_tokens + tb - 1) // tb) // blocks)
+    return -(-num_tokens // (tb * iters)), tb * lanes, lanes, vecs, hold, iters
 
 
 def z_loss_tiling(num_tokens: int, num_experts: int, backward: bool = False):

@@ -6,34 +6,26 @@ nothing and gets no gradient; NaN for a row with a NaN) and
 token count under sharding; default T).  The reference is
 ``gpurouter.reference.router_z_loss``.
 
-Layout (``_tiling.z_loss_tiling`` and its knobs): a row's experts are cut into *units* of four (a
-quad of ``E % 4 == 0`` rows, seen flat through ``_access.array_views``: bf16 as one
-8-byte uint64, fp32 as one 16-byte load; otherwise four elements loaded one by
-one, those past E masked), and a row is owned by W lanes (threads), lane ``l``
-taking units ``l, l + W, ...``, ``Z_HOLD`` of them per step, all their loads
-issued before any value is used (indices clamped into the row; the values of
-units past the end are ignored), so that several loads per thread are in
-flight: the kernels are bandwidth-bound only with enough bytes in flight.
-Consecutive lanes read consecutive units: every load of a warp is coalesced.
+Rows of whole 16-byte vectors (bf16 ``E % 8 == 0``, fp32 ``E % 4 == 0``, up to
+``_tiling.Z_VEC_MAX_HOLD`` vectors a lane) take the kernels of ``z_loss_vec.py``;
+the others these *unit* kernels (``_tiling.z_loss_tiling``): a row's experts
+cut into units of four (a quad seen flat through ``_access.array_views`` when
+``E % 4 == 0``, else four masked element loads), W lanes a row, lane ``l``
+taking units ``l, l + W, ...``, ``Z_HOLD`` of them a step, all loads issued
+before any use (indices clamped into the row, values past it ignored).
 
 Forward, kernel 1 (a block of TB rows x W lanes): each lane keeps an online
-``(max m, sum s of exp(x - m))`` over its units (one rescale per step of
-``Z_HOLD`` units, not one per element); a fixed-pairing tree in shared memory
-(log2 W levels) combines the lanes; lane 0 writes ``lse`` and ``lse^2``; thread 0
-sums the block's TB squares in row order into ``partial[b]``.  Kernel 2 (one
-block): a fixed-shape tree of the partials, ``loss = coeff * (S / N)``.  No
-atomics, every order fixed: the loss is bit-identical run to run.  The
-partials are a plan scratch array (an extra XLA output under the zero-copy
-transport).
+``(max m, sum s of exp(x - m))`` (one rescale a step); a fixed-pairing tree in
+shared memory combines the lanes; lane 0 writes ``lse``; thread 0 sums the
+block's TB squares in a fixed tree into ``partial[b]``.  Kernel 2 (one block,
+both paths): a fixed-shape tree of the partials, ``loss = coeff * (S / N)``.
+No atomics, every order fixed: bit-identical run to run.  The partials are a
+plan scratch array (an extra XLA output under the zero-copy transport).
 
-Backward: purely elementwise, ``grad[t, e] = (g * 2 coeff / N) lse_t exp(x - lse_t)``
-(0 on a dead row, where the saved ``lse_t`` is 0 and ``exp(-inf) = 0``), the same
-lanes and units, ``lse_t`` and ``grad_loss`` read once per thread, a unit per
-store (bf16: one 8-byte store; fp32: one 16-byte store).
-
-No warp intrinsics: shared memory and ``cuda.syncthreads()`` only (the CUDA
-simulator runs the same kernels).  ``exp(x - m)`` is ``2^(fma(x, log2 e, -m log2 e))``,
-one ``ex2.approx`` (``_logsumexp``; Python on the simulator).
+Backward: elementwise, ``grad[t, e] = (g * 2 coeff / N) lse_t exp(x - lse_t)``
+(0 on a dead row: the saved ``lse_t`` is 0), the same lanes and units.
+No warp intrinsics (the simulator runs the same kernels).  ``exp(x - m)`` is
+``2^(fma(x, log2 e, -m log2 e))``, one ``ex2.approx`` (``_logsumexp``).
 """
 
 from __future__ import annotations
@@ -52,9 +44,10 @@ from numba import float32 as nb_f32  # array declarations take numba types
 from . import _tiling
 from ._access import array_views, flat_io, storer_2d
 from ._device import NEG_INF, ZERO, fmax_f32, u64
-from ._launch import F32, any_on_device, device_input, resolve_stream, scalar_input
+from ._launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
 from ._logsumexp import LOG2E, exp2_term, held_unit_loader, lse_of, merge_max_sum, rescale_sum, shift2, unit_fetchers
 from ._plan import In, Out, Plan, Ref, Spec, Step, Tmp, execute, spec_of
+from .z_loss_vec import word_view, z_loss_vec_bwd_kernel, z_loss_vec_rows_kernel
 
 OP = "router_z_loss"
 
@@ -326,15 +319,21 @@ def router_z_loss_fwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: in
     ``lse (T,) f32``; scratch: the per-block partial sums of ``lse^2``."""
     num_tokens, num_experts = logits.shape
     outs = (spec_of((), F32), spec_of((num_tokens,), F32))
+    vec = logits.kind != F16 and _tiling.z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize)
     grid, threads, lanes, units, quads = _tiling.z_loss_tiling(num_tokens, num_experts)
-    tmps = (spec_of((max(grid, 1),), F32),)
     steps = []
-    if grid:
+    if vec:
+        grid, threads, lanes, vecs, hold, iters = vec
+        kern = z_loss_vec_rows_kernel(logits.kind, hold, lanes, *_tiling.Z_VEC_FWD[3:])
+        steps.append(Step(kern, grid, threads, 4 * (4 * threads + threads // lanes),
+                          (In(0, word_view(logits)), Out(1), Tmp(0), num_tokens, vecs, iters)))
+    elif grid:
         tb = threads // lanes
         steps.append(Step(z_loss_rows_kernel(logits.kind, quads, _tiling.Z_HOLD), grid, threads,
                             4 * (2 * threads + tb),
                             (_logits_arg(logits, quads), Out(1), Tmp(0), num_tokens, num_experts,
                              units, lanes)))
+    tmps = (spec_of((max(grid, 1),), F32),)
     final = min(_tiling.Z_FINAL_THREADS, _tiling.pow2_at_least(max(grid, 1)))
     steps.append(Step(z_loss_final_kernel, 1, final, 0,
                         (Tmp(0), Out(0, spec_of((1,), F32)), grid, np.float32(coeff),
@@ -387,6 +386,13 @@ def router_z_loss_bwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: in
         return Plan(OP + "_bwd", ins, outs)
     # 2 coeff / N in fp32, in that order (the reference: coeff * (S / N), d/d lse_t: 2 lse_t)
     scale = np.float32(np.float32(np.float32(coeff) / np.float32(total_num_tokens)) * np.float32(2))
+    vec = logits.kind != F16 and _tiling.z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize, True)
+    if vec:
+        grid, threads, lanes, vecs, hold, iters = vec
+        kern = z_loss_vec_bwd_kernel(logits.kind, hold, lanes, *_tiling.Z_VEC_BWD[3:])
+        step = Step(kern, grid, threads, 0, (In(0, word_view(logits)), In(1), In(2, spec_of((1,), F32)),
+                                             Out(0, word_view(logits)), num_tokens, vecs, iters, scale))
+        return Plan(OP + "_bwd", ins, outs, (), (step,))
     grad = Out(0, array_views(logits.kind, logits.shape)[0]) if quads else Out(0)
     step = Step(z_loss_bwd_kernel(logits.kind, quads, _tiling.Z_BWD_HOLD), grid, threads, 0,
                   (_logits_arg(logits, quads), In(1), In(2, spec_of((1,), F32)), grad,

@@ -88,6 +88,7 @@ def _check(x, total=None, g=1.5, coeff=COEFF):
     (np.float16, 5, 130, None),
     (np.float32, 0, 12, None),
     (BF16, 0, 3, 4),
+    (BF16, 70, 24, 90),  # the vector kernels: 3 vectors a row
 ])
 def test_fwd_bwd(dtype, T, E, total):
     _check(_logits(T, E, dtype, seed=T + E), total)
@@ -100,7 +101,7 @@ def test_empty_tokens():
     assert K.router_z_loss_bwd(x, lse, 1.0, 1.0).shape == (0, 12)
 
 
-@pytest.mark.parametrize("dtype,E", [(np.float32, 8), (BF16, 3), (np.float16, 12)])
+@pytest.mark.parametrize("dtype,E", [(np.float32, 8), (BF16, 3), (np.float16, 12), (BF16, 16)])
 def test_special_rows(dtype, E):
     """An all -inf row (lse 0, no contribution, zero gradient), rows with some
     -inf, a single finite entry, and a NaN row (NaN lse, loss and gradient row)."""
@@ -186,7 +187,7 @@ def test_plans():
     assert fwd is K.router_z_loss_fwd_plan(spec, np.float32(COEFF), 100)  # cached
     assert fwd.ins == (spec,)
     assert fwd.outs == (_plan.Spec((), np.float32, L.F32), _plan.Spec((70,), np.float32, L.F32))
-    grid = _tiling.z_loss_tiling(70, 256)[0]
+    grid = _tiling.z_loss_vec_tiling(70, 256, 2)[0]  # bf16 E = 256: the vector kernels
     assert fwd.tmps == (_plan.Spec((grid,), np.float32, L.F32),) and len(fwd.steps) == 2
     bwd = K.router_z_loss_bwd_plan(spec, np.float32(COEFF), 100)
     assert bwd.ins == (spec, _plan.spec_of((70,), L.F32), _plan.spec_of((), L.F32))

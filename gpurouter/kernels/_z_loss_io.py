@@ -1,0 +1,164 @@
+"""Device helpers of the z-loss vector kernels (``z_loss_vec.py``): 16-byte
+loads and stores of four uint32 words, and three single instructions that
+numba's libdevice path spells as several (the kernels are instruction-bound
+otherwise: about 18 instructions an element before, 9 of them integer or
+denormal handling around ``ex2``):
+
+- ``exp2_ftz(a)``: ``ex2.approx.ftz.f32``, one MUFU.EX2 (libdevice's exp2f adds
+  a compare and two multiplies to keep results below 2^-126; a sum of terms
+  whose largest is 1, or a gradient later rounded to bf16, loses nothing
+  that matters: such terms flush to 0);
+- ``max_bf16x2(a, b)``: the max of two pairs of bf16 (fmaxf's NaN rule: a NaN
+  loses to a number), a row's max in half the instructions, no unpacking;
+- ``pack_bf16x2(lo, hi)``: two fp32 to a word of two bf16, round to nearest
+  even (``cvt.rn.bf16x2.f32``; a NaN stays a NaN, its payload the hardware's).
+
+On the simulator each is Python (``exp2_f32``; ``max_bf16x2`` is not used
+there; ``bf16_bits``), the vector accesses four word accesses.
+"""
+
+from __future__ import annotations
+
+from . import _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+
+# isort: split
+
+import functools
+
+import numpy as np
+from numba import cuda
+
+from ._access import bf16_bits
+from ._device import u64
+from ._launch import simulator_enabled
+from ._logsumexp import exp2_f32
+
+_NC_LOAD = "{ .reg .u64 g; cvta.to.global.u64 g, $4; ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [g]; }"
+_CS_STORE = "{ .reg .u64 g; cvta.to.global.u64 g, $0; st.global.cs.v4.u32 [g], {$1, $2, $3, $4}; }"
+
+
+@cuda.jit(device=True)
+def load_words(a, v):
+    """Words ``4v .. 4v+3`` of a flat uint32 array, one at a time."""
+    f = u64(4 * v)
+    return a[f], a[f + 1], a[f + 2], a[f + 3]
+
+
+@cuda.jit(device=True)
+def store_words(a, v, w0, w1, w2, w3):
+    f = u64(4 * v)
+    a[f] = w0
+    a[f + 1] = w1
+    a[f + 2] = w2
+    a[f + 3] = w3
+
+
+@functools.cache
+def vector_io(hints: bool):
+    """``(aligned(a) -> bool, load(a, v) -> 4 x uint32, store(a, v, w0..w3))`` on
+    vector ``v`` (words ``4v .. 4v+3``) of a flat uint32 array: one 16-byte
+    access (callers test ``aligned`` once; else ``load_words`` / ``store_words``).
+    ``hints``: loads through the non-coherent path without L1 allocation and
+    streaming (evict-first) stores, as inline PTX.  The simulator: word accesses."""
+    from ._vec import quad_f32_unchecked
+
+    if simulator_enabled():
+        return quad_f32_unchecked()[0], load_words, store_words
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    i32, i64 = ir.IntType(32), ir.IntType(64)
+    u32x4 = ir.VectorType(i32, 4)
+
+    def pointer(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+        w = builder.mul(context.cast(builder, args[1], sig.args[1], types.uint64), ir.Constant(i64, 4))
+        return builder.bitcast(builder.gep(data, [w]), u32x4.as_pointer())
+
+    @intrinsic
+    def load_v(typingctx, array, v):
+        sig = types.UniTuple(types.uint32, 4)(array, v)
+
+        def codegen(context, builder, sig, args):
+            ptr = pointer(context, builder, sig, args)
+            if hints:
+                fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i64])
+                res = builder.call(ir.InlineAsm(fnty, _NC_LOAD, "=r,=r,=r,=r,l"), [builder.ptrtoint(ptr, i64)])
+                parts = [builder.extract_value(res, i) for i in range(4)]
+            else:
+                vec = builder.load(ptr, align=16)
+                parts = [builder.extract_element(vec, ir.Constant(i32, i)) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return sig, codegen
+
+    @intrinsic
+    def store_v(typingctx, array, v, w0, w1, w2, w3):
+        sig = types.void(array, v, w0, w1, w2, w3)
+
+        def codegen(context, builder, sig, args):
+            ptr = pointer(context, builder, sig, args)
+            vals = [context.cast(builder, args[2 + i], sig.args[2 + i], types.uint32) for i in range(4)]
+            if hints:
+                fnty = ir.FunctionType(ir.VoidType(), [i64] + [i32] * 4)
+                asm = ir.InlineAsm(fnty, _CS_STORE, "l,r,r,r,r", side_effect=True)
+                builder.call(asm, [builder.ptrtoint(ptr, i64)] + vals)
+            else:
+                vec = ir.Constant(u32x4, ir.Undefined)
+                for i in range(4):
+                    vec = builder.insert_element(vec, vals[i], ir.Constant(i32, i))
+                builder.store(vec, ptr, align=16)
+
+        return sig, codegen
+
+    return quad_f32_unchecked()[0], load_v, store_v
+
+
+@cuda.jit(device=True)
+def _pack_bf16x2_words(lo, hi):
+    return np.uint32(np.uint32(bf16_bits(lo)) | np.uint32(np.uint32(bf16_bits(hi)) << np.uint32(16)))
+
+
+@functools.cache
+def single_ops():
+    """``(exp2_ftz(a) -> f32, max_bf16x2(a, b) -> u32, pack_bf16x2(lo, hi) -> u32)``
+    (see the module docstring); on the simulator ``(exp2_f32, None, bf16_bits pair)``."""
+    if simulator_enabled():
+        return exp2_f32, None, _pack_bf16x2_words
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    f32, i32 = ir.FloatType(), ir.IntType(32)
+
+    def call(builder, text, constraints, ret, vals):
+        fnty = ir.FunctionType(ret, [v.type for v in vals])
+        return builder.call(ir.InlineAsm(fnty, text, constraints), vals)
+
+    @intrinsic
+    def exp2_ftz(typingctx, a):
+        def codegen(context, builder, sig, args):
+            x = context.cast(builder, args[0], sig.args[0], types.float32)
+            return call(builder, "ex2.approx.ftz.f32 $0, $1;", "=f,f", f32, [x])
+
+        return types.float32(a), codegen
+
+    @intrinsic
+    def max_bf16x2(typingctx, a, b):
+        def codegen(context, builder, sig, args):
+            x, y = (context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args, strict=True))
+            return call(builder, "max.bf16x2 $0, $1, $2;", "=r,r,r", i32, [x, y])
+
+        return types.uint32(a, b), codegen
+
+    @intrinsic
+    def pack_bf16x2(typingctx, lo, hi):
+        def codegen(context, builder, sig, args):
+            x, y = (context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args, strict=True))
+            # cvt.rn.bf16x2.f32 d, a, b puts a in d's upper half
+            return call(builder, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", i32, [y, x])
+
+        return types.uint32(lo, hi), codegen
+
+    return exp2_ftz, max_bf16x2, pack_bf16x2

@@ -1,0 +1,291 @@
+"""Router z-loss row kernels on 16-byte vectors: the forward's rows and the
+backward when a row is a whole number of 16-byte vectors (bf16 with
+``E % 8 == 0``, fp32 with ``E % 4 == 0``; ``_tiling.z_loss_vec_tiling``).
+``z_loss.py`` picks these or its unit kernels, and holds the plans.
+
+Layout: the logits seen flat as uint32 words (bf16: two experts a word, fp32:
+one), a row as ``V`` vectors of four words.  W lanes (a compile-time
+constant) own a row, lane ``l`` holding vectors ``l, l + W, ...`` (``hold`` of
+them, all of the row: one step), so a warp's load is W * 16 contiguous bytes
+of each of its rows.  A block's TB = threads / W row slots walk ``iters``
+consecutive groups of TB rows (a block owns ``TB * iters`` consecutive rows);
+with ``prefetch`` the next group's loads are issued before the current one
+is used.  The unit kernels were instruction-bound (about 18 instructions an
+element, fp32 logits as slow as bf16): here an element costs about four
+(unpack, fma, ``ex2.approx.ftz``, add or multiply; ``_z_loss_io``), the max
+of a bf16 row is taken two experts an instruction, the gradient packed two
+a ``cvt``.
+
+Forward: a lane takes its max ``m_l`` (fmaxf drops NaN; the sum keeps it),
+then ``s_l = sum 2^(fma(x, log2 e, -m_l log2 e))``: one exp per element, no
+online rescale.  The W pairs go through shared memory (two slots by group
+parity: one barrier per group); lane 0 takes ``M = max m_l``,
+``S = sum_l s_l 2^(sh2(m_l) - sh2(M))`` in lane order, writes ``lse`` and adds
+``lse^2`` to its own running sum in row order; at the end thread 0 sums the
+block's TB running sums in slot order into ``partial[b]``.  Every order is
+fixed: bit-identical run to run.
+
+Backward: ``grad = (g * 2 coeff / N) lse_t 2^(fma(x, log2 e, -lse_t log2 e))``,
+as the unit kernel, one 16-byte store per vector; no barrier.
+
+On the simulator the vector accesses are four word accesses (same code).
+"""
+
+from __future__ import annotations
+
+from . import _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+
+# isort: split
+
+import functools
+
+import numpy as np
+from numba import cuda
+from numba import float32 as nb_f32  # array declarations take numba types
+from numba import uint32 as nb_u32
+
+from ._device import NEG_INF, ZERO, fmax_f32, u64
+from ._launch import BF16
+from ._logsumexp import LOG2E, lse_of, rescale_sum, shift2
+from ._plan import Spec
+from ._z_loss_io import load_words, single_ops, store_words, vector_io
+
+
+def word_view(logits: Spec) -> Spec:
+    """A ``[T, E]`` array (logits or their gradient) seen flat as uint32 words."""
+    return Spec((logits.shape[0] * logits.shape[1] * logits.dtype.itemsize // 4,), np.uint32)
+
+
+@functools.cache
+def _row_pieces(kind: str, hold: int, lanes: int, hints: bool):
+    """Device functions of both kernels for ``kind``, ``hold`` vectors a lane and
+    W = ``lanes``: ``fetch(held, a, fast, row, lane, vecs)`` (every load issued
+    before any use; vectors past the row's end read its last vector, which
+    leaves the max alone), ``row_max(held)``, ``row_sum(held, lane, vecs, sh2)``
+    (those past the end masked) and ``grad_word(word, a, v2)``."""
+    aligned, load_v, store_v = vector_io(hints)
+    exp2, max2, pack2 = single_ops()
+    pair = kind == BF16
+    words = 4 * hold
+    hi_mask = np.uint32(0xFFFF0000)
+    shift = np.uint32(16)
+
+    @cuda.jit(device=True)
+    def fetch(held, a, fast, row, lane, vecs):
+        base = np.int64(row) * vecs
+        for h in range(hold):
+            v = base + min(np.int32(lane + h * lanes), np.int32(vecs - 1))
+            if fast:
+                w0, w1, w2, w3 = load_v(a, v)
+            else:
+                w0, w1, w2, w3 = load_words(a, v)
+            held[4 * h] = w0
+            held[4 * h + 1] = w1
+            held[4 * h + 2] = w2
+            held[4 * h + 3] = w3
+
+    @cuda.jit(device=True)
+    def lo(w):  # bf16: the low word's expert is the top half of an fp32
+        return np.uint32(w << shift).view(np.float32)
+
+    @cuda.jit(device=True)
+    def hi(w):
+        return np.uint32(w & hi_mask).view(np.float32)
+
+    @cuda.jit(device=True)
+    def term(x, sh2):  # exp(x - m) = 2^(fma(x, log2 e, -sh2))
+        return exp2(cuda.fma(x, LOG2E, -sh2))
+
+    if pair and max2 is not None:
+
+        @cuda.jit(device=True)
+        def row_max(held):
+            m2 = held[0]
+            for i in range(1, words):
+                m2 = max2(m2, held[i])
+            return fmax_f32(lo(m2), hi(m2))
+
+    elif pair:
+
+        @cuda.jit(device=True)
+        def row_max(held):
+            m = NEG_INF
+            for i in range(words):
+                m = fmax_f32(fmax_f32(m, lo(held[i])), hi(held[i]))
+            return m
+
+    else:
+
+        @cuda.jit(device=True)
+        def row_max(held):
+            m = NEG_INF
+            for i in range(words):
+                m = fmax_f32(m, np.uint32(held[i]).view(np.float32))
+            return m
+
+    if pair:
+
+        @cuda.jit(device=True)
+        def word_sum(w, sh2):
+            return np.float32(term(lo(w), sh2) + term(hi(w), sh2))
+
+        @cuda.jit(device=True)
+        def grad_word(w, a, v2):
+            return pack2(np.float32(a * term(lo(w), v2)), np.float32(a * term(hi(w), v2)))
+
+    else:
+
+        @cuda.jit(device=True)
+        def word_sum(w, sh2):
+            return term(np.uint32(w).view(np.float32), sh2)
+
+        @cuda.jit(device=True)
+        def grad_word(w, a, v2):
+            return np.float32(a * term(np.uint32(w).view(np.float32), v2)).view(np.uint32)
+
+    @cuda.jit(device=True)
+    def row_sum(held, lane, vecs, sh2):
+        s = ZERO
+        for h in range(hold):
+            if lane + h * lanes < vecs:  # pairwise within a vector: short add chains
+                s01 = np.float32(word_sum(held[4 * h], sh2) + word_sum(held[4 * h + 1], sh2))
+                s23 = np.float32(word_sum(held[4 * h + 2], sh2) + word_sum(held[4 * h + 3], sh2))
+                s = np.float32(s + np.float32(s01 + s23))
+        return s
+
+    return aligned, store_v, fetch, row_max, row_sum, grad_word
+
+
+@functools.cache
+def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool):
+    """The forward's row kernel on vectors (see the module docstring)."""
+    aligned, _, fetch, row_max, row_sum, _ = _row_pieces(kind, hold, lanes, hints)
+    words = 4 * hold  # compile-time constants (local array sizes, unrolled loops)
+    w = np.int32(lanes)
+
+    @cuda.jit
+    def z_loss_vec_rows(
+        logits,  # [T * E * size / 4] uint32 words, flat
+        lse,  # [T] fp32, out
+        partial,  # [>= grid] fp32, out: the block's sum of lse^2 (rows in order)
+        num_tokens,
+        vecs,  # V: 16-byte vectors a row
+        iters,  # row groups a block walks; blockDim.x = TB * W
+    ):
+        red = cuda.shared.array(0, nb_f32)  # [2 slots][max, sum][threads], then [TB] running sums
+        cur = cuda.local.array(words, nb_u32)
+        nxt = cuda.local.array(words, nb_u32)
+        tid = np.int32(cuda.threadIdx.x)
+        nthreads = np.int32(cuda.blockDim.x)
+        tok = np.int32(tid // w)
+        lane = np.int32(tid - tok * w)
+        tb = np.int32(nthreads // w)
+        last = np.int64(num_tokens - 1)
+        row = np.int64(cuda.blockIdx.x) * tb * iters + tok
+        fast = aligned(logits)
+        acc = ZERO
+        fetch(cur, logits, fast, min(row, last), lane, vecs)
+        for k in range(iters):
+            more = k + 1 < iters
+            if prefetch and more:  # the next group's loads in flight during this one
+                fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
+            m = row_max(cur)
+            s = row_sum(cur, lane, vecs, shift2(m))
+            o = np.int32((k & 1) * 2 * nthreads)
+            red[o + tid] = m
+            red[o + nthreads + tid] = s
+            # Barrier: lane 0 reads its row's W pairs.  Two slots: group k + 2
+            # writes slot k & 1 only after passing group k + 1's barrier,
+            # which lane 0 reaches after its reads of group k.
+            cuda.syncthreads()
+            if lane == 0:  # W pairs in lane order (W a constant: unrolled, loads together)
+                mm = red[o + tid]
+                for i in range(1, lanes):
+                    mm = fmax_f32(mm, red[o + tid + i])
+                ss = ZERO
+                for i in range(lanes):
+                    ss = np.float32(ss + rescale_sum(red[o + nthreads + tid + i], red[o + tid + i], mm))
+                v = lse_of(mm, ss)
+                if row < num_tokens:
+                    lse[u64(row)] = v
+                    acc = np.float32(acc + np.float32(v * v))
+            if prefetch:
+                for i in range(words):
+                    cur[i] = nxt[i]
+            elif more:
+                fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
+            row += tb
+        if lane == 0:
+            red[4 * nthreads + tok] = acc
+        # Barrier: thread 0 reads every slot's running sum.
+        cuda.syncthreads()
+        if tid == 0:
+            total = ZERO
+            for i in range(tb):
+                total = np.float32(total + red[4 * nthreads + i])
+            partial[cuda.blockIdx.x] = total
+
+    return z_loss_vec_rows
+
+
+@functools.cache
+def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool):
+    """The backward on vectors: ``grad = (g * scale) lse_t exp(x - lse_t)``."""
+    aligned, store_v, fetch, _, _, grad_word = _row_pieces(kind, hold, lanes, hints)
+    words = 4 * hold
+    w = np.int32(lanes)
+
+    @cuda.jit
+    def z_loss_vec_bwd(
+        logits,  # [T * E * size / 4] uint32 words, flat
+        lse,  # [T] fp32: the forward's saved lse
+        grad_loss,  # [1] fp32
+        grad_logits,  # as logits, out
+        num_tokens,
+        vecs,
+        iters,
+        scale,  # fp32: 2 coeff / N
+    ):
+        cur = cuda.local.array(words, nb_u32)
+        nxt = cuda.local.array(words, nb_u32)
+        tid = np.int32(cuda.threadIdx.x)
+        tok = np.int32(tid // w)
+        lane = np.int32(tid - tok * w)
+        tb = np.int32(cuda.blockDim.x // w)
+        last = np.int64(num_tokens - 1)
+        row = np.int64(cuda.blockIdx.x) * tb * iters + tok
+        fast = aligned(logits) and aligned(grad_logits)
+        g = np.float32(grad_loss[0] * scale)
+        fetch(cur, logits, fast, min(row, last), lane, vecs)
+        v = lse[u64(min(row, last))]
+        nv = v
+        for k in range(iters):
+            more = k + 1 < iters
+            if prefetch and more:
+                fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
+                nv = lse[u64(min(row + tb, last))]
+            if row < num_tokens:
+                a = np.float32(g * v)  # 0 on a dead row (v = 0)
+                v2 = np.float32(v * LOG2E)
+                base = row * vecs
+                for h in range(hold):
+                    u = np.int32(lane + h * w)
+                    if u < vecs:
+                        o0 = grad_word(cur[4 * h], a, v2)
+                        o1 = grad_word(cur[4 * h + 1], a, v2)
+                        o2 = grad_word(cur[4 * h + 2], a, v2)
+                        o3 = grad_word(cur[4 * h + 3], a, v2)
+                        if fast:
+                            store_v(grad_logits, base + u, o0, o1, o2, o3)
+                        else:
+                            store_words(grad_logits, base + u, o0, o1, o2, o3)
+            if prefetch:
+                for i in range(words):
+                    cur[i] = nxt[i]
+                v = nv
+            elif more:
+                fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
+                v = lse[u64(min(row + tb, last))]
+            row += tb
+
+    return z_loss_vec_bwd

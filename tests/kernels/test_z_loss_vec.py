@@ -1,0 +1,109 @@
+"""The z-loss vector kernels (``z_loss_vec.py``) through the z-loss launchers:
+their tiling, and tiny shapes forced through several row groups a block, a
+partial last group, lanes whose last vectors are past the row, with and
+without the prefetch (GPU or the CUDA simulator).  The launchers' semantics
+(special rows, NaN, N, outputs and streams) are ``test_z_loss.py``'s, which
+runs bf16 and fp32 rows of whole vectors through these kernels too.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+
+from gpurouter.kernels import _launch as L  # noqa: E402
+from gpurouter.kernels import _plan, _tiling  # noqa: E402
+from gpurouter.kernels import z_loss as Z  # noqa: E402
+from gpurouter.kernels import z_loss_vec as V  # noqa: E402
+
+from .test_z_loss import _check, _logits  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+BF16 = ml_dtypes.bfloat16
+
+
+@pytest.fixture
+def vec_knobs(monkeypatch):
+    """``vec_knobs(threads, hold, blocks, prefetch)``: the vector kernels' knobs,
+    both ways, for the test (tiny inputs, several groups a block)."""
+
+    def clear():
+        Z.router_z_loss_fwd_plan.cache_clear()
+        Z.router_z_loss_bwd_plan.cache_clear()
+
+    def force(threads, hold, blocks, prefetch):
+        knobs = (threads, hold, blocks, prefetch, False)
+        monkeypatch.setattr(_tiling, "Z_VEC_FWD", knobs)
+        monkeypatch.setattr(_tiling, "Z_VEC_BWD", knobs)
+        clear()
+
+    yield force
+    monkeypatch.undo()
+    clear()
+
+
+def test_vec_tiling():
+    # the issue's shape: E = 256 bf16 is 32 vectors, W = 8 lanes of 4, TB = 32 rows a group
+    threads, hold, blocks = _tiling.Z_VEC_FWD[:3]
+    grid, block, lanes, vecs, held, iters = _tiling.z_loss_vec_tiling(65536, 256, 2)
+    assert (vecs, lanes * held, block) == (32, 32, threads) and held <= hold
+    assert grid <= blocks and grid * (block // lanes) * iters >= 65536 > (grid - 1) * (block // lanes) * iters
+    assert _tiling.z_loss_vec_tiling(5, 12, 4) == (1, 5, 1, 3, 3, 1)  # T < TB: 5 rows, one lane of 3
+    assert _tiling.z_loss_vec_tiling(5, 12, 2) is None  # 24 bytes: not whole vectors
+    assert _tiling.z_loss_vec_tiling(0, 256, 2) is None
+    too_long = 32 * _tiling.Z_VEC_MAX_HOLD * 16 // 2 + 8  # bf16 experts past 32 lanes x Z_VEC_MAX_HOLD
+    assert _tiling.z_loss_vec_tiling(4, too_long, 2) is None
+
+
+def test_vec_plans_pick_the_vector_kernels():
+    c = np.float32(0.01)
+    for kind, E, vector in ((L.BF16, 256, True), (L.F32, 12, True), (L.BF16, 12, False), (L.F16, 256, False)):
+        spec = _plan.spec_of((9, E), kind)
+        fwd, bwd = K.router_z_loss_fwd_plan(spec, c, 9), K.router_z_loss_bwd_plan(spec, c, 9)
+        names = (fwd.steps[0].kernel.py_func.__name__, bwd.steps[0].kernel.py_func.__name__)
+        assert names == (("z_loss_vec_rows", "z_loss_vec_bwd") if vector else ("z_loss_rows", "z_loss_bwd"))
+        assert fwd.tmps == (_plan.Spec((fwd.steps[0].grid,), np.float32, L.F32),)
+        assert fwd.steps[1].args[2] == fwd.steps[0].grid  # the final block sums every partial
+
+
+@pytest.mark.parametrize("dtype,T,E,knobs,want", [
+    # bf16 E=16: 2 vectors, W=2 lanes of 1; TB=4 rows, 3 groups a block, 2 blocks (the last partial)
+    (BF16, 19, 16, (8, 1, 2, True), (2, 8, 2, 2, 1, 3)),
+    # the same without the prefetch
+    (BF16, 19, 16, (8, 1, 2, False), (2, 8, 2, 2, 1, 3)),
+    # fp32 E=12: 3 vectors, W=2 lanes of 2 (lane 1's second is past the row); 2 groups a block
+    (np.float32, 11, 12, (4, 2, 3, True), (3, 4, 2, 3, 2, 2)),
+    # bf16 E=40: 5 vectors, W=4 lanes of 2; one group of 2 rows a block, no loop
+    (BF16, 5, 40, (8, 2, 8, True), (3, 8, 4, 5, 2, 1)),
+])
+def test_vec_groups(vec_knobs, dtype, T, E, knobs, want):
+    vec_knobs(*knobs)
+    itemsize = np.dtype(dtype).itemsize
+    assert _tiling.z_loss_vec_tiling(T, E, itemsize) == want == _tiling.z_loss_vec_tiling(T, E, itemsize, True)
+    x = _logits(T, E, dtype, seed=T + E, masked=0.2)
+    x[T // 2] = -np.inf  # a dead row mid-walk: lse 0, no gradient
+    x[T - 1, : E // 2] = -np.inf  # half a row -inf, in the last (partial) group
+    _, lse, grad = _check(x, total=T + 2)
+    assert lse[T // 2] == 0.0 and not np.asarray(grad[T // 2], np.float32).any()
+
+
+def test_vec_same_bits_with_and_without_prefetch(vec_knobs):
+    x = _logits(19, 16, BF16, seed=4)
+    vec_knobs(8, 1, 2, True)
+    first = K.router_z_loss_fwd(x, 1.0)
+    again = K.router_z_loss_fwd(x, 1.0)
+    grad = K.router_z_loss_bwd(x, first[1], 0.5, 1.0)
+    vec_knobs(8, 1, 2, False)
+    other = K.router_z_loss_fwd(x, 1.0)
+    for a, b in ((first, again), (first, other)):
+        assert a[0].tobytes() == b[0].tobytes() and a[1].tobytes() == b[1].tobytes()
+    assert grad.tobytes() == K.router_z_loss_bwd(x, other[1], 0.5, 1.0).tobytes()
+
+
+def test_word_view():
+    assert V.word_view(_plan.spec_of((3, 16), L.BF16)) == _plan.Spec((24,), np.uint32)
+    assert V.word_view(_plan.spec_of((3, 12), L.F32)) == _plan.Spec((36,), np.uint32)
