@@ -123,16 +123,27 @@ def _gpu_info() -> dict:
     except Exception:
         info["gpu"] = "none"
     # GPUROUTER_COMMIT first: a copy of the tree on a lent GPU may carry no
-    # .git, or an unrelated one.
-    info["commit"] = os.environ.get("GPUROUTER_COMMIT", "")
-    if not info["commit"]:
-        try:
-            info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                            text=True, timeout=10).stdout.strip() or "unknown"
-        except Exception:
-            info["commit"] = "unknown"
+    # .git, or sit inside an unrelated one (whose HEAD is not this code's).
+    info["commit"] = os.environ.get("GPUROUTER_COMMIT", "") or _git_commit()
     info["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return info
+
+
+def _git_commit() -> str:
+    """HEAD of the checkout this package was imported from, or "unknown" when
+    the package does not sit at the top of a git work tree."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args):
+        return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        top = git("rev-parse", "--show-toplevel")
+        if not top or os.path.realpath(top) != os.path.realpath(root):
+            return "unknown"
+        return git("rev-parse", "--short", "HEAD") or "unknown"
+    except Exception:
+        return "unknown"
 
 
 def _median_wall(fn, args_list, repeats: int) -> float:

@@ -134,3 +134,22 @@ def test_moe_bench_tiny_runs_and_writes_json(capsys, tmp_path):
                 "ragged_dot TFLOP/s"):
         assert row[key] > 0, key
     assert "block jax / numba=" in capsys.readouterr().out
+
+
+def test_bench_commit_is_this_checkouts_or_unknown(tmp_path):
+    """The commit a bench records: this checkout's HEAD, or "unknown" for a
+    copy of the package inside another git work tree (a lent GPU's copy of
+    the tree sits in one; its HEAD is not this code's)."""
+    import os
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(bench.__file__)))
+    head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("this checkout is not a git work tree")
+    assert bench._git_commit() == head.stdout.strip()
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    shutil.copytree(os.path.join(root, "gpurouter"), tmp_path / "copy" / "gpurouter")
+    out = subprocess.run([sys.executable, "-c", "from gpurouter import bench; print(bench._git_commit())"],
+                         cwd=tmp_path / "copy", capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "unknown"
