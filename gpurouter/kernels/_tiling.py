@@ -4,16 +4,13 @@ their figures live in docs/benchmarks.md).
 
 - W-lane row forwards (``lane_topk_fwd.py``, ``lane_aux_scores_fwd.py``):
   ``row_lanes``, ``row_stride``, ``select_layout`` -> ``RowLayout``;
-- thread-per-token forwards (``token_topk_fwd.py``,
-  ``token_aux_scores_fwd.py``): ``token_path``, ``token_layout`` ->
-  ``TokenLayout``;
-- backwards: ``stream_tiling`` (``stream_bwd.py``), ``quad_tiling`` and
-  ``quad_hold`` (``quad_bwd.py``);
+- thread-per-token forwards (``token_*_fwd.py``): ``token_path``,
+  ``token_group_lanes``, ``token_layout`` -> ``TokenLayout``;
+- backwards: ``stream_tiling`` (``stream_bwd.py``), ``quad_tiling``, ``quad_hold`` (``quad_bwd.py``);
 - aux loss (``aux_loss.py``): ``column_tiling``, ``fill_tiling``;
-- router z-loss (``z_loss.py``): ``z_loss_tiling``.
+- router z-loss: ``z_loss_tiling`` (``z_loss.py``), ``z_loss_vec_tiling`` (``z_loss_vec.py``).
 
-Host code only (no numba): the planners call these and put the results in
-their ``Step``s.
+Host code only (no numba): the planners call these and put the results in their ``Step``s.
 """
 
 from __future__ import annotations
@@ -150,10 +147,20 @@ def pow2_at_least(n: int) -> int:
     return c
 
 
-def _token_words(tb: int, num_experts: int, num_groups: int, has_bias: bool) -> int:
+def _token_words(tb: int, num_experts: int, num_groups: int, has_bias: bool, lists: int = 0) -> int:
     """Shared-memory words of a thread-per-token block (see ``TokenLayout``)."""
     g = (num_groups | 1) if num_groups > 0 else 0
-    return tb * ((num_experts | 1) + token_flag_stride(num_experts) + g + 4) + (num_experts if has_bias else 0)
+    return (tb * ((num_experts | 1) + token_flag_stride(num_experts) + g + 4 + lists * max(0, num_groups))
+            + (num_experts if has_bias else 0))
+
+
+def token_group_lanes(num_tokens: int, num_experts: int, topk: int, num_groups: int, has_bias: bool) -> bool:
+    """True when a grouped top-k forward's lanes list each group first: W >= G
+    threads a token, the lists in ``SMEM_BUDGET`` (``_token_select.token_group_lists``)."""
+    if num_groups <= 0 or 4 * _token_words(1, num_experts, num_groups, has_bias, topk + 1) > SMEM_BUDGET:
+        return False
+    lay = token_layout(num_tokens, num_experts, num_groups, has_bias, topk + 1)
+    return lay.threads // lay.tb >= num_groups
 
 
 def _token_threads(tb: int, num_experts: int) -> int:
@@ -206,12 +213,13 @@ class TokenLayout:
         o_thr  + [2 * tb]      per token: fp32 selection threshold (NaN: read the bits),
                                then int32 tie cutoff (``_token_select.token_selector``)
         o_bias + [E]           fp32 expert bias
+        o_lists + [tb * G * L] fp32 the groups' K + 1 largest, L = ``lists``
 
     (Odd row strides: a warp's threads, one per row, hit distinct banks.)
     """
 
     __slots__ = ("grid", "threads", "tb", "stride", "o_flag", "o_gs", "o_red", "o_thr", "o_bias",
-                 "shared")
+                 "o_lists", "shared")
 
     def __init__(self, **kw):
         for k in self.__slots__:
@@ -222,17 +230,18 @@ class TokenLayout:
 
 
 def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
-                 has_bias: bool = False) -> TokenLayout:
+                 has_bias: bool = False, lists: int = 0) -> TokenLayout:
     """Layout of the thread-per-token kernels (``token_path``): as many tokens
     per block (a power of two, at most ``TOKEN_MAX_TOKENS``, at most T) as fit
     ``SMEM_BUDGET``; threads: the tokens, at least ``TOKEN_MIN_THREADS`` (the
     coalesced phases want them) unless the tile has fewer quads, a multiple of
-    32.  The bias (``has_bias``) takes E words."""
+    32.  The bias (``has_bias``) takes E words, the groups' lists (``lists``
+    = K + 1: ``token_group_lanes``) G * (K + 1) a token."""
     g = max(0, int(num_groups))
     tb = TOKEN_MAX_TOKENS
-    while tb > 1 and 4 * _token_words(tb, num_experts, g, has_bias) > SMEM_BUDGET:
+    while tb > 1 and 4 * _token_words(tb, num_experts, g, has_bias, lists) > SMEM_BUDGET:
         tb //= 2
-    if 4 * _token_words(tb, num_experts, g, has_bias) > SMEM_BUDGET:
+    if 4 * _token_words(tb, num_experts, g, has_bias, lists) > SMEM_BUDGET:
         raise NotImplementedError(f"E={num_experts}: one token does not fit "
                                   f"{SMEM_BUDGET} bytes of shared memory")
     tb = max(1, min(tb, num_tokens))
@@ -243,9 +252,10 @@ def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
     o_red = o_gs + tb * ((g | 1) if g else 0)
     o_thr = o_red + 2 * tb
     o_bias = o_thr + 2 * tb
+    o_lists = o_bias + (num_experts if has_bias else 0)
     return TokenLayout(grid=-(-num_tokens // tb), threads=threads, tb=tb, stride=p, o_flag=o_flag,
-                       o_gs=o_gs, o_red=o_red, o_thr=o_thr, o_bias=o_bias,
-                       shared=4 * (o_bias + (num_experts if has_bias else 0)))
+                       o_gs=o_gs, o_red=o_red, o_thr=o_thr, o_bias=o_bias, o_lists=o_lists,
+                       shared=4 * (o_lists + tb * g * lists))
 
 
 #: threads per block of the streaming backward kernels
@@ -317,19 +327,17 @@ def column_tiling(num_rows: int, num_cols: int, block: int = COLUMN_THREADS):
     return grid, rl * cl, cl, rows
 
 
-#: the aux-loss backward's fill: threads per block, blocks at most (the
-#: sweep against other grids and against the driver's memset:
-#: docs/benchmarks.md).
+#: the aux-loss backward's fill: threads per block, blocks at most (the sweep
+#: against other grids and the driver's memset: docs/benchmarks.md).
 FILL_THREADS = 128
 FILL_BLOCKS = 528
 
 
 def fill_tiling(num_rows: int, num_quads: int):
-    """``(grid, threads, col_lanes)`` of a kernel writing one row of
-    ``num_quads`` column quads down ``num_rows`` rows, grid-strided: blocks of
-    RL row lanes x CL column-quad lanes (CL as in ``column_tiling``; RL a
-    power of two, RL * CL <= ``FILL_THREADS``, no more row lanes than rows),
-    block b's lane rl writing rows ``b RL + rl + k grid RL``."""
+    """``(grid, threads, col_lanes)`` of a grid-strided kernel writing ``num_quads``
+    column quads down ``num_rows`` rows: RL row lanes x CL column-quad lanes (CL
+    as in ``column_tiling``; RL a power of two, RL * CL <= ``FILL_THREADS``, RL
+    <= rows), block b's lane rl writing rows ``b RL + rl + k grid RL``."""
     cl = min(256, max(32, -(-num_quads // 32) * 32))
     rl = 1
     while rl * 2 * cl <= FILL_THREADS and rl * 2 <= num_rows:
@@ -378,16 +386,11 @@ def z_loss_vec_tiling(num_tokens: int, num_experts: int, itemsize: int, backward
 
 
 def z_loss_tiling(num_tokens: int, num_experts: int, backward: bool = False):
-    """``(grid, threads, lanes, units, quads)`` of the z-loss forward's row kernel
-    (``backward``: of the backward kernel).
-
-    ``units = ceil(E / 4)``; ``quads``: E % 4 == 0 (a unit is one vector
-    access), else a unit is four masked element accesses.  W = ``lanes``: the
-    smallest power of two with ``W * hold >= units`` (``Z_HOLD`` or
-    ``Z_BWD_HOLD``), at most ``Z_MAX_LANES``; a block holds ``TB = threads / W``
-    rows (``Z_THREADS`` or ``Z_BWD_THREADS``; at most T), ``threads = TB * W``;
-    ``grid = ceil(T / TB)`` (0 when T == 0).
-    """
+    """``(grid, threads, lanes, units, quads)`` of the z-loss unit kernels (forward
+    rows, or ``backward``): ``units = ceil(E / 4)``; ``quads``: E % 4 == 0 (a unit
+    is one vector access, else four masked ones); W the least power of two with
+    ``W * hold >= units`` (at most ``Z_MAX_LANES``); TB = threads / W rows (at
+    most T) a block; ``grid = ceil(T / TB)`` (0 when T == 0)."""
     hold, threads = (Z_BWD_HOLD, Z_BWD_THREADS) if backward else (Z_HOLD, Z_THREADS)
     units = -(-int(num_experts) // 4)
     lanes = min(Z_MAX_LANES, pow2_at_least(-(-units // hold)))

@@ -61,7 +61,7 @@ from ._token_rows import (
     softmax_rows,
     token_stager,
 )
-from ._token_select import token_selector
+from ._token_select import token_group_lists, token_selector
 from ._vec import pair_u64, quad_f32
 
 
@@ -76,7 +76,7 @@ def kernel_jit(max_registers: int):
 @functools.cache
 def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, has_bias: bool, use_pre_softmax: bool,
                     bitmap: bool = False, indices: int = 0, forced: bool = False, asc: bool = False,
-                    max_registers: int = 0):
+                    max_registers: int = 0, group_lanes: bool = False):
     """The top-k forward for logits of ``kind``; ``topk`` (K) and ``group_cap`` >=
     K / Kg (0: no groups; a power of two) size the register lists; the score
     function, the bias, ``use_pre_softmax`` (softmax only) and the map format
@@ -90,12 +90,16 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
     sum runs in ascending expert order: ``token_selector``).  Without them
     ``xarr`` is never read.  ``max_registers`` (0: the compiler's choice;
     ignored on the simulator): a register cap, so that the indices' live
-    values do not cost resident blocks."""
+    values do not cost resident blocks.  ``group_lanes`` (grouped, not
+    ``forced``; ``_tiling.token_group_lanes``): the block's threads list
+    each token's groups first (``_token_select.token_group_lists``)."""
     stage = token_stager(kind, score_fn, has_bias)
     _, store4, zero4 = flat_io(kind)
     store_f32 = quad_f32()[1]
     token_select = token_selector(topk, group_cap, has_bias, score_fn == SOFTMAX and not use_pre_softmax, False,
-                                  int(indices), forced, asc)
+                                  int(indices), forced, asc, group_lanes)
+    group_lists = token_group_lists(topk, group_cap, has_bias)
+    list_words = topk + 1  # a group's list
     stats, normalise = softmax_rows()
     pre_softmax = score_fn == SOFTMAX and use_pre_softmax
     post_softmax = score_fn == SOFTMAX and not use_pre_softmax
@@ -249,6 +253,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         o_thr,
         o_bias,
         xarr,  # [T*K] int32: indices out (``indices``), forced in (``forced``); else unused
+        o_lists,  # word offset of the groups' lists (``group_lanes``; else unused)
     ):
         smem = cuda.shared.array(0, nb_f32)  # one dynamic allocation, two views
         bits = cuda.shared.array(0, nb_u32)
@@ -270,6 +275,11 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
             stats(smem, row, valid, num_experts, o_red + tid, o_red + tile_tokens + tid)
             normalise(smem, o_red, tile_tokens, saved, saved, False, wb, nt, eq, stride, tid, nthreads)
 
+        if group_lanes:  # 2a. G lanes a token: its groups' scores and lists
+            group_lists(smem, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, num_groups, group_topk,
+                        o_gs, o_lists)
+            cuda.syncthreads()
+
         # 2. Thread per token: selection, then the weights' statistics:
         # post-softmax the max and sum exp(s - max) of the selected scores,
         # normalised the sum of the selected scores + eps.  (Selection reads
@@ -277,7 +287,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         if valid:
             total, m, thr, cut = token_select(smem, row, num_experts, num_groups, group_topk,
                                               o_gs + tid * (num_groups | 1), o_bias, bits, o_flag + tid * fstride,
-                                              xarr, (t0 + tid) * topk)
+                                              xarr, (t0 + tid) * topk, o_lists + tid * num_groups * list_words)
             if norm:
                 total = np.float32(total + EPS)
             smem[u32(o_red + tid)] = np.float32(ONE / total)  # phase 3 multiplies

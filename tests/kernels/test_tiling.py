@@ -54,3 +54,20 @@ def test_token_layouts_fit_shared_memory():
     lay = L.token_layout(65536, 256, 8, True)
     assert (lay.tb, lay.threads) == (32, 256)  # DeepSeek-V3
 
+
+
+def test_token_group_lanes():
+    """The grouped forward's lanes (``token_group_lanes``): on where W >= G
+    threads a token and the groups' lists fit; DeepSeek-V3 keeps 32 tokens a
+    block; the lists sit after the bias."""
+    from gpurouter.kernels import _tiling as L
+    from gpurouter.kernels._limits import SMEM_BUDGET
+
+    assert L.token_group_lanes(65536, 256, 8, 8, True)  # DeepSeek-V3: W = 8 = G
+    lay = L.token_layout(65536, 256, 8, True, 9)
+    assert (lay.tb, lay.threads) == (32, 256) and lay.o_lists == lay.o_bias + 256
+    assert lay.shared == 4 * (lay.o_lists + 32 * 8 * 9) <= SMEM_BUDGET
+    assert not L.token_group_lanes(65536, 256, 8, 0, True)  # no groups
+    assert not L.token_group_lanes(65536, 64, 8, 32, False)  # W = 4 < G = 32
+    assert not L.token_group_lanes(65536, 8192, 8, 8, True)  # one token's lists exceed the budget
+    assert L.token_layout(65536, 256, 8, True).shared < lay.shared  # (lists = 0: none)
