@@ -21,8 +21,7 @@ from ._limits import SMEM_BUDGET
 # W-lane row kernels
 # ----------------------------------------------------------------------------
 
-#: threads per block of the row forward kernels (top-k, aux scores)
-#: before shared memory forces fewer: several tokens of W lanes each.
+#: threads per block of the row forward kernels before shared memory forces fewer
 ROW_THREADS = 128
 #: W doubles (up to 32) while a lane would scan more experts than this.
 ROW_EXPERTS_PER_LANE = 32
@@ -129,10 +128,8 @@ def select_layout(num_tokens: int, num_experts: int, topk: int, num_groups: int 
                      shared=end * 4 + tb * p)
 
 
-#: the thread-per-token forwards (``token_topk_fwd.py``, ``token_aux_scores_fwd.py``)
-#: take K <= this (their top-K lists live in registers) and E a multiple of 4;
-#: measured faster than the W-lane kernels at every K up to 64 (E = 512 and
-#: 2304, T = 4096 and 65536: docs/benchmarks.md, "Large K")
+#: the token forwards take K <= this (register lists) and E % 4 == 0: faster than the
+#: W-lane ones at every K to 64 (E = 512, 2304: docs/benchmarks.md, "Large K")
 TOKEN_MAX_TOPK = 64
 #: tokens per block of the thread-per-token kernels at most, threads at least
 TOKEN_MAX_TOKENS = 256
@@ -154,10 +151,16 @@ def _token_words(tb: int, num_experts: int, num_groups: int, has_bias: bool, lis
             + (num_experts if has_bias else 0))
 
 
+#: the grouped lanes up to this many tokens: DeepSeek-V3 fwd 27.7 -> 20.4 us at T=256, 28.0 -> 21.6 at
+#: 4096, even at 16384, 118.5 -> 133.8 at 65536 (their lists cost resident blocks; H200, 9ac509e)
+TOKEN_GROUP_LANES_MAX_TOKENS = 8192
+
+
 def token_group_lanes(num_tokens: int, num_experts: int, topk: int, num_groups: int, has_bias: bool) -> bool:
-    """True when a grouped top-k forward's lanes list each group first: W >= G
-    threads a token, the lists in ``SMEM_BUDGET`` (``_token_select.token_group_lists``)."""
-    if num_groups <= 0 or 4 * _token_words(1, num_experts, num_groups, has_bias, topk + 1) > SMEM_BUDGET:
+    """True when a grouped top-k forward's lanes list each group first: W >= G threads a token,
+    the lists in ``SMEM_BUDGET``, T small (``_token_select.token_group_lists``)."""
+    if (num_groups <= 0 or num_tokens > TOKEN_GROUP_LANES_MAX_TOKENS
+            or 4 * _token_words(1, num_experts, num_groups, has_bias, topk + 1) > SMEM_BUDGET):
         return False
     lay = token_layout(num_tokens, num_experts, num_groups, has_bias, topk + 1)
     return lay.threads // lay.tb >= num_groups
@@ -276,10 +279,8 @@ def stream_tiling(num_tokens: int, num_experts: int):
     return -(-num_tokens // tb), tb * w, w
 
 
-#: lanes per token of the quad backward kernels at most: the top-k backward
-#: (sparse: most quads are skipped) and the aux-score backward (dense); and
-#: threads per block; chosen by ``tools/tiling_sweep.py`` (figures:
-#: docs/benchmarks.md).
+#: lanes per token of the quad backwards at most, top-k (sparse) and aux scores (dense),
+#: and threads per block (``tools/tiling_sweep.py``; docs/benchmarks.md)
 QUAD_LANES_SPARSE = 8
 QUAD_LANES_DENSE = 16
 QUAD_THREADS = 128

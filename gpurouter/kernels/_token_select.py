@@ -375,9 +375,10 @@ def token_group_lists(topk: int, group_cap: int, has_bias: bool):
             for q in range(list_len):
                 keys[q] = NEG_INF
             lo = np.int32(g * gsize)
+            start = np.int32(g - (g // gsize) * gsize)  # g mod the group size
             i = np.int32(0)
             while i < gsize:
-                off = np.int32(i + g)
+                off = np.int32(i + start)
                 if off >= gsize:
                     off = np.int32(off - gsize)
                 v = nan_as_neg_inf(score_at(smem, row, o_bias, np.int32(lo + off), ONE))

@@ -63,11 +63,12 @@ def test_token_group_lanes():
     from gpurouter.kernels import _tiling as L
     from gpurouter.kernels._limits import SMEM_BUDGET
 
-    assert L.token_group_lanes(65536, 256, 8, 8, True)  # DeepSeek-V3: W = 8 = G
+    assert L.token_group_lanes(4096, 256, 8, 8, True)  # DeepSeek-V3: W = 8 = G
+    assert not L.token_group_lanes(L.TOKEN_GROUP_LANES_MAX_TOKENS + 1, 256, 8, 8, True)  # large T: no
     lay = L.token_layout(65536, 256, 8, True, 9)
     assert (lay.tb, lay.threads) == (32, 256) and lay.o_lists == lay.o_bias + 256
     assert lay.shared == 4 * (lay.o_lists + 32 * 8 * 9) <= SMEM_BUDGET
-    assert not L.token_group_lanes(65536, 256, 8, 0, True)  # no groups
-    assert not L.token_group_lanes(65536, 64, 8, 32, False)  # W = 4 < G = 32
-    assert not L.token_group_lanes(65536, 8192, 8, 8, True)  # one token's lists exceed the budget
+    assert not L.token_group_lanes(4096, 256, 8, 0, True)  # no groups
+    assert not L.token_group_lanes(4096, 64, 8, 32, False)  # W = 4 < G = 32
+    assert not L.token_group_lanes(4096, 8192, 8, 8, True)  # one token's lists exceed the budget
     assert L.token_layout(65536, 256, 8, True).shared < lay.shared  # (lists = 0: none)
