@@ -3,20 +3,16 @@ one thread's (group-limited) top-K of its tile row, said as a threshold and
 tie cutoff, or as bits.
 
 Ranks (docs/contract.md section 2): the register list holds fp32 scores only, no
-indices, NaN as -inf (one fmaxf with -inf), empty slots -inf; keeping the
-K + 1 largest costs one fminf and one fmaxf per slot (an earlier int32 key
-image took five more instructions per expert).  The K-th largest is the
-token's threshold, and which experts own the K places is said one of two
-ways:
+indices, NaN as -inf, empty slots -inf; keeping the K + 1 largest costs one
+fminf and one fmaxf per slot.  The K-th largest is the token's threshold,
+and which experts own the K places is said one of two ways:
 
 - Threshold way (every token with K kept scores above -inf): expert ``j``
   is selected when its score ``r > thr``, or ``r == thr`` and ``j <= cut``.
   ``cut`` is E unless a tie crosses the threshold (the (K+1)-th largest equals
   the K-th: frequent with bf16 logits); then a scan in ascending order
-  finds the index of the last tied expert that still gets a place, so among
-  equal scores the lower index wins.  Phase 3 applies the rule to each
-  expert; experts of dropped groups were set to -inf in the tile, which
-  never passes.
+  finds the last tied expert that still gets a place (the lower index wins).
+  Phase 3 applies the rule to each expert; dropped groups' experts are -inf.
 - Bit way (the threshold is -inf: fewer than K kept scores above it, so
   -inf and NaN are tied fillers): a second scan in ascending expert order
   sets a bit for each expert whose score beats the threshold, or equals it
@@ -41,6 +37,23 @@ from numba import int64 as nb_i64
 from ._device import EPS, NAN, NEG_INF, ONE, ZERO, exp_f32, nan_as_neg_inf, u32, u64
 from ._token_rows import register_pusher
 from ._token_scans import token_scans
+
+
+@functools.cache
+def group_summer(group_cap: int):
+    """Device function ``group_sum(gk, per_group)``: a group's score, the sum in
+    descending order of the first ``per_group`` entries of its register list
+    ``gk`` (``group_cap`` slots)."""
+
+    @cuda.jit(device=True)
+    def group_sum(gk, per_group):
+        gs = gk[0]
+        for q in range(1, group_cap):
+            if q < per_group:
+                gs = np.float32(gs + gk[q])
+        return gs
+
+    return group_sum
 
 
 @functools.cache
@@ -116,6 +129,7 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
     score_at, scan, scan_sum, selected_sum, collect, place, tie_cut, drop, mark, place_packed = token_scans(
         topk, has_bias, scaled, indices)
     push_asc = register_pusher(topk)
+    group_sum = group_summer(group_cap)
 
     @cuda.jit(device=True)
     def post_stats(keys, total):
@@ -187,11 +201,7 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
             while j < end:
                 push_g(gk, nan_as_neg_inf(score_at(smem, row, o_bias, j, ONE)))
                 j = np.int32(j + 1)
-            gs = gk[0]
-            for q in range(1, group_cap):
-                if q < per_group:
-                    gs = np.float32(gs + gk[q])
-            smem[u32(o_gs + g)] = gs
+            smem[u32(o_gs + g)] = group_sum(gk, per_group)
             g = np.int32(g + 1)
         kept = 0
         g = np.int32(0)
@@ -340,23 +350,19 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
 
 @functools.cache
 def token_group_lists(topk: int, group_cap: int, has_bias: bool):
-    """Device function ``lists(smem, tid, nthreads, nt, tile_tokens, stride,
-    o_bias, num_experts, num_groups, group_topk, o_gs, o_lists)``, run by
-    every thread of a grouped top-k block before the selection
-    (``token_selector(..., group_lanes=True)``): the block's W =
-    ``nthreads // tile_tokens`` >= G threads a token (token ``tid // W``),
-    lane ``g < G`` scanning group ``g`` once for its score (as
-    ``keep_groups``: the sum, in descending order, of its top ``K / Kg``,
-    NaN as -inf) into ``smem[o_gs + t * (G | 1) + g]`` and its K + 1 largest
-    scores into ``smem[o_lists + (t * G + g) * (K + 1):]``.  Lane ``g`` starts
-    at expert ``g`` of its group and wraps (a group's order does not change
-    its list), so the lanes of a token hit distinct banks.  Ends before the
-    caller's barrier."""
+    """Device function ``lists(smem, tid, nthreads, nt, tile_tokens, stride, o_bias, E, G, Kg,
+    o_gs, o_lists)``, run by every thread of a grouped block before the selection
+    (``token_selector(..., group_lanes=True)``): W = ``nthreads // tile_tokens``
+    >= G threads a token (``tid // W``), lane ``g < G`` scanning group ``g`` once
+    for its score (as ``keep_groups``) into ``smem[o_gs + t * (G | 1) + g]`` and
+    its K + 1 largest into ``smem[o_lists + (t * G + g) * (K + 1):]``, from
+    expert ``g mod gsize`` on, wrapping (a token's lanes: distinct banks)."""
     list_len = topk + 1
     push_k = register_pusher(list_len)
     glist = max(1, group_cap)
     push_g = register_pusher(glist)
     score_at = token_scans(topk, has_bias, False, 0)[0]
+    group_sum = group_summer(group_cap)
 
     @cuda.jit(device=True)
     def lists(smem, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, num_groups, group_topk, o_gs,
@@ -385,12 +391,7 @@ def token_group_lists(topk: int, group_cap: int, has_bias: bool):
                 push_g(gk, v)
                 push_k(keys, v)
                 i = np.int32(i + 1)
-            per_group = topk // group_topk
-            gs = gk[0]
-            for q in range(1, group_cap):
-                if q < per_group:
-                    gs = np.float32(gs + gk[q])
-            smem[u32(o_gs + t * (num_groups | 1) + g)] = gs
+            smem[u32(o_gs + t * (num_groups | 1) + g)] = group_sum(gk, topk // group_topk)
             base = np.int32(o_lists + (t * num_groups + g) * list_len)
             for q in range(list_len):
                 smem[u32(base + q)] = keys[q]
