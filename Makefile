@@ -33,6 +33,10 @@ demo: $(VENV)/.demo
 test: $(VENV)/.test
 	NUMBA_ENABLE_CUDASIM=$${NUMBA_ENABLE_CUDASIM-$(if $(GPU_EXTRAS),0,1)} $(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The whole suite on a GPU, in parallel groups (tools/gpu_suite.sh; logs in gpu-logs/).
+test-gpu: $(VENV)/.test
+	PYTHON=$(PY) bash tools/gpu_suite.sh
+
 lint: $(VENV)/.test
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m ruff check gpurouter tests

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The whole test suite on a GPU (kernels for real, NUMBA_ENABLE_CUDASIM=0),
+# in parallel groups of test files: one GPU is shared, and most of a group's
+# time is compiling and tracing on the CPU. One log per group, then each
+# group's summary line; the exit status is non-zero when any group failed.
+#
+#   bash tools/gpu_suite.sh [LOG_DIR]        (default: gpu-logs)
+#   GPU_SUITE_TIMEOUT=540 PYTHON=python3     (seconds per group; interpreter)
+set -u
+cd "$(dirname "$0")/.."
+out=${1:-gpu-logs}
+mkdir -p "$out"
+export NUMBA_ENABLE_CUDASIM=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+py=${PYTHON:-python3}
+limit=${GPU_SUITE_TIMEOUT:-540}
+groups=(
+  "tests/kernels"
+  "tests/test_public.py tests/test_indices_replay.py tests/test_routing_map_format.py"
+  "tests/test_ffi.py tests/test_losses.py tests/test_callback.py tests/test_errors.py tests/test_ffi_abi.py"
+  "tests/test_moe_ops.py tests/test_moe.py tests/test_sharding.py tests/test_partition.py tests/test_multi_gpu.py"
+  "tests/reference tests/test_api.py tests/test_cli.py tests/test_docs.py tests/test_layering.py"
+)
+listed=" ${groups[*]} "
+for f in tests/test_*.py; do  # a new test file must join a group
+  case "$listed" in *" $f "*) ;; *) echo "tools/gpu_suite.sh: $f is in no group" >&2; exit 2 ;; esac
+done
+pids=()
+for i in "${!groups[@]}"; do
+  # shellcheck disable=SC2086  # a group is a list of paths
+  timeout "$limit" "$py" -m pytest -q -p no:cacheprovider ${groups[$i]} >"$out/group$i.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}"
+  rc=$?
+  summary=$(tail -n 1 "$out/group$i.log")
+  [ "$rc" -eq 124 ] && summary="TIMED OUT after ${limit} s (last line: $summary)"
+  [ "$rc" -ne 0 ] && status=1
+  echo "group $i (${groups[$i]}): $summary"
+done
+exit $status
