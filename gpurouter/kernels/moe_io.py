@@ -14,6 +14,15 @@ NaN canonical, as ml_dtypes; fp16: ``cvt.rn``).  These helpers are the MoE
 kernels' own (the router kernels' loaders live in ``topk.py``, which is being
 restructured): a later merge into one device-helper module is a move, not a
 change.
+
+Row units (``row_mode``, ``row_io``, ``cols_io``): the streaming kernels
+move 16 bytes per access where the layout allows it.  A bf16 row with
+``H % 8 == 0`` is cut into units of *eight* columns (mode ``OCT``: the array
+seen as fp32 words, one 16-byte load of four words, each word two bf16);
+otherwise units of four columns as above (``QUAD``: flat, ``GRID``: 2-D).
+A load returns the unit's four raw 32-bit words (fp32 values already, except
+in ``OCT`` mode), kept as loaded until used (half the registers of unpacked
+bf16), and ``unpack`` turns them into the unit's ``row_width`` fp32 values.
 """
 
 from __future__ import annotations
@@ -35,6 +44,16 @@ _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
 _U16 = np.uint32(16)
 _HIGH = np.uint32(0xFFFF0000)
+
+
+def moe_jit(max_registers: int = 0):
+    """``cuda.jit``, with a register cap where one is asked for on a GPU (the
+    simulator's ``jit`` takes none): more resident blocks for a streaming kernel."""
+    from ._launch import simulator_enabled
+
+    if max_registers and not simulator_enabled():
+        return cuda.jit(max_registers=int(max_registers))
+    return cuda.jit
 
 
 def pow2_at_least(n: int) -> int:
@@ -232,3 +251,142 @@ def popc32(x):
     x = np.uint32(np.uint32(x & m2) + np.uint32(np.uint32(x >> np.uint32(2)) & m2))
     x = np.uint32(np.uint32(x + np.uint32(x >> np.uint32(4))) & np.uint32(0x0F0F0F0F))
     return np.int32(np.uint32(np.uint32(x * np.uint32(0x01010101)) >> np.uint32(24)))
+
+
+#: row-unit modes (module docstring): 8 bf16 columns per 16-byte access, 4 columns flat, 4 columns 2-D
+OCT, QUAD, GRID = "oct", "quad", "grid"
+
+
+def row_mode(kind: str, hidden: int) -> str:
+    """The row-unit mode of a ``[., H]`` array of ``kind`` (module docstring)."""
+    if hidden > 0 and hidden % 8 == 0 and kind == L.BF16:
+        return OCT
+    return QUAD if hidden > 0 and hidden % 4 == 0 else GRID
+
+
+def row_width(mode: str) -> int:
+    """Columns per row unit: 8 (``OCT``) or 4."""
+    return 8 if mode == OCT else 4
+
+
+def row_units(mode: str, hidden: int) -> int:
+    """Row units per row (the last one may be partial in ``GRID`` mode)."""
+    w = row_width(mode)
+    return -(-int(hidden) // w)
+
+
+def row_view(kind: str, shape, mode: str) -> Spec | None:
+    """The Spec a row-unit kernel takes for a ``[N, H]`` array of ``kind`` in
+    ``mode`` (None: the 2-D array itself)."""
+    if mode == OCT and kind == L.BF16:  # fp32 words, two bf16 each
+        n = int(np.prod(shape, dtype=np.int64))
+        return Spec((max(n // 2, 1),), np.float32)
+    return None if mode == GRID else flat_view(kind, shape)
+
+
+@cuda.jit(device=True)
+def _unpack_bf16x2(wd, dst, off):
+    bits = np.float32(wd).view(np.uint32)
+    dst[off] = np.uint32(bits << _U16).view(np.float32)
+    dst[off + 1] = np.uint32(bits & _HIGH).view(np.float32)
+
+
+@cuda.jit(device=True)
+def _pack_bf16x2(src, off):
+    return np.uint32(np.uint32(bf16_bits(src[off])) | np.uint32(np.uint32(bf16_bits(src[off + 1])) << _U16)).view(
+        np.float32)
+
+
+@functools.cache
+def row_io(kind: str, mode: str):
+    """``(load(a, i, u, units, h) -> 4 words, unpack(w0, w1, w2, w3, dst, off),
+    store(a, i, u, units, h, src, off))`` on row unit ``u`` of row ``i``
+    (module docstring): ``unpack`` writes the unit's ``row_width(mode)`` fp32
+    values to ``dst[off:]``, ``store`` rounds ``src[off:]`` into the unit."""
+    if mode == OCT:
+        from ._vec import quad_f32
+
+        load_q, store_q = quad_f32()  # one 16-byte access per unit on a GPU (aligned arrays)
+
+        @cuda.jit(device=True)
+        def load(a, i, u, units, h):
+            return load_q(a, np.int64(i) * units + u)
+
+        @cuda.jit(device=True)
+        def unpack(w0, w1, w2, w3, dst, off):
+            _unpack_bf16x2(w0, dst, off)
+            _unpack_bf16x2(w1, dst, off + 2)
+            _unpack_bf16x2(w2, dst, off + 4)
+            _unpack_bf16x2(w3, dst, off + 6)
+
+        @cuda.jit(device=True)
+        def store(a, i, u, units, h, src, off):
+            store_q(a, np.int64(i) * units + u, _pack_bf16x2(src, off), _pack_bf16x2(src, off + 2),
+                    _pack_bf16x2(src, off + 4), _pack_bf16x2(src, off + 6))
+
+        return load, unpack, store
+    load4, store4 = unit_io(kind, mode == QUAD)
+
+    @cuda.jit(device=True)
+    def unpack4(w0, w1, w2, w3, dst, off):
+        dst[off] = w0
+        dst[off + 1] = w1
+        dst[off + 2] = w2
+        dst[off + 3] = w3
+
+    @cuda.jit(device=True)
+    def store(a, i, u, units, h, src, off):
+        store4(a, i, u, units, h, src[off], src[off + 1], src[off + 2], src[off + 3])
+
+    return load4, unpack4, store
+
+
+@functools.cache
+def cols_io(kind: str, mode: str):
+    """``(load(a, i, u, units, h, dst, off), store(a, i, u, units, h, src, off))``:
+    the ``row_width(mode)`` columns of row unit ``u`` (``units`` per row) of a
+    ``[., H]`` array of any ``kind`` (seen as ``row_view(kind, ., mode)``), as fp32
+    values in ``dst[off:]`` / from ``src[off:]``: for arrays that go with a
+    streamed one (biases, fp32 accumulators)."""
+    if mode == OCT and kind == L.BF16:
+        load_w, unpack, store_w = row_io(kind, mode)
+
+        @cuda.jit(device=True)
+        def load_oct(a, i, u, units, h, dst, off):
+            w0, w1, w2, w3 = load_w(a, i, u, units, h)
+            unpack(w0, w1, w2, w3, dst, off)
+
+        return load_oct, store_w
+    load4, store4 = unit_io(kind, mode != GRID)
+    if mode == OCT:  # two quads per unit
+
+        @cuda.jit(device=True)
+        def load(a, i, u, units, h, dst, off):
+            for k in range(2):
+                v0, v1, v2, v3 = load4(a, i, 2 * u + k, 2 * units, h)
+                dst[off + 4 * k] = v0
+                dst[off + 4 * k + 1] = v1
+                dst[off + 4 * k + 2] = v2
+                dst[off + 4 * k + 3] = v3
+
+        @cuda.jit(device=True)
+        def store(a, i, u, units, h, src, off):
+            for k in range(2):
+                o = off + 4 * k
+                store4(a, i, 2 * u + k, 2 * units, h, src[o], src[o + 1], src[o + 2], src[o + 3])
+
+        return load, store
+
+    @cuda.jit(device=True)
+    def load1(a, i, u, units, h, dst, off):
+        v0, v1, v2, v3 = load4(a, i, u, units, h)
+        dst[off] = v0
+        dst[off + 1] = v1
+        dst[off + 2] = v2
+        dst[off + 3] = v3
+
+    @cuda.jit(device=True)
+    def store1(a, i, u, units, h, src, off):
+        store4(a, i, u, units, h, src[off], src[off + 1], src[off + 2], src[off + 3])
+
+    return load1, store1
