@@ -45,19 +45,8 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from . import _launch as L
-from .moe_io import (
-    _ONE,
-    _ZERO,
-    cols_io,
-    moe_jit,
-    popc32,
-    pow2_at_least,
-    row_io,
-    row_mode,
-    row_units,
-    row_width,
-    scalar_io,
-)
+from ._moe_rows import cols_io, lane_sums, row_io, row_mode, row_units, row_width
+from .moe_io import _ONE, _ZERO, moe_jit, popc32, pow2_at_least, scalar_io
 
 OP = "token_combine"
 
@@ -79,7 +68,7 @@ CMB_ZERO_ROWS = 64
 def combine_tiling(hidden: int, kind: str = L.F32):
     """``(lanes, units, mode)``: W lanes per block (a power of two, at most
     ``CMB_THREADS``, no more than the units), row units per row and their mode
-    (``moe_io.row_mode``: 16-byte units of eight bf16 columns where H % 8 == 0)."""
+    (``_moe_rows.row_mode``: 16-byte units of eight bf16 columns where H % 8 == 0)."""
     mode = row_mode(kind, int(hidden))
     units = row_units(mode, hidden)
     return min(CMB_THREADS, pow2_at_least(max(units, 1))), units, mode
@@ -155,7 +144,7 @@ def _combine_fwd_kernel(z_kind, w_kind, mode, has_w, hold, ecap, max_regs=0):
     nwords = ecap // 32
 
     @moe_jit(max_regs)
-    def kernel(
+    def token_combine_fwd_kernel(
         z,  # [R, H] z_kind (row_view)
         rid,  # [T * E] int32 (flat)
         w,  # [T * E] w_kind (flat; placeholder without)
@@ -201,7 +190,7 @@ def _combine_fwd_kernel(z_kind, w_kind, mode, has_w, hold, ecap, max_regs=0):
                 k0 += m
             store_o(out, t, u, units, h, acc, 0)
 
-    return kernel
+    return token_combine_fwd_kernel
 
 
 # Backward (docs/ops/moe_ops.md section 5): out[t] = sum_e w[t, e] z[row(t, e)] is
@@ -219,9 +208,10 @@ def _combine_bwd_kernel(dy_kind, z_kind, w_kind, mode, has_w, hold, ecap, max_la
     raw_words = 4 * hold
     nwords = ecap // 32
     red_words = hold * max_lanes
+    stage, total = lane_sums(hold)
 
     @moe_jit(max_regs)
-    def kernel(
+    def token_combine_bwd_kernel(
         dy,  # [T, H] dy_kind (row_view for z's mode)
         z,  # [R, H] z_kind (row_view)
         rid,  # [T * E] int32 (flat)
@@ -276,37 +266,22 @@ def _combine_bwd_kernel(dy_kind, z_kind, w_kind, mode, has_w, hold, ecap, max_la
                                 p = np.float32(p + np.float32(val[j] * dyv[j]))
                             part[k] = p
             if has_w:
-                for k in range(hold):
-                    red[k * nl + lane] = part[k]
-                # Barrier: the lanes' partial dots are in.
-                cuda.syncthreads()
-                for idx in range(lane, hold * parts, nl):
-                    k = idx // parts
-                    p = idx - k * parts
-                    s = _ZERO
-                    for j in range(p, nl, parts):
-                        s = np.float32(s + red[k * nl + j])
-                    red2[idx] = s
-                # Barrier: the stage-1 sums are in (and ``red`` is free again).
-                cuda.syncthreads()
+                stage(red, red2, part, lane, nl, parts)
                 for k in range(lane, m, nl):
-                    s = _ZERO
-                    for p in range(parts):
-                        s = np.float32(s + red2[k * parts + p])
-                    store_w(d_w, t * e_count + le[k0 + k], s)
+                    store_w(d_w, t * e_count + le[k0 + k], total(red2, k, parts))
             k0 += m
 
-    return kernel
+    return token_combine_bwd_kernel
 
 
 @cuda.jit
-def _clear_kernel(owned, r_count):  # owned [R] int32 := 0 (grid-strided)
+def moe_clear_row_flags_kernel(owned, r_count):  # owned [R] int32 := 0 (grid-strided)
     for i in range(cuda.grid(1), r_count, cuda.gridsize(1)):
         owned[i] = 0
 
 
 @cuda.jit
-def _mark_kernel(rid, owned, pairs, r_count):  # rid [T * E] int32; owned[row] := 1 for each routed pair
+def moe_mark_routed_rows_kernel(rid, owned, pairs, r_count):  # rid [T * E] int32; owned[row] := 1 for each routed pair
     for i in range(cuda.grid(1), pairs, cuda.gridsize(1)):
         v = rid[i]
         if v >= 0 and v < r_count:
@@ -323,7 +298,7 @@ def _zero_rows_kernel(kind, mode, rows_per_block):
     uw = row_width(mode)
 
     @cuda.jit
-    def kernel(d_z, owned, r_count, h, units):  # the units of every row no pair points to := 0
+    def moe_zero_rows_kernel(d_z, owned, r_count, h, units):  # the units of every row no pair points to := 0
         flags = cuda.shared.array(rows_per_block, int32)
         zero = cuda.local.array(uw, float32)
         for j in range(uw):
@@ -339,4 +314,4 @@ def _zero_rows_kernel(kind, mode, rows_per_block):
                 for u in range(lane, units, cuda.blockDim.x):
                     store(d_z, r0 + k, u, units, h, zero, 0)
 
-    return kernel
+    return moe_zero_rows_kernel

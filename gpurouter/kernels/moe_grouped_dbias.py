@@ -11,7 +11,7 @@ Rows no group owns are never loaded (NaN there reaches nothing).
 
 Tiling (``dbias_tiling``; the knobs are the ``DB_*`` constants below): the
 rows are cut into chunks of ``DB_CHUNK_ROWS``, the columns into units of four
-(``moe_io``); block ``(c, cb)`` owns chunk ``c`` and column block ``cb``, lane
+(``_moe_rows``); block ``(c, cb)`` owns chunk ``c`` and column block ``cb``, lane
 ``l`` of its ``W`` lanes the units ``cb W Q + l + k W`` (``k < Q = DB_QUADS``:
 consecutive lanes read consecutive units, every warp load is coalesced).
 A lane walks the chunk's rows in order, ``DB_HOLD_ROWS`` rows at a time (all
@@ -52,19 +52,8 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from . import _launch as L
-from .moe_io import (
-    _ONE,
-    _ZERO,
-    cols_io,
-    moe_jit,
-    pow2_at_least,
-    row_io,
-    row_mode,
-    row_units,
-    row_width,
-    scalar_io,
-    unit_io,
-)
+from ._moe_rows import cols_io, lane_sums, row_io, row_mode, row_units, row_width
+from .moe_io import _ONE, _ZERO, moe_jit, pow2_at_least, scalar_io, unit_io
 
 OP = "compute_grouped_dbias_dscales"
 OP_DBIAS = "compute_grouped_dbias"
@@ -89,7 +78,7 @@ DB_FINAL_THREADS = 256
 
 def dbias_tiling(num_rows: int, hidden: int, dy_kind: str = L.F32):
     """``(lanes, ncb, nchunks, units, mode)``: W lanes per block, column blocks,
-    row chunks, row units per row and their mode (``moe_io.row_mode``).
+    row chunks, row units per row and their mode (``_moe_rows.row_mode``).
     ``ncb = ceil(units / (DB_MAX_LANES Q))``; W the lanes that cover a column
     block (a multiple of 32 above 32, a power of two below)."""
     mode = row_mode(dy_kind, int(hidden))
@@ -135,6 +124,7 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
     acc_words = uw * q
     raw_words = 4 * q * hold
     red_words = hold * max_lanes
+    stage, total = lane_sums(hold)
     cpad = -(-chunk // hold) * hold  # the group list padded to whole batches (-1 past the chunk)
 
     @cuda.jit(device=True)
@@ -181,7 +171,7 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
                 raw[o + 3] = w3
 
     @moe_jit(max_regs)
-    def kernel(
+    def grouped_dbias_rows_kernel(
         dy,  # [N, H] dy_kind (row_view)
         scales,  # [N] s_kind (placeholder without scales)
         bias,  # [G, H] b_kind (row_view; placeholder without scales)
@@ -270,25 +260,11 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
             if r0 + hold < rows:  # the next batch's loads go out before this batch's barriers
                 issue(dy, raw, gid, r0 + hold, rows, cs, ubase, nl, units, h)
             if has_scales:
-                for hr in range(hold):
-                    red[hr * nl + lane] = dots[hr]
-                # Barrier: the lanes' partial dots of the held rows are in.
-                cuda.syncthreads()
-                for idx in range(lane, hold * parts, nl):
-                    hr = idx // parts
-                    p = idx - hr * parts
-                    s = _ZERO
-                    for j in range(p, nl, parts):
-                        s = np.float32(s + red[hr * nl + j])
-                    red2[idx] = s
-                # Barrier: the stage-1 sums are in (and ``red`` is free again).
-                cuda.syncthreads()
+                stage(red, red2, dots, lane, nl, parts)
                 for hr in range(lane, hold, nl):
                     r = r0 + hr
                     if r < rows:
-                        s = _ZERO
-                        for p in range(parts):
-                            s = np.float32(s + red2[hr * parts + p])
+                        s = total(red2, hr, parts)
                         i = cs + r
                         if final_ds:
                             if has_ds_in:
@@ -299,7 +275,7 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
         if cur >= 0:
             flush(acc, val, cur, offsets, n, cs, c, dbias, db_in, part, ubase, nl, units, h)
 
-    return kernel
+    return grouped_dbias_rows_kernel
 
 
 @functools.cache
@@ -309,7 +285,7 @@ def _groups_kernel(quads, has_db_in, chunk, hold):
     held_words = 4 * hold
 
     @cuda.jit
-    def kernel(
+    def grouped_dbias_spanning_groups_kernel(
         part,  # [2 * nchunks, H] fp32 (kernel 1's A and B rows)
         db_in,  # [G, H] fp32 (placeholder without)
         dbias,  # [G, H] fp32, out
@@ -353,7 +329,7 @@ def _groups_kernel(quads, has_db_in, chunk, hold):
             a0, a1, a2, a3 = a0 + b0, a1 + b1, a2 + b2, a3 + b3
         store_f(dbias, gg, u, units, h, a0, a1, a2, a3)
 
-    return kernel
+    return grouped_dbias_spanning_groups_kernel
 
 
 @functools.cache
@@ -361,7 +337,7 @@ def _dscales_kernel(has_ds_in):
     """Kernel 3: ``dscales[i] = sum_cb dsp[cb, i]`` in column-block order (+ the given dscales)."""
 
     @cuda.jit
-    def kernel(dsp, ds_in, dscales, n, ncb):  # dsp [ncb * N], ds_in / dscales [N] fp32
+    def grouped_dscales_column_blocks_kernel(dsp, ds_in, dscales, n, ncb):  # dsp [ncb * N], ds_in / dscales [N] fp32
         i = np.int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
         if i >= n:
             return
@@ -372,4 +348,4 @@ def _dscales_kernel(has_ds_in):
             s = np.float32(s + ds_in[i])
         dscales[i] = s
 
-    return kernel
+    return grouped_dscales_column_blocks_kernel

@@ -20,8 +20,9 @@ import numpy as np
 from . import _launch as L
 from . import moe_combine as C
 from . import moe_grouped_dbias as G
+from ._moe_rows import row_view
 from ._plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
-from .moe_io import pow2_at_least, row_view
+from .moe_io import pow2_at_least
 
 # ----------------------------------------------------------------------------
 # Grouped dbias / dscales
@@ -53,7 +54,7 @@ def grouped_dbias_dscales_plan(dy: Spec, scales: Spec | None, bias: Spec | None,
     tmps = (spec_of((2 * max(nchunks, 1), h), L.F32),
             spec_of(((ncb * n) if has_scales and not final_ds and n else 1,), L.F32))
 
-    def arr(ref, spec, kind):  # the row view of a [., H] array (moe_io.row_view)
+    def arr(ref, spec, kind):  # the row view of a [., H] array (_moe_rows.row_view)
         view = row_view(kind, spec.shape, mode)
         return ref if view is None else type(ref)(ref.role, ref.index, view)
 
@@ -156,7 +157,7 @@ def grouped_dbias(dy, offsets, dbias=None, *, out=None, stream=0):
 
 
 def _rows(ref_fn, i, spec: Spec, mode: str):
-    """``ref_fn(i)`` seen as rows of ``mode`` units (``moe_io.row_view``)."""
+    """``ref_fn(i)`` seen as rows of ``mode`` units (``_moe_rows.row_view``)."""
     view = row_view(spec.kind, spec.shape, mode)
     return ref_fn(i) if view is None else ref_fn(i, view)
 
@@ -221,9 +222,10 @@ def _zero_unreferenced_rows(rows, rid, kind, mode, pairs, r, h, units) -> list:
     ``rid`` points to: a flag per row (``Tmp(0)``) cleared, marked, read."""
     if not (r and units):
         return []
-    steps = [Step(C._clear_kernel, _fill_grid(r), C.CMB_FILL_THREADS, 0, (Tmp(0), r))]
+    steps = [Step(C.moe_clear_row_flags_kernel, _fill_grid(r), C.CMB_FILL_THREADS, 0, (Tmp(0), r))]
     if pairs:
-        steps.append(Step(C._mark_kernel, _fill_grid(pairs), C.CMB_FILL_THREADS, 0, (rid, Tmp(0), pairs, r)))
+        steps.append(Step(C.moe_mark_routed_rows_kernel, _fill_grid(pairs), C.CMB_FILL_THREADS, 0,
+                          (rid, Tmp(0), pairs, r)))
     steps.append(Step(C._zero_rows_kernel(kind, mode, C.CMB_ZERO_ROWS), -(-r // C.CMB_ZERO_ROWS),
                       min(C.CMB_FILL_THREADS, pow2_at_least(units)), 0, (rows, Tmp(0), r, h, units)))
     return steps

@@ -67,6 +67,7 @@ def _tol(dtype, n):
     (6, 40, 8, 0.4, 3, 2, 2),    # two bit words, padding rows, two lanes, batches of 2 rows
     (5, 4, 6, 0.7, None, 1, 3),  # H % 4 != 0, one lane
     (3, 33, 16, 1.0, None, 4, None),  # every expert routed (K = E), four lanes
+    (4, 70, 24, 0.2, 2, 2, 3),   # bf16: 3 units of 8 columns over 2 lanes; E = 70: a 128-expert list
 ])
 def test_fwd_bwd_vs_oracle(lanes, dtype, t, e, h, density, align, nl, hold):
     lanes(nl, hold)
@@ -109,12 +110,13 @@ def test_rows_outside_the_output_are_not_routed_and_results_repeat(lanes):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
-def test_dispatch_row_copy_vs_oracle(lanes, dtype):
+@pytest.mark.parametrize("h", [6, 16])  # 16: bf16 in 16-byte units of eight columns
+def test_dispatch_row_copy_vs_oracle(lanes, dtype, h):
     """``token_dispatch_fwd``: the unweighted combine backward's kernels copying
     each token into its rows; padding rows exactly 0."""
     lanes(2, 2)
     rng = np.random.default_rng(3)
-    t, e, h, align = 7, 35, 6, 4
+    t, e, align = 7, 35, 4
     m = rng.random((t, e)) < 0.3
     x = rng.standard_normal((t, h)).astype(dtype)
     num_out = max(int(m.sum()), 1)
