@@ -63,11 +63,15 @@ DB_QUADS = 1
 #: rows a lane loads at once (Q * hold loads in flight per thread); the next batch's
 #: loads go out before this batch's dscales reduction (its barriers)
 DB_HOLD_ROWS = 8
-#: rows per chunk (a block's rows; a multiple of DB_HOLD_ROWS): larger chunks, fewer partial rows
-DB_CHUNK_ROWS = 128
+#: without scales (``compute_grouped_dbias``: no dots, no barriers): rows per batch and register cap
+#: (fewer loads in flight per thread, more threads: measured faster on an H200)
+DB_HOLD_ROWS_DBIAS = 4
+DB_MAX_REGS_DBIAS = 64
+#: rows per chunk (a block's rows): larger chunks, fewer partial rows
+DB_CHUNK_ROWS = 256
 #: lanes (threads) per block at most; wider rows take several column blocks
 DB_MAX_LANES = 256
-#: kernel 1's register cap (0: the compiler's choice); 64 fits four blocks of 256 lanes per SM
+#: kernel 1's register cap with scales (0: the compiler's choice)
 DB_MAX_REGS = 0
 #: kernel 2 (groups spanning chunks): threads per block, partial rows loaded at once
 DB_GROUP_THREADS = 128

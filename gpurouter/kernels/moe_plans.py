@@ -71,7 +71,8 @@ def grouped_dbias_dscales_plan(dy: Spec, scales: Spec | None, bias: Spec | None,
     if n:
         kern = G._rows_kernel(dy.kind, scales.kind if has_scales else L.F32, bias.kind if has_scales else L.F32,
                               mode, has_scales, dbias is not None, dscales is not None, final_ds,
-                              G.DB_QUADS, G.DB_HOLD_ROWS, G.DB_CHUNK_ROWS, G.DB_MAX_LANES, G.DB_MAX_REGS)
+                              G.DB_QUADS, G.DB_HOLD_ROWS if has_scales else G.DB_HOLD_ROWS_DBIAS, G.DB_CHUNK_ROWS,
+                              G.DB_MAX_LANES, G.DB_MAX_REGS if has_scales else G.DB_MAX_REGS_DBIAS)
         steps.append(Step(kern, nchunks * ncb, lanes, 0,
                           (a_dy, a_s, a_b, In(idx["offsets"]), a_dbi, a_dsi, out_db, a_ds, a_part, Tmp(1),
                            n, h, units, g, ncb)))
@@ -172,7 +173,7 @@ def token_combine_fwd_plan(inp: Spec, row_id_map: Spec, merging_probs: Spec | No
     and, maybe, ``merging_probs [T, E]``; output ``[T, H]`` of inp's kind."""
     r, h = inp.shape
     t, e = row_id_map.shape
-    lanes, units, mode = C.combine_tiling(h, inp.kind)
+    lanes, units, mode, per = C.combine_tiling(h, inp.kind)
     has_w = merging_probs is not None
     outs = (spec_of((t, h), inp.kind),)
     rid = In(1, Spec((max(t * e, 1),), np.int32))
@@ -180,15 +181,16 @@ def token_combine_fwd_plan(inp: Spec, row_id_map: Spec, merging_probs: Spec | No
     steps = []
     if t and units:
         kern = C._combine_fwd_kernel(inp.kind, merging_probs.kind if has_w else L.F32, mode, has_w, C.CMB_HOLD,
-                                     C.expert_cap(e), C.CMB_MAX_REGS)
-        steps.append(Step(kern, t, lanes, 0, (_rows(In, 0, inp, mode), rid, w, _rows(Out, 0, outs[0], mode),
-                                              e, r, h, units)))
+                                     C.expert_cap(e), *C.unit_groups(per), C.CMB_TOKENS, C.CMB_MAX_REGS)
+        steps.append(Step(kern, -(-t // C.CMB_TOKENS), lanes, 0, (_rows(In, 0, inp, mode), rid, w,
+                                                                  _rows(Out, 0, outs[0], mode), e, r, h, units, t)))
     return Plan(C.OP + "_fwd", (inp, row_id_map) + ((merging_probs,) if has_w else ()), outs, (), steps)
 
 
-def _bwd_kernel(grad_kind, inp_kind, w_kind, mode, has_w, e, lanes):
-    return C._combine_bwd_kernel(grad_kind, inp_kind, w_kind, mode, has_w, C.CMB_HOLD, C.expert_cap(e), lanes,
-                                 C.CMB_MAX_REGS)
+def _bwd_step(grad_kind, inp_kind, w_kind, mode, has_w, t, e, lanes, per, args) -> Step:
+    kern = C._combine_bwd_kernel(grad_kind, inp_kind, w_kind, mode, has_w, C.CMB_HOLD, C.expert_cap(e), lanes,
+                                 *C.unit_groups(per), C.CMB_TOKENS, C.CMB_MAX_REGS)
+    return Step(kern, -(-t // C.CMB_TOKENS), lanes, 0, (*args, t))
 
 
 @functools.cache
@@ -199,7 +201,7 @@ def token_combine_bwd_plan(grad: Spec, inp: Spec, row_id_map: Spec, merging_prob
     (their kind); scratch: a flag per row of ``inp``."""
     r, h = inp.shape
     t, e = row_id_map.shape
-    lanes, units, mode = C.combine_tiling(h, inp.kind)
+    lanes, units, mode, per = C.combine_tiling(h, inp.kind)
     has_w = merging_probs is not None
     outs = (spec_of((r, h), inp.kind),) + ((spec_of((t, e), merging_probs.kind),) if has_w else ())
     tmps = (Spec((max(r, 1),), np.int32),)
@@ -210,9 +212,9 @@ def token_combine_bwd_plan(grad: Spec, inp: Spec, row_id_map: Spec, merging_prob
     d_z = _rows(Out, 0, outs[0], mode)
     steps = _zero_unreferenced_rows(d_z, rid, inp.kind, mode, t * e, r, h, units)
     if t and (units or has_w):
-        kern = _bwd_kernel(grad.kind, inp.kind, merging_probs.kind if has_w else L.F32, mode, has_w, e, lanes)
-        steps.append(Step(kern, t, lanes, 0, (_rows(In, 0, grad, mode), _rows(In, 1, inp, mode), rid, w, d_z,
-                                              d_w, e, r, h, units)))
+        steps.append(_bwd_step(grad.kind, inp.kind, merging_probs.kind if has_w else L.F32, mode, has_w, t, e, lanes,
+                               per, (_rows(In, 0, grad, mode), _rows(In, 1, inp, mode), rid, w, d_z, d_w, e, r, h,
+                                     units)))
     ins = (grad, inp, row_id_map) + ((merging_probs,) if has_w else ())
     return Plan(C.OP + "_bwd", ins, outs, tmps, steps)
 
@@ -243,16 +245,16 @@ def token_dispatch_fwd_plan(inp: Spec, row_id_map: Spec, num_rows: int) -> Plan:
     t, h = inp.shape
     e = row_id_map.shape[1]
     r = int(num_rows)
-    lanes, units, mode = C.combine_tiling(h, inp.kind)
+    lanes, units, mode, per = C.combine_tiling(h, inp.kind)
     outs = (spec_of((r, h), inp.kind),)
     tmps = (Spec((max(r, 1),), np.int32),)
     rid = In(1, Spec((max(t * e, 1),), np.int32))
     out = _rows(Out, 0, outs[0], mode)
     steps = _zero_unreferenced_rows(out, rid, inp.kind, mode, t * e, r, h, units)
     if t and units and r:
-        kern = _bwd_kernel(inp.kind, inp.kind, L.F32, mode, False, e, lanes)
         # z and the weights are never read without weights: the output and the map stand in
-        steps.append(Step(kern, t, lanes, 0, (_rows(In, 0, inp, mode), out, rid, rid, out, rid, e, r, h, units)))
+        steps.append(_bwd_step(inp.kind, inp.kind, L.F32, mode, False, t, e, lanes, per,
+                               (_rows(In, 0, inp, mode), out, rid, rid, out, rid, e, r, h, units)))
     return Plan("token_dispatch_fwd", (inp, row_id_map), outs, tmps, steps)
 
 

@@ -22,14 +22,19 @@ BF16 = ml_dtypes.bfloat16
 
 @pytest.fixture
 def lanes(monkeypatch):
-    """At most ``n`` lanes per token and ``hold`` rows per load batch, three rows
-    per block of the zero-row kernel (plans re-made)."""
+    """At most ``n`` lanes per token, ``hold`` rows per load batch, ``tokens`` per
+    block (3: blocks that list the next token while loading one, and a last
+    block with fewer), a lane's units two at a time, three rows per block of the
+    zero-row kernel (plans re-made)."""
 
-    def force(n, hold=None):
+    def force(n, hold=None, tokens=3):
         monkeypatch.setattr(C, "CMB_THREADS", n)
+        monkeypatch.setattr(C, "CMB_TOKENS", tokens)
+        # two units per load group: a lane's 3 units (H = 24) go as a group of 2, then 1
+        monkeypatch.setattr(C, "CMB_LOADS", 2 * (hold or C.CMB_HOLD))
         monkeypatch.setattr(C, "CMB_ZERO_ROWS", 3)
         if hold is not None:
-            monkeypatch.setattr(C, "CMB_HOLD", hold)  # <= the module's: the shared arrays' size
+            monkeypatch.setattr(C, "CMB_HOLD", hold)
         P.token_combine_fwd_plan.cache_clear()
         P.token_combine_bwd_plan.cache_clear()
 
@@ -67,7 +72,8 @@ def _tol(dtype, n):
     (6, 40, 8, 0.4, 3, 2, 2),    # two bit words, padding rows, two lanes, batches of 2 rows
     (5, 4, 6, 0.7, None, 1, 3),  # H % 4 != 0, one lane
     (3, 33, 16, 1.0, None, 4, None),  # every expert routed (K = E), four lanes
-    (4, 70, 24, 0.2, 2, 2, 3),   # bf16: 3 units of 8 columns over 2 lanes; E = 70: a 128-expert list
+    (4, 70, 24, 0.2, 2, 2, 3),   # 3 units per lane (fp32, fp16) in groups of 2 and 1; bf16: 3 units of 8
+                                 # columns over 2 lanes; E = 70: a 128-expert list
 ])
 def test_fwd_bwd_vs_oracle(lanes, dtype, t, e, h, density, align, nl, hold):
     lanes(nl, hold)
@@ -135,9 +141,11 @@ def test_plan_layout():
 
     z, rid, w = spec_for((65536, 2048), np.uint16), spec_for((8192, 128), np.int32), spec_for((8192, 128), np.float32)
     fwd = K.token_combine_fwd_plan(z, rid, w)
-    assert [(st.grid, st.block) for st in fwd.steps] == [(8192, 256)]  # a block per token, two units per lane
+    blocks = -(-8192 // C.CMB_TOKENS)  # CMB_TOKENS tokens per block; 256 units of 16 bytes, one per lane
+    assert [(st.grid, st.block) for st in fwd.steps] == [(blocks, 256)]
     bwd = K.token_combine_bwd_plan(spec_for((8192, 2048), np.uint16), z, rid, w)
-    assert len(bwd.steps) == 4 and (bwd.steps[-1].grid, bwd.steps[-1].block) == (8192, 256)
+    assert len(bwd.steps) == 4 and (bwd.steps[-1].grid, bwd.steps[-1].block) == (blocks, 256)
+    assert C.combine_tiling(7168, "bf16") == (224, 896, "oct", 4)  # DeepSeek-V3's H: 4 units per lane
     assert bwd.tmps[0].shape == (65536,)  # a flag per row of inp
 
 

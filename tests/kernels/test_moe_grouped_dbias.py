@@ -132,12 +132,13 @@ def test_plan_layout():
     dy = spec_for((65536, 2048), np.uint16)
     plan = K.grouped_dbias_dscales_plan(dy, spec_for((65536,), np.float32), spec_for((128, 2048), np.float32),
                                         spec_for((129,), np.int32))
-    assert [st.grid for st in plan.steps] == [512, 128 * 4]  # 512 chunks of 128 rows; 4 blocks per group
-    assert plan.steps[0].block == 256  # 512 units of four columns, two per lane
-    assert plan.tmps[0].shape == (1024, 2048)  # two partial rows per chunk
+    chunks = 65536 // M.DB_CHUNK_ROWS
+    assert [st.grid for st in plan.steps] == [chunks, 128 * 4]  # 4 blocks of kernel 2 per group
+    assert plan.steps[0].block == 256  # 256 units of eight bf16 columns (16 bytes), one per lane
+    assert plan.tmps[0].shape == (2 * chunks, 2048)  # two partial rows per chunk
     wide = K.grouped_dbias_dscales_plan(spec_for((32768, 7168), np.uint16), spec_for((32768,), np.float32),
                                         spec_for((256, 7168), np.float32), spec_for((257,), np.int32))
-    assert wide.steps[0].grid == 256 * 4 and wide.steps[0].block == 224  # 4 column blocks of 224 lanes
+    assert wide.steps[0].grid == (32768 // M.DB_CHUNK_ROWS) * 4 and wide.steps[0].block == 224  # 4 column blocks
     assert len(wide.steps) == 3  # + the dscales of the column blocks summed in order
 
 
