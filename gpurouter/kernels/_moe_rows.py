@@ -1,5 +1,5 @@
-"""Row units of the token-level MoE streaming kernels, the lanes' fixed-order
-sums of their row dots, and the ascending list of a token's routed experts.
+"""Row units of the token-level MoE streaming kernels, and the lanes'
+fixed-order sums of their row dots.
 
 Row units (``row_mode``, ``row_io``, ``cols_io``): the kernels move 16 bytes
 per access where the layout allows it.  A bf16 row with ``H % 8 == 0`` is cut
@@ -24,7 +24,7 @@ from numba import cuda
 
 from . import _launch as L
 from ._plan import Spec
-from .moe_io import _HIGH, _ONE, _U16, _ZERO, bf16_bits, flat_view, popc32, scalar_io, unit_io
+from .moe_io import _HIGH, _U16, _ZERO, bf16_bits, flat_view, unit_io
 
 #: row-unit modes (module docstring): 8 bf16 columns per 16-byte access, 4 columns flat, 4 columns 2-D
 OCT, QUAD, GRID = "oct", "quad", "grid"
@@ -200,59 +200,3 @@ def lane_sums(hold: int):
         return s
 
     return lane_sums_stage, lane_sums_total
-
-
-@functools.cache
-def token_lister(w_kind: str, has_w: bool, zero_dw: bool):
-    """Device function ``list_routed(rid, w, d_w, t, e_count, r_count, frow, fw, words,
-    lrow, le, lw, off, lane, nl) -> count``: token ``t``'s routed experts in
-    ascending order into the shared ``lrow`` (rows), ``le`` (experts) and ``lw``
-    (weights) from index ``off`` (one of two buffers); ``zero_dw``: ``d_w[t, e]
-    = 0`` for the others.  The map and the weights are read in one pass
-    (independent loads) into ``frow`` / ``fw``.  Every thread of the block
-    calls it (it holds three barriers)."""
-    load_w, store_w = scalar_io(w_kind)
-
-    @cuda.jit(device=True)
-    def list_routed(rid, w, d_w, t, e_count, r_count, frow, fw, words, lrow, le, lw, off, lane, nl):
-        base = np.int64(t) * e_count
-        for e in range(lane, e_count, nl):
-            v = rid[base + e]
-            if has_w:
-                fw[e] = load_w(w, base + e)
-            ok = v >= 0 and v < r_count
-            frow[e] = v if ok else np.int32(-1)
-            if zero_dw and not ok:
-                store_w(d_w, base + e, _ZERO)
-        # Barrier: the map's row and weights are in (and the last list's readers are done).
-        cuda.syncthreads()
-        nw = (e_count + 31) // 32
-        for wi in range(lane, nw, nl):
-            m = np.uint32(0)
-            for b in range(32):
-                e = wi * 32 + b
-                if e < e_count:
-                    if frow[e] >= 0:
-                        m = np.uint32(m | np.uint32(np.uint32(1) << np.uint32(b)))
-            words[wi] = m
-        # Barrier: the words are in.
-        cuda.syncthreads()
-        for e in range(lane, e_count, nl):
-            v = frow[e]
-            if v >= 0:
-                wi = e // 32
-                below = np.uint32(np.uint32(np.uint32(1) << np.uint32(e - wi * 32)) - np.uint32(1))
-                rank = popc32(np.uint32(words[wi] & below))
-                for j in range(wi):
-                    rank += popc32(words[j])
-                lrow[off + rank] = v
-                le[off + rank] = e
-                lw[off + rank] = fw[e] if has_w else _ONE
-        count = np.int32(0)
-        for j in range(nw):
-            count += popc32(words[j])
-        # Barrier: the list is in.
-        cuda.syncthreads()
-        return count
-
-    return list_routed

@@ -9,22 +9,20 @@ merging_probs [T, E]`` (all ones without)::
     d_z[row(t, e)] = w[t, e] dy[t]         (every row no pair points to: exactly 0)
     d_w[t, e]      = sum_h z[row(t, e), h] dy[t, h]  if routed, else 0
 
-Tiling (``combine_tiling``): a block per ``CMB_TOKENS`` tokens, taken in
-turn, its W lanes over the row units (16 bytes: eight bf16 columns,
-``_moe_rows``) of the hidden row, lane ``l`` units ``l, l + W, ...``.  A
-token's routed experts are listed in ascending order in shared memory
-(``_moe_rows.token_lister``: a flag per expert, the flags packed into 32-bit words, each
-routed expert's rank the set bits before it: three barriers, no scan), with
-their rows and weights, into one of two lists: the loads of a token's first
-``CMB_HOLD`` rows (all the lane's units) go out, then the next token is
-listed into the other list while they are in flight; then
+Tiling (``combine_tiling``): one block per token, its W lanes over the
+row units (16 bytes: eight bf16 columns where H % 8 == 0, ``_moe_rows``) of
+the hidden row, lane ``l`` units ``l, l + W, ...`` (``CMB_LANE_UNITS`` or
+more each: fewer lanes per token, more tokens per SM).  First the token's routed experts are listed in
+ascending order in shared memory (``_lister``: a flag per expert, the flags
+packed into 32-bit words, each routed expert's rank the set bits before it:
+three barriers, no scan), with their rows and weights; then
 
-- forward: the listed rows ``CMB_HOLD`` at a time, summed in list order, one
-  store per unit;
-- backward: per ``CMB_HOLD`` listed rows, each lane has ``dy[t]``'s units and
+- forward: per unit, the listed rows ``CMB_HOLD`` at a time (their loads
+  issued before any is used), summed in list order, one store;
+- backward: per ``CMB_HOLD`` listed rows, each lane loads ``dy[t]``'s unit and
   the rows' units, stores ``w dy`` into their ``d_z`` rows and keeps a partial
   dot per row; the lanes' partials are summed in shared memory in a fixed
-  two-stage order (``moe_grouped_dbias``'s), written as ``d_w``.  The
+  two-stage order (``_moe_rows.lane_sums``), written as ``d_w``.  The
   experts the token is not routed to get ``d_w = 0`` while listing: ``d_z``
   and ``d_w`` come out of one pass over ``dy`` and the routed rows of ``z``.
 
@@ -48,19 +46,18 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from . import _launch as L
-from ._moe_rows import OCT, cols_io, lane_sums, row_io, row_mode, row_units, row_width, token_lister
-from .moe_io import _ZERO, moe_jit, pow2_at_least, scalar_io
+from ._moe_rows import cols_io, lane_sums, row_io, row_mode, row_units, row_width
+from .moe_io import _ONE, _ZERO, moe_jit, popc32, pow2_at_least, scalar_io
 
 OP = "token_combine"
 
-#: lanes (threads) per block at most (H = 2048 bf16: 256 row units of 16 bytes)
+#: lanes (threads) per block at most (H = 2048 bf16: 256 row units of 16 bytes, one per lane)
 CMB_THREADS = 256
+#: units per lane at least (a lane's units are taken in turn: more units per lane, fewer
+#: lanes per token, more tokens per SM, whose listing phases overlap: faster on an H200)
+CMB_LANE_UNITS = 2
 #: listed rows whose loads a lane issues at once (forward and backward)
 CMB_HOLD = 8
-#: loads in flight per lane at most (rows x units): a lane with more units takes them in groups
-CMB_LOADS = 16
-#: tokens per block, in turn: a token's first row loads go out before the next token is listed
-CMB_TOKENS = 4
 #: experts per token at most: the shared list holds every routed expert
 CMB_MAX_EXPERTS = 1024
 #: register cap of the token kernels (0: the compiler's choice): more resident blocks
@@ -73,24 +70,18 @@ CMB_ZERO_ROWS = 64
 
 
 def combine_tiling(hidden: int, kind: str = L.F32):
-    """``(lanes, units, mode, per)``: W lanes per block (at most ``CMB_THREADS``,
-    as few as give each lane the same number of units: a power of two up to
-    32, else a multiple of 32), row units per row, their mode
-    (``_moe_rows.row_mode``: 16-byte units of eight bf16 columns where
-    H % 8 == 0) and the units per lane, ``ceil(units / W)``."""
+    """``(lanes, units, mode)``: W lanes per block (``CMB_LANE_UNITS`` units per
+    lane where ``CMB_THREADS`` lanes allow it, else more; as few lanes as give
+    each the same count: a power of two up to 32, else a multiple of 32), row
+    units per row and their mode
+    (``_moe_rows.row_mode``: 16-byte units of eight bf16 columns where H % 8 == 0)."""
     mode = row_mode(kind, int(hidden))
     units = row_units(mode, hidden)
-    per = max(1, -(-units // CMB_THREADS))  # units per lane: every lane the same count (or one less)
+    want = max(1, -(-units // CMB_LANE_UNITS))  # lanes for CMB_LANE_UNITS units each
+    per = max(1, -(-units // min(CMB_THREADS, want)))  # units per lane: every lane the same count (or one less)
     need = max(1, -(-units // per))
-    lanes = min(CMB_THREADS, pow2_at_least(need) if need <= 32 else -(-need // 32) * 32)
-    return lanes, units, mode, max(1, -(-units // lanes))
-
-
-def unit_groups(per: int) -> tuple[int, int]:
-    """``(group, groups)``: a lane's ``per`` units taken ``group`` at a time
-    (``CMB_HOLD`` rows each: at most ``CMB_LOADS`` loads in flight)."""
-    group = max(1, min(per, CMB_LOADS // max(CMB_HOLD, 1)))
-    return group, -(-per // group)
+    lanes = pow2_at_least(need) if need <= 32 else -(-need // 32) * 32
+    return min(CMB_THREADS, lanes), units, mode
 
 
 def expert_cap(num_experts: int) -> int:
@@ -100,48 +91,67 @@ def expert_cap(num_experts: int) -> int:
 
 
 @functools.cache
-def _row_loader(kind, mode, hold, per):
-    """``issue(a, lrow, off, k0, m, raw, ubase, nl, units, h)``: the raw words of
-    listed rows ``k0 .. k0 + m - 1`` (m <= hold) at the ``per`` units ``ubase +
-    p nl``, every load issued before any is used (the rest: 0)."""
-    load = row_io(kind, mode)[0]
+def _lister(w_kind: str, has_w: bool, zero_dw: bool):
+    """Device function ``list_routed(rid, w, d_w, t, e_count, r_count, frow, fw, words,
+    lrow, le, lw, lane, nl) -> count``: token ``t``'s routed experts in
+    ascending order into the shared ``lrow`` (rows), ``le`` (experts) and ``lw``
+    (weights); ``zero_dw``: ``d_w[t, e] = 0`` for the others.  The map and the
+    weights are read in one pass (independent loads) into ``frow`` / ``fw``.
+    Every thread of the block calls it (it holds three barriers)."""
+    load_w, store_w = scalar_io(w_kind)
 
     @cuda.jit(device=True)
-    def issue_listed_rows(a, lrow, off, k0, m, raw, ubase, nl, units, h):
-        for p in range(per):
-            u = ubase + p * nl
-            for k in range(hold):
-                w0 = w1 = w2 = w3 = _ZERO
-                if k < m and u < units:
-                    w0, w1, w2, w3 = load(a, lrow[off + k0 + k], u, units, h)
-                o = 4 * (p * hold + k)
-                raw[o] = w0
-                raw[o + 1] = w1
-                raw[o + 2] = w2
-                raw[o + 3] = w3
+    def list_routed(rid, w, d_w, t, e_count, r_count, frow, fw, words, lrow, le, lw, lane, nl):
+        base = np.int64(t) * e_count
+        for e in range(lane, e_count, nl):
+            v = rid[base + e]
+            if has_w:
+                fw[e] = load_w(w, base + e)
+            ok = v >= 0 and v < r_count
+            frow[e] = v if ok else np.int32(-1)
+            if zero_dw and not ok:
+                store_w(d_w, base + e, _ZERO)
+        # Barrier: the map's row and weights are in.
+        cuda.syncthreads()
+        nw = (e_count + 31) // 32
+        for wi in range(lane, nw, nl):
+            m = np.uint32(0)
+            for b in range(32):
+                e = wi * 32 + b
+                if e < e_count:
+                    if frow[e] >= 0:
+                        m = np.uint32(m | np.uint32(np.uint32(1) << np.uint32(b)))
+            words[wi] = m
+        # Barrier: the words are in.
+        cuda.syncthreads()
+        for e in range(lane, e_count, nl):
+            v = frow[e]
+            if v >= 0:
+                wi = e // 32
+                below = np.uint32(np.uint32(np.uint32(1) << np.uint32(e - wi * 32)) - np.uint32(1))
+                rank = popc32(np.uint32(words[wi] & below))
+                for j in range(wi):
+                    rank += popc32(words[j])
+                lrow[rank] = v
+                le[rank] = e
+                lw[rank] = fw[e] if has_w else _ONE
+        count = np.int32(0)
+        for j in range(nw):
+            count += popc32(words[j])
+        # Barrier: the list is in.
+        cuda.syncthreads()
+        return count
 
-    return issue_listed_rows
-
-
-@cuda.jit(device=True)
-def _no_words(a, i, u, units, h):  # stands in for a raw loader the kernel never calls
-    return _ZERO, _ZERO, _ZERO, _ZERO
-
-
-@cuda.jit(device=True)
-def _no_unpack(w0, w1, w2, w3, dst, off):
-    pass
+    return list_routed
 
 
 @functools.cache
-def _combine_fwd_kernel(z_kind, w_kind, mode, has_w, hold, ecap, per, groups, tpb, max_regs=0):
-    unpack, store_o = row_io(z_kind, mode)[1:]
-    issue = _row_loader(z_kind, mode, hold, per)
-    list_routed = token_lister(w_kind, has_w, False)
+def _combine_fwd_kernel(z_kind, w_kind, mode, has_w, hold, ecap, max_regs=0):
+    load_z, unpack, store_o = row_io(z_kind, mode)
+    list_routed = _lister(w_kind, has_w, False)
     uw = row_width(mode)
+    raw_words = 4 * hold
     nwords = ecap // 32
-    lists = 2 * ecap  # two lists: this token's and the next one's
-    raw_words, unit_words = 4 * hold * per, uw * per
 
     @moe_jit(max_regs)
     def token_combine_fwd_kernel(
@@ -149,58 +159,46 @@ def _combine_fwd_kernel(z_kind, w_kind, mode, has_w, hold, ecap, per, groups, tp
         rid,  # [T * E] int32 (flat)
         w,  # [T * E] w_kind (flat; placeholder without)
         out,  # [T, H] z_kind, out (row_view)
-        e_count, r_count, h, units, t_count,
+        e_count, r_count, h, units,
     ):
         frow = cuda.shared.array(ecap, int32)
         fw = cuda.shared.array(ecap, float32)
         words = cuda.shared.array(nwords, uint32)
-        lrow = cuda.shared.array(lists, int32)  # two lists: this token's and the next one's
-        le = cuda.shared.array(lists, int32)
-        lw = cuda.shared.array(lists, float32)
+        lrow = cuda.shared.array(ecap, int32)
+        le = cuda.shared.array(ecap, int32)
+        lw = cuda.shared.array(ecap, float32)
         raw = cuda.local.array(raw_words, float32)
         val = cuda.local.array(uw, float32)
-        acc = cuda.local.array(unit_words, float32)
+        acc = cuda.local.array(uw, float32)
         lane = np.int32(cuda.threadIdx.x)
         nl = np.int32(cuda.blockDim.x)
-        t0 = np.int64(cuda.blockIdx.x) * tpb
-        t1 = min(t0 + tpb, t_count)
-        cnt = list_routed(rid, w, w, t0, e_count, r_count, frow, fw, words, lrow, le, lw, 0, lane, nl)
-        off = np.int32(0)
-        for t in range(t0, t1):
-            issue(z, lrow, off, 0, min(np.int32(hold), cnt), raw, lane, nl, units, h)
-            nxt = np.int32(0)
-            if t + 1 < t1:  # the next token listed while this one's first rows are in flight
-                nxt = list_routed(rid, w, w, t + 1, e_count, r_count, frow, fw, words, lrow, le, lw,
-                                  ecap - off, lane, nl)
-            for gi in range(groups):
-                ubase = lane + gi * per * nl
-                for j in range(uw * per):
-                    acc[j] = _ZERO
-                k0 = np.int32(0)
-                m = min(np.int32(hold), cnt)
-                if gi > 0:
-                    issue(z, lrow, off, k0, m, raw, ubase, nl, units, h)
-                while True:
-                    for p in range(per):  # the sums in list order
-                        for k in range(hold):
-                            if k < m:
-                                o = 4 * (p * hold + k)
-                                unpack(raw[o], raw[o + 1], raw[o + 2], raw[o + 3], val, 0)
-                                c = lw[off + k0 + k]
-                                for j in range(uw):
-                                    x = np.float32(c * val[j]) if has_w else val[j]
-                                    acc[p * uw + j] = np.float32(acc[p * uw + j] + x)
-                    k0 += m
-                    if k0 >= cnt:
-                        break
-                    m = min(np.int32(hold), cnt - k0)
-                    issue(z, lrow, off, k0, m, raw, ubase, nl, units, h)
-                for p in range(per):
-                    u = ubase + p * nl
-                    if u < units:
-                        store_o(out, t, u, units, h, acc, p * uw)
-            off = ecap - off
-            cnt = nxt
+        t = np.int64(cuda.blockIdx.x)
+        cnt = list_routed(rid, w, w, t, e_count, r_count, frow, fw, words, lrow, le, lw, lane, nl)
+        for u in range(lane, units, nl):
+            for j in range(uw):
+                acc[j] = _ZERO
+            k0 = np.int32(0)
+            while k0 < cnt:
+                m = min(np.int32(hold), cnt - k0)
+                for k in range(hold):  # the loads first, then the sums in list order
+                    w0 = w1 = w2 = w3 = _ZERO
+                    if k < m:
+                        w0, w1, w2, w3 = load_z(z, lrow[k0 + k], u, units, h)
+                    raw[4 * k] = w0
+                    raw[4 * k + 1] = w1
+                    raw[4 * k + 2] = w2
+                    raw[4 * k + 3] = w3
+                for k in range(hold):
+                    if k < m:
+                        unpack(raw[4 * k], raw[4 * k + 1], raw[4 * k + 2], raw[4 * k + 3], val, 0)
+                        c = lw[k0 + k]
+                        for j in range(uw):
+                            if has_w:
+                                acc[j] = np.float32(acc[j] + np.float32(c * val[j]))
+                            else:
+                                acc[j] = np.float32(acc[j] + val[j])
+                k0 += m
+            store_o(out, t, u, units, h, acc, 0)
 
     return token_combine_fwd_kernel
 
@@ -211,39 +209,16 @@ def _combine_fwd_kernel(z_kind, w_kind, mode, has_w, hold, ecap, per, groups, tp
 #   d w[t, e]      = <z[row(t, e)], dy[t]>
 # and rows no pair points to get no cotangent (0).
 @functools.cache
-def _combine_bwd_kernel(dy_kind, z_kind, w_kind, mode, has_w, hold, ecap, max_lanes, per, groups, tpb,
-                        max_regs=0):
-    dy_raw = dy_kind == z_kind or mode != OCT  # else: dy's units are two fp32/fp16 quads, read as values
-    load_dy, unpack_dy = row_io(dy_kind, mode)[:2] if dy_raw else (_no_words, _no_unpack)
-    load_dyv = cols_io(dy_kind, mode)[0]
-    unpack, store_dz = row_io(z_kind, mode)[1:]
-    issue = _row_loader(z_kind, mode, hold, per)
+def _combine_bwd_kernel(dy_kind, z_kind, w_kind, mode, has_w, hold, ecap, max_lanes, max_regs=0):
+    load_dy = cols_io(dy_kind, mode)[0]
+    load_z, unpack, store_dz = row_io(z_kind, mode)
     store_w = scalar_io(w_kind)[1]
-    list_routed = token_lister(w_kind, has_w, has_w)
-    stage, total = lane_sums(hold)
+    list_routed = _lister(w_kind, has_w, has_w)
     uw = row_width(mode)
+    raw_words = 4 * hold
     nwords = ecap // 32
-    lists = 2 * ecap  # two lists: this token's and the next one's
-    raw_words, unit_words, draw_words = 4 * hold * per, uw * per, 4 * per
     red_words = hold * max_lanes
-
-    @cuda.jit(device=True)
-    def issue_group(dy, z, lrow, off, k0, m, draw, dyv, raw, t, ubase, nl, units, h, cnt):
-        """dy[t]'s units ``ubase + p nl`` (raw words) and the listed rows' ones: all in flight at once."""
-        for p in range(per):
-            u = ubase + p * nl
-            w0 = w1 = w2 = w3 = _ZERO
-            if u < units and cnt > 0:
-                if dy_raw:
-                    w0, w1, w2, w3 = load_dy(dy, t, u, units, h)
-                else:
-                    load_dyv(dy, t, u, units, h, dyv, p * uw)
-            draw[4 * p] = w0
-            draw[4 * p + 1] = w1
-            draw[4 * p + 2] = w2
-            draw[4 * p + 3] = w3
-        if has_w:
-            issue(z, lrow, off, k0, m, raw, ubase, nl, units, h)
+    stage, total = lane_sums(hold)
 
     @moe_jit(max_regs)
     def token_combine_bwd_kernel(
@@ -253,70 +228,58 @@ def _combine_bwd_kernel(dy_kind, z_kind, w_kind, mode, has_w, hold, ecap, max_la
         w,  # [T * E] w_kind (flat; placeholder without)
         d_z,  # [R, H] z_kind, out (row_view)
         d_w,  # [T * E] w_kind, out (flat; placeholder without)
-        e_count, r_count, h, units, t_count,
+        e_count, r_count, h, units,
     ):
         frow = cuda.shared.array(ecap, int32)
         fw = cuda.shared.array(ecap, float32)
         words = cuda.shared.array(nwords, uint32)
-        lrow = cuda.shared.array(lists, int32)  # two lists: this token's and the next one's
-        le = cuda.shared.array(lists, int32)
-        lw = cuda.shared.array(lists, float32)
+        lrow = cuda.shared.array(ecap, int32)
+        le = cuda.shared.array(ecap, int32)
+        lw = cuda.shared.array(ecap, float32)
         red = cuda.shared.array(red_words, float32)  # [hold, W] lane partial dots
         red2 = cuda.shared.array(red_words, float32)  # [hold, P] stage-1 sums
         raw = cuda.local.array(raw_words, float32)
-        draw = cuda.local.array(draw_words, float32)
-        dyv = cuda.local.array(unit_words, float32)
+        dyv = cuda.local.array(uw, float32)
         val = cuda.local.array(uw, float32)
         part = cuda.local.array(hold, float32)
         lane = np.int32(cuda.threadIdx.x)
         nl = np.int32(cuda.blockDim.x)
+        t = np.int64(cuda.blockIdx.x)
+        cnt = list_routed(rid, w, d_w, t, e_count, r_count, frow, fw, words, lrow, le, lw, lane, nl)
         parts = max(np.int32(1), np.int32(nl // hold))
-        t0 = np.int64(cuda.blockIdx.x) * tpb
-        t1 = min(t0 + tpb, t_count)
-        cnt = list_routed(rid, w, d_w, t0, e_count, r_count, frow, fw, words, lrow, le, lw, 0, lane, nl)
-        off = np.int32(0)
-        for t in range(t0, t1):
-            k0 = np.int32(0)
-            m = min(np.int32(hold), cnt)
-            issue_group(dy, z, lrow, off, k0, m, draw, dyv, raw, t, lane, nl, units, h, cnt)
-            nxt = np.int32(0)
-            if t + 1 < t1:  # the next token listed while this one's first rows are in flight
-                nxt = list_routed(rid, w, d_w, t + 1, e_count, r_count, frow, fw, words, lrow, le, lw,
-                                  ecap - off, lane, nl)
-            while k0 < cnt:  # the same count in every thread: the barriers below are uniform
-                for k in range(hold):
-                    part[k] = _ZERO
-                for gi in range(groups):
-                    ubase = lane + gi * per * nl
-                    if k0 > 0 or gi > 0:
-                        issue_group(dy, z, lrow, off, k0, m, draw, dyv, raw, t, ubase, nl, units, h, cnt)
-                    if dy_raw:
-                        for p in range(per):
-                            unpack_dy(draw[4 * p], draw[4 * p + 1], draw[4 * p + 2], draw[4 * p + 3], dyv, p * uw)
-                    for p in range(per):
-                        u = ubase + p * nl
-                        if u < units:
-                            for k in range(hold):
-                                if k < m:
-                                    c = lw[off + k0 + k]
-                                    for j in range(uw):
-                                        val[j] = np.float32(c * dyv[p * uw + j])
-                                    store_dz(d_z, lrow[off + k0 + k], u, units, h, val, 0)
-                                    if has_w:
-                                        o = 4 * (p * hold + k)
-                                        unpack(raw[o], raw[o + 1], raw[o + 2], raw[o + 3], val, 0)
-                                        s = part[k]
-                                        for j in range(uw):
-                                            s = np.float32(s + np.float32(val[j] * dyv[p * uw + j]))
-                                        part[k] = s
+        k0 = np.int32(0)
+        while k0 < cnt:  # the same count in every thread: the barriers below are uniform
+            m = min(np.int32(hold), cnt - k0)
+            for k in range(hold):
+                part[k] = _ZERO
+            for u in range(lane, units, nl):
                 if has_w:
-                    stage(red, red2, part, lane, nl, parts)
-                    for k in range(lane, m, nl):
-                        store_w(d_w, t * e_count + le[off + k0 + k], total(red2, k, parts))
-                k0 += m
-                m = min(np.int32(hold), cnt - k0)
-            off = ecap - off
-            cnt = nxt
+                    for k in range(hold):  # the rows' loads first
+                        w0 = w1 = w2 = w3 = _ZERO
+                        if k < m:
+                            w0, w1, w2, w3 = load_z(z, lrow[k0 + k], u, units, h)
+                        raw[4 * k] = w0
+                        raw[4 * k + 1] = w1
+                        raw[4 * k + 2] = w2
+                        raw[4 * k + 3] = w3
+                load_dy(dy, t, u, units, h, dyv, 0)
+                for k in range(hold):
+                    if k < m:
+                        c = lw[k0 + k]
+                        for j in range(uw):
+                            val[j] = np.float32(c * dyv[j])
+                        store_dz(d_z, lrow[k0 + k], u, units, h, val, 0)
+                        if has_w:
+                            unpack(raw[4 * k], raw[4 * k + 1], raw[4 * k + 2], raw[4 * k + 3], val, 0)
+                            p = part[k]
+                            for j in range(uw):
+                                p = np.float32(p + np.float32(val[j] * dyv[j]))
+                            part[k] = p
+            if has_w:
+                stage(red, red2, part, lane, nl, parts)
+                for k in range(lane, m, nl):
+                    store_w(d_w, t * e_count + le[k0 + k], total(red2, k, parts))
+            k0 += m
 
     return token_combine_bwd_kernel
 

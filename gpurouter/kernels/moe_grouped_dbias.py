@@ -10,14 +10,17 @@ Row ``i`` belongs to group ``g`` iff ``offsets[g] <= i < offsets[g + 1]``
 Rows no group owns are never loaded (NaN there reaches nothing).
 
 Tiling (``dbias_tiling``; the knobs are the ``DB_*`` constants below): the
-rows are cut into chunks of ``DB_CHUNK_ROWS``, the columns into units of four
-(``_moe_rows``); block ``(c, cb)`` owns chunk ``c`` and column block ``cb``, lane
+rows are cut into chunks of ``DB_CHUNK_ROWS``, the columns into row units
+(``_moe_rows``: 16 bytes, eight bf16 columns, where H % 8 == 0; else four
+columns); block ``(c, cb)`` owns chunk ``c`` and column block ``cb``, lane
 ``l`` of its ``W`` lanes the units ``cb W Q + l + k W`` (``k < Q = DB_QUADS``:
 consecutive lanes read consecutive units, every warp load is coalesced).
 A lane walks the chunk's rows in order, ``DB_HOLD_ROWS`` rows at a time (all
 their loads issued before any is used: ``Q * DB_HOLD_ROWS`` loads in flight per
-thread), keeps ``s[i] dy[i]`` summed in fp32 registers for the current group
-and flushes the sum when the group changes:
+thread, kept as raw words in registers; the next batch's loads go out before
+this batch's dscales barriers), takes the held rows in runs of one group,
+keeps ``s[i] dy[i]`` summed in fp32 registers for the current group and
+flushes the sum when the group changes:
 
 - a group that lies inside the chunk: straight into ``dbias[g]``;
 - the chunk's first group, begun in an earlier chunk: into ``part[2c]`` (A);
@@ -26,13 +29,15 @@ and flushes the sum when the group changes:
 Kernel 2 (one block per group and column block) writes every group that spans
 chunks ``c0 < c1``: ``B[c0] + A[c0 + 1] + ... + A[c1]``, in chunk order, and
 the empty groups (0, or the given dbias).  ``part`` is a plan scratch array
-(two fp32 rows per chunk: ~3% of a bf16 ``dy``'s bytes at 128 rows).
+(two fp32 rows per chunk: ~1.6% of a bf16 ``dy``'s bytes at 256 rows).
+Without scales (no dots, no barriers) the kernel has its own batch, chunk and
+register cap (``rows_knobs``): more threads with fewer loads each ran faster.
 
 ``dscales``: each lane's partial dot over its units (fixed order), then per
 held row a two-stage sum over the lanes in shared memory (``P = W / hold``
 lanes per row sum strided lanes, one lane sums the P partials; two barriers
-per ``DB_HOLD_ROWS`` rows).  With one column block that is ``dscales``;
-with several (H > 4 Q DB_MAX_LANES) each writes a partial row ``dsp[cb]``
+per ``DB_HOLD_ROWS`` rows, ``_moe_rows.lane_sums``).  With one column block
+that is ``dscales``; with several (more units than Q DB_MAX_LANES) each writes a partial row ``dsp[cb]``
 and kernel 3 sums them in column-block order.  Every order is fixed by the
 shapes: the results are bit-identical run to run.
 
@@ -63,12 +68,13 @@ DB_QUADS = 1
 #: rows a lane loads at once (Q * hold loads in flight per thread); the next batch's
 #: loads go out before this batch's dscales reduction (its barriers)
 DB_HOLD_ROWS = 8
-#: without scales (``compute_grouped_dbias``: no dots, no barriers): rows per batch and register cap
-#: (fewer loads in flight per thread, more threads: measured faster on an H200)
-DB_HOLD_ROWS_DBIAS = 4
-DB_MAX_REGS_DBIAS = 64
 #: rows per chunk (a block's rows): larger chunks, fewer partial rows
 DB_CHUNK_ROWS = 256
+#: without scales (``compute_grouped_dbias``: no dots, no barriers): rows per batch, rows per
+#: chunk and register cap (fewer loads in flight per thread, more threads: faster on an H200)
+DB_HOLD_ROWS_DBIAS = 4
+DB_CHUNK_ROWS_DBIAS = 128
+DB_MAX_REGS_DBIAS = 64
 #: lanes (threads) per block at most; wider rows take several column blocks
 DB_MAX_LANES = 256
 #: kernel 1's register cap with scales (0: the compiler's choice)
@@ -80,7 +86,14 @@ DB_GROUP_HOLD = 8
 DB_FINAL_THREADS = 256
 
 
-def dbias_tiling(num_rows: int, hidden: int, dy_kind: str = L.F32):
+def rows_knobs(has_scales: bool) -> tuple[int, int, int]:
+    """Kernel 1's ``(hold, chunk, max_regs)`` with or without scales (the ``DB_*`` knobs)."""
+    if has_scales:
+        return DB_HOLD_ROWS, DB_CHUNK_ROWS, DB_MAX_REGS
+    return DB_HOLD_ROWS_DBIAS, DB_CHUNK_ROWS_DBIAS, DB_MAX_REGS_DBIAS
+
+
+def dbias_tiling(num_rows: int, hidden: int, dy_kind: str = L.F32, has_scales: bool = True):
     """``(lanes, ncb, nchunks, units, mode)``: W lanes per block, column blocks,
     row chunks, row units per row and their mode (``_moe_rows.row_mode``).
     ``ncb = ceil(units / (DB_MAX_LANES Q))``; W the lanes that cover a column
@@ -90,7 +103,7 @@ def dbias_tiling(num_rows: int, hidden: int, dy_kind: str = L.F32):
     ncb = max(1, -(-units // (DB_MAX_LANES * DB_QUADS)))
     need = max(1, -(-units // (ncb * DB_QUADS)))
     lanes = pow2_at_least(need) if need <= 32 else -(-need // 32) * 32
-    nchunks = -(-int(num_rows) // DB_CHUNK_ROWS)
+    nchunks = -(-int(num_rows) // rows_knobs(has_scales)[1])
     return min(lanes, DB_MAX_LANES), ncb, nchunks, units, mode
 
 
@@ -118,7 +131,7 @@ def _group_of(offsets, i, g, n):
 
 @functools.cache
 def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in, final_ds,
-                 q, hold, chunk, max_lanes, max_regs=0):
+                 q, hold, chunk, max_regs, max_lanes):
     """Kernel 1 (module docstring), specialised on the kinds, the flags and the tile constants."""
     load_dy, unpack, _ = row_io(dy_kind, mode)
     load_b = cols_io(b_kind, mode)[0]

@@ -48,7 +48,7 @@ def grouped_dbias_dscales_plan(dy: Spec, scales: Spec | None, bias: Spec | None,
         nm for nm, x in zip(("dy", "scales", "bias", "offsets", "dbias", "dscales"),
                             (dy, scales, bias, offsets, dbias, dscales), strict=True) if x is not None)}
     outs = [spec_of((g, h), L.F32)] + ([spec_of((n,), L.F32)] if has_scales else [])
-    lanes, ncb, nchunks, units, mode = G.dbias_tiling(n, h, dy.kind)
+    lanes, ncb, nchunks, units, mode = G.dbias_tiling(n, h, dy.kind, has_scales)
     final_ds = ncb == 1
     quads = h % 4 == 0 and h > 0  # kernel 2's fp32 rows, flat
     tmps = (spec_of((2 * max(nchunks, 1), h), L.F32),
@@ -71,8 +71,7 @@ def grouped_dbias_dscales_plan(dy: Spec, scales: Spec | None, bias: Spec | None,
     if n:
         kern = G._rows_kernel(dy.kind, scales.kind if has_scales else L.F32, bias.kind if has_scales else L.F32,
                               mode, has_scales, dbias is not None, dscales is not None, final_ds,
-                              G.DB_QUADS, G.DB_HOLD_ROWS if has_scales else G.DB_HOLD_ROWS_DBIAS, G.DB_CHUNK_ROWS,
-                              G.DB_MAX_LANES, G.DB_MAX_REGS if has_scales else G.DB_MAX_REGS_DBIAS)
+                              G.DB_QUADS, *G.rows_knobs(has_scales), G.DB_MAX_LANES)
         steps.append(Step(kern, nchunks * ncb, lanes, 0,
                           (a_dy, a_s, a_b, In(idx["offsets"]), a_dbi, a_dsi, out_db, a_ds, a_part, Tmp(1),
                            n, h, units, g, ncb)))
@@ -80,7 +79,8 @@ def grouped_dbias_dscales_plan(dy: Spec, scales: Spec | None, bias: Spec | None,
     if units4:
         gt = min(G.DB_GROUP_THREADS, pow2_at_least(units4))
         nub = -(-units4 // gt)
-        steps.append(Step(G._groups_kernel(quads, dbias is not None, G.DB_CHUNK_ROWS, G.DB_GROUP_HOLD), g * nub, gt, 0,
+        chunk = G.rows_knobs(has_scales)[1]
+        steps.append(Step(G._groups_kernel(quads, dbias is not None, chunk, G.DB_GROUP_HOLD), g * nub, gt, 0,
                           (a_part, a_dbi, out_db, In(idx["offsets"]), n, h, units4, nub)))
     if has_scales and n and not final_ds:
         ft = min(G.DB_FINAL_THREADS, pow2_at_least(n))
@@ -173,7 +173,7 @@ def token_combine_fwd_plan(inp: Spec, row_id_map: Spec, merging_probs: Spec | No
     and, maybe, ``merging_probs [T, E]``; output ``[T, H]`` of inp's kind."""
     r, h = inp.shape
     t, e = row_id_map.shape
-    lanes, units, mode, per = C.combine_tiling(h, inp.kind)
+    lanes, units, mode = C.combine_tiling(h, inp.kind)
     has_w = merging_probs is not None
     outs = (spec_of((t, h), inp.kind),)
     rid = In(1, Spec((max(t * e, 1),), np.int32))
@@ -181,16 +181,15 @@ def token_combine_fwd_plan(inp: Spec, row_id_map: Spec, merging_probs: Spec | No
     steps = []
     if t and units:
         kern = C._combine_fwd_kernel(inp.kind, merging_probs.kind if has_w else L.F32, mode, has_w, C.CMB_HOLD,
-                                     C.expert_cap(e), *C.unit_groups(per), C.CMB_TOKENS, C.CMB_MAX_REGS)
-        steps.append(Step(kern, -(-t // C.CMB_TOKENS), lanes, 0, (_rows(In, 0, inp, mode), rid, w,
-                                                                  _rows(Out, 0, outs[0], mode), e, r, h, units, t)))
+                                     C.expert_cap(e), C.CMB_MAX_REGS)
+        steps.append(Step(kern, t, lanes, 0, (_rows(In, 0, inp, mode), rid, w, _rows(Out, 0, outs[0], mode),
+                                              e, r, h, units)))
     return Plan(C.OP + "_fwd", (inp, row_id_map) + ((merging_probs,) if has_w else ()), outs, (), steps)
 
 
-def _bwd_step(grad_kind, inp_kind, w_kind, mode, has_w, t, e, lanes, per, args) -> Step:
-    kern = C._combine_bwd_kernel(grad_kind, inp_kind, w_kind, mode, has_w, C.CMB_HOLD, C.expert_cap(e), lanes,
-                                 *C.unit_groups(per), C.CMB_TOKENS, C.CMB_MAX_REGS)
-    return Step(kern, -(-t // C.CMB_TOKENS), lanes, 0, (*args, t))
+def _bwd_kernel(grad_kind, inp_kind, w_kind, mode, has_w, e, lanes):
+    return C._combine_bwd_kernel(grad_kind, inp_kind, w_kind, mode, has_w, C.CMB_HOLD, C.expert_cap(e), lanes,
+                                 C.CMB_MAX_REGS)
 
 
 @functools.cache
@@ -201,7 +200,7 @@ def token_combine_bwd_plan(grad: Spec, inp: Spec, row_id_map: Spec, merging_prob
     (their kind); scratch: a flag per row of ``inp``."""
     r, h = inp.shape
     t, e = row_id_map.shape
-    lanes, units, mode, per = C.combine_tiling(h, inp.kind)
+    lanes, units, mode = C.combine_tiling(h, inp.kind)
     has_w = merging_probs is not None
     outs = (spec_of((r, h), inp.kind),) + ((spec_of((t, e), merging_probs.kind),) if has_w else ())
     tmps = (Spec((max(r, 1),), np.int32),)
@@ -212,9 +211,9 @@ def token_combine_bwd_plan(grad: Spec, inp: Spec, row_id_map: Spec, merging_prob
     d_z = _rows(Out, 0, outs[0], mode)
     steps = _zero_unreferenced_rows(d_z, rid, inp.kind, mode, t * e, r, h, units)
     if t and (units or has_w):
-        steps.append(_bwd_step(grad.kind, inp.kind, merging_probs.kind if has_w else L.F32, mode, has_w, t, e, lanes,
-                               per, (_rows(In, 0, grad, mode), _rows(In, 1, inp, mode), rid, w, d_z, d_w, e, r, h,
-                                     units)))
+        kern = _bwd_kernel(grad.kind, inp.kind, merging_probs.kind if has_w else L.F32, mode, has_w, e, lanes)
+        steps.append(Step(kern, t, lanes, 0, (_rows(In, 0, grad, mode), _rows(In, 1, inp, mode), rid, w, d_z,
+                                              d_w, e, r, h, units)))
     ins = (grad, inp, row_id_map) + ((merging_probs,) if has_w else ())
     return Plan(C.OP + "_bwd", ins, outs, tmps, steps)
 
@@ -245,16 +244,16 @@ def token_dispatch_fwd_plan(inp: Spec, row_id_map: Spec, num_rows: int) -> Plan:
     t, h = inp.shape
     e = row_id_map.shape[1]
     r = int(num_rows)
-    lanes, units, mode, per = C.combine_tiling(h, inp.kind)
+    lanes, units, mode = C.combine_tiling(h, inp.kind)
     outs = (spec_of((r, h), inp.kind),)
     tmps = (Spec((max(r, 1),), np.int32),)
     rid = In(1, Spec((max(t * e, 1),), np.int32))
     out = _rows(Out, 0, outs[0], mode)
     steps = _zero_unreferenced_rows(out, rid, inp.kind, mode, t * e, r, h, units)
     if t and units and r:
+        kern = _bwd_kernel(inp.kind, inp.kind, L.F32, mode, False, e, lanes)
         # z and the weights are never read without weights: the output and the map stand in
-        steps.append(_bwd_step(inp.kind, inp.kind, L.F32, mode, False, t, e, lanes, per,
-                               (_rows(In, 0, inp, mode), out, rid, rid, out, rid, e, r, h, units)))
+        steps.append(Step(kern, t, lanes, 0, (_rows(In, 0, inp, mode), out, rid, rid, out, rid, e, r, h, units)))
     return Plan("token_dispatch_fwd", (inp, row_id_map), outs, tmps, steps)
 
 

@@ -22,16 +22,12 @@ BF16 = ml_dtypes.bfloat16
 
 @pytest.fixture
 def lanes(monkeypatch):
-    """At most ``n`` lanes per token, ``hold`` rows per load batch, ``tokens`` per
-    block (3: blocks that list the next token while loading one, and a last
-    block with fewer), a lane's units two at a time, three rows per block of the
-    zero-row kernel (plans re-made)."""
+    """At most ``n`` lanes per token and ``hold`` rows per load batch, three rows
+    per block of the zero-row kernel (plans re-made)."""
 
-    def force(n, hold=None, tokens=3):
+    def force(n, hold=None):
         monkeypatch.setattr(C, "CMB_THREADS", n)
-        monkeypatch.setattr(C, "CMB_TOKENS", tokens)
-        # two units per load group: a lane's 3 units (H = 24) go as a group of 2, then 1
-        monkeypatch.setattr(C, "CMB_LOADS", 2 * (hold or C.CMB_HOLD))
+        monkeypatch.setattr(C, "CMB_LANE_UNITS", 1)  # n lanes wherever the row has n units
         monkeypatch.setattr(C, "CMB_ZERO_ROWS", 3)
         if hold is not None:
             monkeypatch.setattr(C, "CMB_HOLD", hold)
@@ -72,8 +68,7 @@ def _tol(dtype, n):
     (6, 40, 8, 0.4, 3, 2, 2),    # two bit words, padding rows, two lanes, batches of 2 rows
     (5, 4, 6, 0.7, None, 1, 3),  # H % 4 != 0, one lane
     (3, 33, 16, 1.0, None, 4, None),  # every expert routed (K = E), four lanes
-    (4, 70, 24, 0.2, 2, 2, 3),   # 3 units per lane (fp32, fp16) in groups of 2 and 1; bf16: 3 units of 8
-                                 # columns over 2 lanes; E = 70: a 128-expert list
+    (4, 70, 24, 0.2, 2, 2, 3),   # bf16: 3 units of 8 columns over 2 lanes; E = 70: a 128-expert list
 ])
 def test_fwd_bwd_vs_oracle(lanes, dtype, t, e, h, density, align, nl, hold):
     lanes(nl, hold)
@@ -141,11 +136,12 @@ def test_plan_layout():
 
     z, rid, w = spec_for((65536, 2048), np.uint16), spec_for((8192, 128), np.int32), spec_for((8192, 128), np.float32)
     fwd = K.token_combine_fwd_plan(z, rid, w)
-    blocks = -(-8192 // C.CMB_TOKENS)  # CMB_TOKENS tokens per block; 256 units of 16 bytes, one per lane
-    assert [(st.grid, st.block) for st in fwd.steps] == [(blocks, 256)]
+    # a block per token; 256 units of eight bf16 columns (16 bytes), two per lane
+    assert [(st.grid, st.block) for st in fwd.steps] == [(8192, 128)]
     bwd = K.token_combine_bwd_plan(spec_for((8192, 2048), np.uint16), z, rid, w)
-    assert len(bwd.steps) == 4 and (bwd.steps[-1].grid, bwd.steps[-1].block) == (blocks, 256)
-    assert C.combine_tiling(7168, "bf16") == (224, 896, "oct", 4)  # DeepSeek-V3's H: 4 units per lane
+    assert len(bwd.steps) == 4 and (bwd.steps[-1].grid, bwd.steps[-1].block) == (8192, 128)
+    assert C.combine_tiling(7168, "bf16") == (224, 896, "oct")  # DeepSeek-V3's H: 4 units per lane (256 at most)
+    assert C.combine_tiling(6, "bf16") == (1, 2, "grid")  # H % 4 != 0: 2-D, two units of four columns
     assert bwd.tmps[0].shape == (65536,)  # a flag per row of inp
 
 

@@ -26,11 +26,13 @@ def small_tiles(monkeypatch):
     partial rows per load batch of kernel 2 (plans re-made for the test)."""
 
     def force(rows=4, lanes=2, hold=2, batch=None):
-        monkeypatch.setattr(M, "DB_CHUNK_ROWS", rows)
+        for name in ("DB_CHUNK_ROWS", "DB_CHUNK_ROWS_DBIAS"):  # with and without scales
+            monkeypatch.setattr(M, name, rows)
         monkeypatch.setattr(M, "DB_MAX_LANES", lanes)
         monkeypatch.setattr(M, "DB_GROUP_HOLD", hold)
         if batch is not None:  # rows per load batch of kernel 1
             monkeypatch.setattr(M, "DB_HOLD_ROWS", batch)
+            monkeypatch.setattr(M, "DB_HOLD_ROWS_DBIAS", batch)
         P.grouped_dbias_dscales_plan.cache_clear()
 
     yield force
@@ -108,6 +110,8 @@ def test_row_units_batches_and_column_blocks(small_tiles, rows, lanes, batch, n,
     db32, ds32 = K.grouped_dbias_dscales(dy, s, _f32(b), o)
     np.testing.assert_array_equal(db32, db)
     np.testing.assert_array_equal(ds32, ds)
+    np.testing.assert_allclose(K.grouped_dbias(dy, o), orc.grouped_dbias(np.nan_to_num(_f32(dy)), o, len(o) - 1),
+                               rtol=1e-5, atol=1e-5 * np.sqrt(n))  # the no-scales kernel, same tiles
 
 
 def test_bit_identical_and_independent_of_device_placement(small_tiles):
