@@ -3,7 +3,10 @@ its byte floor, and the jitted op on ``backend="numba"`` against the jitted
 jnp reference, at the issue's shapes.
 
 ``python tools/moe_bench.py [--shapes qwen3,deepseek-v3] [--repeats 50]
-[--peak 4.0] [--json out.json]``
+[--peak 4.0] [--json out.json] [--kernels-only] [--commit C]``
+
+``--kernels-only`` times the plans' kernels alone: no jitted jnp reference or
+public op (whose XLA compiles take minutes at the DeepSeek-V3-like shape).
 
 Shapes: Qwen3-30B-A3B-like ``T=8192 H=2048 E=128 K=8`` and DeepSeek-V3-like
 ``T=4096 H=7168 E=256 K=8``; every token routed to K distinct random experts,
@@ -258,16 +261,19 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--kernels-only", action="store_true",
                     help="time the plans' kernels alone (no jitted jnp / public-op timings: no slow XLA compiles)")
+    ap.add_argument("--commit", help="the commit measured (default: git rev-parse HEAD here; a staged copy "
+                                     "outside its repository should name it)")
     a = ap.parse_args()
     dev = cuda.get_current_device()
     name = dev.name.decode() if isinstance(dev.name, bytes) else dev.name
     copy = copy_tbps()
     print(f"{name}; device-to-device copy {copy:.2f} TB/s; floor at {a.peak} TB/s", flush=True)
+    commit = a.commit or ""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                          check=False).stdout.strip()
     except OSError:
-        commit = ""
+        pass
     spin = spin_kernel()
     shapes = [run_shape(s, SHAPES[s]["T"], SHAPES[s]["H"], SHAPES[s]["E"], SHAPES[s]["K"], a.repeats, a.peak,
                         copy, spin, a.kernels_only) for s in a.shapes.split(",")]
