@@ -3,7 +3,10 @@ its byte floor, and the jitted op on ``backend="numba"`` against the jitted
 jnp reference, at the issue's shapes.
 
 ``python tools/moe_bench.py [--shapes qwen3,deepseek-v3] [--repeats 50]
-[--peak 4.0] [--json out.json]``
+[--peak 4.0] [--json out.json] [--kernels-only] [--commit C]``
+
+``--kernels-only`` times the plans' kernels alone: no jitted jnp reference or
+public op (whose XLA compiles take minutes at the DeepSeek-V3-like shape).
 
 Shapes: Qwen3-30B-A3B-like ``T=8192 H=2048 E=128 K=8`` and DeepSeek-V3-like
 ``T=4096 H=7168 E=256 K=8``; every token routed to K distinct random experts,
@@ -121,7 +124,49 @@ def _entry(nbytes, peak, copy, k_us=None, **kw):
     return e
 
 
-def run_shape(name, T, H, E, K_, repeats, peak, copy, spin):  # noqa: N803  (the issue's letters)
+def _public_ops(m, x, probs, rid, jz, jdy, n, repeats) -> dict:
+    """The jitted public ``token_combine`` / ``token_dispatch`` on both backends:
+    wall microseconds and the numba results' error against the jnp ones."""
+
+    def fwd(backend):
+        return jax.jit(lambda z, r, w: mo.token_combine(z, r, w, backend=backend))
+
+    def fwd_bwd(backend):
+        def f(z, r, w, g):
+            out, vjp = jax.vjp(lambda a, b: mo.token_combine(a, r, b, backend=backend), z, w)
+            return out, vjp(g)
+
+        return jax.jit(f)
+
+    fj, fn, bj, bn = fwd("jax"), fwd("numba"), fwd_bwd("jax"), fwd_bwd("numba")
+    args = (jz, rid, probs)
+    err_b = max(_rel_err(a, b) for a, b in zip(bn(*args, jdy)[1], bj(*args, jdy)[1], strict=True))
+    out = dict(cf=dict(numba_us=jax_us(fn, args, repeats), jax_us=jax_us(fj, args, repeats),
+                       max_rel_err=_rel_err(fn(*args), fj(*args))),
+               cb=dict(max_rel_err=err_b),
+               cfb=dict(numba_us=jax_us(bn, (*args, jdy), repeats), jax_us=jax_us(bj, (*args, jdy), repeats)))
+    mj = jnp.asarray(m)
+
+    def dfwd(backend):
+        return jax.jit(lambda a, p: mo.token_dispatch(a, mj, n, p, backend=backend)[:2])
+
+    def dfb(backend):
+        def f(a, p, g):
+            res, vjp = jax.vjp(lambda u, v: mo.token_dispatch(u, mj, n, v, backend=backend)[:2], a, p)
+            return res, vjp((g, jnp.zeros((n,), jnp.float32)))
+
+        return jax.jit(f)
+
+    dj, dn, dbj, dbn = dfwd("jax"), dfwd("numba"), dfb("jax"), dfb("numba")
+    out["df"] = dict(numba_us=jax_us(dn, (x, probs), repeats), jax_us=jax_us(dj, (x, probs), repeats),
+                     max_rel_err=max(_rel_err(a, b) for a, b in zip(dn(x, probs), dj(x, probs), strict=True)))
+    out["db"] = dict(max_rel_err=max(_rel_err(a, b) for a, b in zip(dbn(x, probs, jz)[1], dbj(x, probs, jz)[1],
+                                                                     strict=True)))
+    out["dfb"] = dict(numba_us=jax_us(dbn, (x, probs, jz), repeats), jax_us=jax_us(dbj, (x, probs, jz), repeats))
+    return out
+
+
+def run_shape(name, T, H, E, K_, repeats, peak, copy, spin, kernels_only=False):  # noqa: N803  (the issue's letters)
     rng = np.random.default_rng(0)
     n = T * K_
     m = np.zeros((T, E), bool)
@@ -137,104 +182,70 @@ def run_shape(name, T, H, E, K_, repeats, peak, copy, spin):  # noqa: N803  (the
     dys = [rng.standard_normal((n, H)).astype(BF16) for _ in range(2)]
     sc = rng.random(n).astype(np.float32)
     bias = rng.standard_normal((E, H)).astype(BF16)
-    j = [jnp.asarray(a) for a in (dys[0], sc, bias, offsets)]
-    f_jax = jax.jit(ref.compute_grouped_dbias_dscales)
-    f_nb = jax.jit(functools.partial(mo.compute_grouped_dbias_dscales, backend="numba"))
-    want = f_jax(*j)
-    got, again = f_nb(*j), f_nb(*j)
     plan = K.grouped_dbias_dscales_plan(*(spec_for(a.shape, np.uint16 if a.dtype == BF16 else a.dtype)
                                           for a in (dys[0], sc, bias, offsets)))
     ins = [[_dev(d), _dev(sc), _dev(bias), _dev(offsets)] for d in dys]
     nbytes = n * H * 2 + n * 4 + E * H * 2 + (E + 1) * 4 + E * H * 4 + n * 4
-    res["compute_grouped_dbias_dscales"] = _entry(
-        nbytes, peak, copy, kernel_us(plan, ins, repeats, spin), numba_us=jax_us(f_nb, j, repeats),
-        jax_us=jax_us(f_jax, j, repeats), max_rel_err=max(_rel_err(a, b) for a, b in zip(got, want, strict=True)),
-        bit_identical=all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again, strict=True)),
-        steps=[(s.grid, s.block) for s in plan.steps])
-    f_jax = jax.jit(functools.partial(ref.compute_grouped_dbias, num_groups=E))
-    f_nb = jax.jit(functools.partial(mo.compute_grouped_dbias, num_groups=E, backend="numba"))
-    jd = [j[0], j[3]]
+    k_us = kernel_us(plan, ins, repeats, spin)
+    steps = [(s.grid, s.block) for s in plan.steps]
     plan = K.grouped_dbias_dscales_plan(spec_for((n, H), np.uint16), None, None, spec_for((E + 1,), np.int32))
-    res["compute_grouped_dbias"] = _entry(
-        n * H * 2 + (E + 1) * 4 + E * H * 4, peak, copy, kernel_us(plan, [[i[0], i[3]] for i in ins], repeats, spin),
-        numba_us=jax_us(f_nb, jd, repeats), jax_us=jax_us(f_jax, jd, repeats),
-        max_rel_err=_rel_err(f_nb(*jd), f_jax(*jd)))
+    k_db = kernel_us(plan, [[i[0], i[3]] for i in ins], repeats, spin)
+    db_bytes = n * H * 2 + (E + 1) * 4 + E * H * 4
+    if kernels_only:
+        res["compute_grouped_dbias_dscales"] = _entry(nbytes, peak, copy, k_us, steps=steps)
+        res["compute_grouped_dbias"] = _entry(db_bytes, peak, copy, k_db)
+    else:
+        j = [jnp.asarray(a) for a in (dys[0], sc, bias, offsets)]
+        f_jax = jax.jit(ref.compute_grouped_dbias_dscales)
+        f_nb = jax.jit(functools.partial(mo.compute_grouped_dbias_dscales, backend="numba"))
+        want = f_jax(*j)
+        got, again = f_nb(*j), f_nb(*j)
+        res["compute_grouped_dbias_dscales"] = _entry(
+            nbytes, peak, copy, k_us, numba_us=jax_us(f_nb, j, repeats), jax_us=jax_us(f_jax, j, repeats),
+            max_rel_err=max(_rel_err(a, b) for a, b in zip(got, want, strict=True)),
+            bit_identical=all(bool(jnp.array_equal(a, b)) for a, b in zip(got, again, strict=True)), steps=steps)
+        f_jax = jax.jit(functools.partial(ref.compute_grouped_dbias, num_groups=E))
+        f_nb = jax.jit(functools.partial(mo.compute_grouped_dbias, num_groups=E, backend="numba"))
+        jd = [j[0], j[3]]
+        res["compute_grouped_dbias"] = _entry(
+            db_bytes, peak, copy, k_db, numba_us=jax_us(f_nb, jd, repeats), jax_us=jax_us(f_jax, jd, repeats),
+            max_rel_err=_rel_err(f_nb(*jd), f_jax(*jd)))
     del ins
 
     # --- token_combine: z [N, H] bf16 (expert outputs), row_id_map [T, E], probs [T, E] f32
     zs = [rng.standard_normal((n, H)).astype(BF16) for _ in range(2)]
     dy = rng.standard_normal((T, H)).astype(BF16)
-    rid_h = np.asarray(rid, np.int32)
-    probs_h = np.asarray(probs)
-    jz, jdy = jnp.asarray(zs[0]), jnp.asarray(dy)
-
-    def fwd(backend):
-        return jax.jit(lambda z, r, w: mo.token_combine(z, r, w, backend=backend))
-
-    def fwd_bwd(backend):
-        def f(z, r, w, g):
-            out, vjp = jax.vjp(lambda a, b: mo.token_combine(a, r, b, backend=backend), z, w)
-            return out, vjp(g)
-
-        return jax.jit(f)
-
-    fj, fn, bj, bn = fwd("jax"), fwd("numba"), fwd_bwd("jax"), fwd_bwd("numba")
-    args = (jz, rid, probs)
-    err_f = _rel_err(fn(*args), fj(*args))
-    gj, gn = bj(*args, jdy)[1], bn(*args, jdy)[1]
-    err_b = max(_rel_err(a, b) for a, b in zip(gn, gj, strict=True))
     zspec, rspec, wspec = spec_for((n, H), np.uint16), spec_for((T, E), np.int32), spec_for((T, E), np.float32)
     fplan = K.token_combine_fwd_plan(zspec, rspec, wspec)
     bplan = K.token_combine_bwd_plan(spec_for((T, H), np.uint16), zspec, rspec, wspec)
-    d_rid, d_w, d_dy = _dev(rid_h), _dev(probs_h), _dev(dy)
+    d_rid, d_w, d_dy = _dev(np.asarray(rid, np.int32)), _dev(np.asarray(probs)), _dev(dy)
     d_zs = [_dev(z) for z in zs]
     fbytes = n * H * 2 + 2 * T * E * 4 + T * H * 2
     bbytes = T * H * 2 + n * H * 2 + 2 * T * E * 4 + n * H * 2 + T * E * 4
     k_f = kernel_us(fplan, [[z, d_rid, d_w] for z in d_zs], repeats, spin)
     k_b = kernel_us(bplan, [[d_dy, z, d_rid, d_w] for z in d_zs], repeats, spin)
-    res["token_combine.fwd"] = _entry(fbytes, peak, copy, k_f, numba_us=jax_us(fn, args, repeats),
-                                      jax_us=jax_us(fj, args, repeats), max_rel_err=err_f)
-    res["token_combine.bwd"] = _entry(bbytes, peak, copy, k_b, max_rel_err=err_b,
-                                      steps=[(s.grid, s.block) for s in bplan.steps])
-    res["token_combine.fwd_bwd"] = _entry(fbytes + bbytes, peak, copy, k_f + k_b,
-                                          numba_us=jax_us(bn, (*args, jdy), repeats),
-                                          jax_us=jax_us(bj, (*args, jdy), repeats))
-
-    # --- token_dispatch: forward (index maps + row copy) and forward + backward, both backends
-    mj = jnp.asarray(m)
-
-    def dfwd(backend):
-        return jax.jit(lambda a, p: mo.token_dispatch(a, mj, n, p, backend=backend)[:2])
-
-    def dfb(backend):
-        def f(a, p, g):
-            out, vjp = jax.vjp(lambda u, v: mo.token_dispatch(u, mj, n, v, backend=backend)[:2], a, p)
-            return out, vjp((g, jnp.zeros((n,), jnp.float32)))
-
-        return jax.jit(f)
-
-    dj, dn, dbj, dbn = dfwd("jax"), dfwd("numba"), dfb("jax"), dfb("numba")
-    err_df = max(_rel_err(a, b) for a, b in zip(dn(x, probs), dj(x, probs), strict=True))
-    err_db = max(_rel_err(a, b) for a, b in zip(dbn(x, probs, jz)[1], dbj(x, probs, jz)[1], strict=True))
+    # --- token_dispatch: the row copy; its backward's kernel is the unweighted combine
     xs = [rng.standard_normal((T, H)).astype(BF16) for _ in range(2)]
     dplan = K.token_dispatch_fwd_plan(spec_for((T, H), np.uint16), rspec, n)
     k_d = kernel_us(dplan, [[_dev(a), d_rid] for a in xs], repeats, spin)
-    cplan = K.token_combine_fwd_plan(zspec, rspec)  # the dispatch backward's kernel: the unweighted combine
+    cplan = K.token_combine_fwd_plan(zspec, rspec)
     k_db = kernel_us(cplan, [[z, d_rid] for z in d_zs], repeats, spin)
     copy_bytes = T * H * 2 + T * E * 4 + n * H * 2  # inp, the map, the output rows
     dbytes = T * E + copy_bytes + T * E * 4 + n * 4 + T * E * 4  # + routing map, probs, permuted probs, row_id_map
     bwd_bytes = n * H * 2 + T * E * 4 + T * H * 2
-    res["token_dispatch.fwd"] = _entry(dbytes, peak, copy, k_d, numba_us=jax_us(dn, (x, probs), repeats),
-                                       jax_us=jax_us(dj, (x, probs), repeats), max_rel_err=err_df,
+    jx = {} if kernels_only else _public_ops(m, x, probs, rid, jnp.asarray(zs[0]), jnp.asarray(dy), n, repeats)
+    res["token_combine.fwd"] = _entry(fbytes, peak, copy, k_f, **jx.get("cf", {}))
+    res["token_combine.bwd"] = _entry(bbytes, peak, copy, k_b, **jx.get("cb", {}),
+                                      steps=[(s.grid, s.block) for s in bplan.steps])
+    res["token_combine.fwd_bwd"] = _entry(fbytes + bbytes, peak, copy, k_f + k_b, **jx.get("cfb", {}))
+    res["token_dispatch.fwd"] = _entry(dbytes, peak, copy, k_d, **jx.get("df", {}),
                                        kernel="the row copy alone (index maps: jnp)")
-    res["token_dispatch.bwd"] = _entry(bwd_bytes, peak, copy, k_db, max_rel_err=err_db)
-    res["token_dispatch.fwd_bwd"] = _entry(dbytes + bwd_bytes, peak, copy, k_d + k_db,
-                                           numba_us=jax_us(dbn, (x, probs, jz), repeats),
-                                           jax_us=jax_us(dbj, (x, probs, jz), repeats))
+    res["token_dispatch.bwd"] = _entry(bwd_bytes, peak, copy, k_db, **jx.get("db", {}))
+    res["token_dispatch.fwd_bwd"] = _entry(dbytes + bwd_bytes, peak, copy, k_d + k_db, **jx.get("dfb", {}))
     both = ("token_dispatch.fwd_bwd", "token_combine.fwd_bwd")
     res["dispatch+combine.fwd_bwd"] = _entry(
         sum(res[k]["bytes"] for k in both), peak, copy, sum(res[k]["kernel_us"] for k in both),
-        numba_us=sum(res[k]["numba_us"] for k in both), jax_us=sum(res[k]["jax_us"] for k in both))
+        **({} if kernels_only else {f: sum(res[k][f] for k in both) for f in ("numba_us", "jax_us")}))
     for op, e in res.items():
         parts = [f"{k}={v:.1f}" if isinstance(v, float) and k.endswith("us") else f"{k}={v:.3g}"
                  for k, v in e.items() if isinstance(v, float)]
@@ -248,19 +259,24 @@ def main():
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--peak", type=float, default=4.0, help="TB/s of the byte floor")
     ap.add_argument("--json")
+    ap.add_argument("--kernels-only", action="store_true",
+                    help="time the plans' kernels alone (no jitted jnp / public-op timings: no slow XLA compiles)")
+    ap.add_argument("--commit", help="the commit measured (default: git rev-parse HEAD here; a staged copy "
+                                     "outside its repository should name it)")
     a = ap.parse_args()
     dev = cuda.get_current_device()
     name = dev.name.decode() if isinstance(dev.name, bytes) else dev.name
     copy = copy_tbps()
     print(f"{name}; device-to-device copy {copy:.2f} TB/s; floor at {a.peak} TB/s", flush=True)
+    commit = a.commit or ""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                          check=False).stdout.strip()
     except OSError:
-        commit = ""
+        pass
     spin = spin_kernel()
     shapes = [run_shape(s, SHAPES[s]["T"], SHAPES[s]["H"], SHAPES[s]["E"], SHAPES[s]["K"], a.repeats, a.peak,
-                        copy, spin) for s in a.shapes.split(",")]
+                        copy, spin, a.kernels_only) for s in a.shapes.split(",")]
     out = dict(device=name, date=datetime.date.today().isoformat(), commit=commit, peak_tbps=a.peak,
                copy_tbps=copy, shapes=shapes)
     if a.json:

@@ -10,8 +10,9 @@ merging_probs [T, E]`` (all ones without)::
     d_w[t, e]      = sum_h z[row(t, e), h] dy[t, h]  if routed, else 0
 
 Tiling (``combine_tiling``): one block per token, its W lanes over the
-units (four columns, ``moe_io``) of the hidden row, lane ``l`` units
-``l, l + W, ...``.  First the token's routed experts are listed in
+row units (16 bytes: eight bf16 columns where H % 8 == 0, ``_moe_rows``) of
+the hidden row, lane ``l`` units ``l, l + W, ...`` (``CMB_LANE_UNITS`` or
+more each: fewer lanes per token, more tokens per SM).  First the token's routed experts are listed in
 ascending order in shared memory (``_lister``: a flag per expert, the flags
 packed into 32-bit words, each routed expert's rank the set bits before it:
 three barriers, no scan), with their rows and weights; then
@@ -21,7 +22,7 @@ three barriers, no scan), with their rows and weights; then
 - backward: per ``CMB_HOLD`` listed rows, each lane loads ``dy[t]``'s unit and
   the rows' units, stores ``w dy`` into their ``d_z`` rows and keeps a partial
   dot per row; the lanes' partials are summed in shared memory in a fixed
-  two-stage order (``moe_grouped_dbias``'s), written as ``d_w``.  The
+  two-stage order (``_moe_rows.lane_sums``), written as ``d_w``.  The
   experts the token is not routed to get ``d_w = 0`` while listing: ``d_z``
   and ``d_w`` come out of one pass over ``dy`` and the routed rows of ``z``.
 
@@ -44,53 +45,73 @@ import functools
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from .moe_io import _ONE, _ZERO, popc32, pow2_at_least, scalar_io, unit_io
+from . import _launch as L
+from ._moe_rows import cols_io, lane_sums, row_io, row_mode, row_units, row_width
+from .moe_io import _ONE, _ZERO, moe_jit, popc32, pow2_at_least, scalar_io
 
 OP = "token_combine"
 
-#: lanes (threads) per block at most (H = 2048: 512 units, two per lane)
+#: lanes (threads) per block at most (H = 2048 bf16: 256 row units of 16 bytes, one per lane)
 CMB_THREADS = 256
+#: units per lane at least (a lane's units are taken in turn: more units per lane, fewer
+#: lanes per token, more tokens per SM, whose listing phases overlap: faster on an H200)
+CMB_LANE_UNITS = 2
 #: listed rows whose loads a lane issues at once (forward and backward)
 CMB_HOLD = 8
 #: experts per token at most: the shared list holds every routed expert
 CMB_MAX_EXPERTS = 1024
+#: register cap of the token kernels (0: the compiler's choice): more resident blocks
+CMB_MAX_REGS = 0
 #: the d_z padding kernels: threads per block, blocks at most (grid-strided flags)
 CMB_FILL_THREADS = 256
 CMB_FILL_BLOCKS = 1024
 #: rows per block of the zero-row kernel
 CMB_ZERO_ROWS = 64
 
-_WORDS = CMB_MAX_EXPERTS // 32
-_RED_WORDS = CMB_HOLD * CMB_THREADS
+
+def combine_tiling(hidden: int, kind: str = L.F32):
+    """``(lanes, units, mode)``: W lanes per block (``CMB_LANE_UNITS`` units per
+    lane where ``CMB_THREADS`` lanes allow it, else more; as few lanes as give
+    each the same count: a power of two up to 32, else a multiple of 32), row
+    units per row and their mode
+    (``_moe_rows.row_mode``: 16-byte units of eight bf16 columns where H % 8 == 0)."""
+    mode = row_mode(kind, int(hidden))
+    units = row_units(mode, hidden)
+    want = max(1, -(-units // CMB_LANE_UNITS))  # lanes for CMB_LANE_UNITS units each
+    per = max(1, -(-units // min(CMB_THREADS, want)))  # units per lane: every lane the same count (or one less)
+    need = max(1, -(-units // per))
+    lanes = pow2_at_least(need) if need <= 32 else -(-need // 32) * 32
+    return min(CMB_THREADS, lanes), units, mode
 
 
-def combine_tiling(hidden: int):
-    """``(lanes, units, quads)``: W lanes per block (a power of two, at most
-    ``CMB_THREADS``, no more than the units), units of four columns, and
-    whether ``H % 4 == 0`` (flat vector accesses)."""
-    units = -(-int(hidden) // 4)
-    return min(CMB_THREADS, pow2_at_least(max(units, 1))), units, hidden % 4 == 0 and hidden > 0
+def expert_cap(num_experts: int) -> int:
+    """The shared list's length for E experts: a power of two >= max(E, 32)
+    (the kernels are specialised on it: small shared arrays, more blocks per SM)."""
+    return pow2_at_least(max(int(num_experts), 32))
 
 
 @functools.cache
 def _lister(w_kind: str, has_w: bool, zero_dw: bool):
-    """Device function ``list_routed(rid, w, d_w, t, e_count, r_count, flag, words,
+    """Device function ``list_routed(rid, w, d_w, t, e_count, r_count, frow, fw, words,
     lrow, le, lw, lane, nl) -> count``: token ``t``'s routed experts in
     ascending order into the shared ``lrow`` (rows), ``le`` (experts) and ``lw``
-    (weights); ``zero_dw``: ``d_w[t, e] = 0`` for the others.  Every thread of
-    the block calls it (it holds three barriers)."""
+    (weights); ``zero_dw``: ``d_w[t, e] = 0`` for the others.  The map and the
+    weights are read in one pass (independent loads) into ``frow`` / ``fw``.
+    Every thread of the block calls it (it holds three barriers)."""
     load_w, store_w = scalar_io(w_kind)
 
     @cuda.jit(device=True)
-    def list_routed(rid, w, d_w, t, e_count, r_count, flag, words, lrow, le, lw, lane, nl):
+    def list_routed(rid, w, d_w, t, e_count, r_count, frow, fw, words, lrow, le, lw, lane, nl):
         base = np.int64(t) * e_count
         for e in range(lane, e_count, nl):
             v = rid[base + e]
+            if has_w:
+                fw[e] = load_w(w, base + e)
             ok = v >= 0 and v < r_count
-            flag[e] = np.int32(1) if ok else np.int32(0)
+            frow[e] = v if ok else np.int32(-1)
             if zero_dw and not ok:
                 store_w(d_w, base + e, _ZERO)
-        # Barrier: the flags are in.
+        # Barrier: the map's row and weights are in.
         cuda.syncthreads()
         nw = (e_count + 31) // 32
         for wi in range(lane, nw, nl):
@@ -98,24 +119,22 @@ def _lister(w_kind: str, has_w: bool, zero_dw: bool):
             for b in range(32):
                 e = wi * 32 + b
                 if e < e_count:
-                    if flag[e] != 0:
+                    if frow[e] >= 0:
                         m = np.uint32(m | np.uint32(np.uint32(1) << np.uint32(b)))
             words[wi] = m
         # Barrier: the words are in.
         cuda.syncthreads()
         for e in range(lane, e_count, nl):
-            if flag[e] != 0:
+            v = frow[e]
+            if v >= 0:
                 wi = e // 32
                 below = np.uint32(np.uint32(np.uint32(1) << np.uint32(e - wi * 32)) - np.uint32(1))
                 rank = popc32(np.uint32(words[wi] & below))
                 for j in range(wi):
                     rank += popc32(words[j])
-                lrow[rank] = rid[base + e]
+                lrow[rank] = v
                 le[rank] = e
-                if has_w:
-                    lw[rank] = load_w(w, base + e)
-                else:
-                    lw[rank] = _ONE
+                lw[rank] = fw[e] if has_w else _ONE
         count = np.int32(0)
         for j in range(nw):
             count += popc32(words[j])
@@ -127,59 +146,61 @@ def _lister(w_kind: str, has_w: bool, zero_dw: bool):
 
 
 @functools.cache
-def _combine_fwd_kernel(z_kind, w_kind, quads, has_w, hold):
-    load_z = unit_io(z_kind, quads)[0]
-    store_o = unit_io(z_kind, quads)[1]
+def _combine_fwd_kernel(z_kind, w_kind, mode, has_w, hold, ecap, max_regs=0):
+    load_z, unpack, store_o = row_io(z_kind, mode)
     list_routed = _lister(w_kind, has_w, False)
-    held_words = 4 * hold
+    uw = row_width(mode)
+    raw_words = 4 * hold
+    nwords = ecap // 32
 
-    @cuda.jit
-    def kernel(
-        z,  # [R, H] z_kind (quads: flat)
+    @moe_jit(max_regs)
+    def token_combine_fwd_kernel(
+        z,  # [R, H] z_kind (row_view)
         rid,  # [T * E] int32 (flat)
         w,  # [T * E] w_kind (flat; placeholder without)
-        out,  # [T, H] z_kind, out (quads: flat)
+        out,  # [T, H] z_kind, out (row_view)
         e_count, r_count, h, units,
     ):
-        flag = cuda.shared.array(CMB_MAX_EXPERTS, int32)
-        words = cuda.shared.array(_WORDS, uint32)
-        lrow = cuda.shared.array(CMB_MAX_EXPERTS, int32)
-        le = cuda.shared.array(CMB_MAX_EXPERTS, int32)
-        lw = cuda.shared.array(CMB_MAX_EXPERTS, float32)
-        held = cuda.local.array(held_words, float32)
+        frow = cuda.shared.array(ecap, int32)
+        fw = cuda.shared.array(ecap, float32)
+        words = cuda.shared.array(nwords, uint32)
+        lrow = cuda.shared.array(ecap, int32)
+        le = cuda.shared.array(ecap, int32)
+        lw = cuda.shared.array(ecap, float32)
+        raw = cuda.local.array(raw_words, float32)
+        val = cuda.local.array(uw, float32)
+        acc = cuda.local.array(uw, float32)
         lane = np.int32(cuda.threadIdx.x)
         nl = np.int32(cuda.blockDim.x)
         t = np.int64(cuda.blockIdx.x)
-        cnt = list_routed(rid, w, w, t, e_count, r_count, flag, words, lrow, le, lw, lane, nl)
+        cnt = list_routed(rid, w, w, t, e_count, r_count, frow, fw, words, lrow, le, lw, lane, nl)
         for u in range(lane, units, nl):
-            a0 = a1 = a2 = a3 = _ZERO
+            for j in range(uw):
+                acc[j] = _ZERO
             k0 = np.int32(0)
             while k0 < cnt:
                 m = min(np.int32(hold), cnt - k0)
                 for k in range(hold):  # the loads first, then the sums in list order
+                    w0 = w1 = w2 = w3 = _ZERO
                     if k < m:
-                        v0, v1, v2, v3 = load_z(z, lrow[k0 + k], u, units, h)
-                        held[4 * k] = v0
-                        held[4 * k + 1] = v1
-                        held[4 * k + 2] = v2
-                        held[4 * k + 3] = v3
+                        w0, w1, w2, w3 = load_z(z, lrow[k0 + k], u, units, h)
+                    raw[4 * k] = w0
+                    raw[4 * k + 1] = w1
+                    raw[4 * k + 2] = w2
+                    raw[4 * k + 3] = w3
                 for k in range(hold):
                     if k < m:
-                        if has_w:
-                            c = lw[k0 + k]
-                            a0 = np.float32(a0 + np.float32(c * held[4 * k]))
-                            a1 = np.float32(a1 + np.float32(c * held[4 * k + 1]))
-                            a2 = np.float32(a2 + np.float32(c * held[4 * k + 2]))
-                            a3 = np.float32(a3 + np.float32(c * held[4 * k + 3]))
-                        else:
-                            a0 = np.float32(a0 + held[4 * k])
-                            a1 = np.float32(a1 + held[4 * k + 1])
-                            a2 = np.float32(a2 + held[4 * k + 2])
-                            a3 = np.float32(a3 + held[4 * k + 3])
+                        unpack(raw[4 * k], raw[4 * k + 1], raw[4 * k + 2], raw[4 * k + 3], val, 0)
+                        c = lw[k0 + k]
+                        for j in range(uw):
+                            if has_w:
+                                acc[j] = np.float32(acc[j] + np.float32(c * val[j]))
+                            else:
+                                acc[j] = np.float32(acc[j] + val[j])
                 k0 += m
-            store_o(out, t, u, units, h, a0, a1, a2, a3)
+            store_o(out, t, u, units, h, acc, 0)
 
-    return kernel
+    return token_combine_fwd_kernel
 
 
 # Backward (docs/ops/moe_ops.md section 5): out[t] = sum_e w[t, e] z[row(t, e)] is
@@ -188,36 +209,43 @@ def _combine_fwd_kernel(z_kind, w_kind, quads, has_w, hold):
 #   d w[t, e]      = <z[row(t, e)], dy[t]>
 # and rows no pair points to get no cotangent (0).
 @functools.cache
-def _combine_bwd_kernel(dy_kind, z_kind, w_kind, quads, has_w, hold):
-    load_dy = unit_io(dy_kind, quads)[0]
-    load_z, store_dz = unit_io(z_kind, quads)
+def _combine_bwd_kernel(dy_kind, z_kind, w_kind, mode, has_w, hold, ecap, max_lanes, max_regs=0):
+    load_dy = cols_io(dy_kind, mode)[0]
+    load_z, unpack, store_dz = row_io(z_kind, mode)
     store_w = scalar_io(w_kind)[1]
     list_routed = _lister(w_kind, has_w, has_w)
-    held_words = 4 * hold
+    uw = row_width(mode)
+    raw_words = 4 * hold
+    nwords = ecap // 32
+    red_words = hold * max_lanes
+    stage, total = lane_sums(hold)
 
-    @cuda.jit
-    def kernel(
-        dy,  # [T, H] dy_kind (quads: flat)
-        z,  # [R, H] z_kind (quads: flat)
+    @moe_jit(max_regs)
+    def token_combine_bwd_kernel(
+        dy,  # [T, H] dy_kind (row_view for z's mode)
+        z,  # [R, H] z_kind (row_view)
         rid,  # [T * E] int32 (flat)
         w,  # [T * E] w_kind (flat; placeholder without)
-        d_z,  # [R, H] z_kind, out (quads: flat)
+        d_z,  # [R, H] z_kind, out (row_view)
         d_w,  # [T * E] w_kind, out (flat; placeholder without)
         e_count, r_count, h, units,
     ):
-        flag = cuda.shared.array(CMB_MAX_EXPERTS, int32)
-        words = cuda.shared.array(_WORDS, uint32)
-        lrow = cuda.shared.array(CMB_MAX_EXPERTS, int32)
-        le = cuda.shared.array(CMB_MAX_EXPERTS, int32)
-        lw = cuda.shared.array(CMB_MAX_EXPERTS, float32)
-        red = cuda.shared.array(_RED_WORDS, float32)  # [hold, W] lane partial dots
-        red2 = cuda.shared.array(_RED_WORDS, float32)  # [hold, P] stage-1 sums
-        held = cuda.local.array(held_words, float32)
+        frow = cuda.shared.array(ecap, int32)
+        fw = cuda.shared.array(ecap, float32)
+        words = cuda.shared.array(nwords, uint32)
+        lrow = cuda.shared.array(ecap, int32)
+        le = cuda.shared.array(ecap, int32)
+        lw = cuda.shared.array(ecap, float32)
+        red = cuda.shared.array(red_words, float32)  # [hold, W] lane partial dots
+        red2 = cuda.shared.array(red_words, float32)  # [hold, P] stage-1 sums
+        raw = cuda.local.array(raw_words, float32)
+        dyv = cuda.local.array(uw, float32)
+        val = cuda.local.array(uw, float32)
         part = cuda.local.array(hold, float32)
         lane = np.int32(cuda.threadIdx.x)
         nl = np.int32(cuda.blockDim.x)
         t = np.int64(cuda.blockIdx.x)
-        cnt = list_routed(rid, w, d_w, t, e_count, r_count, flag, words, lrow, le, lw, lane, nl)
+        cnt = list_routed(rid, w, d_w, t, e_count, r_count, frow, fw, words, lrow, le, lw, lane, nl)
         parts = max(np.int32(1), np.int32(nl // hold))
         k0 = np.int32(0)
         while k0 < cnt:  # the same count in every thread: the barriers below are uniform
@@ -225,57 +253,45 @@ def _combine_bwd_kernel(dy_kind, z_kind, w_kind, quads, has_w, hold):
             for k in range(hold):
                 part[k] = _ZERO
             for u in range(lane, units, nl):
-                d0, d1, d2, d3 = load_dy(dy, t, u, units, h)
-                for k in range(hold):
-                    if k < m:
-                        v0, v1, v2, v3 = load_z(z, lrow[k0 + k], u, units, h) if has_w else (
-                            _ZERO, _ZERO, _ZERO, _ZERO)
-                        held[4 * k] = v0
-                        held[4 * k + 1] = v1
-                        held[4 * k + 2] = v2
-                        held[4 * k + 3] = v3
+                if has_w:
+                    for k in range(hold):  # the rows' loads first
+                        w0 = w1 = w2 = w3 = _ZERO
+                        if k < m:
+                            w0, w1, w2, w3 = load_z(z, lrow[k0 + k], u, units, h)
+                        raw[4 * k] = w0
+                        raw[4 * k + 1] = w1
+                        raw[4 * k + 2] = w2
+                        raw[4 * k + 3] = w3
+                load_dy(dy, t, u, units, h, dyv, 0)
                 for k in range(hold):
                     if k < m:
                         c = lw[k0 + k]
-                        store_dz(d_z, lrow[k0 + k], u, units, h, np.float32(c * d0), np.float32(c * d1),
-                                 np.float32(c * d2), np.float32(c * d3))
+                        for j in range(uw):
+                            val[j] = np.float32(c * dyv[j])
+                        store_dz(d_z, lrow[k0 + k], u, units, h, val, 0)
                         if has_w:
-                            p = np.float32(part[k] + np.float32(held[4 * k] * d0))
-                            p = np.float32(p + np.float32(held[4 * k + 1] * d1))
-                            p = np.float32(p + np.float32(held[4 * k + 2] * d2))
-                            part[k] = np.float32(p + np.float32(held[4 * k + 3] * d3))
+                            unpack(raw[4 * k], raw[4 * k + 1], raw[4 * k + 2], raw[4 * k + 3], val, 0)
+                            p = part[k]
+                            for j in range(uw):
+                                p = np.float32(p + np.float32(val[j] * dyv[j]))
+                            part[k] = p
             if has_w:
-                for k in range(hold):
-                    red[k * nl + lane] = part[k]
-                # Barrier: the lanes' partial dots are in.
-                cuda.syncthreads()
-                for idx in range(lane, hold * parts, nl):
-                    k = idx // parts
-                    p = idx - k * parts
-                    s = _ZERO
-                    for j in range(p, nl, parts):
-                        s = np.float32(s + red[k * nl + j])
-                    red2[idx] = s
-                # Barrier: the stage-1 sums are in (and ``red`` is free again).
-                cuda.syncthreads()
+                stage(red, red2, part, lane, nl, parts)
                 for k in range(lane, m, nl):
-                    s = _ZERO
-                    for p in range(parts):
-                        s = np.float32(s + red2[k * parts + p])
-                    store_w(d_w, t * e_count + le[k0 + k], s)
+                    store_w(d_w, t * e_count + le[k0 + k], total(red2, k, parts))
             k0 += m
 
-    return kernel
+    return token_combine_bwd_kernel
 
 
 @cuda.jit
-def _clear_kernel(owned, r_count):  # owned [R] int32 := 0 (grid-strided)
+def moe_clear_row_flags_kernel(owned, r_count):  # owned [R] int32 := 0 (grid-strided)
     for i in range(cuda.grid(1), r_count, cuda.gridsize(1)):
         owned[i] = 0
 
 
 @cuda.jit
-def _mark_kernel(rid, owned, pairs, r_count):  # rid [T * E] int32; owned[row] := 1 for each routed pair
+def moe_mark_routed_rows_kernel(rid, owned, pairs, r_count):  # rid [T * E] int32; owned[row] := 1 for each routed pair
     for i in range(cuda.grid(1), pairs, cuda.gridsize(1)):
         v = rid[i]
         if v >= 0 and v < r_count:
@@ -283,16 +299,20 @@ def _mark_kernel(rid, owned, pairs, r_count):  # rid [T * E] int32; owned[row] :
 
 
 @functools.cache
-def _zero_rows_kernel(kind, quads, rows_per_block):
+def _zero_rows_kernel(kind, mode, rows_per_block):
     """Block ``b`` owns rows ``b rows_per_block ..`` (``CMB_ZERO_ROWS``): their flags into shared
     memory once, then the block's lanes write zero units into the unflagged
     rows only (a block-uniform branch per row: the rows that are held cost a
     shared read, not a global one per unit)."""
-    store = unit_io(kind, quads)[1]
+    store = row_io(kind, mode)[2]
+    uw = row_width(mode)
 
     @cuda.jit
-    def kernel(d_z, owned, r_count, h, units):  # the units of every row no pair points to := 0
+    def moe_zero_rows_kernel(d_z, owned, r_count, h, units):  # the units of every row no pair points to := 0
         flags = cuda.shared.array(rows_per_block, int32)
+        zero = cuda.local.array(uw, float32)
+        for j in range(uw):
+            zero[j] = _ZERO
         lane = cuda.threadIdx.x
         r0 = np.int64(cuda.blockIdx.x) * rows_per_block
         for k in range(lane, rows_per_block, cuda.blockDim.x):
@@ -302,6 +322,6 @@ def _zero_rows_kernel(kind, quads, rows_per_block):
         for k in range(rows_per_block):
             if flags[k] == 0:
                 for u in range(lane, units, cuda.blockDim.x):
-                    store(d_z, r0 + k, u, units, h, _ZERO, _ZERO, _ZERO, _ZERO)
+                    store(d_z, r0 + k, u, units, h, zero, 0)
 
-    return kernel
+    return moe_zero_rows_kernel

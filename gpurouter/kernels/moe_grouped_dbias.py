@@ -10,14 +10,17 @@ Row ``i`` belongs to group ``g`` iff ``offsets[g] <= i < offsets[g + 1]``
 Rows no group owns are never loaded (NaN there reaches nothing).
 
 Tiling (``dbias_tiling``; the knobs are the ``DB_*`` constants below): the
-rows are cut into chunks of ``DB_CHUNK_ROWS``, the columns into units of four
-(``moe_io``); block ``(c, cb)`` owns chunk ``c`` and column block ``cb``, lane
+rows are cut into chunks of ``DB_CHUNK_ROWS``, the columns into row units
+(``_moe_rows``: 16 bytes, eight bf16 columns, where H % 8 == 0; else four
+columns); block ``(c, cb)`` owns chunk ``c`` and column block ``cb``, lane
 ``l`` of its ``W`` lanes the units ``cb W Q + l + k W`` (``k < Q = DB_QUADS``:
 consecutive lanes read consecutive units, every warp load is coalesced).
 A lane walks the chunk's rows in order, ``DB_HOLD_ROWS`` rows at a time (all
 their loads issued before any is used: ``Q * DB_HOLD_ROWS`` loads in flight per
-thread), keeps ``s[i] dy[i]`` summed in fp32 registers for the current group
-and flushes the sum when the group changes:
+thread, kept as raw words in registers; the next batch's loads go out before
+this batch's dscales barriers), takes the held rows in runs of one group,
+keeps ``s[i] dy[i]`` summed in fp32 registers for the current group and
+flushes the sum when the group changes:
 
 - a group that lies inside the chunk: straight into ``dbias[g]``;
 - the chunk's first group, begun in an earlier chunk: into ``part[2c]`` (A);
@@ -26,13 +29,15 @@ and flushes the sum when the group changes:
 Kernel 2 (one block per group and column block) writes every group that spans
 chunks ``c0 < c1``: ``B[c0] + A[c0 + 1] + ... + A[c1]``, in chunk order, and
 the empty groups (0, or the given dbias).  ``part`` is a plan scratch array
-(two fp32 rows per chunk: ~3% of a bf16 ``dy``'s bytes at 128 rows).
+(two fp32 rows per chunk: ~1.6% of a bf16 ``dy``'s bytes at 256 rows).
+Without scales (no dots, no barriers) the kernel has its own batch, chunk and
+register cap (``rows_knobs``): more threads with fewer loads each ran faster.
 
 ``dscales``: each lane's partial dot over its units (fixed order), then per
 held row a two-stage sum over the lanes in shared memory (``P = W / hold``
 lanes per row sum strided lanes, one lane sums the P partials; two barriers
-per ``DB_HOLD_ROWS`` rows).  With one column block that is ``dscales``;
-with several (H > 4 Q DB_MAX_LANES) each writes a partial row ``dsp[cb]``
+per ``DB_HOLD_ROWS`` rows, ``_moe_rows.lane_sums``).  With one column block
+that is ``dscales``; with several (more units than Q DB_MAX_LANES) each writes a partial row ``dsp[cb]``
 and kernel 3 sums them in column-block order.  Every order is fixed by the
 shapes: the results are bit-identical run to run.
 
@@ -52,19 +57,28 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from . import _launch as L
-from .moe_io import _ONE, _ZERO, pow2_at_least, scalar_io, unit_io
+from ._moe_rows import cols_io, lane_sums, row_io, row_mode, row_units, row_width
+from .moe_io import _ONE, _ZERO, moe_jit, pow2_at_least, scalar_io, unit_io
 
 OP = "compute_grouped_dbias_dscales"
 OP_DBIAS = "compute_grouped_dbias"
 
-#: units (four columns) per lane per row: its fp32 dbias accumulators are 4 Q registers
-DB_QUADS = 2
-#: rows a lane loads at once before using any (Q * hold loads in flight per thread)
+#: row units (``moe_io``: 16 bytes of a bf16 row) per lane per row: its dbias sums are Q units of fp32
+DB_QUADS = 1
+#: rows a lane loads at once (Q * hold loads in flight per thread); the next batch's
+#: loads go out before this batch's dscales reduction (its barriers)
 DB_HOLD_ROWS = 8
-#: rows per chunk (a block's rows): larger chunks, fewer partial rows; smaller, more blocks
-DB_CHUNK_ROWS = 128
+#: rows per chunk (a block's rows): larger chunks, fewer partial rows
+DB_CHUNK_ROWS = 256
+#: without scales (``compute_grouped_dbias``: no dots, no barriers): rows per batch, rows per
+#: chunk and register cap (fewer loads in flight per thread, more threads: faster on an H200)
+DB_HOLD_ROWS_DBIAS = 4
+DB_CHUNK_ROWS_DBIAS = 128
+DB_MAX_REGS_DBIAS = 64
 #: lanes (threads) per block at most; wider rows take several column blocks
 DB_MAX_LANES = 256
+#: kernel 1's register cap with scales (0: the compiler's choice)
+DB_MAX_REGS = 0
 #: kernel 2 (groups spanning chunks): threads per block, partial rows loaded at once
 DB_GROUP_THREADS = 128
 DB_GROUP_HOLD = 8
@@ -72,17 +86,25 @@ DB_GROUP_HOLD = 8
 DB_FINAL_THREADS = 256
 
 
-def dbias_tiling(num_rows: int, hidden: int):
-    """``(lanes, ncb, nchunks, units, quads)``: W lanes per block, column blocks,
-    row chunks, units of four columns, and whether ``H % 4 == 0`` (flat vector
-    accesses).  ``ncb = ceil(units / (DB_MAX_LANES Q))``; W the lanes that cover
-    a column block (a multiple of 32 above 32, a power of two below)."""
-    units = -(-int(hidden) // 4)
+def rows_knobs(has_scales: bool) -> tuple[int, int, int]:
+    """Kernel 1's ``(hold, chunk, max_regs)`` with or without scales (the ``DB_*`` knobs)."""
+    if has_scales:
+        return DB_HOLD_ROWS, DB_CHUNK_ROWS, DB_MAX_REGS
+    return DB_HOLD_ROWS_DBIAS, DB_CHUNK_ROWS_DBIAS, DB_MAX_REGS_DBIAS
+
+
+def dbias_tiling(num_rows: int, hidden: int, dy_kind: str = L.F32, has_scales: bool = True):
+    """``(lanes, ncb, nchunks, units, mode)``: W lanes per block, column blocks,
+    row chunks, row units per row and their mode (``_moe_rows.row_mode``).
+    ``ncb = ceil(units / (DB_MAX_LANES Q))``; W the lanes that cover a column
+    block (a multiple of 32 above 32, a power of two below)."""
+    mode = row_mode(dy_kind, int(hidden))
+    units = row_units(mode, hidden)
     ncb = max(1, -(-units // (DB_MAX_LANES * DB_QUADS)))
     need = max(1, -(-units // (ncb * DB_QUADS)))
     lanes = pow2_at_least(need) if need <= 32 else -(-need // 32) * 32
-    nchunks = -(-int(num_rows) // DB_CHUNK_ROWS)
-    return min(lanes, DB_MAX_LANES), ncb, nchunks, units, hidden % 4 == 0 and hidden > 0
+    nchunks = -(-int(num_rows) // rows_knobs(has_scales)[1])
+    return min(lanes, DB_MAX_LANES), ncb, nchunks, units, mode
 
 
 @cuda.jit(device=True)
@@ -108,19 +130,22 @@ def _group_of(offsets, i, g, n):
 
 
 @functools.cache
-def _rows_kernel(dy_kind, s_kind, b_kind, quads, has_scales, has_db_in, has_ds_in, final_ds,
-                 q, hold, chunk, max_lanes):
+def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in, final_ds,
+                 q, hold, chunk, max_regs, max_lanes):
     """Kernel 1 (module docstring), specialised on the kinds, the flags and the tile constants."""
-    load_dy = unit_io(dy_kind, quads)[0]
-    load_b = unit_io(b_kind, quads)[0]
-    load_f, store_f = unit_io(L.F32, quads)
+    load_dy, unpack, _ = row_io(dy_kind, mode)
+    load_b = cols_io(b_kind, mode)[0]
+    load_f, store_f = cols_io(L.F32, mode)
     load_s = scalar_io(s_kind)[0]
-    acc_words = 4 * q
-    held_words = 4 * q * hold
+    uw = row_width(mode)
+    acc_words = uw * q
+    raw_words = 4 * q * hold
     red_words = hold * max_lanes
+    stage, total = lane_sums(hold)
+    cpad = -(-chunk // hold) * hold  # the group list padded to whole batches (-1 past the chunk)
 
     @cuda.jit(device=True)
-    def flush(acc, cur, offsets, n, cs, c, dbias, db_in, part, ubase, nl, units, h):
+    def flush(acc, tmp, cur, offsets, n, cs, c, dbias, db_in, part, ubase, nl, units, h):
         """The lane's sums of group ``cur`` to where they belong; zeroes them."""
         lo = _clip(offsets[cur], n)
         hi = _clip(offsets[cur + 1], n)
@@ -132,22 +157,41 @@ def _rows_kernel(dy_kind, s_kind, b_kind, quads, has_scales, has_db_in, has_ds_i
         for k in range(q):
             u = ubase + k * nl
             if u < units:
-                a0, a1, a2, a3 = acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]
                 if dest < 0:
                     if has_db_in:
-                        b0, b1, b2, b3 = load_f(db_in, cur, u, units, h)
-                        a0, a1, a2, a3 = a0 + b0, a1 + b1, a2 + b2, a3 + b3
-                    store_f(dbias, cur, u, units, h, a0, a1, a2, a3)
+                        load_f(db_in, cur, u, units, h, tmp, 0)
+                        for j in range(uw):
+                            acc[k * uw + j] = np.float32(acc[k * uw + j] + tmp[j])
+                    store_f(dbias, cur, u, units, h, acc, k * uw)
                 else:
-                    store_f(part, dest, u, units, h, a0, a1, a2, a3)
+                    store_f(part, dest, u, units, h, acc, k * uw)
         for k in range(acc_words):
             acc[k] = _ZERO
 
-    @cuda.jit
-    def kernel(
-        dy,  # [N, H] dy_kind (quads: flat)
+    @cuda.jit(device=True)
+    def issue(dy, raw, gid, r0, rows, cs, ubase, nl, units, h):
+        """Every load of the held rows ``r0 ..`` at once (raw words; rows no group owns: never loaded)."""
+        for hr in range(hold):
+            r = r0 + hr
+            own = r < rows
+            if own:
+                own = gid[r] >= 0
+            for k in range(q):
+                u = ubase + k * nl
+                w0 = w1 = w2 = w3 = _ZERO
+                if own and u < units:
+                    w0, w1, w2, w3 = load_dy(dy, cs + r, u, units, h)
+                o = 4 * (hr * q + k)
+                raw[o] = w0
+                raw[o + 1] = w1
+                raw[o + 2] = w2
+                raw[o + 3] = w3
+
+    @moe_jit(max_regs)
+    def grouped_dbias_rows_kernel(
+        dy,  # [N, H] dy_kind (row_view)
         scales,  # [N] s_kind (placeholder without scales)
-        bias,  # [G, H] b_kind (quads: flat; placeholder without scales)
+        bias,  # [G, H] b_kind (row_view; placeholder without scales)
         offsets,  # [G + 1] int32
         db_in,  # [G, H] fp32 (placeholder without)
         ds_in,  # [N] fp32 (placeholder without)
@@ -157,13 +201,15 @@ def _rows_kernel(dy_kind, s_kind, b_kind, quads, has_scales, has_db_in, has_ds_i
         dsp,  # [ncb * N] fp32 scratch: dscales partials (ncb > 1)
         n, h, units, g, ncb,
     ):
-        gid = cuda.shared.array(chunk, int32)  # the chunk's rows' groups (-1: none)
-        srow = cuda.shared.array(chunk, float32)  # their scales
+        gid = cuda.shared.array(cpad, int32)  # the chunk's rows' groups (-1: none)
+        srow = cuda.shared.array(cpad, float32)  # their scales
         red = cuda.shared.array(red_words, float32)  # [hold, W] lane partial dots
         red2 = cuda.shared.array(red_words, float32)  # [hold, P] stage-1 sums
         acc = cuda.local.array(acc_words, float32)
         bia = cuda.local.array(acc_words, float32)
-        held = cuda.local.array(held_words, float32)
+        raw = cuda.local.array(raw_words, float32)
+        val = cuda.local.array(uw, float32)
+        dots = cuda.local.array(hold, float32)
         lane = np.int32(cuda.threadIdx.x)
         nl = np.int32(cuda.blockDim.x)
         blk = np.int64(cuda.blockIdx.x)
@@ -171,7 +217,7 @@ def _rows_kernel(dy_kind, s_kind, b_kind, quads, has_scales, has_db_in, has_ds_i
         cb = blk - c * ncb
         cs = c * chunk
         rows = min(np.int64(chunk), n - cs)
-        for r in range(lane, chunk, nl):
+        for r in range(lane, cpad, nl):
             gg = np.int32(-1)
             sv = _ONE
             if r < rows:
@@ -189,71 +235,53 @@ def _rows_kernel(dy_kind, s_kind, b_kind, quads, has_scales, has_db_in, has_ds_i
         parts = max(np.int32(1), np.int32(nl // hold))  # P: stage-1 summers per row
         # Barrier: every lane reads the chunk's groups and scales.
         cuda.syncthreads()
-        for r0 in range(0, chunk, hold):
-            for hr in range(hold):  # every load of the held rows before any use
-                r = r0 + hr
-                own = r < rows
-                if own:
-                    own = gid[r] >= 0  # rows no group owns are never loaded
-                for k in range(q):
-                    u = ubase + k * nl
-                    v0 = v1 = v2 = v3 = _ZERO
-                    if own and u < units:
-                        v0, v1, v2, v3 = load_dy(dy, cs + r, u, units, h)
-                    o = 4 * (hr * q + k)
-                    held[o] = v0
-                    held[o + 1] = v1
-                    held[o + 2] = v2
-                    held[o + 3] = v3
+        issue(dy, raw, gid, 0, rows, cs, ubase, nl, units, h)
+        for r0 in range(0, rows, hold):
             for hr in range(hold):
-                r = r0 + hr
-                gg = np.int32(-1)
-                if r < rows:
-                    gg = gid[r]
-                dot = _ZERO
-                if gg >= 0:
-                    if gg != cur:
-                        if cur >= 0:
-                            flush(acc, cur, offsets, n, cs, c, dbias, db_in, part, ubase, nl, units, h)
-                        cur = gg
-                        if has_scales:
+                dots[hr] = _ZERO
+            # The held rows in segments of one group (a group's rows are contiguous).
+            h0 = np.int32(0)
+            while h0 < hold:
+                gg = gid[r0 + h0]
+                if gg >= 0 and gg != cur:
+                    if cur >= 0:
+                        flush(acc, val, cur, offsets, n, cs, c, dbias, db_in, part, ubase, nl, units, h)
+                    cur = gg
+                    if has_scales:
+                        for k in range(q):
+                            u = ubase + k * nl
+                            if u < units:
+                                load_b(bias, cur, u, units, h, bia, k * uw)
+                seg = np.int32(0)
+                run = True  # the segment ends at the first row of another group (-1 rows: both ends)
+                for hr in range(hold):  # unrolled: the held words stay in registers
+                    if hr >= h0 and run:
+                        run = gid[r0 + hr] == gg
+                    if hr >= h0 and run:
+                        seg += 1
+                        if gg >= 0:
+                            sv = srow[r0 + hr]
+                            dot = _ZERO
                             for k in range(q):
-                                u = ubase + k * nl
-                                b0 = b1 = b2 = b3 = _ZERO
-                                if u < units:
-                                    b0, b1, b2, b3 = load_b(bias, cur, u, units, h)
-                                bia[4 * k] = b0
-                                bia[4 * k + 1] = b1
-                                bia[4 * k + 2] = b2
-                                bia[4 * k + 3] = b3
-                    sv = srow[r]
-                    for k in range(acc_words):
-                        x = held[hr * acc_words + k]
-                        if has_scales:
-                            acc[k] = np.float32(acc[k] + np.float32(x * sv))
-                            dot = np.float32(dot + np.float32(x * bia[k]))
-                        else:
-                            acc[k] = np.float32(acc[k] + x)
-                if has_scales:
-                    red[hr * nl + lane] = dot
+                                o = 4 * (hr * q + k)
+                                unpack(raw[o], raw[o + 1], raw[o + 2], raw[o + 3], val, 0)
+                                for j in range(uw):
+                                    x = val[j]
+                                    if has_scales:
+                                        acc[k * uw + j] = np.float32(acc[k * uw + j] + np.float32(x * sv))
+                                        dot = np.float32(dot + np.float32(x * bia[k * uw + j]))
+                                    else:
+                                        acc[k * uw + j] = np.float32(acc[k * uw + j] + x)
+                            dots[hr] = dot
+                h0 += seg
+            if r0 + hold < rows:  # the next batch's loads go out before this batch's barriers
+                issue(dy, raw, gid, r0 + hold, rows, cs, ubase, nl, units, h)
             if has_scales:
-                # Barrier: the lanes' partial dots of the held rows are in.
-                cuda.syncthreads()
-                for idx in range(lane, hold * parts, nl):
-                    hr = idx // parts
-                    p = idx - hr * parts
-                    s = _ZERO
-                    for j in range(p, nl, parts):
-                        s = np.float32(s + red[hr * nl + j])
-                    red2[idx] = s
-                # Barrier: the stage-1 sums are in (and ``red`` is free again).
-                cuda.syncthreads()
+                stage(red, red2, dots, lane, nl, parts)
                 for hr in range(lane, hold, nl):
                     r = r0 + hr
                     if r < rows:
-                        s = _ZERO
-                        for p in range(parts):
-                            s = np.float32(s + red2[hr * parts + p])
+                        s = total(red2, hr, parts)
                         i = cs + r
                         if final_ds:
                             if has_ds_in:
@@ -262,9 +290,9 @@ def _rows_kernel(dy_kind, s_kind, b_kind, quads, has_scales, has_db_in, has_ds_i
                         else:
                             dsp[cb * n + i] = s
         if cur >= 0:
-            flush(acc, cur, offsets, n, cs, c, dbias, db_in, part, ubase, nl, units, h)
+            flush(acc, val, cur, offsets, n, cs, c, dbias, db_in, part, ubase, nl, units, h)
 
-    return kernel
+    return grouped_dbias_rows_kernel
 
 
 @functools.cache
@@ -274,7 +302,7 @@ def _groups_kernel(quads, has_db_in, chunk, hold):
     held_words = 4 * hold
 
     @cuda.jit
-    def kernel(
+    def grouped_dbias_spanning_groups_kernel(
         part,  # [2 * nchunks, H] fp32 (kernel 1's A and B rows)
         db_in,  # [G, H] fp32 (placeholder without)
         dbias,  # [G, H] fp32, out
@@ -318,7 +346,7 @@ def _groups_kernel(quads, has_db_in, chunk, hold):
             a0, a1, a2, a3 = a0 + b0, a1 + b1, a2 + b2, a3 + b3
         store_f(dbias, gg, u, units, h, a0, a1, a2, a3)
 
-    return kernel
+    return grouped_dbias_spanning_groups_kernel
 
 
 @functools.cache
@@ -326,7 +354,7 @@ def _dscales_kernel(has_ds_in):
     """Kernel 3: ``dscales[i] = sum_cb dsp[cb, i]`` in column-block order (+ the given dscales)."""
 
     @cuda.jit
-    def kernel(dsp, ds_in, dscales, n, ncb):  # dsp [ncb * N], ds_in / dscales [N] fp32
+    def grouped_dscales_column_blocks_kernel(dsp, ds_in, dscales, n, ncb):  # dsp [ncb * N], ds_in / dscales [N] fp32
         i = np.int64(cuda.blockIdx.x) * cuda.blockDim.x + cuda.threadIdx.x
         if i >= n:
             return
@@ -337,4 +365,4 @@ def _dscales_kernel(has_ds_in):
             s = np.float32(s + ds_in[i])
         dscales[i] = s
 
-    return kernel
+    return grouped_dscales_column_blocks_kernel

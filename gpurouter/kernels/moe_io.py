@@ -14,6 +14,7 @@ NaN canonical, as ml_dtypes; fp16: ``cvt.rn``).  These helpers are the MoE
 kernels' own (the router kernels' loaders live in ``topk.py``, which is being
 restructured): a later merge into one device-helper module is a move, not a
 change.
+
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
 _U16 = np.uint32(16)
 _HIGH = np.uint32(0xFFFF0000)
+
+
+def moe_jit(max_registers: int = 0):
+    """``cuda.jit``, with a register cap where one is asked for on a GPU (the
+    simulator's ``jit`` takes none): more resident blocks for a streaming kernel."""
+    from ._launch import simulator_enabled
+
+    if max_registers and not simulator_enabled():
+        return cuda.jit(max_registers=int(max_registers))
+    return cuda.jit
 
 
 def pow2_at_least(n: int) -> int:
@@ -232,3 +243,4 @@ def popc32(x):
     x = np.uint32(np.uint32(x & m2) + np.uint32(np.uint32(x >> np.uint32(2)) & m2))
     x = np.uint32(np.uint32(x + np.uint32(x >> np.uint32(4))) & np.uint32(0x0F0F0F0F))
     return np.int32(np.uint32(np.uint32(x * np.uint32(0x01010101)) >> np.uint32(24)))
+

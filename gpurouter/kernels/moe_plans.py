@@ -20,8 +20,9 @@ import numpy as np
 from . import _launch as L
 from . import moe_combine as C
 from . import moe_grouped_dbias as G
+from ._moe_rows import row_view
 from ._plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
-from .moe_io import flat_view, pow2_at_least
+from .moe_io import pow2_at_least
 
 # ----------------------------------------------------------------------------
 # Grouped dbias / dscales
@@ -47,13 +48,15 @@ def grouped_dbias_dscales_plan(dy: Spec, scales: Spec | None, bias: Spec | None,
         nm for nm, x in zip(("dy", "scales", "bias", "offsets", "dbias", "dscales"),
                             (dy, scales, bias, offsets, dbias, dscales), strict=True) if x is not None)}
     outs = [spec_of((g, h), L.F32)] + ([spec_of((n,), L.F32)] if has_scales else [])
-    lanes, ncb, nchunks, units, quads = G.dbias_tiling(n, h)
+    lanes, ncb, nchunks, units, mode = G.dbias_tiling(n, h, dy.kind, has_scales)
     final_ds = ncb == 1
+    quads = h % 4 == 0 and h > 0  # kernel 2's fp32 rows, flat
     tmps = (spec_of((2 * max(nchunks, 1), h), L.F32),
             spec_of(((ncb * n) if has_scales and not final_ds and n else 1,), L.F32))
 
-    def arr(ref, spec, kind):  # the flat view of a [., H] array on the quads path
-        return type(ref)(ref.role, ref.index, flat_view(kind, spec.shape)) if quads else ref
+    def arr(ref, spec, kind):  # the row view of a [., H] array (_moe_rows.row_view)
+        view = row_view(kind, spec.shape, mode)
+        return ref if view is None else type(ref)(ref.role, ref.index, view)
 
     out_db = arr(Out(0), outs[0], L.F32)
     placeholder = Out(0, _ONE_F32)
@@ -67,16 +70,18 @@ def grouped_dbias_dscales_plan(dy: Spec, scales: Spec | None, bias: Spec | None,
     steps = []
     if n:
         kern = G._rows_kernel(dy.kind, scales.kind if has_scales else L.F32, bias.kind if has_scales else L.F32,
-                            quads, has_scales, dbias is not None, dscales is not None, final_ds,
-                            G.DB_QUADS, G.DB_HOLD_ROWS, G.DB_CHUNK_ROWS, G.DB_MAX_LANES)
+                              mode, has_scales, dbias is not None, dscales is not None, final_ds,
+                              G.DB_QUADS, *G.rows_knobs(has_scales), G.DB_MAX_LANES)
         steps.append(Step(kern, nchunks * ncb, lanes, 0,
                           (a_dy, a_s, a_b, In(idx["offsets"]), a_dbi, a_dsi, out_db, a_ds, a_part, Tmp(1),
                            n, h, units, g, ncb)))
-    if units:
-        gt = min(G.DB_GROUP_THREADS, pow2_at_least(units))
-        nub = -(-units // gt)
-        steps.append(Step(G._groups_kernel(quads, dbias is not None, G.DB_CHUNK_ROWS, G.DB_GROUP_HOLD), g * nub, gt, 0,
-                          (a_part, a_dbi, out_db, In(idx["offsets"]), n, h, units, nub)))
+    units4 = -(-h // 4)  # kernel 2: fp32 units of four columns
+    if units4:
+        gt = min(G.DB_GROUP_THREADS, pow2_at_least(units4))
+        nub = -(-units4 // gt)
+        chunk = G.rows_knobs(has_scales)[1]
+        steps.append(Step(G._groups_kernel(quads, dbias is not None, chunk, G.DB_GROUP_HOLD), g * nub, gt, 0,
+                          (a_part, a_dbi, out_db, In(idx["offsets"]), n, h, units4, nub)))
     if has_scales and n and not final_ds:
         ft = min(G.DB_FINAL_THREADS, pow2_at_least(n))
         steps.append(Step(G._dscales_kernel(dscales is not None), -(-n // ft), ft, 0,
@@ -152,8 +157,10 @@ def grouped_dbias(dy, offsets, dbias=None, *, out=None, stream=0):
 # ----------------------------------------------------------------------------
 
 
-def _flat(ref_fn, i, spec: Spec, quads: bool):
-    return ref_fn(i, flat_view(spec.kind, spec.shape)) if quads else ref_fn(i)
+def _rows(ref_fn, i, spec: Spec, mode: str):
+    """``ref_fn(i)`` seen as rows of ``mode`` units (``_moe_rows.row_view``)."""
+    view = row_view(spec.kind, spec.shape, mode)
+    return ref_fn(i) if view is None else ref_fn(i, view)
 
 
 def _fill_grid(n: int) -> int:
@@ -166,17 +173,23 @@ def token_combine_fwd_plan(inp: Spec, row_id_map: Spec, merging_probs: Spec | No
     and, maybe, ``merging_probs [T, E]``; output ``[T, H]`` of inp's kind."""
     r, h = inp.shape
     t, e = row_id_map.shape
-    lanes, units, quads = C.combine_tiling(h)
+    lanes, units, mode = C.combine_tiling(h, inp.kind)
     has_w = merging_probs is not None
     outs = (spec_of((t, h), inp.kind),)
     rid = In(1, Spec((max(t * e, 1),), np.int32))
     w = In(2, Spec((max(t * e, 1),), merging_probs.dtype)) if has_w else rid
     steps = []
     if t and units:
-        kern = C._combine_fwd_kernel(inp.kind, merging_probs.kind if has_w else L.F32, quads, has_w, C.CMB_HOLD)
-        steps.append(Step(kern, t, lanes, 0, (_flat(In, 0, inp, quads), rid, w, _flat(Out, 0, outs[0], quads),
+        kern = C._combine_fwd_kernel(inp.kind, merging_probs.kind if has_w else L.F32, mode, has_w, C.CMB_HOLD,
+                                     C.expert_cap(e), C.CMB_MAX_REGS)
+        steps.append(Step(kern, t, lanes, 0, (_rows(In, 0, inp, mode), rid, w, _rows(Out, 0, outs[0], mode),
                                               e, r, h, units)))
     return Plan(C.OP + "_fwd", (inp, row_id_map) + ((merging_probs,) if has_w else ()), outs, (), steps)
+
+
+def _bwd_kernel(grad_kind, inp_kind, w_kind, mode, has_w, e, lanes):
+    return C._combine_bwd_kernel(grad_kind, inp_kind, w_kind, mode, has_w, C.CMB_HOLD, C.expert_cap(e), lanes,
+                                 C.CMB_MAX_REGS)
 
 
 @functools.cache
@@ -187,7 +200,7 @@ def token_combine_bwd_plan(grad: Spec, inp: Spec, row_id_map: Spec, merging_prob
     (their kind); scratch: a flag per row of ``inp``."""
     r, h = inp.shape
     t, e = row_id_map.shape
-    lanes, units, quads = C.combine_tiling(h)
+    lanes, units, mode = C.combine_tiling(h, inp.kind)
     has_w = merging_probs is not None
     outs = (spec_of((r, h), inp.kind),) + ((spec_of((t, e), merging_probs.kind),) if has_w else ())
     tmps = (Spec((max(r, 1),), np.int32),)
@@ -195,26 +208,26 @@ def token_combine_bwd_plan(grad: Spec, inp: Spec, row_id_map: Spec, merging_prob
     rid = In(2, flat_te)
     w = In(3, Spec((max(t * e, 1),), merging_probs.dtype)) if has_w else rid
     d_w = Out(1, Spec((max(t * e, 1),), merging_probs.dtype)) if has_w else rid
-    d_z = _flat(Out, 0, outs[0], quads)
-    steps = _zero_unreferenced_rows(d_z, rid, inp.kind, quads, t * e, r, h, units)
+    d_z = _rows(Out, 0, outs[0], mode)
+    steps = _zero_unreferenced_rows(d_z, rid, inp.kind, mode, t * e, r, h, units)
     if t and (units or has_w):
-        kern = C._combine_bwd_kernel(grad.kind, inp.kind, merging_probs.kind if has_w else L.F32, quads, has_w,
-                                   C.CMB_HOLD)
-        steps.append(Step(kern, t, lanes, 0, (_flat(In, 0, grad, quads), _flat(In, 1, inp, quads), rid, w, d_z,
+        kern = _bwd_kernel(grad.kind, inp.kind, merging_probs.kind if has_w else L.F32, mode, has_w, e, lanes)
+        steps.append(Step(kern, t, lanes, 0, (_rows(In, 0, grad, mode), _rows(In, 1, inp, mode), rid, w, d_z,
                                               d_w, e, r, h, units)))
     ins = (grad, inp, row_id_map) + ((merging_probs,) if has_w else ())
     return Plan(C.OP + "_bwd", ins, outs, tmps, steps)
 
 
-def _zero_unreferenced_rows(rows, rid, kind, quads, pairs, r, h, units) -> list:
+def _zero_unreferenced_rows(rows, rid, kind, mode, pairs, r, h, units) -> list:
     """The steps that write zeros into the rows of ``rows [R, H]`` no pair of
     ``rid`` points to: a flag per row (``Tmp(0)``) cleared, marked, read."""
     if not (r and units):
         return []
-    steps = [Step(C._clear_kernel, _fill_grid(r), C.CMB_FILL_THREADS, 0, (Tmp(0), r))]
+    steps = [Step(C.moe_clear_row_flags_kernel, _fill_grid(r), C.CMB_FILL_THREADS, 0, (Tmp(0), r))]
     if pairs:
-        steps.append(Step(C._mark_kernel, _fill_grid(pairs), C.CMB_FILL_THREADS, 0, (rid, Tmp(0), pairs, r)))
-    steps.append(Step(C._zero_rows_kernel(kind, quads, C.CMB_ZERO_ROWS), -(-r // C.CMB_ZERO_ROWS),
+        steps.append(Step(C.moe_mark_routed_rows_kernel, _fill_grid(pairs), C.CMB_FILL_THREADS, 0,
+                          (rid, Tmp(0), pairs, r)))
+    steps.append(Step(C._zero_rows_kernel(kind, mode, C.CMB_ZERO_ROWS), -(-r // C.CMB_ZERO_ROWS),
                       min(C.CMB_FILL_THREADS, pow2_at_least(units)), 0, (rows, Tmp(0), r, h, units)))
     return steps
 
@@ -231,16 +244,16 @@ def token_dispatch_fwd_plan(inp: Spec, row_id_map: Spec, num_rows: int) -> Plan:
     t, h = inp.shape
     e = row_id_map.shape[1]
     r = int(num_rows)
-    lanes, units, quads = C.combine_tiling(h)
+    lanes, units, mode = C.combine_tiling(h, inp.kind)
     outs = (spec_of((r, h), inp.kind),)
     tmps = (Spec((max(r, 1),), np.int32),)
     rid = In(1, Spec((max(t * e, 1),), np.int32))
-    out = _flat(Out, 0, outs[0], quads)
-    steps = _zero_unreferenced_rows(out, rid, inp.kind, quads, t * e, r, h, units)
+    out = _rows(Out, 0, outs[0], mode)
+    steps = _zero_unreferenced_rows(out, rid, inp.kind, mode, t * e, r, h, units)
     if t and units and r:
-        kern = C._combine_bwd_kernel(inp.kind, inp.kind, L.F32, quads, False, C.CMB_HOLD)
+        kern = _bwd_kernel(inp.kind, inp.kind, L.F32, mode, False, e, lanes)
         # z and the weights are never read without weights: the output and the map stand in
-        steps.append(Step(kern, t, lanes, 0, (_flat(In, 0, inp, quads), out, rid, rid, out, rid, e, r, h, units)))
+        steps.append(Step(kern, t, lanes, 0, (_rows(In, 0, inp, mode), out, rid, rid, out, rid, e, r, h, units)))
     return Plan("token_dispatch_fwd", (inp, row_id_map), outs, tmps, steps)
 
 

@@ -27,9 +27,10 @@ def lanes(monkeypatch):
 
     def force(n, hold=None):
         monkeypatch.setattr(C, "CMB_THREADS", n)
+        monkeypatch.setattr(C, "CMB_LANE_UNITS", 1)  # n lanes wherever the row has n units
         monkeypatch.setattr(C, "CMB_ZERO_ROWS", 3)
         if hold is not None:
-            monkeypatch.setattr(C, "CMB_HOLD", hold)  # <= the module's: the shared arrays' size
+            monkeypatch.setattr(C, "CMB_HOLD", hold)
         P.token_combine_fwd_plan.cache_clear()
         P.token_combine_bwd_plan.cache_clear()
 
@@ -67,6 +68,7 @@ def _tol(dtype, n):
     (6, 40, 8, 0.4, 3, 2, 2),    # two bit words, padding rows, two lanes, batches of 2 rows
     (5, 4, 6, 0.7, None, 1, 3),  # H % 4 != 0, one lane
     (3, 33, 16, 1.0, None, 4, None),  # every expert routed (K = E), four lanes
+    (4, 70, 24, 0.2, 2, 2, 3),   # bf16: 3 units of 8 columns over 2 lanes; E = 70: a 128-expert list
 ])
 def test_fwd_bwd_vs_oracle(lanes, dtype, t, e, h, density, align, nl, hold):
     lanes(nl, hold)
@@ -109,12 +111,13 @@ def test_rows_outside_the_output_are_not_routed_and_results_repeat(lanes):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
-def test_dispatch_row_copy_vs_oracle(lanes, dtype):
+@pytest.mark.parametrize("h", [6, 16])  # 16: bf16 in 16-byte units of eight columns
+def test_dispatch_row_copy_vs_oracle(lanes, dtype, h):
     """``token_dispatch_fwd``: the unweighted combine backward's kernels copying
     each token into its rows; padding rows exactly 0."""
     lanes(2, 2)
     rng = np.random.default_rng(3)
-    t, e, h, align = 7, 35, 6, 4
+    t, e, align = 7, 35, 4
     m = rng.random((t, e)) < 0.3
     x = rng.standard_normal((t, h)).astype(dtype)
     num_out = max(int(m.sum()), 1)
@@ -133,9 +136,12 @@ def test_plan_layout():
 
     z, rid, w = spec_for((65536, 2048), np.uint16), spec_for((8192, 128), np.int32), spec_for((8192, 128), np.float32)
     fwd = K.token_combine_fwd_plan(z, rid, w)
-    assert [(st.grid, st.block) for st in fwd.steps] == [(8192, 256)]  # a block per token, two units per lane
+    # a block per token; 256 units of eight bf16 columns (16 bytes), two per lane
+    assert [(st.grid, st.block) for st in fwd.steps] == [(8192, 128)]
     bwd = K.token_combine_bwd_plan(spec_for((8192, 2048), np.uint16), z, rid, w)
-    assert len(bwd.steps) == 4 and (bwd.steps[-1].grid, bwd.steps[-1].block) == (8192, 256)
+    assert len(bwd.steps) == 4 and (bwd.steps[-1].grid, bwd.steps[-1].block) == (8192, 128)
+    assert C.combine_tiling(7168, "bf16") == (224, 896, "oct")  # DeepSeek-V3's H: 4 units per lane (256 at most)
+    assert C.combine_tiling(6, "bf16") == (1, 2, "grid")  # H % 4 != 0: 2-D, two units of four columns
     assert bwd.tmps[0].shape == (65536,)  # a flag per row of inp
 
 

@@ -25,10 +25,14 @@ def small_tiles(monkeypatch):
     """Chunks of ``rows``, at most ``lanes`` lanes per block and ``hold``
     partial rows per load batch of kernel 2 (plans re-made for the test)."""
 
-    def force(rows=4, lanes=2, hold=2):
-        monkeypatch.setattr(M, "DB_CHUNK_ROWS", rows)
+    def force(rows=4, lanes=2, hold=2, batch=None):
+        for name in ("DB_CHUNK_ROWS", "DB_CHUNK_ROWS_DBIAS"):  # with and without scales
+            monkeypatch.setattr(M, name, rows)
         monkeypatch.setattr(M, "DB_MAX_LANES", lanes)
         monkeypatch.setattr(M, "DB_GROUP_HOLD", hold)
+        if batch is not None:  # rows per load batch of kernel 1
+            monkeypatch.setattr(M, "DB_HOLD_ROWS", batch)
+            monkeypatch.setattr(M, "DB_HOLD_ROWS_DBIAS", batch)
         P.grouped_dbias_dscales_plan.cache_clear()
 
     yield force
@@ -83,6 +87,33 @@ def test_launchers_vs_oracle(small_tiles, dtype, n, h, offsets):
     np.testing.assert_array_equal(K.grouped_dbias(dy, o, db_in), K.grouped_dbias(dy, o) + db_in)
 
 
+@pytest.mark.parametrize("rows,lanes,batch,n,h,offsets", [
+    (5, 1, 2, 19, 16, [1, 2, 2, 9, 10, 18]),  # bf16 units of 8 columns, 2 column blocks; chunks of 5 rows in
+                                              # batches of 2 (the last batch half past the chunk); groups
+                                              # changing mid-batch, one row long, empty; head and tail rows
+    (7, 2, 3, 30, 24, [0, 4, 5, 29]),         # 3 units over 2 lanes (one idle); a group over 4 chunks
+    (8, 4, 8, 8, 40, [0, 3, 8]),              # one chunk, one batch; 5 units, 2 column blocks of 4 lanes
+])
+def test_row_units_batches_and_column_blocks(small_tiles, rows, lanes, batch, n, h, offsets):
+    """Kernel 1's tiling edges at bf16 (16-byte units of eight columns): load
+    batches that cross group and chunk ends, a chunk not a multiple of the batch,
+    lanes past the row's units, several column blocks."""
+    small_tiles(rows=rows, lanes=lanes, hold=2, batch=batch)
+    rng = np.random.default_rng(n + h)
+    dy, s, b, o = _case(rng, n, h, offsets, BF16)
+    want_db, want_ds = orc.grouped_dbias_dscales(np.nan_to_num(_f32(dy)), _f32(s), _f32(b), o)
+    db, ds = K.grouped_dbias_dscales(dy, s, b, o)
+    np.testing.assert_allclose(db, want_db, rtol=1e-5, atol=1e-5 * np.sqrt(n))
+    np.testing.assert_allclose(ds, want_ds, rtol=1e-5, atol=1e-5 * np.sqrt(h))
+    assert all(ds[i] == 0 for i in range(n) if not o[0] <= i < o[-1])
+    # an fp32 bias with a bf16 dy: the bias read as two fp32 quads per unit
+    db32, ds32 = K.grouped_dbias_dscales(dy, s, _f32(b), o)
+    np.testing.assert_array_equal(db32, db)
+    np.testing.assert_array_equal(ds32, ds)
+    np.testing.assert_allclose(K.grouped_dbias(dy, o), orc.grouped_dbias(np.nan_to_num(_f32(dy)), o, len(o) - 1),
+                               rtol=1e-5, atol=1e-5 * np.sqrt(n))  # the no-scales kernel, same tiles
+
+
 def test_bit_identical_and_independent_of_device_placement(small_tiles):
     from numba import cuda
 
@@ -105,12 +136,13 @@ def test_plan_layout():
     dy = spec_for((65536, 2048), np.uint16)
     plan = K.grouped_dbias_dscales_plan(dy, spec_for((65536,), np.float32), spec_for((128, 2048), np.float32),
                                         spec_for((129,), np.int32))
-    assert [st.grid for st in plan.steps] == [512, 128 * 4]  # 512 chunks of 128 rows; 4 blocks per group
-    assert plan.steps[0].block == 256  # 512 units of four columns, two per lane
-    assert plan.tmps[0].shape == (1024, 2048)  # two partial rows per chunk
+    chunks = 65536 // M.DB_CHUNK_ROWS
+    assert [st.grid for st in plan.steps] == [chunks, 128 * 4]  # 4 blocks of kernel 2 per group
+    assert plan.steps[0].block == 256  # 256 units of eight bf16 columns (16 bytes), one per lane
+    assert plan.tmps[0].shape == (2 * chunks, 2048)  # two partial rows per chunk
     wide = K.grouped_dbias_dscales_plan(spec_for((32768, 7168), np.uint16), spec_for((32768,), np.float32),
                                         spec_for((256, 7168), np.float32), spec_for((257,), np.int32))
-    assert wide.steps[0].grid == 256 * 4 and wide.steps[0].block == 224  # 4 column blocks of 224 lanes
+    assert wide.steps[0].grid == (32768 // M.DB_CHUNK_ROWS) * 4 and wide.steps[0].block == 224  # 4 column blocks
     assert len(wide.steps) == 3  # + the dscales of the column blocks summed in order
 
 
