@@ -14,7 +14,9 @@ export NUMBA_ENABLE_CUDASIM=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PW
 py=${PYTHON:-python3}
 limit=${GPU_SUITE_TIMEOUT:-540}
 groups=(
-  "tests/kernels"
+  "tests/kernels/test_[a-l]*.py"
+  "tests/kernels/test_[m-s]*.py"
+  "tests/kernels/test_[t-z]*.py"
   "tests/test_public.py tests/test_indices_replay.py tests/test_routing_map_format.py"
   "tests/test_ffi.py tests/test_losses.py tests/test_callback.py tests/test_errors.py tests/test_ffi_abi.py"
   "tests/test_moe_ops.py tests/test_moe.py tests/test_sharding.py tests/test_partition.py tests/test_multi_gpu.py"
