@@ -89,17 +89,25 @@ def grouped_dbias_dscales_plan(dy: Spec, scales: Spec | None, bias: Spec | None,
     return Plan(G.OP if has_scales else G.OP_DBIAS, ins, outs, tmps, steps)
 
 
-def _offsets_input(offsets, op, stream):
-    if L.is_device_array(offsets):
-        d = offsets if hasattr(offsets, "copy_to_host") else L._wrap_cai(offsets)
-        if np.dtype(d.dtype) != np.int32 or len(d.shape) != 1:
-            raise TypeError(f"{op}: a device offsets must be int32 of rank 1, got {d.dtype} {tuple(d.shape)}.")
+def _int32_input(x, name, what, ndim, op, stream):
+    """An integer index array (``offsets``: rank 1, ``row_id_map``: [T, E]) as a
+    device int32 array: a device array as it is (int32 of that rank, else a
+    TypeError); a host one checked, its values past int32 made harmless
+    (offsets clipped to [-1, int32 max]; a row past int32: -1, not routed)."""
+    if L.is_device_array(x):
+        d = x if hasattr(x, "copy_to_host") else L._wrap_cai(x)
+        if np.dtype(d.dtype) != np.int32 or len(d.shape) != ndim:
+            raise TypeError(f"{op}: a device {name} must be int32 {what}, got {d.dtype} {tuple(d.shape)}.")
         return d
-    h = np.asarray(offsets)
-    if h.ndim != 1 or not np.issubdtype(h.dtype, np.integer):
-        raise TypeError(f"{op}: offsets must be integers of rank 1, got {h.dtype} {h.shape}.")
-    h = np.clip(h.astype(np.int64), -1, np.iinfo(np.int32).max).astype(np.int32)
-    return L.device_input(h, "offsets", op, stream, allow_int=True)[0]
+    h = np.asarray(x)
+    if h.ndim != ndim or not np.issubdtype(h.dtype, np.integer):
+        raise TypeError(f"{op}: {name} must be integers {what}, got {h.dtype} {h.shape}.")
+    big = np.iinfo(np.int32).max
+    if ndim == 1:
+        h = np.clip(h.astype(np.int64), -1, big)
+    else:
+        h = np.where((h < 0) | (h > big), -1, h)
+    return L.device_input(h.astype(np.int32), name, op, stream, allow_int=True)[0]
 
 
 def _f32_input(x, name, op, stream, shape):
@@ -121,7 +129,7 @@ def _run(op, dy, scales, bias, offsets, dbias, dscales, out, stream):
         if tuple(d_s.shape) != (n,) or int(d_b.shape[1]) != h:
             raise ValueError(f"{op}: scales {tuple(d_s.shape)} and bias {tuple(d_b.shape)} must be "
                              f"({n},) and (num_groups, {h}).")
-    d_o = _offsets_input(offsets, op, s)
+    d_o = _int32_input(offsets, "offsets", "of rank 1", 1, op, s)
     g = int(d_o.shape[0]) - 1
     if g < 1 or (d_b is not None and int(d_b.shape[0]) != g):
         raise ValueError(f"{op}: offsets shape {tuple(d_o.shape)} must be (num_groups + 1,) with num_groups >= 1.")
@@ -263,7 +271,7 @@ def token_dispatch_fwd(inp, row_id_map, num_rows, *, out=None, stream=0):
     op = "token_dispatch_fwd"
     s = L.resolve_stream(stream)
     d_x, _ = L.device_input(inp, "inp", op, s, ndim=2)
-    d_rid = _rid_input(row_id_map, op, s)
+    d_rid = _int32_input(row_id_map, "row_id_map", "[T, E]", 2, op, s)
     if int(d_rid.shape[0]) != int(d_x.shape[0]):
         raise ValueError(f"{op}: row_id_map shape {tuple(d_rid.shape)} must have inp's {int(d_x.shape[0])} rows.")
     plan = token_dispatch_fwd_plan(spec_for(d_x.shape, d_x.dtype), spec_for(d_rid.shape, d_rid.dtype), int(num_rows))
@@ -271,22 +279,9 @@ def token_dispatch_fwd(inp, row_id_map, num_rows, *, out=None, stream=0):
     return execute(plan, [d_x, d_rid], out, s, to_host)[0]
 
 
-def _rid_input(row_id_map, op, stream):
-    if L.is_device_array(row_id_map):
-        d = row_id_map if hasattr(row_id_map, "copy_to_host") else L._wrap_cai(row_id_map)
-        if np.dtype(d.dtype) != np.int32 or len(d.shape) != 2:
-            raise TypeError(f"{op}: a device row_id_map must be int32 [T, E], got {d.dtype} {tuple(d.shape)}.")
-        return d
-    h = np.asarray(row_id_map)
-    if h.ndim != 2 or not np.issubdtype(h.dtype, np.integer):
-        raise TypeError(f"{op}: row_id_map must be integers [T, E], got {h.dtype} {h.shape}.")
-    h = np.where((h < 0) | (h > np.iinfo(np.int32).max), -1, h).astype(np.int32)
-    return L.device_input(h, "row_id_map", op, stream, allow_int=True)[0]
-
-
 def _inputs(op, inp, row_id_map, merging_probs, stream):
     d_z, _ = L.device_input(inp, "inp", op, stream, ndim=2)
-    d_rid = _rid_input(row_id_map, op, stream)
+    d_rid = _int32_input(row_id_map, "row_id_map", "[T, E]", 2, op, stream)
     t, e = (int(v) for v in d_rid.shape)
     if e > C.CMB_MAX_EXPERTS:
         raise NotImplementedError(f"{op} (numba): num_experts ({e}) exceeds the kernel limit of "

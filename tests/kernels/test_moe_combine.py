@@ -172,3 +172,22 @@ def test_gpu_qwen3_like_shape_vs_oracle():
     np.testing.assert_allclose(_f32(d_z), want_dz, rtol=1e-2, atol=1e-2)
     for a, f in zip(K.token_combine_bwd(dy, z, rid, w), (d_z, d_w), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(f))
+
+
+def test_index_inputs_are_checked_and_made_int32():
+    """The launchers' index arrays (``moe_plans._int32_input``): a float or
+    wrong-rank ``row_id_map`` / ``offsets`` is a TypeError naming it; host
+    rows past int32 count as not routed, offsets past int32 clip to its max."""
+    from numba import cuda
+
+    z = np.ones((2, 4), np.float32)
+    with pytest.raises(TypeError, match="token_combine_fwd: row_id_map must be integers \\[T, E\\]"):
+        P.token_combine_fwd(z, np.zeros((1, 2), np.float32))
+    with pytest.raises(TypeError, match="a device row_id_map must be int32 \\[T, E\\]"):
+        P.token_combine_fwd(z, cuda.to_device(np.zeros((1, 2), np.int64)))
+    with pytest.raises(TypeError, match="offsets must be integers of rank 1"):
+        P.grouped_dbias(z, np.zeros((2, 1), np.int32))
+    rid = np.array([[0, 2**40]], np.int64)  # the second pair: past int32, not routed
+    np.testing.assert_array_equal(P.token_combine_fwd(z, rid), z[:1])
+    db = P.grouped_dbias(z, np.array([0, 2**40], np.int64))  # clipped: every row in the group
+    np.testing.assert_array_equal(np.asarray(db)[0], z.sum(0))
