@@ -4,13 +4,14 @@ For each layer shape (the MoE issue's Qwen3-30B-A3B-like layer and
 DeepSeek-V3-like slice; ``--scale`` shrinks T and M to fit), the jitted
 forward + backward time (gradients of x and every weight) of:
 
-- ``block numba``: ``gpurouter.moe.moe`` with ``backend="numba"`` (the router
-  and the aux loss on the kernels);
+- ``block numba``: ``gpurouter.moe.moe`` with ``backend="numba"`` (the router,
+  the aux loss, the dispatch and the combine on the kernels);
 - ``block jax``: the same block with ``backend="jax"``: plain jnp, argsort
   dispatch and combine as MaxText does, the same ``ragged_dot``;
 
 and, on the jax block's inputs, each stage alone (forward + backward): the
 router, the dispatch + combine (the row gather and the weighted sum back),
+the same on the dispatch / combine kernels (``dispatch+combine numba``),
 and the three grouped GEMMs, with ``ragged_dot``'s TFLOP/s (6 N H M flops
 forward, twice that backward, N = T K rows). The stage times are measured
 apart, so they need not add up to the block's.
@@ -95,11 +96,18 @@ def _stage_steps(e, k, router):
         z = jnp.zeros_like(xs).at[order].set(xs).reshape(x.shape[0], k, -1)  # combine
         return jnp.sum((z.astype(jnp.float32) * w[:, :, None]).sum(1) ** 2)
 
+    def permute_numba(x, routing_map, probs):
+        from .moe_ops import token_combine, token_dispatch
+
+        xs, _, rid, _, _ = token_dispatch(x, routing_map, x.shape[0] * k, probs=probs, backend="numba")
+        return jnp.sum(token_combine(xs, rid, probs, backend="numba").astype(jnp.float32) ** 2)
+
     def gemms(xs, sizes, w0, w1, wo):
         hid = jax.nn.silu(jax.lax.ragged_dot(xs, w0, sizes)) * jax.lax.ragged_dot(xs, w1, sizes)
         return jnp.sum(jax.lax.ragged_dot(hid, wo, sizes).astype(jnp.float32) ** 2)
 
     return (jax.jit(jax.value_and_grad(route, argnums=(0, 1))), jax.jit(jax.value_and_grad(permute, argnums=(0, 2))),
+            jax.jit(jax.value_and_grad(permute_numba, argnums=(0, 2))),
             jax.jit(jax.value_and_grad(gemms, argnums=(0, 2, 3, 4))))
 
 
@@ -113,17 +121,21 @@ def run_shape(name, shape, repeats: int) -> dict:
     for backend in ("numba", "jax"):
         row[f"block {backend} ms"] = median_ms(_block_step(e, k, router, backend), (x, g, w0, w1, wo), repeats)
     row["block jax / numba"] = row["block jax ms"] / row["block numba ms"]
-    route, permute, gemms = _stage_steps(e, k, router)
+    route, permute, permute_numba, gemms = _stage_steps(e, k, router)
     idx = jnp.argsort(-(x @ g).astype(jnp.float32), axis=-1)[:, :k].astype(jnp.int32)
     sizes = jnp.bincount(idx.reshape(-1), length=e).astype(jnp.int32)
     xs = jnp.repeat(x, k, axis=0)  # N = T K rows (their order does not change the work)
     weights = jnp.full((t, k), 1.0 / k, jnp.float32)
     row["router ms"] = median_ms(route, (x, g), repeats)
     row["dispatch+combine ms"] = median_ms(permute, (x, idx, weights), repeats)
+    routing_map = jnp.zeros((t, e), bool).at[jnp.arange(t)[:, None], idx].set(True)
+    probs = jnp.where(routing_map, 1.0 / k, 0.0).astype(x.dtype)
+    row["dispatch+combine numba ms"] = median_ms(permute_numba, (x, routing_map, probs), repeats)
     row["grouped GEMMs ms"] = median_ms(gemms, (xs, sizes, w0, w1, wo), repeats)
     flops = 18.0 * t * k * h * m
     row["ragged_dot TFLOP/s"] = flops / (row["grouped GEMMs ms"] * 1e-3) / 1e12
-    row["GEMM share of the jax block"] = row["grouped GEMMs ms"] / row["block jax ms"]
+    for backend in ("jax", "numba"):
+        row[f"GEMM share of the {backend} block"] = row["grouped GEMMs ms"] / row[f"block {backend} ms"]
     row["device"] = jax.devices()[0].device_kind
     return row
 

@@ -14,6 +14,7 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from . import reference
 from ._checks import check_backend
@@ -53,10 +54,15 @@ def moe(
     backend: str = "auto",
 ) -> tuple[jax.Array, jax.Array | None]:
     """A dropless MoE block; the arguments of :func:`gpurouter.reference.moe.moe`
-    plus ``backend``, the backend of its router and aux-loss ops
-    (``"auto"``, ``"jax"``, ``"numba"``: see
-    :func:`gpurouter.fused_topk_with_score_function`). The dispatch, the
-    experts and the combine are jnp (XLA) on every backend for now.
+    plus ``backend`` (``"auto"``, ``"jax"``, ``"numba"``), the backend of its
+    router and aux-loss ops (see :func:`gpurouter.fused_topk_with_score_function`)
+    and of its token dispatch and combine: on ``"numba"`` these are
+    :func:`token_dispatch` and :func:`token_combine` on their kernels (the
+    row copy, the weighted fp32 sum back and their fused backwards; with
+    float64 ``x`` or more than ``CMB_MAX_EXPERTS`` (1024) experts, which the
+    kernels do not take, the argsort form); on ``"jax"`` and ``"auto"`` the
+    argsort form in jnp (``"auto"`` keeps the MoE ops on jax, docs/moe.md).
+    The experts are XLA's grouped GEMMs on every backend.
 
     ``grouped_matmul`` is any function with ``jax.lax.ragged_dot``'s
     signature, e.g. a tuned Pallas grouped GEMM.
@@ -74,7 +80,36 @@ def moe(
         grouped_matmul=grouped_matmul,
         router=functools.partial(fused_topk_with_score_function, backend=backend),
         aux_loss=functools.partial(fused_moe_aux_loss, backend=backend),
+        permute=_kernel_permute() if backend == "numba" and _kernels_take(x, num_experts) else None,
     )
+
+
+def _kernels_take(x, num_experts: int) -> bool:
+    """True when the dispatch and combine kernels take this block's rows."""
+    from .kernels.moe_combine import CMB_MAX_EXPERTS
+
+    return jnp.dtype(jnp.result_type(x)) != jnp.float64 and num_experts <= CMB_MAX_EXPERTS
+
+
+def _kernel_permute():
+    """``(dispatch, combine)`` for :func:`gpurouter.reference.moe.moe` on the
+    token dispatch / combine kernels, with the argsort pair's signatures
+    (:func:`gpurouter.reference.moe.argsort_dispatch`). The rows come out in
+    the same order (expert-major, ascending token inside an expert); the
+    combine sums a token's rows in ascending expert order, the argsort form
+    in selection order (fp32 either way)."""
+
+    def dispatch(xf, probs, routing_map, idx, num_experts: int):
+        rows = idx.shape[0] * idx.shape[1]
+        xs, w_rows, row_id_map, _, sizes = token_dispatch(xf, routing_map, rows, probs=probs, backend="numba")
+        return (xs, reference.moe.rows_of_groups(sizes, rows), sizes.astype(jnp.int32),
+                w_rows.astype(jnp.float32), (row_id_map, probs))
+
+    def combine(z, state, weighted: bool):
+        row_id_map, probs = state
+        return token_combine(z, row_id_map, probs if weighted else None, backend="numba")
+
+    return dispatch, combine
 
 
 __all__ = [

@@ -130,6 +130,51 @@ def test_experts_without_tokens_get_zero_weight_gradients():
     assert bool(jnp.isfinite(g).all())
 
 
+NUMBA_CASES = {
+    "softmax-late": dict(KW),
+    "sigmoid-early-aligned": dict(KW, score_function="sigmoid", scaling_factor=2.0, apply_topk_weights_early=True,
+                                  align_size=4),
+    "grouped-aux": dict(KW, score_function="sigmoid", num_groups=4, group_topk=2, aux_loss_coeff=1e-2),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(NUMBA_CASES))
+@jax.default_matmul_precision("float32")  # on GPUs: no TF32 in either block
+def test_numba_block_matches_the_jax_block(name):
+    """backend="numba": the router and the dispatch / combine on the kernels;
+    the same values and gradients (every input and weight) as the jnp block."""
+    kw = NUMBA_CASES[name]
+    p = _params(seed=8)
+    if kw.get("score_function") == "sigmoid":
+        p["expert_bias"] = jax.random.normal(jax.random.PRNGKey(9), (E,)) * 0.1
+    diff = ("x", "gate_kernel", "wi_0", "wi_1", "wo", "wi_0_bias", "wo_bias")
+
+    def loss(backend):
+        def f(*vals):
+            out, aux = _call(gmoe.moe, dict(p, **dict(zip(diff, vals, strict=True))), kw, backend=backend)
+            return jnp.sum(out ** 2) + (0.0 if aux is None else aux), (out, aux)
+        return jax.jit(jax.value_and_grad(f, argnums=tuple(range(len(diff))), has_aux=True))
+
+    args = [p[k] for k in diff]
+    (_, (want, want_aux)), want_g = loss("jax")(*args)
+    (_, (got, got_aux)), got_g = loss("numba")(*args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    if want_aux is not None:
+        np.testing.assert_allclose(float(got_aux), float(want_aux), rtol=1e-5)
+    for k, g, w in zip(diff, got_g, want_g, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4, err_msg=k)
+
+
+@pytest.mark.cuda
+def test_numba_block_in_bf16_is_the_jax_blocks():
+    p = _params(seed=10, dtype=jnp.bfloat16)
+    got, _ = jax.jit(lambda p: _call(gmoe.moe, p, KW, backend="numba"))(p)
+    want, _ = jax.jit(lambda p: _call(gmoe.moe, p, KW, backend="jax"))(p)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("shards", [2, 4])
 @pytest.mark.parametrize("early", [False, True])
 @jax.default_matmul_precision("float32")  # on GPUs: no TF32 in either block

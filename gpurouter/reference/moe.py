@@ -57,6 +57,7 @@ def moe(
     grouped_matmul: Callable = jax.lax.ragged_dot,
     router: Callable | None = None,
     aux_loss: Callable | None = None,
+    permute: tuple[Callable, Callable] | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """A dropless MoE block (pure-jnp reference of :func:`gpurouter.moe.moe`).
 
@@ -91,6 +92,10 @@ def moe(
         group_sizes [G]) -> [N, N']`` (``jax.lax.ragged_dot``'s signature).
       router, aux_loss: the router op and aux-loss op to call (the public
         block passes gpurouter's with its backend); default: the references.
+      permute: ``(dispatch, combine)``, the token dispatch and combine to use
+        (default ``(argsort_dispatch, argsort_combine)``; the public block
+        passes its kernel pair on ``backend="numba"``). See
+        :func:`argsort_dispatch` for their signatures.
 
     Returns:
       ``(output [..., H] in x's dtype, aux_loss float32 scalar or None)``.
@@ -106,22 +111,14 @@ def moe(
     x = jnp.asarray(x)
     shape, hidden = x.shape, x.shape[-1]
     xf = x.reshape(-1, hidden)
-    t, k, e = xf.shape[0], num_experts_per_tok, num_experts
+    k, e = num_experts_per_tok, num_experts
     logits = xf @ jnp.asarray(gate_kernel).astype(x.dtype)
     route_kw = dict(use_pre_softmax=use_pre_softmax, num_groups=-1 if num_groups is None else num_groups,
                     group_topk=-1 if group_topk is None else group_topk, scaling_factor=scaling_factor,
                     score_function=score_function)
-    probs, _, idx = router(logits, k, expert_bias=expert_bias, return_indices=True, **route_kw)
-    acc = _accumulation_type(x.dtype)
-    weights = jnp.take_along_axis(probs, idx, axis=-1).astype(acc)  # [T, K]
-
-    # Dispatch: the T*K pairs sorted by expert (stable: token order inside an expert).
-    flat_e = idx.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)
-    rows_e = flat_e[order]  # expert of each sorted row
-    group_sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
-    xs = xf[order // k]
-    w_rows = weights.reshape(-1)[order]  # the routing weight of each sorted row
+    probs, routing_map, idx = router(logits, k, expert_bias=expert_bias, return_indices=True, **route_kw)
+    dispatch, combine = permute or (argsort_dispatch, argsort_combine)
+    xs, rows_e, group_sizes, w_rows, state = dispatch(xf, probs, routing_map, idx, e)
     weights_ = dict(wi_0=wi_0, wi_1=wi_1, wo=wo, wi_0_bias=wi_0_bias, wi_1_bias=wi_1_bias, wo_bias=wo_bias)
     ffn = functools.partial(_expert_ffn, **weights_, activation=ACTIVATIONS[activation_type],
                             early=apply_topk_weights_early, align_size=align_size,
@@ -130,18 +127,11 @@ def moe(
         z = ffn(xs, rows_e, group_sizes, w_rows)
     else:  # rows to their experts' devices and back (gpurouter/_ep.py)
         ep = dict(axis_name=ep_axis, num_shards=shards)
-        recv, local_sizes, state = _ep.dispatch(xs, rows_e, group_sizes, num_experts=e, **ep)
+        recv, local_sizes, ep_state = _ep.dispatch(xs, rows_e, group_sizes, num_experts=e, **ep)
         recv_w, _, _ = _ep.dispatch(w_rows[:, None], rows_e, group_sizes, num_experts=e, **ep)
-        rows = jnp.arange(recv.shape[0], dtype=jnp.int32)
-        local_e = jnp.minimum(jnp.searchsorted(jnp.cumsum(local_sizes), rows, side="right"),
-                              local_sizes.shape[0] - 1)
-        z = _ep.combine(ffn(recv, local_e, local_sizes, recv_w[:, 0]), state, **ep)
-
-    # Combine: back to (token, k) order, weighted (late) or plain (early) sum in fp32.
-    z_tk = jnp.zeros_like(z).at[order].set(z).reshape(t, k, hidden)
-    if not apply_topk_weights_early:
-        z_tk = z_tk * weights[:, :, None]
-    out = jnp.sum(z_tk, axis=1).astype(x.dtype).reshape(shape)
+        z = _ep.combine(ffn(recv, rows_of_groups(local_sizes, recv.shape[0]), local_sizes, recv_w[:, 0]),
+                        ep_state, **ep)
+    out = combine(z, state, not apply_topk_weights_early).astype(x.dtype).reshape(shape)
 
     loss = None
     if aux_loss_coeff > 0:
@@ -149,6 +139,44 @@ def moe(
         loss = aux_loss(scores, tokens_per_expert(aux_map), k, aux_loss_coeff,
                         axis_name=ep_axis).astype(jnp.float32)
     return out, loss
+
+
+def argsort_dispatch(xf, probs, routing_map, idx, num_experts: int):
+    """Tokens to expert-major rows, the argsort form (MaxText's): the ``T * K``
+    (token, expert) pairs of ``idx [T, K]`` sorted by expert, stable, so rows
+    ascend in token index inside an expert.
+
+    Returns ``(xs [N, H], rows_e [N] int32 (each row's expert), group_sizes
+    [E] int32, w_rows [N] (each row's routing weight, fp32 at least), state)``
+    with ``N = T * K``; ``state`` is what :func:`argsort_combine` needs.
+    ``routing_map`` is unused here (the kernel pair reads it)."""
+    del routing_map
+    k = idx.shape[-1]
+    weights = jnp.take_along_axis(probs, idx, axis=-1).astype(_accumulation_type(xf.dtype))  # [T, K]
+    flat_e = idx.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    group_sizes = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32)
+    return xf[order // k], flat_e[order], group_sizes, weights.reshape(-1)[order], (order, weights)
+
+
+def argsort_combine(z, state, weighted: bool):
+    """Expert rows ``z [N, H]`` back to tokens: ``[T, H]``, the sum of a token's
+    K rows in fp32 (at least), each times its routing weight when
+    ``weighted``."""
+    order, weights = state
+    t, k = weights.shape
+    z_tk = jnp.zeros_like(z).at[order].set(z).reshape(t, k, z.shape[-1])
+    if weighted:
+        z_tk = z_tk * weights[:, :, None]
+    return jnp.sum(z_tk, axis=1)
+
+
+def rows_of_groups(group_sizes, num_rows: int):
+    """``[num_rows]`` int32: the group of each row of a buffer of consecutive
+    groups (rows past the last group: the last group)."""
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    return jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes), rows, side="right"),
+                       group_sizes.shape[0] - 1).astype(jnp.int32)
 
 
 def _accumulation_type(dtype):
@@ -174,8 +202,7 @@ def _expert_ffn(xs, rows_e, group_sizes, w_rows, *, wi_0, wi_1, wo, wi_0_bias, w
         rows = n + num_groups * (align_size - 1)
         real = jnp.zeros((rows,), bool).at[dest].set(real)
         xs = jnp.zeros((rows,) + xs.shape[1:], xs.dtype).at[dest].set(xs)
-        rows_e = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(rows, dtype=jnp.int32), side="right"),
-                             num_groups - 1)
+        rows_e = rows_of_groups(padded, rows)
         w_rows = jnp.zeros((rows,), w_rows.dtype).at[dest].set(w_rows)
         group_sizes = padded
 
@@ -196,4 +223,4 @@ def _expert_ffn(xs, rows_e, group_sizes, w_rows, *, wi_0, wi_1, wo, wi_0_bias, w
     return z if dest is None else z[dest]
 
 
-__all__ = ["moe"]
+__all__ = ["argsort_combine", "argsort_dispatch", "moe", "rows_of_groups"]
