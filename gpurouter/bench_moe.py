@@ -13,7 +13,7 @@ and, on the jax block's inputs, each stage alone (forward + backward): the
 router, the dispatch + combine (the row gather and the weighted sum back),
 the same on the dispatch / combine kernels (``dispatch+combine numba``),
 and the three grouped GEMMs, with ``ragged_dot``'s TFLOP/s (6 N H M flops
-forward, twice that backward, N = T K rows). The stage times are measured
+forward, twice that backward, N = T K rows; also the forward alone). The stage times are measured
 apart, so they need not add up to the block's.
 
 Results: a table on stdout, ``--json`` for the numbers. GPU for real figures;
@@ -108,7 +108,7 @@ def _stage_steps(e, k, router):
 
     return (jax.jit(jax.value_and_grad(route, argnums=(0, 1))), jax.jit(jax.value_and_grad(permute, argnums=(0, 2))),
             jax.jit(jax.value_and_grad(permute_numba, argnums=(0, 2))),
-            jax.jit(jax.value_and_grad(gemms, argnums=(0, 2, 3, 4))))
+            jax.jit(jax.value_and_grad(gemms, argnums=(0, 2, 3, 4))), jax.jit(gemms))
 
 
 def run_shape(name, shape, repeats: int) -> dict:
@@ -121,7 +121,7 @@ def run_shape(name, shape, repeats: int) -> dict:
     for backend in ("numba", "jax"):
         row[f"block {backend} ms"] = median_ms(_block_step(e, k, router, backend), (x, g, w0, w1, wo), repeats)
     row["block jax / numba"] = row["block jax ms"] / row["block numba ms"]
-    route, permute, permute_numba, gemms = _stage_steps(e, k, router)
+    route, permute, permute_numba, gemms, gemms_fwd = _stage_steps(e, k, router)
     idx = jnp.argsort(-(x @ g).astype(jnp.float32), axis=-1)[:, :k].astype(jnp.int32)
     sizes = jnp.bincount(idx.reshape(-1), length=e).astype(jnp.int32)
     xs = jnp.repeat(x, k, axis=0)  # N = T K rows (their order does not change the work)
@@ -132,8 +132,10 @@ def run_shape(name, shape, repeats: int) -> dict:
     probs = jnp.where(routing_map, 1.0 / k, 0.0).astype(x.dtype)
     row["dispatch+combine numba ms"] = median_ms(permute_numba, (x, routing_map, probs), repeats)
     row["grouped GEMMs ms"] = median_ms(gemms, (xs, sizes, w0, w1, wo), repeats)
+    row["grouped GEMMs fwd ms"] = median_ms(gemms_fwd, (xs, sizes, w0, w1, wo), repeats)
     flops = 18.0 * t * k * h * m
     row["ragged_dot TFLOP/s"] = flops / (row["grouped GEMMs ms"] * 1e-3) / 1e12
+    row["ragged_dot fwd TFLOP/s"] = flops / 3 / (row["grouped GEMMs fwd ms"] * 1e-3) / 1e12
     for backend in ("jax", "numba"):
         row[f"GEMM share of the {backend} block"] = row["grouped GEMMs ms"] / row[f"block {backend} ms"]
     row["device"] = jax.devices()[0].device_kind
