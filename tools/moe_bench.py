@@ -2,7 +2,7 @@
 its byte floor, and the jitted op on ``backend="numba"`` against the jitted
 jnp reference, at the issue's shapes.
 
-``python tools/moe_bench.py [--shapes qwen3,deepseek-v3] [--repeats 50]
+``python tools/moe_bench.py [--shapes qwen3,deepseek-v3,qwen3@1024] [--repeats 50]
 [--peak 4.0] [--json out.json] [--kernels-only] [--commit C]``
 
 ``--kernels-only`` times the plans' kernels alone: no jitted jnp reference or
@@ -275,8 +275,12 @@ def main():
     except OSError:
         pass
     spin = spin_kernel()
-    shapes = [run_shape(s, SHAPES[s]["T"], SHAPES[s]["H"], SHAPES[s]["E"], SHAPES[s]["K"], a.repeats, a.peak,
-                        copy, spin, a.kernels_only) for s in a.shapes.split(",")]
+    shapes = []
+    for s in a.shapes.split(","):
+        base, _, tokens = s.partition("@")  # "qwen3@1024": that shape at T = 1024 (the auto rule's sweep)
+        sh = dict(SHAPES[base], **({"T": int(tokens)} if tokens else {}))
+        shapes.append(run_shape(s, sh["T"], sh["H"], sh["E"], sh["K"], a.repeats, a.peak, copy, spin,
+                                a.kernels_only))
     out = dict(device=name, date=datetime.date.today().isoformat(), commit=commit, peak_tbps=a.peak,
                copy_tbps=copy, shapes=shapes)
     if a.json:
