@@ -18,14 +18,25 @@ only when JAX runs on a CUDA GPU with a device transport and:
   measured end to end), and neither ``return_indices`` nor
   ``forced_indices`` (not measured end to end).
 
-The z-loss and the token-level MoE ops have no end-to-end measurement yet:
-"auto" keeps them on jax.
+The token-level MoE ops (``moe_kernels_faster``): the kernels from
+``AUTO_MOE_MIN_ELEMENTS`` elements of the op's row buffer (rows x hidden;
+the dispatch's output, the combine's input, the bias gradients' ``dy``),
+``token_dispatch`` from ``AUTO_DISPATCH_MIN_ELEMENTS``. H200, the jitted
+public ops, jax / numba (tools/moe_bench.py, commit 1327627, H = 2048,
+K = 8): at 512 tokens (2^23 row elements) dbias/dscales 2.2x, dbias 6.3x,
+combine forward 7.0x, forward + backward 5.8x, dispatch forward + backward
+3.2x but its forward alone 0.52x; at 2048 tokens the dispatch forward 0.92x,
+at 8192 tokens (2^27) 1.1x (everything else 1.9-5.4x). Below 2^23 nothing is
+measured. The z-loss has no end-to-end measurement yet: "auto" keeps it on
+jax.
 """
 
 from __future__ import annotations
 
 AUTO_MAX_TOPK = 22
 AUTO_MIN_ELEMENTS = {"ffi": 1 << 19, "zero-copy": 1 << 20}
+AUTO_MOE_MIN_ELEMENTS = 1 << 23
+AUTO_DISPATCH_MIN_ELEMENTS = 1 << 27
 
 
 def kernels_faster(op: str, transport: str, num_tokens: int, num_experts: int,
@@ -41,3 +52,26 @@ def kernels_faster(op: str, transport: str, num_tokens: int, num_experts: int,
     except RuntimeError:  # an explicit transport that cannot run here
         return False
     return num_tokens * num_experts >= AUTO_MIN_ELEMENTS.get(transport, float("inf"))
+
+
+def moe_kernels_faster(op: str, transport: str, row_elements: int, dtypes, num_experts: int | None = None) -> bool:
+    """True where the MoE kernels measured faster for this call and take it:
+    float32/bfloat16/float16 ``dtypes``, at most the combine kernel's experts,
+    a device transport (asked only when JAX runs on a CUDA GPU)."""
+    import jax.numpy as jnp
+
+    from ._checks import TOKEN_DISPATCH_OP
+    from ._transport import resolve_transport
+    from .kernels.moe_combine import CMB_MAX_EXPERTS
+
+    if any(jnp.dtype(d) not in (jnp.float32, jnp.bfloat16, jnp.float16) for d in dtypes):
+        return False
+    if num_experts is not None and not 0 <= num_experts <= CMB_MAX_EXPERTS:  # -1: not known here
+        return False
+    try:
+        if resolve_transport(op, transport) == "callback":
+            return False
+    except RuntimeError:  # an explicit transport that cannot run here
+        return False
+    floor = AUTO_DISPATCH_MIN_ELEMENTS if op == TOKEN_DISPATCH_OP else AUTO_MOE_MIN_ELEMENTS
+    return row_elements >= floor

@@ -11,13 +11,15 @@ data flow and the math.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from . import reference
-from ._checks import check_backend
+from . import _backend, reference
+from ._auto import moe_kernels_faster
+from ._checks import TOKEN_COMBINE_OP, check_backend
 from ._ops.aux_loss import fused_moe_aux_loss
 from ._ops.topk import fused_topk_with_score_function
 from .moe_ops import compute_grouped_dbias as compute_grouped_dbias
@@ -60,9 +62,10 @@ def moe(
     :func:`token_dispatch` and :func:`token_combine` on their kernels (the
     row copy, the weighted fp32 sum back and their fused backwards; with
     float64 ``x`` or more than ``CMB_MAX_EXPERTS`` (1024) experts, which the
-    kernels do not take, the argsort form); on ``"jax"`` and ``"auto"`` the
-    argsort form in jnp (``"auto"`` keeps the MoE ops on jax, docs/moe.md).
-    The experts are XLA's grouped GEMMs on every backend.
+    kernels do not take, the argsort form); on ``"jax"`` the argsort form in
+    jnp; on ``"auto"`` the kernels where the combine's measured rule picks
+    them for the block's ``T K`` rows (``gpurouter/_auto.py``), else the
+    argsort form. The experts are ``grouped_matmul`` on every backend.
 
     ``grouped_matmul`` is any function with ``jax.lax.ragged_dot``'s
     signature, e.g. a tuned Pallas grouped GEMM.
@@ -80,15 +83,23 @@ def moe(
         grouped_matmul=grouped_matmul,
         router=functools.partial(fused_topk_with_score_function, backend=backend),
         aux_loss=functools.partial(fused_moe_aux_loss, backend=backend),
-        permute=_kernel_permute() if backend == "numba" and _kernels_take(x, num_experts) else None,
+        permute=_kernel_permute() if _permute_on_kernels(x, num_experts, num_experts_per_tok, backend) else None,
     )
 
 
-def _kernels_take(x, num_experts: int) -> bool:
-    """True when the dispatch and combine kernels take this block's rows."""
-    from .kernels.moe_combine import CMB_MAX_EXPERTS
+def _permute_on_kernels(x, num_experts: int, topk: int, backend: str) -> bool:
+    """True when the block's dispatch and combine run on the kernels:
+    ``"numba"`` where they take the rows, ``"auto"`` where the combine's
+    measured rule (``gpurouter/_auto.py``) picks them for the ``T K x H`` rows."""
+    dtype = jnp.result_type(x)
+    if backend == "numba":
+        from .kernels.moe_combine import CMB_MAX_EXPERTS
 
-    return jnp.dtype(jnp.result_type(x)) != jnp.float64 and num_experts <= CMB_MAX_EXPERTS
+        return jnp.dtype(dtype) != jnp.float64 and num_experts <= CMB_MAX_EXPERTS
+    shape = jnp.shape(x)
+    rows = (math.prod(shape[:-1]) * topk * shape[-1]) if shape else 0
+    return backend == "auto" and _backend.resolve(TOKEN_COMBINE_OP, "auto", faster=lambda: moe_kernels_faster(
+        TOKEN_COMBINE_OP, "auto", rows, [dtype], num_experts)) == "numba"
 
 
 def _kernel_permute():

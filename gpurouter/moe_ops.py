@@ -12,16 +12,20 @@ kernels, its elementwise forward in jnp), ``token_combine`` (forward, and a
 backward giving ``d_inp`` and ``d_merging_probs`` in one pass) and
 ``token_dispatch`` (its integer index maps in jnp, the row copy and the
 backward's fp32 sum of the K copies on the kernels). ``"auto"`` (the
-default) runs the reference: the kernels have no GPU measurement against it
-yet (``tools/moe_bench.py``). The backend is checked before the arguments; the arguments are checked at trace
+default) runs the kernels where they measured faster than the reference
+(``gpurouter/_auto.py``: on a CUDA GPU with a device transport, from 2^23
+elements of the op's rows, the dispatch from 2^27), the reference elsewhere.
+The backend is checked before the arguments; the arguments are checked at trace
 time, with the reference's messages, on every backend.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from . import _backend
+from ._auto import moe_kernels_faster
 from ._checks import (
     GROUPED_DBIAS_DSCALES_OP,
     GROUPED_DBIAS_OP,
@@ -39,12 +43,36 @@ from ._checks import (
 from .reference import moe_ops as _ref
 
 
-def _numba(op: str, backend: str, transport: str) -> bool:
+def _numba(op: str, backend: str, transport: str, rows, *arrays, num_experts: int | None = None) -> bool:
     """True when ``op`` runs on the kernels: ``backend`` and ``transport``
-    checked, ``"auto"`` the reference (no GPU measurement yet)."""
+    checked; ``"auto"`` where they measured faster (``_auto.moe_kernels_faster``:
+    ``rows`` x hidden elements of the op's row buffer, ``arrays`` whose
+    dtypes the kernels must take; the last of ``arrays`` has the hidden size
+    last)."""
     check_moe_kernel_backend(op, backend)
     check_transport(op, transport)
-    return _backend.resolve(op, backend) == "numba"
+
+    def faster() -> bool:
+        shapes = [jnp.shape(a) for a in arrays]
+        if not shapes[-1]:
+            return False
+        return moe_kernels_faster(op, transport, int(rows) * int(shapes[-1][-1]),
+                                  [jnp.result_type(a) for a in arrays], num_experts)
+
+    return _backend.resolve(op, backend, faster=faster) == "numba"
+
+
+def _rows(a) -> int:
+    shape = jnp.shape(a)
+    return shape[0] if shape else 0
+
+
+def _experts(index_map, probs) -> int:
+    """E of a ``[T, E]`` map (a packed BITMAP_U8 map: ``probs``' E, else -1: unknown)."""
+    if probs is not None and len(jnp.shape(probs)) == 2:
+        return jnp.shape(probs)[1]
+    shape = jnp.shape(index_map)
+    return shape[1] if len(shape) == 2 and jnp.result_type(index_map) != jnp.uint8 else -1
 
 
 def _kernels():
@@ -73,11 +101,11 @@ def compute_grouped_dbias_dscales(
     Args:
       backend: ``"jax"`` (the reference), ``"numba"`` (the kernels: row chunks
         with per-group fp32 sums, no atomics, bit-identical run to run) or
-        ``"auto"`` (jax).
+        ``"auto"`` (the kernels where they measured faster, ``gpurouter/_auto.py``).
       transport: how the kernels reach JAX (``"auto"``, ``"callback"``,
         ``"zero-copy"``, ``"ffi"``), as for the router ops.
     """
-    if not _numba(GROUPED_DBIAS_DSCALES_OP, backend, transport):
+    if not _numba(GROUPED_DBIAS_DSCALES_OP, backend, transport, _rows(dy), scales, bias, dy):
         return _ref.compute_grouped_dbias_dscales(dy, scales, bias, offsets, dbias, dscales)
     check_grouped_dbias_dscales_args(dy, scales, bias, offsets, dbias, dscales)
     return _kernels().grouped_dbias_dscales(dy, scales, bias, offsets, dbias, dscales, transport)
@@ -97,10 +125,11 @@ def compute_grouped_dbias(
     See :func:`gpurouter.reference.moe_ops.compute_grouped_dbias`.
 
     Args:
-      backend: ``"jax"``, ``"numba"`` (the dbias/dscales kernels without scales) or ``"auto"`` (jax).
+      backend: ``"jax"``, ``"numba"`` (the dbias/dscales kernels without scales)
+        or ``"auto"`` (the measured rule, ``gpurouter/_auto.py``).
       transport: as for :func:`compute_grouped_dbias_dscales`.
     """
-    if not _numba(GROUPED_DBIAS_OP, backend, transport):
+    if not _numba(GROUPED_DBIAS_OP, backend, transport, _rows(dy), dy):
         return _ref.compute_grouped_dbias(dy, offsets, num_groups, dbias)
     _, _, g = check_grouped_dbias_args(dy, offsets, num_groups, dbias)
     return _kernels().grouped_dbias(dy, offsets, g, dbias, transport)
@@ -122,10 +151,10 @@ def grouped_scaled_bias_add(
 
     Args:
       backend: ``"jax"``, ``"numba"`` (jnp forward, the backward on the
-        :func:`compute_grouped_dbias_dscales` kernels) or ``"auto"`` (jax).
+        :func:`compute_grouped_dbias_dscales` kernels) or ``"auto"`` (the measured rule, ``gpurouter/_auto.py``).
       transport: as for :func:`compute_grouped_dbias_dscales`.
     """
-    if not _numba(SCALED_BIAS_ADD_OP, backend, transport):
+    if not _numba(SCALED_BIAS_ADD_OP, backend, transport, _rows(y), bias, scales, y):
         return _ref.grouped_scaled_bias_add(y, bias, scales, group_sizes)
     check_scaled_bias_add_args(y, bias, scales, group_sizes)
     return _kernels().grouped_scaled_bias_add(y, bias, scales, group_sizes, transport)
@@ -152,10 +181,11 @@ def token_dispatch(
       num_experts: ``E`` for a BITMAP_U8 ``routing_map`` without ``probs``.
       backend: ``"jax"``, ``"numba"`` (the index maps in jnp, the row copy on
         the kernels, the backward's K copies summed by the combine kernel) or
-        ``"auto"`` (jax).
+        ``"auto"`` (the measured rule, ``gpurouter/_auto.py``: from 2^27 output row elements).
       transport: as for :func:`compute_grouped_dbias_dscales`.
     """
-    if not _numba(TOKEN_DISPATCH_OP, backend, transport):
+    if not _numba(TOKEN_DISPATCH_OP, backend, transport, num_out_tokens,
+                  *([] if probs is None else [probs]), inp, num_experts=_experts(routing_map, probs)):
         return _ref.token_dispatch(inp, routing_map, num_out_tokens, probs, align_size,
                                    num_experts=num_experts)
     cfg = check_token_dispatch_args(inp, routing_map, num_out_tokens, probs, align_size, num_experts)
@@ -177,10 +207,11 @@ def token_combine(
 
     Args:
       backend: ``"jax"``, ``"numba"`` (a block per token; the backward gives
-        ``d_inp`` and ``d_merging_probs`` in one pass) or ``"auto"`` (jax).
+        ``d_inp`` and ``d_merging_probs`` in one pass) or ``"auto"`` (the measured rule, ``gpurouter/_auto.py``).
       transport: as for :func:`compute_grouped_dbias_dscales`.
     """
-    if not _numba(TOKEN_COMBINE_OP, backend, transport):
+    if not _numba(TOKEN_COMBINE_OP, backend, transport, _rows(inp),
+                  *([] if merging_probs is None else [merging_probs]), inp, num_experts=_experts(row_id_map, None)):
         return _ref.token_combine(inp, row_id_map, merging_probs, pad_offsets)
     check_token_combine_args(inp, row_id_map, merging_probs, pad_offsets)
     return _kernels().token_combine(inp, row_id_map, merging_probs, transport)

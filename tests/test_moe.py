@@ -237,3 +237,21 @@ def test_activation_names_are_the_checks():
     from gpurouter.reference.moe import ACTIVATIONS
 
     assert tuple(ACTIVATIONS) == MOE_ACTIVATIONS
+
+
+def test_auto_block_permutes_on_the_kernels_where_the_rule_says(monkeypatch):
+    """backend="auto": the dispatch/combine kernels for the block's T K x H rows
+    where the combine's measured rule picks them (a device transport faked)."""
+    from gpurouter import _auto, _backend, _transport
+
+    monkeypatch.setattr(_backend, "zero_copy_available", lambda: True)
+    monkeypatch.setattr(_transport, "resolve_transport", lambda op, t: "ffi")
+    h, k = 256, 8
+    t = _auto.AUTO_MOE_MIN_ELEMENTS // (h * k)
+    x = jnp.zeros((t, h), jnp.bfloat16)
+    assert gmoe._permute_on_kernels(x, 64, k, "auto")
+    assert not gmoe._permute_on_kernels(x[:-1], 64, k, "auto")
+    assert not gmoe._permute_on_kernels(x, 64, k, "jax")
+    assert not gmoe._permute_on_kernels(x.astype(jnp.float32)[None], 2048, k, "auto")  # E past the kernels'
+    monkeypatch.setattr(_backend, "zero_copy_available", lambda: False)  # JAX not on a GPU
+    assert not gmoe._permute_on_kernels(x, 64, k, "auto")

@@ -585,3 +585,39 @@ def test_numba_transports_agree_on_a_gpu(transport):
 
     for a, want in zip(run(transport=transport), run(), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(want))
+
+
+def test_auto_runs_the_kernels_where_they_measured_faster(monkeypatch):
+    """gpurouter/_auto.py: with a device transport (faked), the MoE ops on the
+    kernels from AUTO_MOE_MIN_ELEMENTS row elements (the dispatch from
+    AUTO_DISPATCH_MIN_ELEMENTS output row elements), never float64, never an
+    unknown or too large E, never the host callback."""
+    from gpurouter import _auto, _backend, _transport
+    from gpurouter.kernels.moe_combine import CMB_MAX_EXPERTS
+
+    f32, f64, bf16 = jnp.float32, jnp.float64, jnp.bfloat16
+    n = _auto.AUTO_MOE_MIN_ELEMENTS
+    monkeypatch.setattr(_transport, "resolve_transport", lambda op, t: "ffi")
+    assert _auto.moe_kernels_faster(COM, "auto", n, [bf16, f32], 128)
+    assert not _auto.moe_kernels_faster(COM, "auto", n - 1, [bf16], 128)
+    assert not _auto.moe_kernels_faster(COM, "auto", n, [f64], 128)
+    assert not _auto.moe_kernels_faster(COM, "auto", n, [bf16], CMB_MAX_EXPERTS + 1)
+    assert not _auto.moe_kernels_faster(DIS, "auto", n, [bf16], -1)  # a packed map without probs
+    assert not _auto.moe_kernels_faster(DIS, "auto", _auto.AUTO_DISPATCH_MIN_ELEMENTS - 1, [bf16], 128)
+    assert _auto.moe_kernels_faster(DIS, "auto", _auto.AUTO_DISPATCH_MIN_ELEMENTS, [bf16], 128)
+    assert _auto.moe_kernels_faster(DB, "auto", n, [f32])
+    monkeypatch.setattr(_transport, "resolve_transport", lambda op, t: "callback")
+    assert not _auto.moe_kernels_faster(DB, "auto", 1 << 40, [f32])
+
+    # what each public op asks: its rows times hidden, its arrays' dtypes, its E
+    monkeypatch.setattr(_transport, "resolve_transport", lambda op, t: "ffi")
+    asked = []
+    import gpurouter.moe_ops as mo_module
+
+    monkeypatch.setattr(mo_module, "moe_kernels_faster", lambda *a: asked.append(a) or False)
+    monkeypatch.setattr(_backend, "resolve", lambda op, b, faster=None: faster() and "numba" or "jax")
+    for op in OPS:
+        getattr(mo, op)(*_valid_args(op))
+    rows = {DBS: 4 * 3, DB: 4 * 3, SBA: 4 * 3, DIS: 4 * 3, COM: 4 * 3}
+    assert [(a[0], a[2]) for a in asked] == [(op, rows[op]) for op in OPS]
+    assert asked[OPS.index(DIS)][4] == 5 and asked[OPS.index(COM)][4] == 5
