@@ -175,6 +175,34 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
             acc[k] = _ZERO
 
     @cuda.jit(device=True)
+    def switch(acc, val, bia, cur, gg, offsets, n, cs, c, dbias, db_in, part, bias, ubase, nl, units, h):
+        """Group ``gg`` begins: the sums of ``cur`` flushed, ``gg``'s bias units loaded; returns ``gg``."""
+        if cur >= 0:
+            flush(acc, val, cur, offsets, n, cs, c, dbias, db_in, part, ubase, nl, units, h)
+        if has_scales:
+            for k in range(q):
+                u = ubase + k * nl
+                if u < units:
+                    load_b(bias, gg, u, units, h, bia, k * uw)
+        return gg
+
+    @cuda.jit(device=True)
+    def take(raw, hr, sv, acc, bia, val):
+        """Held row ``hr`` added to the sums (times ``sv``); returns its partial dot with the bias units."""
+        dot = _ZERO
+        for k in range(q):
+            o = 4 * (hr * q + k)
+            unpack(raw[o], raw[o + 1], raw[o + 2], raw[o + 3], val, 0)
+            for j in range(uw):
+                x = val[j]
+                if has_scales:
+                    acc[k * uw + j] = np.float32(acc[k * uw + j] + np.float32(x * sv))
+                    dot = np.float32(dot + np.float32(x * bia[k * uw + j]))
+                else:
+                    acc[k * uw + j] = np.float32(acc[k * uw + j] + x)
+        return dot
+
+    @cuda.jit(device=True)
     def issue(dy, raw, gid, r0, rows, cs, ubase, nl, units, h):
         """Every load of the held rows ``r0 ..`` at once (raw words; rows no group owns: never loaded)."""
         for hr in range(hold):
@@ -246,41 +274,30 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
         for r0 in range(0, rows, hold):
             for hr in range(hold):
                 dots[hr] = _ZERO
-            # The held rows in segments of one group (a group's rows are contiguous).
-            h0 = np.int32(0)
-            while h0 < hold:
-                gg = gid[r0 + h0]
-                if gg >= 0 and gg != cur:
-                    if cur >= 0:
-                        flush(acc, val, cur, offsets, n, cs, c, dbias, db_in, part, ubase, nl, units, h)
-                    cur = gg
-                    if has_scales:
-                        for k in range(q):
-                            u = ubase + k * nl
-                            if u < units:
-                                load_b(bias, cur, u, units, h, bia, k * uw)
-                seg = np.int32(0)
-                run = True  # the segment ends at the first row of another group (-1 rows: both ends)
+            g0 = gid[r0]
+            if g0 >= 0 and gid[r0 + hold - 1] == g0:  # the batch inside one group (its rows are contiguous):
+                if g0 != cur:  # no per-row group tests
+                    cur = switch(acc, val, bia, cur, g0, offsets, n, cs, c, dbias, db_in, part, bias, ubase, nl,
+                                 units, h)
                 for hr in range(hold):  # unrolled: the held words stay in registers
-                    if hr >= h0 and run:
-                        run = gid[r0 + hr] == gg
-                    if hr >= h0 and run:
-                        seg += 1
-                        if gg >= 0:
-                            sv = srow[r0 + hr]
-                            dot = _ZERO
-                            for k in range(q):
-                                o = 4 * (hr * q + k)
-                                unpack(raw[o], raw[o + 1], raw[o + 2], raw[o + 3], val, 0)
-                                for j in range(uw):
-                                    x = val[j]
-                                    if has_scales:
-                                        acc[k * uw + j] = np.float32(acc[k * uw + j] + np.float32(x * sv))
-                                        dot = np.float32(dot + np.float32(x * bia[k * uw + j]))
-                                    else:
-                                        acc[k * uw + j] = np.float32(acc[k * uw + j] + x)
-                            dots[hr] = dot
-                h0 += seg
+                    dots[hr] = take(raw, hr, srow[r0 + hr], acc, bia, val)
+            else:  # the held rows in segments of one group
+                h0 = np.int32(0)
+                while h0 < hold:
+                    gg = gid[r0 + h0]
+                    if gg >= 0 and gg != cur:
+                        cur = switch(acc, val, bia, cur, gg, offsets, n, cs, c, dbias, db_in, part, bias, ubase,
+                                     nl, units, h)
+                    seg = np.int32(0)
+                    run = True  # the segment ends at the first row of another group (-1 rows: both ends)
+                    for hr in range(hold):
+                        if hr >= h0 and run:
+                            run = gid[r0 + hr] == gg
+                        if hr >= h0 and run:
+                            seg += 1
+                            if gg >= 0:
+                                dots[hr] = take(raw, hr, srow[r0 + hr], acc, bia, val)
+                    h0 += seg
             if r0 + hold < rows:  # the next batch's loads go out before this batch's barriers
                 issue(dy, raw, gid, r0 + hold, rows, cs, ubase, nl, units, h)
             if has_scales:  # each warp's sums of the held rows' dots: no block barrier
