@@ -162,14 +162,10 @@ def test_kernel_modules_never_move_arrays():
 
 
 def test_no_warp_intrinsics():
-    # the simulator has none of them; the kernels use shared memory + syncthreads only, and the
-    # one warp barrier, _device.warp_barrier (a GPU instruction with a simulator twin, docs/kernels.md)
+    # the simulator has none of them; the kernels use shared memory + syncthreads only
     for path in KERNELS.glob("*.py"):
-        src = path.read_text()
-        if path.name == "_device.py":
-            assert src.count("syncwarp") == 2, "_device.py: syncwarp only in warp_barrier (and its docstring)"
-            src = src.replace("syncwarp", "")
-        assert not re.search(r"shfl_|syncwarp|ballot_sync|all_sync|any_sync|activemask", src), path.name
+        assert not re.search(r"shfl_|syncwarp|ballot_sync|all_sync|any_sync|activemask",
+                             path.read_text()), path.name
 
 
 def test_compat_imported_first():

@@ -1,6 +1,6 @@
 """fp32 device helpers shared by every kernel: the fp32 constants, the fast
-``exp`` / ``1/x`` / ``fmax`` / ``fmin`` and the warp barrier (GPU instructions,
-with simulator twins chosen once per process), the score functions and their derivatives, and the
+``exp`` / ``1/x`` / ``fmax`` / ``fmin`` (GPU instructions, with simulator twins
+chosen once per process), the score functions and their derivatives, and the
 unsigned index casts.
 
 Every float literal that meets fp32 data is one of these constants: numba
@@ -24,7 +24,7 @@ __all__ = [
     "ALL_SET", "B0", "B1", "B2", "B3", "N0", "N1", "N2", "N3",
     "EPS", "EXP_CLAMP", "NAN", "NEG_INF", "ONE", "SIGMOID", "SOFTMAX", "SOFTPLUS_THRESHOLD", "SQRTSOFTPLUS",
     "TWO", "ZERO", "activation", "activation_grad", "exp_f32", "fmax_f32", "fmin_f32", "nan_as_neg_inf",
-    "rcp_f32", "sigmoid", "sqrtsoftplus", "u32", "u64", "warp_barrier",
+    "rcp_f32", "sigmoid", "sqrtsoftplus", "u32", "u64",
 ]
 
 # fp32 constants: numba types bare Python floats as float64, so every literal
@@ -83,12 +83,6 @@ if simulator_enabled():
     def nan_as_neg_inf(a):
         return NEG_INF if a != a else a
 
-    @cuda.jit(device=True)
-    def warp_barrier(mask):
-        """The simulator has no warp barrier: a block barrier (every lane of the
-        block must reach it, as many times: callers call it uniformly)."""
-        cuda.syncthreads()
-
 else:
     from numba.cuda import libdevice
 
@@ -121,13 +115,6 @@ else:
     def nan_as_neg_inf(a):
         """``a``, NaN as -inf: one fmaxf (the max of NaN and -inf is -inf)."""
         return libdevice.fmaxf(a, NEG_INF)
-
-    @cuda.jit(device=True)
-    def warp_barrier(mask):
-        """``__syncwarp(mask)``: the warp's lanes in ``mask`` wait for each other and
-        see each other's shared-memory writes (no block barrier: the block's other
-        warps go on).  Callers call it uniformly (the simulator twin is a block barrier)."""
-        cuda.syncwarp(mask)
 
 
 @cuda.jit(device=True)

@@ -1,6 +1,5 @@
 """Row units of the token-level MoE streaming kernels, and the lanes'
-fixed-order sums of their row dots (``lane_sums``: a block's lanes, two block
-barriers; ``warp_sums``: each warp's lanes, two warp barriers).
+fixed-order sums of their row dots.
 
 Row units (``row_mode``, ``row_io``, ``cols_io``): the kernels move 16 bytes
 per access where the layout allows it.  A bf16 row with ``H % 8 == 0`` is cut
@@ -24,7 +23,6 @@ import numpy as np
 from numba import cuda
 
 from . import _launch as L
-from ._device import warp_barrier
 from ._plan import Spec
 from .moe_io import _HIGH, _U16, _ZERO, bf16_bits, flat_view, unit_io
 
@@ -202,51 +200,3 @@ def lane_sums(hold: int):
         return s
 
     return lane_sums_stage, lane_sums_total
-
-
-#: lanes of a hardware warp: ``warp_sums`` sums the row dots of each warp's lanes
-WARP = 32
-
-
-@functools.cache
-def warp_sums(hold: int):
-    """``sums(red, red2, part, lane, nl, out, obase, ostride)``: for each warp
-    ``w`` of a block's ``nl`` lanes (``min(32, nl)`` lanes each; ``nl`` a power of
-    two below 32, a multiple of 32 above), the fixed-order sum over its lanes of
-    their ``hold`` partials (``part``, a local array): written to
-    ``out[obase + k ostride + w]`` for row ``k < hold``.  Each warp uses its own
-    ``hold * 32`` words of ``red`` and of ``red2`` (shared); two warp barriers and
-    no block barrier, so the warps of a block never wait on each other.  Stage 1:
-    ``P = max(1, ww / hold)`` lanes per row sum strided lanes (``j = p, p + P,
-    ..``); stage 2: one lane per row sums the ``P`` sums in order.  The order
-    depends on the block size alone.  On the simulator the barriers are block
-    barriers (``_device.warp_barrier``'s twin): the same sums, the same bits."""
-
-    @cuda.jit(device=True)
-    def warp_sums_of_rows(red, red2, part, lane, nl, out, obase, ostride):
-        ww = min(np.int32(WARP), nl)
-        mask = np.uint32(0xFFFFFFFF) if ww >= WARP else np.uint32((np.uint32(1) << np.uint32(ww)) - np.uint32(1))
-        w = lane // ww
-        wl = lane - w * ww
-        base = w * (hold * WARP)
-        for k in range(hold):
-            red[base + k * ww + wl] = part[k]
-        # Barrier (the warp's lanes): the warp's partials are in.
-        warp_barrier(mask)
-        parts = max(np.int32(1), ww // hold)
-        for idx in range(wl, hold * parts, ww):
-            k = idx // parts
-            p = idx - k * parts
-            s = _ZERO
-            for j in range(p, ww, parts):
-                s = np.float32(s + red[base + k * ww + j])
-            red2[base + idx] = s
-        # Barrier (the warp's lanes): the stage-1 sums are in (and ``red`` is free again).
-        warp_barrier(mask)
-        for k in range(wl, hold, ww):
-            s = _ZERO
-            for p in range(parts):
-                s = np.float32(s + red2[base + k * parts + p])
-            out[obase + k * ostride + w] = s
-
-    return warp_sums_of_rows

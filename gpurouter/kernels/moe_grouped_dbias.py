@@ -18,7 +18,7 @@ consecutive lanes read consecutive units, every warp load is coalesced).
 A lane walks the chunk's rows in order, ``DB_HOLD_ROWS`` rows at a time (all
 their loads issued before any is used: ``Q * DB_HOLD_ROWS`` loads in flight per
 thread, kept as raw words in registers; the next batch's loads go out before
-this batch's dscales warp sums), takes the held rows in runs of one group,
+this batch's dscales barriers), takes the held rows in runs of one group,
 keeps ``s[i] dy[i]`` summed in fp32 registers for the current group and
 flushes the sum when the group changes:
 
@@ -33,21 +33,16 @@ the empty groups (0, or the given dbias).  ``part`` is a plan scratch array
 Without scales (no dots, no barriers) the kernel has its own batch, chunk and
 register cap (``rows_knobs``): more threads with fewer loads each ran faster.
 
-``dscales``: each lane's partial dot over its units (fixed order); per held
-row, each warp sums its 32 lanes' partials in shared memory in two stages
-(``_moe_rows.warp_sums``: two warp barriers, no block barrier, so a block's
-warps stream their rows independently) into ``wpart[row, warp]``; at the
-chunk's end one block barrier, and a row's warp sums are added in warp order.
-(The block-wide sum before it cost two block barriers every ``DB_HOLD_ROWS``
-rows: 129.8 µs against 76.5 µs without scales on an H200, 8e8657c.)  With one
-column block that is ``dscales``; with several (more units than Q
-DB_MAX_LANES) each writes a partial row ``dsp[cb]`` and kernel 3 sums them in
-column-block order.  Every order is fixed by the shapes: the results are
-bit-identical run to run.
+``dscales``: each lane's partial dot over its units (fixed order), then per
+held row a two-stage sum over the lanes in shared memory (``P = W / hold``
+lanes per row sum strided lanes, one lane sums the P partials; two barriers
+per ``DB_HOLD_ROWS`` rows, ``_moe_rows.lane_sums``).  With one column block
+that is ``dscales``; with several (more units than Q DB_MAX_LANES) each writes a partial row ``dsp[cb]``
+and kernel 3 sums them in column-block order.  Every order is fixed by the
+shapes: the results are bit-identical run to run.
 
-No warp shuffles or votes (shared memory and barriers only): the warp
-barrier is ``_device.warp_barrier`` (the warp barrier instruction on the GPU, a
-block barrier on the simulator: the same sums in the same order, the same bits).
+No warp intrinsics (shared memory and barriers only): the simulator runs the
+same kernels.
 """
 
 from __future__ import annotations
@@ -62,7 +57,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from . import _launch as L
-from ._moe_rows import WARP, cols_io, row_io, row_mode, row_units, row_width, warp_sums
+from ._moe_rows import cols_io, lane_sums, row_io, row_mode, row_units, row_width
 from .moe_io import _ONE, _ZERO, moe_jit, pow2_at_least, scalar_io, unit_io
 
 OP = "compute_grouped_dbias_dscales"
@@ -146,9 +141,8 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
     acc_words = uw * q
     raw_words = 4 * q * hold
     red_words = hold * max_lanes
-    wsums = warp_sums(hold)
+    stage, total = lane_sums(hold)
     cpad = -(-chunk // hold) * hold  # the group list padded to whole batches (-1 past the chunk)
-    wpart_words = cpad * -(-max_lanes // WARP)  # [chunk row, warp] (warps per block at most)
 
     @cuda.jit(device=True)
     def flush(acc, tmp, cur, offsets, n, cs, c, dbias, db_in, part, ubase, nl, units, h):
@@ -173,34 +167,6 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
                     store_f(part, dest, u, units, h, acc, k * uw)
         for k in range(acc_words):
             acc[k] = _ZERO
-
-    @cuda.jit(device=True)
-    def switch(acc, val, bia, cur, gg, offsets, n, cs, c, dbias, db_in, part, bias, ubase, nl, units, h):
-        """Group ``gg`` begins: the sums of ``cur`` flushed, ``gg``'s bias units loaded; returns ``gg``."""
-        if cur >= 0:
-            flush(acc, val, cur, offsets, n, cs, c, dbias, db_in, part, ubase, nl, units, h)
-        if has_scales:
-            for k in range(q):
-                u = ubase + k * nl
-                if u < units:
-                    load_b(bias, gg, u, units, h, bia, k * uw)
-        return gg
-
-    @cuda.jit(device=True)
-    def take(raw, hr, sv, acc, bia, val):
-        """Held row ``hr`` added to the sums (times ``sv``); returns its partial dot with the bias units."""
-        dot = _ZERO
-        for k in range(q):
-            o = 4 * (hr * q + k)
-            unpack(raw[o], raw[o + 1], raw[o + 2], raw[o + 3], val, 0)
-            for j in range(uw):
-                x = val[j]
-                if has_scales:
-                    acc[k * uw + j] = np.float32(acc[k * uw + j] + np.float32(x * sv))
-                    dot = np.float32(dot + np.float32(x * bia[k * uw + j]))
-                else:
-                    acc[k * uw + j] = np.float32(acc[k * uw + j] + x)
-        return dot
 
     @cuda.jit(device=True)
     def issue(dy, raw, gid, r0, rows, cs, ubase, nl, units, h):
@@ -237,9 +203,8 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
     ):
         gid = cuda.shared.array(cpad, int32)  # the chunk's rows' groups (-1: none)
         srow = cuda.shared.array(cpad, float32)  # their scales
-        red = cuda.shared.array(red_words, float32)  # per warp [hold, 32]: lane partial dots
-        red2 = cuda.shared.array(red_words, float32)  # per warp [hold, P]: stage-1 sums
-        wpart = cuda.shared.array(wpart_words, float32)  # [chunk row, warp]: the warps' sums
+        red = cuda.shared.array(red_words, float32)  # [hold, W] lane partial dots
+        red2 = cuda.shared.array(red_words, float32)  # [hold, P] stage-1 sums
         acc = cuda.local.array(acc_words, float32)
         bia = cuda.local.array(acc_words, float32)
         raw = cuda.local.array(raw_words, float32)
@@ -267,57 +232,65 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
             bia[k] = _ZERO
         cur = np.int32(-1)
         ubase = cb * (nl * q) + lane
-        nw = (nl + np.int32(WARP - 1)) // np.int32(WARP)  # warps of the block
+        parts = max(np.int32(1), np.int32(nl // hold))  # P: stage-1 summers per row
         # Barrier: every lane reads the chunk's groups and scales.
         cuda.syncthreads()
         issue(dy, raw, gid, 0, rows, cs, ubase, nl, units, h)
         for r0 in range(0, rows, hold):
             for hr in range(hold):
                 dots[hr] = _ZERO
-            g0 = gid[r0]
-            if g0 >= 0 and gid[r0 + hold - 1] == g0:  # the batch inside one group (its rows are contiguous):
-                if g0 != cur:  # no per-row group tests
-                    cur = switch(acc, val, bia, cur, g0, offsets, n, cs, c, dbias, db_in, part, bias, ubase, nl,
-                                 units, h)
+            # The held rows in segments of one group (a group's rows are contiguous).
+            h0 = np.int32(0)
+            while h0 < hold:
+                gg = gid[r0 + h0]
+                if gg >= 0 and gg != cur:
+                    if cur >= 0:
+                        flush(acc, val, cur, offsets, n, cs, c, dbias, db_in, part, ubase, nl, units, h)
+                    cur = gg
+                    if has_scales:
+                        for k in range(q):
+                            u = ubase + k * nl
+                            if u < units:
+                                load_b(bias, cur, u, units, h, bia, k * uw)
+                seg = np.int32(0)
+                run = True  # the segment ends at the first row of another group (-1 rows: both ends)
                 for hr in range(hold):  # unrolled: the held words stay in registers
-                    dots[hr] = take(raw, hr, srow[r0 + hr], acc, bia, val)
-            else:  # the held rows in segments of one group
-                h0 = np.int32(0)
-                while h0 < hold:
-                    gg = gid[r0 + h0]
-                    if gg >= 0 and gg != cur:
-                        cur = switch(acc, val, bia, cur, gg, offsets, n, cs, c, dbias, db_in, part, bias, ubase,
-                                     nl, units, h)
-                    seg = np.int32(0)
-                    run = True  # the segment ends at the first row of another group (-1 rows: both ends)
-                    for hr in range(hold):
-                        if hr >= h0 and run:
-                            run = gid[r0 + hr] == gg
-                        if hr >= h0 and run:
-                            seg += 1
-                            if gg >= 0:
-                                dots[hr] = take(raw, hr, srow[r0 + hr], acc, bia, val)
-                    h0 += seg
+                    if hr >= h0 and run:
+                        run = gid[r0 + hr] == gg
+                    if hr >= h0 and run:
+                        seg += 1
+                        if gg >= 0:
+                            sv = srow[r0 + hr]
+                            dot = _ZERO
+                            for k in range(q):
+                                o = 4 * (hr * q + k)
+                                unpack(raw[o], raw[o + 1], raw[o + 2], raw[o + 3], val, 0)
+                                for j in range(uw):
+                                    x = val[j]
+                                    if has_scales:
+                                        acc[k * uw + j] = np.float32(acc[k * uw + j] + np.float32(x * sv))
+                                        dot = np.float32(dot + np.float32(x * bia[k * uw + j]))
+                                    else:
+                                        acc[k * uw + j] = np.float32(acc[k * uw + j] + x)
+                            dots[hr] = dot
+                h0 += seg
             if r0 + hold < rows:  # the next batch's loads go out before this batch's barriers
                 issue(dy, raw, gid, r0 + hold, rows, cs, ubase, nl, units, h)
-            if has_scales:  # each warp's sums of the held rows' dots: no block barrier
-                wsums(red, red2, dots, lane, nl, wpart, r0 * nw, nw)
+            if has_scales:
+                stage(red, red2, dots, lane, nl, parts)
+                for hr in range(lane, hold, nl):
+                    r = r0 + hr
+                    if r < rows:
+                        s = total(red2, hr, parts)
+                        i = cs + r
+                        if final_ds:
+                            if has_ds_in:
+                                s = np.float32(s + ds_in[i])
+                            dscales[i] = s
+                        else:
+                            dsp[cb * n + i] = s
         if cur >= 0:
             flush(acc, val, cur, offsets, n, cs, c, dbias, db_in, part, ubase, nl, units, h)
-        if has_scales:
-            # Barrier: every warp's sums of the chunk's rows are in.
-            cuda.syncthreads()
-            for r in range(lane, rows, nl):  # the warps' sums in warp order
-                s = _ZERO
-                for w in range(nw):
-                    s = np.float32(s + wpart[r * nw + w])
-                i = cs + r
-                if final_ds:
-                    if has_ds_in:
-                        s = np.float32(s + ds_in[i])
-                    dscales[i] = s
-                else:
-                    dsp[cb * n + i] = s
 
     return grouped_dbias_rows_kernel
 
