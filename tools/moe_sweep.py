@@ -1,11 +1,13 @@
 """Tile-knob sweep of the token-level MoE kernels (GPU): each variant's
 ``kernel_us`` per op at one shape, the way ``moe_bench.py`` times them.
 
-``python tools/moe_sweep.py [--shape qwen3] [--repeats 30] [--variants 'DB_HOLD_ROWS=4;CMB_HOLD=4,CMB_MAX_REGS=64']``
+``python tools/moe_sweep.py [--shape qwen3] [--repeats 30] [--variants 'DB_HOLD_ROWS=4;CMB_HOLD=4,CMB_MAX_REGS=64']
+[--ops dbias_dscales,dbias]``
 
 A variant is a comma-separated list of ``NAME=int`` module constants of
 ``moe_grouped_dbias`` (``DB_*``) or ``moe_combine`` (``CMB_*``); the plans are
-re-made for each.  The first variant is the modules' defaults.
+re-made for each.  The first variant is the modules' defaults.  ``--ops``: only
+these ops (default: all six).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main():
     ap.add_argument("--shape", default="qwen3")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--variants", default="")
+    ap.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     a = ap.parse_args()
     sh = SHAPES[a.shape]
     t, h, e, k = sh["T"], sh["H"], sh["E"], sh["K"]
@@ -65,18 +68,24 @@ def main():
     spin = spin_kernel()
     for variant in [""] + [v for v in a.variants.split(";") if v]:
         old = _set(variant)
+        ops = {  # name: (plan, argument lists), made only when timed
+            "dbias_dscales": lambda: (K.grouped_dbias_dscales_plan(zs, spec_for((n,), f32), spec_for((e, h), bf),
+                                                                   spec_for((e + 1,), i32)),
+                                      [[d, sc, bias, d_off] for d in big]),
+            "dbias": lambda: (K.grouped_dbias_dscales_plan(zs, None, None, spec_for((e + 1,), i32)),
+                              [[d, d_off] for d in big]),
+            "combine_fwd": lambda: (P.token_combine_fwd_plan(zs, rs, ws), [[z, d_rid, d_w] for z in big]),
+            "combine_bwd": lambda: (P.token_combine_bwd_plan(spec_for((t, h), bf), zs, rs, ws),
+                                    [[g, z, d_rid, d_w] for g, z in zip(small, big, strict=True)]),
+            "dispatch_fwd": lambda: (P.token_dispatch_fwd_plan(spec_for((t, h), bf), rs, n),
+                                     [[x, d_rid] for x in small]),
+            "dispatch_bwd": lambda: (P.token_combine_fwd_plan(zs, rs), [[z, d_rid] for z in big]),
+        }
+        wanted = [o for o in a.ops.split(",") if o] or list(ops)
         row = {}
-        plan = K.grouped_dbias_dscales_plan(zs, spec_for((n,), f32), spec_for((e, h), bf), spec_for((e + 1,), i32))
-        row["dbias_dscales"] = kernel_us(plan, [[d, sc, bias, d_off] for d in big], a.repeats, spin)
-        plan = K.grouped_dbias_dscales_plan(zs, None, None, spec_for((e + 1,), i32))
-        row["dbias"] = kernel_us(plan, [[d, d_off] for d in big], a.repeats, spin)
-        row["combine_fwd"] = kernel_us(P.token_combine_fwd_plan(zs, rs, ws), [[z, d_rid, d_w] for z in big],
-                                       a.repeats, spin)
-        row["combine_bwd"] = kernel_us(P.token_combine_bwd_plan(spec_for((t, h), bf), zs, rs, ws),
-                                       [[g, z, d_rid, d_w] for g, z in zip(small, big, strict=True)], a.repeats, spin)
-        row["dispatch_fwd"] = kernel_us(P.token_dispatch_fwd_plan(spec_for((t, h), bf), rs, n),
-                                        [[x, d_rid] for x in small], a.repeats, spin)
-        row["dispatch_bwd"] = kernel_us(P.token_combine_fwd_plan(zs, rs), [[z, d_rid] for z in big], a.repeats, spin)
+        for name in wanted:
+            plan, args = ops[name]()
+            row[name] = kernel_us(plan, args, a.repeats, spin)
         print(f"{variant or 'defaults':<48} " + " ".join(f"{k}={v:.1f}" for k, v in row.items()), flush=True)
         for name, (mod, v) in old.items():
             setattr(mod, name, v)

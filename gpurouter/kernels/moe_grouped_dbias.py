@@ -131,8 +131,11 @@ def _group_of(offsets, i, g, n):
 
 @functools.cache
 def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in, final_ds,
-                 q, hold, chunk, max_regs, max_lanes):
-    """Kernel 1 (module docstring), specialised on the kinds, the flags and the tile constants."""
+                 q, hold, chunk, max_regs, lanes):
+    """Kernel 1 (module docstring), specialised on the kinds, the flags and the tile constants, the
+    block's ``lanes`` included (a constant: the lane sums' loops unrolled, their divisions shifts;
+    ptxas sm_90 at the Qwen3-like shape: 90 registers instead of 124, 64 at DB_HOLD_ROWS = 4
+    with no spill)."""
     load_dy, unpack, _ = row_io(dy_kind, mode)
     load_b = cols_io(b_kind, mode)[0]
     load_f, store_f = cols_io(L.F32, mode)
@@ -140,7 +143,7 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
     uw = row_width(mode)
     acc_words = uw * q
     raw_words = 4 * q * hold
-    red_words = hold * max_lanes
+    red_words = hold * lanes
     stage, total = lane_sums(hold)
     cpad = -(-chunk // hold) * hold  # the group list padded to whole batches (-1 past the chunk)
 
@@ -211,7 +214,7 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
         val = cuda.local.array(uw, float32)
         dots = cuda.local.array(hold, float32)
         lane = np.int32(cuda.threadIdx.x)
-        nl = np.int32(cuda.blockDim.x)
+        nl = np.int32(lanes)  # the block size (the plan launches ``lanes`` threads)
         blk = np.int64(cuda.blockIdx.x)
         c = blk // ncb
         cb = blk - c * ncb

@@ -93,6 +93,8 @@ def test_launchers_vs_oracle(small_tiles, dtype, n, h, offsets):
                                               # changing mid-batch, one row long, empty; head and tail rows
     (7, 2, 3, 30, 24, [0, 4, 5, 29]),         # 3 units over 2 lanes (one idle); a group over 4 chunks
     (8, 4, 8, 8, 40, [0, 3, 8]),              # one chunk, one batch; 5 units, 2 column blocks of 4 lanes
+    (6, 64, 4, 15, 320, [0, 5, 6, 14]),       # 40 units over 64 lanes: two warps (the second part idle),
+                                              # each summing its lanes' dots, then the warps in order
 ])
 def test_row_units_batches_and_column_blocks(small_tiles, rows, lanes, batch, n, h, offsets):
     """Kernel 1's tiling edges at bf16 (16-byte units of eight columns): load
