@@ -43,14 +43,15 @@ def _lse64(x):
 
 
 #: (label, _tiling knobs): (threads, held vectors, blocks at most, prefetch, hints) each way
-SWEEP = [("units", dict(Z_VEC_MAX_HOLD=0)), ("final 128", dict(Z_FINAL_THREADS=128))] + [
+SWEEP = [("units", dict(Z_VEC_MAX_HOLD=0)), ("final 128", dict(Z_FINAL_THREADS=128)),
+         ("final 32", dict(Z_FINAL_THREADS=32))] + [
     (f"vec {v}", dict(Z_VEC_FWD=v, Z_VEC_BWD=v)) for v in (
-        (256, 4, 396, True, False), (128, 2, 1024, True, True), (256, 4, 396, True, True),
-        (256, 4, 396, False, False), (256, 4, 512, True, False), (256, 4, 264, True, False),
-        (256, 4, 1 << 20, False, False), (128, 4, 924, True, False), (128, 4, 924, True, True),
-        (256, 8, 396, False, False), (256, 8, 512, False, False), (256, 8, 1024, False, True),
-        (256, 2, 512, True, True), (128, 2, 1024, True, False), (128, 2, 2048, False, True),
-        (512, 4, 264, True, False))
+        (256, 4, 396, True, False), (256, 4, 396, False, False), (256, 4, 396, True, True),
+        (256, 4, 528, True, False), (256, 4, 1 << 20, False, False), (256, 4, 1 << 20, False, True),
+        (128, 4, 792, True, False), (512, 4, 264, True, False), (256, 8, 264, True, False),
+        (256, 8, 396, False, False), (256, 2, 396, True, False), (256, 2, 1024, True, True),
+        (128, 2, 1024, True, True), (128, 2, 2048, False, True), (128, 1, 1 << 20, False, True),
+        (256, 1, 1 << 20, False, False))
 ]
 
 

@@ -325,7 +325,7 @@ def router_z_loss_fwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: in
     if vec:
         grid, threads, lanes, vecs, hold, iters = vec
         kern = z_loss_vec_rows_kernel(logits.kind, hold, lanes, *_tiling.Z_VEC_FWD[3:])
-        steps.append(Step(kern, grid, threads, 4 * (4 * threads + threads // lanes),
+        steps.append(Step(kern, grid, threads, 4 * (threads + threads // lanes),
                           (In(0, word_view(logits)), Out(1), Tmp(0), num_tokens, vecs, iters)))
     elif grid:
         tb = threads // lanes

@@ -16,14 +16,19 @@ element, fp32 logits as slow as bf16): here an element costs about four
 of a bf16 row is taken two experts an instruction, the gradient packed two
 a ``cvt``.
 
-Forward: a lane takes its max ``m_l`` (fmaxf drops NaN; the sum keeps it),
-then ``s_l = sum 2^(fma(x, log2 e, -m_l log2 e))``: one exp per element, no
-online rescale.  The W pairs go through shared memory (two slots by group
-parity: one barrier per group); lane 0 takes ``M = max m_l``,
-``S = sum_l s_l 2^(sh2(m_l) - sh2(M))`` in lane order, writes ``lse`` and adds
-``lse^2`` to its own running sum in row order; at the end thread 0 sums the
-block's TB running sums in slot order into ``partial[b]``.  Every order is
-fixed: bit-identical run to run.
+Forward: a lane takes the max of its vectors (fmaxf drops NaN; the sum keeps
+it), the W lanes' maxima give the row's ``M`` (``_z_loss_io.lane_reducers``:
+a butterfly of warp shuffles, log2 W steps, every lane gets ``M``), then each
+lane ``s_l = sum 2^(fma(x, log2 e, -sh2(M)))`` (one exp an element, no
+rescale at all), and the W sums in a fixed pairwise tree in lane order give
+``S``; lane 0 writes ``lse`` and adds ``lse^2`` to its own running sum in row
+order.  No barrier inside the walk (the lane exchange is within a warp);
+at the end thread 0 sums the block's TB running sums in slot order into
+``partial[b]``.  Every order is fixed: bit-identical run to run (and the same
+bits on the simulator, where the exchange goes through shared memory).
+The kernel before this one (9ccf7d3) had lane 0 merge its W lanes' (max,
+sum) pairs one after another behind a block barrier per group: 20.4 us at
+T = 65536, E = 256 bf16 on an H200 (docs/benchmarks.md).
 
 Backward: ``grad = (g * 2 coeff / N) lse_t 2^(fma(x, log2 e, -lse_t log2 e))``,
 as the unit kernel, one 16-byte store per vector; no barrier.
@@ -46,9 +51,9 @@ from numba import uint32 as nb_u32
 
 from ._device import NEG_INF, ZERO, fmax_f32, u64
 from ._launch import BF16
-from ._logsumexp import LOG2E, lse_of, rescale_sum, shift2
+from ._logsumexp import LOG2E, lse_of, shift2
 from ._plan import Spec
-from ._z_loss_io import load_words, single_ops, store_words, vector_io
+from ._z_loss_io import lane_reducers, load_words, single_ops, store_words, vector_io, warp_mask
 
 
 def word_view(logits: Spec) -> Spec:
@@ -160,6 +165,7 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool):
 def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool):
     """The forward's row kernel on vectors (see the module docstring)."""
     aligned, _, fetch, row_max, row_sum, _ = _row_pieces(kind, hold, lanes, hints)
+    all_max, all_sum = lane_reducers(lanes)
     words = 4 * hold  # compile-time constants (local array sizes, unrolled loops)
     w = np.int32(lanes)
 
@@ -172,13 +178,15 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
         vecs,  # V: 16-byte vectors a row
         iters,  # row groups a block walks; blockDim.x = TB * W
     ):
-        red = cuda.shared.array(0, nb_f32)  # [2 slots][max, sum][threads], then [TB] running sums
+        red = cuda.shared.array(0, nb_f32)  # [threads] lane exchange (simulator), then [TB] running sums
         cur = cuda.local.array(words, nb_u32)
         nxt = cuda.local.array(words, nb_u32)
         tid = np.int32(cuda.threadIdx.x)
         nthreads = np.int32(cuda.blockDim.x)
         tok = np.int32(tid // w)
         lane = np.int32(tid - tok * w)
+        first = np.int32(tid - lane)
+        mask = warp_mask(tid, nthreads)
         tb = np.int32(nthreads // w)
         last = np.int64(num_tokens - 1)
         row = np.int64(cuda.blockIdx.x) * tb * iters + tok
@@ -189,26 +197,14 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
             more = k + 1 < iters
             if prefetch and more:  # the next group's loads in flight during this one
                 fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
-            m = row_max(cur)
-            s = row_sum(cur, lane, vecs, shift2(m))
-            o = np.int32((k & 1) * 2 * nthreads)
-            red[o + tid] = m
-            red[o + nthreads + tid] = s
-            # Barrier: lane 0 reads its row's W pairs.  Two slots: group k + 2
-            # writes slot k & 1 only after passing group k + 1's barrier,
-            # which lane 0 reaches after its reads of group k.
-            cuda.syncthreads()
-            if lane == 0:  # W pairs in lane order (W a constant: unrolled, loads together)
-                mm = red[o + tid]
-                for i in range(1, lanes):
-                    mm = fmax_f32(mm, red[o + tid + i])
-                ss = ZERO
-                for i in range(lanes):
-                    ss = np.float32(ss + rescale_sum(red[o + nthreads + tid + i], red[o + tid + i], mm))
-                v = lse_of(mm, ss)
-                if row < num_tokens:
-                    lse[u64(row)] = v
-                    acc = np.float32(acc + np.float32(v * v))
+            # The row's max over its W lanes, then each lane's sum against it (no
+            # rescale), the W sums in the fixed pairwise order: every lane has M, S.
+            m = all_max(row_max(cur), red, tid, first, mask)
+            s = all_sum(row_sum(cur, lane, vecs, shift2(m)), red, tid, first, mask)
+            if lane == 0 and row < num_tokens:
+                v = lse_of(m, s)
+                lse[u64(row)] = v
+                acc = np.float32(acc + np.float32(v * v))
             if prefetch:
                 for i in range(words):
                     cur[i] = nxt[i]
@@ -216,13 +212,13 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
                 fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
             row += tb
         if lane == 0:
-            red[4 * nthreads + tok] = acc
+            red[nthreads + tok] = acc
         # Barrier: thread 0 reads every slot's running sum.
         cuda.syncthreads()
         if tid == 0:
             total = ZERO
             for i in range(tb):
-                total = np.float32(total + red[4 * nthreads + i])
+                total = np.float32(total + red[nthreads + i])
             partial[cuda.blockIdx.x] = total
 
     return z_loss_vec_rows

@@ -14,8 +14,12 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
+from numba import cuda  # noqa: E402
+from numba import float32 as nb_f32  # noqa: E402
+
 from gpurouter.kernels import _launch as L  # noqa: E402
 from gpurouter.kernels import _plan, _tiling  # noqa: E402
+from gpurouter.kernels import _z_loss_io as io  # noqa: E402
 from gpurouter.kernels import z_loss as Z  # noqa: E402
 from gpurouter.kernels import z_loss_vec as V  # noqa: E402
 
@@ -107,3 +111,33 @@ def test_vec_same_bits_with_and_without_prefetch(vec_knobs):
 def test_word_view():
     assert V.word_view(_plan.spec_of((3, 16), L.BF16)) == _plan.Spec((24,), np.uint32)
     assert V.word_view(_plan.spec_of((3, 12), L.F32)) == _plan.Spec((36,), np.uint32)
+
+
+@pytest.mark.parametrize("lanes,threads", [(8, 48), (4, 8), (32, 64), (1, 3)])
+def test_lane_reducers_fixed_tree(lanes, threads):
+    """Every lane of a row gets the row's max and its sum in the pairwise tree
+    of lane order (values whose sum depends on the order), also in a block
+    ending in a partial warp (GPU: the shfl butterfly; simulator: shared)."""
+    all_max, all_sum = io.lane_reducers(lanes)
+
+    @cuda.jit
+    def reduce(x, out_max, out_sum):
+        red = cuda.shared.array(0, nb_f32)
+        tid = np.int32(cuda.threadIdx.x)
+        n = np.int32(cuda.blockDim.x)
+        first = np.int32(tid - tid % lanes)
+        mask = io.warp_mask(tid, n)
+        out_max[tid] = all_max(x[tid], red, tid, first, mask)
+        out_sum[tid] = all_sum(x[tid], red, tid, first, mask)
+
+    rng = np.random.default_rng(lanes)
+    x = (rng.standard_normal(threads) * 10.0 ** rng.integers(-3, 8, threads)).astype(np.float32)
+    got_max, got_sum = np.zeros(threads, np.float32), np.zeros(threads, np.float32)
+    reduce[1, threads, 0, 4 * threads](x, got_max, got_sum)
+    for r in range(threads // lanes):
+        vals = list(x[r * lanes:(r + 1) * lanes])
+        while len(vals) > 1:
+            vals = [np.float32(vals[i] + vals[i + 1]) for i in range(0, len(vals), 2)]
+        row = slice(r * lanes, (r + 1) * lanes)
+        assert (got_max[row] == x[row].max()).all()
+        assert got_sum[row].tobytes() == np.full(lanes, vals[0], np.float32).tobytes()
