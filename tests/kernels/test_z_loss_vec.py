@@ -141,8 +141,9 @@ def test_lane_reducers_fixed_tree(lanes, threads):
 
     rng = np.random.default_rng(lanes)
     x = (rng.standard_normal(threads) * 10.0 ** rng.integers(-3, 8, threads)).astype(np.float32)
-    got_max, got_sum = np.zeros(threads, np.float32), np.zeros(threads, np.float32)
-    L.launch(reduce, 1, threads, 0, 4 * threads, x, got_max, got_sum)
+    d_x, d_max, d_sum = (cuda.to_device(a) for a in (x, np.zeros_like(x), np.zeros_like(x)))
+    L.launch(reduce, 1, threads, 0, 4 * threads, d_x, d_max, d_sum)
+    got_max, got_sum = d_max.copy_to_host(), d_sum.copy_to_host()
     for r in range(threads // lanes):
         vals = list(x[r * lanes:(r + 1) * lanes])
         while len(vals) > 1:
