@@ -14,8 +14,9 @@ is used (the forward walks two groups a trip, its two buffers in turn: no
 copies between them).  The forward is compiled for rows of exactly
 ``W * hold`` vectors (no clamps or masks) and for blocks of whole warps
 (a constant shuffle mask) where the tiling gives them.  The unit kernels
-were instruction-bound (about 18 instructions an element, fp32 logits as slow as bf16): here an element costs about four
-(unpack, fma, ``ex2.approx.ftz``, add or multiply; ``_z_loss_io``), the max
+were instruction-bound (about 18 instructions an element, fp32 logits as
+slow as bf16): here an element costs about four (unpack, fma,
+``ex2.approx.ftz``, add or multiply; ``_z_loss_io``), the max
 of a bf16 row is taken two experts an instruction, the gradient packed two
 a ``cvt``.
 
