@@ -361,9 +361,9 @@ Z_BWD_HOLD = 8
 Z_MAX_LANES = 32
 #: threads of the final single-block kernel at most
 Z_FINAL_THREADS = 1024
-#: vector kernels (``z_loss_vec.py``): (threads, held vectors, blocks at most (396: three
-#: of 256 on each of 132 SMs), prefetch, hints); more held than Z_VEC_MAX_HOLD: unit kernels
-Z_VEC_FWD = (256, 4, 396, True, False)
+#: vector kernels (``z_loss_vec.py``): (threads, held vectors, blocks at most (528: 4 x 256
+#: threads on each of 132 SMs), prefetch, hints); more held than Z_VEC_MAX_HOLD: unit kernels
+Z_VEC_FWD = (256, 4, 528, True, True)
 Z_VEC_BWD = (128, 2, 1024, True, True)
 Z_VEC_MAX_HOLD = 8
 

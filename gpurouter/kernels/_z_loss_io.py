@@ -12,9 +12,21 @@ denormal handling around ``ex2``):
   loses to a number), a row's max in half the instructions, no unpacking;
 - ``pack_bf16x2(lo, hi)``: two fp32 to a word of two bf16, round to nearest
   even (``cvt.rn.bf16x2.f32``; a NaN stays a NaN, its payload the hardware's).
+- ``log2_approx(a)``: ``lg2.approx.ftz.f32``, one MUFU.LG2 (libdevice's log2f
+  is about 30 instructions, once a row group; a row's sum of terms is >= 1
+  or NaN here, where the approximation is within 2^-22 of log2).
 
 On the simulator each is Python (``exp2_f32``; ``max_bf16x2`` is not used
 there; ``bf16_bits``), the vector accesses four word accesses.
+
+``lane_reducers(W)``: the max and the sum of a value over the W lanes of a
+row (W consecutive threads, W a power of two <= 32), every lane getting the
+result: on the GPU a butterfly of ``shfl_xor_sync`` (log2 W steps, no
+shared memory, no barrier); on the simulator (no warp intrinsics there)
+shared memory between two barriers.  The sum's order is fixed and the same
+both ways: the pairwise tree in lane order, ``((s0 + s1) + (s2 + s3)) + ...``
+(a butterfly step adds the same two numbers on both lanes, and fp32 addition
+is commutative: every lane holds the same bits).
 """
 
 from __future__ import annotations
@@ -24,12 +36,14 @@ from . import _compat  # noqa: F401  (first: patches NumPy before numba.cuda loa
 # isort: split
 
 import functools
+import math
 
 import numpy as np
 from numba import cuda
+from numba import float32 as nb_f32  # array declarations take numba types
 
 from ._access import bf16_bits
-from ._device import u64
+from ._device import fmax_f32, u64
 from ._launch import simulator_enabled
 from ._logsumexp import exp2_f32
 
@@ -162,3 +176,104 @@ def single_ops():
         return types.uint32(lo, hi), codegen
 
     return exp2_ftz, max_bf16x2, pack_bf16x2
+
+
+@functools.cache
+def log2_approx():
+    """``lg2.approx.ftz.f32`` as a device function (see the module docstring);
+    on the simulator ``math.log2`` in fp32."""
+    if simulator_enabled():
+
+        @cuda.jit(device=True)
+        def log2_sim(a):
+            return np.float32(math.log2(a)) if a == a else a
+
+        return log2_sim
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    f32 = ir.FloatType()
+
+    @intrinsic
+    def lg2_ftz(typingctx, a):
+        def codegen(context, builder, sig, args):
+            x = context.cast(builder, args[0], sig.args[0], types.float32)
+            fnty = ir.FunctionType(f32, [f32])
+            return builder.call(ir.InlineAsm(fnty, "lg2.approx.ftz.f32 $0, $1;", "=f,f"), [x])
+
+        return types.float32(a), codegen
+
+    return lg2_ftz
+
+
+@cuda.jit(device=True)
+def warp_mask(tid, nthreads):
+    """The ``shfl`` member mask of thread ``tid``'s warp: its threads that exist
+    (a block of fewer than 32 threads, or not a multiple of 32, ends in a
+    partial warp)."""
+    n = nthreads - (tid & np.int32(-32))
+    if n >= 32:
+        return np.uint32(0xFFFFFFFF)
+    return np.uint32(np.uint32(np.uint32(1) << np.uint32(n)) - np.uint32(1))
+
+
+@functools.cache
+def lane_reducers(lanes: int, full: bool = False):
+    """``(all_max(v, red, tid, first, mask), all_sum(v, red, tid, first, mask))``
+    over the W = ``lanes`` threads ``first .. first + W - 1`` (see the module
+    docstring); ``red`` is a shared fp32 array of at least blockDim.x words
+    (used on the simulator only), ``mask`` is ``warp_mask`` (GPU only; with
+    ``full``, blockDim.x a multiple of 32, the constant full mask instead: no
+    convergence checks around the shuffles).  Every thread of the block calls
+    them (the simulator's barriers)."""
+    levels = lanes.bit_length() - 1  # W = 2^levels, a compile-time constant
+
+    if simulator_enabled():
+
+        @cuda.jit(device=True)
+        def publish(v, red, tid):
+            # Barriers: the previous exchange's reads are done before this write,
+            # and this write before any lane reads.
+            cuda.syncthreads()
+            red[tid] = v
+            cuda.syncthreads()
+
+        @cuda.jit(device=True)
+        def all_max(v, red, tid, first, mask):
+            publish(v, red, tid)
+            m = red[first]
+            for i in range(1, lanes):
+                m = fmax_f32(m, red[first + i])
+            return m
+
+        @cuda.jit(device=True)
+        def all_sum(v, red, tid, first, mask):
+            publish(v, red, tid)
+            vals = cuda.local.array(lanes, nb_f32)
+            for i in range(lanes):
+                vals[i] = red[first + i]
+            span = 1
+            for _ in range(levels):  # the butterfly's pairs, lane 0's view
+                for i in range(0, lanes, 2 * span):
+                    vals[i] = np.float32(vals[i] + vals[i + span])
+                span *= 2
+            return vals[0]
+
+        return all_max, all_sum
+
+    every = np.uint32(0xFFFFFFFF)
+
+    @cuda.jit(device=True)
+    def all_max(v, red, tid, first, mask):
+        for i in range(levels):
+            v = fmax_f32(v, cuda.shfl_xor_sync(every if full else mask, v, np.int32(1 << i)))
+        return v
+
+    @cuda.jit(device=True)
+    def all_sum(v, red, tid, first, mask):
+        for i in range(levels):
+            v = np.float32(v + cuda.shfl_xor_sync(every if full else mask, v, np.int32(1 << i)))
+        return v
+
+    return all_max, all_sum

@@ -324,13 +324,13 @@ def router_z_loss_fwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: in
     steps = []
     if vec:
         grid, threads, lanes, vecs, hold, iters = vec
-        kern = z_loss_vec_rows_kernel(logits.kind, hold, lanes, *_tiling.Z_VEC_FWD[3:])
-        steps.append(Step(kern, grid, threads, 4 * (4 * threads + threads // lanes),
+        kern = z_loss_vec_rows_kernel(logits.kind, hold, lanes, *_tiling.Z_VEC_FWD[3:], vecs == lanes * hold,
+                                      threads % 32 == 0)  # compile-time: exact rows, full warps
+        steps.append(Step(kern, grid, threads, 4 * (threads + threads // lanes),
                           (In(0, word_view(logits)), Out(1), Tmp(0), num_tokens, vecs, iters)))
     elif grid:
-        tb = threads // lanes
         steps.append(Step(z_loss_rows_kernel(logits.kind, quads, _tiling.Z_HOLD), grid, threads,
-                            4 * (2 * threads + tb),
+                            4 * (2 * threads + threads // lanes),
                             (_logits_arg(logits, quads), Out(1), Tmp(0), num_tokens, num_experts,
                              units, lanes)))
     tmps = (spec_of((max(grid, 1),), F32),)

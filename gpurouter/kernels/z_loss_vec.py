@@ -10,20 +10,29 @@ them, all of the row: one step), so a warp's load is W * 16 contiguous bytes
 of each of its rows.  A block's TB = threads / W row slots walk ``iters``
 consecutive groups of TB rows (a block owns ``TB * iters`` consecutive rows);
 with ``prefetch`` the next group's loads are issued before the current one
-is used.  The unit kernels were instruction-bound (about 18 instructions an
-element, fp32 logits as slow as bf16): here an element costs about four
-(unpack, fma, ``ex2.approx.ftz``, add or multiply; ``_z_loss_io``), the max
+is used (the forward walks two groups a trip, its two buffers in turn: no
+copies between them).  The forward is compiled for rows of exactly
+``W * hold`` vectors (no clamps or masks) and for blocks of whole warps
+(a constant shuffle mask) where the tiling gives them.  The unit kernels
+were instruction-bound (about 18 instructions an element, fp32 logits as
+slow as bf16): here an element costs about four (unpack, fma,
+``ex2.approx.ftz``, add or multiply; ``_z_loss_io``), the max
 of a bf16 row is taken two experts an instruction, the gradient packed two
 a ``cvt``.
 
-Forward: a lane takes its max ``m_l`` (fmaxf drops NaN; the sum keeps it),
-then ``s_l = sum 2^(fma(x, log2 e, -m_l log2 e))``: one exp per element, no
-online rescale.  The W pairs go through shared memory (two slots by group
-parity: one barrier per group); lane 0 takes ``M = max m_l``,
-``S = sum_l s_l 2^(sh2(m_l) - sh2(M))`` in lane order, writes ``lse`` and adds
-``lse^2`` to its own running sum in row order; at the end thread 0 sums the
-block's TB running sums in slot order into ``partial[b]``.  Every order is
-fixed: bit-identical run to run.
+Forward: a lane takes the max of its vectors (fmaxf drops NaN; the sum keeps
+it), the W lanes' maxima give the row's ``M`` (``_z_loss_io.lane_reducers``:
+a butterfly of warp shuffles, log2 W steps, every lane gets ``M``), then each
+lane ``s_l = sum 2^(fma(x, log2 e, -sh2(M)))`` (one exp an element, no
+rescale at all), and the W sums in a fixed pairwise tree in lane order give
+``S``; lane 0 writes ``lse = (sh2(M) + lg2.approx(S)) ln 2`` and adds
+``lse^2`` to its own running sum in row order.  No barrier inside the walk (the lane exchange is within a warp);
+at the end thread 0 sums the block's TB running sums in slot order into
+``partial[b]``.  Every order is fixed: bit-identical run to run (the
+simulator's exchange goes through shared memory in the same order).
+The kernel before this one (9ccf7d3) had lane 0 merge its W lanes' (max,
+sum) pairs one after another behind a block barrier per group: 20.4 us at
+T = 65536, E = 256 bf16 on an H200 (docs/benchmarks.md).
 
 Backward: ``grad = (g * 2 coeff / N) lse_t 2^(fma(x, log2 e, -lse_t log2 e))``,
 as the unit kernel, one 16-byte store per vector; no barrier.
@@ -46,9 +55,9 @@ from numba import uint32 as nb_u32
 
 from ._device import NEG_INF, ZERO, fmax_f32, u64
 from ._launch import BF16
-from ._logsumexp import LOG2E, lse_of, rescale_sum, shift2
+from ._logsumexp import LN2, LOG2E, shift2
 from ._plan import Spec
-from ._z_loss_io import load_words, single_ops, store_words, vector_io
+from ._z_loss_io import lane_reducers, load_words, log2_approx, single_ops, store_words, vector_io, warp_mask
 
 
 def word_view(logits: Spec) -> Spec:
@@ -57,24 +66,33 @@ def word_view(logits: Spec) -> Spec:
 
 
 @functools.cache
-def _row_pieces(kind: str, hold: int, lanes: int, hints: bool):
+def _row_pieces(kind: str, hold: int, lanes: int, hints: bool, exact: bool = False):
     """Device functions of both kernels for ``kind``, ``hold`` vectors a lane and
     W = ``lanes``: ``fetch(held, a, fast, row, lane, vecs)`` (every load issued
     before any use; vectors past the row's end read its last vector, which
     leaves the max alone), ``row_max(held)``, ``row_sum(held, lane, vecs, sh2)``
-    (those past the end masked) and ``grad_word(word, a, v2)``."""
+    (those past the end masked) and ``grad_word(word, a, v2)``.  ``exact``: the
+    row is exactly ``W * hold`` vectors (``vecs`` is that constant: no clamp,
+    no mask, the row's offset a shift)."""
     aligned, load_v, store_v = vector_io(hints)
     exp2, max2, pack2 = single_ops()
     pair = kind == BF16
     words = 4 * hold
+    row_vecs = lanes * hold
     hi_mask = np.uint32(0xFFFF0000)
     shift = np.uint32(16)
 
     @cuda.jit(device=True)
     def fetch(held, a, fast, row, lane, vecs):
-        base = np.int64(row) * vecs
+        if exact:
+            base = np.int64(row) * row_vecs + lane
+        else:
+            base = np.int64(row) * vecs
         for h in range(hold):
-            v = base + min(np.int32(lane + h * lanes), np.int32(vecs - 1))
+            if exact:
+                v = base + h * lanes
+            else:
+                v = base + min(np.int32(lane + h * lanes), np.int32(vecs - 1))
             if fast:
                 w0, w1, w2, w3 = load_v(a, v)
             else:
@@ -99,10 +117,10 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool):
     if pair and max2 is not None:
 
         @cuda.jit(device=True)
-        def row_max(held):
-            m2 = held[0]
-            for i in range(1, words):
-                m2 = max2(m2, held[i])
+        def row_max(held):  # a vector's four words in a tree, then the vectors: short chains
+            m2 = max2(max2(held[0], held[1]), max2(held[2], held[3]))
+            for h in range(1, hold):
+                m2 = max2(m2, max2(max2(held[4 * h], held[4 * h + 1]), max2(held[4 * h + 2], held[4 * h + 3])))
             return fmax_f32(lo(m2), hi(m2))
 
     elif pair:
@@ -147,7 +165,7 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool):
     def row_sum(held, lane, vecs, sh2):
         s = ZERO
         for h in range(hold):
-            if lane + h * lanes < vecs:  # pairwise within a vector: short add chains
+            if exact or lane + h * lanes < vecs:  # pairwise within a vector: short add chains
                 s01 = np.float32(word_sum(held[4 * h], sh2) + word_sum(held[4 * h + 1], sh2))
                 s23 = np.float32(word_sum(held[4 * h + 2], sh2) + word_sum(held[4 * h + 3], sh2))
                 s = np.float32(s + np.float32(s01 + s23))
@@ -157,11 +175,35 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool):
 
 
 @functools.cache
-def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool):
-    """The forward's row kernel on vectors (see the module docstring)."""
-    aligned, _, fetch, row_max, row_sum, _ = _row_pieces(kind, hold, lanes, hints)
+def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool,
+                           exact: bool = False, full: bool = False):
+    """The forward's row kernel on vectors (see the module docstring).  ``exact``:
+    every row is ``W * hold`` vectors (``_row_pieces``); ``full``: blockDim.x is
+    a multiple of 32 (the shuffles' member mask a constant)."""
+    aligned, _, fetch, row_max, row_sum, _ = _row_pieces(kind, hold, lanes, hints, exact)
+    all_max, all_sum = lane_reducers(lanes, full)
+    lg2 = log2_approx()
     words = 4 * hold  # compile-time constants (local array sizes, unrolled loops)
     w = np.int32(lanes)
+
+    @cuda.jit(device=True)
+    def lse_fast(m, s):  # _logsumexp.lse_of with one lg2.approx (s >= 1 or NaN when m > -inf)
+        if m == NEG_INF:
+            return s
+        return np.float32(np.float32(shift2(m) + lg2(s)) * LN2)
+
+    @cuda.jit(device=True)
+    def group(held, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc):
+        """One row group on the held vectors: the row's max over its W lanes, then
+        each lane's sum against it (no rescale), the W sums in the fixed pairwise
+        order; lane 0 writes ``lse`` and returns ``acc + lse^2``."""
+        m = all_max(row_max(held), red, tid, first, mask)
+        s = all_sum(row_sum(held, lane, vecs, shift2(m)), red, tid, first, mask)
+        if lane == 0 and row < num_tokens:
+            v = lse_fast(m, s)
+            lse[u64(row)] = v
+            acc = np.float32(acc + np.float32(v * v))
+        return acc
 
     @cuda.jit
     def z_loss_vec_rows(
@@ -172,57 +214,48 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
         vecs,  # V: 16-byte vectors a row
         iters,  # row groups a block walks; blockDim.x = TB * W
     ):
-        red = cuda.shared.array(0, nb_f32)  # [2 slots][max, sum][threads], then [TB] running sums
+        red = cuda.shared.array(0, nb_f32)  # [threads] lane exchange (simulator), then [TB] running sums
         cur = cuda.local.array(words, nb_u32)
         nxt = cuda.local.array(words, nb_u32)
         tid = np.int32(cuda.threadIdx.x)
         nthreads = np.int32(cuda.blockDim.x)
         tok = np.int32(tid // w)
         lane = np.int32(tid - tok * w)
+        first = np.int32(tid - lane)
+        mask = warp_mask(tid, nthreads)
         tb = np.int32(nthreads // w)
         last = np.int64(num_tokens - 1)
         row = np.int64(cuda.blockIdx.x) * tb * iters + tok
         fast = aligned(logits)
         acc = ZERO
         fetch(cur, logits, fast, min(row, last), lane, vecs)
-        for k in range(iters):
-            more = k + 1 < iters
-            if prefetch and more:  # the next group's loads in flight during this one
-                fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
-            m = row_max(cur)
-            s = row_sum(cur, lane, vecs, shift2(m))
-            o = np.int32((k & 1) * 2 * nthreads)
-            red[o + tid] = m
-            red[o + nthreads + tid] = s
-            # Barrier: lane 0 reads its row's W pairs.  Two slots: group k + 2
-            # writes slot k & 1 only after passing group k + 1's barrier,
-            # which lane 0 reaches after its reads of group k.
-            cuda.syncthreads()
-            if lane == 0:  # W pairs in lane order (W a constant: unrolled, loads together)
-                mm = red[o + tid]
-                for i in range(1, lanes):
-                    mm = fmax_f32(mm, red[o + tid + i])
-                ss = ZERO
-                for i in range(lanes):
-                    ss = np.float32(ss + rescale_sum(red[o + nthreads + tid + i], red[o + tid + i], mm))
-                v = lse_of(mm, ss)
-                if row < num_tokens:
-                    lse[u64(row)] = v
-                    acc = np.float32(acc + np.float32(v * v))
-            if prefetch:
-                for i in range(words):
-                    cur[i] = nxt[i]
-            elif more:
-                fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
-            row += tb
+        k = np.int32(0)
+        while k < iters:
+            if prefetch:  # two groups a trip, the buffers in turn: each group's loads in flight
+                if k + 1 < iters:  # during the group before it, and no copies between buffers
+                    fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
+                acc = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc)
+                row += tb
+                if k + 1 < iters:
+                    if k + 2 < iters:
+                        fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
+                    acc = group(nxt, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc)
+                    row += tb
+                k += 2
+            else:
+                acc = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc)
+                row += tb
+                k += 1
+                if k < iters:
+                    fetch(cur, logits, fast, min(row, last), lane, vecs)
         if lane == 0:
-            red[4 * nthreads + tok] = acc
+            red[nthreads + tok] = acc
         # Barrier: thread 0 reads every slot's running sum.
         cuda.syncthreads()
         if tid == 0:
             total = ZERO
             for i in range(tb):
-                total = np.float32(total + red[4 * nthreads + i])
+                total = np.float32(total + red[nthreads + i])
             partial[cuda.blockIdx.x] = total
 
     return z_loss_vec_rows

@@ -14,8 +14,12 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
+from numba import cuda  # noqa: E402
+from numba import float32 as nb_f32  # noqa: E402
+
 from gpurouter.kernels import _launch as L  # noqa: E402
 from gpurouter.kernels import _plan, _tiling  # noqa: E402
+from gpurouter.kernels import _z_loss_io as io  # noqa: E402
 from gpurouter.kernels import z_loss as Z  # noqa: E402
 from gpurouter.kernels import z_loss_vec as V  # noqa: E402
 
@@ -28,15 +32,15 @@ BF16 = ml_dtypes.bfloat16
 
 @pytest.fixture
 def vec_knobs(monkeypatch):
-    """``vec_knobs(threads, hold, blocks, prefetch)``: the vector kernels' knobs,
+    """``vec_knobs(threads, hold, blocks, prefetch, hints)``: the vector kernels' knobs,
     both ways, for the test (tiny inputs, several groups a block)."""
 
     def clear():
         Z.router_z_loss_fwd_plan.cache_clear()
         Z.router_z_loss_bwd_plan.cache_clear()
 
-    def force(threads, hold, blocks, prefetch):
-        knobs = (threads, hold, blocks, prefetch, False)
+    def force(threads, hold, blocks, prefetch, hints=False):
+        knobs = (threads, hold, blocks, prefetch, hints)
         monkeypatch.setattr(_tiling, "Z_VEC_FWD", knobs)
         monkeypatch.setattr(_tiling, "Z_VEC_BWD", knobs)
         clear()
@@ -79,6 +83,14 @@ def test_vec_plans_pick_the_vector_kernels():
     (np.float32, 11, 12, (4, 2, 3, True), (3, 4, 2, 3, 2, 2)),
     # bf16 E=40: 5 vectors, W=4 lanes of 2; one group of 2 rows a block, no loop
     (BF16, 5, 40, (8, 2, 8, True), (3, 8, 4, 5, 2, 1)),
+    # bf16 E=64: 8 vectors, exactly W=4 lanes of 2 (the exact kernel), a full warp a block
+    # (constant shuffle mask), 13 groups a block (odd: the prefetch's last trip has one group)
+    (BF16, 200, 64, (32, 2, 2, True), (2, 32, 4, 8, 2, 13)),
+    (BF16, 200, 64, (32, 2, 2, False), (2, 32, 4, 8, 2, 13)),
+    (BF16, 200, 64, (32, 2, 2, True, True), (2, 32, 4, 8, 2, 13)),  # loads and stores with cache hints
+    (BF16, 200, 64, (32, 2, 2, False, True), (2, 32, 4, 8, 2, 13)),
+    # fp32 E=32: 8 vectors, exactly W=8 lanes of 1, two warps a block, 2 groups a block (even)
+    (np.float32, 30, 32, (64, 1, 2, True), (2, 64, 8, 8, 1, 2)),
 ])
 def test_vec_groups(vec_knobs, dtype, T, E, knobs, want):
     vec_knobs(*knobs)
@@ -91,13 +103,14 @@ def test_vec_groups(vec_knobs, dtype, T, E, knobs, want):
     assert lse[T // 2] == 0.0 and not np.asarray(grad[T // 2], np.float32).any()
 
 
-def test_vec_same_bits_with_and_without_prefetch(vec_knobs):
-    x = _logits(19, 16, BF16, seed=4)
-    vec_knobs(8, 1, 2, True)
+@pytest.mark.parametrize("T,E,threads,hold", [(19, 16, 8, 1), (200, 64, 32, 2)])
+def test_vec_same_bits_with_and_without_prefetch(vec_knobs, T, E, threads, hold):
+    x = _logits(T, E, BF16, seed=4)
+    vec_knobs(threads, hold, 2, True)
     first = K.router_z_loss_fwd(x, 1.0)
     again = K.router_z_loss_fwd(x, 1.0)
     grad = K.router_z_loss_bwd(x, first[1], 0.5, 1.0)
-    vec_knobs(8, 1, 2, False)
+    vec_knobs(threads, hold, 2, False)
     other = K.router_z_loss_fwd(x, 1.0)
     for a, b in ((first, again), (first, other)):
         assert a[0].tobytes() == b[0].tobytes() and a[1].tobytes() == b[1].tobytes()
@@ -107,3 +120,34 @@ def test_vec_same_bits_with_and_without_prefetch(vec_knobs):
 def test_word_view():
     assert V.word_view(_plan.spec_of((3, 16), L.BF16)) == _plan.Spec((24,), np.uint32)
     assert V.word_view(_plan.spec_of((3, 12), L.F32)) == _plan.Spec((36,), np.uint32)
+
+
+@pytest.mark.parametrize("lanes,threads", [(8, 48), (4, 8), (32, 64), (1, 3), (8, 64)])
+def test_lane_reducers_fixed_tree(lanes, threads):
+    """Every lane of a row gets the row's max and its sum in the pairwise tree
+    of lane order (values whose sum depends on the order), also in a block
+    ending in a partial warp (GPU: the shfl butterfly; simulator: shared)."""
+    all_max, all_sum = io.lane_reducers(lanes, threads % 32 == 0)
+
+    @cuda.jit
+    def reduce(x, out_max, out_sum):
+        red = cuda.shared.array(0, nb_f32)
+        tid = np.int32(cuda.threadIdx.x)
+        n = np.int32(cuda.blockDim.x)
+        first = np.int32(tid - tid % lanes)
+        mask = io.warp_mask(tid, n)
+        out_max[tid] = all_max(x[tid], red, tid, first, mask)
+        out_sum[tid] = all_sum(x[tid], red, tid, first, mask)
+
+    rng = np.random.default_rng(lanes)
+    x = (rng.standard_normal(threads) * 10.0 ** rng.integers(-3, 8, threads)).astype(np.float32)
+    d_x, d_max, d_sum = (cuda.to_device(a) for a in (x, np.zeros_like(x), np.zeros_like(x)))
+    L.launch(reduce, 1, threads, 0, 4 * threads, d_x, d_max, d_sum)
+    got_max, got_sum = d_max.copy_to_host(), d_sum.copy_to_host()
+    for r in range(threads // lanes):
+        vals = list(x[r * lanes:(r + 1) * lanes])
+        while len(vals) > 1:
+            vals = [np.float32(vals[i] + vals[i + 1]) for i in range(0, len(vals), 2)]
+        row = slice(r * lanes, (r + 1) * lanes)
+        assert (got_max[row] == x[row].max()).all()
+        assert got_sum[row].tobytes() == np.full(lanes, vals[0], np.float32).tobytes()
