@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from . import _backend, reference
 from ._auto import moe_kernels_faster
@@ -91,15 +91,15 @@ def _permute_on_kernels(x, num_experts: int, topk: int, backend: str) -> bool:
     """True when the block's dispatch and combine run on the kernels:
     ``"numba"`` where they take the rows, ``"auto"`` where the combine's
     measured rule (``gpurouter/_auto.py``) picks them for the ``T K x H`` rows."""
-    dtype = jnp.result_type(x)
+    if not isinstance(x, jax.Array | np.ndarray) or x.ndim < 1 or not isinstance(num_experts, int):
+        return False  # the block's checks say what is wrong
     if backend == "numba":
         from .kernels.moe_combine import CMB_MAX_EXPERTS
 
-        return jnp.dtype(dtype) != jnp.float64 and num_experts <= CMB_MAX_EXPERTS
-    shape = jnp.shape(x)
-    rows = (math.prod(shape[:-1]) * topk * shape[-1]) if shape else 0
+        return x.dtype != np.float64 and num_experts <= CMB_MAX_EXPERTS
+    rows = math.prod(x.shape[:-1]) * topk * x.shape[-1]
     return backend == "auto" and _backend.resolve(TOKEN_COMBINE_OP, "auto", faster=lambda: moe_kernels_faster(
-        TOKEN_COMBINE_OP, "auto", rows, [dtype], num_experts)) == "numba"
+        TOKEN_COMBINE_OP, "auto", rows, [x.dtype], num_experts)) == "numba"
 
 
 def _kernel_permute():
@@ -113,8 +113,8 @@ def _kernel_permute():
     def dispatch(xf, probs, routing_map, idx, num_experts: int):
         rows = idx.shape[0] * idx.shape[1]
         xs, w_rows, row_id_map, _, sizes = token_dispatch(xf, routing_map, rows, probs=probs, backend="numba")
-        return (xs, reference.moe.rows_of_groups(sizes, rows), sizes.astype(jnp.int32),
-                w_rows.astype(jnp.float32), (row_id_map, probs))
+        return (xs, reference.moe.rows_of_groups(sizes, rows), sizes.astype(np.int32),
+                w_rows.astype(np.float32), (row_id_map, probs))
 
     def combine(z, state, weighted: bool):
         row_id_map, probs = state

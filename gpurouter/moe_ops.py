@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _backend
 from ._auto import moe_kernels_faster
@@ -43,36 +44,36 @@ from ._checks import (
 from .reference import moe_ops as _ref
 
 
-def _numba(op: str, backend: str, transport: str, rows, *arrays, num_experts: int | None = None) -> bool:
+def _numba(op: str, backend: str, transport: str, rows: int | None, *arrays, maps=None) -> bool:
     """True when ``op`` runs on the kernels: ``backend`` and ``transport``
-    checked; ``"auto"`` where they measured faster (``_auto.moe_kernels_faster``:
-    ``rows`` x hidden elements of the op's row buffer, ``arrays`` whose
-    dtypes the kernels must take; the last of ``arrays`` has the hidden size
-    last)."""
+    checked; ``"auto"`` where they measured faster (``_auto.moe_kernels_faster``)
+    for ``rows`` (None: the last array's) x hidden (the last array's last
+    axis) elements, ``arrays``' dtypes and the E of ``maps`` = ``(index_map,
+    probs or None)``. Anything that is not a concrete, well-formed call (a
+    list, a traced size, a wrong rank) stays on the reference, whose checks
+    say what is wrong."""
     check_moe_kernel_backend(op, backend)
     check_transport(op, transport)
 
     def faster() -> bool:
-        shapes = [jnp.shape(a) for a in arrays]
-        if not shapes[-1]:
+        if not all(isinstance(a, jax.Array | np.ndarray) for a in arrays) or jnp.ndim(arrays[-1]) < 1:
             return False
-        return moe_kernels_faster(op, transport, int(rows) * int(shapes[-1][-1]),
-                                  [jnp.result_type(a) for a in arrays], num_experts)
+        n = arrays[-1].shape[0] if rows is None else rows
+        if not isinstance(n, int | np.integer):
+            return False
+        experts = None if maps is None else _experts(*maps)
+        return moe_kernels_faster(op, transport, int(n) * arrays[-1].shape[-1], [a.dtype for a in arrays], experts)
 
     return _backend.resolve(op, backend, faster=faster) == "numba"
 
 
-def _rows(a) -> int:
-    shape = jnp.shape(a)
-    return shape[0] if shape else 0
-
-
 def _experts(index_map, probs) -> int:
-    """E of a ``[T, E]`` map (a packed BITMAP_U8 map: ``probs``' E, else -1: unknown)."""
-    if probs is not None and len(jnp.shape(probs)) == 2:
-        return jnp.shape(probs)[1]
-    shape = jnp.shape(index_map)
-    return shape[1] if len(shape) == 2 and jnp.result_type(index_map) != jnp.uint8 else -1
+    """E of a ``[T, E]`` map (a packed BITMAP_U8 map: ``probs``' E), -1 where not known."""
+    if isinstance(probs, jax.Array | np.ndarray) and probs.ndim == 2:
+        return probs.shape[1]
+    if isinstance(index_map, jax.Array | np.ndarray) and index_map.ndim == 2 and index_map.dtype != np.uint8:
+        return index_map.shape[1]
+    return -1
 
 
 def _kernels():
@@ -105,7 +106,7 @@ def compute_grouped_dbias_dscales(
       transport: how the kernels reach JAX (``"auto"``, ``"callback"``,
         ``"zero-copy"``, ``"ffi"``), as for the router ops.
     """
-    if not _numba(GROUPED_DBIAS_DSCALES_OP, backend, transport, _rows(dy), scales, bias, dy):
+    if not _numba(GROUPED_DBIAS_DSCALES_OP, backend, transport, None, scales, bias, dy):
         return _ref.compute_grouped_dbias_dscales(dy, scales, bias, offsets, dbias, dscales)
     check_grouped_dbias_dscales_args(dy, scales, bias, offsets, dbias, dscales)
     return _kernels().grouped_dbias_dscales(dy, scales, bias, offsets, dbias, dscales, transport)
@@ -129,7 +130,7 @@ def compute_grouped_dbias(
         or ``"auto"`` (the measured rule, ``gpurouter/_auto.py``).
       transport: as for :func:`compute_grouped_dbias_dscales`.
     """
-    if not _numba(GROUPED_DBIAS_OP, backend, transport, _rows(dy), dy):
+    if not _numba(GROUPED_DBIAS_OP, backend, transport, None, dy):
         return _ref.compute_grouped_dbias(dy, offsets, num_groups, dbias)
     _, _, g = check_grouped_dbias_args(dy, offsets, num_groups, dbias)
     return _kernels().grouped_dbias(dy, offsets, g, dbias, transport)
@@ -154,7 +155,7 @@ def grouped_scaled_bias_add(
         :func:`compute_grouped_dbias_dscales` kernels) or ``"auto"`` (the measured rule, ``gpurouter/_auto.py``).
       transport: as for :func:`compute_grouped_dbias_dscales`.
     """
-    if not _numba(SCALED_BIAS_ADD_OP, backend, transport, _rows(y), bias, scales, y):
+    if not _numba(SCALED_BIAS_ADD_OP, backend, transport, None, bias, scales, y):
         return _ref.grouped_scaled_bias_add(y, bias, scales, group_sizes)
     check_scaled_bias_add_args(y, bias, scales, group_sizes)
     return _kernels().grouped_scaled_bias_add(y, bias, scales, group_sizes, transport)
@@ -184,8 +185,8 @@ def token_dispatch(
         ``"auto"`` (the measured rule, ``gpurouter/_auto.py``: from 2^27 output row elements).
       transport: as for :func:`compute_grouped_dbias_dscales`.
     """
-    if not _numba(TOKEN_DISPATCH_OP, backend, transport, num_out_tokens,
-                  *([] if probs is None else [probs]), inp, num_experts=_experts(routing_map, probs)):
+    if not _numba(TOKEN_DISPATCH_OP, backend, transport, num_out_tokens, *([] if probs is None else [probs]), inp,
+                  maps=(routing_map, probs)):
         return _ref.token_dispatch(inp, routing_map, num_out_tokens, probs, align_size,
                                    num_experts=num_experts)
     cfg = check_token_dispatch_args(inp, routing_map, num_out_tokens, probs, align_size, num_experts)
@@ -210,8 +211,8 @@ def token_combine(
         ``d_inp`` and ``d_merging_probs`` in one pass) or ``"auto"`` (the measured rule, ``gpurouter/_auto.py``).
       transport: as for :func:`compute_grouped_dbias_dscales`.
     """
-    if not _numba(TOKEN_COMBINE_OP, backend, transport, _rows(inp),
-                  *([] if merging_probs is None else [merging_probs]), inp, num_experts=_experts(row_id_map, None)):
+    if not _numba(TOKEN_COMBINE_OP, backend, transport, None, *([] if merging_probs is None else [merging_probs]),
+                  inp, maps=(row_id_map, None)):
         return _ref.token_combine(inp, row_id_map, merging_probs, pad_offsets)
     check_token_combine_args(inp, row_id_map, merging_probs, pad_offsets)
     return _kernels().token_combine(inp, row_id_map, merging_probs, transport)

@@ -621,3 +621,18 @@ def test_auto_runs_the_kernels_where_they_measured_faster(monkeypatch):
     rows = {DBS: 4 * 3, DB: 4 * 3, SBA: 4 * 3, DIS: 4 * 3, COM: 4 * 3}
     assert [(a[0], a[2]) for a in asked] == [(op, rows[op]) for op in OPS]
     assert asked[OPS.index(DIS)][4] == 5 and asked[OPS.index(COM)][4] == 5
+
+
+def test_errors_are_the_references_where_auto_could_pick_the_kernels(monkeypatch):
+    """With JAX on a GPU (faked), "auto" asks the measured rule before the
+    arguments are checked: a list, a traced size or a wrong rank must still
+    reach the reference's checks and their messages (they once raised jnp's
+    own errors on the GPU)."""
+    from gpurouter import _backend, _transport
+
+    monkeypatch.setattr(_backend, "zero_copy_available", lambda: True)
+    monkeypatch.setattr(_transport, "resolve_transport", lambda op, t: "ffi")
+    for op, args, kwargs, exc, msg in CASES:
+        with pytest.raises(exc, match="^" + re.escape(msg)):
+            getattr(mo, op)(*args, **kwargs)
+    test_traced_static_arguments_are_refused_under_jit()
