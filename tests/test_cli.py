@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from gpurouter import __main__ as cli
@@ -155,3 +156,19 @@ def test_bench_commit_is_this_checkouts_or_unknown(tmp_path):
     out = subprocess.run([sys.executable, "-c", "from gpurouter import bench; print(bench._git_commit())"],
                          cwd=tmp_path / "copy", capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "unknown"
+
+
+@pytest.mark.cuda
+def test_sanitize_workload_checks_the_z_loss_and_moe_kernels():
+    """tools/sanitize.py (compute-sanitizer's workload): its z-loss and MoE
+    cases pass against their float64 oracles, and a wrong result fails them."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "tools" / "sanitize.py"
+    spec = importlib.util.spec_from_file_location("sanitize_workload", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cases = list(mod._z_loss_and_moe(np.random.default_rng(0), np.float32))
+    assert len(cases) == 12 and all(ok for _, ok in cases), [n for n, ok in cases if not ok]
+    assert not mod._close(np.ones(3), np.ones(3) * 1.1)
