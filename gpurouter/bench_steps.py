@@ -5,7 +5,9 @@ Two tables (GPU; JSON with ``--json``):
 1. **Steps**: the marginal time of one forward + backward step through the
    public API inside a jitted ``lax.fori_loop`` (bf16 logits; the loop runs
    N and 2N steps and the difference is divided by N, so compile, dispatch
-   and the loop's fixed cost drop out), per config and path: ``jax`` (the
+   and the loop's fixed cost drop out; N grows until an N-step loop takes
+   ``--min-loop-ms``, and a config's paths are timed in turns), per config
+   and path: ``jax`` (the
    jnp reference), ``numba:ffi``, ``numba:zero-copy`` and ``auto``; the
    ratio is jax / numba:ffi. Configs: DeepSeek-V3 and Qwen3 at several token
    counts, Mixtral, Nemotron-3 Super (K = 22), and the aux path (aux scores + switch aux loss).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -41,22 +44,46 @@ def _path_kw(path: str) -> dict:
     return dict(backend=backend, transport=transport or "auto")
 
 
-def _marginal_us(make_loop, x, steps: int, repeats: int) -> float:
-    """Median over ``repeats`` of (time(2N steps) - time(N steps)) / N, in us."""
+#: the shortest N-step loop timed, in seconds: N grows (from ``--steps``) until
+#: an N-step loop takes this long, so that the host's timer and dispatch jitter
+#: (tens of µs a call) stay a small part of the 2N - N difference
+MIN_LOOP_S = 0.02
+MAX_STEPS = 20000
+
+
+def _time_s(f, x) -> float:
     import jax
 
-    loops = {n: jax.jit(make_loop(n)) for n in (steps, 2 * steps)}
-    for f in loops.values():
-        jax.block_until_ready(f(x))
-    diffs = []
-    for _ in range(repeats):
-        t = {}
-        for n, f in loops.items():
-            t0 = time.perf_counter()
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(x))
+    return time.perf_counter() - t0
+
+
+def _loops(make_loop, x, steps: int, min_loop_s: float):
+    """``(n, {n: loop, 2n: loop})``, jitted and warm, with ``n >= steps`` and an
+    n-step loop of at least ``min_loop_s`` (from one timed run; n <= MAX_STEPS)."""
+    import jax
+
+    n = steps
+    while True:
+        loops = {m: jax.jit(make_loop(m)) for m in (n, 2 * n)}
+        for f in loops.values():
             jax.block_until_ready(f(x))
-            t[n] = time.perf_counter() - t0
-        diffs.append((t[2 * steps] - t[steps]) / steps * 1e6)
-    return statistics.median(diffs)
+        t = _time_s(loops[n], x)
+        if t >= min_loop_s or n >= MAX_STEPS:
+            return n, loops
+        n = min(MAX_STEPS, max(2 * n, math.ceil(1.2 * n * min_loop_s / max(t, 1e-9))))
+
+
+def _diff_us(n: int, loops, x) -> float:
+    """One (time(2n steps) - time(n steps)) / n, in us."""
+    return (_time_s(loops[2 * n], x) - _time_s(loops[n], x)) / n * 1e6
+
+
+def _marginal_us(make_loop, x, steps: int, repeats: int, min_loop_s: float = MIN_LOOP_S) -> float:
+    """Median over ``repeats`` of the marginal us per step (``_loops``' n)."""
+    n, loops = _loops(make_loop, x, steps, min_loop_s)
+    return statistics.median(_diff_us(n, loops, x) for _ in range(repeats))
 
 
 def _step_loop(preset, tokens: int, aux: bool, path: str):
@@ -91,13 +118,27 @@ def _step_loop(preset, tokens: int, aux: bool, path: str):
     return (lambda n: lambda x: lax.fori_loop(0, n, step, x)), x
 
 
-def step_rows(configs, paths, steps: int, repeats: int, show: bool) -> list[dict]:
+def step_rows(configs, paths, steps: int, repeats: int, show: bool, min_loop_s: float = MIN_LOOP_S) -> list[dict]:
+    """One row per config: each path's marginal us per step, the paths of a
+    config timed in turns (repeat r of every path, then repeat r + 1), so a
+    drift of the GPU's clocks or the host's load reaches them alike; the
+    loop length each path ran in ``"loop steps"``."""
     rows = {name: {"config": name, "preset": CONFIGS[name][0], "tokens": CONFIGS[name][1],
-                   "aux": CONFIGS[name][2]} for name in configs}
+                   "aux": CONFIGS[name][2], "loop steps": {}} for name in configs}
     work = [(name, path) for name in configs for path in paths]
+    prepared: dict = {}
     for name, path in progress(work, len(work), "steps", show, describe=lambda w: f"{w[0]} {w[1]}"):
         make, x = _step_loop(*CONFIGS[name], path)
-        rows[name][path] = _marginal_us(make, x, steps, repeats)
+        n, loops = _loops(make, x, steps, min_loop_s)
+        prepared[path] = (n, loops, x)
+        rows[name]["loop steps"][path] = n
+        if path == paths[-1]:  # the config's paths are ready: time them in turns
+            diffs = {p: [] for p in prepared}
+            for _ in range(repeats):
+                for p, (n_p, loops_p, x_p) in prepared.items():
+                    diffs[p].append(_diff_us(n_p, loops_p, x_p))
+            rows[name].update({p: statistics.median(d) for p, d in diffs.items()})
+            prepared = {}
     for row in rows.values():
         if "jax" in row and "numba:ffi" in row:
             row["ratio"] = row["jax"] / row["numba:ffi"]
@@ -183,7 +224,10 @@ def main(argv: list[str]) -> int:
                         help=f"comma-separated configs (default: all: {', '.join(CONFIGS)})")
     parser.add_argument("--paths", type=comma_list(PATHS, "path"), default=list(PATHS),
                         help=f"comma-separated paths (default: {', '.join(PATHS)})")
-    parser.add_argument("--steps", type=positive_int, default=20, help="N: loops of N and 2N steps (default 20)")
+    parser.add_argument("--steps", type=positive_int, default=20,
+                        help="N: loops of N and 2N steps, N grown until a loop takes --min-loop-ms (default 20)")
+    parser.add_argument("--min-loop-ms", type=positive_int, default=int(MIN_LOOP_S * 1000),
+                        help=f"the shortest N-step loop timed, ms (default {int(MIN_LOOP_S * 1000)})")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed repeats, median (default 5)")
     parser.add_argument("--transport-sizes", type=_sizes, default=[1024, 1048576],
                         help="comma-separated n of the transport-cost op (default 1024,1048576)")
@@ -198,7 +242,8 @@ def main(argv: list[str]) -> int:
     from .bench import _gpu_info
 
     info = _gpu_info()
-    steps = step_rows(args.configs, args.paths, args.steps, args.repeats, not args.no_progress)
+    steps = step_rows(args.configs, args.paths, args.steps, args.repeats, not args.no_progress,
+                      args.min_loop_ms / 1000)
     print(table(steps, ["config", *args.paths, "ratio", "auto_vs_faster"]))
     transports = transport_rows(args.transport_sizes, 200, args.repeats)
     print()

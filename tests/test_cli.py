@@ -172,3 +172,35 @@ def test_sanitize_workload_checks_the_z_loss_and_moe_kernels():
     cases = list(mod._z_loss_and_moe(np.random.default_rng(0), np.float32))
     assert len(cases) == 12 and all(ok for _, ok in cases), [n for n, ok in cases if not ok]
     assert not mod._close(np.ones(3), np.ones(3) * 1.1)
+
+
+def test_steps_loops_grow_until_they_take_the_minimum_time():
+    """bench_steps: N grows from --steps until an N-step loop takes
+    min_loop_s (so host jitter stays small against the 2N - N difference)."""
+    import jax
+    import jax.numpy as jnp
+
+    from gpurouter import bench_steps
+
+    x = jnp.ones((1 << 16,), jnp.float32)
+
+    def make(n):
+        return lambda c: jax.lax.fori_loop(0, n, lambda i, c: jnp.sin(c) + 1.0, c)
+
+    n, loops = bench_steps._loops(make, x, 2, 0.01)
+    assert n > 2 and sorted(loops) == [n, 2 * n]
+    assert bench_steps._time_s(loops[n], x) >= 0.005  # one timed run reached the minimum (timer noise: half)
+    assert bench_steps._loops(make, x, 3, 0.0)[0] == 3  # long enough at once: N stays
+
+
+def test_steps_rows_time_a_configs_paths_in_turns(monkeypatch):
+    """One row per config with every path's marginal time and loop length."""
+    from gpurouter import bench_steps
+
+    order = []
+    real = bench_steps._diff_us
+    monkeypatch.setattr(bench_steps, "_diff_us", lambda n, loops, x: order.append(n) or real(n, loops, x))
+    (row,) = bench_steps.step_rows(["qwen3@256"], ["jax", "auto"], 2, 3, False, 0.002)
+    assert row["jax"] > 0 and row["auto"] > 0 and set(row["loop steps"]) == {"jax", "auto"}
+    assert len(order) == 6 and order[0::2] == [row["loop steps"]["jax"]] * 3  # jax, auto, jax, auto, ...
+    assert "ratio" not in row  # no numba:ffi path asked
