@@ -106,7 +106,8 @@ def compute_grouped_dbias_dscales(
       transport: how the kernels reach JAX (``"auto"``, ``"callback"``,
         ``"zero-copy"``, ``"ffi"``), as for the router ops.
     """
-    if not _numba(GROUPED_DBIAS_DSCALES_OP, backend, transport, None, scales, bias, dy):
+    if not _numba(GROUPED_DBIAS_DSCALES_OP, backend, transport, None,
+                  *[a for a in (scales, bias, dbias, dscales) if a is not None], dy):
         return _ref.compute_grouped_dbias_dscales(dy, scales, bias, offsets, dbias, dscales)
     check_grouped_dbias_dscales_args(dy, scales, bias, offsets, dbias, dscales)
     return _kernels().grouped_dbias_dscales(dy, scales, bias, offsets, dbias, dscales, transport)
@@ -130,7 +131,7 @@ def compute_grouped_dbias(
         or ``"auto"`` (the measured rule, ``gpurouter/_auto.py``).
       transport: as for :func:`compute_grouped_dbias_dscales`.
     """
-    if not _numba(GROUPED_DBIAS_OP, backend, transport, None, dy):
+    if not _numba(GROUPED_DBIAS_OP, backend, transport, None, *([] if dbias is None else [dbias]), dy):
         return _ref.compute_grouped_dbias(dy, offsets, num_groups, dbias)
     _, _, g = check_grouped_dbias_args(dy, offsets, num_groups, dbias)
     return _kernels().grouped_dbias(dy, offsets, g, dbias, transport)

@@ -636,3 +636,22 @@ def test_errors_are_the_references_where_auto_could_pick_the_kernels(monkeypatch
         with pytest.raises(exc, match="^" + re.escape(msg)):
             getattr(mo, op)(*args, **kwargs)
     test_traced_static_arguments_are_refused_under_jit()
+
+
+def test_auto_leaves_a_wrong_accumulator_to_the_references_check(monkeypatch):
+    """A float64 dbias to add to is an array the kernels do not take: "auto"
+    sees its dtype, stays on the reference, and the reference's check says
+    what is wrong (JAX on a GPU faked)."""
+    from gpurouter import _backend, _transport
+
+    seen = []
+    monkeypatch.setattr(_transport, "resolve_transport", lambda op, t: "ffi")
+    monkeypatch.setattr(mo, "moe_kernels_faster", lambda op, t, n, dtypes, e=None: seen.append(dtypes) or False)
+    monkeypatch.setattr(_backend, "resolve", lambda op, b, faster=None: faster() and "numba" or "jax")
+    with jax.enable_x64(True):
+        acc = jnp.zeros((2, 3), jnp.float64)
+        with pytest.raises(TypeError, match="dbias must be float32 .it is accumulated into., got float64"):
+            mo.compute_grouped_dbias_dscales(D, S, B, OFF, dbias=acc)
+        with pytest.raises(TypeError, match="dbias must be float32 .it is accumulated into., got float64"):
+            mo.compute_grouped_dbias(D, OFF, 2, acc)
+    assert jnp.float64 in seen[0] and jnp.float64 in seen[1]
