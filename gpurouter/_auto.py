@@ -58,15 +58,10 @@ def moe_kernels_faster(op: str, transport: str, row_elements: int, dtypes, num_e
     """True where the MoE kernels measured faster for this call and take it:
     float32/bfloat16/float16 ``dtypes``, at most the combine kernel's experts,
     a device transport (asked only when JAX runs on a CUDA GPU)."""
-    import jax.numpy as jnp
-
     from ._checks import TOKEN_DISPATCH_OP
     from ._transport import resolve_transport
-    from .kernels.moe_combine import CMB_MAX_EXPERTS
 
-    if any(jnp.dtype(d) not in (jnp.float32, jnp.bfloat16, jnp.float16) for d in dtypes):
-        return False
-    if num_experts is not None and not 0 <= num_experts <= CMB_MAX_EXPERTS:  # -1: not known here
+    if not moe_kernels_take(dtypes, num_experts):
         return False
     try:
         if resolve_transport(op, transport) == "callback":
@@ -75,3 +70,16 @@ def moe_kernels_faster(op: str, transport: str, row_elements: int, dtypes, num_e
         return False
     floor = AUTO_DISPATCH_MIN_ELEMENTS if op == TOKEN_DISPATCH_OP else AUTO_MOE_MIN_ELEMENTS
     return row_elements >= floor
+
+
+def moe_kernels_take(dtypes, num_experts: int | None = None) -> bool:
+    """True when the MoE kernels take these arrays: float32/bfloat16/float16
+    ``dtypes`` and at most the combine kernel's ``num_experts`` (None: no
+    experts involved; -1: not known here, so no)."""
+    import jax.numpy as jnp
+
+    from .kernels.moe_combine import CMB_MAX_EXPERTS
+
+    if any(jnp.dtype(d) not in (jnp.float32, jnp.bfloat16, jnp.float16) for d in dtypes):
+        return False
+    return num_experts is None or 0 <= num_experts <= CMB_MAX_EXPERTS

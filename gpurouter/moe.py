@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from . import _backend, reference
-from ._auto import moe_kernels_faster
+from ._auto import moe_kernels_faster, moe_kernels_take
 from ._checks import TOKEN_COMBINE_OP, check_backend
 from ._ops.aux_loss import fused_moe_aux_loss
 from ._ops.topk import fused_topk_with_score_function
@@ -94,9 +94,7 @@ def _permute_on_kernels(x, num_experts: int, topk: int, backend: str) -> bool:
     if not isinstance(x, jax.Array | np.ndarray) or x.ndim < 1 or not isinstance(num_experts, int):
         return False  # the block's checks say what is wrong
     if backend == "numba":
-        from .kernels.moe_combine import CMB_MAX_EXPERTS
-
-        return x.dtype != np.float64 and num_experts <= CMB_MAX_EXPERTS
+        return moe_kernels_take([x.dtype], num_experts)
     rows = math.prod(x.shape[:-1]) * topk * x.shape[-1]
     return backend == "auto" and _backend.resolve(TOKEN_COMBINE_OP, "auto", faster=lambda: moe_kernels_faster(
         TOKEN_COMBINE_OP, "auto", rows, [x.dtype], num_experts)) == "numba"
