@@ -44,6 +44,7 @@ from .losses import AuxLossConfig as AuxLossConfig
 from .losses import check_aux_loss_args as check_aux_loss_args
 from .losses import check_bias_update_args as check_bias_update_args
 from .losses import check_z_loss_args as check_z_loss_args
+from .moe import BATCHED_RAGGED_DOT_OP as BATCHED_RAGGED_DOT_OP
 from .moe import GROUPED_DBIAS_DSCALES_OP as GROUPED_DBIAS_DSCALES_OP
 from .moe import GROUPED_DBIAS_OP as GROUPED_DBIAS_OP
 from .moe import MOE_ACTIVATIONS as MOE_ACTIVATIONS
@@ -53,6 +54,7 @@ from .moe import SCALED_BIAS_ADD_OP as SCALED_BIAS_ADD_OP
 from .moe import TOKEN_COMBINE_OP as TOKEN_COMBINE_OP
 from .moe import TOKEN_DISPATCH_OP as TOKEN_DISPATCH_OP
 from .moe import DispatchConfig as DispatchConfig
+from .moe import check_batched_ragged_dot_args as check_batched_ragged_dot_args
 from .moe import check_grouped_dbias_args as check_grouped_dbias_args
 from .moe import check_grouped_dbias_dscales_args as check_grouped_dbias_dscales_args
 from .moe import check_moe_args as check_moe_args

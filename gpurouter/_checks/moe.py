@@ -141,6 +141,35 @@ def check_scaled_bias_add_args(y, bias, scales, group_sizes,
     return n, h, g
 
 
+BATCHED_RAGGED_DOT_OP = "batched_ragged_dot"
+
+
+def check_batched_ragged_dot_args(lhs, rhs, group_sizes, capacity,
+                                  op: str = BATCHED_RAGGED_DOT_OP) -> tuple[int, int, int, int]:
+    """Checks ``batched_ragged_dot`` (``jax.lax.ragged_dot``'s operands);
+    returns ``(N, K, G, M)``."""
+    (n, k), l_dtype = _rank2(op, "lhs", lhs, "num_rows, contracting")
+    check_float_dtype(op, "lhs", l_dtype)
+    r_shape, r_dtype = array_meta(op, "rhs", rhs)
+    if len(r_shape) != 3 or r_shape[1] != k or r_shape[0] < 1:
+        raise ValueError(f"{op}: rhs shape {r_shape} must be (num_groups, contracting, out) with "
+                         f"num_groups >= 1 and contracting = lhs.shape[1] ({k}).")
+    check_float_dtype(op, "rhs", r_dtype)
+    g = r_shape[0]
+    gs_shape, gs_dtype = array_meta(op, "group_sizes", group_sizes)
+    if tuple(gs_shape) != (g,):
+        raise ValueError(f"{op}: group_sizes shape {gs_shape} must be (num_groups,) = ({g},).")
+    _check_int_dtype(op, "group_sizes", gs_dtype)
+    if not _is_traced(group_sizes):
+        sizes = np.asarray(group_sizes)
+        if (sizes < 0).any() or sizes.sum() > n:
+            raise ValueError(f"{op}: group_sizes ({sizes.tolist()}) must be >= 0 and sum to at most "
+                             f"lhs.shape[0] ({n}).")
+    if capacity is not None and _as_int(op, "capacity", capacity) < 1:
+        raise ValueError(f"{op}: capacity ({capacity}) must be >= 1 (or None).")
+    return n, k, g, r_shape[2]
+
+
 @dataclass(frozen=True)
 class DispatchConfig:
     """Validated static configuration of one ``token_dispatch`` call."""
