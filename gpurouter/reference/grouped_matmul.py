@@ -5,23 +5,25 @@ On a GPU, XLA (jax 0.11) rewrites ``ragged_dot`` and its transposes into
 dense dots over every group, masked: about ``G`` times the work and memory
 of the grouped GEMM (docs/benchmarks.md measured 2.7 TFLOP/s on an H200 for
 the MoE block's GEMMs, and out-of-memory at a DeepSeek-V3-like slice).
-:func:`batched_ragged_dot` computes the same product as a few rounds of one
-batched GEMM each, ``[G, C, K] @ [G, K, M]`` (the weights used in place,
-never gathered): round 1 takes rows ``[0, C)`` of every group, each later
-round the next ``C_tail = ceil(C / 4)`` rows, while any group has rows left.
-A round gathers its rows from ``lhs`` (rows a group does not have read as
-0) and scatters its results back. Its own backward does the same for
-``d lhs = dy @ rhs^T`` (the forward with ``rhs`` transposed) and
-``d rhs[g] = lhs_g^T dy_g`` (one batched GEMM a round, summed over rounds
-in fp32).
+:func:`batched_ragged_dot` computes the same product as one batched GEMM,
+``[G, C, K] @ [G, K, M]``, the weights used in place (never gathered): the
+rows of every group are gathered into ``C`` slots (a group's missing rows
+read as 0) and each output row is read back from its slot. ``C`` is the
+smallest of a few static capacities (the mean group size times 1, 1.25,
+1.5, 2, 3, 4, rounded up to 8) that holds the largest group; a
+``lax.switch`` on the group sizes runs that one branch. When even the
+largest does not hold a group, rounds follow: the largest capacity, then
+the mean while any group has rows left (a ``while`` loop; each round
+reads every group's weights again, so all rows in one group costs about
+``4 G`` rounds, as slow as the dense rewrite, but in bounded memory).
 
-Cost: ``G * (C + r * C_tail)`` rows are multiplied for ``r`` tail rounds,
-``r = ceil((max_g n_g - C) / C_tail)``. With the default ``C`` (the mean
-group size, ``ceil(N / G)`` rounded up to 8) and balanced groups that is
-about 1.25-1.5 times the grouped GEMM's work; all rows in one group costs
-about ``4 G`` rounds, as slow as the dense rewrite. The number of tail
-rounds is a ``while`` loop bound by the data (one host-device round trip
-of XLA's loop condition per round on a GPU).
+The backward is its own: ``d lhs = dy @ rhs^T`` is the same product with
+``rhs`` transposed, ``d rhs[g] = lhs_g^T dy_g`` one batched GEMM over the
+same slots (summed over rounds in fp32 when there are rounds).
+
+Cost: ``G * C`` rows multiplied instead of ``N``; with the default mean
+and balanced groups ``C`` is 1.25-2 times the mean. Every GEMM reads all
+``G`` weight matrices once, which is also a grouped GEMM's floor.
 """
 
 from __future__ import annotations
@@ -54,9 +56,10 @@ def batched_ragged_dot(
       precision: as for ``jax.lax.dot_general``.
       preferred_element_type: the output dtype (default: ``lhs`` and ``rhs``
         promoted); the products accumulate in fp32 (float64 for float64).
-      capacity: rows of every group in the first round (default: the mean
-        group size ``ceil(N / G)`` rounded up to 8); later rounds take
-        ``ceil(capacity / 4)``.
+      capacity: the base of the static capacities (default: the mean group
+        size ``ceil(N / G)``); the batched GEMM gives every group the
+        smallest of ``capacity`` times 1, 1.25, 1.5, 2, 3 and 4 (rounded up
+        to a multiple of 8) that holds the largest group, else rounds.
 
     Returns:
       ``[N, M]``: ``out[i] = lhs[i] @ rhs[g(i)]``; rows at or past
@@ -71,14 +74,18 @@ def batched_ragged_dot(
     n, _, g, _ = check_batched_ragged_dot_args(lhs, rhs, group_sizes, capacity)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
-    mean = -(-n // g)
-    first = capacity if capacity is not None else max(8, (mean + 7) // 8 * 8)
-    rounds = (first, max(1, -(-first // 4)))
-    return _batched(lhs, rhs, jnp.asarray(group_sizes).astype(jnp.int32), rounds, out_dtype, precision)
+    first = capacity if capacity is not None else max(1, -(-n // g))
+    return _batched(lhs, rhs, jnp.asarray(group_sizes).astype(jnp.int32), first, out_dtype, precision)
 
 
 def _accumulation(*dtypes):
     return jnp.float64 if any(jnp.dtype(d) == jnp.float64 for d in dtypes) else jnp.float32
+
+
+def _capacities(first: int) -> tuple[int, ...]:
+    """The single-round capacities tried, smallest first: ``first`` times 1,
+    1.25, 1.5, 2, 3 and 4, each rounded up to a multiple of 8 (at least 8)."""
+    return tuple(sorted({max(8, -(-int(first * f) // 8) * 8) for f in (1, 1.25, 1.5, 2, 3, 4)}))
 
 
 def _round_rows(sizes, offset, width: int, num_rows: int):
@@ -89,51 +96,88 @@ def _round_rows(sizes, offset, width: int, num_rows: int):
     return jnp.where(local[None, :] < sizes[:, None], starts[:, None] + local[None, :], num_rows)
 
 
-def _over_rounds(sizes, rounds: tuple[int, int], num_rows: int, step, state):
-    """``state`` through ``step(state, rows [G, width])`` for the first round
-    and then every tail round while a group has rows left."""
-    first, tail = rounds
+def _take_rows(x, rows):
+    return jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
+
+
+def _by_capacity(sizes, first: int, num_rows: int, one_round, rounds):
+    """``one_round(width)`` for the smallest capacity of :func:`_capacities`
+    that holds every group (``lax.switch``: one branch runs), else
+    ``rounds(first_width, tail_width)``: the largest capacity, then rounds of
+    ``first`` rows while a group has rows left."""
+    caps = _capacities(first)
+    branch = jnp.sum(jnp.max(sizes) > jnp.asarray(caps, sizes.dtype))
+    return lax.switch(branch, [functools.partial(one_round, c) for c in caps]
+                      + [functools.partial(rounds, caps[-1], first)])
+
+
+def _over_rounds(sizes, first: int, tail: int, num_rows: int, step, state):
+    """``state`` through ``step(state, rows [G, width])`` for rows ``[0, first)``
+    of every group, then ``tail`` rows a round while a group has rows left."""
     state = step(state, _round_rows(sizes, 0, first, num_rows))
     num_tail = jnp.maximum(jnp.max(sizes) - first + tail - 1, 0) // tail
     return lax.fori_loop(0, num_tail, lambda r, s: step(s, _round_rows(sizes, first + r * tail, tail, num_rows)),
                          state)
 
 
-def _take_rows(x, rows):
-    return jnp.take(x, rows, axis=0, mode="fill", fill_value=0)
-
-
-def _product(lhs, rhs, sizes, rounds, out_dtype, precision):
+def _product(lhs, rhs, sizes, first, out_dtype, precision):
+    """``out[i] = lhs[i] @ rhs[g(i)]`` (0 past the groups' rows)."""
     n, m = lhs.shape[0], rhs.shape[2]
     acc = _accumulation(lhs.dtype, rhs.dtype)
 
-    def step(out, rows):
+    def matmul(rows):
         y = jnp.einsum("gck,gkm->gcm", _take_rows(lhs, rows), rhs, precision=precision, preferred_element_type=acc)
-        return out.at[rows.reshape(-1)].set(y.reshape(-1, m).astype(out_dtype), mode="drop")
+        return y.astype(out_dtype)
 
-    return _over_rounds(sizes, rounds, n, step, jnp.zeros((n, m), out_dtype))
+    def one_round(width):  # every group in one batched GEMM; each row read back from its slot
+        y = matmul(_round_rows(sizes, 0, width, n)).reshape(-1, m)
+        i = jnp.arange(n, dtype=jnp.int32)
+        ends = jnp.cumsum(sizes)
+        g = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
+        slot = jnp.where(g < sizes.shape[0], g * width + i - (ends - sizes)[jnp.minimum(g, sizes.shape[0] - 1)],
+                         y.shape[0])
+        return jnp.take(y, slot, axis=0, mode="fill", fill_value=0)
+
+    def rounds(width, tail):
+        def step(out, rows):
+            return out.at[rows.reshape(-1)].set(matmul(rows).reshape(-1, m), mode="drop")
+        return _over_rounds(sizes, width, tail, n, step, jnp.zeros((n, m), out_dtype))
+
+    return _by_capacity(sizes, first, n, one_round, rounds)
+
+
+def _rhs_grad(lhs, dy, sizes, first, dtype, precision):
+    """``d rhs[g] = lhs_g^T dy_g`` (``[G, K, M]`` in ``dtype``)."""
+    n, g = lhs.shape[0], sizes.shape[0]
+    acc = _accumulation(lhs.dtype, dy.dtype)
+
+    def matmul(rows):
+        return jnp.einsum("gck,gcm->gkm", _take_rows(lhs, rows), _take_rows(dy, rows), precision=precision,
+                          preferred_element_type=acc)
+
+    def one_round(width):
+        return matmul(_round_rows(sizes, 0, width, n)).astype(dtype)
+
+    def rounds(width, tail):
+        zero = jnp.zeros((g, lhs.shape[1], dy.shape[1]), acc)
+        return _over_rounds(sizes, width, tail, n, lambda s, rows: s + matmul(rows), zero).astype(dtype)
+
+    return _by_capacity(sizes, first, n, one_round, rounds)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _batched(lhs, rhs, sizes, rounds, out_dtype, precision):
-    return _product(lhs, rhs, sizes, rounds, out_dtype, precision)
+def _batched(lhs, rhs, sizes, first, out_dtype, precision):
+    return _product(lhs, rhs, sizes, first, out_dtype, precision)
 
 
-def _batched_fwd(lhs, rhs, sizes, rounds, out_dtype, precision):
-    return _product(lhs, rhs, sizes, rounds, out_dtype, precision), (lhs, rhs, sizes)
+def _batched_fwd(lhs, rhs, sizes, first, out_dtype, precision):
+    return _product(lhs, rhs, sizes, first, out_dtype, precision), (lhs, rhs, sizes)
 
 
-def _batched_bwd(rounds, out_dtype, precision, res, dy):
+def _batched_bwd(first, out_dtype, precision, res, dy):
     lhs, rhs, sizes = res
-    d_lhs = _product(dy, jnp.swapaxes(rhs, 1, 2), sizes, rounds, lhs.dtype, precision)
-    acc = _accumulation(lhs.dtype, rhs.dtype, dy.dtype)
-
-    def step(d_rhs, rows):
-        return d_rhs + jnp.einsum("gck,gcm->gkm", _take_rows(lhs, rows), _take_rows(dy, rows), precision=precision,
-                                  preferred_element_type=acc)
-
-    d_rhs = _over_rounds(sizes, rounds, lhs.shape[0], step, jnp.zeros(rhs.shape, acc))
-    return d_lhs, d_rhs.astype(rhs.dtype), None
+    d_lhs = _product(dy, jnp.swapaxes(rhs, 1, 2), sizes, first, lhs.dtype, precision)
+    return d_lhs, _rhs_grad(lhs, dy, sizes, first, rhs.dtype, precision), None
 
 
 _batched.defvjp(_batched_fwd, _batched_bwd)
