@@ -27,6 +27,7 @@ from .moe_ops import compute_grouped_dbias_dscales as compute_grouped_dbias_dsca
 from .moe_ops import grouped_scaled_bias_add as grouped_scaled_bias_add
 from .moe_ops import token_combine as token_combine
 from .moe_ops import token_dispatch as token_dispatch
+from .reference.grouped_matmul import batched_ragged_dot as batched_ragged_dot
 
 
 def moe(
@@ -68,7 +69,9 @@ def moe(
     argsort form. The experts are ``grouped_matmul`` on every backend.
 
     ``grouped_matmul`` is any function with ``jax.lax.ragged_dot``'s
-    signature, e.g. a tuned Pallas grouped GEMM.
+    signature: :func:`batched_ragged_dot` (batched dense GEMMs; on a GPU far
+    faster than ``ragged_dot``, which XLA rewrites into dense masked dots:
+    docs/moe.md), or e.g. a tuned Pallas grouped GEMM.
 
     Returns:
       ``(output [..., H] in x's dtype, aux_loss float32 scalar or None)``.
@@ -122,6 +125,7 @@ def _kernel_permute():
 
 
 __all__ = [
+    "batched_ragged_dot",
     "compute_grouped_dbias",
     "compute_grouped_dbias_dscales",
     "grouped_scaled_bias_add",

@@ -86,6 +86,21 @@ def test_block_matches_the_dense_oracle(name):
                                        err_msg=k)
 
 
+@pytest.mark.parametrize("name", ["softmax-late", "pre-softmax-aligned", "k1-linear-early"])
+def test_block_on_batched_ragged_dot_matches_the_dense_oracle(name):
+    """``grouped_matmul=batched_ragged_dot``: the same block, values and every gradient."""
+    kw = dict(CASES[name], grouped_matmul=gmoe.batched_ragged_dot)
+    with jax.enable_x64(True):
+        p = _params(seed=5, dtype=jnp.float64)
+        out, _ = jax.jit(lambda p: _call(gmoe.moe, p, kw))(p)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(_dense(p, kw)), rtol=1e-10, atol=1e-12)
+        grads = jax.grad(lambda p: jnp.sum(_call(gmoe.moe, p, kw)[0] ** 2))(p)
+        want = jax.grad(lambda p: jnp.sum(_dense(p, kw) ** 2))(p)
+        for k in (k for k, v in p.items() if v is not None):
+            np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(want[k]), rtol=1e-8, atol=1e-10,
+                                       err_msg=k)
+
+
 def test_early_and_late_weighting_agree_with_biases():
     """TE #2864: early weighting scales the wo bias too, or a token gets K biases."""
     p = _params(seed=1)

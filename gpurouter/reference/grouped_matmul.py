@@ -71,9 +71,11 @@ def batched_ragged_dot(
     >>> batched_ragged_dot(lhs, rhs, jnp.array([1, 2])).tolist()
     [[0.0, 1.0], [4.0, 6.0], [8.0, 10.0], [0.0, 0.0]]
     """
-    n, _, g, _ = check_batched_ragged_dot_args(lhs, rhs, group_sizes, capacity)
+    n, _, g, m = check_batched_ragged_dot_args(lhs, rhs, group_sizes, capacity)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+    if n == 0:
+        return jnp.zeros((0, m), out_dtype)
     first = capacity if capacity is not None else max(1, -(-n // g))
     return _batched(lhs, rhs, jnp.asarray(group_sizes).astype(jnp.int32), first, out_dtype, precision)
 
