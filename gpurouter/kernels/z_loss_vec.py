@@ -28,7 +28,11 @@ rescale at all), and the W sums in a fixed pairwise tree in lane order give
 ``S``; lane 0 writes ``lse = (sh2(M) + lg2.approx(S)) ln 2`` and adds
 ``lse^2`` to its own running sum in row order.  No barrier inside the walk (the lane exchange is within a warp);
 at the end thread 0 sums the block's TB running sums in slot order into
-``partial[b]``.  Every order is fixed: bit-identical run to run (the
+``partial[b]`` and takes a ticket (``atomic.inc`` on a ``_plan.Counter``, zero
+at launch, wrapping back to zero at the grid's last block): the block that
+gets the last one sums every partial in a fixed order (``_finish_pieces``) and
+writes the loss, one launch in all (a second one-block launch cost about
+3.3 us at 06dd8ee).  Every order is fixed: bit-identical run to run (the
 simulator's exchange goes through shared memory in the same order).
 The kernel before this one (9ccf7d3) had lane 0 merge its W lanes' (max,
 sum) pairs one after another behind a block barrier per group: 20.4 us at
@@ -57,7 +61,7 @@ from ._device import NEG_INF, ZERO, fmax_f32, u64
 from ._launch import BF16
 from ._logsumexp import LN2, LOG2E, shift2
 from ._plan import Spec
-from ._z_loss_io import lane_reducers, load_words, log2_approx, single_ops, store_words, vector_io, warp_mask
+from ._z_loss_io import lane_reducers, load_l2, load_words, log2_approx, single_ops, store_words, vector_io, warp_mask
 
 
 def word_view(logits: Spec) -> Spec:
@@ -183,6 +187,7 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
     aligned, _, fetch, row_max, row_sum, _ = _row_pieces(kind, hold, lanes, hints, exact)
     all_max, all_sum = lane_reducers(lanes, full)
     lg2 = log2_approx()
+    ticket, finish = _finish_pieces()
     words = 4 * hold  # compile-time constants (local array sizes, unrolled loops)
     w = np.int32(lanes)
 
@@ -210,11 +215,15 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
         logits,  # [T * E * size / 4] uint32 words, flat
         lse,  # [T] fp32, out
         partial,  # [>= grid] fp32, out: the block's sum of lse^2 (rows in order)
+        loss,  # [1] fp32, out: coeff * (S / N)
+        count,  # [1] uint32: 0 at launch, left 0 (a _plan.Counter)
         num_tokens,
         vecs,  # V: 16-byte vectors a row
         iters,  # row groups a block walks; blockDim.x = TB * W
+        coeff,  # fp32
+        total,  # fp32: N
     ):
-        red = cuda.shared.array(0, nb_f32)  # [threads] lane exchange (simulator), then [TB] running sums
+        red = cuda.shared.array(0, nb_f32)  # [threads] lane exchange (simulator), [TB] running sums, a flag
         cur = cuda.local.array(words, nb_u32)
         nxt = cuda.local.array(words, nb_u32)
         tid = np.int32(cuda.threadIdx.x)
@@ -253,12 +262,61 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
         # Barrier: thread 0 reads every slot's running sum.
         cuda.syncthreads()
         if tid == 0:
-            total = ZERO
+            block_sum = ZERO
             for i in range(tb):
-                total = np.float32(total + red[nthreads + i])
-            partial[cuda.blockIdx.x] = total
+                block_sum = np.float32(block_sum + red[nthreads + i])
+            partial[cuda.blockIdx.x] = block_sum
+            red[nthreads + tb] = ticket(count)
+        # Barrier: every thread reads the flag (block-uniform below).
+        cuda.syncthreads()
+        if red[nthreads + tb] != ZERO:
+            finish(partial, loss, red, tid, nthreads, coeff, total)
 
     return z_loss_vec_rows
+
+
+@functools.cache
+def _finish_pieces():
+    """``(ticket(count), finish(partial, loss, red, tid, nthreads, coeff, total))``:
+    the forward's single-kernel finish."""
+    rd = load_l2()
+
+    @cuda.jit(device=True)
+    def ticket(count):
+        """Thread 0 of a block, its partial written: 1.0 if the block is the grid's
+        last to get here, else 0.0.  ``atomic.inc`` wraps at the last block, so
+        the counter is 0 again when the kernel ends (``_plan.Counter``)."""
+        # Fence: the block's partial is visible to the whole GPU before its ticket.
+        cuda.threadfence()
+        last = np.uint32(cuda.gridDim.x - 1)
+        if cuda.atomic.inc(count, 0, last) == last:
+            # Fence: the last block's reads of the partials come after its ticket.
+            cuda.threadfence()
+            return np.float32(1)
+        return ZERO
+
+    @cuda.jit(device=True)
+    def finish(partial, loss, red, tid, nthreads, coeff, total):
+        """The last block: ``loss = coeff * (S / N)``, S the grid's partials in a
+        fixed order (thread i sums partials i, i + n, ... in turn, then a
+        fixed-shape tree of the n threads, pairs r, r + ceil(k/2)), whatever block
+        is last: bit-identical run to run."""
+        acc = ZERO
+        for i in range(tid, cuda.gridDim.x, nthreads):
+            acc = np.float32(acc + rd(partial, i))
+        red[tid] = acc
+        k = nthreads
+        while k > 1:
+            # Barrier: this level reads the previous level's sums.
+            cuda.syncthreads()
+            half = np.int32((k + 1) // 2)
+            if tid < k - half:
+                red[tid] = np.float32(red[tid] + red[tid + half])
+            k = half
+        if tid == 0:  # the last level's sum is thread 0's own (no barrier needed)
+            loss[0] = np.float32(coeff * np.float32(red[0] / total))
+
+    return ticket, finish
 
 
 @functools.cache
