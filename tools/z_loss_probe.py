@@ -31,6 +31,7 @@ from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
 from gpurouter.kernels import _plan, _pointer
 from gpurouter.kernels import _tiling as Z
+from gpurouter.kernels import _z_loss_finish as F
 
 DTYPES = {"bf16": (ml_dtypes.bfloat16, L.BF16), "fp32": (np.float32, L.F32), "fp16": (np.float16, L.F16)}
 
@@ -46,11 +47,12 @@ def _lse64(x):
 _NO_CAP = 1 << 20
 SWEEP = [(f"fwd {v}", dict(Z_VEC_FWD=v)) for v in (
     (256, 4, _NO_CAP, False, True), (256, 4, 1056, False, True), (256, 4, 1056, True, True),
-    (256, 4, 396, True, True), (128, 4, _NO_CAP, False, True), (128, 4, 1056, True, True),
-    (512, 4, _NO_CAP, False, True), (256, 8, _NO_CAP, False, True), (256, 8, 528, True, True),
-    (256, 2, _NO_CAP, False, True), (256, 4, _NO_CAP, False, False))
-] + [(f"bwd {v}", dict(Z_VEC_BWD=v)) for v in ((256, 2, _NO_CAP, False, True), (128, 4, 1024, True, True),
-                                               (256, 4, _NO_CAP, False, True))]
+    (256, 4, 396, True, True), (128, 4, 1056, True, True), (128, 4, 528, True, True),
+    (256, 8, _NO_CAP, False, True), (256, 4, _NO_CAP, False, False))
+] + [(f"finish {m}", dict(FINISH=m)) for m in ("fence", "none")] + [
+    (f"fwd {v}, finish none", dict(Z_VEC_FWD=v, FINISH="none")) for v in ((256, 4, _NO_CAP, False, True),
+                                                                          (128, 4, 1056, True, True))
+] + [(f"bwd {v}", dict(Z_VEC_BWD=v)) for v in ((256, 2, _NO_CAP, False, True), (256, 4, _NO_CAP, False, True))]
 
 
 def _inputs(tokens, experts, dtype):
@@ -103,6 +105,9 @@ def run(tokens, experts, dtype, repeats, peak, label="", data=None):
                    repeats, spin)
     t_bwd = _time(bwd, [[_ptr(dx), _ptr(lses[i]), _ptr(g), _ptr(grad)] for i, dx in enumerate(dxs)],
                   repeats, spin)
+    st = fplan.steps[0]
+    specs = {"in": fplan.ins, "out": fplan.outs, "tmp": fplan.tmps}
+    regs = st.kernel.compile(tuple(_pointer._numba_type(a, specs) for a in st.args)).regs_per_thread
     counters_zero = all(not _plan.counter_array(c, 0, _plan.counter_key(0)).copy_to_host().any()
                         for c in _plan.plan_counters(fplan))  # left zero by every launch
     fbytes = tokens * experts * size + tokens * 4
@@ -118,14 +123,19 @@ def run(tokens, experts, dtype, repeats, peak, label="", data=None):
                fwd_x_floor=t_fwd / ffloor, bwd_x_floor=t_bwd / bfloor,
                both_x_floor=(t_fwd + t_bwd) / (ffloor + bfloor),
                loss_rel_err=loss_rel, lse_max_err=lse_err, grad_max_err_rel=g_err,
-               launches=len(fplan.steps), counters_zero=counters_zero)
+               launches=len(fplan.steps), counters_zero=counters_zero, fwd_regs=regs, finish=F.FINISH)
     print(f"{label:>34} T={tokens} E={experts} {dtype} {knobs} (grid {tiling[0]} x {tiling[1]}, "
           f"W={tiling[2]}): fwd {t_fwd:.2f} us ({t_fwd / ffloor:.2f}x floor "
           f"{ffloor:.2f}; rows kernel alone {t_rows:.2f}), bwd {t_bwd:.2f} us ({t_bwd / bfloor:.2f}x floor "
           f"{bfloor:.2f}), fwd+bwd {(t_fwd + t_bwd) / (ffloor + bfloor):.2f}x; "
           f"loss rel err {loss_rel:.1e}, lse err {lse_err:.1e}, grad err {g_err:.1e}; "
-          f"{len(fplan.steps)} fwd launch(es), counters zero after: {counters_zero}", flush=True)
+          f"{len(fplan.steps)} fwd launch(es), finish {F.FINISH}, {regs} regs, counters zero after: {counters_zero}",
+          flush=True)
     return res
+
+
+def _module(knob):
+    return F if knob == "FINISH" else Z
 
 
 def _clear():
@@ -149,16 +159,16 @@ def main():
     results = [run(a.tokens, a.experts, a.dtype, a.repeats, a.peak, "default", data)]
     if a.sweep:
         for label, knobs in SWEEP:
-            saved = {k: getattr(Z, k) for k in knobs}
+            saved = {k: getattr(_module(k), k) for k in knobs}
             for k, v in knobs.items():
-                setattr(Z, k, v)
+                setattr(_module(k), k, v)
             _clear()
             try:
                 results.append(run(a.tokens, a.experts, a.dtype, a.repeats, a.peak, label, data))
             except Exception as e:  # a variant that fails to compile or run: say so, go on
                 print(f"{label}: {type(e).__name__}: {e}", flush=True)
             for k, v in saved.items():
-                setattr(Z, k, v)
+                setattr(_module(k), k, v)
         _clear()
         for dtype in sorted(set(DTYPES) - {a.dtype}):
             results.append(run(a.tokens, a.experts, dtype, a.repeats, a.peak, "other dtype"))

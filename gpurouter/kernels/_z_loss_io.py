@@ -179,38 +179,6 @@ def single_ops():
 
 
 @functools.cache
-def load_l2():
-    """``load_l2(a, i)``: fp32 ``a[i]`` read from L2 (``ld.global.cg``: no L1 line
-    that might predate another block's write; the single-kernel finish reads
-    the partial sums the other blocks wrote); on the simulator ``a[i]``."""
-    if simulator_enabled():
-
-        @cuda.jit(device=True)
-        def load_sim(a, i):
-            return a[i]
-
-        return load_sim
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    f32, i64 = ir.FloatType(), ir.IntType(64)
-
-    @intrinsic
-    def ld_cg(typingctx, a, i):
-        def codegen(context, builder, sig, args):
-            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
-            ptr = builder.gep(data, [context.cast(builder, args[1], sig.args[1], types.int64)])
-            fnty = ir.FunctionType(f32, [i64])
-            text = "{ .reg .u64 g; cvta.to.global.u64 g, $1; ld.global.cg.f32 $0, [g]; }"
-            return builder.call(ir.InlineAsm(fnty, text, "=f,l", side_effect=True), [builder.ptrtoint(ptr, i64)])
-
-        return types.float32(a, i), codegen
-
-    return ld_cg
-
-
-@functools.cache
 def log2_approx():
     """``lg2.approx.ftz.f32`` as a device function (see the module docstring);
     on the simulator ``math.log2`` in fp32."""

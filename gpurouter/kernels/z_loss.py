@@ -41,7 +41,7 @@ import numpy as np
 from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
 
-from . import _tiling
+from . import _tiling, _z_loss_finish
 from ._access import array_views, flat_io, storer_2d
 from ._device import NEG_INF, ZERO, fmax_f32, u64
 from ._launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
@@ -318,7 +318,7 @@ def router_z_loss_fwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: in
     if vec:  # one launch: the grid's last block sums the partials (a Counter tells it it is last)
         grid, threads, lanes, vecs, hold, iters = vec
         kern = z_loss_vec_rows_kernel(logits.kind, hold, lanes, *_tiling.Z_VEC_FWD[3:], vecs == lanes * hold,
-                                      threads % 32 == 0)  # compile-time: exact rows, full warps
+                                      threads % 32 == 0, _z_loss_finish.FINISH)  # exact rows, full warps
         steps.append(Step(kern, grid, threads, 4 * (threads + threads // lanes + 1),
                           (In(0, word_view(logits)), Out(1), Tmp(0), Out(0, spec_of((1,), F32)), Counter(),
                            num_tokens, vecs, iters, np.float32(coeff), np.float32(total_num_tokens))))

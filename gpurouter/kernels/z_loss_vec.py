@@ -30,7 +30,7 @@ rescale at all), and the W sums in a fixed pairwise tree in lane order give
 at the end thread 0 sums the block's TB running sums in slot order into
 ``partial[b]`` and takes a ticket (``atomic.inc`` on a ``_plan.Counter``, zero
 at launch, wrapping back to zero at the grid's last block): the block that
-gets the last one sums every partial in a fixed order (``_finish_pieces``) and
+gets the last one sums every partial in a fixed order (``_z_loss_finish``) and
 writes the loss, one launch in all (a second one-block launch cost about
 3.3 us at 06dd8ee).  Every order is fixed: bit-identical run to run (the
 simulator's exchange goes through shared memory in the same order).
@@ -61,7 +61,8 @@ from ._device import NEG_INF, ZERO, fmax_f32, u64
 from ._launch import BF16
 from ._logsumexp import LN2, LOG2E, shift2
 from ._plan import Spec
-from ._z_loss_io import lane_reducers, load_l2, load_words, log2_approx, single_ops, store_words, vector_io, warp_mask
+from ._z_loss_finish import finish_pieces
+from ._z_loss_io import lane_reducers, load_words, log2_approx, single_ops, store_words, vector_io, warp_mask
 
 
 def word_view(logits: Spec) -> Spec:
@@ -180,14 +181,14 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool, exact: bool = Fal
 
 @functools.cache
 def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool,
-                           exact: bool = False, full: bool = False):
+                           exact: bool = False, full: bool = False, finish_mode: str = "acq_rel"):
     """The forward's row kernel on vectors (see the module docstring).  ``exact``:
     every row is ``W * hold`` vectors (``_row_pieces``); ``full``: blockDim.x is
     a multiple of 32 (the shuffles' member mask a constant)."""
     aligned, _, fetch, row_max, row_sum, _ = _row_pieces(kind, hold, lanes, hints, exact)
     all_max, all_sum = lane_reducers(lanes, full)
     lg2 = log2_approx()
-    ticket, finish = _finish_pieces()
+    ticket, finish = finish_pieces(finish_mode, full)
     words = 4 * hold  # compile-time constants (local array sizes, unrolled loops)
     w = np.int32(lanes)
 
@@ -273,50 +274,6 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
             finish(partial, loss, red, tid, nthreads, coeff, total)
 
     return z_loss_vec_rows
-
-
-@functools.cache
-def _finish_pieces():
-    """``(ticket(count), finish(partial, loss, red, tid, nthreads, coeff, total))``:
-    the forward's single-kernel finish."""
-    rd = load_l2()
-
-    @cuda.jit(device=True)
-    def ticket(count):
-        """Thread 0 of a block, its partial written: 1.0 if the block is the grid's
-        last to get here, else 0.0.  ``atomic.inc`` wraps at the last block, so
-        the counter is 0 again when the kernel ends (``_plan.Counter``)."""
-        # Fence: the block's partial is visible to the whole GPU before its ticket.
-        cuda.threadfence()
-        last = np.uint32(cuda.gridDim.x - 1)
-        if cuda.atomic.inc(count, 0, last) == last:
-            # Fence: the last block's reads of the partials come after its ticket.
-            cuda.threadfence()
-            return np.float32(1)
-        return ZERO
-
-    @cuda.jit(device=True)
-    def finish(partial, loss, red, tid, nthreads, coeff, total):
-        """The last block: ``loss = coeff * (S / N)``, S the grid's partials in a
-        fixed order (thread i sums partials i, i + n, ... in turn, then a
-        fixed-shape tree of the n threads, pairs r, r + ceil(k/2)), whatever block
-        is last: bit-identical run to run."""
-        acc = ZERO
-        for i in range(tid, cuda.gridDim.x, nthreads):
-            acc = np.float32(acc + rd(partial, i))
-        red[tid] = acc
-        k = nthreads
-        while k > 1:
-            # Barrier: this level reads the previous level's sums.
-            cuda.syncthreads()
-            half = np.int32((k + 1) // 2)
-            if tid < k - half:
-                red[tid] = np.float32(red[tid] + red[tid + half])
-            k = half
-        if tid == 0:  # the last level's sum is thread 0's own (no barrier needed)
-            loss[0] = np.float32(coeff * np.float32(red[0] / total))
-
-    return ticket, finish
 
 
 @functools.cache

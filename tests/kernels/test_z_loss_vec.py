@@ -123,10 +123,19 @@ def test_vec_same_bits_with_and_without_prefetch(vec_knobs, T, E, threads, hold)
 
 def _fixed_order_sum(partial, threads):
     """The single-kernel finish's order: thread i sums partials i, i + n, ...,
-    then the fixed-shape tree (pairs r, r + ceil(k/2))."""
+    then (whole warps) each warp's 32 in the pairwise tree of lane order and
+    the warps in order, or the fixed-shape tree (pairs r, r + ceil(k/2))."""
     red = [np.float32(0)] * threads
     for i, p in enumerate(partial):
         red[i % threads] = np.float32(red[i % threads] + p)
+    if threads % 32 == 0:
+        total = np.float32(0)
+        for w in range(0, threads, 32):
+            vals = red[w:w + 32]
+            while len(vals) > 1:
+                vals = [np.float32(vals[i] + vals[i + 1]) for i in range(0, len(vals), 2)]
+            total = np.float32(total + vals[0])
+        return total
     k = threads
     while k > 1:
         half = (k + 1) // 2
