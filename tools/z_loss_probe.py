@@ -12,8 +12,7 @@ timed), the median of ``--repeats`` (as ``gpurouter.bench._kernel_times``).
 Byte floors at ``--peak`` TB/s: the forward reads T*E*s bytes and writes T*4
 (s = 2 for bf16 / fp16, 4 for fp32); the backward reads T*E*s + T*4 and
 writes T*E*s.  ``--sweep`` also times other tilings (``SWEEP``: the vector
-kernels' ``Z_VEC_FWD`` / ``Z_VEC_BWD`` set alike, the final block's threads)
-and the other dtypes.
+kernels' ``Z_VEC_FWD`` or ``Z_VEC_BWD``) and the other dtypes.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
 from gpurouter.kernels import _plan, _pointer
 from gpurouter.kernels import _tiling as Z
+from gpurouter.kernels import _z_loss_finish as F
 
 DTYPES = {"bf16": (ml_dtypes.bfloat16, L.BF16), "fp32": (np.float32, L.F32), "fp16": (np.float16, L.F16)}
 
@@ -42,14 +42,17 @@ def _lse64(x):
     return (np.log(np.exp(x - m).sum(-1, keepdims=True)) + m)[..., 0]
 
 
-#: (label, _tiling knobs): (threads, held vectors, blocks at most, prefetch, hints) each way
-SWEEP = [("final 128", dict(Z_FINAL_THREADS=128))] + [
-    (f"vec {v}", dict(Z_VEC_FWD=v, Z_VEC_BWD=v)) for v in (
-        (256, 4, 528, True, False), (256, 4, 396, True, True), (256, 4, 396, False, True),
-        (256, 4, 1056, False, True), (256, 4, 1 << 20, False, True), (512, 4, 264, True, True),
-        (128, 4, 1056, True, True), (256, 8, 396, False, True), (256, 8, 264, True, True),
-        (256, 2, 1024, True, True), (128, 2, 1024, True, True), (256, 4, 396, True, False))
-]
+#: (label, _tiling knobs): (threads, held vectors, blocks at most, prefetch, hints), the forward's
+#: or the backward's alone (the forward of the vector kernels is one launch, its finish in the last block)
+_NO_CAP = 1 << 20
+SWEEP = [(f"fwd {v}", dict(Z_VEC_FWD=v)) for v in (
+    (256, 4, _NO_CAP, False, True), (256, 4, 1056, False, True), (256, 4, 1056, True, True),
+    (256, 4, 396, True, True), (128, 4, 1056, True, True), (128, 4, 528, True, True),
+    (256, 8, _NO_CAP, False, True), (256, 4, _NO_CAP, False, False))
+] + [(f"finish {m}", dict(FINISH=m)) for m in ("fence", "none")] + [
+    (f"fwd {v}, finish none", dict(Z_VEC_FWD=v, FINISH="none")) for v in ((256, 4, _NO_CAP, False, True),
+                                                                          (128, 4, 1056, True, True))
+] + [(f"bwd {v}", dict(Z_VEC_BWD=v)) for v in ((256, 2, _NO_CAP, False, True), (256, 4, _NO_CAP, False, True))]
 
 
 def _inputs(tokens, experts, dtype):
@@ -102,6 +105,11 @@ def run(tokens, experts, dtype, repeats, peak, label="", data=None):
                    repeats, spin)
     t_bwd = _time(bwd, [[_ptr(dx), _ptr(lses[i]), _ptr(g), _ptr(grad)] for i, dx in enumerate(dxs)],
                   repeats, spin)
+    st = fplan.steps[0]
+    specs = {"in": fplan.ins, "out": fplan.outs, "tmp": fplan.tmps}
+    regs = st.kernel.compile(tuple(_pointer._numba_type(a, specs) for a in st.args)).regs_per_thread
+    counters_zero = all(not _plan.counter_array(c, 0, _plan.counter_key(0)).copy_to_host().any()
+                        for c in _plan.plan_counters(fplan))  # left zero by every launch
     fbytes = tokens * experts * size + tokens * 4
     bbytes = 2 * tokens * experts * size + tokens * 4
     ffloor, bfloor = fbytes / (peak * 1e12) * 1e6, bbytes / (peak * 1e12) * 1e6
@@ -114,13 +122,20 @@ def run(tokens, experts, dtype, repeats, peak, label="", data=None):
                fwd_us=t_fwd, fwd_rows_kernel_us=t_rows, bwd_us=t_bwd, fwd_floor_us=ffloor, bwd_floor_us=bfloor,
                fwd_x_floor=t_fwd / ffloor, bwd_x_floor=t_bwd / bfloor,
                both_x_floor=(t_fwd + t_bwd) / (ffloor + bfloor),
-               loss_rel_err=loss_rel, lse_max_err=lse_err, grad_max_err_rel=g_err)
+               loss_rel_err=loss_rel, lse_max_err=lse_err, grad_max_err_rel=g_err,
+               launches=len(fplan.steps), counters_zero=counters_zero, fwd_regs=regs, finish=F.FINISH)
     print(f"{label:>34} T={tokens} E={experts} {dtype} {knobs} (grid {tiling[0]} x {tiling[1]}, "
           f"W={tiling[2]}): fwd {t_fwd:.2f} us ({t_fwd / ffloor:.2f}x floor "
           f"{ffloor:.2f}; rows kernel alone {t_rows:.2f}), bwd {t_bwd:.2f} us ({t_bwd / bfloor:.2f}x floor "
           f"{bfloor:.2f}), fwd+bwd {(t_fwd + t_bwd) / (ffloor + bfloor):.2f}x; "
-          f"loss rel err {loss_rel:.1e}, lse err {lse_err:.1e}, grad err {g_err:.1e}", flush=True)
+          f"loss rel err {loss_rel:.1e}, lse err {lse_err:.1e}, grad err {g_err:.1e}; "
+          f"{len(fplan.steps)} fwd launch(es), finish {F.FINISH}, {regs} regs, counters zero after: {counters_zero}",
+          flush=True)
     return res
+
+
+def _module(knob):
+    return F if knob == "FINISH" else Z
 
 
 def _clear():
@@ -144,16 +159,16 @@ def main():
     results = [run(a.tokens, a.experts, a.dtype, a.repeats, a.peak, "default", data)]
     if a.sweep:
         for label, knobs in SWEEP:
-            saved = {k: getattr(Z, k) for k in knobs}
+            saved = {k: getattr(_module(k), k) for k in knobs}
             for k, v in knobs.items():
-                setattr(Z, k, v)
+                setattr(_module(k), k, v)
             _clear()
             try:
                 results.append(run(a.tokens, a.experts, a.dtype, a.repeats, a.peak, label, data))
             except Exception as e:  # a variant that fails to compile or run: say so, go on
                 print(f"{label}: {type(e).__name__}: {e}", flush=True)
             for k, v in saved.items():
-                setattr(Z, k, v)
+                setattr(_module(k), k, v)
         _clear()
         for dtype in sorted(set(DTYPES) - {a.dtype}):
             results.append(run(a.tokens, a.experts, dtype, a.repeats, a.peak, "other dtype"))

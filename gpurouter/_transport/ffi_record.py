@@ -117,13 +117,21 @@ def _record(plan) -> int:
     """The address of ``plan``'s launch record, built on first use."""
     hit = _RECORDS.get(id(plan))
     if hit is None:
+        from ..kernels._plan import counter_array, plan_counters
         from ..kernels._pointer import compile_steps, primary_context
 
         with COMPILE_LOCK, _RECORDS_LOCK:
             hit = _RECORDS.get(id(plan))
             if hit is None:
                 ordinals = _gpu_ordinals()
-                compiled = {o: compile_steps(plan, o) for o in ordinals}
+                # A plan's counters (kernels._plan.Counter): one per GPU, written into
+                # the parameter blocks.  Right while XLA runs a GPU's launches of one
+                # plan one after another (its one compute stream, stream order; a CUDA
+                # graph of them is launched on it too); two at once on two streams
+                # would share the counter.
+                counters = {o: {id(c): int(counter_array(c, o, "ffi").__cuda_array_interface__["data"][0])
+                                for c in plan_counters(plan)} for o in ordinals}
+                compiled = {o: compile_steps(plan, o, counters[o]) for o in ordinals}
                 context = {o: primary_context(o) for o in ordinals}
                 record, messages = build_record(plan, ordinals, compiled, context, _driver())
                 hit = _RECORDS[id(plan)] = (record, messages, plan)  # the plan keeps its id unique

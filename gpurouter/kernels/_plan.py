@@ -16,6 +16,8 @@ executors alone turn them into device arrays or pointers.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from numba import cuda
 
@@ -28,6 +30,7 @@ from ._launch import (
     launch,
     output,
     outs_tuple,
+    simulator_enabled,
 )
 
 # ----------------------------------------------------------------------------
@@ -116,6 +119,72 @@ def Tmp(i, view=None):  # noqa: N802
     return Ref("tmp", i, view)
 
 
+class Counter:
+    """A step argument: ``words`` uint32 words that are zero whenever no launch
+    of its plan runs (a kernel's last block leaves them zero again, as
+    ``cuda.atomic.inc`` does when it wraps).  Not plan scratch: the executors
+    allocate it zeroed, once, and keep it for the process (``counter_array``):
+    one per GPU and stream for ``execute`` and ``_pointer.PointerLaunch``
+    (launches on one stream never overlap), one per GPU for the ffi transport
+    (``_transport/ffi_record.py``: XLA runs a GPU's work on one compute
+    stream).  Two launches of one plan at once on one counter would be wrong:
+    that is what the per-stream copies rule out."""
+
+    __slots__ = ("words",)
+
+    def __init__(self, words: int = 1):
+        self.words = int(words)
+
+
+_COUNTERS: dict = {}
+_COUNTERS_LOCK = threading.Lock()
+
+
+def counter_key(stream):
+    """The stream part of a counter's key: 0 for the default stream (and on the
+    simulator, which runs launches one at a time); else the stream's handle,
+    with the host thread for the per-thread default stream (handle 2: one
+    handle, a stream per thread)."""
+    if stream is None or simulator_enabled():
+        return 0
+    handle = int(stream)
+    return (handle, threading.get_ident()) if handle == 2 else handle
+
+
+def counter_array(counter: Counter, ordinal: int, key):
+    """The zeroed uint32 array of ``counter`` on GPU ``ordinal`` for stream key
+    ``key`` (``counter_key``, or any tag an executor owns), allocated on first
+    use and kept for the process."""
+    full = (counter, ordinal, key)
+    hit = _COUNTERS.get(full)
+    if hit is None:
+        with _COUNTERS_LOCK:
+            hit = _COUNTERS.get(full)
+            if hit is None:
+                if simulator_enabled():
+                    hit = cuda.to_device(np.zeros(counter.words, np.uint32))
+                else:
+                    with cuda.gpus[ordinal]:
+                        hit = cuda.to_device(np.zeros(counter.words, np.uint32))
+                        cuda.synchronize()
+                _COUNTERS[full] = hit
+    return hit
+
+
+def plan_counters(plan) -> list:
+    """The plan's ``Counter`` arguments, each once, in order of first use."""
+    seen = []
+    for st in plan.steps:
+        for a in st.args:
+            if isinstance(a, Counter) and not any(a is c for c in seen):
+                seen.append(a)
+    return seen
+
+
+def _ordinal_now() -> int:
+    return 0 if simulator_enabled() else int(cuda.get_current_device().id)
+
+
 class Step:
     """One launch: ``kernel[grid, block, stream, shared](*args)``."""
 
@@ -145,7 +214,9 @@ def _address(a) -> int:
     return int(cai["data"][0])
 
 
-def _resolve(arg, arrays, op: str = ""):
+def _resolve(arg, arrays, op: str = "", stream=0):
+    if isinstance(arg, Counter):
+        return counter_array(arg, _ordinal_now(), counter_key(stream))
     if not isinstance(arg, Ref):
         return arg
     a = arrays[arg.role][arg.index]
@@ -182,7 +253,7 @@ def execute(plan: Plan, ins, out, stream, to_host: bool):
     }
     for st in plan.steps:
         launch(st.kernel, st.grid, st.block, stream, st.shared,
-               *(_resolve(a, arrays, plan.op) for a in st.args))
+               *(_resolve(a, arrays, plan.op, stream) for a in st.args))
     return finish(arrays["out"], [sp.kind for sp in plan.outs], to_host, stream)
 
 

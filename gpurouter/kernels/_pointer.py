@@ -14,7 +14,7 @@ import functools
 import numpy as np
 from numba import cuda
 
-from ._plan import Plan, Ref
+from ._plan import Counter, Plan, Ref, counter_array, counter_key, plan_counters
 
 
 def _numba_type(arg, specs):
@@ -24,6 +24,8 @@ def _numba_type(arg, specs):
     if isinstance(arg, Ref):
         sp = arg.view or specs[arg.role][arg.index]
         return nbt.Array(from_dtype(sp.dtype), max(1, len(sp.shape)), "C")
+    if isinstance(arg, Counter):
+        return nbt.Array(from_dtype(np.dtype(np.uint32)), 1, "C")
     if isinstance(arg, (bool, np.bool_)):
         return nbt.boolean
     if isinstance(arg, np.float32):
@@ -70,16 +72,25 @@ class CompiledStep:
         self.params, self.holes, self.name = params, tuple(holes), name
 
 
-def _slots(arg, specs, slot_of) -> tuple[list[bytes], list[tuple[int, int]]]:
+def _slots(arg, specs, slot_of, counters) -> tuple[list[bytes], list[tuple[int, int]]]:
     """The 8-byte parameter slots of one kernel argument and, for an array,
     the hole of its data pointer (relative to the argument's first slot).
 
     numba's ABI for an array argument: meminfo, parent, nitems, itemsize,
     data, shape..., strides... (all pointer-sized); scalars as themselves.
+    A ``Counter``: its pointer in ``counters`` (``id -> address``: written into
+    the block), else a hole for array ``slot_of["counter"] + k`` (the plan's
+    k-th counter, after its ins, outs and tmps).
     """
     def q(v) -> bytes:
         return int(v).to_bytes(8, "little", signed=True)
 
+    if isinstance(arg, Counter):
+        ptr = counters.get(id(arg), 0) if counters is not None else 0
+        slots = [q(0), q(0), q(arg.words), q(4), q(ptr), q(arg.words), q(4)]
+        if counters is not None:
+            return slots, []
+        return slots, [(4, slot_of["counter"] + slot_of["counters"].index(id(arg)))]
     if isinstance(arg, Ref):
         sp = arg.view or specs[arg.role][arg.index]
         shape = sp.shape or (1,)
@@ -96,11 +107,15 @@ def _slots(arg, specs, slot_of) -> tuple[list[bytes], list[tuple[int, int]]]:
     return [q(arg)], []
 
 
-def compile_steps(plan: Plan, ordinal: int) -> list[CompiledStep]:
+def compile_steps(plan: Plan, ordinal: int, counters: dict | None = None) -> list[CompiledStep]:
     """Every step of ``plan`` compiled for GPU ``ordinal`` (numba caches the
-    compile per argument types and device), with its parameter block."""
+    compile per argument types and device), with its parameter block.
+    ``counters`` (``id(Counter) -> device address``): the plan's counters
+    written into the blocks; None: holes after the tmps (``_slots``)."""
     specs = {"in": plan.ins, "out": plan.outs, "tmp": plan.tmps}
-    slot_of = {"in": 0, "out": len(plan.ins), "tmp": len(plan.ins) + len(plan.outs)}
+    slot_of = {"in": 0, "out": len(plan.ins), "tmp": len(plan.ins) + len(plan.outs),
+               "counter": len(plan.ins) + len(plan.outs) + len(plan.tmps),
+               "counters": [id(c) for c in plan_counters(plan)]}
     steps = []
     with cuda.gpus[ordinal]:
         for st in plan.steps:
@@ -108,7 +123,7 @@ def compile_steps(plan: Plan, ordinal: int) -> list[CompiledStep]:
             handle = int(kern._codelibrary.get_cufunc().handle)
             params, holes = [], []
             for a in st.args:
-                slots, arg_holes = _slots(a, specs, slot_of)
+                slots, arg_holes = _slots(a, specs, slot_of, counters)
                 holes += [(len(params) + at, array) for at, array in arg_holes]
                 params += slots
             name = getattr(st.kernel, "__name__", None) or getattr(getattr(st.kernel, "py_func", None),
@@ -134,7 +149,8 @@ class PointerLaunch:
     storage is reused at once; a lock keeps two host threads from
     interleaving). The kernel handle is numba's (a CUkernel, which
     cuLaunchKernel accepts); the launch runs in the device's primary context,
-    pushed only when another one is current.
+    pushed only when another one is current.  The plan's counters
+    (``_plan.Counter``): one per stream, appended to ``ptrs``.
     """
 
     def __init__(self, plan: Plan, ordinal: int):
@@ -154,11 +170,24 @@ class PointerLaunch:
             self.steps.append((st.handle, st.grid, st.block, st.shared, ctypes.addressof(argv),
                                block, holes, argv))  # block and argv: the storage, kept alive
         self.context = primary_context(ordinal)
+        self.ordinal = ordinal
+        self.counters = plan_counters(plan)
+        self._counter_ptrs: dict = {}
+
+    def _with_counters(self, ptrs, stream: int):
+        key = counter_key(stream or 0)
+        extra = self._counter_ptrs.get(key)
+        if extra is None:
+            arrays = [counter_array(c, self.ordinal, key) for c in self.counters]
+            extra = self._counter_ptrs[key] = [int(a.__cuda_array_interface__["data"][0]) for a in arrays]
+        return [*ptrs, *extra]
 
     def __call__(self, ptrs, stream: int) -> None:
         """Launches every step on ``stream``; ``ptrs``: ins + outs + tmps, in plan order."""
         import ctypes
 
+        if self.counters:
+            ptrs = self._with_counters(ptrs, stream)
         lib = self._lib
         with self._lock:
             lib.cuCtxGetCurrent(ctypes.byref(self._current))

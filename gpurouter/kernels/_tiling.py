@@ -363,7 +363,7 @@ Z_MAX_LANES = 32
 Z_FINAL_THREADS = 1024
 #: vector kernels (``z_loss_vec.py``): (threads, held vectors, blocks at most (528: 4 x 256
 #: threads on each of 132 SMs), prefetch, hints); more held than Z_VEC_MAX_HOLD: unit kernels
-Z_VEC_FWD = (256, 4, 528, True, True)
+Z_VEC_FWD = (256, 4, 1056, False, True)
 Z_VEC_BWD = (128, 2, 1024, True, True)
 Z_VEC_MAX_HOLD = 8
 

@@ -17,10 +17,10 @@ before any use (indices clamped into the row, values past it ignored).
 Forward, kernel 1 (a block of TB rows x W lanes): each lane keeps an online
 ``(max m, sum s of exp(x - m))`` (one rescale a step); a fixed-pairing tree in
 shared memory combines the lanes; lane 0 writes ``lse``; thread 0 sums the
-block's TB squares in a fixed tree into ``partial[b]``.  Kernel 2 (one block,
-both paths): a fixed-shape tree of the partials, ``loss = coeff * (S / N)``.
-No atomics, every order fixed: bit-identical run to run.  The partials are a
-plan scratch array (an extra XLA output under the zero-copy transport).
+block's TB squares in a fixed tree into ``partial[b]`` (plan scratch).  Kernel
+2 (one block): a fixed-shape tree of the partials, ``loss = coeff * (S / N)``
+(the vector forward: its last block does it, ``z_loss_vec.py``).  Every order
+fixed: bit-identical run to run.
 
 Backward: elementwise, ``grad[t, e] = (g * 2 coeff / N) lse_t exp(x - lse_t)``
 (0 on a dead row: the saved ``lse_t`` is 0), the same lanes and units.
@@ -41,18 +41,17 @@ import numpy as np
 from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
 
-from . import _tiling
+from . import _tiling, _z_loss_finish
 from ._access import array_views, flat_io, storer_2d
 from ._device import NEG_INF, ZERO, fmax_f32, u64
 from ._launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
 from ._logsumexp import LOG2E, exp2_term, held_unit_loader, lse_of, merge_max_sum, rescale_sum, shift2, unit_fetchers
-from ._plan import In, Out, Plan, Ref, Spec, Step, Tmp, execute, spec_of
+from ._plan import Counter, In, Out, Plan, Ref, Spec, Step, Tmp, execute, spec_of
 from .z_loss_vec import word_view, z_loss_vec_bwd_kernel, z_loss_vec_rows_kernel
 
 OP = "router_z_loss"
 
-# Shared-array sizes must be compile-time constants (a module global is frozen
-# as one; a module attribute of another module is typed as a plain int64).
+# Shared-array sizes must be compile-time constants (a module global is frozen as one)
 _FINAL_WORDS = _tiling.Z_FINAL_THREADS
 
 
@@ -157,13 +156,7 @@ def z_loss_rows_kernel(kind: str, quads: bool, hold: int):
 
 
 @cuda.jit
-def z_loss_final_kernel(
-    partial,  # [>= nparts] fp32
-    loss,  # [1] fp32, out
-    nparts,
-    coeff,  # fp32
-    total,  # fp32: N
-):
+def z_loss_final_kernel(partial, loss, nparts, coeff, total):  # [>= nparts], [1] out, ., fp32, fp32 N
     """One block (a power of two of threads): thread i sums partials i, i + n,
     ... in order, a halving tree combines the threads; ``coeff * (S / N)``."""
     red = cuda.shared.array(_FINAL_WORDS, nb_f32)
@@ -322,13 +315,15 @@ def router_z_loss_fwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: in
     vec = logits.kind != F16 and _tiling.z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize)
     grid, threads, lanes, units, quads = _tiling.z_loss_tiling(num_tokens, num_experts)
     steps = []
-    if vec:
+    if vec:  # one launch: the grid's last block sums the partials (a Counter tells it it is last)
         grid, threads, lanes, vecs, hold, iters = vec
         kern = z_loss_vec_rows_kernel(logits.kind, hold, lanes, *_tiling.Z_VEC_FWD[3:], vecs == lanes * hold,
-                                      threads % 32 == 0)  # compile-time: exact rows, full warps
-        steps.append(Step(kern, grid, threads, 4 * (threads + threads // lanes),
-                          (In(0, word_view(logits)), Out(1), Tmp(0), num_tokens, vecs, iters)))
-    elif grid:
+                                      threads % 32 == 0, _z_loss_finish.FINISH)  # exact rows, full warps
+        steps.append(Step(kern, grid, threads, 4 * (threads + threads // lanes + 1),
+                          (In(0, word_view(logits)), Out(1), Tmp(0), Out(0, spec_of((1,), F32)), Counter(),
+                           num_tokens, vecs, iters, np.float32(coeff), np.float32(total_num_tokens))))
+        return Plan(OP + "_fwd", (logits,), outs, (spec_of((grid,), F32),), steps)
+    if grid:
         steps.append(Step(z_loss_rows_kernel(logits.kind, quads, _tiling.Z_HOLD), grid, threads,
                             4 * (2 * threads + threads // lanes),
                             (_logits_arg(logits, quads), Out(1), Tmp(0), num_tokens, num_experts,

@@ -28,7 +28,11 @@ rescale at all), and the W sums in a fixed pairwise tree in lane order give
 ``S``; lane 0 writes ``lse = (sh2(M) + lg2.approx(S)) ln 2`` and adds
 ``lse^2`` to its own running sum in row order.  No barrier inside the walk (the lane exchange is within a warp);
 at the end thread 0 sums the block's TB running sums in slot order into
-``partial[b]``.  Every order is fixed: bit-identical run to run (the
+``partial[b]`` and takes a ticket (``atomic.inc`` on a ``_plan.Counter``, zero
+at launch, wrapping back to zero at the grid's last block): the block that
+gets the last one sums every partial in a fixed order (``_z_loss_finish``) and
+writes the loss, one launch in all (a second one-block launch cost about
+3.3 us at 06dd8ee).  Every order is fixed: bit-identical run to run (the
 simulator's exchange goes through shared memory in the same order).
 The kernel before this one (9ccf7d3) had lane 0 merge its W lanes' (max,
 sum) pairs one after another behind a block barrier per group: 20.4 us at
@@ -57,6 +61,7 @@ from ._device import NEG_INF, ZERO, fmax_f32, u64
 from ._launch import BF16
 from ._logsumexp import LN2, LOG2E, shift2
 from ._plan import Spec
+from ._z_loss_finish import finish_pieces
 from ._z_loss_io import lane_reducers, load_words, log2_approx, single_ops, store_words, vector_io, warp_mask
 
 
@@ -176,13 +181,14 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool, exact: bool = Fal
 
 @functools.cache
 def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool,
-                           exact: bool = False, full: bool = False):
+                           exact: bool = False, full: bool = False, finish_mode: str = "acq_rel"):
     """The forward's row kernel on vectors (see the module docstring).  ``exact``:
     every row is ``W * hold`` vectors (``_row_pieces``); ``full``: blockDim.x is
     a multiple of 32 (the shuffles' member mask a constant)."""
     aligned, _, fetch, row_max, row_sum, _ = _row_pieces(kind, hold, lanes, hints, exact)
     all_max, all_sum = lane_reducers(lanes, full)
     lg2 = log2_approx()
+    ticket, finish = finish_pieces(finish_mode, full)
     words = 4 * hold  # compile-time constants (local array sizes, unrolled loops)
     w = np.int32(lanes)
 
@@ -210,11 +216,15 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
         logits,  # [T * E * size / 4] uint32 words, flat
         lse,  # [T] fp32, out
         partial,  # [>= grid] fp32, out: the block's sum of lse^2 (rows in order)
+        loss,  # [1] fp32, out: coeff * (S / N)
+        count,  # [1] uint32: 0 at launch, left 0 (a _plan.Counter)
         num_tokens,
         vecs,  # V: 16-byte vectors a row
         iters,  # row groups a block walks; blockDim.x = TB * W
+        coeff,  # fp32
+        total,  # fp32: N
     ):
-        red = cuda.shared.array(0, nb_f32)  # [threads] lane exchange (simulator), then [TB] running sums
+        red = cuda.shared.array(0, nb_f32)  # [threads] lane exchange (simulator), [TB] running sums, a flag
         cur = cuda.local.array(words, nb_u32)
         nxt = cuda.local.array(words, nb_u32)
         tid = np.int32(cuda.threadIdx.x)
@@ -253,10 +263,15 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
         # Barrier: thread 0 reads every slot's running sum.
         cuda.syncthreads()
         if tid == 0:
-            total = ZERO
+            block_sum = ZERO
             for i in range(tb):
-                total = np.float32(total + red[nthreads + i])
-            partial[cuda.blockIdx.x] = total
+                block_sum = np.float32(block_sum + red[nthreads + i])
+            partial[cuda.blockIdx.x] = block_sum
+            red[nthreads + tb] = ticket(count)
+        # Barrier: every thread reads the flag (block-uniform below).
+        cuda.syncthreads()
+        if red[nthreads + tb] != ZERO:
+            finish(partial, loss, red, tid, nthreads, coeff, total)
 
     return z_loss_vec_rows
 

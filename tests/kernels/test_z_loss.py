@@ -188,7 +188,9 @@ def test_plans():
     assert fwd.ins == (spec,)
     assert fwd.outs == (_plan.Spec((), np.float32, L.F32), _plan.Spec((70,), np.float32, L.F32))
     grid = _tiling.z_loss_vec_tiling(70, 256, 2)[0]  # bf16 E = 256: the vector kernels
-    assert fwd.tmps == (_plan.Spec((grid,), np.float32, L.F32),) and len(fwd.steps) == 2
+    assert fwd.tmps == (_plan.Spec((grid,), np.float32, L.F32),) and len(fwd.steps) == 1  # the finish inside
+    unit = K.router_z_loss_fwd_plan(_plan.spec_of((70, 256), L.F16), np.float32(COEFF), 100)
+    assert len(unit.steps) == 2 and not _plan.plan_counters(unit)  # unit kernels: rows, then the final block
     bwd = K.router_z_loss_bwd_plan(spec, np.float32(COEFF), 100)
     assert bwd.ins == (spec, _plan.spec_of((70,), L.F32), _plan.spec_of((), L.F32))
     assert bwd.outs == (spec,) and bwd.tmps == () and len(bwd.steps) == 1

@@ -71,7 +71,10 @@ def test_vec_plans_pick_the_vector_kernels():
         names = (fwd.steps[0].kernel.py_func.__name__, bwd.steps[0].kernel.py_func.__name__)
         assert names == (("z_loss_vec_rows", "z_loss_vec_bwd") if vector else ("z_loss_rows", "z_loss_bwd"))
         assert fwd.tmps == (_plan.Spec((fwd.steps[0].grid,), np.float32, L.F32),)
-        assert fwd.steps[1].args[2] == fwd.steps[0].grid  # the final block sums every partial
+        if vector:  # one launch: its last block sums the partials, told so by a counter
+            assert len(fwd.steps) == 1 and _plan.plan_counters(fwd) == [fwd.steps[0].args[4]]
+        else:
+            assert fwd.steps[1].args[2] == fwd.steps[0].grid  # the final block sums every partial
 
 
 @pytest.mark.parametrize("dtype,T,E,knobs,want", [
@@ -116,6 +119,62 @@ def test_vec_same_bits_with_and_without_prefetch(vec_knobs, T, E, threads, hold)
     for a, b in ((first, again), (first, other)):
         assert a[0].tobytes() == b[0].tobytes() and a[1].tobytes() == b[1].tobytes()
     assert grad.tobytes() == K.router_z_loss_bwd(x, other[1], 0.5, 1.0).tobytes()
+
+
+def _fixed_order_sum(partial, threads):
+    """The single-kernel finish's order: thread i sums partials i, i + n, ...,
+    then (whole warps) each warp's 32 in the pairwise tree of lane order and
+    the warps in order, or the fixed-shape tree (pairs r, r + ceil(k/2))."""
+    red = [np.float32(0)] * threads
+    for i, p in enumerate(partial):
+        red[i % threads] = np.float32(red[i % threads] + p)
+    if threads % 32 == 0:
+        total = np.float32(0)
+        for w in range(0, threads, 32):
+            vals = red[w:w + 32]
+            while len(vals) > 1:
+                vals = [np.float32(vals[i] + vals[i + 1]) for i in range(0, len(vals), 2)]
+            total = np.float32(total + vals[0])
+        return total
+    k = threads
+    while k > 1:
+        half = (k + 1) // 2
+        for r in range(k - half):
+            red[r] = np.float32(red[r] + red[r + half])
+        k = half
+    return red[0]
+
+
+@pytest.mark.parametrize("T,E,knobs", [(74, 64, (32, 2, 2, True)), (19, 16, (8, 1, 3, False)),
+                                       (40, 16, (4, 1, 16, False))])  # 10 blocks of 4 threads: 2-3 partials a thread
+def test_vec_single_kernel_finish(vec_knobs, T, E, knobs):
+    """The forward's one launch: the loss is the partials summed in the fixed
+    order (whatever block is last), the counter is zero again after every
+    launch, and launches repeat bit for bit."""
+    vec_knobs(*knobs)
+    x = _logits(T, E, BF16, seed=T, masked=0.1)
+    c, total = np.float32(0.37), T + 3
+    plan = K.router_z_loss_fwd_plan(_plan.spec_of((T, E), L.BF16), c, total)
+    (step,) = plan.steps
+    counter = step.args[4]
+    assert isinstance(counter, _plan.Counter) and step.grid == plan.tmps[0].shape[0] > 1
+    d_x = cuda.to_device(x.view(np.uint16))
+    outs = [cuda.device_array(sp.shape, sp.dtype) for sp in plan.outs]
+    part = cuda.device_array(plan.tmps[0].shape, np.float32)
+    arrays = {"in": [d_x], "out": outs, "tmp": [part]}
+    count = _plan.counter_array(counter, 0, _plan.counter_key(0))
+    seen = []
+    for _ in range(3):
+        assert count.copy_to_host().tolist() == [0]
+        L.launch(step.kernel, step.grid, step.block, 0, step.shared,
+                 *(_plan._resolve(a, arrays, plan.op) for a in step.args))
+        seen.append(outs[0].copy_to_host().tobytes())
+    assert count.copy_to_host().tolist() == [0] and len(set(seen)) == 1
+    want = np.float32(c * np.float32(_fixed_order_sum(part.copy_to_host(), step.block) / np.float32(total)))
+    assert seen[0] == np.asarray(want, np.float32).tobytes()
+    lse = outs[1].copy_to_host().astype(np.float64)
+    assert abs(float(want) - float(c) * np.sum(lse ** 2) / total) <= 1e-5 * abs(float(want))
+    assert K.router_z_loss_fwd(x, float(c), total)[0].tobytes() == seen[0]  # the launcher: the same bits
 
 
 def test_word_view():
