@@ -3,8 +3,8 @@
 Marginal us per step of a jitted fori_loop (gpurouter.bench_steps), for
 variants of the router step: forward only or forward + backward, with and
 without the expert bias and the groups, jax vs numba:ffi, and the loop's
-own cost (the x update alone). Run it under different XLA_FLAGS /
-GPUROUTER_FFI_TRAITS to see what CUDA-graph capture changes.
+own cost (the x update alone). Run it under different XLA_FLAGS to see
+what they change.
 
     python3 tools/ffi_step_probe.py --tokens 256,4096 --json out.json
 """
@@ -54,7 +54,7 @@ def main():
     ap.add_argument("--tokens", default="256,4096")
     ap.add_argument("--json")
     args = ap.parse_args()
-    res = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "traits": os.environ.get("GPUROUTER_FFI_TRAITS", "0")}
+    res = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}
     for t in (int(v) for v in args.tokens.split(",")):
         rows = {"update only": update_only(t)}
         for backend in ("jax", "numba"):

@@ -30,7 +30,6 @@ traced the call (``jax.export`` of these ops is not supported).
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import jax
@@ -61,10 +60,12 @@ from .ffi_record import (
 )
 
 TARGET = "gpurouter_plan"
-#: XLA_FFI_Handler_Traits the handler declares (1: COMMAND_BUFFER_COMPATIBLE,
-#: XLA may capture its launches in a CUDA graph; its launches depend only on
-#: buffer addresses and the plan attribute)
-TRAITS = int(os.environ.get("GPUROUTER_FFI_TRAITS", "0"))
+#: XLA_FFI_Handler_Traits the handler declares: none. COMMAND_BUFFER_COMPATIBLE
+#: (1) would let XLA capture its launches in a CUDA graph, where two independent
+#: calls can run at once; the z-loss forward's counter (kernels/_plan.Counter,
+#: one per plan and GPU here) needs a GPU's launches of a plan in stream order.
+#: Declaring it changed no step time on an H200 (docs/transports.md).
+TRAITS = 0
 
 
 @functools.cache
