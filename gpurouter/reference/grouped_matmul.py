@@ -9,17 +9,18 @@ the MoE block's GEMMs, and out-of-memory at a DeepSeek-V3-like slice).
 ``[G, C, K] @ [G, K, M]``, the weights used in place (never gathered): the
 rows of every group are gathered into ``C`` slots (a group's missing rows
 read as 0) and each output row is read back from its slot. ``C`` is the
-smallest of a few static capacities (the mean group size times 1, 1.25,
-1.5, 2, 3, 4, rounded up to 8) that holds the largest group; a
+smallest of a few static capacities (the mean group size times 1, 1.125,
+1.25, 1.5, 2, 3, 4, rounded up to 8) that holds the largest group; a
 ``lax.switch`` on the group sizes runs that one branch. When even the
 largest does not hold a group, rounds follow: the largest capacity, then
 the mean while any group has rows left (a ``while`` loop; each round
 reads every group's weights again, so all rows in one group costs about
 ``4 G`` rounds, as slow as the dense rewrite, but in bounded memory).
 
-The backward is its own: ``d lhs = dy @ rhs^T`` is the same product with
-``rhs`` transposed, ``d rhs[g] = lhs_g^T dy_g`` one batched GEMM over the
-same slots (summed over rounds in fp32 when there are rounds).
+The backward is its own, on the same slots of ``lhs`` and ``dy``:
+``d lhs = dy @ rhs^T`` (read back like the output) and
+``d rhs[g] = lhs_g^T dy_g``, one batched GEMM each (``d rhs`` summed over
+rounds in fp32 when there are rounds).
 
 Cost: ``G * C`` rows multiplied instead of ``N``; with the default mean
 and balanced groups ``C`` is 1.25-2 times the mean. Every GEMM reads all
@@ -29,6 +30,7 @@ and balanced groups ``C`` is 1.25-2 times the mean. Every GEMM reads all
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -55,10 +57,11 @@ def batched_ragged_dot(
       group_sizes: ``[G]`` integers ``n_g >= 0`` summing to at most ``N``.
       precision: as for ``jax.lax.dot_general``.
       preferred_element_type: the output dtype (default: ``lhs`` and ``rhs``
-        promoted); the products accumulate in fp32 (float64 for float64).
+        promoted), written by the GEMMs, which accumulate in fp32 (XLA's
+        GPU and CPU dots; float64 for float64).
       capacity: the base of the static capacities (default: the mean group
         size ``ceil(N / G)``); the batched GEMM gives every group the
-        smallest of ``capacity`` times 1, 1.25, 1.5, 2, 3 and 4 (rounded up
+        smallest of ``capacity`` times 1, 1.125, 1.25, 1.5, 2, 3 and 4 (rounded up
         to a multiple of 8) that holds the largest group, else rounds.
 
     Returns:
@@ -86,8 +89,8 @@ def _accumulation(*dtypes):
 
 def _capacities(first: int) -> tuple[int, ...]:
     """The single-round capacities tried, smallest first: ``first`` times 1,
-    1.25, 1.5, 2, 3 and 4, each rounded up to a multiple of 8 (at least 8)."""
-    return tuple(sorted({max(8, -(-int(first * f) // 8) * 8) for f in (1, 1.25, 1.5, 2, 3, 4)}))
+    1.125, 1.25, 1.5, 2, 3 and 4, each rounded up to a multiple of 8."""
+    return tuple(sorted({-(-math.ceil(first * f) // 8) * 8 for f in (1, 1.125, 1.25, 1.5, 2, 3, 4)}))
 
 
 def _round_rows(sizes, offset, width: int, num_rows: int):
@@ -122,47 +125,61 @@ def _over_rounds(sizes, first: int, tail: int, num_rows: int, step, state):
                          state)
 
 
+def _read_back(slots, sizes, width: int, num_rows: int):
+    """Rows ``[num_rows, D]`` from a round's ``slots [G * width, D]``: row ``i``
+    of group ``g`` from slot ``g * width + (i - s_g)``; 0 past the groups."""
+    i = jnp.arange(num_rows, dtype=jnp.int32)
+    ends = jnp.cumsum(sizes)
+    g = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
+    last = sizes.shape[0] - 1
+    slot = jnp.where(g <= last, g * width + i - (ends - sizes)[jnp.minimum(g, last)], slots.shape[0])
+    return jnp.take(slots, slot, axis=0, mode="fill", fill_value=0)
+
+
 def _product(lhs, rhs, sizes, first, out_dtype, precision):
     """``out[i] = lhs[i] @ rhs[g(i)]`` (0 past the groups' rows)."""
     n, m = lhs.shape[0], rhs.shape[2]
-    acc = _accumulation(lhs.dtype, rhs.dtype)
 
-    def matmul(rows):
-        y = jnp.einsum("gck,gkm->gcm", _take_rows(lhs, rows), rhs, precision=precision, preferred_element_type=acc)
-        return y.astype(out_dtype)
+    def matmul(rows):  # out_dtype straight from the GEMM (which accumulates in fp32 at least)
+        return jnp.einsum("gck,gkm->gcm", _take_rows(lhs, rows), rhs, precision=precision,
+                          preferred_element_type=out_dtype).reshape(-1, m)
 
-    def one_round(width):  # every group in one batched GEMM; each row read back from its slot
-        y = matmul(_round_rows(sizes, 0, width, n)).reshape(-1, m)
-        i = jnp.arange(n, dtype=jnp.int32)
-        ends = jnp.cumsum(sizes)
-        g = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
-        slot = jnp.where(g < sizes.shape[0], g * width + i - (ends - sizes)[jnp.minimum(g, sizes.shape[0] - 1)],
-                         y.shape[0])
-        return jnp.take(y, slot, axis=0, mode="fill", fill_value=0)
+    def one_round(width):  # every group in one batched GEMM
+        return _read_back(matmul(_round_rows(sizes, 0, width, n)), sizes, width, n)
 
     def rounds(width, tail):
         def step(out, rows):
-            return out.at[rows.reshape(-1)].set(matmul(rows).reshape(-1, m), mode="drop")
+            return out.at[rows.reshape(-1)].set(matmul(rows), mode="drop")
         return _over_rounds(sizes, width, tail, n, step, jnp.zeros((n, m), out_dtype))
 
     return _by_capacity(sizes, first, n, one_round, rounds)
 
 
-def _rhs_grad(lhs, dy, sizes, first, dtype, precision):
-    """``d rhs[g] = lhs_g^T dy_g`` (``[G, K, M]`` in ``dtype``)."""
-    n, g = lhs.shape[0], sizes.shape[0]
-    acc = _accumulation(lhs.dtype, dy.dtype)
+def _grads(lhs, rhs, sizes, dy, first, precision):
+    """``(d lhs, d rhs)``: ``d lhs[i] = dy[i] @ rhs[g(i)]^T`` and
+    ``d rhs[g] = lhs_g^T dy_g``, from the same slots of ``lhs`` and ``dy``."""
+    n, k = lhs.shape
 
-    def matmul(rows):
-        return jnp.einsum("gck,gcm->gkm", _take_rows(lhs, rows), _take_rows(dy, rows), precision=precision,
-                          preferred_element_type=acc)
+    def matmuls(rows, rhs_dtype):
+        x, d = _take_rows(lhs, rows), _take_rows(dy, rows)
+        d_x = jnp.einsum("gcm,gkm->gck", d, rhs, precision=precision, preferred_element_type=lhs.dtype)
+        d_w = jnp.einsum("gck,gcm->gkm", x, d, precision=precision, preferred_element_type=rhs_dtype)
+        return d_x.reshape(-1, k), d_w
 
     def one_round(width):
-        return matmul(_round_rows(sizes, 0, width, n)).astype(dtype)
+        d_x, d_w = matmuls(_round_rows(sizes, 0, width, n), rhs.dtype)
+        return _read_back(d_x, sizes, width, n), d_w
 
-    def rounds(width, tail):
-        zero = jnp.zeros((g, lhs.shape[1], dy.shape[1]), acc)
-        return _over_rounds(sizes, width, tail, n, lambda s, rows: s + matmul(rows), zero).astype(dtype)
+    def rounds(width, tail):  # d rhs summed over rounds in fp32
+        acc = _accumulation(lhs.dtype, rhs.dtype, dy.dtype)
+
+        def step(state, rows):
+            d_x, d_w = matmuls(rows, acc)
+            return state[0].at[rows.reshape(-1)].set(d_x, mode="drop"), state[1] + d_w
+
+        zeros = (jnp.zeros((n, k), lhs.dtype), jnp.zeros(rhs.shape, acc))
+        d_lhs, d_rhs = _over_rounds(sizes, width, tail, n, step, zeros)
+        return d_lhs, d_rhs.astype(rhs.dtype)
 
     return _by_capacity(sizes, first, n, one_round, rounds)
 
@@ -178,8 +195,7 @@ def _batched_fwd(lhs, rhs, sizes, first, out_dtype, precision):
 
 def _batched_bwd(first, out_dtype, precision, res, dy):
     lhs, rhs, sizes = res
-    d_lhs = _product(dy, jnp.swapaxes(rhs, 1, 2), sizes, first, lhs.dtype, precision)
-    return d_lhs, _rhs_grad(lhs, dy, sizes, first, rhs.dtype, precision), None
+    return (*_grads(lhs, rhs, sizes, dy, first, precision), None)
 
 
 _batched.defvjp(_batched_fwd, _batched_bwd)
