@@ -283,8 +283,8 @@ QUAD_LANES_DENSE = 16
 QUAD_THREADS = 128
 #: quads per lane held in registers by the aux-score backward (8 fp32 registers each)
 QUAD_HOLD = 4
-#: the sqrtsoftplus top-k backward: selected experts a lane lists in shared memory (0: none), register cap
-QUAD_LIST, QUAD_LIST_REGS = 4, 32
+#: selected experts per lane the sqrtsoftplus top-k backward lists in shared memory (0: none; quad_bwd.py)
+QUAD_LIST = 4
 
 
 def quad_tiling(num_tokens: int, num_experts: int, dense: bool):

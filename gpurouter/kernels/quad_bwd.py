@@ -41,7 +41,6 @@ from ._device import (
 )
 from ._lane_rows import tree_reduce
 from ._launch import F32
-from .token_topk_fwd import kernel_jit
 
 
 @functools.cache
@@ -78,7 +77,7 @@ def quad_dx(score_fn: int, dense: bool):
 
 @functools.cache
 def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, score_fn: int, dense: bool, hold: int,
-                    bitmap: bool = False, listed: int = 0, max_registers: int = 0):
+                    bitmap: bool = False, listed: int = 0):
     """The backwards (top-k; aux scores: no map, every expert selected, scale 1,
     the K > 1 normalisation) for E a multiple of 4, a quad of four experts
     per step, every array seen flat (``array_views``): the map read as one
@@ -114,8 +113,6 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, score_fn: int,
     of the list loop.  Experts past the list (rare) are computed as before,
     so every routing map is served; the sums keep the lane's expert order
     where nothing overflows (results bit for bit those of ``listed = 0``).
-    ``max_registers`` (0: the compiler's choice): a register cap, e.g. 32
-    for 16 blocks of 128 threads per SM (the listed kernel takes 37).
     """
     if hold and (has_map or grad_kind != F32):
         raise ValueError("quad_bwd_kernel: hold needs every quad selected (no map) and fp32 gradients")
@@ -243,7 +240,7 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, score_fn: int,
              dx(x2, g2, mw & c2 != 0, inv, c, dsum, scale, norm),
              dx(x3, g3, mw & c3 != 0, inv, c, dsum, scale, norm))
 
-    @kernel_jit(max_registers)
+    @cuda.jit
     def quad_bwd(
         routing_map,  # [T*E/4] uint32 over the bool map; bitmap: [T*ceil(E/8)] uint8
                       # (any array, never read, without a map)

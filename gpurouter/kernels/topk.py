@@ -306,7 +306,7 @@ def topk_with_score_function_bwd_plan(grad_probs: Spec, topk: int, pre_softmax: 
         words, quads, flat = array_views(grad_probs.kind, shape)
         listed = _tiling.QUAD_LIST if score_fn == SQRTSOFTPLUS else 0  # quad_bwd_kernel's docstring
         step = Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True, int(score_fn), dense, 0, bitmap,
-                                    listed, _tiling.QUAD_LIST_REGS if listed else 0),
+                                    listed),
                       grid, threads, (8 + 8 * listed) * threads,
                       (In(0, map_view(ins[0], quads)), In(1, flat), In(2, words), Out(0, words),
                        shape[0], shape[1], int(topk), np.float32(scale), lanes))
