@@ -138,10 +138,7 @@ TOKEN_MIN_THREADS = 256  # measured: docs/benchmarks.md (tools/tiling_sweep.py)
 
 def pow2_at_least(n: int) -> int:
     """The smallest power of two >= ``n`` (>= 1)."""
-    c = 1
-    while c < n:
-        c *= 2
-    return c
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _token_words(tb: int, num_experts: int, num_groups: int, has_bias: bool, lists: int = 0) -> int:
@@ -286,6 +283,8 @@ QUAD_LANES_DENSE = 16
 QUAD_THREADS = 128
 #: quads per lane held in registers by the aux-score backward (8 fp32 registers each)
 QUAD_HOLD = 4
+#: selected experts per lane the sqrtsoftplus top-k backward lists in shared memory (0: none; quad_bwd.py)
+QUAD_LIST = 4
 
 
 def quad_tiling(num_tokens: int, num_experts: int, dense: bool):

@@ -26,6 +26,7 @@ from ._launch import (
     BITMAP_U8,
     F32,
     SOFTMAX,
+    SQRTSOFTPLUS,
     any_on_device,
     device_input,
     index_input,
@@ -303,8 +304,10 @@ def topk_with_score_function_bwd_plan(grad_probs: Spec, topk: int, pre_softmax: 
         dense = bool(pre_softmax) and score_fn == SOFTMAX
         grid, threads, lanes = _tiling.quad_tiling(shape[0], shape[1], dense=dense)
         words, quads, flat = array_views(grad_probs.kind, shape)
-        step = Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True, int(score_fn), dense, 0, bitmap),
-                      grid, threads, 8 * threads,
+        listed = _tiling.QUAD_LIST if score_fn == SQRTSOFTPLUS else 0  # quad_bwd_kernel's docstring
+        step = Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True, int(score_fn), dense, 0, bitmap,
+                                    listed),
+                      grid, threads, (8 + 8 * listed) * threads,
                       (In(0, map_view(ins[0], quads)), In(1, flat), In(2, words), Out(0, words),
                        shape[0], shape[1], int(topk), np.float32(scale), lanes))
         return Plan(OP + "_bwd", ins, outs, (), (step,))
