@@ -57,8 +57,8 @@ def _check(sizes, n, capacity=None, k=5, m=3, seed=0):
 
 
 def test_capacities_are_the_documented_multiples():
-    assert _capacities(128) == (128, 144, 160, 192, 256, 384, 512)
-    assert _capacities(3) == (8, 16)  # 3, 3.75, 4.5, 6 -> 8; 9, 12 -> 16
+    assert _capacities(128) == (128, 136, 144, 152, 160, 168, 176, 184, 192, 224, 256, 384, 512)
+    assert _capacities(3) == (8, 16)  # 3 .. 6 -> 8; 9, 12 -> 16
     assert _capacities(1) == (8,)
 
 
