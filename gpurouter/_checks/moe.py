@@ -69,6 +69,23 @@ def _check_offsets(op: str, offsets, num_groups: int) -> None:
         raise ValueError(f"{op}: offsets ({o.tolist()}) must be non-decreasing.")
 
 
+def _check_group_sizes(op: str, group_sizes, num_groups: int, total: tuple[int, str] | None = None) -> None:
+    """``group_sizes [G]`` integers; where concrete, ``>= 0`` (and summing to
+    at most ``total = (rows, its name)`` when given)."""
+    shape, dtype = array_meta(op, "group_sizes", group_sizes)
+    if tuple(shape) != (num_groups,):
+        raise ValueError(f"{op}: group_sizes shape {shape} must be (num_groups,) = ({num_groups},).")
+    _check_int_dtype(op, "group_sizes", dtype)
+    if _is_traced(group_sizes):
+        return
+    sizes = np.asarray(group_sizes)
+    if total is None and (sizes < 0).any():
+        raise ValueError(f"{op}: group_sizes ({sizes.tolist()}) must be >= 0.")
+    if total is not None and ((sizes < 0).any() or sizes.sum() > total[0]):
+        raise ValueError(f"{op}: group_sizes ({sizes.tolist()}) must be >= 0 and sum to at most "
+                         f"{total[1]} ({total[0]}).")
+
+
 def _check_accumulator(op: str, name: str, x, want: tuple[int, ...]) -> None:
     """An optional fp32 accumulator (``dbias`` / ``dscales``), as TE asserts."""
     if x is None:
@@ -130,14 +147,7 @@ def check_scaled_bias_add_args(y, bias, scales, group_sizes,
     check_float_dtype(op, "y", y_dtype)
     g = _check_grouped_bias(op, bias, h, "y")
     _check_scales(op, scales, n)
-    gs_shape, gs_dtype = array_meta(op, "group_sizes", group_sizes)
-    if tuple(gs_shape) != (g,):
-        raise ValueError(f"{op}: group_sizes shape {gs_shape} must be (num_groups,) = ({g},).")
-    _check_int_dtype(op, "group_sizes", gs_dtype)
-    if not _is_traced(group_sizes):
-        sizes = np.asarray(group_sizes)
-        if (sizes < 0).any():
-            raise ValueError(f"{op}: group_sizes ({sizes.tolist()}) must be >= 0.")
+    _check_group_sizes(op, group_sizes, g)
     return n, h, g
 
 
@@ -156,15 +166,7 @@ def check_batched_ragged_dot_args(lhs, rhs, group_sizes, capacity,
                          f"num_groups >= 1 and contracting = lhs.shape[1] ({k}).")
     check_float_dtype(op, "rhs", r_dtype)
     g = r_shape[0]
-    gs_shape, gs_dtype = array_meta(op, "group_sizes", group_sizes)
-    if tuple(gs_shape) != (g,):
-        raise ValueError(f"{op}: group_sizes shape {gs_shape} must be (num_groups,) = ({g},).")
-    _check_int_dtype(op, "group_sizes", gs_dtype)
-    if not _is_traced(group_sizes):
-        sizes = np.asarray(group_sizes)
-        if (sizes < 0).any() or sizes.sum() > n:
-            raise ValueError(f"{op}: group_sizes ({sizes.tolist()}) must be >= 0 and sum to at most "
-                             f"lhs.shape[0] ({n}).")
+    _check_group_sizes(op, group_sizes, g, (n, "lhs.shape[0]"))
     if capacity is not None and _as_int(op, "capacity", capacity) < 1:
         raise ValueError(f"{op}: capacity ({capacity}) must be >= 1 (or None).")
     return n, k, g, r_shape[2]
