@@ -190,15 +190,17 @@ def test_numba_block_in_bf16_is_the_jax_blocks():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("shards", [2, 4])
-@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("shards,early,gmm", [(2, False, "ragged_dot"), (2, True, "ragged_dot"),
+                                              (4, False, "ragged_dot"), (4, True, "ragged_dot"),
+                                              (4, False, "batched")])  # batched: a buffer 4x its rows
 @jax.default_matmul_precision("float32")  # on GPUs: no TF32 in either block
-def test_expert_parallel_equals_one_device(shards, early):
+def test_expert_parallel_equals_one_device(shards, early, gmm):
     if len(jax.devices()) < shards:
         pytest.skip(f"needs {shards} devices, have {len(jax.devices())}")
     P = jax.sharding.PartitionSpec
     p = _params(seed=5)
-    kw = dict(KW, aux_loss_coeff=1e-2, apply_topk_weights_early=early)
+    kw = dict(KW, aux_loss_coeff=1e-2, apply_topk_weights_early=early,
+              grouped_matmul=gmoe.batched_ragged_dot if gmm == "batched" else jax.lax.ragged_dot)
     want, want_loss = _call(gmoe.moe, p, kw)
     mesh = jax.make_mesh((shards,), ("ep",), devices=jax.devices()[:shards])
     sharded = ("x", "wi_0", "wi_1", "wo", "wi_0_bias", "wi_1_bias", "wo_bias")

@@ -9,8 +9,9 @@ the MoE block's GEMMs, and out-of-memory at a DeepSeek-V3-like slice).
 ``[G, C, K] @ [G, K, M]``, the weights used in place (never gathered): the
 rows of every group are gathered into ``C`` slots (a group's missing rows
 read as 0) and each output row is read back from its slot. ``C`` is the
-smallest of a few static capacities (the mean group size times
-``FACTORS``: 1 to 1.5 in steps of 1/16, then 1.75, 2, 3, 4; rounded up to 8) that holds the largest group; a
+smallest of a few static capacities (the mean group size ``N / G`` times
+``FACTORS``: 1/8 to 3/4, then 1 to 1.5 in steps of 1/16, 1.75, 2, 3, 4;
+rounded up to 8) that holds the largest group; a
 ``lax.switch`` on the group sizes runs that one branch. When even the
 largest does not hold a group, rounds follow: the largest capacity, then
 the mean while any group has rows left (a ``while`` loop; each round
@@ -87,10 +88,13 @@ def _accumulation(*dtypes):
     return jnp.float64 if any(jnp.dtype(d) == jnp.float64 for d in dtypes) else jnp.float32
 
 
-#: The single-round capacities, as multiples of the mean group size: fine near
-#: 1, where balanced routing lands (moe-bench's random Qwen3-like layer has its
-#: largest group at 1.18x the mean, its DeepSeek-V3-like slice at 1.27x).
-FACTORS = (1, 1.0625, 1.125, 1.1875, 1.25, 1.3125, 1.375, 1.4375, 1.5, 1.75, 2, 3, 4)
+#: The single-round capacities, as multiples of the mean group size ``N / G``:
+#: fine near 1, where balanced routing lands (moe-bench's random Qwen3-like
+#: layer has its largest group at 1.18x the mean, its DeepSeek-V3-like slice
+#: at 1.27x); below 1 for buffers mostly past the groups (the expert-parallel
+#: block's receive buffer holds P times the rows it gets on average).
+FACTORS = (0.125, 0.1875, 0.25, 0.375, 0.5, 0.75,
+           1, 1.0625, 1.125, 1.1875, 1.25, 1.3125, 1.375, 1.4375, 1.5, 1.75, 2, 3, 4)
 
 
 def _capacities(first: int) -> tuple[int, ...]:

@@ -57,7 +57,8 @@ def _check(sizes, n, capacity=None, k=5, m=3, seed=0):
 
 
 def test_capacities_are_the_documented_multiples():
-    assert _capacities(128) == (128, 136, 144, 152, 160, 168, 176, 184, 192, 224, 256, 384, 512)
+    assert _capacities(128) == (16, 24, 32, 48, 64, 96, 128, 136, 144, 152, 160, 168, 176, 184, 192, 224, 256,
+                                384, 512)
     assert _capacities(3) == (8, 16)  # 3 .. 6 -> 8; 9, 12 -> 16
     assert _capacities(1) == (8,)
 
@@ -69,6 +70,7 @@ def test_capacities_are_the_documented_multiples():
     ([40, 0, 1, 0], 41, 8),        # past the largest (32): one tail round
     ([70, 0, 0, 0], 70, 1),        # capacities (8,): 62 tail rows, rounds of 1
     ([0, 0, 0, 0], 6, None),       # no rows at all
+    ([5, 7, 0, 2], 256, None),     # most rows past the groups: capacity 8 = 1/8 of the mean 64
 ])
 def test_matches_the_float64_oracle(sizes, n, capacity):
     _check(sizes, n, capacity)
