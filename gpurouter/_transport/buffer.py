@@ -4,8 +4,8 @@ JAX on a CUDA GPU: the launcher's cached plan is launched on the raw pointers
 of XLA's own device buffers, on XLA's stream, inside ``jit`` (one
 ``cuLaunchKernel`` per step from Python, parameters prepared once per plan and
 GPU: ``kernels._pointer.PointerLaunch``). Nothing crosses to the host, nothing
-is allocated: scratch arrays are extra XLA outputs. The per-call Python (about
-15-60 us inside XLA) is this transport's cost; ``"ffi"`` has none.
+is allocated: scratch arrays are extra XLA outputs. The per-call Python inside
+XLA is this transport's cost (docs/benchmarks.md); ``"ffi"`` has none.
 """
 
 from __future__ import annotations

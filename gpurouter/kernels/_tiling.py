@@ -148,8 +148,8 @@ def _token_words(tb: int, num_experts: int, num_groups: int, has_bias: bool, lis
             + (num_experts if has_bias else 0))
 
 
-#: the grouped lanes up to this many tokens: DeepSeek-V3 fwd 27.7 -> 20.4 us at T=256, 28.0 -> 21.6 at
-#: 4096, even at 16384, 118.5 -> 133.8 at 65536 (their lists cost resident blocks; H200, 9ac509e)
+#: the grouped lanes up to this many tokens: faster at small T, slower at 65536, where their lists
+#: cost resident blocks (docs/benchmarks.md, "Grouped forward lanes at small T")
 TOKEN_GROUP_LANES_MAX_TOKENS = 8192
 
 

@@ -31,12 +31,10 @@ at the end thread 0 sums the block's TB running sums in slot order into
 ``partial[b]`` and takes a ticket (``atomic.inc`` on a ``_plan.Counter``, zero
 at launch, wrapping back to zero at the grid's last block): the block that
 gets the last one sums every partial in a fixed order (``_z_loss_finish``) and
-writes the loss, one launch in all (a second one-block launch cost about
-3.3 us at 06dd8ee).  Every order is fixed: bit-identical run to run (the
-simulator's exchange goes through shared memory in the same order).
-The kernel before this one (9ccf7d3) had lane 0 merge its W lanes' (max,
-sum) pairs one after another behind a block barrier per group: 20.4 us at
-T = 65536, E = 256 bf16 on an H200 (docs/benchmarks.md).
+writes the loss, one launch in all (a second one-block launch cost more:
+docs/benchmarks.md, "Router z-loss").  Every order is fixed: bit-identical
+run to run (the simulator's exchange goes through shared memory in the same
+order).
 
 Backward: ``grad = (g * 2 coeff / N) lse_t 2^(fma(x, log2 e, -lse_t log2 e))``,
 as the unit kernel, one 16-byte store per vector; no barrier.
