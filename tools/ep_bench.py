@@ -12,9 +12,14 @@ scaled with ``--scale`` to fit): the forward + backward step time of
   EP step is the all-to-all share;
 
 and, at a small shape in float32, the EP block's output, aux loss and
-gradients against the single-device block on the same global batch.
+gradients against the single-device block on the same global batch. The
+experts' grouped GEMM is ``--grouped-matmul``: ``ragged_dot`` (the block's
+default; XLA's dense rewrite needs E times the rows' memory, hence the
+default scale) or ``batched`` (``gpurouter.moe.batched_ragged_dot``, which
+fits at ``--scale 1``).
 
     python3 tools/ep_bench.py --json out.json
+    python3 tools/ep_bench.py --grouped-matmul batched --scale 1 --json out.json
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from gpurouter import _ep
 from gpurouter import moe as gmoe
-from gpurouter.bench_moe import median_ms
+from gpurouter.bench_moe import GROUPED_MATMULS, grouped_matmul_of, median_ms
 
 SHAPES = {  # T, H, E, K, M
     "qwen3-like": (8192, 2048, 128, 8, 768),
@@ -52,7 +57,7 @@ def params(t, h, e, m, dtype, seed=0):
 def block_fwd(kw, ep_axis=None):
     def fwd(x, g, w0, w1, wo):
         out, aux = gmoe.moe(x, g, w0, w1, wo, num_experts=kw["e"], num_experts_per_tok=kw["k"],
-                            aux_loss_coeff=1e-2, ep_axis=ep_axis)
+                            aux_loss_coeff=1e-2, ep_axis=ep_axis, grouped_matmul=kw["gmm"])
         return out, (jax.lax.psum(aux, ep_axis) if ep_axis else aux)
     return fwd
 
@@ -84,11 +89,11 @@ def exchange_step(mesh, kw, n_dev):
 
 
 
-def check_equal(mesh, n_dev):
+def check_equal(mesh, n_dev, gmm):
     """EP == one device, float32, small shape: values, aux loss, gradients."""
     t, h, e, k, m = 64 * n_dev, 64, 8 * n_dev, 2, 32
     p = params(t, h, e, m, jnp.float32, seed=7)
-    kw = dict(e=e, k=k)
+    kw = dict(e=e, k=k, gmm=gmm)
     with jax.default_matmul_precision("float32"):
         want_v, want_g = step(block_fwd(kw))(*(p[n] for n in NAMES))
         f, specs = ep_step(mesh, kw)
@@ -103,7 +108,9 @@ def check_equal(mesh, n_dev):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--scale", type=float, default=0.125,
-                    help="multiplies M and T (default 0.125: ragged_dot.s GPU backward takes E x the rows memory)")
+                    help="multiplies M and T (default 0.125: ragged_dot's GPU backward takes E x the rows memory)")
+    ap.add_argument("--grouped-matmul", choices=GROUPED_MATMULS, default="ragged_dot",
+                    help="the experts' grouped GEMM (default ragged_dot)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated (default: all)")
     ap.add_argument("--json")
@@ -111,12 +118,14 @@ def main():
     gpus = jax.devices()
     n_dev = len(gpus)
     mesh = jax.sharding.Mesh(np.array(gpus), ("ep",))
-    res = {"devices": [d.device_kind for d in gpus], "jax": jax.__version__, "check": check_equal(mesh, n_dev)}
+    gmm = grouped_matmul_of(args.grouped_matmul)
+    res = {"devices": [d.device_kind for d in gpus], "jax": jax.__version__, "grouped_matmul": args.grouped_matmul,
+           "check": check_equal(mesh, n_dev, gmm)}
     print("EP == one device:", res["check"], flush=True)
     for name in args.shapes.split(","):
         t, h, e, k, m = SHAPES[name]
         t, m = max(e, int(t * args.scale)) // e * e, max(8, int(m * args.scale))
-        kw = dict(e=e, k=k)
+        kw = dict(e=e, k=k, gmm=gmm)
         p = params(t, h, e, m, jnp.bfloat16)
         half = {n: p[n][: t // n_dev] if n == "x" else p[n] for n in NAMES}
         one = median_ms(step(block_fwd(kw)), [jax.device_put(half[n], gpus[0]) for n in NAMES], args.repeats)
