@@ -3,7 +3,8 @@
 ``python tools/copy_rate_probe.py [--mbytes 33.5] [--repeats 100] [--json out.json]``
 
 Times, on buffers of ``--mbytes`` MB (three sets rotated, more than L2 holds):
-``cuMemcpyDtoD``; a copy kernel and a read-only kernel (sum of the words,
+an empty kernel (the fixed cost of a launch in this timing method);
+``cuMemcpyDtoD`` (as numba issues it); a copy kernel and a read-only kernel (sum of the words,
 one fp32 per block written) with 16-byte accesses (``kernels/_vec.py``) at
 several grid sizes and quads per thread.  Same timing method as the other
 probes (``tools/_timing.py``).  The router z-loss backward reads and writes
@@ -64,6 +65,11 @@ def _kernels(unroll):
     return copy_quads, read_quads
 
 
+def _name():
+    name = cuda.get_current_device().name
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mbytes", type=float, default=33.554432, help="MB per buffer (default: T=65536 x E=256 bf16)")
@@ -82,7 +88,7 @@ def main():
     rows = []
 
     def record(label, us, moved):
-        tbs = moved / (us * 1e-6) / 1e12
+        tbs = moved / (us * 1e-6) / 1e12 if moved else 0.0
         rows.append(dict(label=label, us=us, bytes=moved, tb_per_s=tbs))
         print(f"{label:>44}: {us:8.2f} us  {tbs:5.2f} TB/s", flush=True)
 
@@ -90,6 +96,16 @@ def main():
         dsts[which[0]].copy_to_device(srcs[which[0]])
 
     sets = [[j] for j in range(3)]  # "pointer sets" for _timing: the buffer set's index
+
+    @cuda.jit
+    def empty_kernel(out, flag):
+        if flag == 1:
+            out[cuda.blockIdx.x] = 0.0
+
+    for grid in (1, sms * 8):
+        def launch_e(which, stream, grid=grid):
+            empty_kernel[grid, 256, stream](out, 0)
+        record(f"empty kernel {grid}x256", _time(launch_e, sets, a.repeats, spin), 0)
     record("cuMemcpyDtoDAsync (read + write)", _time(memcpy, sets, a.repeats, spin), 2 * nbytes)
     for unroll in (1, 2, 4):
         copy_k, read_k = _kernels(unroll)
@@ -110,7 +126,7 @@ def main():
         print(f"best {kind}: {r['label']} {r['tb_per_s']:.2f} TB/s")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(device=cuda.get_current_device().name.decode(), mbytes=nbytes / 1e6,
+            json.dump(dict(device=_name(), mbytes=nbytes / 1e6,
                            rows=rows, best=best), f, indent=1)
 
 
