@@ -3,11 +3,11 @@
 ``python tools/copy_rate_probe.py [--mbytes 33.5] [--repeats 100] [--json out.json]``
 
 Times, on buffers of ``--mbytes`` MB (three sets rotated, more than L2 holds):
-an empty kernel (the fixed cost of a launch in this timing method);
-``cuMemcpyDtoD`` (as numba issues it); a copy kernel and a read-only kernel (sum of the words,
-one fp32 per block written) with 16-byte accesses (``kernels/_vec.py``) at
-several grid sizes and quads per thread.  Same timing method as the other
-probes (``tools/_timing.py``).  The router z-loss backward reads and writes
+an empty kernel (the fixed cost of a launch in this timing method); a copy
+kernel and a read-only kernel (sum of the words, one fp32 per block
+written) with 16-byte accesses (``kernels/_vec.py``) at several grid sizes
+and quads per thread.  Same timing method as the other probes
+(``tools/_timing.py``).  The router z-loss backward reads and writes
 ``T * E`` elements, its forward reads them: these rates say how far above
 the copy rate and the read rate those kernels are (docs/benchmarks.md).
 """
@@ -92,9 +92,6 @@ def main():
         rows.append(dict(label=label, us=us, bytes=moved, tb_per_s=tbs))
         print(f"{label:>44}: {us:8.2f} us  {tbs:5.2f} TB/s", flush=True)
 
-    def memcpy(which, stream):
-        dsts[which[0]].copy_to_device(srcs[which[0]])
-
     sets = [[j] for j in range(3)]  # "pointer sets" for _timing: the buffer set's index
 
     @cuda.jit
@@ -106,7 +103,6 @@ def main():
         def launch_e(which, stream, grid=grid):
             empty_kernel[grid, 256, stream](out, 0)
         record(f"empty kernel {grid}x256", _time(launch_e, sets, a.repeats, spin), 0)
-    record("cuMemcpyDtoDAsync (read + write)", _time(memcpy, sets, a.repeats, spin), 2 * nbytes)
     for unroll in (1, 2, 4):
         copy_k, read_k = _kernels(unroll)
         for per_sm, threads in ((4, 256), (8, 256), (16, 256), (8, 512), (32, 128)):
@@ -121,7 +117,7 @@ def main():
                 k[grid, threads, stream](srcs[which[0]], out, nquads)
             record(f"read u{unroll} {grid}x{threads}", _time(launch_r, sets, a.repeats, spin), nbytes)
     best = {kind: max((r for r in rows if r["label"].startswith(kind)), key=lambda r: r["tb_per_s"])
-            for kind in ("copy", "read", "cuMemcpy")}
+            for kind in ("copy", "read")}
     for kind, r in best.items():
         print(f"best {kind}: {r['label']} {r['tb_per_s']:.2f} TB/s")
     if a.json:
