@@ -168,6 +168,7 @@ def test_kernel_modules_never_move_arrays():
 #: twin in shared memory), with the test (file::name) that runs them on a GPU
 WARP_INTRINSICS = {
     "_z_loss_io.py": "tests/kernels/test_z_loss_vec.py::test_lane_reducers_fixed_tree",
+    "_moe_rows.py": "tests/kernels/test_moe_grouped_dbias.py::test_lane_tree_sums_fixed_order",
 }
 
 

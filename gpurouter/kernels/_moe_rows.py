@@ -1,5 +1,7 @@
 """Row units of the token-level MoE streaming kernels, and the lanes'
-fixed-order sums of their row dots.
+fixed-order sums of their row dots (``lane_sums``: shared memory only;
+``lane_tree_sums``: warp shuffles on the GPU, the same tree in shared memory
+on the simulator).
 
 Row units (``row_mode``, ``row_io``, ``cols_io``): the kernels move 16 bytes
 per access where the layout allows it.  A bf16 row with ``H % 8 == 0`` is cut
@@ -23,6 +25,7 @@ import numpy as np
 from numba import cuda
 
 from . import _launch as L
+from ._launch import simulator_enabled
 from ._plan import Spec
 from .moe_io import _HIGH, _U16, _ZERO, bf16_bits, flat_view, unit_io
 
@@ -200,3 +203,83 @@ def lane_sums(hold: int):
         return s
 
     return lane_sums_stage, lane_sums_total
+
+
+@functools.cache
+def lane_tree_sums(hold: int, lanes: int):
+    """``(publish(red, part, lane, parity), total(red, k, parity) -> fp32, words)``:
+    the fixed-order sum over a block's ``lanes`` lanes (a power of two up to 32,
+    or a multiple of 32) of each lane's ``hold`` partials ``part``, with ONE
+    barrier per call.  The order: within each warp (``min(lanes, 32)`` lanes)
+    a butterfly tree, lanes paired by their highest bit first (16, 8, 4, 2, 1),
+    then the warps' sums added in warp order.  On the GPU the tree is
+    ``shfl_xor`` steps and lane ``k`` of each warp writes row ``k``'s warp sum
+    to shared memory; on the simulator (no shuffles) every lane's partials go
+    to shared memory and ``total`` walks the same tree there: the same bits on
+    both.  ``red`` is a shared fp32 array of ``words`` (two halves, used in
+    turn by ``parity``: a half is written again only two calls later, after
+    the next call's barrier, so readers of this call never race a writer).
+    Every thread calls ``publish``; after it, ``total(red, k, parity)`` is row
+    ``k``'s sum (any thread)."""
+    wl = min(lanes, 32)
+    nw = lanes // wl
+    levels = wl.bit_length() - 1
+    top = wl // 2
+    mask = np.uint32(0xFFFFFFFF if wl == 32 else (1 << wl) - 1)
+    assert wl & (wl - 1) == 0 and lanes % wl == 0 and hold <= wl, (hold, lanes)
+
+    if simulator_enabled():
+        half = hold * lanes
+
+        @cuda.jit(device=True)
+        def lane_tree_publish(red, part, lane, parity):
+            for k in range(hold):
+                red[parity * half + k * lanes + lane] = part[k]
+            # Barrier: every lane's partials are in.
+            cuda.syncthreads()
+
+        @cuda.jit(device=True)
+        def lane_tree_total(red, k, parity):
+            vals = cuda.local.array(32, np.float32)
+            s = _ZERO
+            for w in range(nw):
+                base = parity * half + k * lanes + w * wl
+                for i in range(wl):
+                    vals[i] = red[base + i]
+                span = top
+                for _ in range(levels):
+                    for i in range(span):
+                        vals[i] = np.float32(vals[i] + vals[i + span])
+                    span //= 2
+                s = vals[0] if w == 0 else np.float32(s + vals[0])
+            return s
+
+        return lane_tree_publish, lane_tree_total, 2 * half
+
+    half = hold * nw
+
+    @cuda.jit(device=True)
+    def lane_tree_publish(red, part, lane, parity):
+        mine = _ZERO
+        for k in range(hold):  # unrolled (hold is a constant): part stays in registers
+            v = part[k]
+            off = top
+            for _ in range(levels):
+                v = np.float32(v + cuda.shfl_xor_sync(mask, v, np.int32(off)))
+                off //= 2
+            if (lane & (wl - 1)) == k:
+                mine = v
+        if (lane & (wl - 1)) < hold:
+            red[parity * half + (lane & (wl - 1)) * nw + lane // wl] = mine
+        # Barrier: every warp's sums are in.
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def lane_tree_total(red, k, parity):
+        base = parity * half + k * nw
+        s = red[base]
+        for w in range(1, nw):
+            s = np.float32(s + red[base + w])
+        return s
+
+    return lane_tree_publish, lane_tree_total, 2 * half

@@ -57,7 +57,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from . import _launch as L
-from ._moe_rows import cols_io, lane_sums, row_io, row_mode, row_units, row_width
+from ._moe_rows import cols_io, lane_sums, lane_tree_sums, row_io, row_mode, row_units, row_width
 from .moe_io import _ONE, _ZERO, moe_jit, pow2_at_least, scalar_io, unit_io
 
 OP = "compute_grouped_dbias_dscales"
@@ -79,6 +79,9 @@ DB_MAX_REGS_DBIAS = 64
 DB_MAX_LANES = 256
 #: kernel 1's register cap with scales (0: the compiler's choice)
 DB_MAX_REGS = 0
+#: dscales' lane sums: 1 = ``_moe_rows.lane_tree_sums`` (warp shuffles, one barrier per
+#: batch), 0 = ``_moe_rows.lane_sums`` (shared memory, two barriers)
+DB_TREE_SUMS = 1
 #: kernel 2 (groups spanning chunks): threads per block, partial rows loaded at once
 DB_GROUP_THREADS = 128
 DB_GROUP_HOLD = 8
@@ -131,7 +134,7 @@ def _group_of(offsets, i, g, n):
 
 @functools.cache
 def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in, final_ds,
-                 q, hold, chunk, max_regs, lanes):
+                 q, hold, chunk, max_regs, lanes, tree=False):
     """Kernel 1 (module docstring), specialised on the kinds, the flags and the tile constants, the
     block's ``lanes`` included (a constant: the lane sums' loops unrolled, their divisions shifts;
     ptxas sm_90 at the Qwen3-like shape: 90 registers instead of 124, 64 at DB_HOLD_ROWS = 4
@@ -143,8 +146,10 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
     uw = row_width(mode)
     acc_words = uw * q
     raw_words = 4 * q * hold
-    red_words = hold * lanes
+    tree = tree and hold <= min(lanes, 32)
+    red_words = 1 if tree else hold * lanes
     stage, total = lane_sums(hold)
+    publish, tree_total, tree_words = lane_tree_sums(hold if tree else 1, lanes)
     cpad = -(-chunk // hold) * hold  # the group list padded to whole batches (-1 past the chunk)
 
     @cuda.jit(device=True)
@@ -208,6 +213,7 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
         srow = cuda.shared.array(cpad, float32)  # their scales
         red = cuda.shared.array(red_words, float32)  # [hold, W] lane partial dots
         red2 = cuda.shared.array(red_words, float32)  # [hold, P] stage-1 sums
+        tred = cuda.shared.array(tree_words, float32)  # lane_tree_sums' two halves
         acc = cuda.local.array(acc_words, float32)
         bia = cuda.local.array(acc_words, float32)
         raw = cuda.local.array(raw_words, float32)
@@ -236,6 +242,7 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
         cur = np.int32(-1)
         ubase = cb * (nl * q) + lane
         parts = max(np.int32(1), np.int32(nl // hold))  # P: stage-1 summers per row
+        parity = np.int32(0)
         # Barrier: every lane reads the chunk's groups and scales.
         cuda.syncthreads()
         issue(dy, raw, gid, 0, rows, cs, ubase, nl, units, h)
@@ -280,11 +287,17 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
             if r0 + hold < rows:  # the next batch's loads go out before this batch's barriers
                 issue(dy, raw, gid, r0 + hold, rows, cs, ubase, nl, units, h)
             if has_scales:
-                stage(red, red2, dots, lane, nl, parts)
+                if tree:
+                    publish(tred, dots, lane, parity)
+                else:
+                    stage(red, red2, dots, lane, nl, parts)
                 for hr in range(lane, hold, nl):
                     r = r0 + hr
                     if r < rows:
-                        s = total(red2, hr, parts)
+                        if tree:
+                            s = tree_total(tred, hr, parity)
+                        else:
+                            s = total(red2, hr, parts)
                         i = cs + r
                         if final_ds:
                             if has_ds_in:
@@ -292,6 +305,7 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
                             dscales[i] = s
                         else:
                             dsp[cb * n + i] = s
+                parity ^= 1
         if cur >= 0:
             flush(acc, val, cur, offsets, n, cs, c, dbias, db_in, part, ubase, nl, units, h)
 

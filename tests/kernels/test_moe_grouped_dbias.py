@@ -12,8 +12,11 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
+from numba import cuda, float32  # noqa: E402  (module level: the simulator swaps a kernel's globals)
+
 from gpurouter.kernels import moe_grouped_dbias as M  # noqa: E402
 from gpurouter.kernels import moe_plans as P  # noqa: E402
+from gpurouter.kernels._moe_rows import lane_tree_sums  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -96,10 +99,13 @@ def test_launchers_vs_oracle(small_tiles, dtype, n, h, offsets):
     (6, 64, 4, 15, 320, [0, 5, 6, 14]),       # 40 units over 64 lanes: two warps (the second part idle),
                                               # each summing its lanes' dots, then the warps in order
 ])
-def test_row_units_batches_and_column_blocks(small_tiles, rows, lanes, batch, n, h, offsets):
+@pytest.mark.parametrize("tree", [1, 0])
+def test_row_units_batches_and_column_blocks(small_tiles, monkeypatch, tree, rows, lanes, batch, n, h, offsets):
     """Kernel 1's tiling edges at bf16 (16-byte units of eight columns): load
     batches that cross group and chunk ends, a chunk not a multiple of the batch,
-    lanes past the row's units, several column blocks."""
+    lanes past the row's units, several column blocks; dscales' lane sums by
+    either reduction (``DB_TREE_SUMS``)."""
+    monkeypatch.setattr(M, "DB_TREE_SUMS", tree)
     small_tiles(rows=rows, lanes=lanes, hold=2, batch=batch)
     rng = np.random.default_rng(n + h)
     dy, s, b, o = _case(rng, n, h, offsets, BF16)
@@ -116,9 +122,53 @@ def test_row_units_batches_and_column_blocks(small_tiles, rows, lanes, batch, n,
                                rtol=1e-5, atol=1e-5 * np.sqrt(n))  # the no-scales kernel, same tiles
 
 
-def test_bit_identical_and_independent_of_device_placement(small_tiles):
-    from numba import cuda
+def _tree_order(part):
+    """NumPy float32 emulation of ``_moe_rows.lane_tree_sums``' order: per warp
+    (``min(W, 32)`` lanes) a butterfly, lanes paired by their highest bit first,
+    then the warps in order.  ``part [W, hold]`` -> ``[hold]``."""
+    lanes, hold = part.shape
+    wl = min(lanes, 32)
+    out = np.zeros(hold, np.float32)
+    for k in range(hold):
+        for w in range(lanes // wl):
+            v = part[w * wl:(w + 1) * wl, k].astype(np.float32).copy()
+            span = wl // 2
+            while span:
+                v[:span] = v[:span] + v[span:2 * span]
+                span //= 2
+            out[k] = v[0] if w == 0 else np.float32(out[k] + v[0])
+    return out
 
+
+@pytest.mark.parametrize("hold,lanes", [(1, 1), (2, 4), (3, 8), (8, 32), (8, 64), (4, 96)])
+def test_lane_tree_sums_fixed_order(hold, lanes):
+    """``lane_tree_sums`` gives the bits of its documented tree (warp shuffles on
+    a GPU, shared memory on the simulator), for two calls in a row (the two
+    halves of ``red``)."""
+    publish, total, words = lane_tree_sums(hold, lanes)
+
+    @cuda.jit
+    def probe_lane_tree_sums(parts, out):  # parts [2, W, hold], out [2, hold]
+        red = cuda.shared.array(words, float32)
+        mine = cuda.local.array(hold, float32)
+        lane = cuda.threadIdx.x
+        for call in range(2):
+            for k in range(hold):
+                mine[k] = parts[call, lane, k]
+            publish(red, mine, lane, call)
+            if lane < hold:
+                out[call, lane] = total(red, lane, call)
+
+    rng = np.random.default_rng(hold * lanes)
+    parts = (rng.standard_normal((2, lanes, hold)) * 10.0 ** rng.integers(-3, 4, (2, lanes, hold))).astype(np.float32)
+    out = cuda.to_device(np.full((2, hold), np.nan, np.float32))
+    probe_lane_tree_sums[1, lanes](cuda.to_device(parts), out)
+    got = out.copy_to_host()
+    for call in range(2):
+        np.testing.assert_array_equal(got[call], _tree_order(parts[call]))
+
+
+def test_bit_identical_and_independent_of_device_placement(small_tiles):
     small_tiles(rows=8, lanes=4, hold=3)
     rng = np.random.default_rng(1)
     dy, s, b, o = _case(rng, 40, 24, [0, 1, 30, 31, 40], np.float32)
