@@ -1,7 +1,6 @@
 """Row units of the token-level MoE streaming kernels, and the lanes'
-fixed-order sums of their row dots (``lane_sums``: shared memory only;
-``lane_tree_sums``: warp shuffles on the GPU, the same tree in shared memory
-on the simulator).
+fixed-order sums of their row dots (``lane_tree_sums``: warp shuffles on
+the GPU, the same tree in shared memory on the simulator).
 
 Row units (``row_mode``, ``row_io``, ``cols_io``): the kernels move 16 bytes
 per access where the layout allows it.  A bf16 row with ``H % 8 == 0`` is cut
@@ -169,43 +168,6 @@ def cols_io(kind: str, mode: str):
 
 
 @functools.cache
-def lane_sums(hold: int):
-    """``(stage(red, red2, part, lane, nl, parts), total(red2, k, parts) -> fp32)``:
-    the fixed-order sum over a block's ``nl`` lanes of each lane's ``hold``
-    partials (``part``, a local array), for the row dots of the MoE kernels
-    (no warp intrinsics).  ``stage`` (every thread; two barriers) writes the
-    partials to ``red [hold, nl]`` and sums, for each of the ``hold`` rows,
-    ``parts`` strided subsets of the lanes into ``red2 [hold, parts]``;
-    ``total`` then adds row ``k``'s ``parts`` sums in order.  The order depends
-    on the block size alone: the same bits every run."""
-
-    @cuda.jit(device=True)
-    def lane_sums_stage(red, red2, part, lane, nl, parts):
-        for k in range(hold):
-            red[k * nl + lane] = part[k]
-        # Barrier: the lanes' partials are in.
-        cuda.syncthreads()
-        for idx in range(lane, hold * parts, nl):
-            k = idx // parts
-            p = idx - k * parts
-            s = _ZERO
-            for j in range(p, nl, parts):
-                s = np.float32(s + red[k * nl + j])
-            red2[idx] = s
-        # Barrier: the stage-1 sums are in (and ``red`` is free again).
-        cuda.syncthreads()
-
-    @cuda.jit(device=True)
-    def lane_sums_total(red2, k, parts):
-        s = _ZERO
-        for p in range(parts):
-            s = np.float32(s + red2[k * parts + p])
-        return s
-
-    return lane_sums_stage, lane_sums_total
-
-
-@functools.cache
 def lane_tree_sums(hold: int, lanes: int):
     """``(publish(red, part, lane, parity), total(red, k, parity) -> fp32, words)``:
     the fixed-order sum over a block's ``lanes`` lanes (a power of two up to 32,
@@ -213,8 +175,8 @@ def lane_tree_sums(hold: int, lanes: int):
     barrier per call.  The order: within each warp (``min(lanes, 32)`` lanes)
     a butterfly tree, lanes paired by their highest bit first (16, 8, 4, 2, 1),
     then the warps' sums added in warp order.  On the GPU the tree is
-    ``shfl_xor`` steps and lane ``k`` of each warp writes row ``k``'s warp sum
-    to shared memory; on the simulator (no shuffles) every lane's partials go
+    ``shfl_xor`` steps and lane ``k mod min(lanes, 32)`` of each warp writes
+    row ``k``'s warp sum to shared memory; on the simulator (no shuffles) every lane's partials go
     to shared memory and ``total`` walks the same tree there: the same bits on
     both.  ``red`` is a shared fp32 array of ``words`` (two halves, used in
     turn by ``parity``: a half is written again only two calls later, after
@@ -226,7 +188,7 @@ def lane_tree_sums(hold: int, lanes: int):
     levels = wl.bit_length() - 1
     top = wl // 2
     mask = np.uint32(0xFFFFFFFF if wl == 32 else (1 << wl) - 1)
-    assert wl & (wl - 1) == 0 and lanes % wl == 0 and hold <= wl, (hold, lanes)
+    assert wl & (wl - 1) == 0 and lanes % wl == 0, lanes
 
     if simulator_enabled():
         half = hold * lanes
@@ -260,17 +222,14 @@ def lane_tree_sums(hold: int, lanes: int):
 
     @cuda.jit(device=True)
     def lane_tree_publish(red, part, lane, parity):
-        mine = _ZERO
         for k in range(hold):  # unrolled (hold is a constant): part stays in registers
             v = part[k]
             off = top
             for _ in range(levels):
                 v = np.float32(v + cuda.shfl_xor_sync(mask, v, np.int32(off)))
                 off //= 2
-            if (lane & (wl - 1)) == k:
-                mine = v
-        if (lane & (wl - 1)) < hold:
-            red[parity * half + (lane & (wl - 1)) * nw + lane // wl] = mine
+            if (lane & (wl - 1)) == k % wl:
+                red[parity * half + k * nw + lane // wl] = v
         # Barrier: every warp's sums are in.
         cuda.syncthreads()
 

@@ -21,8 +21,9 @@ three barriers, no scan), with their rows and weights; then
   issued before any is used), summed in list order, one store;
 - backward: per ``CMB_HOLD`` listed rows, each lane loads ``dy[t]``'s unit and
   the rows' units, stores ``w dy`` into their ``d_z`` rows and keeps a partial
-  dot per row; the lanes' partials are summed in shared memory in a fixed
-  two-stage order (``_moe_rows.lane_sums``), written as ``d_w``.  The
+  dot per row; the lanes' partials are summed in a fixed tree
+  (``_moe_rows.lane_tree_sums``: warp shuffles, then the warps in order; the
+  same tree in shared memory on the simulator), written as ``d_w``.  The
   experts the token is not routed to get ``d_w = 0`` while listing: ``d_z``
   and ``d_w`` come out of one pass over ``dy`` and the routed rows of ``z``.
 
@@ -30,7 +31,8 @@ The rows of ``d_z`` no pair points to are zeroed by three small kernels
 before it (a scratch ``int32 [R]`` flag per row: cleared, marked from the map,
 then the unmarked rows written with zeros): no NaN from an uninitialised
 row of ``z`` or ``dy`` reaches any output.  Every sum has a fixed order:
-bit-identical run to run.  No warp intrinsics (the simulator runs the same
+bit-identical run to run.  Warp shuffles only inside ``lane_tree_sums``
+(its simulator twin gives the same bits: the simulator runs the same
 kernels).
 """
 
@@ -46,7 +48,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from . import _launch as L
-from ._moe_rows import cols_io, lane_sums, row_io, row_mode, row_units, row_width
+from ._moe_rows import cols_io, lane_tree_sums, row_io, row_mode, row_units, row_width
 from .moe_io import _ONE, _ZERO, moe_jit, popc32, pow2_at_least, scalar_io
 
 OP = "token_combine"
@@ -217,8 +219,7 @@ def _combine_bwd_kernel(dy_kind, z_kind, w_kind, mode, has_w, hold, ecap, max_la
     uw = row_width(mode)
     raw_words = 4 * hold
     nwords = ecap // 32
-    red_words = hold * max_lanes
-    stage, total = lane_sums(hold)
+    publish, total, red_words = lane_tree_sums(hold, max_lanes)  # max_lanes: the block size
 
     @moe_jit(max_regs)
     def token_combine_bwd_kernel(
@@ -236,8 +237,7 @@ def _combine_bwd_kernel(dy_kind, z_kind, w_kind, mode, has_w, hold, ecap, max_la
         lrow = cuda.shared.array(ecap, int32)
         le = cuda.shared.array(ecap, int32)
         lw = cuda.shared.array(ecap, float32)
-        red = cuda.shared.array(red_words, float32)  # [hold, W] lane partial dots
-        red2 = cuda.shared.array(red_words, float32)  # [hold, P] stage-1 sums
+        red = cuda.shared.array(red_words, float32)  # lane_tree_sums' two halves
         raw = cuda.local.array(raw_words, float32)
         dyv = cuda.local.array(uw, float32)
         val = cuda.local.array(uw, float32)
@@ -246,7 +246,7 @@ def _combine_bwd_kernel(dy_kind, z_kind, w_kind, mode, has_w, hold, ecap, max_la
         nl = np.int32(cuda.blockDim.x)
         t = np.int64(cuda.blockIdx.x)
         cnt = list_routed(rid, w, d_w, t, e_count, r_count, frow, fw, words, lrow, le, lw, lane, nl)
-        parts = max(np.int32(1), np.int32(nl // hold))
+        parity = np.int32(0)  # the half of ``red`` these rows' dots go to
         k0 = np.int32(0)
         while k0 < cnt:  # the same count in every thread: the barriers below are uniform
             m = min(np.int32(hold), cnt - k0)
@@ -276,9 +276,10 @@ def _combine_bwd_kernel(dy_kind, z_kind, w_kind, mode, has_w, hold, ecap, max_la
                                 p = np.float32(p + np.float32(val[j] * dyv[j]))
                             part[k] = p
             if has_w:
-                stage(red, red2, part, lane, nl, parts)
+                publish(red, part, lane, parity)
                 for k in range(lane, m, nl):
-                    store_w(d_w, t * e_count + le[k0 + k], total(red2, k, parts))
+                    store_w(d_w, t * e_count + le[k0 + k], total(red, k, parity))
+                parity ^= 1
             k0 += m
 
     return token_combine_bwd_kernel

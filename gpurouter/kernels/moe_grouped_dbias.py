@@ -34,15 +34,17 @@ Without scales (no dots, no barriers) the kernel has its own batch, chunk and
 register cap (``rows_knobs``): more threads with fewer loads each ran faster.
 
 ``dscales``: each lane's partial dot over its units (fixed order), then per
-held row a two-stage sum over the lanes in shared memory (``P = W / hold``
-lanes per row sum strided lanes, one lane sums the P partials; two barriers
-per ``DB_HOLD_ROWS`` rows, ``_moe_rows.lane_sums``).  With one column block
-that is ``dscales``; with several (more units than Q DB_MAX_LANES) each writes a partial row ``dsp[cb]``
-and kernel 3 sums them in column-block order.  Every order is fixed by the
+held row a fixed tree over the lanes (``_moe_rows.lane_tree_sums``: a warp
+butterfly of shuffles, then the warps in order; one barrier per
+``DB_HOLD_ROWS`` rows; it replaced a two-barrier shared-memory sum,
+docs/benchmarks.md).  With one column block that is ``dscales``; with several
+(more units than Q DB_MAX_LANES) each writes a partial row ``dsp[cb]`` and
+kernel 3 sums them in column-block order.  Every order is fixed by the
 shapes: the results are bit-identical run to run.
 
-No warp intrinsics (shared memory and barriers only): the simulator runs the
-same kernels.
+Warp shuffles only inside ``lane_tree_sums``, whose simulator twin walks the
+same tree in shared memory: the simulator runs the same kernels, with the
+same bits.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from . import _launch as L
-from ._moe_rows import cols_io, lane_sums, lane_tree_sums, row_io, row_mode, row_units, row_width
+from ._moe_rows import cols_io, lane_tree_sums, row_io, row_mode, row_units, row_width
 from .moe_io import _ONE, _ZERO, moe_jit, pow2_at_least, scalar_io, unit_io
 
 OP = "compute_grouped_dbias_dscales"
@@ -66,8 +68,8 @@ OP_DBIAS = "compute_grouped_dbias"
 #: row units (``moe_io``: 16 bytes of a bf16 row) per lane per row: its dbias sums are Q units of fp32
 DB_QUADS = 1
 #: rows a lane loads at once (Q * hold loads in flight per thread); the next batch's
-#: loads go out before this batch's dscales reduction (its barriers)
-DB_HOLD_ROWS = 8
+#: loads go out before this batch's dscales reduction (its barrier)
+DB_HOLD_ROWS = 4
 #: rows per chunk (a block's rows): larger chunks, fewer partial rows
 DB_CHUNK_ROWS = 256
 #: without scales (``compute_grouped_dbias``: no dots, no barriers): rows per batch, rows per
@@ -79,9 +81,6 @@ DB_MAX_REGS_DBIAS = 64
 DB_MAX_LANES = 256
 #: kernel 1's register cap with scales (0: the compiler's choice)
 DB_MAX_REGS = 0
-#: dscales' lane sums: 1 = ``_moe_rows.lane_tree_sums`` (warp shuffles, one barrier per
-#: batch), 0 = ``_moe_rows.lane_sums`` (shared memory, two barriers)
-DB_TREE_SUMS = 1
 #: kernel 2 (groups spanning chunks): threads per block, partial rows loaded at once
 DB_GROUP_THREADS = 128
 DB_GROUP_HOLD = 8
@@ -134,7 +133,7 @@ def _group_of(offsets, i, g, n):
 
 @functools.cache
 def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in, final_ds,
-                 q, hold, chunk, max_regs, lanes, tree=False):
+                 q, hold, chunk, max_regs, lanes):
     """Kernel 1 (module docstring), specialised on the kinds, the flags and the tile constants, the
     block's ``lanes`` included (a constant: the lane sums' loops unrolled, their divisions shifts;
     ptxas sm_90 at the Qwen3-like shape: 90 registers instead of 124, 64 at DB_HOLD_ROWS = 4
@@ -146,10 +145,7 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
     uw = row_width(mode)
     acc_words = uw * q
     raw_words = 4 * q * hold
-    tree = tree and hold <= min(lanes, 32)
-    red_words = 1 if tree else hold * lanes
-    stage, total = lane_sums(hold)
-    publish, tree_total, tree_words = lane_tree_sums(hold if tree else 1, lanes)
+    publish, total, red_words = lane_tree_sums(hold, lanes)
     cpad = -(-chunk // hold) * hold  # the group list padded to whole batches (-1 past the chunk)
 
     @cuda.jit(device=True)
@@ -211,9 +207,7 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
     ):
         gid = cuda.shared.array(cpad, int32)  # the chunk's rows' groups (-1: none)
         srow = cuda.shared.array(cpad, float32)  # their scales
-        red = cuda.shared.array(red_words, float32)  # [hold, W] lane partial dots
-        red2 = cuda.shared.array(red_words, float32)  # [hold, P] stage-1 sums
-        tred = cuda.shared.array(tree_words, float32)  # lane_tree_sums' two halves
+        red = cuda.shared.array(red_words, float32)  # lane_tree_sums' two halves
         acc = cuda.local.array(acc_words, float32)
         bia = cuda.local.array(acc_words, float32)
         raw = cuda.local.array(raw_words, float32)
@@ -241,8 +235,7 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
             bia[k] = _ZERO
         cur = np.int32(-1)
         ubase = cb * (nl * q) + lane
-        parts = max(np.int32(1), np.int32(nl // hold))  # P: stage-1 summers per row
-        parity = np.int32(0)
+        parity = np.int32(0)  # the half of ``red`` this batch's dots go to
         # Barrier: every lane reads the chunk's groups and scales.
         cuda.syncthreads()
         issue(dy, raw, gid, 0, rows, cs, ubase, nl, units, h)
@@ -284,20 +277,14 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
                                         acc[k * uw + j] = np.float32(acc[k * uw + j] + x)
                             dots[hr] = dot
                 h0 += seg
-            if r0 + hold < rows:  # the next batch's loads go out before this batch's barriers
+            if r0 + hold < rows:  # the next batch's loads go out before this batch's barrier
                 issue(dy, raw, gid, r0 + hold, rows, cs, ubase, nl, units, h)
             if has_scales:
-                if tree:
-                    publish(tred, dots, lane, parity)
-                else:
-                    stage(red, red2, dots, lane, nl, parts)
+                publish(red, dots, lane, parity)
                 for hr in range(lane, hold, nl):
                     r = r0 + hr
                     if r < rows:
-                        if tree:
-                            s = tree_total(tred, hr, parity)
-                        else:
-                            s = total(red2, hr, parts)
+                        s = total(red, hr, parity)
                         i = cs + r
                         if final_ds:
                             if has_ds_in:

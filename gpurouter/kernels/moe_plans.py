@@ -71,7 +71,7 @@ def grouped_dbias_dscales_plan(dy: Spec, scales: Spec | None, bias: Spec | None,
     if n:
         kern = G._rows_kernel(dy.kind, scales.kind if has_scales else L.F32, bias.kind if has_scales else L.F32,
                               mode, has_scales, dbias is not None, dscales is not None, final_ds,
-                              G.DB_QUADS, *G.rows_knobs(has_scales), lanes, bool(G.DB_TREE_SUMS))
+                              G.DB_QUADS, *G.rows_knobs(has_scales), lanes)
         steps.append(Step(kern, nchunks * ncb, lanes, 0,
                           (a_dy, a_s, a_b, In(idx["offsets"]), a_dbi, a_dsi, out_db, a_ds, a_part, Tmp(1),
                            n, h, units, g, ncb)))

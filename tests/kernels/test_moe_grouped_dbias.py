@@ -16,6 +16,7 @@ from numba import cuda, float32  # noqa: E402  (module level: the simulator swap
 
 from gpurouter.kernels import moe_grouped_dbias as M  # noqa: E402
 from gpurouter.kernels import moe_plans as P  # noqa: E402
+from gpurouter.kernels._launch import launch  # noqa: E402
 from gpurouter.kernels._moe_rows import lane_tree_sums  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -99,13 +100,10 @@ def test_launchers_vs_oracle(small_tiles, dtype, n, h, offsets):
     (6, 64, 4, 15, 320, [0, 5, 6, 14]),       # 40 units over 64 lanes: two warps (the second part idle),
                                               # each summing its lanes' dots, then the warps in order
 ])
-@pytest.mark.parametrize("tree", [1, 0])
-def test_row_units_batches_and_column_blocks(small_tiles, monkeypatch, tree, rows, lanes, batch, n, h, offsets):
+def test_row_units_batches_and_column_blocks(small_tiles, rows, lanes, batch, n, h, offsets):
     """Kernel 1's tiling edges at bf16 (16-byte units of eight columns): load
     batches that cross group and chunk ends, a chunk not a multiple of the batch,
-    lanes past the row's units, several column blocks; dscales' lane sums by
-    either reduction (``DB_TREE_SUMS``)."""
-    monkeypatch.setattr(M, "DB_TREE_SUMS", tree)
+    lanes past the row's units, several column blocks."""
     small_tiles(rows=rows, lanes=lanes, hold=2, batch=batch)
     rng = np.random.default_rng(n + h)
     dy, s, b, o = _case(rng, n, h, offsets, BF16)
@@ -140,7 +138,7 @@ def _tree_order(part):
     return out
 
 
-@pytest.mark.parametrize("hold,lanes", [(1, 1), (2, 4), (3, 8), (8, 32), (8, 64), (4, 96)])
+@pytest.mark.parametrize("hold,lanes", [(1, 1), (3, 1), (8, 2), (2, 4), (3, 8), (8, 32), (8, 64), (4, 96), (40, 64)])
 def test_lane_tree_sums_fixed_order(hold, lanes):
     """``lane_tree_sums`` gives the bits of its documented tree (warp shuffles on
     a GPU, shared memory on the simulator), for two calls in a row (the two
@@ -156,13 +154,13 @@ def test_lane_tree_sums_fixed_order(hold, lanes):
             for k in range(hold):
                 mine[k] = parts[call, lane, k]
             publish(red, mine, lane, call)
-            if lane < hold:
-                out[call, lane] = total(red, lane, call)
+            for k in range(lane, hold, lanes):
+                out[call, k] = total(red, k, call)
 
     rng = np.random.default_rng(hold * lanes)
     parts = (rng.standard_normal((2, lanes, hold)) * 10.0 ** rng.integers(-3, 4, (2, lanes, hold))).astype(np.float32)
     out = cuda.to_device(np.full((2, hold), np.nan, np.float32))
-    probe_lane_tree_sums[1, lanes](cuda.to_device(parts), out)
+    launch(probe_lane_tree_sums, 1, lanes, 0, 0, cuda.to_device(parts), out)
     got = out.copy_to_host()
     for call in range(2):
         np.testing.assert_array_equal(got[call], _tree_order(parts[call]))
