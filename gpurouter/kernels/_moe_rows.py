@@ -220,16 +220,25 @@ def lane_tree_sums(hold: int, lanes: int):
 
     half = hold * nw
 
+    one_each = hold <= wl  # a constant: each lane writes one row at most (one store after the tree)
+
     @cuda.jit(device=True)
     def lane_tree_publish(red, part, lane, parity):
+        me = lane & (wl - 1)
+        mine = _ZERO
         for k in range(hold):  # unrolled (hold is a constant): part stays in registers
             v = part[k]
             off = top
             for _ in range(levels):
                 v = np.float32(v + cuda.shfl_xor_sync(mask, v, np.int32(off)))
                 off //= 2
-            if (lane & (wl - 1)) == k % wl:
+            if one_each:
+                if me == k:
+                    mine = v
+            elif me == k % wl:
                 red[parity * half + k * nw + lane // wl] = v
+        if one_each and me < hold:
+            red[parity * half + me * nw + lane // wl] = mine
         # Barrier: every warp's sums are in.
         cuda.syncthreads()
 

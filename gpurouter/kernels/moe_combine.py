@@ -19,7 +19,7 @@ three barriers, no scan), with their rows and weights; then
 
 - forward: per unit, the listed rows ``CMB_HOLD`` at a time (their loads
   issued before any is used), summed in list order, one store;
-- backward: per ``CMB_HOLD`` listed rows, each lane loads ``dy[t]``'s unit and
+- backward: per ``CMB_BWD_HOLD`` listed rows, each lane loads ``dy[t]``'s unit and
   the rows' units, stores ``w dy`` into their ``d_z`` rows and keeps a partial
   dot per row; the lanes' partials are summed in a fixed tree
   (``_moe_rows.lane_tree_sums``: warp shuffles, then the warps in order; the
@@ -58,8 +58,10 @@ CMB_THREADS = 256
 #: units per lane at least (a lane's units are taken in turn: more units per lane, fewer
 #: lanes per token, more tokens per SM, whose listing phases overlap: faster on an H200)
 CMB_LANE_UNITS = 2
-#: listed rows whose loads a lane issues at once (forward and backward)
+#: listed rows whose loads a lane issues at once: forward, backward (the backward's per-row
+#: dot tree comes after each batch: fewer rows a batch ran faster on an H200)
 CMB_HOLD = 8
+CMB_BWD_HOLD = 4
 #: experts per token at most: the shared list holds every routed expert
 CMB_MAX_EXPERTS = 1024
 #: register cap of the token kernels (0: the compiler's choice): more resident blocks

@@ -196,7 +196,7 @@ def token_combine_fwd_plan(inp: Spec, row_id_map: Spec, merging_probs: Spec | No
 
 
 def _bwd_kernel(grad_kind, inp_kind, w_kind, mode, has_w, e, lanes):
-    return C._combine_bwd_kernel(grad_kind, inp_kind, w_kind, mode, has_w, C.CMB_HOLD, C.expert_cap(e), lanes,
+    return C._combine_bwd_kernel(grad_kind, inp_kind, w_kind, mode, has_w, C.CMB_BWD_HOLD, C.expert_cap(e), lanes,
                                  C.CMB_MAX_REGS)
 
 

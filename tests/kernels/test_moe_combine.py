@@ -31,6 +31,7 @@ def lanes(monkeypatch):
         monkeypatch.setattr(C, "CMB_ZERO_ROWS", 3)
         if hold is not None:
             monkeypatch.setattr(C, "CMB_HOLD", hold)
+            monkeypatch.setattr(C, "CMB_BWD_HOLD", hold)
         P.token_combine_fwd_plan.cache_clear()
         P.token_combine_bwd_plan.cache_clear()
 
