@@ -50,7 +50,7 @@ from jax import lax
 
 from gpurouter._transport import ffi
 from gpurouter._transport import ffi_abi as abi
-from gpurouter._transport.ffi_record import DEVICES, MAX_PARAMS, _driver, _gpu_ordinals
+from gpurouter._transport.ffi_record import _RECORDS, DEVICES, MAX_PARAMS, _driver, _gpu_ordinals
 from gpurouter.bench_steps import _axpy_op, _diff_us, _loops
 
 #: the tool's handlers read the current size's device block here: [device block,
@@ -205,7 +205,7 @@ def select_size(op, n: int) -> int:
     spec = spec_for((n,), np.dtype(np.float32))
     plan = op.planner(spec, spec)
     address = ffi._record(plan)
-    record = ffi._RECORDS[id(plan)][0]
+    record = _RECORDS[id(plan)][0]
     start = int(record[DEVICES + _gpu_ordinals()[0]])  # jax.devices()[0]'s GPU
     step = record[start + 2:]
     STATIC[: step[4]] = step[6: 6 + step[4]]
@@ -249,10 +249,14 @@ def run_size(op, n: int, variants, rounds: int, min_loop_s: float) -> dict:
     want = np.asarray(2.0 * xr + yr)
     prepared, out = {}, {}
     for v in variants:
-        f = body(v, op, n, address)
-        err = None if v in ("noop", "t_noop") else float(np.max(np.abs(np.asarray(jax.jit(f)(xr, yr)) - want)))
-        arg = x if v in ("fusion", "ffi") else (x, y)
-        steps, loops = _loops(loop_maker(v, f, y), arg, 1000, min_loop_s)
+        try:
+            f = body(v, op, n, address)
+            err = None if v in ("noop", "t_noop") else float(np.max(np.abs(np.asarray(jax.jit(f)(xr, yr)) - want)))
+            arg = x if v in ("fusion", "ffi") else (x, y)
+            steps, loops = _loops(loop_maker(v, f, y), arg, 1000, min_loop_s)
+        except Exception as e:  # noqa: BLE001 (report it, time the others)
+            print(f"n={n} {v}: {type(e).__name__}: {e}", flush=True)
+            continue
         prepared[v] = (steps, loops, arg)
         out[v] = {"max_err": err, "loop_steps": steps, "us": []}
     for s in STATS.values():
