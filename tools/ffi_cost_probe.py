@@ -29,7 +29,9 @@ gives the host ns per call of the handler itself inside XLA's loop (``t_``):
 - ``t_min_ordinal``, ``t_min_ctx``, ``t_min_attr``, ``t_min_copy``: ``t_min``
   plus one of gpurouter's steps (the device-ordinal query, the
   ``cuCtxGetCurrent`` check, the ``plan`` attribute lookup, the parameter
-  template copied to the stack); ``t_min_all``: all four.
+  template copied to the stack); ``t_min_all``: all four;
+- ``t_min_func``: ``t_min`` launching the kernel as a CUfunction
+  (``cuKernelGetFunction``) instead of numba's CUkernel.
 
     python3 tools/ffi_cost_probe.py --json out.json [--variants fusion,ffi,...]
 """
@@ -54,8 +56,8 @@ from gpurouter._transport.ffi_record import _RECORDS, DEVICES, MAX_PARAMS, _driv
 from gpurouter.bench_steps import _axpy_op, _diff_us, _loops
 
 #: the tool's handlers read the current size's device block here: [device block,
-#: static parameter block, static argv] (addresses)
-CUR = np.zeros(3, np.int64)
+#: static parameter block, static argv] (addresses), and the kernel as a CUfunction
+CUR = np.zeros(4, np.int64)
 STATIC = np.zeros(MAX_PARAMS, np.int64)
 ARGV = np.zeros(MAX_PARAMS, np.int64)
 STATS: dict[str, np.ndarray] = {}  # timed variant -> [ns, calls]
@@ -63,7 +65,7 @@ _KEEP: list = []  # the cfuncs: XLA keeps their raw addresses
 FAIL_MSG = np.frombuffer(b"ffi_cost_probe: cuLaunchKernel failed\0", np.uint8).copy()
 
 
-def make_handler(launch=True, ordinal=False, ctx=False, attr=False, copy=False):
+def make_handler(launch=True, ordinal=False, ctx=False, attr=False, copy=False, func=False):
     """A handler for the bench's axpy plan, with the named steps of gpurouter's."""
     from numba import cfunc, types
 
@@ -136,8 +138,8 @@ def make_handler(launch=True, ordinal=False, ctx=False, attr=False, copy=False):
             buf = ld64(ld64(frame + abi.CF_ARGS_ARGS) + 8 * array) if array < 2 else ld64(
                 ld64(frame + abi.CF_RETS_RETS))
             st64(params + 8 * ld64(holes + 16 * h), ld64(buf + abi.BUF_DATA))
-        status = do_launch(launch_fn, (ld64(w), ld64(w + 8), 1, 1, ld64(w + 16), 1, 1, ld64(w + 24), stream,
-                                       argv, 0))
+        kernel = ld64(cur + 24) if func else ld64(w)
+        status = do_launch(launch_fn, (kernel, ld64(w + 8), 1, 1, ld64(w + 16), 1, 1, ld64(w + 24), stream, argv, 0))
         if pushed:
             call1(pop, (current,))
         if status != 0:
@@ -180,9 +182,10 @@ def make_timed(inner, stats: np.ndarray):
 
 HANDLERS = {"noop": dict(launch=False), "t_noop": dict(launch=False), "t_min": {},
             "t_min_ordinal": dict(ordinal=True), "t_min_ctx": dict(ctx=True), "t_min_attr": dict(attr=True),
-            "t_min_copy": dict(copy=True), "t_min_all": dict(ordinal=True, ctx=True, attr=True, copy=True)}
+            "t_min_copy": dict(copy=True), "t_min_all": dict(ordinal=True, ctx=True, attr=True, copy=True),
+            "t_min_func": dict(func=True)}
 VARIANTS = ("fusion", "ffi", "fusion_arg", "ffi_arg", "direct", "alias", "noop", "t_noop", "t_direct",
-            "t_min", "t_min_ordinal", "t_min_ctx", "t_min_attr", "t_min_copy", "t_min_all")
+            "t_min", "t_min_ordinal", "t_min_ctx", "t_min_attr", "t_min_copy", "t_min_all", "t_min_func")
 
 
 def register(variants) -> None:
@@ -210,8 +213,22 @@ def select_size(op, n: int) -> int:
     step = record[start + 2:]
     STATIC[: step[4]] = step[6: 6 + step[4]]
     ARGV[:] = STATIC.ctypes.data + 8 * np.arange(MAX_PARAMS)
-    CUR[:] = (address + 8 * start, STATIC.ctypes.data, ARGV.ctypes.data)
+    CUR[:] = (address + 8 * start, STATIC.ctypes.data, ARGV.ctypes.data, function_of(int(step[0])))
     return address
+
+
+def function_of(kernel: int) -> int:
+    """numba's kernel handle (a CUkernel) as a CUfunction of the current GPU's
+    primary context (``cuKernelGetFunction``); the handle itself if that fails."""
+    from numba import cuda
+
+    from gpurouter.kernels._pointer import _libcuda
+
+    fn = ctypes.c_void_p()
+    with cuda.gpus[_gpu_ordinals()[0]]:
+        rc = _libcuda().cuKernelGetFunction(ctypes.byref(fn), ctypes.c_void_p(kernel))
+    print(f"cuKernelGetFunction: CUresult {rc}, kernel {kernel:#x} -> function {fn.value or 0:#x}", flush=True)
+    return fn.value if rc == 0 and fn.value else kernel
 
 
 def body(v: str, op, n: int, address: int):
