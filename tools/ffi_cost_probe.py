@@ -12,6 +12,9 @@ XLA side (what surrounds the call):
 
 - ``fusion``, ``ffi``: the bench's two loops as they are (``y`` closed over);
 - ``fusion_arg``, ``ffi_arg``: the same with ``y`` an argument of the loop;
+- ``fusion_u2``, ``ffi_u2``: ``*_arg`` with the loop unrolled by 2 (``unroll=2``:
+  the first call's result goes to a temporary, the second's to the loop
+  carry, so XLA needs no copy of the result into the carry);
 - ``direct``: ``jax.ffi.ffi_call`` of gpurouter's handler and record, no
   ``kernel_call``/``custom_vmap`` wrapper;
 - ``alias``: ``direct`` with the result aliased to ``x`` (no copy of the
@@ -184,8 +187,8 @@ HANDLERS = {"noop": dict(launch=False), "t_noop": dict(launch=False), "t_min": {
             "t_min_ordinal": dict(ordinal=True), "t_min_ctx": dict(ctx=True), "t_min_attr": dict(attr=True),
             "t_min_copy": dict(copy=True), "t_min_all": dict(ordinal=True, ctx=True, attr=True, copy=True),
             "t_min_func": dict(func=True)}
-VARIANTS = ("fusion", "ffi", "fusion_arg", "ffi_arg", "direct", "alias", "noop", "t_noop", "t_direct",
-            "t_min", "t_min_ordinal", "t_min_ctx", "t_min_attr", "t_min_copy", "t_min_all", "t_min_func")
+VARIANTS = ("fusion", "ffi", "fusion_arg", "ffi_arg", "fusion_u2", "ffi_u2", "direct", "alias", "noop", "t_noop",
+            "t_direct", "t_min", "t_min_ordinal", "t_min_ctx", "t_min_attr", "t_min_copy", "t_min_all", "t_min_func")
 
 
 def register(variants) -> None:
@@ -245,14 +248,17 @@ def body(v: str, op, n: int, address: int):
 
 def loop_maker(v: str, f, y):
     """``make(k)``: the jitted-loop function of ``k`` steps (named ``loop_<v>``
-    for XLA's dumps); ``y`` closed over for ``fusion`` and ``ffi``, else an argument."""
+    for XLA's dumps); ``y`` closed over for ``fusion`` and ``ffi``, else an
+    argument; unrolled by 2 for ``*_u2``."""
+    unroll = 2 if v.endswith("_u2") else 1
+
     def make(k):
         if v in ("fusion", "ffi"):
             def loop(c):
                 return lax.fori_loop(0, k, lambda i, c: f(c, y), c)
         else:
             def loop(xy):
-                return lax.fori_loop(0, k, lambda i, c: f(c, xy[1]), xy[0])
+                return lax.fori_loop(0, k, lambda i, c: f(c, xy[1]), xy[0], unroll=unroll)
         loop.__name__ = loop.__qualname__ = f"loop_{v}"
         return loop
     return make
@@ -288,7 +294,7 @@ def run_size(op, n: int, variants, rounds: int, min_loop_s: float) -> dict:
         if v in STATS and STATS[v][1]:
             r["handler_ns"] = float(STATS[v][0] / STATS[v][1])
     for v, r in out.items():  # the cost over the fusion with y passed the same way
-        base = out.get("fusion" if v in ("fusion", "ffi") else "fusion_arg")
+        base = out.get("fusion" if v in ("fusion", "ffi") else "fusion_u2" if v.endswith("_u2") else "fusion_arg")
         if base is not None and base is not r:
             r.update(cost=r["median"] - base["median"], cost_A=r["A"] - base["A"], cost_B=r["B"] - base["B"])
     return out
