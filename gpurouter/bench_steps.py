@@ -187,26 +187,23 @@ def _axpy_op():
 TRANSPORTS = ("ffi", "zero-copy", "callback")
 
 
-def _arg_loop(body, unroll: int = 1):
+def _arg_loop(body):
     """``make(k)``: ``(c, y) -> c after k steps of c = body(c, y)``, one tuple argument."""
     from jax import lax
 
-    return lambda k: lambda cy: lax.fori_loop(0, k, lambda i, c: body(c, cy[1]), cy[0], unroll=unroll)
+    return lambda k: lambda cy: lax.fori_loop(0, k, lambda i, c: body(c, cy[1]), cy[0])
 
 
-def transport_rows(sizes, steps: int, repeats: int, transports=TRANSPORTS, unroll: int = 1) -> list[dict]:
+def transport_rows(sizes, steps: int, repeats: int, transports=TRANSPORTS) -> list[dict]:
     """Per n: the marginal us per step of ``c = 2 c + y`` as an XLA fusion and
     through each transport, and each transport's cost over the fusion. ``x``
     and ``y`` are arguments of the jitted loop, as a step's activations and
     parameters are: a closed-over ``y`` is a constant, which XLA fuses into
     the fusion but must write to memory every step for a custom call (one
     more kernel per step: tools/ffi_cost_probe.py, NOTES-ffic.md). The
-    bodies of one n are timed in turns, as ``step_rows`` does.
-
-    With ``unroll=1`` a transport's cost includes XLA's copy of the call's
-    result into the loop carry (the fusion writes in place; a custom call
-    cannot); ``unroll=2`` writes the first call's result to a temporary and
-    the second's to the carry, so no copy is needed."""
+    bodies of one n are timed in turns, as ``step_rows`` does. A transport's
+    cost includes XLA's copy of the call's result into the loop carry (the
+    fusion writes in place, a custom call cannot)."""
     import jax.numpy as jnp
 
     op = _axpy_op()
@@ -215,7 +212,7 @@ def transport_rows(sizes, steps: int, repeats: int, transports=TRANSPORTS, unrol
     rows = []
     for n in sizes:
         xy = (jnp.ones((n,), jnp.float32), jnp.full((n,), 1e-6, jnp.float32))
-        prepared = {name: _loops(_arg_loop(body, unroll), xy, steps, MIN_LOOP_S) for name, body in bodies.items()}
+        prepared = {name: _loops(_arg_loop(body), xy, steps, MIN_LOOP_S) for name, body in bodies.items()}
         diffs = {name: [] for name in bodies}
         for _ in range(repeats):
             for name, (k, loops) in prepared.items():
@@ -257,8 +254,6 @@ def main(argv: list[str]) -> int:
                         help="comma-separated n of the transport-cost op (default 1024,1048576)")
     parser.add_argument("--transports", type=comma_list(TRANSPORTS, "transport"), default=list(TRANSPORTS),
                         help=f"comma-separated transports of the transport-cost op (default {','.join(TRANSPORTS)})")
-    parser.add_argument("--transport-unroll", type=positive_int, default=1,
-                        help="unroll the transport-cost loop (2: no copy of a call's result into the loop carry)")
     parser.add_argument("--json", help="write results as JSON here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
@@ -273,14 +268,13 @@ def main(argv: list[str]) -> int:
     steps = step_rows(args.configs, args.paths, args.steps, args.repeats, not args.no_progress,
                       args.min_loop_ms / 1000)
     print(table(steps, ["config", *args.paths, "ratio", "auto_vs_faster"]))
-    transports = transport_rows(args.transport_sizes, 200, args.repeats, args.transports, args.transport_unroll)
+    transports = transport_rows(args.transport_sizes, 200, args.repeats, args.transports)
     print()
     print(table(transports, ["n", "xla fusion", *args.transports, *(f"{t} cost" for t in args.transports)]))
     print(f"\nus per step (marginal); GPU {info.get('gpu')}, commit {info.get('commit')}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"info": info, "steps": steps, "transports": transports,
-                       "transport_unroll": args.transport_unroll}, f, indent=1)
+            json.dump({"info": info, "steps": steps, "transports": transports}, f, indent=1)
     return 0
 
 

@@ -14,7 +14,10 @@ XLA side (what surrounds the call):
 - ``fusion_arg``, ``ffi_arg``: the same with ``y`` an argument of the loop;
 - ``fusion_u2``, ``ffi_u2``: ``*_arg`` with the loop unrolled by 2 (``unroll=2``:
   the first call's result goes to a temporary, the second's to the loop
-  carry, so XLA needs no copy of the result into the carry);
+  carry, so XLA needs no copy of the result into the carry). Not the same
+  work: XLA fuses the two unrolled ``2 c + y`` into one kernel, the two
+  calls stay two launches, so this cost counts about half a launch more
+  than ``alias``'s;
 - ``direct``: ``jax.ffi.ffi_call`` of gpurouter's handler and record, no
   ``kernel_call``/``custom_vmap`` wrapper;
 - ``alias``: ``direct`` with the result aliased to ``x`` (no copy of the
