@@ -180,24 +180,45 @@ def _axpy_op():
 
         return kernel_call(launcher, planner, [jax.ShapeDtypeStruct(x.shape, x.dtype)], [], [x, y], transport)[0]
 
+    op.planner = planner  # (tools/ffi_cost_probe.py launches its plans on other handlers)
     return op
 
 
-def transport_rows(sizes, steps: int, repeats: int) -> list[dict]:
-    import jax.numpy as jnp
+TRANSPORTS = ("ffi", "zero-copy", "callback")
+
+
+def _arg_loop(body):
+    """``make(k)``: ``(c, y) -> c after k steps of c = body(c, y)``, one tuple argument."""
     from jax import lax
 
+    return lambda k: lambda cy: lax.fori_loop(0, k, lambda i, c: body(c, cy[1]), cy[0])
+
+
+def transport_rows(sizes, steps: int, repeats: int, transports=TRANSPORTS) -> list[dict]:
+    """Per n: the marginal us per step of ``c = 2 c + y`` as an XLA fusion and
+    through each transport, and each transport's cost over the fusion. ``x``
+    and ``y`` are arguments of the jitted loop, as a step's activations and
+    parameters are: a closed-over ``y`` is a constant, which XLA fuses into
+    the fusion but must write to memory every step for a custom call (one
+    more kernel per step: tools/ffi_cost_probe.py, NOTES-ffic.md). The
+    bodies of one n are timed in turns, as ``step_rows`` does. A transport's
+    cost includes XLA's copy of the call's result into the loop carry (the
+    fusion writes in place, a custom call cannot)."""
+    import jax.numpy as jnp
+
     op = _axpy_op()
+    bodies = {"xla fusion": lambda c, y: 2.0 * c + y}
+    bodies.update({t: (lambda c, y, t=t: op(c, y, t)) for t in transports})
     rows = []
     for n in sizes:
-        x, y = jnp.ones((n,), jnp.float32), jnp.full((n,), 1e-6, jnp.float32)
-        row = {"n": n}
-        bodies = {"xla fusion": lambda c, y=y: 2.0 * c + y}
-        bodies.update({t: (lambda c, t=t, y=y: op(c, y, t)) for t in ("ffi", "zero-copy", "callback")})
-        for name, body in bodies.items():
-            row[name] = _marginal_us(lambda k, body=body: lambda c: lax.fori_loop(0, k, lambda i, c: body(c), c),
-                                     x, steps, repeats)
-        for t in ("ffi", "zero-copy", "callback"):
+        xy = (jnp.ones((n,), jnp.float32), jnp.full((n,), 1e-6, jnp.float32))
+        prepared = {name: _loops(_arg_loop(body), xy, steps, MIN_LOOP_S) for name, body in bodies.items()}
+        diffs = {name: [] for name in bodies}
+        for _ in range(repeats):
+            for name, (k, loops) in prepared.items():
+                diffs[name].append(_diff_us(k, loops, xy))
+        row = {"n": n, **{name: statistics.median(d) for name, d in diffs.items()}}
+        for t in transports:
             row[f"{t} cost"] = row[t] - row["xla fusion"]
         rows.append(row)
     return rows
@@ -231,6 +252,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed repeats, median (default 5)")
     parser.add_argument("--transport-sizes", type=_sizes, default=[1024, 1048576],
                         help="comma-separated n of the transport-cost op (default 1024,1048576)")
+    parser.add_argument("--transports", type=comma_list(TRANSPORTS, "transport"), default=list(TRANSPORTS),
+                        help=f"comma-separated transports of the transport-cost op (default {','.join(TRANSPORTS)})")
     parser.add_argument("--json", help="write results as JSON here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = parser.parse_args(argv)
@@ -245,10 +268,9 @@ def main(argv: list[str]) -> int:
     steps = step_rows(args.configs, args.paths, args.steps, args.repeats, not args.no_progress,
                       args.min_loop_ms / 1000)
     print(table(steps, ["config", *args.paths, "ratio", "auto_vs_faster"]))
-    transports = transport_rows(args.transport_sizes, 200, args.repeats)
+    transports = transport_rows(args.transport_sizes, 200, args.repeats, args.transports)
     print()
-    print(table(transports, ["n", "xla fusion", "ffi", "zero-copy", "callback", "ffi cost", "zero-copy cost",
-                             "callback cost"]))
+    print(table(transports, ["n", "xla fusion", *args.transports, *(f"{t} cost" for t in args.transports)]))
     print(f"\nus per step (marginal); GPU {info.get('gpu')}, commit {info.get('commit')}")
     if args.json:
         with open(args.json, "w") as f:

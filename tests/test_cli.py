@@ -41,6 +41,7 @@ def _error(capsys, argv) -> str:
     (["bench", "--from-json", "/nonexistent.json"], "--from-json /nonexistent.json: not a bench result"),
     (["steps", "--configs", "bogus"], "argument --configs: unknown config 'bogus'; choose from deepseek-v3@256,"),
     (["steps", "--steps", "0"], "argument --steps: 0 must be >= 1"),
+    (["steps", "--transports", "bogus"], "argument --transports: unknown transport 'bogus'; choose from ffi,"),
     (["moe-bench", "--shapes", "bogus"], "unknown shape 'bogus'; choose from qwen3-like, deepseek-v3-like"),
     (["moe-bench", "--scale", "2"], "--scale must be in (0, 1], got 2.0"),
     (["moe-bench", "--repeats", "0"], "argument --repeats: 0 must be >= 1"),
