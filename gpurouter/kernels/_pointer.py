@@ -51,7 +51,28 @@ def _libcuda():
     lib.cuCtxPushCurrent_v2.restype = ctypes.c_int
     lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(vp)]
     lib.cuCtxPopCurrent_v2.restype = ctypes.c_int
+    if hasattr(lib, "cuKernelGetFunction"):  # CUDA 12.0+ drivers
+        lib.cuKernelGetFunction.argtypes = [ctypes.POINTER(vp), vp]
+        lib.cuKernelGetFunction.restype = ctypes.c_int
     return lib
+
+
+def _function_of(kernel: int) -> int:
+    """The current context's ``CUfunction`` of numba's kernel handle (a
+    ``CUkernel``, context-independent: ``cuLaunchKernel`` takes it but resolves
+    it to the context's function on every launch: host time, docs/benchmarks.md).  The handle as it is where the
+    driver lacks ``cuKernelGetFunction`` or refuses it (a ``CUfunction``
+    already).  Every launch of a step runs in the context it was compiled
+    in (the device's primary context, pushed when another is current)."""
+    import ctypes
+
+    lib = _libcuda()
+    if not hasattr(lib, "cuKernelGetFunction"):
+        return kernel
+    out = ctypes.c_void_p(0)
+    if lib.cuKernelGetFunction(ctypes.byref(out), ctypes.c_void_p(kernel)) != 0 or not out.value:
+        return kernel
+    return int(out.value)
 
 
 class CompiledStep:
@@ -120,7 +141,7 @@ def compile_steps(plan: Plan, ordinal: int, counters: dict | None = None) -> lis
     with cuda.gpus[ordinal]:
         for st in plan.steps:
             kern = st.kernel.compile(tuple(_numba_type(a, specs) for a in st.args))
-            handle = int(kern._codelibrary.get_cufunc().handle)
+            handle = _function_of(int(kern._codelibrary.get_cufunc().handle))
             params, holes = [], []
             for a in st.args:
                 slots, arg_holes = _slots(a, specs, slot_of, counters)
@@ -147,8 +168,8 @@ class PointerLaunch:
     ``void*[]`` array cuLaunchKernel reads; a call writes the data pointers
     into it and launches (the driver copies the parameters at launch, so the
     storage is reused at once; a lock keeps two host threads from
-    interleaving). The kernel handle is numba's (a CUkernel, which
-    cuLaunchKernel accepts); the launch runs in the device's primary context,
+    interleaving). The kernel handle is the context's CUfunction of numba's
+    CUkernel (``_function_of``); the launch runs in the device's primary context,
     pushed only when another one is current.  The plan's counters
     (``_plan.Counter``): one per stream, appended to ``ptrs``.
     """
