@@ -5,7 +5,7 @@ their figures live in docs/benchmarks.md).
 - W-lane row forwards (``lane_topk_fwd.py``, ``lane_aux_scores_fwd.py``):
   ``row_lanes``, ``row_stride``, ``select_layout`` -> ``RowLayout``;
 - thread-per-token forwards (``token_*_fwd.py``): ``token_path``,
-  ``token_group_lanes``, ``token_layout`` -> ``TokenLayout``;
+  ``token_lanes``, ``token_layout`` -> ``TokenLayout``;
 - backwards: ``stream_tiling`` (``stream_bwd.py``), ``quad_tiling``, ``quad_hold`` (``quad_bwd.py``);
 - aux loss (``aux_loss.py``): ``column_tiling``, ``fill_tiling``;
 - router z-loss: ``z_loss_tiling`` (``z_loss.py``), ``z_loss_vec_tiling`` (``z_loss_vec.py``).
@@ -53,6 +53,15 @@ def row_stride(num_experts: int, lanes: int = 1) -> int:
     return (m | 1) * lanes
 
 
+def _layout_init(self, **kw):
+    for k in self.__slots__:
+        setattr(self, k, kw.get(k, -1))
+
+
+def _layout_repr(self):
+    return type(self).__name__ + "(" + ", ".join(f"{k}={getattr(self, k)}" for k in self.__slots__) + ")"
+
+
 class RowLayout:
     """Launch shape and dynamic shared-memory layout of one row kernel.
 
@@ -77,12 +86,7 @@ class RowLayout:
     __slots__ = ("grid", "threads", "tb", "lanes", "stride", "list_stride", "group_lanes",
                  "o_list", "o_idx", "o_cnt", "o_grp", "o_keep", "o_flag", "shared")
 
-    def __init__(self, **kw):
-        for k in self.__slots__:
-            setattr(self, k, kw.get(k, -1))
-
-    def __repr__(self):
-        return "RowLayout(" + ", ".join(f"{k}={getattr(self, k)}" for k in self.__slots__) + ")"
+    __init__, __repr__ = _layout_init, _layout_repr
 
 
 def _select_words(tb: int, lanes: int, p: int, ls: int, groups: int):
@@ -144,23 +148,39 @@ def pow2_at_least(n: int) -> int:
 def _token_words(tb: int, num_experts: int, num_groups: int, has_bias: bool, lists: int = 0) -> int:
     """Shared-memory words of a thread-per-token block (see ``TokenLayout``)."""
     g = (num_groups | 1) if num_groups > 0 else 0
-    return (tb * ((num_experts | 1) + token_flag_stride(num_experts) + g + 4 + lists * max(0, num_groups))
+    chunks = lane_chunks(num_experts, num_groups)[0] if lists else 0
+    return (tb * ((num_experts | 1) + token_flag_stride(num_experts) + g + 4 + lists * chunks)
             + (num_experts if has_bias else 0))
 
 
-#: the grouped lanes up to this many tokens: faster at small T, slower at 65536, where their lists
-#: cost resident blocks (docs/benchmarks.md, "Grouped forward lanes at small T")
-TOKEN_GROUP_LANES_MAX_TOKENS = 8192
+#: the chunk lanes (``_token_lanes.py``) up to this many tokens, grouped and not (faster at small T, slower
+#: at 65536: their slots cost resident blocks; docs/benchmarks.md); an ungrouped token's chunk of experts
+#: (a lane each); the blocks a lanes grid takes at least (smaller tiles)
+TOKEN_GROUP_LANES_MAX_TOKENS = TOKEN_CHUNK_LANES_MAX_TOKENS = 8192
+LANE_CHUNK, TOKEN_LANES_MIN_BLOCKS = 32, 264
 
 
-def token_group_lanes(num_tokens: int, num_experts: int, topk: int, num_groups: int, has_bias: bool) -> bool:
-    """True when a grouped top-k forward's lanes list each group first: W >= G threads a token,
-    the lists in ``SMEM_BUDGET``, T small (``_token_select.token_group_lists``)."""
-    if (num_groups <= 0 or num_tokens > TOKEN_GROUP_LANES_MAX_TOKENS
-            or 4 * _token_words(1, num_experts, num_groups, has_bias, topk + 1) > SMEM_BUDGET):
-        return False
-    lay = token_layout(num_tokens, num_experts, num_groups, has_bias, topk + 1)
-    return lay.threads // lay.tb >= num_groups
+def lane_chunks(num_experts: int, num_groups: int):
+    """``(C, chunk size)``: the G groups, or ungrouped (G <= 0) runs of ``LANE_CHUNK`` experts."""
+    return (num_groups, num_experts // num_groups) if num_groups > 0 else (-(-num_experts // LANE_CHUNK), LANE_CHUNK)
+
+
+def lane_slot_words(topk: int, chunk: int) -> int:
+    """Words of a (token, chunk) slot: K + 1 scores, a flag, two masks per 32 experts."""
+    return topk + 2 + 2 * (-(-chunk // 32))
+
+
+def token_lanes(num_tokens: int, num_experts: int, topk: int, num_groups: int, has_bias: bool) -> int:
+    """The slot words of the chunk lanes where a top-k forward takes them, else 0: T small
+    (``TOKEN_GROUP_LANES_MAX_TOKENS`` grouped, ``TOKEN_CHUNK_LANES_MAX_TOKENS`` not), W >= C threads
+    a token, the slots in ``SMEM_BUDGET`` (``_token_lanes.py``)."""
+    chunks, size = lane_chunks(num_experts, num_groups)
+    slot = lane_slot_words(topk, size)
+    cap = TOKEN_GROUP_LANES_MAX_TOKENS if num_groups > 0 else TOKEN_CHUNK_LANES_MAX_TOKENS
+    if num_tokens > cap or 4 * _token_words(1, num_experts, num_groups, has_bias, slot) > SMEM_BUDGET:
+        return 0
+    lay = token_layout(num_tokens, num_experts, num_groups, has_bias, slot, TOKEN_LANES_MIN_BLOCKS)
+    return slot if lay.threads // lay.tb >= chunks else 0
 
 
 def _token_threads(tb: int, num_experts: int) -> int:
@@ -213,7 +233,7 @@ class TokenLayout:
         o_thr  + [2 * tb]      per token: fp32 selection threshold (NaN: read the bits),
                                then int32 tie cutoff (``_token_select.token_selector``)
         o_bias + [E]           fp32 expert bias
-        o_lists + [tb * G * L] fp32 the groups' K + 1 largest, L = ``lists``
+        o_lists + [tb * C * S] the chunk lanes' slots, S = ``lists`` (``_token_lanes.py``)
 
     (Odd row strides: a warp's threads, one per row, hit distinct banks.)
     """
@@ -221,22 +241,18 @@ class TokenLayout:
     __slots__ = ("grid", "threads", "tb", "stride", "o_flag", "o_gs", "o_red", "o_thr", "o_bias",
                  "o_lists", "shared")
 
-    def __init__(self, **kw):
-        for k in self.__slots__:
-            setattr(self, k, kw[k])
-
-    def __repr__(self):
-        return "TokenLayout(" + ", ".join(f"{k}={getattr(self, k)}" for k in self.__slots__) + ")"
+    __init__, __repr__ = _layout_init, _layout_repr
 
 
 def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
-                 has_bias: bool = False, lists: int = 0) -> TokenLayout:
+                 has_bias: bool = False, lists: int = 0, min_blocks: int = 0) -> TokenLayout:
     """Layout of the thread-per-token kernels (``token_path``): as many tokens
     per block (a power of two, at most ``TOKEN_MAX_TOKENS``, at most T) as fit
     ``SMEM_BUDGET``; threads: the tokens, at least ``TOKEN_MIN_THREADS`` (the
     coalesced phases want them) unless the tile has fewer quads, a multiple of
     32.  The bias (``has_bias``) takes E words, the groups' lists (``lists``
-    = K + 1: ``token_group_lanes``) G * (K + 1) a token."""
+    = slot words: ``token_lanes``) C slots a token; fewer tokens (halved) while the grid has
+    fewer than ``min_blocks`` blocks."""
     g = max(0, int(num_groups))
     tb = TOKEN_MAX_TOKENS
     while tb > 1 and 4 * _token_words(tb, num_experts, g, has_bias, lists) > SMEM_BUDGET:
@@ -245,6 +261,8 @@ def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
         raise NotImplementedError(f"E={num_experts}: one token does not fit "
                                   f"{SMEM_BUDGET} bytes of shared memory")
     tb = max(1, min(tb, num_tokens))
+    while tb > 1 and -(-num_tokens // tb) < min_blocks:
+        tb //= 2
     threads = _token_threads(tb, num_experts)
     p = num_experts | 1
     o_flag = tb * p
@@ -255,7 +273,7 @@ def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
     o_lists = o_bias + (num_experts if has_bias else 0)
     return TokenLayout(grid=-(-num_tokens // tb), threads=threads, tb=tb, stride=p, o_flag=o_flag,
                        o_gs=o_gs, o_red=o_red, o_thr=o_thr, o_bias=o_bias, o_lists=o_lists,
-                       shared=4 * (o_lists + tb * g * lists))
+                       shared=4 * (o_lists + tb * (lane_chunks(num_experts, g)[0] if lists else 0) * lists))
 
 
 #: threads per block of the streaming backward kernels

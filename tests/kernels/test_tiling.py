@@ -56,19 +56,24 @@ def test_token_layouts_fit_shared_memory():
 
 
 
-def test_token_group_lanes():
-    """The grouped forward's lanes (``token_group_lanes``): on where W >= G
-    threads a token and the groups' lists fit; DeepSeek-V3 keeps 32 tokens a
-    block; the lists sit after the bias."""
+def test_token_lanes():
+    """The chunk lanes (``token_lanes``: their slot words, or 0): on at small T where W >= C
+    threads a token and the slots fit; at small T the tile shrinks until the grid has
+    ``TOKEN_LANES_MIN_BLOCKS`` blocks; the slots sit after the bias."""
     from gpurouter.kernels import _tiling as L
     from gpurouter.kernels._limits import SMEM_BUDGET
 
-    assert L.token_group_lanes(4096, 256, 8, 8, True)  # DeepSeek-V3: W = 8 = G
-    assert not L.token_group_lanes(L.TOKEN_GROUP_LANES_MAX_TOKENS + 1, 256, 8, 8, True)  # large T: no
+    slot = L.token_lanes(4096, 256, 8, 8, True)  # DeepSeek-V3: W >= 8 = G, groups of 32: K + 2 + 2
+    assert slot == L.lane_slot_words(8, 32) == 12
+    assert not L.token_lanes(L.TOKEN_GROUP_LANES_MAX_TOKENS + 1, 256, 8, 8, True)  # large T: no
     lay = L.token_layout(65536, 256, 8, True, 9)
     assert (lay.tb, lay.threads) == (32, 256) and lay.o_lists == lay.o_bias + 256
     assert lay.shared == 4 * (lay.o_lists + 32 * 8 * 9) <= SMEM_BUDGET
-    assert not L.token_group_lanes(4096, 256, 8, 0, True)  # no groups
-    assert not L.token_group_lanes(4096, 64, 8, 32, False)  # W = 4 < G = 32
-    assert not L.token_group_lanes(4096, 8192, 8, 8, True)  # one token's lists exceed the budget
+    assert L.lane_chunks(384, 0) == (12, 32) and L.token_lanes(4096, 384, 8, 0, True)  # Kimi-K2: 12 chunks
+    assert not L.token_lanes(L.TOKEN_CHUNK_LANES_MAX_TOKENS + 1, 384, 8, 0, True)
+    assert not L.token_lanes(4096, 64, 8, 32, False)  # W = 4 < G = 32
+    assert not L.token_lanes(4096, 8192, 8, 8, True)  # one token's slots exceed the budget
     assert L.token_layout(65536, 256, 8, True).shared < lay.shared  # (lists = 0: none)
+    small = L.token_layout(256, 256, 8, True, slot, L.TOKEN_LANES_MIN_BLOCKS)
+    assert small.grid >= min(256, L.TOKEN_LANES_MIN_BLOCKS) and small.threads // small.tb >= 8
+    assert small.shared <= SMEM_BUDGET
