@@ -104,6 +104,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
     lists, rank, keys_of, masks, finish = lane_selector(topk, group_cap, has_bias,
                                                         score_fn == SOFTMAX and not use_pre_softmax, int(indices))
     hit_t = nb_i64 if int(indices) == 2 else nb_i32
+    list_len = topk + 1  # the token's register list (a plain constant: a local array's size)
     stats, normalise = softmax_rows()
     pre_softmax = score_fn == SOFTMAX and use_pre_softmax
     post_softmax = score_fn == SOFTMAX and not use_pre_softmax
@@ -296,7 +297,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
             rank(smem, bits, tid, nthreads, nt, tile_tokens, stride, num_experts, num_groups, group_topk, o_gs,
                  o_lists)
             cuda.syncthreads()
-            keys = cuda.local.array(topk + 1, nb_f32)
+            keys = cuda.local.array(list_len, nb_f32)
             sel = cuda.local.array(topk, hit_t)  # ``indices``: the hits, ascending, and their scores
             sel[0] = 0
             rv = cuda.local.array(topk, nb_f32)
