@@ -35,6 +35,44 @@ CASES = {  # name: (E, K, G, Kg, sf, bias, pre)
 }
 
 
+def cut_selector(cut: str):
+    """``_token_lanes.lane_selector`` with phases taken out (a timing probe: the
+    outputs are wrong): ``lists`` (only its barrier kept), ``masks``, ``token``
+    (``keys`` and ``finish``: nothing selected), or ``all`` of them."""
+    from gpurouter.kernels import _token_lanes as TL
+
+    @cuda.jit(device=True)
+    def no_lists(smem, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, num_groups, group_topk, o_gs,
+                 o_lists):
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def no_masks(smem, bits, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, num_groups, o_lists, o_thr):
+        pass
+
+    @cuda.jit(device=True)
+    def no_keys(smem, bits, tid, row, num_experts, num_groups, o_bias, o_lists, fword, keys, sel, rv, o_thr):
+        keys[7] = np.float32(np.inf)
+        return np.int32(0), np.float32(1), np.int32(0)
+
+    @cuda.jit(device=True)
+    def no_finish(smem, bits, tid, row, num_experts, num_groups, o_bias, o_lists, keys, need, total, n, sel, rv,
+                  xarr, xb):
+        return np.float32(1), np.float32(0), keys[7], np.int32(0)
+
+    def make(*a):
+        lists, rank, keys_of, masks, finish = TL.lane_selector(*a)
+        if cut in ("lists", "all"):
+            lists = no_lists
+        if cut in ("masks", "all"):
+            masks = no_masks
+        if cut in ("token", "all"):
+            keys_of, finish = no_keys, no_finish
+        return lists, rank, keys_of, masks, finish
+
+    return make
+
+
 def knobs(lanes: bool, min_blocks: int | None):
     for name in ("TOKEN_GROUP_LANES_MAX_TOKENS", "TOKEN_CHUNK_LANES_MAX_TOKENS"):
         if hasattr(_tiling, name):
@@ -57,6 +95,8 @@ def main(argv):
     ap.add_argument("--min-blocks", default="264", help="TOKEN_LANES_MIN_BLOCKS values (the first: --save's)")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--threads", default="", help="TOKEN_LANES_THREADS values to time besides the default")
+    ap.add_argument("--cuts", default="", help="phases to take out (cut_selector), timed at the default knobs")
     ap.add_argument("--save")
     ap.add_argument("--compare")
     args = ap.parse_args(argv)
@@ -100,7 +140,30 @@ def main(argv):
                             for i, o in enumerate(outs):
                                 saved[f"{name}/{t}/{int(idx)}/{i}"] = o
                     else:
-                        row[tag + " same"] = all(np.array_equal(a, b) for a, b in zip(first[idx], outs))
+                        row[tag + " same"] = all(np.array_equal(a, b) for a, b in zip(first[idx], outs, strict=True))
+            for th in [int(v) for v in args.threads.split(",") if v]:
+                default = _tiling.TOKEN_LANES_THREADS
+                _tiling.TOKEN_LANES_THREADS = th
+                knobs(True, mbs[0])
+                plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(2.5), sf, 0)
+                us, outs = run(plan, arrays, args.repeats, spin)
+                row[f"lanes@{mbs[0]} threads {th}"] = round(us, 2)
+                row[f"lanes@{mbs[0]} threads {th} grid"] = f"{plan.steps[0].grid}x{plan.steps[0].block}"
+                outs = [o.view(np.uint8) for o in outs if o.shape != (t, e) or o.dtype != np.float32]
+                row[f"lanes@{mbs[0]} threads {th} same"] = all(
+                    np.array_equal(a, b) for a, b in zip(first[False], outs, strict=True))
+                _tiling.TOKEN_LANES_THREADS = default
+            for cut in [v for v in args.cuts.split(",") if v]:
+                from gpurouter.kernels import token_topk_fwd as R
+                orig = R.lane_selector
+                R.lane_selector = cut_selector(cut)
+                R.token_topk_fwd_kernel.cache_clear()
+                knobs(True, mbs[0])
+                plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(2.5), sf, 0)
+                row[f"cut {cut}"] = round(run(plan, arrays, args.repeats, spin)[0], 2)
+                R.lane_selector = orig
+                R.token_topk_fwd_kernel.cache_clear()
+                T.topk_with_score_function_fwd_plan.cache_clear()
             if ref:
                 row["same as --compare"] = all(
                     np.array_equal(ref[key], saved[key]) for key in saved if key.startswith(f"{name}/{t}/"))

@@ -157,7 +157,7 @@ def _token_words(tb: int, num_experts: int, num_groups: int, has_bias: bool, lis
 #: at 65536: their slots cost resident blocks; docs/benchmarks.md); an ungrouped token's chunk of experts
 #: (a lane each); the blocks a lanes grid takes at least (smaller tiles)
 TOKEN_GROUP_LANES_MAX_TOKENS = TOKEN_CHUNK_LANES_MAX_TOKENS = 8192
-LANE_CHUNK, TOKEN_LANES_MIN_BLOCKS = 32, 264
+LANE_CHUNK, TOKEN_LANES_MIN_BLOCKS, TOKEN_LANES_THREADS = 32, 264, 256
 
 
 def lane_chunks(num_experts: int, num_groups: int):
@@ -183,9 +183,9 @@ def token_lanes(num_tokens: int, num_experts: int, topk: int, num_groups: int, h
     return slot if lay.threads // lay.tb >= chunks else 0
 
 
-def _token_threads(tb: int, num_experts: int) -> int:
+def _token_threads(tb: int, num_experts: int, floor: int) -> int:
     """Threads of a thread-per-token block (see ``token_layout``)."""
-    return -(-max(tb, min(TOKEN_MIN_THREADS, tb * num_experts // 4)) // 32) * 32
+    return -(-max(tb, min(floor, tb * num_experts // 4)) // 32) * 32
 
 
 def token_flag_stride(num_experts: int) -> int:
@@ -263,7 +263,7 @@ def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
     tb = max(1, min(tb, num_tokens))
     while tb > 1 and -(-num_tokens // tb) < min_blocks:
         tb //= 2
-    threads = _token_threads(tb, num_experts)
+    threads = _token_threads(tb, num_experts, TOKEN_LANES_THREADS if lists else TOKEN_MIN_THREADS)
     p = num_experts | 1
     o_flag = tb * p
     o_gs = o_flag + tb * token_flag_stride(num_experts)

@@ -79,6 +79,11 @@ def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices
         return nc, cs, np.int32(list_len + 1 + 2 * ((cs + 31) >> 5))
 
     @cuda.jit(device=True)
+    def wrap(i, n):
+        # i in [0, 2n) -> i mod n
+        return np.int32(i - n) if i >= n else np.int32(i)
+
+    @cuda.jit(device=True)
     def lane_of(tid, nthreads, tile_tokens):
         lanes = np.int32(nthreads // tile_tokens)
         t = np.int32(tid // lanes)
@@ -104,14 +109,31 @@ def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices
                 keys[q] = NEG_INF
             off = np.int32(c - (c // n) * n)
             i = np.int32(0)
+            while i + 4 <= n:  # four experts a step, their loads first (a latency a step, not four)
+                o1 = wrap(off + 1, n)
+                o2 = wrap(o1 + 1, n)
+                o3 = wrap(o2 + 1, n)
+                v0 = nan_as_neg_inf(score_at(smem, row, o_bias, np.int32(lo + off), ONE))
+                v1 = nan_as_neg_inf(score_at(smem, row, o_bias, np.int32(lo + o1), ONE))
+                v2 = nan_as_neg_inf(score_at(smem, row, o_bias, np.int32(lo + o2), ONE))
+                v3 = nan_as_neg_inf(score_at(smem, row, o_bias, np.int32(lo + o3), ONE))
+                if ranked:
+                    push_g(gk, v0)
+                    push_g(gk, v1)
+                    push_g(gk, v2)
+                    push_g(gk, v3)
+                push_k(keys, v0)
+                push_k(keys, v1)
+                push_k(keys, v2)
+                push_k(keys, v3)
+                off = wrap(o3 + 1, n)
+                i = np.int32(i + 4)
             while i < n:
                 v = nan_as_neg_inf(score_at(smem, row, o_bias, np.int32(lo + off), ONE))
                 if ranked:
                     push_g(gk, v)
                 push_k(keys, v)
-                off = np.int32(off + 1)
-                if off == n:
-                    off = np.int32(0)
+                off = wrap(off + 1, n)
                 i = np.int32(i + 1)
             if ranked:
                 per_group = topk // group_topk
@@ -209,14 +231,31 @@ def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices
                     gt = np.uint32(0)
                     eq = np.uint32(0)
                     b = np.int32(c - (c // nb) * nb)
+                    j0 = np.int32(lo + 32 * w)
                     i = np.int32(0)
+                    while i + 4 <= nb:  # four a step, loads first (as ``lists``)
+                        b1 = wrap(b + 1, nb)
+                        b2 = wrap(b1 + 1, nb)
+                        b3 = wrap(b2 + 1, nb)
+                        r0 = score_at(smem, row, o_bias, np.int32(j0 + b), ONE)
+                        r1 = score_at(smem, row, o_bias, np.int32(j0 + b1), ONE)
+                        r2 = score_at(smem, row, o_bias, np.int32(j0 + b2), ONE)
+                        r3 = score_at(smem, row, o_bias, np.int32(j0 + b3), ONE)
+                        gt |= np.uint32(np.uint32(np.uint32(r0 > thr) << np.uint32(b))
+                                        | np.uint32(np.uint32(r1 > thr) << np.uint32(b1))
+                                        | np.uint32(np.uint32(r2 > thr) << np.uint32(b2))
+                                        | np.uint32(np.uint32(r3 > thr) << np.uint32(b3)))
+                        eq |= np.uint32(np.uint32(np.uint32(r0 == thr) << np.uint32(b))
+                                        | np.uint32(np.uint32(r1 == thr) << np.uint32(b1))
+                                        | np.uint32(np.uint32(r2 == thr) << np.uint32(b2))
+                                        | np.uint32(np.uint32(r3 == thr) << np.uint32(b3)))
+                        b = wrap(b3 + 1, nb)
+                        i = np.int32(i + 4)
                     while i < nb:
-                        r = score_at(smem, row, o_bias, np.int32(lo + 32 * w + b), ONE)
+                        r = score_at(smem, row, o_bias, np.int32(j0 + b), ONE)
                         gt |= np.uint32(np.uint32(r > thr) << np.uint32(b))
                         eq |= np.uint32(np.uint32(r == thr) << np.uint32(b))
-                        b = np.int32(b + 1)
-                        if b == nb:
-                            b = np.int32(0)
+                        b = wrap(b + 1, nb)
                         i = np.int32(i + 1)
                     bits[u32(base + list_len + 1 + 2 * w)] = gt
                     bits[u32(base + list_len + 2 + 2 * w)] = eq

@@ -22,7 +22,7 @@ from numba import float32 as nb_f32  # array declarations take numba types
 from numba import int32 as nb_i32
 
 from ._access import flat_io
-from ._device import NEG_INF, ONE, SIGMOID, SOFTMAX, ZERO, activation, exp_f32, fmax_f32, fmin_f32, u32, u64
+from ._device import NEG_INF, ONE, SIGMOID, SOFTMAX, ZERO, activation, exp_f32, fmax_f32, fmin_f32, u32
 from ._vec import quad_f32
 
 STAGE_QUADS = 4  # quads per step of the staging, their loads in flight together
@@ -124,7 +124,7 @@ def token_stager(kind: str, score_fn: int, has_bias: bool):
     16-byte store per quad), the tile; with ``has_bias`` the bias into
     ``smem[o_bias:o_bias+E]``.  Ends with a barrier."""
     load4 = flat_io(kind)[0]
-    store_f32 = quad_f32()[1]
+    load_f32, store_f32 = quad_f32()
 
     @cuda.jit(device=True)
     def put4(x0, x1, x2, x3, w, tile, saved, smem):
@@ -145,11 +145,13 @@ def token_stager(kind: str, score_fn: int, has_bias: bool):
 
     @cuda.jit(device=True)
     def stage(lg, bias, saved, smem, o_bias, wb, nt, eq, stride, tid, nthreads):
-        if has_bias:
-            j = np.int32(tid)
-            while j < 4 * eq:
-                smem[u32(o_bias + j)] = bias[u64(j)]
-                j = np.int32(j + nthreads)
+        # the bias: thread q's quad q loaded before the logits and stored after
+        # them (the two loads in flight together: small tiles have one quad a
+        # thread of each, and a load then a store a quad would cost a memory
+        # latency each)
+        c0 = c1 = c2 = c3 = ZERO
+        if has_bias and tid < eq:
+            c0, c1, c2, c3 = load_f32(bias, np.int32(tid))
         xs = cuda.local.array(STAGE_VALUES, nb_f32)
         ts = cuda.local.array(STAGE_QUADS, nb_i32)
         qs = cuda.local.array(STAGE_QUADS, nb_i32)
@@ -168,6 +170,16 @@ def token_stager(kind: str, score_fn: int, has_bias: bool):
                     put4(xs[4 * i], xs[4 * i + 1], xs[4 * i + 2], xs[4 * i + 3],
                          wb + np.int32(ts[i] * eq + qs[i]), ts[i] * stride + 4 * qs[i], saved, smem)
             t, q = flat_next_i32(ts[STAGE_QUADS - 1], qs[STAGE_QUADS - 1], dt, dq, eq)
+        if has_bias:
+            q = np.int32(tid)
+            while q < eq:
+                if q != tid:
+                    c0, c1, c2, c3 = load_f32(bias, q)
+                smem[u32(o_bias + 4 * q)] = c0
+                smem[u32(o_bias + 4 * q + 1)] = c1
+                smem[u32(o_bias + 4 * q + 2)] = c2
+                smem[u32(o_bias + 4 * q + 3)] = c3
+                q = np.int32(q + nthreads)
         cuda.syncthreads()
 
     return stage
