@@ -37,7 +37,7 @@ CASES = {  # name: (E, K, G, Kg, sf, bias, pre)
 
 def cut_selector(cut: str):
     """``_token_lanes.lane_selector`` with phases taken out (a timing probe: the
-    outputs are wrong): ``lists`` (only its barrier kept), ``masks``, ``token``
+    outputs are wrong): ``lists`` (only its barrier kept), ``merge``, ``masks``, ``token``
     (``keys`` and ``finish``: nothing selected), or ``all`` of them."""
     from gpurouter.kernels import _token_lanes as TL
 
@@ -45,6 +45,10 @@ def cut_selector(cut: str):
     def no_lists(smem, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, num_groups, group_topk, o_gs,
                  o_lists):
         cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def no_merge(smem, bits, tid, nthreads, nt, tile_tokens, num_experts, num_groups, group_topk, o_lists):
+        pass
 
     @cuda.jit(device=True)
     def no_masks(smem, bits, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, num_groups, o_lists, o_thr):
@@ -61,14 +65,16 @@ def cut_selector(cut: str):
         return np.float32(1), np.float32(0), keys[7], np.int32(0)
 
     def make(*a):
-        lists, rank, keys_of, masks, finish = TL.lane_selector(*a)
+        lists, rank, merge, keys_of, masks, finish = TL.lane_selector(*a)
         if cut in ("lists", "all"):
             lists = no_lists
         if cut in ("masks", "all"):
             masks = no_masks
         if cut in ("token", "all"):
             keys_of, finish = no_keys, no_finish
-        return lists, rank, keys_of, masks, finish
+        if cut in ("merge", "all"):
+            merge = no_merge
+        return lists, rank, merge, keys_of, masks, finish
 
     return make
 
@@ -96,6 +102,7 @@ def main(argv):
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--threads", default="", help="TOKEN_LANES_THREADS values to time besides the default")
+    ap.add_argument("--tree", default="", help="TOKEN_LANES_TREE values (0/1) to time besides the default")
     ap.add_argument("--cuts", default="", help="phases to take out (cut_selector), timed at the default knobs")
     ap.add_argument("--save")
     ap.add_argument("--compare")
@@ -141,18 +148,20 @@ def main(argv):
                                 saved[f"{name}/{t}/{int(idx)}/{i}"] = o
                     else:
                         row[tag + " same"] = all(np.array_equal(a, b) for a, b in zip(first[idx], outs, strict=True))
-            for th in [int(v) for v in args.threads.split(",") if v]:
-                default = _tiling.TOKEN_LANES_THREADS
-                _tiling.TOKEN_LANES_THREADS = th
+            sweep = [("TOKEN_LANES_THREADS", int(v)) for v in args.threads.split(",") if v]
+            sweep += [("TOKEN_LANES_TREE", bool(int(v))) for v in args.tree.split(",") if v]
+            for knob, th in sweep:
+                default = getattr(_tiling, knob)
+                setattr(_tiling, knob, th)
                 knobs(True, mbs[0])
                 plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(2.5), sf, 0)
                 us, outs = run(plan, arrays, args.repeats, spin)
-                row[f"lanes@{mbs[0]} threads {th}"] = round(us, 2)
-                row[f"lanes@{mbs[0]} threads {th} grid"] = f"{plan.steps[0].grid}x{plan.steps[0].block}"
+                tag = f"lanes@{mbs[0]} {knob[12:].lower()} {th}"
+                row[tag] = round(us, 2)
+                row[tag + " grid"] = f"{plan.steps[0].grid}x{plan.steps[0].block}"
                 outs = [o.view(np.uint8) for o in outs if o.shape != (t, e) or o.dtype != np.float32]
-                row[f"lanes@{mbs[0]} threads {th} same"] = all(
-                    np.array_equal(a, b) for a, b in zip(first[False], outs, strict=True))
-                _tiling.TOKEN_LANES_THREADS = default
+                row[tag + " same"] = all(np.array_equal(a, b) for a, b in zip(first[False], outs, strict=True))
+                setattr(_tiling, knob, default)
             for cut in [v for v in args.cuts.split(",") if v]:
                 from gpurouter.kernels import token_topk_fwd as R
                 orig = R.lane_selector

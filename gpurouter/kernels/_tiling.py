@@ -157,7 +157,7 @@ def _token_words(tb: int, num_experts: int, num_groups: int, has_bias: bool, lis
 #: at 65536: their slots cost resident blocks; docs/benchmarks.md); an ungrouped token's chunk of experts
 #: (a lane each); the blocks a lanes grid takes at least (smaller tiles)
 TOKEN_GROUP_LANES_MAX_TOKENS = TOKEN_CHUNK_LANES_MAX_TOKENS = 8192
-LANE_CHUNK, TOKEN_LANES_MIN_BLOCKS, TOKEN_LANES_THREADS = 32, 264, 256
+LANE_CHUNK, TOKEN_LANES_MIN_BLOCKS, TOKEN_LANES_THREADS, TOKEN_LANES_TREE = 32, 264, 256, True
 
 
 def lane_chunks(num_experts: int, num_groups: int):
@@ -166,8 +166,8 @@ def lane_chunks(num_experts: int, num_groups: int):
 
 
 def lane_slot_words(topk: int, chunk: int) -> int:
-    """Words of a (token, chunk) slot: K + 1 scores, a flag, two masks per 32 experts."""
-    return topk + 2 + 2 * (-(-chunk // 32))
+    """Words of a (token, chunk) slot: K + 1 scores, a flag, a table entry, two masks per 32 experts."""
+    return topk + 3 + 2 * (-(-chunk // 32))
 
 
 def token_lanes(num_tokens: int, num_experts: int, topk: int, num_groups: int, has_bias: bool) -> int:

@@ -9,7 +9,8 @@ A (token, chunk) slot at ``o_lists + (t * C + c) * S`` words,
 
     [0, K + 1)        fp32 the chunk's K + 1 largest scores (NaN as -inf), descending
     K + 1             uint32 kept flag (grouped: the group's rank < Kg; else 1)
-    K + 2 + 2w, + 1   uint32 masks of the chunk's word w: scores > thr, == thr
+    K + 2             uint32 (slot r) the kept chunk of kept-rank r (``merge``'s table)
+    K + 3 + 2w, + 1   uint32 masks of the chunk's word w: scores > thr, == thr
                       (bit b: the chunk's expert 32 w + b)
 
 Phases, every thread of the block calling each, barriers between:
@@ -18,9 +19,10 @@ Phases, every thread of the block calling each, barriers between:
    in descending order of its top K / Kg, into ``o_gs``; its K + 1 largest.
 2. ``rank``: lane c: the kept flag; a dropped group's tile values -> -inf
    (never selected: the threshold way compares with thr > -inf, the bit
-   way walks kept groups only).
-3. ``keys`` (the token's thread): the kept chunks' lists pushed into one
-   register list: the K + 1 largest kept scores, the values a scan of the
+   way walks kept groups only).  ``merge`` (``tree``): the kept lists
+   merged pairwise by the lanes, log2(kept) levels.
+3. ``keys`` (the token's thread): the merged list, or the kept chunks' lists
+   pushed into one register list: the K + 1 largest kept scores, the values a scan of the
    kept experts keeps (so thr, need and the list sums are the row scan's);
    thr -inf: the bit way right here (``_token_scans``'s ``mark``, ascending).
 4. ``masks``: lane c of a kept chunk of a threshold-way token: its > thr and
@@ -53,11 +55,14 @@ from ._token_scans import token_scans
 
 
 @functools.cache
-def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices: int = 0):
-    """The phases ``(lists, rank, keys, masks, finish)`` of the chunk lanes for
+def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices: int = 0, tree: bool = False):
+    """The phases ``(lists, rank, merge, keys, masks, finish)`` of the chunk lanes for
     ``token_selector(topk, group_cap, has_bias, post, False, indices)``'s
     selection, which they give bit for bit (module docstring).  ``group_cap``
-    > 0: grouped (chunks are the G groups), else chunks of ``LANE_CHUNK``."""
+    > 0: grouped (chunks are the G groups), else chunks of ``LANE_CHUNK``.
+    ``tree``: the kept chunks' lists merged by the lanes, in log2(kept)
+    levels (``merge``), and ``keys`` reads the result; else ``keys`` pushes
+    every kept list (``merge`` then does nothing)."""
     ranked = group_cap > 0
     list_len = topk + 1
     push_k = register_pusher(list_len)
@@ -76,7 +81,7 @@ def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices
         else:
             cs = np.int32(LANE_CHUNK)
             nc = np.int32((num_experts + LANE_CHUNK - 1) // LANE_CHUNK)
-        return nc, cs, np.int32(list_len + 1 + 2 * ((cs + 31) >> 5))
+        return nc, cs, np.int32(list_len + 2 + 2 * ((cs + 31) >> 5))
 
     @cuda.jit(device=True)
     def wrap(i, n):
@@ -154,6 +159,7 @@ def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices
         nc, cs, slot = chunking(num_experts, num_groups)
         if (t < nt) & (c < nc):
             keep = True
+            r = np.int32(0)
             if ranked:
                 gs = np.int32(o_gs + t * (num_groups | 1))
                 v = nan_as_neg_inf(smem[u32(gs + c)])
@@ -164,13 +170,41 @@ def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices
                     r = np.int32(r + np.int32((u > v) | ((u == v) & (h < c))))
                     h = np.int32(h + 1)
                 keep = r < group_topk
-            bits[u32(o_lists + (t * nc + c) * slot + list_len)] = np.uint32(keep)
-            if not keep:
+            o_tok = np.int32(o_lists + t * nc * slot)
+            bits[u32(o_tok + c * slot + list_len)] = np.uint32(keep)
+            if keep:  # the kept chunk of kept-rank r (ungrouped: r = c) is chunk c: ``merge``'s table
+                bits[u32(o_tok + (r if ranked else c) * slot + list_len + 1)] = np.uint32(c)
+            else:
                 j = np.int32(t * stride + c * cs)
                 end = np.int32(j + cs)
                 while j < end:
                     smem[u32(j)] = NEG_INF
                     j = np.int32(j + 1)
+
+    @cuda.jit(device=True)
+    def merge(smem, bits, tid, nthreads, nt, tile_tokens, num_experts, num_groups, group_topk, o_lists):
+        # Phase 2b (``tree``): the kept chunks' lists merged pairwise by kept rank,
+        # level h: rank r (a multiple of 2^(h+1)) pushes rank r + 2^h's list into
+        # its own; a barrier before each level (the top K + 1 of a union is the
+        # same multiset in any pairing).
+        t, c = lane_of(tid, nthreads, tile_tokens)
+        nc, cs, slot = chunking(num_experts, num_groups)
+        nk = np.int32(group_topk) if ranked else nc
+        o_tok = np.int32(o_lists + t * nc * slot)
+        keys = cuda.local.array(list_len, nb_f32)
+        span = np.int32(1)
+        while tree and span < nk:
+            cuda.syncthreads()
+            if (t < nt) & (c + span < nk) & ((c & (2 * span - 1)) == 0):
+                a = np.int32(o_tok + np.int32(bits[u32(o_tok + c * slot + list_len + 1)]) * slot)
+                b = np.int32(o_tok + np.int32(bits[u32(o_tok + (c + span) * slot + list_len + 1)]) * slot)
+                for q in range(list_len):
+                    keys[q] = smem[u32(a + q)]
+                for q in range(list_len):
+                    push_k(keys, smem[u32(b + q)])
+                for q in range(list_len):
+                    smem[u32(a + q)] = keys[q]
+            span = np.int32(2 * span)
 
     @cuda.jit(device=True)
     def keys_of(smem, bits, tid, row, num_experts, num_groups, o_bias, o_lists, fword, keys, sel, rv, o_thr):
@@ -179,15 +213,20 @@ def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices
         # to smem[o_thr].
         nc, cs, slot = chunking(num_experts, num_groups)
         o_tok = np.int32(o_lists + tid * nc * slot)
-        for q in range(list_len):
-            keys[q] = NEG_INF
-        c = np.int32(0)
-        while c < nc:
-            base = np.int32(o_tok + c * slot)
-            if bits[u32(base + list_len)] != 0:
-                for q in range(list_len):
-                    push_k(keys, smem[u32(base + q)])
-            c = np.int32(c + 1)
+        if tree:  # the merged list: the kept chunk of rank 0's
+            base = np.int32(o_tok + np.int32(bits[u32(o_tok + list_len + 1)]) * slot)
+            for q in range(list_len):
+                keys[q] = smem[u32(base + q)]
+        else:
+            for q in range(list_len):
+                keys[q] = NEG_INF
+            c = np.int32(0)
+            while c < nc:
+                base = np.int32(o_tok + c * slot)
+                if bits[u32(base + list_len)] != 0:
+                    for q in range(list_len):
+                        push_k(keys, smem[u32(base + q)])
+                c = np.int32(c + 1)
         thr = keys[topk - 1]
         need = np.int32(topk)
         for q in range(topk):
@@ -257,8 +296,8 @@ def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices
                         eq |= np.uint32(np.uint32(r == thr) << np.uint32(b))
                         b = wrap(b + 1, nb)
                         i = np.int32(i + 1)
-                    bits[u32(base + list_len + 1 + 2 * w)] = gt
-                    bits[u32(base + list_len + 2 + 2 * w)] = eq
+                    bits[u32(base + list_len + 2 + 2 * w)] = gt
+                    bits[u32(base + list_len + 3 + 2 * w)] = eq
                     w = np.int32(w + 1)
 
     @cuda.jit(device=True)
@@ -304,7 +343,7 @@ def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices
                         cn = np.int32(min(cs, num_experts - c * cs))
                         w = np.int32(0)
                         while (32 * w < cn) & (need > 0):
-                            eq = bits[u32(base + list_len + 2 + 2 * w)]
+                            eq = bits[u32(base + list_len + 3 + 2 * w)]
                             while (eq != 0) & (need > 0):
                                 cut = np.int32(c * cs + 32 * w + low_bit(eq))
                                 need = np.int32(need - 1)
@@ -320,8 +359,8 @@ def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices
                         w = np.int32(0)
                         while 32 * w < cn:
                             j0 = np.int32(c * cs + 32 * w)
-                            hm = np.uint32(bits[u32(base + list_len + 1 + 2 * w)]
-                                           | (bits[u32(base + list_len + 2 + 2 * w)] & upto(cut, j0)))
+                            hm = np.uint32(bits[u32(base + list_len + 2 + 2 * w)]
+                                           | (bits[u32(base + list_len + 3 + 2 * w)] & upto(cut, j0)))
                             while hm != 0:
                                 j = np.int32(j0 + low_bit(hm))
                                 if has_bias and norm:
@@ -350,4 +389,4 @@ def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices
                 total = e
         return total, m, thr, cut
 
-    return lists, rank, keys_of, masks, finish
+    return lists, rank, merge, keys_of, masks, finish

@@ -79,7 +79,7 @@ def kernel_jit(max_registers: int):
 @functools.cache
 def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, has_bias: bool, use_pre_softmax: bool,
                     bitmap: bool = False, indices: int = 0, forced: bool = False, asc: bool = False,
-                    max_registers: int = 0, group_lanes: bool = False):
+                    max_registers: int = 0, group_lanes: int = 0):
     """The top-k forward for logits of ``kind``; ``topk`` (K) and ``group_cap`` >=
     K / Kg (0: no groups; a power of two) size the register lists; the score
     function, the bias, ``use_pre_softmax`` (softmax only) and the map format
@@ -95,14 +95,15 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
     ignored on the simulator): a register cap, so that the indices' live
     values do not cost resident blocks.  ``group_lanes`` (not ``forced``;
     ``_tiling.token_lanes``): the chunk lanes select, a lane per group (or
-    chunk of experts) of a token, its thread merging (``_token_lanes.py``)."""
+    chunk of experts) of a token, its thread merging their lists (1) or the
+    lanes merging them in a tree (2) (``_token_lanes.py``)."""
     stage = token_stager(kind, score_fn, has_bias)
     _, store4, zero4 = flat_io(kind)
     store_f32 = quad_f32()[1]
     token_select = token_selector(topk, group_cap, has_bias, score_fn == SOFTMAX and not use_pre_softmax, False,
                                   int(indices), forced, asc)
-    lists, rank, keys_of, masks, finish = lane_selector(topk, group_cap, has_bias,
-                                                        score_fn == SOFTMAX and not use_pre_softmax, int(indices))
+    lists, rank, merge, keys_of, masks, finish = lane_selector(
+        topk, group_cap, has_bias, score_fn == SOFTMAX and not use_pre_softmax, int(indices), int(group_lanes) == 2)
     hit_t = nb_i64 if int(indices) == 2 else nb_i32
     list_len = topk + 1  # the token's register list (a plain constant: a local array's size)
     stats, normalise = softmax_rows()
@@ -296,6 +297,8 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
             cuda.syncthreads()
             rank(smem, bits, tid, nthreads, nt, tile_tokens, stride, num_experts, num_groups, group_topk, o_gs,
                  o_lists)
+            cuda.syncthreads()
+            merge(smem, bits, tid, nthreads, nt, tile_tokens, num_experts, num_groups, group_topk, o_lists)
             cuda.syncthreads()
             keys = cuda.local.array(list_len, nb_f32)
             sel = cuda.local.array(topk, hit_t)  # ``indices``: the hits, ascending, and their scores

@@ -216,7 +216,8 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
             way = TOKEN_INDICES_WAY if num_experts <= 256 and int(topk) <= 8 else 1
             kern = token_topk_fwd_kernel(logits.kind, int(topk), group_cap, int(score_fn), bool(has_bias),
                                          bool(pre_softmax) and score_fn == SOFTMAX, bitmap, way if indices else 0,
-                                         False, False, _register_cap(lay) if indices else 0, slot > 0)
+                                         False, False, _register_cap(lay) if indices else 0,
+                                         (2 if _tiling.TOKEN_LANES_TREE else 1) if slot else 0)
             Kg = int(group_topk) if grouped else -1
         words, quads, flat = array_views(logits.kind, shape)
         step = Step(kern, lay.grid, lay.threads, lay.shared,

@@ -63,8 +63,8 @@ def test_token_lanes():
     from gpurouter.kernels import _tiling as L
     from gpurouter.kernels._limits import SMEM_BUDGET
 
-    slot = L.token_lanes(4096, 256, 8, 8, True)  # DeepSeek-V3: W >= 8 = G, groups of 32: K + 2 + 2
-    assert slot == L.lane_slot_words(8, 32) == 12
+    slot = L.token_lanes(4096, 256, 8, 8, True)  # DeepSeek-V3: W >= 8 = G, groups of 32: K + 3 + 2
+    assert slot == L.lane_slot_words(8, 32) == 13
     assert not L.token_lanes(L.TOKEN_GROUP_LANES_MAX_TOKENS + 1, 256, 8, 8, True)  # large T: no
     lay = L.token_layout(65536, 256, 8, True, 9)
     assert (lay.tb, lay.threads) == (32, 256) and lay.o_lists == lay.o_bias + 256
