@@ -65,7 +65,7 @@ def cut_selector(cut: str):
         return np.float32(1), np.float32(0), keys[7], np.int32(0)
 
     def make(*a):
-        lists, rank, merge, keys_of, masks, finish = TL.lane_selector(*a)
+        lists, rank, merge, keys_of, masks, finish, area = TL.lane_selector(*a)
         if cut in ("lists", "all"):
             lists = no_lists
         if cut in ("masks", "all"):
@@ -74,7 +74,7 @@ def cut_selector(cut: str):
             keys_of, finish = no_keys, no_finish
         if cut in ("merge", "all"):
             merge = no_merge
-        return lists, rank, merge, keys_of, masks, finish
+        return lists, rank, merge, keys_of, masks, finish, area
 
     return make
 

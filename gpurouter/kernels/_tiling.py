@@ -17,9 +17,7 @@ from __future__ import annotations
 
 from ._limits import SMEM_BUDGET
 
-# ----------------------------------------------------------------------------
 # W-lane row kernels
-# ----------------------------------------------------------------------------
 
 #: threads per block of the row forward kernels before shared memory forces fewer
 ROW_THREADS = 128
@@ -78,9 +76,6 @@ class RowLayout:
         o_grp   + [tb * G]         fp32 group scores (grouped only)
         o_keep  + [tb * G]         int32 kept-group flags (grouped only)
         o_flag  (bytes) + [tb*P]   uint8 selection flags
-
-    (The backward kernels stream their rows from global memory and need no
-    tile: ``stream_tiling``.)
     """
 
     __slots__ = ("grid", "threads", "tb", "lanes", "stride", "list_stride", "group_lanes",
@@ -90,14 +85,10 @@ class RowLayout:
 
 
 def _select_words(tb: int, lanes: int, p: int, ls: int, groups: int):
-    threads = tb * lanes
     o_list = tb * p
-    o_idx = o_list + threads * ls
-    o_cnt = o_idx + threads * ls
-    o_grp = o_cnt + threads
-    o_keep = o_grp + tb * groups
-    end = o_keep + tb * groups
-    return o_list, o_idx, o_cnt, o_grp, o_keep, end
+    o_cnt = o_list + 2 * tb * lanes * ls  # (o_idx: o_list + threads * LS)
+    o_grp = o_cnt + tb * lanes
+    return o_list, o_list + tb * lanes * ls, o_cnt, o_grp, o_grp + tb * groups, o_grp + 2 * tb * groups
 
 
 def select_layout(num_tokens: int, num_experts: int, topk: int, num_groups: int = 0,
@@ -154,28 +145,23 @@ def _token_words(tb: int, num_experts: int, num_groups: int, has_bias: bool, lis
 
 
 #: the chunk lanes (``_token_lanes.py``) up to this many tokens, grouped and not (faster at small T, slower
-#: at 65536: their slots cost resident blocks; docs/benchmarks.md); an ungrouped token's chunk of experts
-#: (a lane each); the blocks a lanes grid takes at least (smaller tiles)
+#: at 65536: their slots cost resident blocks); an ungrouped chunk's experts; the lanes' tiles shrink until the
+#: grid has TOKEN_LANES_MIN_BLOCKS blocks, with TOKEN_LANES_THREADS threads at least; a tree merges their lists
 TOKEN_GROUP_LANES_MAX_TOKENS = TOKEN_CHUNK_LANES_MAX_TOKENS = 8192
 LANE_CHUNK, TOKEN_LANES_MIN_BLOCKS, TOKEN_LANES_THREADS, TOKEN_LANES_TREE = 32, 264, 256, True
 
 
-def lane_chunks(num_experts: int, num_groups: int):
-    """``(C, chunk size)``: the G groups, or ungrouped (G <= 0) runs of ``LANE_CHUNK`` experts."""
-    return (num_groups, num_experts // num_groups) if num_groups > 0 else (-(-num_experts // LANE_CHUNK), LANE_CHUNK)
-
-
-def lane_slot_words(topk: int, chunk: int) -> int:
-    """Words of a (token, chunk) slot: K + 1 scores, a flag, a table entry, two masks per 32 experts."""
-    return topk + 3 + 2 * (-(-chunk // 32))
+def lane_chunks(num_experts: int, num_groups: int, topk: int = 0):
+    """``(C, chunk size, slot words S)`` of the chunk lanes: the G groups, or (G <= 0) runs of ``LANE_CHUNK``
+    experts; a slot: K + 1 scores, a flag, a table entry, two masks per 32 experts."""
+    c, size = (num_groups, num_experts // num_groups) if num_groups > 0 else (-(-num_experts // LANE_CHUNK), LANE_CHUNK)
+    return c, size, topk + 3 + 2 * (-(-size // 32))
 
 
 def token_lanes(num_tokens: int, num_experts: int, topk: int, num_groups: int, has_bias: bool) -> int:
-    """The slot words of the chunk lanes where a top-k forward takes them, else 0: T small
-    (``TOKEN_GROUP_LANES_MAX_TOKENS`` grouped, ``TOKEN_CHUNK_LANES_MAX_TOKENS`` not), W >= C threads
-    a token, the slots in ``SMEM_BUDGET`` (``_token_lanes.py``)."""
-    chunks, size = lane_chunks(num_experts, num_groups)
-    slot = lane_slot_words(topk, size)
+    """The slot words of the chunk lanes where a top-k forward takes them (T small, W >= C threads
+    a token, the slots in ``SMEM_BUDGET``), else 0."""
+    chunks, _, slot = lane_chunks(num_experts, num_groups, topk)
     cap = TOKEN_GROUP_LANES_MAX_TOKENS if num_groups > 0 else TOKEN_CHUNK_LANES_MAX_TOKENS
     if num_tokens > cap or 4 * _token_words(1, num_experts, num_groups, has_bias, slot) > SMEM_BUDGET:
         return 0
@@ -235,8 +221,7 @@ class TokenLayout:
         o_bias + [E]           fp32 expert bias
         o_lists + [tb * C * S] the chunk lanes' slots, S = ``lists`` (``_token_lanes.py``)
 
-    (Odd row strides: a warp's threads, one per row, hit distinct banks.)
-    """
+    (Odd row strides: a warp's threads, one per row, hit distinct banks.)"""
 
     __slots__ = ("grid", "threads", "tb", "stride", "o_flag", "o_gs", "o_red", "o_thr", "o_bias",
                  "o_lists", "shared")
@@ -250,9 +235,8 @@ def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
     per block (a power of two, at most ``TOKEN_MAX_TOKENS``, at most T) as fit
     ``SMEM_BUDGET``; threads: the tokens, at least ``TOKEN_MIN_THREADS`` (the
     coalesced phases want them) unless the tile has fewer quads, a multiple of
-    32.  The bias (``has_bias``) takes E words, the groups' lists (``lists``
-    = slot words: ``token_lanes``) C slots a token; fewer tokens (halved) while the grid has
-    fewer than ``min_blocks`` blocks."""
+    32.  The bias (``has_bias``) takes E words, the chunk lanes' slots (``lists`` words:
+    ``token_lanes``) C a token; tokens halved while the grid has < ``min_blocks`` blocks."""
     g = max(0, int(num_groups))
     tb = TOKEN_MAX_TOKENS
     while tb > 1 and 4 * _token_words(tb, num_experts, g, has_bias, lists) > SMEM_BUDGET:
@@ -363,9 +347,7 @@ def fill_tiling(num_rows: int, num_quads: int):
     return max(1, min(FILL_BLOCKS, -(-num_rows // rl))), rl * cl, cl
 
 
-# ----------------------------------------------------------------------------
 # Router z-loss
-# ----------------------------------------------------------------------------
 
 #: the unit kernels: threads per block of the forward's (TB rows x W lanes) and
 #: the units (four experts) a lane loads at once (``tools/z_loss_probe.py --sweep``)

@@ -5,7 +5,7 @@ chunks (its groups; ungrouped, runs of ``_tiling.LANE_CHUNK`` experts), a lane
 merges the chunks' lists and reads the chunks' selection masks.
 
 A (token, chunk) slot at ``o_lists + (t * C + c) * S`` words,
-``S = _tiling.lane_slot_words(K, chunk size)``::
+``S``, ``_tiling.lane_chunks(E, G, K)``::
 
     [0, K + 1)        fp32 the chunk's K + 1 largest scores (NaN as -inf), descending
     K + 1             uint32 kept flag (grouped: the group's rank < Kg; else 1)
@@ -56,9 +56,10 @@ from ._token_scans import token_scans
 
 @functools.cache
 def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices: int = 0, tree: bool = False):
-    """The phases ``(lists, rank, merge, keys, masks, finish)`` of the chunk lanes for
-    ``token_selector(topk, group_cap, has_bias, post, False, indices)``'s
-    selection, which they give bit for bit (module docstring).  ``group_cap``
+    """The phases ``(lists, rank, merge, keys, masks, finish)`` (and ``area``:
+    a token's slot words) of the chunk lanes for ``token_selector(topk,
+    group_cap, has_bias, post, False, indices)``'s selection, which they give
+    bit for bit (module docstring).  ``group_cap``
     > 0: grouped (chunks are the G groups), else chunks of ``LANE_CHUNK``.
     ``tree``: the kept chunks' lists merged by the lanes, in log2(kept)
     levels (``merge``), and ``keys`` reads the result; else ``keys`` pushes
@@ -74,7 +75,7 @@ def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices
 
     @cuda.jit(device=True)
     def chunking(num_experts, num_groups):
-        # (C, chunk size, slot words S): _tiling.lane_chunks, _tiling.lane_slot_words
+        # (C, chunk size, slot words S): _tiling.lane_chunks
         if ranked:
             cs = np.int32(num_experts // num_groups)
             nc = np.int32(num_groups)
@@ -389,4 +390,9 @@ def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices
                 total = e
         return total, m, thr, cut
 
-    return lists, rank, merge, keys_of, masks, finish
+    @cuda.jit(device=True)
+    def area(num_experts, num_groups):
+        nc, cs, slot = chunking(num_experts, num_groups)  # a token's slots: C * S words
+        return np.int32(nc * slot)
+
+    return lists, rank, merge, keys_of, masks, finish, area

@@ -58,6 +58,7 @@ from ._token_lanes import lane_selector
 from ._token_rows import (
     flat_next_i32,
     flat_walk_i32,
+    lane_softmax_stats,
     octet_walk,
     quad_flags,
     quad_nibble,
@@ -102,11 +103,12 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
     store_f32 = quad_f32()[1]
     token_select = token_selector(topk, group_cap, has_bias, score_fn == SOFTMAX and not use_pre_softmax, False,
                                   int(indices), forced, asc)
-    lists, rank, merge, keys_of, masks, finish = lane_selector(
+    lists, rank, merge, keys_of, masks, finish, area = lane_selector(
         topk, group_cap, has_bias, score_fn == SOFTMAX and not use_pre_softmax, int(indices), int(group_lanes) == 2)
     hit_t = nb_i64 if int(indices) == 2 else nb_i32
     list_len = topk + 1  # the token's register list (a plain constant: a local array's size)
-    stats, normalise = softmax_rows()
+    stats, normalise = softmax_rows(bool(group_lanes) and score_fn == SOFTMAX and use_pre_softmax)
+    lane_stats = lane_softmax_stats()
     pre_softmax = score_fn == SOFTMAX and use_pre_softmax
     post_softmax = score_fn == SOFTMAX and not use_pre_softmax
     norm = score_fn != SOFTMAX and topk > 1
@@ -286,9 +288,13 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         # 1. All threads: s (the bias into shared memory), saved.
         stage(logits, bias, saved, smem, o_bias, wb, nt, eq, stride, tid, nthreads)
         if pre_softmax:
-            # softmax over all E first (max and sum by the row's thread), then
-            # all threads normalise in place and write saved.
-            stats(smem, row, valid, num_experts, o_red + tid, o_red + tile_tokens + tid)
+            # softmax over all E first (max and sum by the row's thread, or
+            # its lanes), then all threads normalise in place and write saved.
+            if group_lanes:
+                lane_stats(smem, tid, nthreads, nt, tile_tokens, stride, num_experts, o_lists,
+                           area(num_experts, num_groups), o_red)
+            else:
+                stats(smem, row, valid, num_experts, o_red + tid, o_red + tile_tokens + tid)
             normalise(smem, o_red, tile_tokens, saved, saved, False, wb, nt, eq, stride, tid, nthreads)
 
         if group_lanes:  # 2, the chunk lanes (``_token_lanes.py``): barriers between the phases

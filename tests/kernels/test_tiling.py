@@ -64,12 +64,12 @@ def test_token_lanes():
     from gpurouter.kernels._limits import SMEM_BUDGET
 
     slot = L.token_lanes(4096, 256, 8, 8, True)  # DeepSeek-V3: W >= 8 = G, groups of 32: K + 3 + 2
-    assert slot == L.lane_slot_words(8, 32) == 13
+    assert (8, 32, slot) == L.lane_chunks(256, 8, 8) and slot == 13
     assert not L.token_lanes(L.TOKEN_GROUP_LANES_MAX_TOKENS + 1, 256, 8, 8, True)  # large T: no
     lay = L.token_layout(65536, 256, 8, True, 9)
     assert (lay.tb, lay.threads) == (32, 256) and lay.o_lists == lay.o_bias + 256
     assert lay.shared == 4 * (lay.o_lists + 32 * 8 * 9) <= SMEM_BUDGET
-    assert L.lane_chunks(384, 0) == (12, 32) and L.token_lanes(4096, 384, 8, 0, True)  # Kimi-K2: 12 chunks
+    assert L.lane_chunks(384, 0)[:2] == (12, 32) and L.token_lanes(4096, 384, 8, 0, True)  # Kimi-K2: 12 chunks
     assert not L.token_lanes(L.TOKEN_CHUNK_LANES_MAX_TOKENS + 1, 384, 8, 0, True)
     assert not L.token_lanes(4096, 64, 8, 32, False)  # W = 4 < G = 32
     assert not L.token_lanes(4096, 8192, 8, 8, True)  # one token's slots exceed the budget
