@@ -2,14 +2,14 @@
 chunk lanes (``gpurouter/kernels/_token_lanes.py``) and their tiling (GPU).
 
 For each preset and T: the forward with the lanes off (``_tiling``'s
-``TOKEN_*_LANES_MAX_TOKENS`` set to 0) and on, at each ``--min-blocks``
+``TOKEN_*_LANES_MAX_TOKENS`` set to 0) and on (the defaults), at each ``--min-blocks``
 (``_tiling.TOKEN_LANES_MIN_BLOCKS``, the grid the tile shrinks to reach),
 plain and with ``return_indices``; every variant's outputs are checked bit
 for bit against the first one's (``same``), and ``--save`` writes the
 default variant's outputs (probs, map, indices) to compare across trees
 (``--compare``: another run's file).  The floor: an empty kernel timed the same way.
 
-    python3 tools/lanes_probe.py --tokens 256,1024,4096 --min-blocks 0,132,264,528 --save out.npz
+    python3 tools/lanes_probe.py --tokens 256,1024,4096 --min-blocks 128,264 --tree 0 --save out.npz
 """
 
 from __future__ import annotations
@@ -79,10 +79,15 @@ def cut_selector(cut: str):
     return make
 
 
+DEFAULTS = {k: getattr(_tiling, k) for k in ("TOKEN_GROUP_LANES_MAX_TOKENS", "TOKEN_CHUNK_LANES_MAX_TOKENS",
+                                              "TOKEN_LANES_MIN_BLOCKS") if hasattr(_tiling, k)}
+
+
 def knobs(lanes: bool, min_blocks: int | None):
-    for name in ("TOKEN_GROUP_LANES_MAX_TOKENS", "TOKEN_CHUNK_LANES_MAX_TOKENS"):
-        if hasattr(_tiling, name):
-            setattr(_tiling, name, 8192 if lanes else 0)
+    """The lanes of every kind on (the defaults) or off; ``min_blocks`` where given."""
+    for name, value in DEFAULTS.items():
+        off = (0, 0) if isinstance(value, tuple) else 0
+        setattr(_tiling, name, value if lanes or name == "TOKEN_LANES_MIN_BLOCKS" else off)
     if min_blocks is not None and hasattr(_tiling, "TOKEN_LANES_MIN_BLOCKS"):
         _tiling.TOKEN_LANES_MIN_BLOCKS = min_blocks
     T.topk_with_score_function_fwd_plan.cache_clear()
@@ -98,10 +103,9 @@ def run(plan, arrays, repeats, spin):
 def main(argv):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="256,1024,4096,8192,16384,65536")
-    ap.add_argument("--min-blocks", default="264", help="TOKEN_LANES_MIN_BLOCKS values (the first: --save's)")
+    ap.add_argument("--min-blocks", default="128", help="TOKEN_LANES_MIN_BLOCKS values (the first: --save's)")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--threads", default="", help="TOKEN_LANES_THREADS values to time besides the default")
     ap.add_argument("--tree", default="", help="TOKEN_LANES_TREE values (0/1) to time besides the default")
     ap.add_argument("--cuts", default="", help="phases to take out (cut_selector), timed at the default knobs")
     ap.add_argument("--save")
@@ -148,8 +152,7 @@ def main(argv):
                                 saved[f"{name}/{t}/{int(idx)}/{i}"] = o
                     else:
                         row[tag + " same"] = all(np.array_equal(a, b) for a, b in zip(first[idx], outs, strict=True))
-            sweep = [("TOKEN_LANES_THREADS", int(v)) for v in args.threads.split(",") if v]
-            sweep += [("TOKEN_LANES_TREE", bool(int(v))) for v in args.tree.split(",") if v]
+            sweep = [("TOKEN_LANES_TREE", bool(int(v))) for v in args.tree.split(",") if v]
             for knob, th in sweep:
                 default = getattr(_tiling, knob)
                 setattr(_tiling, knob, th)

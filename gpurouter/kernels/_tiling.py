@@ -144,11 +144,10 @@ def _token_words(tb: int, num_experts: int, num_groups: int, has_bias: bool, lis
             + (num_experts if has_bias else 0))
 
 
-#: the chunk lanes (``_token_lanes.py``) up to this many tokens, grouped and not (faster at small T, slower
-#: at 65536: their slots cost resident blocks); an ungrouped chunk's experts; the lanes' tiles shrink until the
-#: grid has TOKEN_LANES_MIN_BLOCKS blocks, with TOKEN_LANES_THREADS threads at least; a tree merges their lists
-TOKEN_GROUP_LANES_MAX_TOKENS = TOKEN_CHUNK_LANES_MAX_TOKENS = 8192
-LANE_CHUNK, TOKEN_LANES_MIN_BLOCKS, TOKEN_LANES_THREADS, TOKEN_LANES_TREE = 32, 264, 256, True
+#: T at most of the grouped lanes (``_token_select.token_group_lists``) and of the chunk lanes (ungrouped,
+#: grouped; ``_token_lanes.py``: an ungrouped chunk's experts, the blocks their tiles shrink to, their tree)
+TOKEN_GROUP_LANES_MAX_TOKENS, TOKEN_CHUNK_LANES_MAX_TOKENS = 8192, (4096, 1024)
+LANE_CHUNK, TOKEN_LANES_MIN_BLOCKS, TOKEN_LANES_TREE = 32, 128, True
 
 
 def lane_chunks(num_experts: int, num_groups: int, topk: int = 0):
@@ -158,20 +157,23 @@ def lane_chunks(num_experts: int, num_groups: int, topk: int = 0):
     return c, size, topk + 3 + 2 * (-(-size // 32))
 
 
-def token_lanes(num_tokens: int, num_experts: int, topk: int, num_groups: int, has_bias: bool) -> int:
-    """The slot words of the chunk lanes where a top-k forward takes them (T small, W >= C threads
-    a token, the slots in ``SMEM_BUDGET``), else 0."""
+def token_lanes(num_tokens: int, num_experts: int, topk: int, num_groups: int, has_bias: bool):
+    """``(mode, slot words)`` of a top-k forward: 2 the chunk lanes, 1 the grouped lanes (G > 0), 0
+    neither; each up to its T and where W >= C threads a token and the slots fit ``SMEM_BUDGET``."""
+    g = num_groups > 0
     chunks, _, slot = lane_chunks(num_experts, num_groups, topk)
-    cap = TOKEN_GROUP_LANES_MAX_TOKENS if num_groups > 0 else TOKEN_CHUNK_LANES_MAX_TOKENS
-    if num_tokens > cap or 4 * _token_words(1, num_experts, num_groups, has_bias, slot) > SMEM_BUDGET:
-        return 0
-    lay = token_layout(num_tokens, num_experts, num_groups, has_bias, slot, TOKEN_LANES_MIN_BLOCKS)
-    return slot if lay.threads // lay.tb >= chunks else 0
+    for mode, cap, c, s, blocks in ((2, TOKEN_CHUNK_LANES_MAX_TOKENS[g], chunks, slot, TOKEN_LANES_MIN_BLOCKS),
+                                    (1, TOKEN_GROUP_LANES_MAX_TOKENS if g else -1, num_groups, topk + 1, 0)):
+        if num_tokens <= cap and 4 * _token_words(1, num_experts, num_groups, has_bias, s) <= SMEM_BUDGET:
+            lay = token_layout(num_tokens, num_experts, num_groups, has_bias, s, blocks)
+            if lay.threads // lay.tb >= c:
+                return mode, s
+    return 0, 0
 
 
-def _token_threads(tb: int, num_experts: int, floor: int) -> int:
+def _token_threads(tb: int, num_experts: int) -> int:
     """Threads of a thread-per-token block (see ``token_layout``)."""
-    return -(-max(tb, min(floor, tb * num_experts // 4)) // 32) * 32
+    return -(-max(tb, min(TOKEN_MIN_THREADS, tb * num_experts // 4)) // 32) * 32
 
 
 def token_flag_stride(num_experts: int) -> int:
@@ -231,12 +233,11 @@ class TokenLayout:
 
 def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
                  has_bias: bool = False, lists: int = 0, min_blocks: int = 0) -> TokenLayout:
-    """Layout of the thread-per-token kernels (``token_path``): as many tokens
-    per block (a power of two, at most ``TOKEN_MAX_TOKENS``, at most T) as fit
-    ``SMEM_BUDGET``; threads: the tokens, at least ``TOKEN_MIN_THREADS`` (the
-    coalesced phases want them) unless the tile has fewer quads, a multiple of
-    32.  The bias (``has_bias``) takes E words, the chunk lanes' slots (``lists`` words:
-    ``token_lanes``) C a token; tokens halved while the grid has < ``min_blocks`` blocks."""
+    """Layout of the thread-per-token kernels (``token_path``): as many tokens per block (a power of two,
+    at most ``TOKEN_MAX_TOKENS``, at most T) as fit ``SMEM_BUDGET``; threads: the tokens, at least
+    ``TOKEN_MIN_THREADS`` (the coalesced phases want them) unless the tile has fewer quads, a multiple of
+    32.  The bias (``has_bias``) takes E words, the lanes' slots (``lists`` words: ``token_lanes``) C a
+    token; tokens halved while the grid has < ``min_blocks`` blocks."""
     g = max(0, int(num_groups))
     tb = TOKEN_MAX_TOKENS
     while tb > 1 and 4 * _token_words(tb, num_experts, g, has_bias, lists) > SMEM_BUDGET:
@@ -247,7 +248,7 @@ def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
     tb = max(1, min(tb, num_tokens))
     while tb > 1 and -(-num_tokens // tb) < min_blocks:
         tb //= 2
-    threads = _token_threads(tb, num_experts, TOKEN_LANES_THREADS if lists else TOKEN_MIN_THREADS)
+    threads = _token_threads(tb, num_experts)
     p = num_experts | 1
     o_flag = tb * p
     o_gs = o_flag + tb * token_flag_stride(num_experts)

@@ -22,7 +22,7 @@ from numba import float32 as nb_f32  # array declarations take numba types
 from numba import int32 as nb_i32
 
 from ._access import flat_io
-from ._device import NEG_INF, ONE, SIGMOID, SOFTMAX, ZERO, activation, exp_f32, fmax_f32, fmin_f32, u32
+from ._device import NEG_INF, ONE, SIGMOID, SOFTMAX, ZERO, activation, exp_f32, fmax_f32, fmin_f32, u32, u64
 from ._vec import quad_f32
 
 STAGE_QUADS = 4  # quads per step of the staging, their loads in flight together
@@ -117,12 +117,15 @@ def quad_nibble(r0, r1, r2, r3, q, thr, cut, bits, fword):
 
 
 @functools.cache
-def token_stager(kind: str, score_fn: int, has_bias: bool):
+def token_stager(kind: str, score_fn: int, has_bias: bool, bias_first: bool = False):
     """Device function staging the forward tile, ``STAGE_QUADS`` quads per step, their
     loads in flight together: the score function, ``saved`` (sigmoid: ``a``;
     sqrtsoftplus: the raw ``x``, TE's convention; softmax: nothing yet; one
     16-byte store per quad), the tile; with ``has_bias`` the bias into
-    ``smem[o_bias:o_bias+E]``.  Ends with a barrier."""
+    ``smem[o_bias:o_bias+E]`` (``bias_first``, the chunk lanes' small tiles: thread
+    q's bias quad loaded before the logits and stored after them, the two
+    loads in flight together; else a word a thread at a time, first).  Ends
+    with a barrier."""
     load4 = flat_io(kind)[0]
     load_f32, store_f32 = quad_f32()
 
@@ -144,14 +147,7 @@ def token_stager(kind: str, score_fn: int, has_bias: bool):
         smem[u32(tile + 3)] = s3
 
     @cuda.jit(device=True)
-    def stage(lg, bias, saved, smem, o_bias, wb, nt, eq, stride, tid, nthreads):
-        # the bias: thread q's quad q loaded before the logits and stored after
-        # them (the two loads in flight together: small tiles have one quad a
-        # thread of each, and a load then a store a quad would cost a memory
-        # latency each)
-        c0 = c1 = c2 = c3 = ZERO
-        if has_bias and tid < eq:
-            c0, c1, c2, c3 = load_f32(bias, np.int32(tid))
+    def walk(lg, saved, smem, wb, nt, eq, stride, tid, nthreads):
         xs = cuda.local.array(STAGE_VALUES, nb_f32)
         ts = cuda.local.array(STAGE_QUADS, nb_i32)
         qs = cuda.local.array(STAGE_QUADS, nb_i32)
@@ -170,6 +166,23 @@ def token_stager(kind: str, score_fn: int, has_bias: bool):
                     put4(xs[4 * i], xs[4 * i + 1], xs[4 * i + 2], xs[4 * i + 3],
                          wb + np.int32(ts[i] * eq + qs[i]), ts[i] * stride + 4 * qs[i], saved, smem)
             t, q = flat_next_i32(ts[STAGE_QUADS - 1], qs[STAGE_QUADS - 1], dt, dq, eq)
+
+    @cuda.jit(device=True)
+    def stage(lg, bias, saved, smem, o_bias, wb, nt, eq, stride, tid, nthreads):
+        if has_bias:
+            j = np.int32(tid)
+            while j < 4 * eq:
+                smem[u32(o_bias + j)] = bias[u64(j)]
+                j = np.int32(j + nthreads)
+        walk(lg, saved, smem, wb, nt, eq, stride, tid, nthreads)
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def stage_bias_first(lg, bias, saved, smem, o_bias, wb, nt, eq, stride, tid, nthreads):
+        c0 = c1 = c2 = c3 = ZERO
+        if has_bias and tid < eq:
+            c0, c1, c2, c3 = load_f32(bias, np.int32(tid))
+        walk(lg, saved, smem, wb, nt, eq, stride, tid, nthreads)
         if has_bias:
             q = np.int32(tid)
             while q < eq:
@@ -182,7 +195,7 @@ def token_stager(kind: str, score_fn: int, has_bias: bool):
                 q = np.int32(q + nthreads)
         cuda.syncthreads()
 
-    return stage
+    return stage_bias_first if bias_first else stage
 
 
 @functools.cache

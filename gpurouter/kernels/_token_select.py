@@ -58,8 +58,8 @@ def group_summer(group_cap: int):
 
 @functools.cache
 def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled: bool = False,
-              indices: int = 0, forced: bool = False, asc: bool = False):
-    """Device function ``select(smem, row, E, G, Kg, o_gs, o_bias, bits, fword, xarr, xb) -> (total,
+              indices: int = 0, forced: bool = False, asc: bool = False, group_lanes: bool = False):
+    """Device function ``select(smem, row, E, G, Kg, o_gs, o_bias, bits, fword, xarr, xb, o_lists) -> (total,
     m, thr, cut)``:
     one thread's (group-limited) top-K (``topk``, a compile-time constant)
     of its tile row ``smem[row:row+E]`` plus, with ``has_bias``, the bias at
@@ -79,8 +79,11 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
     1. Grouped (``group_cap > 0``): group ``g``'s score is the sum, in descending
        order, of its top ``K / Kg`` values (NaN as -inf), kept at
        ``smem[o_gs + g]``; a group is kept when fewer than Kg groups rank
-       before it (larger score, NaN as -inf, then lower group).  (At small T
-       the chunk lanes, ``_token_lanes.py``, select instead, bit for bit.)
+       before it (larger score, NaN as -inf, then lower group).  With
+       ``group_lanes`` the block's lanes wrote the scores and each group's
+       K + 1 largest (at ``o_lists``) before: ``token_group_lists``; step 2
+       then pushes the kept groups' lists, the same K + 1 values a scan of
+       their experts would keep.
     2. The K + 1 largest scores of the kept experts (all E ungrouped): a
        register list, no indices.  ``thr``, the K-th largest, is the
        threshold; ``need`` of the K places go to experts scoring exactly
@@ -184,12 +187,13 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
 
     @cuda.jit(device=True)
     def keep_groups(smem, row, o_bias, o_gs, ngroups, gsize, group_topk):
-        # Step 1: the group scores into smem[o_gs + g], then each group's
-        # rank; returns the kept groups as bits (bit g: group g).
+        # Step 1: the group scores into smem[o_gs + g] (unless the lanes wrote
+        # them), then each group's rank; returns the kept groups as bits (bit
+        # g: group g).
         per_group = topk // group_topk
         gk = cuda.local.array(glist, nb_f32)
         g = np.int32(0)
-        while g < ngroups:
+        while g < ngroups and not group_lanes:
             for q in range(group_cap):
                 gk[q] = NEG_INF
             j = np.int32(g * gsize)
@@ -220,7 +224,7 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
         return kept
 
     @cuda.jit(device=True)
-    def list_keys(smem, row, o_bias, num_experts, keys, kept, ngroups, gsize):
+    def list_keys(smem, row, o_bias, num_experts, keys, kept, ngroups, gsize, o_lists):
         # Step 2: the K + 1 largest scores of the kept experts into ``keys``;
         # returns ``(scale, rowsum)`` (``scaled``: 1 / (sum + eps) and the sum).
         scale = ONE
@@ -241,7 +245,11 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
             g = np.int32(0)
             while g < ngroups:
                 if (kept >> g) & 1:
-                    scan(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize), keys, ONE)
+                    if group_lanes:
+                        for q in range(list_len):
+                            push_k(keys, smem[u32(o_lists + g * list_len + q)])
+                    else:
+                        scan(smem, row, o_bias, np.int32(g * gsize), np.int32((g + 1) * gsize), keys, ONE)
                 g = np.int32(g + 1)
         return scale, rowsum
 
@@ -292,7 +300,7 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
         return total, n
 
     @cuda.jit(device=True)
-    def token_select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword, xarr, xb):
+    def token_select(smem, row, num_experts, num_groups, group_topk, o_gs, o_bias, bits, fword, xarr, xb, o_lists):
         if forced:
             return replay(smem, row, num_experts, bits, fword, xarr, xb)
         sel = cuda.local.array(topk, hit_t)  # ``indices``: the hits, ascending, and their scores
@@ -311,7 +319,7 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
             kept = keep_groups(smem, row, o_bias, o_gs, ngroups, gsize, group_topk)
         else:
             kept = 1
-        scale, rowsum = list_keys(smem, row, o_bias, num_experts, keys, kept, ngroups, gsize)
+        scale, rowsum = list_keys(smem, row, o_bias, num_experts, keys, kept, ngroups, gsize, o_lists)
         thr = keys[topk - 1]
         need = np.int32(topk)
         for q in range(topk):
@@ -338,3 +346,54 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
         return total, m, thr, cut
 
     return token_select
+
+
+@functools.cache
+def token_group_lists(topk: int, group_cap: int, has_bias: bool):
+    """Device function ``lists(smem, tid, nthreads, nt, tile_tokens, stride, o_bias, E, G, Kg,
+    o_gs, o_lists)``, run by every thread of a grouped block before the selection
+    (``token_selector(..., group_lanes=True)``): W = ``nthreads // tile_tokens``
+    >= G threads a token (``tid // W``), lane ``g < G`` scanning group ``g`` once
+    for its score (as ``keep_groups``) into ``smem[o_gs + t * (G | 1) + g]`` and
+    its K + 1 largest into ``smem[o_lists + (t * G + g) * (K + 1):]``, from
+    expert ``g mod gsize`` on, wrapping (a token's lanes: distinct banks)."""
+    list_len = topk + 1
+    push_k = register_pusher(list_len)
+    glist = max(1, group_cap)
+    push_g = register_pusher(glist)
+    score_at = token_scans(topk, has_bias, False, 0)[0]
+    group_sum = group_summer(group_cap)
+
+    @cuda.jit(device=True)
+    def lists(smem, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, num_groups, group_topk, o_gs,
+              o_lists):
+        lanes = np.int32(nthreads // tile_tokens)
+        t = np.int32(tid // lanes)
+        g = np.int32(tid - t * lanes)
+        cuda.syncthreads()  # the staged tile and bias
+        if (t < nt) & (g < num_groups):
+            gsize = np.int32(num_experts // num_groups)
+            row = np.int32(t * stride)
+            gk = cuda.local.array(glist, nb_f32)
+            keys = cuda.local.array(list_len, nb_f32)
+            for q in range(glist):
+                gk[q] = NEG_INF
+            for q in range(list_len):
+                keys[q] = NEG_INF
+            lo = np.int32(g * gsize)
+            start = np.int32(g - (g // gsize) * gsize)  # g mod the group size
+            i = np.int32(0)
+            while i < gsize:
+                off = np.int32(i + start)
+                if off >= gsize:
+                    off = np.int32(off - gsize)
+                v = nan_as_neg_inf(score_at(smem, row, o_bias, np.int32(lo + off), ONE))
+                push_g(gk, v)
+                push_k(keys, v)
+                i = np.int32(i + 1)
+            smem[u32(o_gs + t * (num_groups | 1) + g)] = group_sum(gk, topk // group_topk)
+            base = np.int32(o_lists + (t * num_groups + g) * list_len)
+            for q in range(list_len):
+                smem[u32(base + q)] = keys[q]
+
+    return lists

@@ -112,7 +112,7 @@ def token_aux_scores_fwd_kernel(kind: str, topk: int, score_fn: int, bitmap: boo
             normalise(smem, o_red, tile_tokens, scores, saved, True, wb, nt, eq, stride, tid, nthreads)
         if valid:
             total, _, thr, cut = token_select(smem, row, num_experts, 1, 0, 0, 0, bits, o_flag + tid * fstride,
-                                              xarr, (t0 + tid) * topk)
+                                              xarr, (t0 + tid) * topk, 0)
             if not softmax:
                 smem[u32(o_red + tile_tokens + tid)] = np.float32(ONE / np.float32(total + EPS))
             smem[u32(o_thr + tid)] = thr

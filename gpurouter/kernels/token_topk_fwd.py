@@ -65,7 +65,7 @@ from ._token_rows import (
     softmax_rows,
     token_stager,
 )
-from ._token_select import token_selector
+from ._token_select import token_group_lists, token_selector
 from ._vec import pair_u64, quad_f32
 
 
@@ -98,16 +98,20 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
     ``_tiling.token_lanes``): the chunk lanes select, a lane per group (or
     chunk of experts) of a token, its thread merging their lists (1) or the
     lanes merging them in a tree (2) (``_token_lanes.py``)."""
-    stage = token_stager(kind, score_fn, has_bias)
+    stage = token_stager(kind, score_fn, has_bias, int(group_lanes) >= 2)
     _, store4, zero4 = flat_io(kind)
     store_f32 = quad_f32()[1]
+    lanes = int(group_lanes)  # 1: the grouped lanes; 2, 3: the chunk lanes (3: with their tree)
+    chunk_lanes = lanes >= 2
     token_select = token_selector(topk, group_cap, has_bias, score_fn == SOFTMAX and not use_pre_softmax, False,
-                                  int(indices), forced, asc)
+                                  int(indices), forced, asc, lanes == 1)
+    group_lists = token_group_lists(topk, group_cap, has_bias)
+    list_words = topk + 1  # a group's list (the grouped lanes)
     lists, rank, merge, keys_of, masks, finish, area = lane_selector(
-        topk, group_cap, has_bias, score_fn == SOFTMAX and not use_pre_softmax, int(indices), int(group_lanes) == 2)
+        topk, group_cap, has_bias, score_fn == SOFTMAX and not use_pre_softmax, int(indices), lanes == 3)
     hit_t = nb_i64 if int(indices) == 2 else nb_i32
     list_len = topk + 1  # the token's register list (a plain constant: a local array's size)
-    stats, normalise = softmax_rows(bool(group_lanes) and score_fn == SOFTMAX and use_pre_softmax)
+    stats, normalise = softmax_rows(chunk_lanes and score_fn == SOFTMAX and use_pre_softmax)
     lane_stats = lane_softmax_stats()
     pre_softmax = score_fn == SOFTMAX and use_pre_softmax
     post_softmax = score_fn == SOFTMAX and not use_pre_softmax
@@ -290,14 +294,14 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         if pre_softmax:
             # softmax over all E first (max and sum by the row's thread, or
             # its lanes), then all threads normalise in place and write saved.
-            if group_lanes:
+            if chunk_lanes:
                 lane_stats(smem, tid, nthreads, nt, tile_tokens, stride, num_experts, o_lists,
                            area(num_experts, num_groups), o_red)
             else:
                 stats(smem, row, valid, num_experts, o_red + tid, o_red + tile_tokens + tid)
             normalise(smem, o_red, tile_tokens, saved, saved, False, wb, nt, eq, stride, tid, nthreads)
 
-        if group_lanes:  # 2, the chunk lanes (``_token_lanes.py``): barriers between the phases
+        if chunk_lanes:  # 2, the chunk lanes (``_token_lanes.py``): barriers between the phases
             lists(smem, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, num_groups, group_topk, o_gs,
                   o_lists)
             cuda.syncthreads()
@@ -324,15 +328,21 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
                 total, m, thr, cut = finish(smem, bits, tid, row, num_experts, num_groups, o_bias, o_lists, keys,
                                             need, total, n, sel, rv, xarr, (t0 + tid) * topk)
                 put_stats(smem, bits, tid, tile_tokens, o_red, o_thr, total, m, thr, cut)
-        elif valid:
+        else:
+            if lanes == 1:  # 2a. the grouped lanes: G lanes a token, its groups' scores and lists
+                group_lists(smem, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, num_groups,
+                            group_topk, o_gs, o_lists)
+                cuda.syncthreads()
             # 2. Thread per token: selection, then the weights' statistics:
             # post-softmax the max and sum exp(s - max) of the selected scores,
             # normalised the sum of the selected scores + eps.  (Selection reads
             # s + bias; the weights, s itself.)
-            total, m, thr, cut = token_select(smem, row, num_experts, num_groups, group_topk,
-                                              o_gs + tid * (num_groups | 1), o_bias, bits, o_flag + tid * fstride,
-                                              xarr, (t0 + tid) * topk)
-            put_stats(smem, bits, tid, tile_tokens, o_red, o_thr, total, m, thr, cut)
+            if valid:
+                total, m, thr, cut = token_select(smem, row, num_experts, num_groups, group_topk,
+                                                  o_gs + tid * (num_groups | 1), o_bias, bits,
+                                                  o_flag + tid * fstride, xarr, (t0 + tid) * topk,
+                                                  o_lists + tid * num_groups * list_words)
+                put_stats(smem, bits, tid, tile_tokens, o_red, o_thr, total, m, thr, cut)
         # Barrier: phase 3 reads every token's tile row, bits and statistics.
         cuda.syncthreads()
 
