@@ -5,7 +5,7 @@ their figures live in docs/benchmarks.md).
 - W-lane row forwards (``lane_topk_fwd.py``, ``lane_aux_scores_fwd.py``):
   ``row_lanes``, ``row_stride``, ``select_layout`` -> ``RowLayout``;
 - thread-per-token forwards (``token_*_fwd.py``): ``token_path``,
-  ``token_group_lanes``, ``token_layout`` -> ``TokenLayout``;
+  ``token_lanes``, ``token_layout`` -> ``TokenLayout``;
 - backwards: ``stream_tiling`` (``stream_bwd.py``), ``quad_tiling``, ``quad_hold`` (``quad_bwd.py``);
 - aux loss (``aux_loss.py``): ``column_tiling``, ``fill_tiling``;
 - router z-loss: ``z_loss_tiling`` (``z_loss.py``), ``z_loss_vec_tiling`` (``z_loss_vec.py``).
@@ -17,9 +17,7 @@ from __future__ import annotations
 
 from ._limits import SMEM_BUDGET
 
-# ----------------------------------------------------------------------------
 # W-lane row kernels
-# ----------------------------------------------------------------------------
 
 #: threads per block of the row forward kernels before shared memory forces fewer
 ROW_THREADS = 128
@@ -53,6 +51,15 @@ def row_stride(num_experts: int, lanes: int = 1) -> int:
     return (m | 1) * lanes
 
 
+def _layout_init(self, **kw):
+    for k in self.__slots__:
+        setattr(self, k, kw.get(k, -1))
+
+
+def _layout_repr(self):
+    return type(self).__name__ + "(" + ", ".join(f"{k}={getattr(self, k)}" for k in self.__slots__) + ")"
+
+
 class RowLayout:
     """Launch shape and dynamic shared-memory layout of one row kernel.
 
@@ -69,31 +76,19 @@ class RowLayout:
         o_grp   + [tb * G]         fp32 group scores (grouped only)
         o_keep  + [tb * G]         int32 kept-group flags (grouped only)
         o_flag  (bytes) + [tb*P]   uint8 selection flags
-
-    (The backward kernels stream their rows from global memory and need no
-    tile: ``stream_tiling``.)
     """
 
     __slots__ = ("grid", "threads", "tb", "lanes", "stride", "list_stride", "group_lanes",
                  "o_list", "o_idx", "o_cnt", "o_grp", "o_keep", "o_flag", "shared")
 
-    def __init__(self, **kw):
-        for k in self.__slots__:
-            setattr(self, k, kw.get(k, -1))
-
-    def __repr__(self):
-        return "RowLayout(" + ", ".join(f"{k}={getattr(self, k)}" for k in self.__slots__) + ")"
+    __init__, __repr__ = _layout_init, _layout_repr
 
 
 def _select_words(tb: int, lanes: int, p: int, ls: int, groups: int):
-    threads = tb * lanes
     o_list = tb * p
-    o_idx = o_list + threads * ls
-    o_cnt = o_idx + threads * ls
-    o_grp = o_cnt + threads
-    o_keep = o_grp + tb * groups
-    end = o_keep + tb * groups
-    return o_list, o_idx, o_cnt, o_grp, o_keep, end
+    o_cnt = o_list + 2 * tb * lanes * ls  # (o_idx: o_list + threads * LS)
+    o_grp = o_cnt + tb * lanes
+    return o_list, o_list + tb * lanes * ls, o_cnt, o_grp, o_grp + tb * groups, o_grp + 2 * tb * groups
 
 
 def select_layout(num_tokens: int, num_experts: int, topk: int, num_groups: int = 0,
@@ -144,23 +139,36 @@ def pow2_at_least(n: int) -> int:
 def _token_words(tb: int, num_experts: int, num_groups: int, has_bias: bool, lists: int = 0) -> int:
     """Shared-memory words of a thread-per-token block (see ``TokenLayout``)."""
     g = (num_groups | 1) if num_groups > 0 else 0
-    return (tb * ((num_experts | 1) + token_flag_stride(num_experts) + g + 4 + lists * max(0, num_groups))
+    chunks = lane_chunks(num_experts, num_groups)[0] if lists else 0
+    return (tb * ((num_experts | 1) + token_flag_stride(num_experts) + g + 4 + lists * chunks)
             + (num_experts if has_bias else 0))
 
 
-#: the grouped lanes up to this many tokens: faster at small T, slower at 65536, where their lists
-#: cost resident blocks (docs/benchmarks.md, "Grouped forward lanes at small T")
-TOKEN_GROUP_LANES_MAX_TOKENS = 8192
+#: T at most of the grouped lanes (``_token_select.token_group_lists``) and of the chunk lanes (ungrouped,
+#: grouped; ``_token_lanes.py``: an ungrouped chunk's experts, the blocks their tiles shrink to, their tree)
+TOKEN_GROUP_LANES_MAX_TOKENS, TOKEN_CHUNK_LANES_MAX_TOKENS = 8192, (4096, 1024)
+LANE_CHUNK, TOKEN_LANES_MIN_BLOCKS, TOKEN_LANES_TREE = 32, 128, True
 
 
-def token_group_lanes(num_tokens: int, num_experts: int, topk: int, num_groups: int, has_bias: bool) -> bool:
-    """True when a grouped top-k forward's lanes list each group first: W >= G threads a token,
-    the lists in ``SMEM_BUDGET``, T small (``_token_select.token_group_lists``)."""
-    if (num_groups <= 0 or num_tokens > TOKEN_GROUP_LANES_MAX_TOKENS
-            or 4 * _token_words(1, num_experts, num_groups, has_bias, topk + 1) > SMEM_BUDGET):
-        return False
-    lay = token_layout(num_tokens, num_experts, num_groups, has_bias, topk + 1)
-    return lay.threads // lay.tb >= num_groups
+def lane_chunks(num_experts: int, num_groups: int, topk: int = 0):
+    """``(C, chunk size, slot words S)`` of the chunk lanes: the G groups, or (G <= 0) runs of ``LANE_CHUNK``
+    experts; a slot: K + 1 scores, a flag, a table entry, two masks per 32 experts."""
+    c, size = (num_groups, num_experts // num_groups) if num_groups > 0 else (-(-num_experts // LANE_CHUNK), LANE_CHUNK)
+    return c, size, topk + 3 + 2 * (-(-size // 32))
+
+
+def token_lanes(num_tokens: int, num_experts: int, topk: int, num_groups: int, has_bias: bool):
+    """``(mode, slot words)`` of a top-k forward: 2 the chunk lanes, 1 the grouped lanes (G > 0), 0
+    neither; each up to its T and where W >= C threads a token and the slots fit ``SMEM_BUDGET``."""
+    g = num_groups > 0
+    chunks, _, slot = lane_chunks(num_experts, num_groups, topk)
+    for mode, cap, c, s, blocks in ((2, TOKEN_CHUNK_LANES_MAX_TOKENS[g], chunks, slot, TOKEN_LANES_MIN_BLOCKS),
+                                    (1, TOKEN_GROUP_LANES_MAX_TOKENS if g else -1, num_groups, topk + 1, 0)):
+        if num_tokens <= cap and 4 * _token_words(1, num_experts, num_groups, has_bias, s) <= SMEM_BUDGET:
+            lay = token_layout(num_tokens, num_experts, num_groups, has_bias, s, blocks)
+            if lay.threads // lay.tb >= c:
+                return mode, s
+    return 0, 0
 
 
 def _token_threads(tb: int, num_experts: int) -> int:
@@ -213,30 +221,23 @@ class TokenLayout:
         o_thr  + [2 * tb]      per token: fp32 selection threshold (NaN: read the bits),
                                then int32 tie cutoff (``_token_select.token_selector``)
         o_bias + [E]           fp32 expert bias
-        o_lists + [tb * G * L] fp32 the groups' K + 1 largest, L = ``lists``
+        o_lists + [tb * C * S] the chunk lanes' slots, S = ``lists`` (``_token_lanes.py``)
 
-    (Odd row strides: a warp's threads, one per row, hit distinct banks.)
-    """
+    (Odd row strides: a warp's threads, one per row, hit distinct banks.)"""
 
     __slots__ = ("grid", "threads", "tb", "stride", "o_flag", "o_gs", "o_red", "o_thr", "o_bias",
                  "o_lists", "shared")
 
-    def __init__(self, **kw):
-        for k in self.__slots__:
-            setattr(self, k, kw[k])
-
-    def __repr__(self):
-        return "TokenLayout(" + ", ".join(f"{k}={getattr(self, k)}" for k in self.__slots__) + ")"
+    __init__, __repr__ = _layout_init, _layout_repr
 
 
 def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
-                 has_bias: bool = False, lists: int = 0) -> TokenLayout:
-    """Layout of the thread-per-token kernels (``token_path``): as many tokens
-    per block (a power of two, at most ``TOKEN_MAX_TOKENS``, at most T) as fit
-    ``SMEM_BUDGET``; threads: the tokens, at least ``TOKEN_MIN_THREADS`` (the
-    coalesced phases want them) unless the tile has fewer quads, a multiple of
-    32.  The bias (``has_bias``) takes E words, the groups' lists (``lists``
-    = K + 1: ``token_group_lanes``) G * (K + 1) a token."""
+                 has_bias: bool = False, lists: int = 0, min_blocks: int = 0) -> TokenLayout:
+    """Layout of the thread-per-token kernels (``token_path``): as many tokens per block (a power of two,
+    at most ``TOKEN_MAX_TOKENS``, at most T) as fit ``SMEM_BUDGET``; threads: the tokens, at least
+    ``TOKEN_MIN_THREADS`` (the coalesced phases want them) unless the tile has fewer quads, a multiple of
+    32.  The bias (``has_bias``) takes E words, the lanes' slots (``lists`` words: ``token_lanes``) C a
+    token; tokens halved while the grid has < ``min_blocks`` blocks."""
     g = max(0, int(num_groups))
     tb = TOKEN_MAX_TOKENS
     while tb > 1 and 4 * _token_words(tb, num_experts, g, has_bias, lists) > SMEM_BUDGET:
@@ -245,6 +246,8 @@ def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
         raise NotImplementedError(f"E={num_experts}: one token does not fit "
                                   f"{SMEM_BUDGET} bytes of shared memory")
     tb = max(1, min(tb, num_tokens))
+    while tb > 1 and -(-num_tokens // tb) < min_blocks:
+        tb //= 2
     threads = _token_threads(tb, num_experts)
     p = num_experts | 1
     o_flag = tb * p
@@ -255,7 +258,7 @@ def token_layout(num_tokens: int, num_experts: int, num_groups: int = 0,
     o_lists = o_bias + (num_experts if has_bias else 0)
     return TokenLayout(grid=-(-num_tokens // tb), threads=threads, tb=tb, stride=p, o_flag=o_flag,
                        o_gs=o_gs, o_red=o_red, o_thr=o_thr, o_bias=o_bias, o_lists=o_lists,
-                       shared=4 * (o_lists + tb * g * lists))
+                       shared=4 * (o_lists + tb * (lane_chunks(num_experts, g)[0] if lists else 0) * lists))
 
 
 #: threads per block of the streaming backward kernels
@@ -345,9 +348,7 @@ def fill_tiling(num_rows: int, num_quads: int):
     return max(1, min(FILL_BLOCKS, -(-num_rows // rl))), rl * cl, cl
 
 
-# ----------------------------------------------------------------------------
 # Router z-loss
-# ----------------------------------------------------------------------------
 
 #: the unit kernels: threads per block of the forward's (TB rows x W lanes) and
 #: the units (four experts) a lane loads at once (``tools/z_loss_probe.py --sweep``)

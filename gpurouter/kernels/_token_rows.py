@@ -117,14 +117,17 @@ def quad_nibble(r0, r1, r2, r3, q, thr, cut, bits, fword):
 
 
 @functools.cache
-def token_stager(kind: str, score_fn: int, has_bias: bool):
+def token_stager(kind: str, score_fn: int, has_bias: bool, bias_first: bool = False):
     """Device function staging the forward tile, ``STAGE_QUADS`` quads per step, their
     loads in flight together: the score function, ``saved`` (sigmoid: ``a``;
     sqrtsoftplus: the raw ``x``, TE's convention; softmax: nothing yet; one
     16-byte store per quad), the tile; with ``has_bias`` the bias into
-    ``smem[o_bias:o_bias+E]``.  Ends with a barrier."""
+    ``smem[o_bias:o_bias+E]`` (``bias_first``, the chunk lanes' small tiles: thread
+    q's bias quad loaded before the logits and stored after them, the two
+    loads in flight together; else a word a thread at a time, first).  Ends
+    with a barrier."""
     load4 = flat_io(kind)[0]
-    store_f32 = quad_f32()[1]
+    load_f32, store_f32 = quad_f32()
 
     @cuda.jit(device=True)
     def put4(x0, x1, x2, x3, w, tile, saved, smem):
@@ -144,12 +147,7 @@ def token_stager(kind: str, score_fn: int, has_bias: bool):
         smem[u32(tile + 3)] = s3
 
     @cuda.jit(device=True)
-    def stage(lg, bias, saved, smem, o_bias, wb, nt, eq, stride, tid, nthreads):
-        if has_bias:
-            j = np.int32(tid)
-            while j < 4 * eq:
-                smem[u32(o_bias + j)] = bias[u64(j)]
-                j = np.int32(j + nthreads)
+    def walk(lg, saved, smem, wb, nt, eq, stride, tid, nthreads):
         xs = cuda.local.array(STAGE_VALUES, nb_f32)
         ts = cuda.local.array(STAGE_QUADS, nb_i32)
         qs = cuda.local.array(STAGE_QUADS, nb_i32)
@@ -168,14 +166,42 @@ def token_stager(kind: str, score_fn: int, has_bias: bool):
                     put4(xs[4 * i], xs[4 * i + 1], xs[4 * i + 2], xs[4 * i + 3],
                          wb + np.int32(ts[i] * eq + qs[i]), ts[i] * stride + 4 * qs[i], saved, smem)
             t, q = flat_next_i32(ts[STAGE_QUADS - 1], qs[STAGE_QUADS - 1], dt, dq, eq)
+
+    @cuda.jit(device=True)
+    def stage(lg, bias, saved, smem, o_bias, wb, nt, eq, stride, tid, nthreads):
+        if has_bias:
+            j = np.int32(tid)
+            while j < 4 * eq:
+                smem[u32(o_bias + j)] = bias[u64(j)]
+                j = np.int32(j + nthreads)
+        walk(lg, saved, smem, wb, nt, eq, stride, tid, nthreads)
         cuda.syncthreads()
 
-    return stage
+    @cuda.jit(device=True)
+    def stage_bias_first(lg, bias, saved, smem, o_bias, wb, nt, eq, stride, tid, nthreads):
+        c0 = c1 = c2 = c3 = ZERO
+        if has_bias and tid < eq:
+            c0, c1, c2, c3 = load_f32(bias, np.int32(tid))
+        walk(lg, saved, smem, wb, nt, eq, stride, tid, nthreads)
+        if has_bias:
+            q = np.int32(tid)
+            while q < eq:
+                if q != tid:
+                    c0, c1, c2, c3 = load_f32(bias, q)
+                smem[u32(o_bias + 4 * q)] = c0
+                smem[u32(o_bias + 4 * q + 1)] = c1
+                smem[u32(o_bias + 4 * q + 2)] = c2
+                smem[u32(o_bias + 4 * q + 3)] = c3
+                q = np.int32(q + nthreads)
+        cuda.syncthreads()
+
+    return stage_bias_first if bias_first else stage
 
 
 @functools.cache
-def softmax_rows():
-    """Device functions of the softmax rows: ``stats(smem, row, valid, E, o_m,
+def softmax_rows(from_exp: bool = False):
+    """Device functions of the softmax rows (``from_exp``: ``normalise`` finds
+    ``exp(x - max)`` in the tile, ``lane_softmax_stats`` put it there): ``stats(smem, row, valid, E, o_m,
     o_s)``, by a row's thread: the max (NaN ignored) then ``sum exp(x -
     max)``, stored (``valid`` rows) at ``smem[o_m]`` and, as ``1 / sum``, at
     ``smem[o_s]``; and ``normalise(smem, o_red, tb, out1, out2, write2, wb,
@@ -219,6 +245,8 @@ def softmax_rows():
 
     @cuda.jit(device=True)
     def one(v, m, inv):
+        if from_exp:  # v is exp_f32(x - m) already: the same bits
+            return np.float32(v * inv)
         return np.float32(exp_f32(v - m) * inv)
 
     @cuda.jit(device=True)
@@ -244,3 +272,78 @@ def softmax_rows():
         cuda.syncthreads()
 
     return stats, normalise
+
+
+@functools.cache
+def lane_softmax_stats():
+    """Device function ``stats(smem, tid, nthreads, nt, tb, stride, E, o_scr, area, o_red)``:
+    ``softmax_rows``' ``stats`` by a token's W = ``nthreads // tb`` lanes (all
+    threads call it; three barriers), the same bits: lane l takes the runs
+    of 32 experts l, l + W, ...: their maxima (NaN ignored) into the token's
+    scratch ``smem[o_scr + t * area:]``; then every lane the row max (the
+    same value in any order) and its runs' ``exp(x - max)`` in place in the
+    tile (``softmax_rows(True)``'s ``normalise`` reads them); then lane 0
+    the sum in ``stats``' order (even and odd experts, two accumulators),
+    the max at ``smem[o_red + t]``, ``1 / sum`` at ``smem[o_red + tb + t]``."""
+
+    @cuda.jit(device=True)
+    def stats(smem, tid, nthreads, nt, tb, stride, num_experts, o_scr, area, o_red):
+        lanes = np.int32(nthreads // tb)
+        t = np.int32(tid // lanes)
+        lane = np.int32(tid - t * lanes)
+        runs = np.int32((num_experts + 31) >> 5)
+        row = np.int32(t * stride)
+        scr = np.int32(o_scr + t * area)
+        live = t < nt
+        if live:
+            k = lane
+            while k < runs:
+                m = NEG_INF
+                j = np.int32(row + 32 * k)
+                end = np.int32(row + min(32 * k + 32, num_experts))
+                while j < end:
+                    v = smem[u32(j)]
+                    if v > m:
+                        m = v
+                    j = np.int32(j + 1)
+                smem[u32(scr + k)] = m
+                k = np.int32(k + lanes)
+        cuda.syncthreads()
+        if live:
+            m = NEG_INF
+            k = np.int32(0)
+            while k < runs:
+                v = smem[u32(scr + k)]
+                if v > m:
+                    m = v
+                k = np.int32(k + 1)
+            k = lane
+            while k < runs:
+                j = np.int32(row + 32 * k)
+                end = np.int32(row + min(32 * k + 32, num_experts))
+                while j < end:
+                    smem[u32(j)] = exp_f32(smem[u32(j)] - m)
+                    j = np.int32(j + 1)
+                k = np.int32(k + lanes)
+            if lane == 0:
+                smem[u32(o_red + t)] = m
+        cuda.syncthreads()
+        if live and lane == 0:
+            total = ZERO
+            total2 = ZERO
+            j = np.int32(row)
+            end = np.int32(row + num_experts)
+            while j < end:  # E % 4 == 0: two pairs a step, their loads first
+                e0 = smem[u32(j)]
+                e1 = smem[u32(j + 1)]
+                e2 = smem[u32(j + 2)]
+                e3 = smem[u32(j + 3)]
+                total += e0
+                total2 += e1
+                total += e2
+                total2 += e3
+                j = np.int32(j + 4)
+            smem[u32(o_red + tb + t)] = np.float32(ONE / np.float32(total + total2))
+        cuda.syncthreads()
+
+    return stats

@@ -47,14 +47,18 @@ import functools
 import numpy as np
 from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
+from numba import int32 as nb_i32
+from numba import int64 as nb_i64
 from numba import uint32 as nb_u32
 
 from ._access import bf16_quad, flat_io
 from ._device import B0, B1, B2, B3, EPS, N0, N1, N2, N3, NEG_INF, ONE, SOFTMAX, ZERO, exp_f32, u32, u64
 from ._launch import BF16, simulator_enabled
+from ._token_lanes import lane_selector
 from ._token_rows import (
     flat_next_i32,
     flat_walk_i32,
+    lane_softmax_stats,
     octet_walk,
     quad_flags,
     quad_nibble,
@@ -76,7 +80,7 @@ def kernel_jit(max_registers: int):
 @functools.cache
 def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, has_bias: bool, use_pre_softmax: bool,
                     bitmap: bool = False, indices: int = 0, forced: bool = False, asc: bool = False,
-                    max_registers: int = 0, group_lanes: bool = False):
+                    max_registers: int = 0, group_lanes: int = 0):
     """The top-k forward for logits of ``kind``; ``topk`` (K) and ``group_cap`` >=
     K / Kg (0: no groups; a power of two) size the register lists; the score
     function, the bias, ``use_pre_softmax`` (softmax only) and the map format
@@ -90,17 +94,25 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
     sum runs in ascending expert order: ``token_selector``).  Without them
     ``xarr`` is never read.  ``max_registers`` (0: the compiler's choice;
     ignored on the simulator): a register cap, so that the indices' live
-    values do not cost resident blocks.  ``group_lanes`` (grouped, not
-    ``forced``; ``_tiling.token_group_lanes``): the block's threads list
-    each token's groups first (``_token_select.token_group_lists``)."""
-    stage = token_stager(kind, score_fn, has_bias)
+    values do not cost resident blocks.  ``group_lanes`` (not ``forced``;
+    ``_tiling.token_lanes``): the chunk lanes select, a lane per group (or
+    chunk of experts) of a token, its thread merging their lists (1) or the
+    lanes merging them in a tree (2) (``_token_lanes.py``)."""
+    stage = token_stager(kind, score_fn, has_bias, int(group_lanes) >= 2)
     _, store4, zero4 = flat_io(kind)
     store_f32 = quad_f32()[1]
+    lanes = int(group_lanes)  # 1: the grouped lanes; 2, 3: the chunk lanes (3: with their tree)
+    chunk_lanes = lanes >= 2
     token_select = token_selector(topk, group_cap, has_bias, score_fn == SOFTMAX and not use_pre_softmax, False,
-                                  int(indices), forced, asc, group_lanes)
+                                  int(indices), forced, asc, lanes == 1)
     group_lists = token_group_lists(topk, group_cap, has_bias)
-    list_words = topk + 1  # a group's list
-    stats, normalise = softmax_rows()
+    list_words = topk + 1  # a group's list (the grouped lanes)
+    lists, rank, merge, keys_of, masks, finish, area = lane_selector(
+        topk, group_cap, has_bias, score_fn == SOFTMAX and not use_pre_softmax, int(indices), lanes == 3)
+    hit_t = nb_i64 if int(indices) == 2 else nb_i32
+    list_len = topk + 1  # the token's register list (a plain constant: a local array's size)
+    stats, normalise = softmax_rows(chunk_lanes and score_fn == SOFTMAX and use_pre_softmax)
+    lane_stats = lane_softmax_stats()
     pre_softmax = score_fn == SOFTMAX and use_pre_softmax
     post_softmax = score_fn == SOFTMAX and not use_pre_softmax
     norm = score_fn != SOFTMAX and topk > 1
@@ -233,6 +245,16 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         routing_map[u64(mi)] = np.uint8(n0 | np.uint32(n1 << np.uint32(4)))
         probs_octet(probs, w, mi, paired, two, n0, a0, a1, a2, a3, n1, b0, b1, b2, b3, scale)
 
+    @cuda.jit(device=True)
+    def put_stats(smem, bits, tid, tile_tokens, o_red, o_thr, total, m, thr, cut):
+        """The token's weights' statistics and selection rule, for phase 3."""
+        if norm:
+            total = np.float32(total + EPS)
+        smem[u32(o_red + tid)] = np.float32(ONE / total)  # phase 3 multiplies
+        smem[u32(o_red + tile_tokens + tid)] = m
+        smem[u32(o_thr + tid)] = thr
+        bits[u32(o_thr + tile_tokens + tid)] = np.uint32(cut)
+
     @kernel_jit(max_registers)
     def token_topk_fwd(
         logits,  # [T, E] kind, flat (bf16: [T*E/4] uint64)
@@ -270,30 +292,57 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         # 1. All threads: s (the bias into shared memory), saved.
         stage(logits, bias, saved, smem, o_bias, wb, nt, eq, stride, tid, nthreads)
         if pre_softmax:
-            # softmax over all E first (max and sum by the row's thread), then
-            # all threads normalise in place and write saved.
-            stats(smem, row, valid, num_experts, o_red + tid, o_red + tile_tokens + tid)
+            # softmax over all E first (max and sum by the row's thread, or
+            # its lanes), then all threads normalise in place and write saved.
+            if chunk_lanes:
+                lane_stats(smem, tid, nthreads, nt, tile_tokens, stride, num_experts, o_lists,
+                           area(num_experts, num_groups), o_red)
+            else:
+                stats(smem, row, valid, num_experts, o_red + tid, o_red + tile_tokens + tid)
             normalise(smem, o_red, tile_tokens, saved, saved, False, wb, nt, eq, stride, tid, nthreads)
 
-        if group_lanes:  # 2a. G lanes a token: its groups' scores and lists
-            group_lists(smem, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, num_groups, group_topk,
-                        o_gs, o_lists)
+        if chunk_lanes:  # 2, the chunk lanes (``_token_lanes.py``): barriers between the phases
+            lists(smem, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, num_groups, group_topk, o_gs,
+                  o_lists)
             cuda.syncthreads()
-
-        # 2. Thread per token: selection, then the weights' statistics:
-        # post-softmax the max and sum exp(s - max) of the selected scores,
-        # normalised the sum of the selected scores + eps.  (Selection reads
-        # s + bias; the weights, s itself.)
-        if valid:
-            total, m, thr, cut = token_select(smem, row, num_experts, num_groups, group_topk,
-                                              o_gs + tid * (num_groups | 1), o_bias, bits, o_flag + tid * fstride,
-                                              xarr, (t0 + tid) * topk, o_lists + tid * num_groups * list_words)
-            if norm:
-                total = np.float32(total + EPS)
-            smem[u32(o_red + tid)] = np.float32(ONE / total)  # phase 3 multiplies
-            smem[u32(o_red + tile_tokens + tid)] = m
-            smem[u32(o_thr + tid)] = thr
-            bits[u32(o_thr + tile_tokens + tid)] = np.uint32(cut)
+            rank(smem, bits, tid, nthreads, nt, tile_tokens, stride, num_experts, num_groups, group_topk, o_gs,
+                 o_lists)
+            cuda.syncthreads()
+            merge(smem, bits, tid, nthreads, nt, tile_tokens, num_experts, num_groups, group_topk, o_lists)
+            cuda.syncthreads()
+            keys = cuda.local.array(list_len, nb_f32)
+            sel = cuda.local.array(topk, hit_t)  # ``indices``: the hits, ascending, and their scores
+            sel[0] = 0
+            rv = cuda.local.array(topk, nb_f32)
+            need = np.int32(0)
+            total = ZERO
+            n = np.int32(0)
+            if valid:
+                need, total, n = keys_of(smem, bits, tid, row, num_experts, num_groups, o_bias, o_lists,
+                                         o_flag + tid * fstride, keys, sel, rv, o_thr + tid)
+            cuda.syncthreads()
+            masks(smem, bits, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, num_groups, o_lists,
+                  o_thr)
+            cuda.syncthreads()
+            if valid:
+                total, m, thr, cut = finish(smem, bits, tid, row, num_experts, num_groups, o_bias, o_lists, keys,
+                                            need, total, n, sel, rv, xarr, (t0 + tid) * topk)
+                put_stats(smem, bits, tid, tile_tokens, o_red, o_thr, total, m, thr, cut)
+        else:
+            if lanes == 1:  # 2a. the grouped lanes: G lanes a token, its groups' scores and lists
+                group_lists(smem, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, num_groups,
+                            group_topk, o_gs, o_lists)
+                cuda.syncthreads()
+            # 2. Thread per token: selection, then the weights' statistics:
+            # post-softmax the max and sum exp(s - max) of the selected scores,
+            # normalised the sum of the selected scores + eps.  (Selection reads
+            # s + bias; the weights, s itself.)
+            if valid:
+                total, m, thr, cut = token_select(smem, row, num_experts, num_groups, group_topk,
+                                                  o_gs + tid * (num_groups | 1), o_bias, bits,
+                                                  o_flag + tid * fstride, xarr, (t0 + tid) * topk,
+                                                  o_lists + tid * num_groups * list_words)
+                put_stats(smem, bits, tid, tile_tokens, o_red, o_thr, total, m, thr, cut)
         # Barrier: phase 3 reads every token's tile row, bits and statistics.
         cuda.syncthreads()
 

@@ -210,13 +210,15 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
             G, Kg = 1, -1
         else:
             group_cap = _tiling.pow2_at_least(int(topk) // int(group_topk)) if grouped else 0
-            lanes = grouped and _tiling.token_group_lanes(num_tokens, num_experts, int(topk), G, bool(has_bias))
-            lay = _tiling.token_layout(num_tokens, num_experts, G if grouped else 0, bool(has_bias),
-                                       int(topk) + 1 if lanes else 0)
+            mode, slot = _tiling.token_lanes(num_tokens, num_experts, int(topk), G if grouped else 0,
+                                             bool(has_bias))
+            lay = _tiling.token_layout(num_tokens, num_experts, G if grouped else 0, bool(has_bias), slot,
+                                       _tiling.TOKEN_LANES_MIN_BLOCKS if mode == 2 else 0)
             way = TOKEN_INDICES_WAY if num_experts <= 256 and int(topk) <= 8 else 1
             kern = token_topk_fwd_kernel(logits.kind, int(topk), group_cap, int(score_fn), bool(has_bias),
                                          bool(pre_softmax) and score_fn == SOFTMAX, bitmap, way if indices else 0,
-                                         False, False, _register_cap(lay) if indices else 0, lanes)
+                                         False, False, _register_cap(lay) if indices else 0,
+                                         mode + (mode == 2 and _tiling.TOKEN_LANES_TREE))
             Kg = int(group_topk) if grouped else -1
         words, quads, flat = array_views(logits.kind, shape)
         step = Step(kern, lay.grid, lay.threads, lay.shared,

@@ -56,19 +56,26 @@ def test_token_layouts_fit_shared_memory():
 
 
 
-def test_token_group_lanes():
-    """The grouped forward's lanes (``token_group_lanes``): on where W >= G
-    threads a token and the groups' lists fit; DeepSeek-V3 keeps 32 tokens a
-    block; the lists sit after the bias."""
+def test_token_lanes():
+    """The lanes of the grouped top-k forward (``token_lanes``: mode and slot words): the chunk lanes
+    (2) up to their T, then the grouped lanes (1, W >= G and the lists fit) up to theirs, else none;
+    ungrouped shapes only the chunk lanes; the chunk lanes' tiles shrink until the grid has
+    ``TOKEN_LANES_MIN_BLOCKS`` blocks; the slots sit after the bias."""
     from gpurouter.kernels import _tiling as L
     from gpurouter.kernels._limits import SMEM_BUDGET
 
-    assert L.token_group_lanes(4096, 256, 8, 8, True)  # DeepSeek-V3: W = 8 = G
-    assert not L.token_group_lanes(L.TOKEN_GROUP_LANES_MAX_TOKENS + 1, 256, 8, 8, True)  # large T: no
+    small, mid = L.TOKEN_CHUNK_LANES_MAX_TOKENS
+    assert L.token_lanes(mid, 256, 8, 8, True) == (2, 13)  # DeepSeek-V3: groups of 32, K + 3 + 2 words
+    assert L.lane_chunks(256, 8, 8) == (8, 32, 13)
+    assert L.token_lanes(mid + 1, 256, 8, 8, True) == (1, 9)  # the grouped lanes: K + 1 words a group
+    assert L.token_lanes(L.TOKEN_GROUP_LANES_MAX_TOKENS + 1, 256, 8, 8, True) == (0, 0)  # large T: no
     lay = L.token_layout(65536, 256, 8, True, 9)
     assert (lay.tb, lay.threads) == (32, 256) and lay.o_lists == lay.o_bias + 256
     assert lay.shared == 4 * (lay.o_lists + 32 * 8 * 9) <= SMEM_BUDGET
-    assert not L.token_group_lanes(4096, 256, 8, 0, True)  # no groups
-    assert not L.token_group_lanes(4096, 64, 8, 32, False)  # W = 4 < G = 32
-    assert not L.token_group_lanes(4096, 8192, 8, 8, True)  # one token's lists exceed the budget
+    assert L.lane_chunks(384, 0)[:2] == (12, 32) and L.token_lanes(small, 384, 8, 0, True)[0] == 2  # Kimi-K2
+    assert L.token_lanes(small + 1, 384, 8, 0, True) == (0, 0)
+    assert L.token_lanes(mid, 64, 8, 32, False) == (0, 0)  # W = 4 < G = 32
+    assert L.token_lanes(4096, 8192, 8, 8, True) == (0, 0)  # one token's slots exceed the budget
     assert L.token_layout(65536, 256, 8, True).shared < lay.shared  # (lists = 0: none)
+    tiny = L.token_layout(256, 256, 8, True, 13, L.TOKEN_LANES_MIN_BLOCKS)
+    assert tiny.grid >= L.TOKEN_LANES_MIN_BLOCKS and tiny.threads // tiny.tb >= 8 and tiny.shared <= SMEM_BUDGET
