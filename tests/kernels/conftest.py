@@ -39,13 +39,16 @@ def tiling(monkeypatch):
 def token_tiling(monkeypatch):
     """``token_tiling(tokens, threads=32)`` caps the thread-per-token kernels'
     tokens per block (and their minimum threads) for the test: small caps give
-    several blocks and a partial last tile on tiny inputs."""
+    several blocks and a partial last tile on tiny inputs. The chunk lanes'
+    tiles keep that size (``TOKEN_LANES_MIN_BLOCKS`` off: on tiny inputs it
+    would shrink them to one token a block, the tile the test means to avoid)."""
     pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
     from gpurouter.kernels import _tiling
 
     def force(tokens, threads=32):
         monkeypatch.setattr(_tiling, "TOKEN_MAX_TOKENS", tokens)
         monkeypatch.setattr(_tiling, "TOKEN_MIN_THREADS", threads)
+        monkeypatch.setattr(_tiling, "TOKEN_LANES_MIN_BLOCKS", 0)
         _clear_row_plans()
 
     yield force
