@@ -20,12 +20,13 @@ import sys
 
 import ml_dtypes
 import numpy as np
-from _timing import median_us, ptr, spin_kernel
+from _timing import median_us, spin_kernel
 from numba import cuda
+from path_probe import time_plan  # tools/path_probe.py (the script's own folder)
 
 from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _pointer, _tiling
+from gpurouter.kernels import _tiling
 from gpurouter.kernels import topk as T
 
 CASES = {  # name: (E, K, G, Kg, sf, bias, pre)
@@ -93,13 +94,6 @@ def knobs(lanes: bool, min_blocks: int | None):
     T.topk_with_score_function_fwd_plan.cache_clear()
 
 
-def run(plan, arrays, repeats, spin):
-    outs = [cuda.device_array(s.shape, dtype=s.dtype) for s in plan.outs]
-    launch = _pointer.PointerLaunch(plan, 0)
-    us = median_us(launch, [[ptr(a) for a in arrays] + [ptr(o) for o in outs]], repeats, spin)
-    return us, [o.copy_to_host() for o in outs]
-
-
 def main(argv):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="256,1024,4096,8192,16384,65536")
@@ -141,7 +135,7 @@ def main(argv):
                                                                0, idx)
                     st = plan.steps[0]
                     tag = (f"lanes@{mb}" if lanes else "off") + (" +idx" if idx else "")
-                    us, outs = run(plan, arrays, args.repeats, spin)
+                    us, outs = time_plan(plan, arrays, args.repeats, spin)
                     row[tag] = round(us, 2)
                     row[tag + " grid"] = f"{st.grid}x{st.block}"
                     outs = [o.view(np.uint8) for o in outs if o.shape != (t, e) or o.dtype != np.float32]
@@ -158,7 +152,7 @@ def main(argv):
                 setattr(_tiling, knob, th)
                 knobs(True, mbs[0])
                 plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(2.5), sf, 0)
-                us, outs = run(plan, arrays, args.repeats, spin)
+                us, outs = time_plan(plan, arrays, args.repeats, spin)
                 tag = f"lanes@{mbs[0]} {knob[12:].lower()} {th}"
                 row[tag] = round(us, 2)
                 row[tag + " grid"] = f"{plan.steps[0].grid}x{plan.steps[0].block}"
@@ -172,7 +166,7 @@ def main(argv):
                 R.token_topk_fwd_kernel.cache_clear()
                 knobs(True, mbs[0])
                 plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(2.5), sf, 0)
-                row[f"cut {cut}"] = round(run(plan, arrays, args.repeats, spin)[0], 2)
+                row[f"cut {cut}"] = round(time_plan(plan, arrays, args.repeats, spin)[0], 2)
                 R.lane_selector = orig
                 R.token_topk_fwd_kernel.cache_clear()
                 T.topk_with_score_function_fwd_plan.cache_clear()
