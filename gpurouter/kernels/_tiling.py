@@ -7,7 +7,7 @@ their figures live in docs/benchmarks.md).
 - thread-per-token forwards (``token_*_fwd.py``): ``token_path``,
   ``token_lanes``, ``token_layout`` -> ``TokenLayout``;
 - backwards: ``stream_tiling`` (``stream_bwd.py``), ``quad_tiling``, ``quad_hold`` (``quad_bwd.py``);
-- aux loss (``aux_loss.py``): ``column_tiling``, ``fill_tiling``;
+- aux loss (``aux_loss.py``): ``column_tiling``, ``column_final_threads``, ``fill_tiling``;
 - router z-loss: ``z_loss_tiling`` (``z_loss.py``), ``z_loss_vec_tiling`` (``z_loss_vec.py``).
 
 Host code only (no numba): the planners call these and put the results in their ``Step``s.
@@ -307,20 +307,15 @@ def quad_hold(num_experts: int, lanes: int) -> int:
     return min(QUAD_HOLD, -(-(num_experts // 4) // lanes))
 
 
-#: threads per block of the column-sum kernels (aux loss) and of their final block
-COLUMN_THREADS = 512
-COLUMN_FINAL_THREADS = 1024
-#: partial-sum blocks at most (~2 per SM on an H100/H200), rows per block at least
-COLUMN_BLOCKS = 256
-COLUMN_MIN_ROWS = 64
+#: the aux loss's column-sum kernels: threads per block and of the final block; partial-sum blocks at
+#: most, rows per block at least (measured: docs/benchmarks.md, "The aux loss's forward")
+COLUMN_THREADS, COLUMN_FINAL_THREADS, COLUMN_BLOCKS, COLUMN_MIN_ROWS = 512, 1024, 256, 64
 
 
 def column_tiling(num_rows: int, num_cols: int, block: int = COLUMN_THREADS):
-    """``(grid, threads, col_lanes, rows_per_block)`` of a column-sum kernel over
-    ``[num_rows, num_cols]``: blocks of RL row lanes x CL column lanes (CL a
-    multiple of 32, at most 256; RL a power of two, RL * CL <= ``block``; no
-    more row lanes than a block has rows, so tiny problems, e.g. under the
-    simulator, get small blocks)."""
+    """``(grid, threads, col_lanes, rows_per_block)`` of a column-sum kernel over ``[num_rows, num_cols]``:
+    blocks of RL row lanes x CL column lanes (CL a multiple of 32, at most 256; RL a power of two, RL * CL
+    <= ``block``; no more row lanes than a block has rows: tiny problems get small blocks)."""
     cl = min(256, max(32, -(-num_cols // 32) * 32))
     grid = max(1, min(COLUMN_BLOCKS, -(-num_rows // COLUMN_MIN_ROWS)))
     rows = -(-max(num_rows, 1) // grid)
@@ -328,6 +323,11 @@ def column_tiling(num_rows: int, num_cols: int, block: int = COLUMN_THREADS):
     while rl * 2 * cl <= block and rl * 2 <= rows:
         rl *= 2
     return grid, rl * cl, cl, rows
+
+
+def column_final_threads(partials: int) -> int:
+    """Threads of the aux loss's final block: one per partial (a multiple of 32), at most ``COLUMN_FINAL_THREADS``."""
+    return min(COLUMN_FINAL_THREADS, -(-max(1, partials) // 32) * 32)
 
 
 #: the aux-loss backward's fill: threads per block, blocks at most (the sweep

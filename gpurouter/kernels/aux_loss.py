@@ -3,12 +3,13 @@
 ``C = num_experts * coeff / (topk * T * T)`` (fp32, host, in that order) and
 ``loss = C * sum_c (sum_r probs[r, c]) * tokens_per_expert[c]``.
 
-Deterministic by construction (≠TE, which uses float atomics): a grid of at
-most 256 blocks writes per-block column partials ``[nblocks, C]`` (block b sums
-a fixed row range; its threads are row lanes x column lanes, each summing its
-rows with 8 interleaved accumulators so that enough loads are in flight); one
-single-block kernel then reduces the partials the same way, weights them by
-``tokens_per_expert`` and sums over columns with a fixed-shape tree, times C.
+Deterministic by construction (≠TE, which uses float atomics): a grid of
+blocks (``_tiling.column_tiling``) writes one fp32 partial each, the sum over
+its fixed row range of ``probs[r, c] * tokens_per_expert[c]`` (its threads are
+row lanes x column lanes, each summing its rows of a column with 8
+interleaved accumulators so that enough loads are in flight, times the
+column's count, then a fixed-shape tree over the block); one single-block
+kernel adds the partials in a fixed order and a tree, times C.
 No atomics; every order fixed.
 """
 
@@ -85,18 +86,37 @@ def lane_column_sum(kind: str):
     return column_sum
 
 
+@cuda.jit(device=True)
+def block_tree_sum(red, tid, n):
+    """``red[0] = red[0] + ... + red[n - 1]`` by a fixed-shape tree (pairs ``(i, i +
+    ceil(n / 2))``, any n), every thread of the block calling it; ``red[tid]``
+    written by its thread before the call.  Deterministic."""
+    # Barrier: the tree reads other threads' values.
+    cuda.syncthreads()
+    while n > 1:
+        half = (n + 1) // 2
+        if tid < n - half:
+            red[tid] = np.float32(red[tid] + red[tid + half])
+        # Barrier: the next level reads this level's results.
+        cuda.syncthreads()
+        n = half
+
+
 @functools.cache
-def aux_loss_partial_kernel(kind: str):
+def aux_loss_partial_kernel(kind: str, tpe_kind: str):
     column_sum = lane_column_sum(kind)
+    load_tpe = loader_1d(tpe_kind)
 
     @cuda.jit
     def aux_loss_partial(
         probs,  # [T, C] kind
-        partial,  # [nblocks, C] fp32, out
+        tokens_per_expert,  # [C] tpe_kind
+        partial,  # [nblocks] fp32, out: sum of probs[r, c] * tpe[c] over the block's rows, all c
         rows_per_block,
         col_lanes,  # CL; blockDim.x == RL * CL
     ):
-        # Lane sums of each row lane, combined in row-lane order in shared memory.
+        # Thread (rl, cl): its row lane's sum of each of its columns, times
+        # that column's count, added over its columns; then the block's tree.
         red = cuda.shared.array(_RED_WORDS, nb_f32)
         num_rows = probs.shape[0]
         num_cols = probs.shape[1]
@@ -107,77 +127,41 @@ def aux_loss_partial_kernel(kind: str):
         b = cuda.blockIdx.x
         r0 = b * rows_per_block
         r1 = min(num_rows, r0 + rows_per_block)
-        c0 = 0
-        while c0 < num_cols:  # same trip count in every thread: barriers inside are uniform
-            c = c0 + cl
-            acc = ZERO
-            if c < num_cols:
-                acc = column_sum(probs, r0, r1, c, rl, nrl)
-            red[tid] = acc
-            # Barrier: row lane 0 reads the other lanes' sums.
-            cuda.syncthreads()
-            if rl == 0 and c < num_cols:
-                for q in range(1, nrl):
-                    acc += red[q * col_lanes + cl]
-                partial[b, c] = acc
-            # Barrier: red is reused by the next column chunk.
-            cuda.syncthreads()
-            c0 += col_lanes
+        total = ZERO
+        c = cl
+        while c < num_cols:
+            total += np.float32(column_sum(probs, r0, r1, c, rl, nrl) * load_tpe(tokens_per_expert, c))
+            c += col_lanes
+        red[tid] = total
+        block_tree_sum(red, tid, cuda.blockDim.x)
+        if tid == 0:
+            partial[b] = red[0]
 
     return aux_loss_partial
 
 
 @functools.cache
-def aux_loss_final_kernel(tpe_kind: str, out_kind: str):
-    load_tpe = loader_1d(tpe_kind)
+def aux_loss_final_kernel(out_kind: str):
     store = storer_1d(out_kind)
-    column_sum = lane_column_sum(F32)
 
     @cuda.jit
     def aux_loss_final(
-        partial,  # [nblocks, C] fp32
-        tokens_per_expert,  # [C] tpe_kind
+        partial,  # [nblocks] fp32
         coeff,  # fp32 scalar: C
         loss,  # [1] out_kind, out
         saved_coeff,  # [1] fp32, out: C again, for the backward
-        col_lanes,  # CL; one block, blockDim.x == RL * CL <= COLUMN_FINAL_THREADS
     ):
+        # One block: thread i adds partials i, i + n, ... in order, then the tree.
         red = cuda.shared.array(_FINAL_RED_WORDS, nb_f32)
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
-        nrl = nthreads // col_lanes
-        rl = tid // col_lanes
-        cl = tid - rl * col_lanes
-        nblocks = partial.shape[0]
-        num_cols = partial.shape[1]
-        total = ZERO  # row lane 0: sum over its columns of colsum * tpe
-        c0 = 0
-        while c0 < num_cols:
-            c = c0 + cl
-            acc = ZERO
-            if c < num_cols:
-                acc = column_sum(partial, 0, nblocks, c, rl, nrl)
-            red[tid] = acc
-            # Barrier: row lane 0 reads the other lanes' sums.
-            cuda.syncthreads()
-            if rl == 0 and c < num_cols:
-                for q in range(1, nrl):
-                    acc += red[q * col_lanes + cl]
-                total += np.float32(acc * load_tpe(tokens_per_expert, c))
-            # Barrier: red is reused by the next chunk (and by the tree below).
-            cuda.syncthreads()
-            c0 += col_lanes
-        red[tid] = total if rl == 0 else ZERO
-        # Barrier: the tree reads other threads' sums.
-        cuda.syncthreads()
-        n = nthreads  # fixed-shape tree over any n: pairs (i, i + ceil(n/2))
-        while n > 1:
-            half = (n + 1) // 2
-            if tid < n - half:
-                red[tid] = np.float32(red[tid] + red[tid + half])
-            # Barrier: the next level reads this level's results.
-            cuda.syncthreads()
-            n = half
+        acc = ZERO
+        i = tid
+        while i < partial.shape[0]:
+            acc += partial[i]
+            i += nthreads
+        red[tid] = acc
+        block_tree_sum(red, tid, nthreads)
         if tid == 0:
             store(loss, 0, np.float32(coeff * red[0]))
             saved_coeff[0] = coeff
@@ -324,18 +308,16 @@ def moe_aux_loss_fwd(probs, tokens_per_expert, topk, coeff, total_num_tokens=Non
 @functools.cache
 def moe_aux_loss_fwd_plan(probs: Spec, tokens_per_expert: Spec, c: np.float32) -> Plan:
     """The launches of the forward (inputs: probs, tokens_per_expert; outputs: loss,
-    saved_coeff; scratch: the per-block column partials). ``c`` is the fp32 C."""
+    saved_coeff; scratch: the per-block partials). ``c`` is the fp32 C."""
     num_rows, num_cols = probs.shape
     outs = (spec_of((), probs.kind), spec_of((), F32))
     grid, threads, cl, rows = _tiling.column_tiling(num_rows, num_cols)
-    # one block: the partials
-    _, final_threads, _, _ = _tiling.column_tiling(grid, num_cols, _tiling.COLUMN_FINAL_THREADS)
-    tmps = (spec_of((grid, num_cols), F32),)
+    tmps = (spec_of((grid,), F32),)
     steps = (
-        Step(aux_loss_partial_kernel(probs.kind), grid, threads, 0, (In(0), Tmp(0), rows, cl)),
-        Step(aux_loss_final_kernel(tokens_per_expert.kind, probs.kind), 1, final_threads, 0,
-               (Tmp(0), In(1), np.float32(c), Out(0, spec_of((1,), probs.kind)),
-                Out(1, spec_of((1,), F32)), cl)),
+        Step(aux_loss_partial_kernel(probs.kind, tokens_per_expert.kind), grid, threads, 0,
+             (In(0), In(1), Tmp(0), rows, cl)),
+        Step(aux_loss_final_kernel(probs.kind), 1, _tiling.column_final_threads(grid), 0,
+             (Tmp(0), np.float32(c), Out(0, spec_of((1,), probs.kind)), Out(1, spec_of((1,), F32)))),
     )
     return Plan(OP + "_fwd", (probs, tokens_per_expert), outs, tmps, steps)
 
