@@ -30,8 +30,9 @@ from gpurouter.kernels._plan import spec_for
 def time_plan(plan, sets, repeats, spin):
     """(median us, the last launch's outputs as host arrays) over the input ``sets``."""
     outs = [cuda.device_array(s.shape, dtype=s.dtype) for s in plan.outs]
+    tmps = [cuda.device_array(s.shape, dtype=s.dtype) for s in plan.tmps]
     launch = _pointer.PointerLaunch(plan, 0)
-    us = median_us(launch, [[ptr(a) for a in arrays] + [ptr(o) for o in outs] for arrays in sets], repeats, spin)
+    us = median_us(launch, [[ptr(a) for a in [*arrays, *outs, *tmps]] for arrays in sets], repeats, spin)
     return us, [o.copy_to_host() for o in outs]
 
 

@@ -7,7 +7,7 @@ their figures live in docs/benchmarks.md).
 - thread-per-token forwards (``token_*_fwd.py``): ``token_path``,
   ``token_lanes``, ``token_layout`` -> ``TokenLayout``;
 - backwards: ``stream_tiling`` (``stream_bwd.py``), ``quad_tiling``, ``quad_hold`` (``quad_bwd.py``);
-- aux loss (``aux_loss.py``): ``column_tiling``, ``column_final_threads``, ``fill_tiling``;
+- aux loss (``aux_loss.py``): ``column_tiling``, ``fill_tiling``;
 - router z-loss: ``z_loss_tiling`` (``z_loss.py``), ``z_loss_vec_tiling`` (``z_loss_vec.py``).
 
 Host code only (no numba): the planners call these and put the results in their ``Step``s.
@@ -307,9 +307,9 @@ def quad_hold(num_experts: int, lanes: int) -> int:
     return min(QUAD_HOLD, -(-(num_experts // 4) // lanes))
 
 
-#: the aux loss's column-sum kernels: threads per block and of the final block; partial-sum blocks at
-#: most, rows per block at least (measured: docs/benchmarks.md, "The aux loss's forward")
-COLUMN_THREADS, COLUMN_FINAL_THREADS, COLUMN_BLOCKS, COLUMN_MIN_ROWS = 512, 1024, 256, 64
+#: the aux loss's column-sum kernel: threads per block, blocks at most, rows per block at least
+#: (measured: docs/benchmarks.md, "The aux loss's forward in one kernel")
+COLUMN_THREADS, COLUMN_BLOCKS, COLUMN_MIN_ROWS = 512, 256, 64
 
 
 def column_tiling(num_rows: int, num_cols: int, block: int = COLUMN_THREADS):
@@ -323,11 +323,6 @@ def column_tiling(num_rows: int, num_cols: int, block: int = COLUMN_THREADS):
     while rl * 2 * cl <= block and rl * 2 <= rows:
         rl *= 2
     return grid, rl * cl, cl, rows
-
-
-def column_final_threads(partials: int) -> int:
-    """Threads of the aux loss's final block: one per partial (a multiple of 32), at most ``COLUMN_FINAL_THREADS``."""
-    return min(COLUMN_FINAL_THREADS, -(-max(1, partials) // 32) * 32)
 
 
 #: the aux-loss backward's fill: threads per block, blocks at most (the sweep

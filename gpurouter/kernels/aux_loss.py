@@ -3,14 +3,15 @@
 ``C = num_experts * coeff / (topk * T * T)`` (fp32, host, in that order) and
 ``loss = C * sum_c (sum_r probs[r, c]) * tokens_per_expert[c]``.
 
-Deterministic by construction (≠TE, which uses float atomics): a grid of
-blocks (``_tiling.column_tiling``) writes one fp32 partial each, the sum over
-its fixed row range of ``probs[r, c] * tokens_per_expert[c]`` (its threads are
-row lanes x column lanes, each summing its rows of a column with 8
-interleaved accumulators so that enough loads are in flight, times the
-column's count, then a fixed-shape tree over the block); one single-block
-kernel adds the partials in a fixed order and a tree, times C.
-No atomics; every order fixed.
+Deterministic by construction (≠TE, which uses float atomics): one kernel;
+each of its blocks (``_tiling.column_tiling``) writes one fp32 partial, the
+sum over its fixed row range of ``probs[r, c] * tokens_per_expert[c]`` (its
+threads are row lanes x column lanes, each summing its rows of a column with
+8 interleaved accumulators so that enough loads are in flight, times the
+column's count, then a fixed-shape tree over the block), and takes a ticket
+(``_z_loss_finish.ticket``: an increment of a ``_plan.Counter`` that wraps to
+zero at the last block); the block with the last ticket adds every partial
+in a fixed order and a tree, times C.  No float atomics; every order fixed.
 """
 
 from __future__ import annotations
@@ -30,16 +31,16 @@ from . import _tiling
 from ._access import array_views, flat_io, loader_1d, loader_2d, storer_1d, storer_2d
 from ._device import ZERO, u64
 from ._launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
-from ._plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
+from ._plan import Counter, In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
+from ._z_loss_finish import finish_pieces, load_l2
 
 OP = "moe_aux_loss"
 
-# Shared-array sizes must be compile-time constants: numba freezes module
+# The shared array's size must be a compile-time constant: numba freezes module
 # globals as constants, but types ``_tiling.COLUMN_THREADS`` (a module attribute)
 # as a plain int64, which cuda.shared.array rejects on the GPU (the
 # simulator accepts anything).
 _RED_WORDS = _tiling.COLUMN_THREADS
-_FINAL_RED_WORDS = _tiling.COLUMN_FINAL_THREADS
 
 # Column sums (_tiling.column_tiling): a block is RL row lanes x CL column
 # lanes. Thread (rl, cl) owns columns cl, cl + CL, ... and, of its block's
@@ -103,25 +104,35 @@ def block_tree_sum(red, tid, n):
 
 
 @functools.cache
-def aux_loss_partial_kernel(kind: str, tpe_kind: str):
+def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str):
     column_sum = lane_column_sum(kind)
     load_tpe = loader_1d(tpe_kind)
+    store = storer_1d(out_kind)
+    ticket = finish_pieces("acq_rel", False)[0]  # one acquire-release atom.inc (not the z-loss probe's knob)
+    load_partial = load_l2()
 
     @cuda.jit
-    def aux_loss_partial(
+    def aux_loss_fwd(
         probs,  # [T, C] kind
         tokens_per_expert,  # [C] tpe_kind
-        partial,  # [nblocks] fp32, out: sum of probs[r, c] * tpe[c] over the block's rows, all c
+        partial,  # [nblocks] fp32, scratch: sum of probs[r, c] * tpe[c] over block b's rows, all c
+        count,  # [1] uint32 (``_plan.Counter``): zero whenever no launch runs
+        coeff,  # fp32 scalar: C
+        loss,  # [1] out_kind, out
+        saved_coeff,  # [1] fp32, out: C again, for the backward
         rows_per_block,
         col_lanes,  # CL; blockDim.x == RL * CL
     ):
         # Thread (rl, cl): its row lane's sum of each of its columns, times
-        # that column's count, added over its columns; then the block's tree.
+        # that column's count, added over its columns; the block's tree; the
+        # partial and a ticket; the last block adds every partial in a fixed order.
         red = cuda.shared.array(_RED_WORDS, nb_f32)
+        last = cuda.shared.array(1, nb_f32)
         num_rows = probs.shape[0]
         num_cols = probs.shape[1]
         tid = cuda.threadIdx.x
-        nrl = cuda.blockDim.x // col_lanes
+        nthreads = cuda.blockDim.x
+        nrl = nthreads // col_lanes
         rl = tid // col_lanes
         cl = tid - rl * col_lanes
         b = cuda.blockIdx.x
@@ -133,40 +144,25 @@ def aux_loss_partial_kernel(kind: str, tpe_kind: str):
             total += np.float32(column_sum(probs, r0, r1, c, rl, nrl) * load_tpe(tokens_per_expert, c))
             c += col_lanes
         red[tid] = total
-        block_tree_sum(red, tid, cuda.blockDim.x)
-        if tid == 0:
-            partial[b] = red[0]
-
-    return aux_loss_partial
-
-
-@functools.cache
-def aux_loss_final_kernel(out_kind: str):
-    store = storer_1d(out_kind)
-
-    @cuda.jit
-    def aux_loss_final(
-        partial,  # [nblocks] fp32
-        coeff,  # fp32 scalar: C
-        loss,  # [1] out_kind, out
-        saved_coeff,  # [1] fp32, out: C again, for the backward
-    ):
-        # One block: thread i adds partials i, i + n, ... in order, then the tree.
-        red = cuda.shared.array(_FINAL_RED_WORDS, nb_f32)
-        tid = cuda.threadIdx.x
-        nthreads = cuda.blockDim.x
-        acc = ZERO
-        i = tid
-        while i < partial.shape[0]:
-            acc += partial[i]
-            i += nthreads
-        red[tid] = acc
         block_tree_sum(red, tid, nthreads)
         if tid == 0:
-            store(loss, 0, np.float32(coeff * red[0]))
-            saved_coeff[0] = coeff
+            partial[b] = red[0]
+            last[0] = ticket(count)
+        # Barrier: every thread reads the flag (block-uniform below).
+        cuda.syncthreads()
+        if last[0] != ZERO:
+            acc = ZERO
+            i = tid
+            while i < cuda.gridDim.x:
+                acc += load_partial(partial, i)
+                i += nthreads
+            red[tid] = acc
+            block_tree_sum(red, tid, nthreads)
+            if tid == 0:
+                store(loss, 0, np.float32(coeff * red[0]))
+                saved_coeff[0] = coeff
 
-    return aux_loss_final
+    return aux_loss_fwd
 
 
 # ----------------------------------------------------------------------------
@@ -313,12 +309,9 @@ def moe_aux_loss_fwd_plan(probs: Spec, tokens_per_expert: Spec, c: np.float32) -
     outs = (spec_of((), probs.kind), spec_of((), F32))
     grid, threads, cl, rows = _tiling.column_tiling(num_rows, num_cols)
     tmps = (spec_of((grid,), F32),)
-    steps = (
-        Step(aux_loss_partial_kernel(probs.kind, tokens_per_expert.kind), grid, threads, 0,
-             (In(0), In(1), Tmp(0), rows, cl)),
-        Step(aux_loss_final_kernel(probs.kind), 1, _tiling.column_final_threads(grid), 0,
-             (Tmp(0), np.float32(c), Out(0, spec_of((1,), probs.kind)), Out(1, spec_of((1,), F32)))),
-    )
+    steps = (Step(aux_loss_fwd_kernel(probs.kind, tokens_per_expert.kind, probs.kind), grid, threads, 0,
+                  (In(0), In(1), Tmp(0), Counter(), np.float32(c), Out(0, spec_of((1,), probs.kind)),
+                   Out(1, spec_of((1,), F32)), rows, cl)),)
     return Plan(OP + "_fwd", (probs, tokens_per_expert), outs, tmps, steps)
 
 

@@ -77,8 +77,9 @@ DB_CHUNK_ROWS = 256
 DB_HOLD_ROWS_DBIAS = 4
 DB_CHUNK_ROWS_DBIAS = 128
 DB_MAX_REGS_DBIAS = 64
-#: lanes (threads) per block at most; wider rows take several column blocks
-DB_MAX_LANES = 256
+#: lanes (threads) per block at most; wider rows take several column blocks (512: the DeepSeek-V3-like
+#: H = 7168 in 2 column blocks, not 4; docs/benchmarks.md, "Op 1 at the DeepSeek-V3-like shape")
+DB_MAX_LANES = 512
 #: kernel 1's register cap with scales (0: the compiler's choice)
 DB_MAX_REGS = 0
 #: kernel 2 (groups spanning chunks): threads per block, partial rows loaded at once
