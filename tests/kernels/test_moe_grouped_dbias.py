@@ -192,7 +192,8 @@ def test_plan_layout():
     assert plan.tmps[0].shape == (2 * chunks, 2048)  # two partial rows per chunk
     wide = K.grouped_dbias_dscales_plan(spec_for((32768, 7168), np.uint16), spec_for((32768,), np.float32),
                                         spec_for((256, 7168), np.float32), spec_for((257,), np.int32))
-    assert wide.steps[0].grid == (32768 // M.DB_CHUNK_ROWS) * 4 and wide.steps[0].block == 224  # 4 column blocks
+    # 896 units a row in 2 column blocks of 448 lanes (DB_MAX_LANES = 512)
+    assert wide.steps[0].grid == (32768 // M.DB_CHUNK_ROWS) * 2 and wide.steps[0].block == 448
     assert len(wide.steps) == 3  # + the dscales of the column blocks summed in order
 
 
