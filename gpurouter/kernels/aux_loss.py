@@ -6,9 +6,9 @@
 Deterministic by construction (≠TE, which uses float atomics): one kernel;
 each of its blocks (``_tiling.column_tiling``) writes one fp32 partial, the
 sum over its fixed row range of ``probs[r, c] * tokens_per_expert[c]`` (its
-threads are row lanes x column lanes, each summing its rows of a column with
-8 interleaved accumulators so that enough loads are in flight, times the
-column's count, then a fixed-shape tree over the block), and takes a ticket
+threads are row lanes x column lanes, each summing its rows of a column, or
+of an fp32 column quad, with several loads in flight (``_column_sums.py``),
+times the column's count, then a fixed-shape tree over the block), and takes a ticket
 (``_z_loss_finish.ticket``: an increment of a ``_plan.Counter`` that wraps to
 zero at the last block); the block with the last ticket adds every partial
 in a fixed order and a tree, times C.  No float atomics; every order fixed.
@@ -28,7 +28,8 @@ from numba import float32 as nb_f32  # array declarations take numba types
 
 from .._host import aux_loss_coeff
 from . import _tiling
-from ._access import array_views, flat_io, loader_1d, loader_2d, storer_1d, storer_2d
+from ._access import array_views, flat_io, loader_1d, storer_1d, storer_2d
+from ._column_sums import block_tree_sum, lane_column_sum, lane_quad_sum
 from ._device import ZERO, u64
 from ._launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
 from ._plan import Counter, In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
@@ -42,70 +43,13 @@ OP = "moe_aux_loss"
 # simulator accepts anything).
 _RED_WORDS = _tiling.COLUMN_THREADS
 
-# Column sums (_tiling.column_tiling): a block is RL row lanes x CL column
-# lanes. Thread (rl, cl) owns columns cl, cl + CL, ... and, of its block's
-# rows, those congruent to rl mod RL, summed with 8 independent accumulators
-# (several loads in flight per thread: the sums are bandwidth-bound only if
-# enough bytes are in flight, ~4 MB on an H200). Every order is fixed:
-# deterministic.
-
 
 @functools.cache
-def lane_column_sum(kind: str):
-    """Device function ``sum(src, r0, r1, c, rl, nrl)``: fp32 sum of ``src[r, c]``
-    (``src`` of ``kind``) over ``r0 <= r < r1`` with ``r = r0 + rl (mod nrl)``, in
-    a fixed order: 8 interleaved accumulators, then a pairwise tree of them."""
-    load = loader_2d(kind)
-
-    @cuda.jit(device=True)
-    def column_sum(src, r0, r1, c, rl, nrl):
-        a0 = ZERO
-        a1 = ZERO
-        a2 = ZERO
-        a3 = ZERO
-        a4 = ZERO
-        a5 = ZERO
-        a6 = ZERO
-        a7 = ZERO
-        r = r0 + rl
-        while r + 7 * nrl < r1:  # 8 independent loads in flight
-            a0 += load(src, r, c)
-            a1 += load(src, r + nrl, c)
-            a2 += load(src, r + 2 * nrl, c)
-            a3 += load(src, r + 3 * nrl, c)
-            a4 += load(src, r + 4 * nrl, c)
-            a5 += load(src, r + 5 * nrl, c)
-            a6 += load(src, r + 6 * nrl, c)
-            a7 += load(src, r + 7 * nrl, c)
-            r += 8 * nrl
-        while r < r1:
-            a0 += load(src, r, c)
-            r += nrl
-        return np.float32(np.float32(np.float32(a0 + a1) + np.float32(a2 + a3))
-                          + np.float32(np.float32(a4 + a5) + np.float32(a6 + a7)))
-
-    return column_sum
-
-
-@cuda.jit(device=True)
-def block_tree_sum(red, tid, n):
-    """``red[0] = red[0] + ... + red[n - 1]`` by a fixed-shape tree (pairs ``(i, i +
-    ceil(n / 2))``, any n), every thread of the block calling it; ``red[tid]``
-    written by its thread before the call.  Deterministic."""
-    # Barrier: the tree reads other threads' values.
-    cuda.syncthreads()
-    while n > 1:
-        half = (n + 1) // 2
-        if tid < n - half:
-            red[tid] = np.float32(red[tid] + red[tid + half])
-        # Barrier: the next level reads this level's results.
-        cuda.syncthreads()
-        n = half
-
-
-@functools.cache
-def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str):
+def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = False):
+    """The forward; ``quads``: fp32 probs with C % 4 == 0, seen flat, a column quad
+    per column lane (``lane_quad_sum``), else an element per column lane."""
     column_sum = lane_column_sum(kind)
+    quad_sum = lane_quad_sum()
     load_tpe = loader_1d(tpe_kind)
     store = storer_1d(out_kind)
     ticket = finish_pieces("acq_rel", False)[0]  # one acquire-release atom.inc (not the z-loss probe's knob)
@@ -113,7 +57,9 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str):
 
     @cuda.jit
     def aux_loss_fwd(
-        probs,  # [T, C] kind
+        probs,  # [T, C] kind (``quads``: flat [T*C] fp32)
+        num_rows,
+        num_cols,
         tokens_per_expert,  # [C] tpe_kind
         partial,  # [nblocks] fp32, scratch: sum of probs[r, c] * tpe[c] over block b's rows, all c
         count,  # [1] uint32 (``_plan.Counter``): zero whenever no launch runs
@@ -128,8 +74,6 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str):
         # partial and a ticket; the last block adds every partial in a fixed order.
         red = cuda.shared.array(_RED_WORDS, nb_f32)
         last = cuda.shared.array(1, nb_f32)
-        num_rows = probs.shape[0]
-        num_cols = probs.shape[1]
         tid = cuda.threadIdx.x
         nthreads = cuda.blockDim.x
         nrl = nthreads // col_lanes
@@ -139,10 +83,22 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str):
         r0 = b * rows_per_block
         r1 = min(num_rows, r0 + rows_per_block)
         total = ZERO
-        c = cl
-        while c < num_cols:
-            total += np.float32(column_sum(probs, r0, r1, c, rl, nrl) * load_tpe(tokens_per_expert, c))
-            c += col_lanes
+        if quads:
+            eq = num_cols // 4
+            cq = cl
+            while cq < eq:
+                s0, s1, s2, s3 = quad_sum(probs, r0, r1, cq, eq, rl, nrl)
+                c = 4 * cq
+                total += np.float32(s0 * load_tpe(tokens_per_expert, c))
+                total += np.float32(s1 * load_tpe(tokens_per_expert, c + 1))
+                total += np.float32(s2 * load_tpe(tokens_per_expert, c + 2))
+                total += np.float32(s3 * load_tpe(tokens_per_expert, c + 3))
+                cq += col_lanes
+        else:
+            c = cl
+            while c < num_cols:
+                total += np.float32(column_sum(probs, r0, r1, c, rl, nrl) * load_tpe(tokens_per_expert, c))
+                c += col_lanes
         red[tid] = total
         block_tree_sum(red, tid, nthreads)
         if tid == 0:
@@ -307,11 +263,13 @@ def moe_aux_loss_fwd_plan(probs: Spec, tokens_per_expert: Spec, c: np.float32) -
     saved_coeff; scratch: the per-block partials). ``c`` is the fp32 C."""
     num_rows, num_cols = probs.shape
     outs = (spec_of((), probs.kind), spec_of((), F32))
-    grid, threads, cl, rows = _tiling.column_tiling(num_rows, num_cols)
+    quads = probs.kind == F32 and num_cols % 4 == 0
+    grid, threads, cl, rows = _tiling.column_tiling(num_rows, num_cols // 4 if quads else num_cols)
     tmps = (spec_of((grid,), F32),)
-    steps = (Step(aux_loss_fwd_kernel(probs.kind, tokens_per_expert.kind, probs.kind), grid, threads, 0,
-                  (In(0), In(1), Tmp(0), Counter(), np.float32(c), Out(0, spec_of((1,), probs.kind)),
-                   Out(1, spec_of((1,), F32)), rows, cl)),)
+    src = In(0, array_views(F32, (num_rows, num_cols))[0]) if quads else In(0)
+    steps = (Step(aux_loss_fwd_kernel(probs.kind, tokens_per_expert.kind, probs.kind, quads), grid, threads, 0,
+                  (src, num_rows, num_cols, In(1), Tmp(0), Counter(), np.float32(c),
+                   Out(0, spec_of((1,), probs.kind)), Out(1, spec_of((1,), F32)), rows, cl)),)
     return Plan(OP + "_fwd", (probs, tokens_per_expert), outs, tmps, steps)
 
 

@@ -33,9 +33,12 @@ def _inputs(T, C, dtype, tpe_dtype, seed=0):
     (ml_dtypes.bfloat16, "float32", 3, 16, None, 7),
     (np.float16, "bfloat16", 2, 5, None, None),
     (np.float16, "int32", 9, 12, None, None),  # fp16, a quad of columns per store
-    # 3 partial blocks of 64 rows with 2 row lanes each (unrolled body + tail),
-    # two column chunks (256 + 40 columns), a ragged last block
+    # fp32, C % 4 == 0: column quads (74 of them on 96 column lanes, 4 row lanes),
+    # 3 blocks of 50 rows (the 4-row unrolled body + its tail)
     (np.float32, "int32", 150, 296, None, None),
+    # fp32, C % 4 != 0: elements, two column chunks (256 + 44 columns), 3 blocks
+    # of 44 rows, 2 row lanes (the 8-row unrolled body + its tail)
+    (np.float32, "int32", 130, 302, None, None),
 ])
 def test_fwd_bwd(dtype, tpe_dtype, T, C, E, total):
     probs, tpe = _inputs(T, C, dtype, tpe_dtype)
