@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a GPU (kernels for real, NUMBA_ENABLE_CUDASIM=0),
-# in parallel groups of test files (8 groups of about 500 s each on an H200): one GPU is shared, and most of a group's
+# in parallel groups of test files (8 groups, about 500 s each on an H200):
+# one GPU is shared, and most of a group's
 # time is compiling and tracing on the CPU. One log per group, then each
 # group's summary line; the exit status is non-zero when any group failed.
 #
