@@ -23,7 +23,7 @@ import json
 import ml_dtypes
 import numpy as np
 from _timing import median_us, spin_kernel
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 from path_probe import time_plan  # tools/path_probe.py (the script's own folder)
 
 from gpurouter import kernels as K
@@ -32,17 +32,20 @@ from gpurouter.kernels import _plan
 from gpurouter.kernels._device import EPS, ZERO, sigmoid
 
 FULL = np.uint32(0xFFFFFFFF)
+DROPPED = np.int64(-(2**63))
 SCALE = np.float32(2.5)
 
 
 @cuda.jit(device=True)
 def order_key(r, e):
-    """64-bit key: larger for a larger fp32 ``r`` (NaN as -inf), then for a lower expert ``e``."""
+    """64-bit key: larger for a larger fp32 ``r`` (NaN as -inf), then for a lower expert ``e``;
+    ``DROPPED`` is below every key."""
     if r != r:
         r = float32(-np.inf)
     u = np.uint32(np.float32(r).view(np.uint32))
     u = u ^ (np.uint32(0xFFFFFFFF) if (u >> np.uint32(31)) else np.uint32(0x80000000))
-    return (uint64(u) << uint64(32)) | uint64(255 - e)
+    v = np.uint32(u ^ np.uint32(0x80000000)).view(np.int32)  # signed order = u's unsigned order
+    return (int64(v) << int64(32)) | int64(255 - e)  # int64: shfl has no uint64
 
 
 @cuda.jit(device=True)
@@ -85,7 +88,7 @@ def warp_topk(x, bias, probs, saved, rmap, num_tokens):
         w0 = x[uint64(t) * uint64(64) + uint64(2 * lane)]
         w1 = x[uint64(t) * uint64(64) + uint64(2 * lane + 1)]
         s = cuda.local.array(8, float32)
-        k = cuda.local.array(8, uint64)
+        k = cuda.local.array(8, int64)
         m1 = float32(-np.inf)
         m2 = float32(-np.inf)
         for j in range(8):
@@ -110,7 +113,7 @@ def warp_topk(x, bias, probs, saved, rmap, num_tokens):
                 rank += 1
         if rank >= 4:  # a dropped group: never selected
             for j in range(8):
-                k[j] = uint64(0)
+                k[j] = DROPPED
         sel = cuda.local.array(8, int32)
         for q in range(8):
             best = k[0]
@@ -118,12 +121,12 @@ def warp_topk(x, bias, probs, saved, rmap, num_tokens):
                 best = max(best, k[j])
             for off in (16, 8, 4, 2, 1):
                 best = max(best, cuda.shfl_xor_sync(FULL, best, off))
-            e = int32(255 - int32(best & uint64(0xFF)))
+            e = int32(255 - int32(best & int64(0xFF)))
             sel[q] = e
             own = (e >> 3) == lane
             for j in range(8):  # static indices: k stays in registers
                 if own & ((e & 7) == j):
-                    k[j] = uint64(0)
+                    k[j] = DROPPED
         # ascending expert order (uniform over the warp): a 19-comparator network
         cx(sel, 0, 2), cx(sel, 1, 3), cx(sel, 4, 6), cx(sel, 5, 7), cx(sel, 0, 4), cx(sel, 1, 5), cx(sel, 2, 6)
         cx(sel, 3, 7), cx(sel, 0, 1), cx(sel, 2, 3), cx(sel, 4, 5), cx(sel, 6, 7), cx(sel, 2, 4), cx(sel, 3, 5)
