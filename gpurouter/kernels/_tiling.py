@@ -279,11 +279,9 @@ def stream_tiling(num_tokens: int, num_experts: int):
     return -(-num_tokens // tb), tb * w, w
 
 
-#: lanes per token of the quad backwards at most, top-k (sparse) and aux scores (dense),
-#: and threads per block (``tools/tiling_sweep.py``; docs/benchmarks.md)
-QUAD_LANES_SPARSE = 8
-QUAD_LANES_DENSE = 16
-QUAD_THREADS = 128
+#: lanes per token of the quad backwards at most, top-k (sparse; at T <= ``QUAD_SMALL_T``: ``_SMALL_T``)
+#: and aux scores (dense), and threads per block (``tools/tiling_sweep.py``; docs/benchmarks.md)
+QUAD_LANES_SPARSE, QUAD_LANES_SPARSE_SMALL_T, QUAD_SMALL_T, QUAD_LANES_DENSE, QUAD_THREADS = 8, 16, 8192, 16, 128
 #: quads per lane held in registers by the aux-score backward (8 fp32 registers each)
 QUAD_HOLD = 4
 #: selected experts per lane the sqrtsoftplus top-k backward lists in shared memory (0: none; quad_bwd.py)
@@ -293,9 +291,10 @@ QUAD_LIST = 4
 def quad_tiling(num_tokens: int, num_experts: int, dense: bool):
     """``(grid, threads, lanes)`` of the quad backward kernels (E a multiple of
     4): W lanes per token, lane ``l`` quads ``l, l + W, ...``; W the smallest
-    power of two >= E/4, at most ``QUAD_LANES_DENSE`` or ``_SPARSE`` (fewer
-    lanes: fewer tree-reduction levels per token), ``QUAD_THREADS`` per block."""
-    cap = QUAD_LANES_DENSE if dense else QUAD_LANES_SPARSE
+    power of two >= E/4, at most ``QUAD_LANES_DENSE`` or ``_SPARSE`` (fewer lanes: fewer tree levels a
+    token; at small T more lanes, a shorter walk each: the kernel is one wave's latency), ``QUAD_THREADS`` a block."""
+    small = num_tokens <= QUAD_SMALL_T
+    cap = QUAD_LANES_DENSE if dense else (QUAD_LANES_SPARSE_SMALL_T if small else QUAD_LANES_SPARSE)
     w = min(cap, pow2_at_least(max(1, num_experts // 4)))
     tb = max(1, min(QUAD_THREADS // w, num_tokens))
     return -(-num_tokens // tb), tb * w, w

@@ -70,6 +70,7 @@ def quad_lanes(monkeypatch, request):
         aux_scores.score_for_aux_loss_bwd_plan.cache_clear()
 
     monkeypatch.setattr(_tiling, "QUAD_LANES_SPARSE", 2)
+    monkeypatch.setattr(_tiling, "QUAD_LANES_SPARSE_SMALL_T", 2)
     monkeypatch.setattr(_tiling, "QUAD_LANES_DENSE", 2)
     monkeypatch.setattr(_tiling, "QUAD_THREADS", 8)
     monkeypatch.setattr(_tiling, "QUAD_HOLD", request.param)

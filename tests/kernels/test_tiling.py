@@ -79,3 +79,15 @@ def test_token_lanes():
     assert L.token_layout(65536, 256, 8, True).shared < lay.shared  # (lists = 0: none)
     tiny = L.token_layout(256, 256, 8, True, 13, L.TOKEN_LANES_MIN_BLOCKS)
     assert tiny.grid >= L.TOKEN_LANES_MIN_BLOCKS and tiny.threads // tiny.tb >= 8 and tiny.shared <= SMEM_BUDGET
+
+
+def test_quad_tiling_lanes_by_token_count():
+    # the top-k (sparse) backward: 16 lanes a token up to QUAD_SMALL_T tokens (one wave's latency),
+    # 8 above (fewer tree levels); the aux-score (dense) one 16 at every T; never more than E / 4
+    from gpurouter.kernels import _tiling
+
+    small, large = _tiling.QUAD_SMALL_T, _tiling.QUAD_SMALL_T + 1
+    assert _tiling.quad_tiling(small, 256, dense=False) == (small // 8, 128, 16)
+    assert _tiling.quad_tiling(large, 256, dense=False) == (-(-large // 16), 128, 8)
+    assert _tiling.quad_tiling(large, 256, dense=True)[2] == _tiling.quad_tiling(small, 256, dense=True)[2] == 16
+    assert _tiling.quad_tiling(100, 16, dense=False) == (4, 128, 4)
