@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import statistics
 
+import numpy as np
 from numba import cuda, uint32
 
 from gpurouter.kernels import _launch as L
+from gpurouter.kernels import _pointer
 
 
 def spin_kernel():
@@ -45,3 +47,28 @@ def median_us(launch, ptr_sets, repeats, spin) -> float:
         events[-1].synchronize()
         times += [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(n)]
     return statistics.median(times)
+
+
+def floor_us(repeats, spin) -> float:
+    """Median microseconds of an empty kernel timed the same way: the method's floor."""
+
+    @cuda.jit
+    def empty(x):
+        pass
+
+    dummy = cuda.device_array(1, np.float32)
+    return median_us(lambda p, s: L.launch(empty, 1, 32, 0, 0, dummy), [[0]], repeats, spin)
+
+
+def time_plan(plan, sets, repeats, spin):
+    """``(median us, outputs)`` of a plan launched as the pointer transports launch it
+    (``_pointer.PointerLaunch``), its inputs rotated over ``sets`` (lists of device
+    arrays, the plan's inputs in order); the outputs (host arrays) are the first set's."""
+    outs = [cuda.device_array(s.shape, dtype=s.dtype) for s in plan.outs]
+    tmps = [cuda.device_array(s.shape, dtype=s.dtype) for s in plan.tmps]
+    launch = _pointer.PointerLaunch(plan, 0)
+    ptr_sets = [[ptr(a) for a in [*arrays, *outs, *tmps]] for arrays in sets]
+    us = median_us(launch, ptr_sets, repeats, spin)
+    launch(ptr_sets[0], 0)
+    cuda.synchronize()
+    return us, [o.copy_to_host() for o in outs]

@@ -18,25 +18,12 @@ import argparse
 import json
 
 import numpy as np
-from _timing import median_us, ptr, spin_kernel
+from _timing import floor_us, spin_kernel, time_plan
 from numba import cuda
 
-from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _pointer, _tiling
+from gpurouter.kernels import _tiling
 from gpurouter.kernels import aux_loss as A
 from gpurouter.kernels._plan import spec_for
-
-
-def time_plan(plan, sets, repeats, spin):
-    """(median us over the input ``sets``, the first set's outputs as host arrays)."""
-    outs = [cuda.device_array(s.shape, dtype=s.dtype) for s in plan.outs]
-    tmps = [cuda.device_array(s.shape, dtype=s.dtype) for s in plan.tmps]
-    launch = _pointer.PointerLaunch(plan, 0)
-    ptr_sets = [[ptr(a) for a in [*arrays, *outs, *tmps]] for arrays in sets]
-    us = median_us(launch, ptr_sets, repeats, spin)
-    launch(ptr_sets[0], 0)  # the outputs checked: the first set's
-    cuda.synchronize()
-    return us, [o.copy_to_host() for o in outs]
 
 
 def main():
@@ -49,13 +36,7 @@ def main():
     a = ap.parse_args()
     spin = spin_kernel()
 
-    @cuda.jit
-    def empty(x):
-        pass
-
-    dummy = cuda.device_array(1, np.float32)
-    floor = median_us(lambda p, s: L.launch(empty, 1, 32, 0, 0, dummy), [[0]], a.repeats, spin)
-    rows = [{"floor us (empty kernel)": round(floor, 2)}]
+    rows = [{"floor us (empty kernel)": round(floor_us(a.repeats, spin), 2)}]
     print(json.dumps(rows[0]), flush=True)
     default = (_tiling.COLUMN_BLOCKS, _tiling.COLUMN_MIN_ROWS)
     settings = [default] + [tuple(int(v) for v in k.split(":")) for k in a.knobs.split(",") if k]

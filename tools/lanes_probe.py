@@ -20,9 +20,8 @@ import sys
 
 import ml_dtypes
 import numpy as np
-from _timing import median_us, spin_kernel
+from _timing import floor_us, spin_kernel, time_plan
 from numba import cuda
-from path_probe import time_plan  # tools/path_probe.py (the script's own folder)
 
 from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
@@ -106,14 +105,7 @@ def main(argv):
     ap.add_argument("--compare")
     args = ap.parse_args(argv)
     spin = spin_kernel()
-
-    @cuda.jit
-    def empty(x):
-        pass
-
-    dummy = cuda.device_array(1, np.float32)
-    floor = median_us(lambda p, s: L.launch(empty, 1, 32, 0, 0, dummy), [[0]], args.repeats, spin)
-    print(json.dumps({"floor us (empty kernel)": floor}), flush=True)
+    print(json.dumps({"floor us (empty kernel)": floor_us(args.repeats, spin)}), flush=True)
     saved = {}
     ref = dict(np.load(args.compare)) if args.compare else {}
     mbs = [int(v) for v in args.min_blocks.split(",")]
@@ -135,7 +127,7 @@ def main(argv):
                                                                0, idx)
                     st = plan.steps[0]
                     tag = (f"lanes@{mb}" if lanes else "off") + (" +idx" if idx else "")
-                    us, outs = time_plan(plan, arrays, args.repeats, spin)
+                    us, outs = time_plan(plan, [arrays], args.repeats, spin)
                     row[tag] = round(us, 2)
                     row[tag + " grid"] = f"{st.grid}x{st.block}"
                     outs = [o.view(np.uint8) for o in outs if o.shape != (t, e) or o.dtype != np.float32]
@@ -152,7 +144,7 @@ def main(argv):
                 setattr(_tiling, knob, th)
                 knobs(True, mbs[0])
                 plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(2.5), sf, 0)
-                us, outs = time_plan(plan, arrays, args.repeats, spin)
+                us, outs = time_plan(plan, [arrays], args.repeats, spin)
                 tag = f"lanes@{mbs[0]} {knob[12:].lower()} {th}"
                 row[tag] = round(us, 2)
                 row[tag + " grid"] = f"{plan.steps[0].grid}x{plan.steps[0].block}"
@@ -166,7 +158,7 @@ def main(argv):
                 R.token_topk_fwd_kernel.cache_clear()
                 knobs(True, mbs[0])
                 plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(2.5), sf, 0)
-                row[f"cut {cut}"] = round(time_plan(plan, arrays, args.repeats, spin)[0], 2)
+                row[f"cut {cut}"] = round(time_plan(plan, [arrays], args.repeats, spin)[0], 2)
                 R.lane_selector = orig
                 R.token_topk_fwd_kernel.cache_clear()
                 T.topk_with_score_function_fwd_plan.cache_clear()

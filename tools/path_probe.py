@@ -27,12 +27,12 @@ import sys
 
 import ml_dtypes
 import numpy as np
-from _timing import median_us, ptr, spin_kernel
+from _timing import spin_kernel, time_plan
 from numba import cuda
 
 from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _plan, _pointer, _tiling
+from gpurouter.kernels import _plan, _tiling
 
 CASES = {  # name: (E, K, G, Kg, sf, bias, pre)
     "deepseek-v3": (256, 8, 8, 4, L.SIGMOID, True, False),
@@ -42,14 +42,6 @@ CASES = {  # name: (E, K, G, Kg, sf, bias, pre)
 }
 LARGE_K = {f"e512-k{k}": (512, k, -1, -1, L.SIGMOID, True, False) for k in (8, 16, 22, 32, 64)}
 LARGE_K["e2304-k36"] = (2304, 36, -1, -1, L.SIGMOID, True, False)
-
-
-def time_plan(plan, arrays, repeats, spin):
-    """(median us, the outputs of the last launch as host arrays)."""
-    outs = [cuda.device_array(s.shape, dtype=s.dtype) for s in plan.outs]
-    launch = _pointer.PointerLaunch(plan, 0)
-    us = median_us(launch, [[ptr(a) for a in arrays] + [ptr(o) for o in outs]], repeats, spin)
-    return us, [o.copy_to_host() for o in outs]
 
 
 def main(argv):
@@ -85,10 +77,10 @@ def main(argv):
                 except ValueError as err:  # path='token' on a shape it does not take
                     row[f"{path} error"] = str(err)
                     continue
-                row[f"{path} topk"], outs[path] = time_plan(plan, [x, bias] if has_bias else [x], args.repeats, spin)
+                row[f"{path} topk"], outs[path] = time_plan(plan, [[x, bias] if has_bias else [x]], args.repeats, spin)
                 regs = plan.steps[0].kernel.get_regs_per_thread()
                 row[f"{path} regs"] = sorted(regs.values()) if isinstance(regs, dict) else regs
-                row[f"{path} aux"], _ = time_plan(aplan, [x], args.repeats, spin)
+                row[f"{path} aux"], _ = time_plan(aplan, [[x]], args.repeats, spin)
             if len(outs) == 2:  # (outs[2], saved, is only written where the backward reads it)
                 row["same map"] = bool(np.array_equal(outs["token"][1], outs["lane"][1]))
                 row["probs differ"] = int(np.sum(outs["token"][0] != outs["lane"][0]))

@@ -22,9 +22,8 @@ import json
 
 import ml_dtypes
 import numpy as np
-from _timing import median_us, spin_kernel
+from _timing import median_us, spin_kernel, time_plan
 from numba import cuda, float32, int32, int64, uint32, uint64
-from path_probe import time_plan  # tools/path_probe.py (the script's own folder)
 
 from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
@@ -183,7 +182,7 @@ def main():
         bias = cuda.to_device(np.linspace(-0.01, 0.01, 256, dtype=np.float32))
         spec = _plan.spec_of((t, 256), L.BF16)
         plan = K.topk_with_score_function_fwd_plan(spec, True, 8, False, 8, 4, SCALE, L.SIGMOID, 0, False)
-        lib_us, outs = time_plan(plan, [x, bias], a.repeats, spin)
+        lib_us, outs = time_plan(plan, [[x, bias]], a.repeats, spin)
         lib_probs, lib_map = outs[0].view(np.uint16), outs[1].view(np.uint8)
         row = {"T": t, "library us": round(lib_us, 2)}
         probs = cuda.device_array(t * 64, np.uint64)
