@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 # Eight host devices for the sharding tests (tests/test_sharding.py); must be
 # set before JAX initialises. It only affects the CPU platform: on a GPU host
@@ -38,6 +39,7 @@ for _flag in SIMULATOR_XLA_FLAGS:
         os.environ["XLA_FLAGS"] += " " + _flag
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
@@ -84,7 +86,77 @@ def _real_gpu() -> bool:
         return False
 
 
+#: CPython's GIL switch interval under the simulator (default 5 ms). The simulator
+#: runs a block's threads as Python threads and its block manager polls them in a
+#: busy loop: with 5 ms every hand-over of the GIL to and from the poller (at each
+#: barrier, each block's start) waited up to 5 ms, most of a tiny kernel's time.
+SIM_SWITCH_INTERVAL = 1e-4
+#: ``_tiling.TOKEN_LANES_MIN_BLOCKS`` under the simulator (the library's 128 is a GPU's
+#: figure: on the tiny test inputs it makes one token a block, one block of Python
+#: threads per token). Tests that need the library's value take ``library_lane_blocks``.
+SIM_TOKEN_LANES_MIN_BLOCKS = 2
+_LIBRARY_LANE_BLOCKS = []  # the library's TOKEN_LANES_MIN_BLOCKS, once replaced
+
+if _simulator():
+    sys.setswitchinterval(SIM_SWITCH_INTERVAL)
+
+
+def _atomic_simulator_shared():
+    """numba-cuda's simulator makes a static ``cuda.shared.array`` at its first call in a
+    launch by a check-then-set on a dict (``kernelapi.FakeCUDAShared.array``): threads of a
+    block that get there together can each get an array of their own, and the block's sums
+    come out wrong (seen with ``SIM_SWITCH_INTERVAL``: the aux-loss partial sums, 2 runs in 6;
+    possible, if rarer, at 5 ms). Here one ``dict.setdefault`` (atomic under the GIL) gives
+    every thread the same array; the rest is numba's code (same key: the caller's file, line)."""
+    from numba.cuda.simulator import kernelapi
+
+    original = kernelapi.FakeCUDAShared.array
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory, or numba's error
+            return original(self, shape, dtype, alignment)
+        if isinstance(dtype, kernelapi.types.Type):
+            dtype = kernelapi.numpy_support.as_dtype(dtype)
+        caller = sys._getframe(1)
+        return self._allocations.setdefault((caller.f_code.co_filename, caller.f_lineno),
+                                            np.empty(shape, dtype))
+
+    kernelapi.FakeCUDAShared.array = array
+
+
+def _simulator_setup():
+    """Under the simulator, once, where kernel tests were collected: ``_atomic_simulator_shared``;
+    ``TOKEN_LANES_MIN_BLOCKS`` := ``SIM_TOKEN_LANES_MIN_BLOCKS`` (before any plan is made)."""
+    if _LIBRARY_LANE_BLOCKS:
+        return
+    _atomic_simulator_shared()
+    from gpurouter.kernels import _tiling
+
+    _LIBRARY_LANE_BLOCKS.append(_tiling.TOKEN_LANES_MIN_BLOCKS)
+    _tiling.TOKEN_LANES_MIN_BLOCKS = SIM_TOKEN_LANES_MIN_BLOCKS
+
+
+@pytest.fixture
+def library_lane_blocks(monkeypatch):
+    """The library's ``TOKEN_LANES_MIN_BLOCKS`` for the test (the simulator suite runs with
+    ``SIM_TOKEN_LANES_MIN_BLOCKS``); yields its value. Plans forgotten around it."""
+    pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+    from gpurouter.kernels import _tiling, aux_scores, topk
+
+    def clear():
+        for f in (topk.topk_with_score_function_fwd_plan, aux_scores.score_for_aux_loss_fwd_plan):
+            f.cache_clear()
+
+    value = _LIBRARY_LANE_BLOCKS[0] if _LIBRARY_LANE_BLOCKS else _tiling.TOKEN_LANES_MIN_BLOCKS
+    monkeypatch.setattr(_tiling, "TOKEN_LANES_MIN_BLOCKS", value)
+    clear()
+    yield value
+    monkeypatch.undo()
+    clear()
+
+
 def pytest_collection_modifyitems(config, items):
+    simulated = False
     for item in items:
         if item.get_closest_marker("gpu") is not None and not _real_gpu():
             why = ("NUMBA_ENABLE_CUDASIM is set (simulator, no real GPU)" if _simulator()
@@ -97,3 +169,7 @@ def pytest_collection_modifyitems(config, items):
             elif not (_simulator() or _real_gpu()):
                 item.add_marker(pytest.mark.skip(
                     reason="needs a CUDA GPU or the simulator (NUMBA_ENABLE_CUDASIM=1)"))
+            else:
+                simulated = _simulator()
+    if simulated:
+        _simulator_setup()

@@ -56,11 +56,12 @@ def test_token_layouts_fit_shared_memory():
 
 
 
-def test_token_lanes():
+def test_token_lanes(library_lane_blocks):
     """The lanes of the grouped top-k forward (``token_lanes``: mode and slot words): the chunk lanes
     (2) up to their T, then the grouped lanes (1, W >= G and the lists fit) up to theirs, else none;
     ungrouped shapes only the chunk lanes; the chunk lanes' tiles shrink until the grid has
-    ``TOKEN_LANES_MIN_BLOCKS`` blocks; the slots sit after the bias."""
+    ``TOKEN_LANES_MIN_BLOCKS`` blocks (the library's value, not the simulator suite's); the slots
+    sit after the bias."""
     from gpurouter.kernels import _tiling as L
     from gpurouter.kernels._limits import SMEM_BUDGET
 
@@ -77,8 +78,8 @@ def test_token_lanes():
     assert L.token_lanes(mid, 64, 8, 32, False) == (0, 0)  # W = 4 < G = 32
     assert L.token_lanes(4096, 8192, 8, 8, True) == (0, 0)  # one token's slots exceed the budget
     assert L.token_layout(65536, 256, 8, True).shared < lay.shared  # (lists = 0: none)
-    tiny = L.token_layout(256, 256, 8, True, 13, L.TOKEN_LANES_MIN_BLOCKS)
-    assert tiny.grid >= L.TOKEN_LANES_MIN_BLOCKS and tiny.threads // tiny.tb >= 8 and tiny.shared <= SMEM_BUDGET
+    tiny = L.token_layout(256, 256, 8, True, 13, library_lane_blocks)
+    assert tiny.grid >= library_lane_blocks and tiny.threads // tiny.tb >= 8 and tiny.shared <= SMEM_BUDGET
 
 
 def test_quad_tiling_lanes_by_token_count():

@@ -181,6 +181,27 @@ def test_shapes_fwd_bwd(token_tiling, shape, sf):
     check_topk_bwd(K, m, s, random_cotangent(4, x.shape), "float32", cfg.kwargs())
 
 
+@pytest.mark.parametrize("shape,sf", [((6, 64, 6, -1, -1), "softmax"), ((6, 64, 8, 8, 4), "sigmoid")],
+                         ids=["flat", "groups"])
+def test_chunk_lanes_at_the_library_min_blocks(library_lane_blocks, shape, sf):
+    """The library's ``TOKEN_LANES_MIN_BLOCKS`` (the simulator suite runs with a smaller one:
+    tests/conftest.py): on a tiny T the chunk lanes' tile shrinks to one token a block; the
+    forward (and the backward on its saved scores) against the reference."""
+    from gpurouter.kernels import _launch as L
+    from gpurouter.kernels import _plan, _tiling
+
+    T, E, k, G, Kg = shape
+    cfg = _cfg(T, E, k, sf, False, G, Kg, 2.5, sf != "softmax")
+    assert _tiling.token_lanes(T, E, k, max(G, 0), cfg.has_bias)[0] == 2  # the chunk lanes
+    plan = K.topk_with_score_function_fwd_plan(_plan.spec_of((T, E), L.F32), cfg.has_bias, k, False, G, Kg,
+                                               np.float32(2.5), L.score_function_code(sf, "test"))
+    assert _kernel_of(plan) and (plan.steps[0].grid, plan.steps[0].args[10]) == (T, 1)  # T blocks of 1 token
+    bias = _bias(E, 3) if cfg.has_bias else None
+    x = tie_free_rows_np(12, cfg, bias)
+    _, m, s = check_topk_fwd(K, x, "float32", cfg.kwargs(), bias)
+    check_topk_bwd(K, m, s, random_cotangent(5, x.shape), "float32", cfg.kwargs())
+
+
 @pytest.mark.parametrize("sf,pre", FWD_MODES)
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
 def test_half_quads(token_tiling, sf, pre, dtype):
