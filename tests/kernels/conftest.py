@@ -37,18 +37,27 @@ def tiling(monkeypatch):
 
 @pytest.fixture
 def token_tiling(monkeypatch):
-    """``token_tiling(tokens, threads=32)`` caps the thread-per-token kernels'
+    """``token_tiling(tokens, threads=32, lanes=None)`` caps the thread-per-token kernels'
     tokens per block (and their minimum threads) for the test: small caps give
     several blocks and a partial last tile on tiny inputs. The chunk lanes'
     tiles keep that size (``TOKEN_LANES_MIN_BLOCKS`` off: on tiny inputs it
-    would shrink them to one token a block, the tile the test means to avoid)."""
+    would shrink them to one token a block, the tile the test means to avoid).
+    ``lanes`` picks the selection that the library picks by T (``_tiling.token_lanes``):
+    None the library's rule (on tiny inputs the chunk lanes), ``"group"`` no chunk
+    lanes (grouped: the grouped lanes, mode 1), ``"row"`` no lanes at all (mode 0, the
+    token's thread scans its row: every T above the lanes' caps on a GPU)."""
     pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
     from gpurouter.kernels import _tiling
 
-    def force(tokens, threads=32):
+    def force(tokens, threads=32, lanes=None):
+        assert lanes in (None, "chunk", "group", "row"), lanes
         monkeypatch.setattr(_tiling, "TOKEN_MAX_TOKENS", tokens)
         monkeypatch.setattr(_tiling, "TOKEN_MIN_THREADS", threads)
         monkeypatch.setattr(_tiling, "TOKEN_LANES_MIN_BLOCKS", 0)
+        if lanes in ("group", "row"):
+            monkeypatch.setattr(_tiling, "TOKEN_CHUNK_LANES_MAX_TOKENS", (-1, -1))
+        if lanes == "row":
+            monkeypatch.setattr(_tiling, "TOKEN_GROUP_LANES_MAX_TOKENS", -1)
         _clear_row_plans()
 
     yield force

@@ -90,14 +90,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("T,E,k,kw,dtype,path,fmt", CASES,
+# the token path's cases twice: the library's selection on tiny T (the chunk lanes) and the
+# row scan (``token_tiling``'s ``lanes="row"``: every T above the lanes' caps on a GPU)
+LANE_CASES = [c + (lanes,) for c in CASES for lanes in ((None, "row") if c[5] == "token" else (None,))]
+
+
+@pytest.mark.parametrize("T,E,k,kw,dtype,path,fmt,lanes", LANE_CASES,
                          ids=[f"E{c[1]}K{c[2]}-{c[3].get('score_function', 'softmax')}"
                               f"{'-pre' if c[3].get('use_pre_softmax') else ''}"
                               f"{'-groups' if 'num_groups' in c[3] else ''}"
-                              f"{'-bias' if 'expert_bias' in c[3] else ''}-{c[4]}-{c[5]}-fmt{c[6]}" for c in CASES])
-def test_indices_and_replay(token_tiling, tiling, T, E, k, kw, dtype, path, fmt):
+                              f"{'-bias' if 'expert_bias' in c[3] else ''}-{c[4]}-{c[5]}-fmt{c[6]}"
+                              f"{'-' + c[7] if c[7] else ''}" for c in LANE_CASES])
+def test_indices_and_replay(token_tiling, tiling, T, E, k, kw, dtype, path, fmt, lanes):
     if path == "token":
-        token_tiling(2)  # several blocks, a partial last tile
+        token_tiling(2, lanes=lanes)  # several blocks, a partial last tile
     elif E % 4 == 0:
         tiling(2, 4)  # the W-lane path: 2 lanes, 2 tokens per block
     x = _logits(T, E, 31 * E + k, dtype)
@@ -201,17 +207,22 @@ def test_device_arrays_and_plans(token_tiling):
         K.topk_with_score_function_fwd(x, 2, forced_indices=cuda.to_device(np.zeros((3, 2), np.int64)))
 
 
+@pytest.mark.parametrize("lanes", ["group", "row"])
 @pytest.mark.parametrize("way", [1, 2])
 @pytest.mark.parametrize("fmt", [0, 1])
-def test_token_indices_ways(token_tiling, monkeypatch, way, fmt):
+def test_token_indices_ways(token_tiling, monkeypatch, way, fmt, lanes):
     """Every way the thread-per-token forward writes its indices (hit lists in
     local memory, packed in a register) gives the
     reference's indices and the plain call's outputs, on ties, -inf fillers
-    and NaN rows, with groups and a bias."""
+    and NaN rows, with groups and a bias. The ways belong to the token thread's
+    selection (the grouped lanes' and the row scan's; the chunk lanes write
+    their indices from their masks), so those two are forced."""
+    from gpurouter.kernels import _tiling
     from gpurouter.kernels import topk as T
 
     monkeypatch.setattr(T, "TOKEN_INDICES_WAY", way)
-    token_tiling(2)  # clears the cached plans
+    token_tiling(2, lanes=lanes)  # clears the cached plans
+    assert _tiling.token_lanes(5, 16, 4, 4, True)[0] == {"group": 1, "row": 0}[lanes]
     kw = dict(score_function="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.5, expert_bias=_bias(16))
     x = _logits(5, 16, 7 + way, "bfloat16")
     p, m, s, idx = K.topk_with_score_function_fwd(x, 4, **kw, routing_map_format=fmt, return_indices=True)

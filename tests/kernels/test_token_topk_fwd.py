@@ -35,6 +35,18 @@ def _kernel_of(plan):
     return plan.steps[0].kernel.py_func.__module__.startswith("gpurouter.kernels.token_")
 
 
+#: the selections of the token forward (``token_tiling``'s ``lanes``; ``_tiling.token_lanes``'s mode)
+FLAT_LANES, GROUP_LANES = ["chunk", "row"], ["chunk", "group", "row"]
+_MODE = {"chunk": 2, "group": 1, "row": 0}
+
+
+def _assert_lanes(lanes, T, E, k, G=0, has_bias=False):
+    """The forced selection is the one the plan takes for this shape."""
+    from gpurouter.kernels import _tiling
+
+    assert _tiling.token_lanes(T, E, k, max(G, 0), has_bias)[0] == _MODE[lanes]
+
+
 def test_dispatch():
     """E % 4 == 0 and K <= 64 take the token kernels, the rest the W-lane ones."""
     from gpurouter.kernels import _launch as L
@@ -51,10 +63,12 @@ def test_dispatch():
     assert not _kernel_of(aux_scores.score_for_aux_loss_fwd_plan(_plan.spec_of((5, 13), L.F32), 3, 0))
 
 
+@pytest.mark.parametrize("lanes", FLAT_LANES)
 @pytest.mark.parametrize("sf,pre", FWD_MODES)
-def test_specials_fillers_partial_tile(token_tiling, sf, pre):
+def test_specials_fillers_partial_tile(token_tiling, sf, pre, lanes):
     # 2 tokens per block: 5 rows give 3 blocks, the last one partial
-    token_tiling(2)
+    token_tiling(2, lanes=lanes)
+    _assert_lanes(lanes, 5, 12, 4)
     ninf, nan = -np.inf, np.nan
     x = np.array([
         [ninf] * 12,                                                       # all -inf
@@ -66,9 +80,11 @@ def test_specials_fillers_partial_tile(token_tiling, sf, pre):
     check_special_rows(K, x, 4, pre, sf, [[0, 1, 2, 3], [0, 1, 2, 7]])
 
 
+@pytest.mark.parametrize("lanes", FLAT_LANES)
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid"])
-def test_ties_and_signed_zeros(token_tiling, sf):
-    token_tiling(2)
+def test_ties_and_signed_zeros(token_tiling, sf, lanes):
+    token_tiling(2, lanes=lanes)
+    _assert_lanes(lanes, 3, 12, 5)
     x = np.zeros((3, 12), np.float32)
     x[1] = [1, 2, 2, 0, 2, 2, 1, 0, 2, 2, 1, 2]
     x[2] = [-0.0, 0.0, 0.0, -0.0, -1, -0.0, 3, 3, 0.0, -2, 3, -0.0]
@@ -79,8 +95,10 @@ def test_ties_and_signed_zeros(token_tiling, sf):
     np.testing.assert_allclose(p, rp, atol=1e-6, rtol=1e-5)
 
 
-def test_group_ties_and_dropped_fillers(token_tiling):
-    token_tiling(1)
+@pytest.mark.parametrize("lanes", GROUP_LANES)
+def test_group_ties_and_dropped_fillers(token_tiling, lanes):
+    token_tiling(1, lanes=lanes)
+    _assert_lanes(lanes, 2, 16, 4, 4)
     x = np.zeros((2, 16), np.float32)
     p, m, _ = K.topk_with_score_function_fwd(x, 4, num_groups=4, group_topk=2,
                                              score_function="sigmoid")
@@ -97,13 +115,15 @@ def test_group_ties_and_dropped_fillers(token_tiling):
 
 
 @pytest.mark.parametrize("sf,pre", FWD_MODES)
-@pytest.mark.parametrize("grouped", [False, True], ids=["flat", "groups"])
-def test_ties_across_the_threshold(token_tiling, sf, pre, grouped):
+@pytest.mark.parametrize("grouped,lanes", [(False, la) for la in FLAT_LANES] + [(True, la) for la in GROUP_LANES],
+                         ids=[f"flat-{la}" for la in FLAT_LANES] + [f"groups-{la}" for la in GROUP_LANES])
+def test_ties_across_the_threshold(token_tiling, sf, pre, grouped, lanes):
     """Coarse-grid rows (ties everywhere, as bf16 logits give), a bias with
     repeated values, rows with fewer than K finite scores, all in one block
     with tie-free rows: the threshold way with and without a tie cutoff and
     the bit way side by side, maps exact against the reference."""
-    token_tiling(8)
+    token_tiling(8, lanes=lanes)
+    _assert_lanes(lanes, 12, 32, 6, 4 if grouped else 0, sf != "softmax")
     rng = np.random.default_rng(21)
     T, E, k = 12, 32, 6
     x = (rng.integers(-6, 7, (T, E)) / 4).astype(np.float32)
@@ -129,12 +149,14 @@ def test_ties_across_the_threshold(token_tiling, sf, pre, grouped):
     np.testing.assert_allclose(s, rs, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("lanes", FLAT_LANES)
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid"])
-def test_large_k_ties_and_fillers(token_tiling, sf):
+def test_large_k_ties_and_fillers(token_tiling, sf, lanes):
     """K = 20 of E = 32 (a 21-slot register list): bf16-like ties across the
     threshold, a row of one value, fewer than K finite scores; maps exact
     against the reference."""
-    token_tiling(4)
+    token_tiling(4, lanes=lanes)
+    _assert_lanes(lanes, 6, 32, 20, 0, sf != "softmax")
     rng = np.random.default_rng(5)
     T, E, k = 6, 32, 20
     x = (rng.integers(-4, 5, (T, E)) / 4).astype(np.float32)
@@ -169,10 +191,11 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("lanes", FLAT_LANES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}E{}K{}G{}Kg{}".format(*s))
 @pytest.mark.parametrize("sf", ["sigmoid", "softmax", "sqrtsoftplus"])
-def test_shapes_fwd_bwd(token_tiling, shape, sf):
-    token_tiling(2)
+def test_shapes_fwd_bwd(token_tiling, shape, sf, lanes):
+    token_tiling(2, lanes=lanes)
     T, E, k, G, Kg = shape
     cfg = _cfg(T, E, k, sf, False, G, Kg, 2.5, sf != "softmax")
     bias = _bias(E, 7) if cfg.has_bias else None
