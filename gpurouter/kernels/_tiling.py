@@ -189,7 +189,7 @@ def token_path(num_experts: int, topk: int, num_groups: int = 0, has_bias: bool 
 
 
 #: the forward kernel families a plan can take (``path=``)
-PATHS = ("auto", "token", "lane")
+PATHS = ("auto", "warp", "token", "lane")
 
 
 def use_token_path(path: str, op: str, num_experts: int, topk: int, num_groups: int = 0,

@@ -1,9 +1,12 @@
 """Router top-k with a score function: the launchers and plans
 (docs/contract.md sections 2 and 3).
 
-The forward plan picks the kernel: the thread-per-token kernel
-(``token_topk_fwd.py``) when ``_tiling.token_path`` takes the shape (K <= 64,
-E a multiple of 4), else the W-lane kernel (``lane_topk_fwd.py``); the
+The forward plan picks the kernel: the warp-per-token kernel
+(``warp_topk_fwd.py``) when ``use_warp_path`` takes the shape (sigmoid or
+sqrtsoftplus, no groups, E a multiple of 128 up to 512, K <= 31), else the
+thread-per-token kernel (``token_topk_fwd.py``) when ``_tiling.token_path``
+takes it (K <= 64, E a multiple of 4), else the W-lane kernel
+(``lane_topk_fwd.py``); the
 backward plan the quad kernel (``quad_bwd.py``, E a multiple of 4) or the
 streaming one (``stream_bwd.py``).
 """
@@ -41,6 +44,7 @@ from .lane_topk_fwd import lane_topk_fwd_kernel
 from .quad_bwd import quad_bwd_kernel
 from .stream_bwd import stream_bwd_kernel
 from .token_topk_fwd import token_topk_fwd_kernel
+from .warp_topk_fwd import warp_launch, warp_path, warp_topk_fwd_kernel
 
 OP = "topk_with_score_function"
 
@@ -99,8 +103,9 @@ def topk_with_score_function_fwd(
         (the weights' normaliser is then summed in that call's order, so a
         replay of returned indices is bit for bit the call).  Not with
         ``return_indices``.
-      path: the kernel family: "auto" (thread-per-token where it takes the
-        shape, else W-lane), "token" or "lane" (``_tiling.use_token_path``).
+      path: the kernel family: "auto" (warp-per-token, else thread-per-token,
+        else W-lane: the first that takes the shape), "warp", "token" or
+        "lane" (``use_warp_path``, ``_tiling.use_token_path``).
       out: optional ``(probs, routing_map, saved_scores[, indices])`` device arrays to write.
       stream: numba stream or int CUDA stream handle (0: default).
 
@@ -153,6 +158,19 @@ TOKEN_INDICES_WAY = 2
 SM_SHARED, BLOCK_RESERVED, SM_REGISTERS, SM_THREADS = 233472, 1024, 65536, 2048
 
 
+def use_warp_path(path: str, op: str, num_experts: int, topk: int, num_groups: int, score_fn: int,
+                  pre_softmax: bool, forced: bool) -> bool:
+    """Whether the forward takes the warp-per-token kernel: ``"auto"`` where
+    ``warp_path`` takes the shape, ``"warp"`` there or a ValueError naming
+    ``op``.  Never for the replay: it takes the thread-per-token kernel, which
+    sums a token's weights in the warp kernel's order (the same bits)."""
+    fits = warp_path(num_experts, topk, num_groups, score_fn, pre_softmax)
+    if path == "warp" and not fits:
+        raise ValueError(f"{op}: path='warp' needs sigmoid or sqrtsoftplus, no groups, E a multiple of 128 up to "
+                         f"512 and K <= 31 (E={num_experts}, K={topk}).")
+    return fits and path in ("auto", "warp") and not forced
+
+
 def _register_cap(lay) -> int:
     """The register cap of a thread-per-token forward with indices: what lets as
     many blocks be resident as its shared memory allows, so that the indices'
@@ -199,8 +217,19 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     flat_idx = Spec((num_tokens * int(topk),), np.int32)
     # indices out, forced in, or (never read) any int32 array: saved's first words
     xarr = In(1, flat_idx) if forced else Out(3, flat_idx) if indices else Out(2, Spec((1,), np.int32))
+    if use_warp_path(path, OP + "_fwd_plan", num_experts, int(topk), G if grouped else 0, int(score_fn),
+                     bool(pre_softmax), forced):
+        kern = warp_topk_fwd_kernel(logits.kind, num_experts, int(topk), int(score_fn), bool(has_bias), bitmap,
+                                    indices)
+        words, quads, flat = array_views(logits.kind, shape)
+        step = Step(kern, *warp_launch(num_tokens), 0,
+                    (In(0, words), bias, Out(0, words), Out(1, map_view(outs[1], quads)), Out(2, flat), xarr,
+                     num_tokens, np.float32(scale), 0))
+        return Plan(OP + "_fwd", ins, outs, (), (step,))
     # (the replay takes the kernel path of the call it replays: the same sums)
-    if _tiling.use_token_path(path, OP + "_fwd_plan", num_experts, int(topk), G if grouped else 0, bool(has_bias)):
+    token_path = _tiling.use_token_path("token" if path == "warp" else path, OP + "_fwd_plan", num_experts,
+                                        int(topk), G if grouped else 0, bool(has_bias))
+    if token_path:
         post = score_fn == SOFTMAX and not pre_softmax
         if forced:  # no groups, no bias: the bits say which experts
             lay = _tiling.token_layout(num_tokens, num_experts)

@@ -1,0 +1,244 @@
+"""The warp-per-token top-k forward: a token's scores in one warp's registers,
+selected by a bound and a sort of 32 candidates (docs/kernels.md, "The warp
+path").
+
+Where it runs (``use_warp_path``): sigmoid or sqrtsoftplus, no groups, E a
+multiple of 128 up to 512, K <= 31; not the routing replay (which runs the
+thread-per-token kernel: both sum a token's weights in the same order, so a
+replay is the call bit for bit).  Lane ``l`` of the token's warp holds the
+quads ``l, l + 32, ...`` of its row: each load the warp makes is one
+contiguous span.
+
+1. Each lane keeps its two largest ranking scores ``r = s + bias`` (NaN as
+   -inf).  The (K+1)-th largest of those 64 values (``sort64``) is a bound
+   ``b``: the (K+1)-th largest of any subset of a row is at most the row's,
+   so every expert of the top K has ``r >= b``.
+2. The candidates (``r >= b``; about K + 2 of them for random logits) go to
+   shared memory by a prefix count; when there are at most 32, a sort of the
+   (score, expert) pairs in the selection order (``sort32``: the larger
+   score, then the lower expert; docs/contract.md section 2) leaves the k-th
+   selected expert in lane k - 1.
+3. Otherwise (ties, or the top experts crowded into a few lanes) K rounds of
+   a warp arg-max over every expert leave the same in the same lanes.
+
+Then ``thr``, ``cut`` = lane K-1's pair: expert ``j`` is selected when
+``r > thr``, or ``r == thr`` and ``j <= cut``.  The weights' sum runs in the
+thread-per-token kernel's order: ascending experts with a bias or when
+``thr`` is -inf, else the selection order.  Every lane then writes its
+quads: ``saved`` (sigmoid: ``s``; sqrtsoftplus: the logit), the probs
+``scale * s / (sum + 1e-20)`` (K > 1) and the map.
+"""
+
+from __future__ import annotations
+
+from . import _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+
+# isort: split
+
+import functools
+
+import numpy as np
+from numba import cuda
+from numba import float32 as nb_f32  # array declarations take numba types
+from numba import int32 as nb_i32
+
+from ._access import flat_io
+from ._device import EPS, NEG_INF, ONE, SIGMOID, ZERO, activation, nan_as_neg_inf, u64
+from ._launch import SOFTMAX, simulator_enabled
+from ._token_rows import quad_flags, quad_nibble
+from ._vec import quad_f32
+from ._warp_lanes import ahead, exchanges, warp_scans, warp_sorts
+
+#: warps (tokens) a block; blocks at most (a grid-strided token loop): 16 an
+#: SM of an H200's 132 (tools/warp_select_probe.py, docs/benchmarks.md)
+WARP_TOKENS, WARP_MAX_BLOCKS = 4, 2112
+#: the shapes the warp path takes: E a multiple of 128 up to this, K up to
+#: 31 (the candidates' sort holds 32: K of them and the bound's)
+WARP_MAX_EXPERTS, WARP_MAX_TOPK = 512, 31
+NO_EXPERT = np.int32(0x7FFFFFFF)
+
+
+def warp_path(num_experts: int, topk: int, num_groups: int, score_fn: int, pre_softmax: bool) -> bool:
+    """Whether the warp-per-token forward takes the shape (module docstring)."""
+    return (score_fn != SOFTMAX and not pre_softmax and num_groups == 0 and num_experts % 128 == 0
+            and 128 <= num_experts <= WARP_MAX_EXPERTS and 1 <= topk <= WARP_MAX_TOPK)
+
+
+def warp_launch(num_tokens: int) -> tuple[int, int]:
+    """``(grid, threads)``: ``WARP_TOKENS`` warps a block on a GPU, one on the
+    simulator (where a barrier costs a thread switch for each thread)."""
+    warps = 1 if simulator_enabled() else WARP_TOKENS
+    return max(1, min(WARP_MAX_BLOCKS, -(-num_tokens // warps))), 32 * warps
+
+
+@functools.cache
+def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, has_bias: bool,
+                         bitmap: bool = False, indices: bool = False):
+    """The kernel for logits of ``kind``; everything but the token count is a
+    compile-time constant.  Launch: ``warp_launch(T)``, no dynamic shared
+    memory."""
+    Q = num_experts // 128  # quads a lane
+    N = 4 * Q
+    QROW = num_experts // 4  # quads a row
+    MROW = num_experts // 8  # BITMAP_U8 bytes a row
+    KB = np.int32(topk)  # the bound's place in the 64-sort: the (K+1)-th largest
+    KL = np.int32(topk - 1)
+    WARPS = warp_launch(1)[1] // 32
+    SLOTS = 32 * WARPS
+    RED = SLOTS if simulator_enabled() else 1  # the exchanges' twins
+    norm = topk > 1
+    load4, store4, _ = flat_io(kind)
+    store_f32 = quad_f32()[1]
+    xor, _, idx, uniform_any, warp_sync = exchanges()
+    sort64, sort32 = warp_sorts()
+    inclusive_sum, arg_max = warp_scans()
+
+    @cuda.jit(device=True)
+    def score(x, bias, b, s, r, n):
+        """Expert slot ``n``'s score and ranking score from its logit ``x``."""
+        v = activation(x, score_fn)
+        s[n] = v
+        r[n] = nan_as_neg_inf(np.float32(v + b[n]) if has_bias else v)
+
+    @cuda.jit(device=True)
+    def pick(r, n, e, thr, cut):
+        return (r[n] > thr) | ((r[n] == thr) & (e <= cut))
+
+    @cuda.jit
+    def warp_topk_fwd(logits, bias, probs, rmap, saved, xarr, num_tokens, scale, fallback_only):
+        cand_v = cuda.shared.array(SLOTS, nb_f32)
+        cand_e = cuda.shared.array(SLOTS, nb_i32)
+        red = cuda.shared.array(RED, nb_f32)
+        redi = cuda.shared.array(RED, nb_i32)
+        tid = np.int32(cuda.threadIdx.x)
+        lane = np.int32(tid & 31)
+        base = np.int32(tid - lane)
+        b = cuda.local.array(N, nb_f32)
+        s = cuda.local.array(N, nb_f32)
+        r = cuda.local.array(N, nb_f32)
+        for n in range(N):
+            b[n] = bias[np.int32(4 * lane + 128 * (n >> 2) + (n & 3))] if has_bias else ZERO
+        tok = np.int64(cuda.blockIdx.x) * WARPS
+        while tok < num_tokens:  # the block's warps take the same trips (the twins' barriers)
+            t = tok + (tid >> 5)
+            live = t < num_tokens
+            row = u64(min(t, num_tokens - 1)) * u64(QROW)
+            m1 = NEG_INF
+            m2 = NEG_INF
+            for q in range(Q):
+                w = row + u64(lane + 32 * q)
+                x0, x1, x2, x3 = load4(logits, w)
+                score(x0, bias, b, s, r, 4 * q)
+                score(x1, bias, b, s, r, 4 * q + 1)
+                score(x2, bias, b, s, r, 4 * q + 2)
+                score(x3, bias, b, s, r, 4 * q + 3)
+                if live:
+                    if score_fn == SIGMOID:
+                        store_f32(saved, w, s[4 * q], s[4 * q + 1], s[4 * q + 2], s[4 * q + 3])
+                    else:
+                        store_f32(saved, w, x0, x1, x2, x3)
+                for i in range(4):
+                    v = r[4 * q + i]
+                    m1, m2 = max(m1, v), max(m2, min(m1, v))
+            # 1. the bound
+            a0, a1 = sort64(m1, m2, red, tid)
+            bound = idx(a1 if KB & 1 else a0, KB >> 1, red, tid)
+            # 2. the candidates, at most 32 of them sorted
+            cnt = np.int32(0)
+            for n in range(N):
+                cnt += np.int32(r[n] >= bound)
+            incl = inclusive_sum(cnt, redi, tid)
+            total = idx(incl, 31, redi, tid)
+            pos = np.int32(incl - cnt)
+            for n in range(N):
+                if r[n] >= bound and pos < 32:
+                    cand_v[base + pos] = r[n]
+                    cand_e[base + pos] = np.int32(4 * lane + 128 * (n >> 2) + (n & 3))
+                    pos += 1
+            warp_sync()
+            cv = cand_v[base + lane] if lane < total else NEG_INF
+            ce = cand_e[base + lane] if lane < total else NO_EXPERT
+            warp_sync()
+            cv, ce = sort32(cv, ce, red, redi, tid)
+            # 3. K rounds of a warp arg-max where the candidates overflowed
+            need = (total > 32) | (fallback_only != 0)
+            if uniform_any(need):
+                taken = np.uint32(0)
+                for k in range(topk):
+                    bv = NEG_INF
+                    be = NO_EXPERT
+                    for n in range(N):
+                        e = np.int32(4 * lane + 128 * (n >> 2) + (n & 3))
+                        if ((taken >> np.uint32(n)) & np.uint32(1)) == 0 and ahead(r[n], e, bv, be):
+                            bv = r[n]
+                            be = e
+                    bv, be = arg_max(bv, be, red, redi, tid)
+                    for n in range(N):
+                        if be == np.int32(4 * lane + 128 * (n >> 2) + (n & 3)):
+                            taken |= np.uint32(1) << np.uint32(n)
+                    if need and lane == k:
+                        cv = bv
+                        ce = be
+            thr = idx(cv, KL, red, tid)
+            cut = idx(ce, KL, redi, tid)
+            if indices and live and lane < topk:
+                xarr[u64(t) * u64(topk) + u64(lane)] = ce
+            # the weights' sum, in the thread-per-token kernel's order
+            inv = ONE
+            if norm:
+                if has_bias or thr == NEG_INF:  # ascending experts: each lane's places
+                    packed = np.int32(0)
+                    for n in range(N):
+                        e = np.int32(4 * lane + 128 * (n >> 2) + (n & 3))
+                        packed += np.int32(pick(r, n, e, thr, cut)) << np.int32(8 * (n >> 2))
+                    incl = inclusive_sum(packed, redi, tid)
+                    sums = idx(incl, 31, redi, tid)
+                    at = np.int32(incl - packed)
+                    for n in range(N):
+                        q = n >> 2
+                        e = np.int32(4 * lane + 128 * q + (n & 3))
+                        if (n & 3) == 0:
+                            start = np.int32(0)
+                            for p in range(Q):
+                                if p < q:
+                                    start += (sums >> np.int32(8 * p)) & np.int32(255)
+                            pos = np.int32(start + ((at >> np.int32(8 * q)) & np.int32(255)))
+                        if pick(r, n, e, thr, cut):
+                            cand_v[base + pos] = s[n]
+                            pos += 1
+                else:
+                    incl = inclusive_sum(np.int32(0), redi, tid)  # the other branch's exchanges
+                    sums = idx(incl, 31, redi, tid)
+                    if lane < topk:
+                        cand_v[base + lane] = cv
+                warp_sync()
+                acc = ZERO
+                for k in range(topk):
+                    acc = np.float32(acc + cand_v[base + k])
+                warp_sync()
+                inv = np.float32(ONE / np.float32(acc + EPS))
+            nib_odd = np.uint32(0)
+            for q in range(Q):
+                n = 4 * q
+                w = row + u64(lane + 32 * q)
+                j = np.int32(4 * lane + 128 * q)
+                p0 = pick(r, n, j, thr, cut)
+                p1 = pick(r, n + 1, j + 1, thr, cut)
+                p2 = pick(r, n + 2, j + 2, thr, cut)
+                p3 = pick(r, n + 3, j + 3, thr, cut)
+                w0 = np.float32(scale * np.float32(s[n] * inv if norm else s[n])) if p0 else ZERO
+                w1 = np.float32(scale * np.float32(s[n + 1] * inv if norm else s[n + 1])) if p1 else ZERO
+                w2 = np.float32(scale * np.float32(s[n + 2] * inv if norm else s[n + 2])) if p2 else ZERO
+                w3 = np.float32(scale * np.float32(s[n + 3] * inv if norm else s[n + 3])) if p3 else ZERO
+                if bitmap:  # a byte holds two quads: the even lane writes its odd neighbour's too
+                    nib = quad_nibble(r[n], r[n + 1], r[n + 2], r[n + 3], j >> 2, thr, cut, rmap, 0)
+                    nib_odd = np.uint32(xor(np.int32(nib), 1, redi, tid))
+                    if live and (lane & 1) == 0:
+                        rmap[u64(t) * u64(MROW) + u64((lane + 32 * q) >> 1)] = np.uint8(nib | (nib_odd << 4))
+                elif live:
+                    rmap[w] = quad_flags(r[n], r[n + 1], r[n + 2], r[n + 3], j >> 2, thr, cut, rmap, 0)
+                if live:
+                    store4(probs, w, w0, w1, w2, w3)
+            tok += np.int64(cuda.gridDim.x) * WARPS
+
+    return warp_topk_fwd

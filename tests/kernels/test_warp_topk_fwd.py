@@ -1,0 +1,202 @@
+"""The warp-per-token top-k forward (``gpurouter/kernels/warp_topk_fwd.py``) and its
+exchanges and sorts (``_warp_lanes.py``): the dispatch to it, the same bits as the
+thread-per-token kernel (which test_token_topk_fwd.py checks against the reference) in
+every dtype, map format, K and score function it takes, ties, specials, the arg-max
+rounds alone, the replay of its indices, and a float64 oracle.  Tiny shapes: the
+simulator runs them (a block of one warp there; four on a GPU).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+
+from numba import cuda  # noqa: E402
+from numba import float32 as nb_f32  # noqa: E402
+from numba import int32 as nb_i32  # noqa: E402
+
+from gpurouter.kernels import _launch as L  # noqa: E402
+from gpurouter.kernels import _plan, topk, warp_topk_fwd  # noqa: E402
+from gpurouter.kernels._warp_lanes import warp_scans, warp_sorts  # noqa: E402
+
+from ._helpers import host  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+
+def _module_of(plan):
+    return plan.steps[0].kernel.py_func.__module__.rsplit(".", 1)[-1]
+
+
+def _fwd(x, k, path, **kw):
+    kw.setdefault("score_function", "sigmoid")
+    return [host(a) for a in K.topk_with_score_function_fwd(x, k, path=path, **kw)]
+
+
+def _same(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert g.tobytes() == w.tobytes()
+
+
+def test_dispatch():
+    """sigmoid / sqrtsoftplus, no groups, E % 128 == 0 up to 512, K <= 31 take the warp
+    kernel; softmax, groups, other E and larger K the token kernels; the replay too."""
+
+    def fwd(E, k, fn=L.SIGMOID, G=-1, Kg=-1, forced=False):
+        return topk.topk_with_score_function_fwd_plan(_plan.spec_of((5, E), L.BF16), fn != L.SOFTMAX, k, False,
+                                                      G, Kg, np.float32(1), fn, 0, False, forced)
+
+    assert _module_of(fwd(512, 22)) == "warp_topk_fwd" and _module_of(fwd(384, 31)) == "warp_topk_fwd"
+    assert _module_of(fwd(128, 1, L.SQRTSOFTPLUS)) == "warp_topk_fwd"
+    for plan in (fwd(512, 32), fwd(640, 8), fwd(260, 8), fwd(256, 8, L.SIGMOID, 8, 4), fwd(256, 8, L.SOFTMAX),
+                 fwd(512, 22, forced=True)):
+        assert _module_of(plan) == "token_topk_fwd"
+
+
+@pytest.mark.parametrize("bad", [dict(k=32), dict(E=132), dict(fn="softmax"), dict(groups=(8, 4))])
+def test_forced_warp_path_names_the_op(bad):
+    E, k = bad.get("E", 128), bad.get("k", 4)
+    G, Kg = bad.get("groups", (-1, -1))
+    x = np.zeros((2, E), np.float32)
+    with pytest.raises(ValueError, match="topk_with_score_function.*path='warp'"):
+        K.topk_with_score_function_fwd(x, k, num_groups=G, group_topk=Kg, path="warp",
+                                       score_function=bad.get("fn", "sigmoid"))
+
+
+CASES = [  # (E, K, score function, bias, dtype, map format, indices)
+    (128, 1, "sigmoid", True, np.float32, 0, True),
+    (128, 4, "sqrtsoftplus", False, np.float32, 1, False),
+    (256, 8, "sigmoid", False, "bfloat16", 0, True),
+    # the large ones on a GPU only: 40-90 s each on the simulator
+    pytest.param(384, 22, "sigmoid", True, "bfloat16", 1, True, marks=pytest.mark.gpu),
+    pytest.param(512, 31, "sqrtsoftplus", True, np.float16, 0, False, marks=pytest.mark.gpu),
+]
+
+
+def _logits(T, E, dtype, rng, scale=1.0):
+    x = (rng.standard_normal((T, E)) * scale).astype(np.float32)
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return x.astype(ml_dtypes.bfloat16)
+    return x.astype(dtype)
+
+
+@pytest.mark.parametrize("E,k,fn,has_bias,dtype,fmt,indices", CASES)
+def test_same_bits_as_the_token_kernel(E, k, fn, has_bias, dtype, fmt, indices):
+    """probs, map, saved (and indices) equal the thread-per-token kernel's bit for bit,
+    the weights' sum included (5 tokens: a partial last block of warps on a GPU)."""
+    rng = np.random.default_rng(E + k)
+    x = _logits(5, E, dtype, rng)
+    bias = (rng.standard_normal(E) * 0.05).astype(np.float32) if has_bias else None
+    kw = dict(score_function=fn, expert_bias=bias, scaling_factor=2.5, routing_map_format=fmt,
+              return_indices=indices)
+    _same(_fwd(x, k, "warp", **kw), _fwd(x, k, "token", **kw))
+
+
+def test_ties_and_specials():
+    """Rows of ties (bf16-like steps: more than 32 candidates, the arg-max rounds), all
+    equal, NaN, +-inf and a -inf bias: the token kernel's selection and bits."""
+    rng = np.random.default_rng(7)
+    E, k = 128, 8
+    x = np.round(rng.standard_normal((6, E)) * 2).astype(np.float32) / 2
+    x[1] = 0.25
+    x[2, ::3] = np.nan
+    x[3, :40] = np.inf
+    x[4, :] = -np.inf
+    x[4, 100:104] = 1.0
+    x[5] = np.nan
+    bias = np.zeros(E, np.float32)
+    bias[5] = -np.inf
+    for b in (None, bias):
+        kw = dict(expert_bias=b, return_indices=True)
+        _same(_fwd(x, k, "warp", **kw), _fwd(x, k, "token", **kw))
+
+
+@pytest.mark.parametrize("fmt", [0, 1])
+def test_arg_max_rounds_alone(fmt):
+    """Every token through the K arg-max rounds (``fallback_only``) gives the plan's answer."""
+    rng = np.random.default_rng(3)
+    T, E, k = 3, 256, 6
+    x = rng.standard_normal((T, E)).astype(np.float32)
+    bias = (rng.standard_normal(E) * 0.05).astype(np.float32)
+    want = _fwd(x, k, "warp", expert_bias=bias, routing_map_format=fmt, return_indices=True)
+    kern = warp_topk_fwd.warp_topk_fwd_kernel(L.F32, E, k, L.SIGMOID, True, fmt == 1, True)
+    nb = (E + 7) // 8
+    outs = [cuda.device_array(T * E, np.float32), cuda.device_array(T * nb if fmt else T * E // 4,
+                                                                    np.uint8 if fmt else np.uint32),
+            cuda.device_array(T * E, np.float32), cuda.device_array(T * k, np.int32)]
+    grid, threads = warp_topk_fwd.warp_launch(T)
+    L.launch(kern, grid, threads, 0, 0, cuda.to_device(x.reshape(-1)), cuda.to_device(bias), *outs, T,
+             np.float32(1.0), 1)
+    got = [o.copy_to_host() for o in outs]
+    assert got[0].tobytes() == want[0].tobytes()
+    assert got[1].tobytes() == want[1].tobytes()
+    assert got[2].tobytes() == want[2].tobytes() and got[3].tobytes() == want[3].tobytes()
+
+
+def test_replay_of_its_indices_is_the_call():
+    """The replay (the token kernel) of the indices the warp kernel returned: the same bits."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    for bias in (None, (rng.standard_normal(256) * 0.05).astype(np.float32)):
+        probs, rmap, saved, idx = _fwd(x, 8, "auto", expert_bias=bias, scaling_factor=1.5, return_indices=True)
+        again = _fwd(x, 8, "auto", expert_bias=bias, scaling_factor=1.5, forced_indices=idx)
+        _same(again, [probs, rmap, saved])
+
+
+def test_float64_oracle():
+    """Selection and weights against float64 NumPy (distinct scores: no ties)."""
+    rng = np.random.default_rng(5)
+    T, E, k = 4, 384, 10
+    x = rng.permutation(T * E).reshape(T, E).astype(np.float32) / (T * E) * 8 - 4
+    bias = np.linspace(-0.01, 0.01, E, dtype=np.float32)
+    probs, rmap, saved, idx = _fwd(x, k, "warp", expert_bias=bias, scaling_factor=3.0, return_indices=True)
+    s = 1 / (1 + np.exp(-x.astype(np.float64)))
+    order = np.argsort(-(s + bias), axis=1, kind="stable")[:, :k]
+    want_map = np.zeros((T, E), bool)
+    np.put_along_axis(want_map, order, True, axis=1)
+    assert (rmap == want_map).all() and (idx == order).all()
+    want = np.where(want_map, 3.0 * s / (np.take_along_axis(s, order, 1).sum(1, keepdims=True) + 1e-20), 0)
+    np.testing.assert_allclose(probs, want, rtol=2e-6, atol=0)
+    np.testing.assert_allclose(saved, s, rtol=2e-6)
+
+
+def test_warp_sorts_and_scans():
+    """``sort64`` sorts 64 values descending, ``sort32`` 32 (score, expert) pairs in the
+    selection order, ``inclusive_sum`` and ``arg_max`` over a warp (GPU: shuffles;
+    simulator: their shared-memory twins)."""
+    sort64, sort32 = warp_sorts()
+    inclusive_sum, arg_max = warp_scans()
+
+    @cuda.jit
+    def run(a, v, e, c, out_a, out_v, out_e, out_c, out_m):
+        red = cuda.shared.array(32, nb_f32)
+        redi = cuda.shared.array(32, nb_i32)
+        tid = np.int32(cuda.threadIdx.x)
+        a0, a1 = sort64(a[2 * tid], a[2 * tid + 1], red, tid)
+        out_a[2 * tid] = a0
+        out_a[2 * tid + 1] = a1
+        sv, se = sort32(v[tid], e[tid], red, redi, tid)
+        out_v[tid] = sv
+        out_e[tid] = se
+        out_c[tid] = inclusive_sum(c[tid], redi, tid)
+        mv, me = arg_max(v[tid], e[tid], red, redi, tid)
+        out_m[tid] = me if mv == mv else -1
+
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal(64).astype(np.float32)
+    v = np.round(rng.standard_normal(32) * 2).astype(np.float32)  # ties: the lower expert first
+    e = rng.permutation(32).astype(np.int32)
+    c = rng.integers(0, 5, 32).astype(np.int32)
+    outs = [cuda.device_array(64, np.float32), cuda.device_array(32, np.float32), cuda.device_array(32, np.int32),
+            cuda.device_array(32, np.int32), cuda.device_array(32, np.int32)]
+    L.launch(run, 1, 32, 0, 0, *(cuda.to_device(z) for z in (a, v, e, c)), *outs)
+    got_a, got_v, got_e, got_c, got_m = (o.copy_to_host() for o in outs)
+    assert (got_a == np.sort(a)[::-1]).all()
+    order = sorted(range(32), key=lambda i: (-v[i], e[i]))
+    assert (got_v == v[order]).all() and (got_e == e[order]).all()
+    assert (got_c == np.cumsum(c)).all() and (got_m == e[order[0]]).all()
