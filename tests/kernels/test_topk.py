@@ -229,7 +229,7 @@ def test_launcher_config_errors_are_the_checks_module_s(kwargs, msg):
 @pytest.mark.parametrize("sf,grouped", [("sigmoid", True), ("softmax", False), ("sqrtsoftplus", False)])
 def test_the_kernel_family_is_an_explicit_argument(sf, grouped):
     """``path=`` picks the thread-per-token or the W-lane forward (no patched
-    globals): both agree with the reference and with each other; the aux
+    globals; the warp path: test_warp_topk_fwd.py): both agree with the reference and with each other; the aux
     scores too; a bad path and "token" where those kernels cannot run are
     ValueErrors naming the op."""
     rng = np.random.default_rng(3)
@@ -246,7 +246,7 @@ def test_the_kernel_family_is_an_explicit_argument(sf, grouped):
     np.testing.assert_array_equal(aux["token"][1], aux["lane"][1])
     np.testing.assert_allclose(aux["token"][0], aux["lane"][0], rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="topk_with_score_function_fwd_plan: path must be one of 'auto', "
-                                         "'token', 'lane', got 'fast'"):
+                                         "'warp', 'token', 'lane', got 'fast'"):
         K.topk_with_score_function_fwd(x, 4, **kw, path="fast")
     with pytest.raises(ValueError, match="path='token' needs K <= 64, E a multiple of 4"):
         K.topk_with_score_function_fwd(x[:, :14], 4, score_function="softmax", path="token")
