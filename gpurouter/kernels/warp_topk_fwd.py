@@ -45,7 +45,6 @@ from numba import int32 as nb_i32
 from ._access import flat_io
 from ._device import EPS, NEG_INF, ONE, SIGMOID, ZERO, activation, nan_as_neg_inf, u64
 from ._launch import SOFTMAX, simulator_enabled
-from ._token_rows import quad_flags, quad_nibble
 from ._vec import quad_f32
 from ._warp_lanes import ahead, exchanges, warp_scans, warp_sorts
 
@@ -183,29 +182,28 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
             cut = idx(ce, KL, redi, tid)
             if indices and live and lane < topk:
                 xarr[u64(t) * u64(topk) + u64(lane)] = ce
+            sel = np.uint32(0)  # bit n: expert slot n is selected
+            for n in range(N):
+                if pick(r, n, np.int32(4 * lane + 128 * (n >> 2) + (n & 3)), thr, cut):
+                    sel |= np.uint32(1) << np.uint32(n)
             # the weights' sum, in the thread-per-token kernel's order
             inv = ONE
             if norm:
                 if has_bias or thr == NEG_INF:  # ascending experts: each lane's places
-                    packed = np.int32(0)
-                    for n in range(N):
-                        e = np.int32(4 * lane + 128 * (n >> 2) + (n & 3))
-                        packed += np.int32(pick(r, n, e, thr, cut)) << np.int32(8 * (n >> 2))
+                    packed = np.int32(0)  # a byte a quad: its selected count
+                    for q in range(Q):
+                        packed += np.int32(cuda.popc((sel >> np.uint32(4 * q)) & np.uint32(15))) << np.int32(8 * q)
                     incl = inclusive_sum(packed, redi, tid)
                     sums = idx(incl, 31, redi, tid)
                     at = np.int32(incl - packed)
-                    for n in range(N):
-                        q = n >> 2
-                        e = np.int32(4 * lane + 128 * q + (n & 3))
-                        if (n & 3) == 0:
-                            start = np.int32(0)
-                            for p in range(Q):
-                                if p < q:
-                                    start += (sums >> np.int32(8 * p)) & np.int32(255)
-                            pos = np.int32(start + ((at >> np.int32(8 * q)) & np.int32(255)))
-                        if pick(r, n, e, thr, cut):
-                            cand_v[base + pos] = s[n]
-                            pos += 1
+                    start = np.int32(0)  # the quads before this one, over the warp
+                    for q in range(Q):
+                        pos = np.int32(start + ((at >> np.int32(8 * q)) & np.int32(255)))
+                        for i in range(4):
+                            if (sel >> np.uint32(4 * q + i)) & np.uint32(1):
+                                cand_v[base + pos] = s[4 * q + i]
+                                pos += 1
+                        start += (sums >> np.int32(8 * q)) & np.int32(255)
                 else:
                     incl = inclusive_sum(np.int32(0), redi, tid)  # the other branch's exchanges
                     sums = idx(incl, 31, redi, tid)
@@ -217,26 +215,21 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                     acc = np.float32(acc + cand_v[base + k])
                 warp_sync()
                 inv = np.float32(ONE / np.float32(acc + EPS))
-            nib_odd = np.uint32(0)
             for q in range(Q):
                 n = 4 * q
                 w = row + u64(lane + 32 * q)
-                j = np.int32(4 * lane + 128 * q)
-                p0 = pick(r, n, j, thr, cut)
-                p1 = pick(r, n + 1, j + 1, thr, cut)
-                p2 = pick(r, n + 2, j + 2, thr, cut)
-                p3 = pick(r, n + 3, j + 3, thr, cut)
-                w0 = np.float32(scale * np.float32(s[n] * inv if norm else s[n])) if p0 else ZERO
-                w1 = np.float32(scale * np.float32(s[n + 1] * inv if norm else s[n + 1])) if p1 else ZERO
-                w2 = np.float32(scale * np.float32(s[n + 2] * inv if norm else s[n + 2])) if p2 else ZERO
-                w3 = np.float32(scale * np.float32(s[n + 3] * inv if norm else s[n + 3])) if p3 else ZERO
+                nib = (sel >> np.uint32(n)) & np.uint32(15)
+                w0 = np.float32(scale * np.float32(s[n] * inv if norm else s[n])) if nib & 1 else ZERO
+                w1 = np.float32(scale * np.float32(s[n + 1] * inv if norm else s[n + 1])) if nib & 2 else ZERO
+                w2 = np.float32(scale * np.float32(s[n + 2] * inv if norm else s[n + 2])) if nib & 4 else ZERO
+                w3 = np.float32(scale * np.float32(s[n + 3] * inv if norm else s[n + 3])) if nib & 8 else ZERO
                 if bitmap:  # a byte holds two quads: the even lane writes its odd neighbour's too
-                    nib = quad_nibble(r[n], r[n + 1], r[n + 2], r[n + 3], j >> 2, thr, cut, rmap, 0)
-                    nib_odd = np.uint32(xor(np.int32(nib), 1, redi, tid))
+                    odd = np.uint32(xor(np.int32(nib), 1, redi, tid))
                     if live and (lane & 1) == 0:
-                        rmap[u64(t) * u64(MROW) + u64((lane + 32 * q) >> 1)] = np.uint8(nib | (nib_odd << 4))
-                elif live:
-                    rmap[w] = quad_flags(r[n], r[n + 1], r[n + 2], r[n + 3], j >> 2, thr, cut, rmap, 0)
+                        rmap[u64(t) * u64(MROW) + u64((lane + 32 * q) >> 1)] = np.uint8(nib | (odd << np.uint32(4)))
+                elif live:  # a byte an expert
+                    rmap[w] = ((nib & np.uint32(1)) | ((nib & np.uint32(2)) << np.uint32(7))
+                               | ((nib & np.uint32(4)) << np.uint32(14)) | ((nib & np.uint32(8)) << np.uint32(21)))
                 if live:
                     store4(probs, w, w0, w1, w2, w3)
             tok += np.int64(cuda.gridDim.x) * WARPS
