@@ -26,6 +26,10 @@ and ``saved`` must equal its own, the probs agree within one bf16 ulp (the sum's
 differs).
 
     python3 tools/warp_select_probe.py --presets nemotron-3-super,kimi-k2 --tokens 4096,65536
+
+Its figures in docs/benchmarks.md ("A warp a token") were taken at 7532931, when this
+file had its own copy of the sorts, scans and bf16 helpers; it now takes the library's
+(``kernels/_warp_lanes.py``, the same stages) and ``warp_topk_probe.py``'s (not run on a GPU since).
 """
 
 from __future__ import annotations
@@ -38,107 +42,20 @@ import ml_dtypes
 import numpy as np
 from _timing import median_us, spin_kernel, time_plan
 from numba import cuda, float32, int32, uint32, uint64
+from warp_topk_probe import bf16, to_bf16
 
 from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
 from gpurouter.kernels import _plan
 from gpurouter.kernels._device import EPS, sigmoid
 from gpurouter.kernels._vec import quad_f32
+from gpurouter.kernels._warp_lanes import ahead, warp_scans, warp_sorts
 from gpurouter.presets import PRESETS
 
 QUAD_STORE = quad_f32()[1]  # 16-byte stores of saved
 FULL = np.uint32(0xFFFFFFFF)
 NEG_INF = np.float32(-np.inf)
 NO_EXPERT = np.int32(0x7FFFFFFF)
-
-
-@cuda.jit(device=True)
-def bf16(w, i):
-    return np.uint32(np.uint32((w >> uint64(16 * i)) & uint64(0xFFFF)) << np.uint32(16)).view(np.float32)
-
-
-@cuda.jit(device=True)
-def to_bf16(f):
-    u = np.uint32(np.float32(f).view(np.uint32))
-    return uint64((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-
-
-@cuda.jit(device=True)
-def ahead(v, e, ov, oe):
-    """Whether (v, e) comes before (ov, oe): the larger score, then the lower expert."""
-    return (v > ov) | ((v == ov) & (e < oe))
-
-@cuda.jit(device=True)
-def stage64(a0, a1, i0, k, j):
-    """One (k, j) stage of a descending bitonic sort of 64 values, item ``i = 2 lane + h``
-    in slot ``a_h`` of its lane, ``i0 = 2 lane``.  Called with constant ``k``, ``j``, once
-    a stage (the calls are written out: numba does not unroll a loop, and a loop's stage
-    cost ~30 more instructions here)."""
-    if j == 1:  # the lane's own two items
-        hi = max(a0, a1)
-        lo = min(a0, a1)
-        first = (i0 & k) == 0
-        return (hi if first else lo), (lo if first else hi)
-    o0 = cuda.shfl_xor_sync(FULL, a0, j >> 1)
-    o1 = cuda.shfl_xor_sync(FULL, a1, j >> 1)
-    up = ((i0 & j) == 0) == ((i0 & k) == 0)
-    return (max(a0, o0) if up else min(a0, o0)), (max(a1, o1) if up else min(a1, o1))
-
-
-@cuda.jit(device=True)
-def sort64(a0, a1, i0):
-    a0, a1 = stage64(a0, a1, i0, 2, 1)
-    a0, a1 = stage64(a0, a1, i0, 4, 2)
-    a0, a1 = stage64(a0, a1, i0, 4, 1)
-    a0, a1 = stage64(a0, a1, i0, 8, 4)
-    a0, a1 = stage64(a0, a1, i0, 8, 2)
-    a0, a1 = stage64(a0, a1, i0, 8, 1)
-    a0, a1 = stage64(a0, a1, i0, 16, 8)
-    a0, a1 = stage64(a0, a1, i0, 16, 4)
-    a0, a1 = stage64(a0, a1, i0, 16, 2)
-    a0, a1 = stage64(a0, a1, i0, 16, 1)
-    a0, a1 = stage64(a0, a1, i0, 32, 16)
-    a0, a1 = stage64(a0, a1, i0, 32, 8)
-    a0, a1 = stage64(a0, a1, i0, 32, 4)
-    a0, a1 = stage64(a0, a1, i0, 32, 2)
-    a0, a1 = stage64(a0, a1, i0, 32, 1)
-    a0, a1 = stage64(a0, a1, i0, 64, 32)
-    a0, a1 = stage64(a0, a1, i0, 64, 16)
-    a0, a1 = stage64(a0, a1, i0, 64, 8)
-    a0, a1 = stage64(a0, a1, i0, 64, 4)
-    a0, a1 = stage64(a0, a1, i0, 64, 2)
-    a0, a1 = stage64(a0, a1, i0, 64, 1)
-    return a0, a1
-
-
-@cuda.jit(device=True)
-def stage32(v, e, lane, k, j):
-    """One (k, j) stage of a bitonic sort of 32 (score, expert) pairs, one a lane, ``ahead``
-    first."""
-    ov = cuda.shfl_xor_sync(FULL, v, j)
-    oe = cuda.shfl_xor_sync(FULL, e, j)
-    take = ahead(ov, oe, v, e) == (((lane & j) == 0) == ((lane & k) == 0))
-    return (ov if take else v), (oe if take else e)
-
-
-@cuda.jit(device=True)
-def sort32(v, e, lane):
-    v, e = stage32(v, e, lane, 2, 1)
-    v, e = stage32(v, e, lane, 4, 2)
-    v, e = stage32(v, e, lane, 4, 1)
-    v, e = stage32(v, e, lane, 8, 4)
-    v, e = stage32(v, e, lane, 8, 2)
-    v, e = stage32(v, e, lane, 8, 1)
-    v, e = stage32(v, e, lane, 16, 8)
-    v, e = stage32(v, e, lane, 16, 4)
-    v, e = stage32(v, e, lane, 16, 2)
-    v, e = stage32(v, e, lane, 16, 1)
-    v, e = stage32(v, e, lane, 32, 16)
-    v, e = stage32(v, e, lane, 32, 8)
-    v, e = stage32(v, e, lane, 32, 4)
-    v, e = stage32(v, e, lane, 32, 2)
-    v, e = stage32(v, e, lane, 32, 1)
-    return v, e
 
 
 @cuda.jit(device=True)
@@ -150,20 +67,6 @@ def warp_sum(v):
     return float32(v + cuda.shfl_xor_sync(FULL, v, 1))
 
 
-@cuda.jit(device=True)
-def scan_add(v, lane, d):
-    o = cuda.shfl_up_sync(FULL, v, d)
-    return v + o if lane >= d else v
-
-
-@cuda.jit(device=True)
-def arg_max_step(bv, be, d):
-    ov = cuda.shfl_xor_sync(FULL, bv, d)
-    oe = cuda.shfl_xor_sync(FULL, be, d)
-    take = ahead(ov, oe, bv, be)
-    return (ov if take else bv), (oe if take else be)
-
-
 @functools.cache
 def make_kernel(num_experts: int, topk: int, warps: int, max_registers: int = 0):
     Q = num_experts // 128  # quads a lane
@@ -172,6 +75,8 @@ def make_kernel(num_experts: int, topk: int, warps: int, max_registers: int = 0)
     KB = np.int32(topk)  # the bound's place in the 64-sort (0-based): the (K+1)-th largest
     KL = np.int32(topk - 1)  # the K-th selected's lane in the 32-sort
     SLOTS = 32 * warps  # the block's candidates in shared memory
+    sort64, sort32 = warp_sorts()  # the library's (GPU: shuffles; their shared arrays unread)
+    inclusive_sum, arg_max = warp_scans()
 
     jit = cuda.jit(max_registers=max_registers) if max_registers else cuda.jit
 
@@ -179,7 +84,8 @@ def make_kernel(num_experts: int, topk: int, warps: int, max_registers: int = 0)
     def warp_select(x, bias, probs, saved, rmap, num_tokens, scale, force_fallback, stats):
         cand_v = cuda.shared.array(SLOTS, float32)
         cand_e = cuda.shared.array(SLOTS, int32)
-        lane = int32(cuda.threadIdx.x & 31)
+        tid = int32(cuda.threadIdx.x)
+        lane = int32(tid & 31)
         lane4 = int32(4 * lane)
         base = int32((cuda.threadIdx.x >> 5) * 32)
         warp = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) >> 5
@@ -207,17 +113,13 @@ def make_kernel(num_experts: int, topk: int, warps: int, max_registers: int = 0)
                     r[4 * q + i] = rr
                     m1, m2 = max(m1, rr), max(m2, min(m1, rr))
             # 2: the bound, the (K+1)-th largest of the lanes' two largest (item 2 lane + h)
-            a0, a1 = sort64(m1, m2, int32(2 * lane))
+            a0, a1 = sort64(m1, m2, cand_v, tid)
             bound = cuda.shfl_sync(FULL, a1 if (KB & 1) else a0, KB >> 1)
             # 3: the candidates' count, their places
             cnt = int32(0)
             for n in range(N):
                 cnt += int32(r[n] >= bound)
-            incl = scan_add(cnt, lane, 1)
-            incl = scan_add(incl, lane, 2)
-            incl = scan_add(incl, lane, 4)
-            incl = scan_add(incl, lane, 8)
-            incl = scan_add(incl, lane, 16)
+            incl = inclusive_sum(cnt, cand_e, tid)
             total = cuda.shfl_sync(FULL, incl, 31)
             if total <= 32 and force_fallback == 0:
                 pos = base + incl - cnt
@@ -234,7 +136,7 @@ def make_kernel(num_experts: int, topk: int, warps: int, max_registers: int = 0)
                     cv = cand_v[base + lane]
                     ce = cand_e[base + lane]
                 cuda.syncwarp(FULL)
-                cv, ce = sort32(cv, ce, lane)
+                cv, ce = sort32(cv, ce, cand_v, cand_e, tid)
                 thr = cuda.shfl_sync(FULL, cv, KL)
                 cut = cuda.shfl_sync(FULL, ce, KL)
             else:  # 4: K rounds of a warp arg-max
@@ -252,11 +154,7 @@ def make_kernel(num_experts: int, topk: int, warps: int, max_registers: int = 0)
                             if ((taken >> uint32(n)) & uint32(1)) == 0 and ahead(r[n], e, bv, be):
                                 bv = r[n]
                                 be = e
-                    bv, be = arg_max_step(bv, be, 16)
-                    bv, be = arg_max_step(bv, be, 8)
-                    bv, be = arg_max_step(bv, be, 4)
-                    bv, be = arg_max_step(bv, be, 2)
-                    bv, be = arg_max_step(bv, be, 1)
+                    bv, be = arg_max(bv, be, cand_v, cand_e, tid)
                     for q in range(Q):
                         for i in range(4):
                             if be == int32(lane4 + int32(128 * q + i)):
