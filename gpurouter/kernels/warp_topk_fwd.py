@@ -93,7 +93,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     inclusive_sum, arg_max = warp_scans()
 
     @cuda.jit(device=True)
-    def score(x, bias, b, s, r, n):
+    def score(x, b, s, r, n):
         """Expert slot ``n``'s score and ranking score from its logit ``x``."""
         v = activation(x, score_fn)
         s[n] = v
@@ -127,10 +127,10 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
             for q in range(Q):
                 w = row + u64(lane + 32 * q)
                 x0, x1, x2, x3 = load4(logits, w)
-                score(x0, bias, b, s, r, 4 * q)
-                score(x1, bias, b, s, r, 4 * q + 1)
-                score(x2, bias, b, s, r, 4 * q + 2)
-                score(x3, bias, b, s, r, 4 * q + 3)
+                score(x0, b, s, r, 4 * q)
+                score(x1, b, s, r, 4 * q + 1)
+                score(x2, b, s, r, 4 * q + 2)
+                score(x3, b, s, r, 4 * q + 3)
                 if live:
                     if score_fn == SIGMOID:
                         store_f32(saved, w, s[4 * q], s[4 * q + 1], s[4 * q + 2], s[4 * q + 3])
