@@ -3,11 +3,10 @@
 
 The forward plan picks the kernel: the warp-per-token kernel
 (``warp_topk_fwd.py``) when ``use_warp_path`` takes the shape (sigmoid or
-sqrtsoftplus, no groups, E a multiple of 128 up to 512, K <= 31), else the
-thread-per-token kernel (``token_topk_fwd.py``) when ``_tiling.token_path``
-takes it (K <= 64, E a multiple of 4), else the W-lane kernel
-(``lane_topk_fwd.py``); the
-backward plan the quad kernel (``quad_bwd.py``, E a multiple of 4) or the
+sqrtsoftplus, no groups, E a multiple of 128 from 384 up to 512, K <= 31),
+else the thread-per-token kernel (``token_topk_fwd.py``) when
+``_tiling.token_path`` takes it (K <= 64, E a multiple of 4), else the
+W-lane kernel (``lane_topk_fwd.py``); the backward plan the quad kernel (``quad_bwd.py``, E a multiple of 4) or the
 streaming one (``stream_bwd.py``).
 """
 
@@ -44,7 +43,7 @@ from .lane_topk_fwd import lane_topk_fwd_kernel
 from .quad_bwd import quad_bwd_kernel
 from .stream_bwd import stream_bwd_kernel
 from .token_topk_fwd import token_topk_fwd_kernel
-from .warp_topk_fwd import warp_launch, warp_path, warp_topk_fwd_kernel
+from .warp_topk_fwd import WARP_AUTO_MIN_EXPERTS, warp_launch, warp_path, warp_topk_fwd_kernel
 
 OP = "topk_with_score_function"
 
@@ -161,14 +160,16 @@ SM_SHARED, BLOCK_RESERVED, SM_REGISTERS, SM_THREADS = 233472, 1024, 65536, 2048
 def use_warp_path(path: str, op: str, num_experts: int, topk: int, num_groups: int, score_fn: int,
                   pre_softmax: bool, forced: bool) -> bool:
     """Whether the forward takes the warp-per-token kernel: ``"auto"`` where
-    ``warp_path`` takes the shape, ``"warp"`` there or a ValueError naming
+    ``warp_path`` takes the shape and E >= ``WARP_AUTO_MIN_EXPERTS``,
+    ``"warp"`` wherever ``warp_path`` takes it, else a ValueError naming
     ``op``.  Never for the replay: it takes the thread-per-token kernel, which
     sums a token's weights in the warp kernel's order (the same bits)."""
     fits = warp_path(num_experts, topk, num_groups, score_fn, pre_softmax)
     if path == "warp" and not fits:
         raise ValueError(f"{op}: path='warp' needs sigmoid or sqrtsoftplus, no groups, E a multiple of 128 up to "
                          f"512 and K <= 31 (E={num_experts}, K={topk}).")
-    return fits and path in ("auto", "warp") and not forced
+    auto = path == "auto" and num_experts >= WARP_AUTO_MIN_EXPERTS
+    return fits and (auto or path == "warp") and not forced
 
 
 def _register_cap(lay) -> int:

@@ -2,8 +2,9 @@
 selected by a bound and a sort of 32 candidates (docs/kernels.md, "The warp
 path").
 
-Where it runs (``use_warp_path``): sigmoid or sqrtsoftplus, no groups, E a
-multiple of 128 up to 512, K <= 31; not the routing replay (which runs the
+Where it runs (``topk.use_warp_path``): sigmoid or sqrtsoftplus, no groups,
+E a multiple of 128 up to 512, K <= 31 (``path="auto"``: E >= 384 only,
+``WARP_AUTO_MIN_EXPERTS``); not the routing replay (which runs the
 thread-per-token kernel: both sum a token's weights in the same order, so a
 replay is the call bit for bit).  Lane ``l`` of the token's warp holds the
 quads ``l, l + 32, ...`` of its row: each load the warp makes is one
@@ -54,6 +55,10 @@ WARP_TOKENS, WARP_MAX_BLOCKS = 4, 2112
 #: the shapes the warp path takes: E a multiple of 128 up to this, K up to
 #: 31 (the candidates' sort holds 32: K of them and the bound's)
 WARP_MAX_EXPERTS, WARP_MAX_TOPK = 512, 31
+#: ``path="auto"`` takes it from this E on: measured faster than the token
+#: kernel at E = 384 (Kimi-K2) and 512 (Nemotron-3 Super), T = 4096 and 65536;
+#: E = 128 and 256 (DeepSeek-V4, Llama-4) not yet timed against it
+WARP_AUTO_MIN_EXPERTS = 384
 NO_EXPERT = np.int32(0x7FFFFFFF)
 
 

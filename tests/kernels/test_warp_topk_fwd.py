@@ -43,16 +43,18 @@ def _same(got, want):
 
 def test_dispatch():
     """sigmoid / sqrtsoftplus, no groups, E % 128 == 0 up to 512, K <= 31 take the warp
-    kernel; softmax, groups, other E and larger K the token kernels; the replay too."""
+    kernel (``path="auto"``: from E = 384); softmax, groups, other E, larger K and the
+    replay the token kernels."""
 
-    def fwd(E, k, fn=L.SIGMOID, G=-1, Kg=-1, forced=False):
+    def fwd(E, k, fn=L.SIGMOID, G=-1, Kg=-1, forced=False, path="auto"):
         return topk.topk_with_score_function_fwd_plan(_plan.spec_of((5, E), L.BF16), fn != L.SOFTMAX, k, False,
-                                                      G, Kg, np.float32(1), fn, 0, False, forced)
+                                                      G, Kg, np.float32(1), fn, 0, False, forced, path)
 
     assert _module_of(fwd(512, 22)) == "warp_topk_fwd" and _module_of(fwd(384, 31)) == "warp_topk_fwd"
-    assert _module_of(fwd(128, 1, L.SQRTSOFTPLUS)) == "warp_topk_fwd"
+    assert _module_of(fwd(128, 1, L.SQRTSOFTPLUS, path="warp")) == "warp_topk_fwd"
+    assert _module_of(fwd(256, 6, L.SQRTSOFTPLUS)) == "token_topk_fwd"  # auto: E < WARP_AUTO_MIN_EXPERTS
     for plan in (fwd(512, 32), fwd(640, 8), fwd(260, 8), fwd(256, 8, L.SIGMOID, 8, 4), fwd(256, 8, L.SOFTMAX),
-                 fwd(512, 22, forced=True)):
+                 fwd(512, 22, forced=True), fwd(512, 22, forced=True, path="warp")):
         assert _module_of(plan) == "token_topk_fwd"
 
 
@@ -143,7 +145,7 @@ def test_replay_of_its_indices_is_the_call():
     rng = np.random.default_rng(11)
     x = rng.standard_normal((4, 256)).astype(np.float32)
     for bias in (None, (rng.standard_normal(256) * 0.05).astype(np.float32)):
-        probs, rmap, saved, idx = _fwd(x, 8, "auto", expert_bias=bias, scaling_factor=1.5, return_indices=True)
+        probs, rmap, saved, idx = _fwd(x, 8, "warp", expert_bias=bias, scaling_factor=1.5, return_indices=True)
         again = _fwd(x, 8, "auto", expert_bias=bias, scaling_factor=1.5, forced_indices=idx)
         _same(again, [probs, rmap, saved])
 
