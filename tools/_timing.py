@@ -4,6 +4,7 @@ host's launch rate is not what is timed (as ``python -m gpurouter bench``)."""
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import numpy as np
@@ -72,3 +73,16 @@ def time_plan(plan, sets, repeats, spin):
     launch(ptr_sets[0], 0)
     cuda.synchronize()
     return us, [o.copy_to_host() for o in outs]
+
+
+def report(rows: list, row: dict) -> None:
+    """Keeps a probe's result row and prints it as one JSON line (the run's progress)."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def save_rows(path, rows: list) -> None:
+    """Writes a probe's rows as JSON to ``path`` (nothing when ``path`` is empty)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)

@@ -18,7 +18,7 @@ import argparse
 import json
 
 import numpy as np
-from _timing import floor_us, spin_kernel, time_plan
+from _timing import floor_us, report, save_rows, spin_kernel, time_plan
 from numba import cuda
 
 from gpurouter.kernels import _tiling
@@ -64,11 +64,8 @@ def main():
         bwd = A.moe_aux_loss_bwd_plan(spec_for((c,), np.int32), spec_for((), np.float32), t)
         g = [cuda.to_device(np.array([coeff], np.float32)), d_tpe, cuda.to_device(np.ones(1, np.float32))]
         row["bwd"] = round(time_plan(bwd, [g], a.repeats, spin)[0], 2)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        report(rows, row)
+    save_rows(a.json, rows)
 
 
 if __name__ == "__main__":

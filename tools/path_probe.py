@@ -22,12 +22,11 @@ in different orders).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import ml_dtypes
 import numpy as np
-from _timing import spin_kernel, time_plan
+from _timing import report, save_rows, spin_kernel, time_plan
 from numba import cuda
 
 from gpurouter import kernels as K
@@ -84,11 +83,8 @@ def main(argv):
             if len(outs) == 2:  # (outs[2], saved, is only written where the backward reads it)
                 row["same map"] = bool(np.array_equal(outs["token"][1], outs["lane"][1]))
                 row["probs differ"] = int(np.sum(outs["token"][0] != outs["lane"][0]))
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            report(rows, row)
+    save_rows(args.json, rows)
     return 0
 
 

@@ -36,11 +36,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 
 import ml_dtypes
 import numpy as np
-from _timing import median_us, spin_kernel, time_plan
+from _timing import median_us, report, save_rows, spin_kernel, time_plan
 from numba import cuda, float32, int32, uint32, uint64
 from warp_topk_probe import bf16, to_bf16
 
@@ -288,11 +287,8 @@ def main():
                     if a.sass and not forced and bps == bpss[0]:
                         out = a.sass_out and f"{a.sass_out}/{name}-{wpb}w-r{maxreg}.sass"
                         row[tag + " sass"] = sass_counts(kern, out)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+                report(rows, row)
+    save_rows(a.json, rows)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,10 @@ plan's (``same map``) and its probs too (``probs max abs diff``).
 from __future__ import annotations
 
 import argparse
-import json
 
 import ml_dtypes
 import numpy as np
-from _timing import median_us, spin_kernel, time_plan
+from _timing import median_us, report, save_rows, spin_kernel, time_plan
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from gpurouter import kernels as K
@@ -205,11 +204,8 @@ def main():
                 row[tag + " us"] = round(us, 2)
                 row[tag + " same map"] = bool(np.array_equal(m != 0, lib_map.reshape(t, 256) != 0))
                 row[tag + " probs max abs diff"] = float(np.max(np.abs(pf - lf)))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        report(rows, row)
+    save_rows(a.json, rows)
 
 
 if __name__ == "__main__":
