@@ -10,6 +10,7 @@ launched on raw pointers as the transports launch them), through the plans'
 
     python3 tools/path_probe.py --json out.json
     python3 tools/path_probe.py --cases large-k --tokens 65536 --token-max-topk 64
+    python3 tools/path_probe.py --cases deepseek-v4,llama-4 --paths token,warp
 
 ``--cases large-k`` times the issue's large-K shapes (E = 512 at K = 8 ... 64,
 and E = 2304, K = 36); ``--token-max-topk`` lifts the token kernels' K limit
@@ -38,6 +39,9 @@ CASES = {  # name: (E, K, G, Kg, sf, bias, pre)
     "qwen3": (128, 8, -1, -1, L.SOFTMAX, False, True),
     "kimi-k2": (384, 8, -1, -1, L.SIGMOID, True, False),
     "mixtral": (8, 2, -1, -1, L.SOFTMAX, False, False),
+    "deepseek-v4": (256, 6, -1, -1, L.SQRTSOFTPLUS, True, False),
+    "llama-4": (128, 1, -1, -1, L.SIGMOID, False, False),
+    "nemotron-3-super": (512, 22, -1, -1, L.SIGMOID, True, False),
 }
 LARGE_K = {f"e512-k{k}": (512, k, -1, -1, L.SIGMOID, True, False) for k in (8, 16, 22, 32, 64)}
 LARGE_K["e2304-k36"] = (2304, 36, -1, -1, L.SIGMOID, True, False)
@@ -47,7 +51,7 @@ def main(argv):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="256,1024,2048,4096,8192,16384,65536")
     ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--cases", default="presets", choices=("presets", "large-k"))
+    ap.add_argument("--cases", default="presets", help="presets, large-k, or names from either (comma-separated)")
     ap.add_argument("--token-max-topk", type=int, help="lift _tiling.TOKEN_MAX_TOPK for this run")
     ap.add_argument("--token-min-threads", type=int, help="set _tiling.TOKEN_MIN_THREADS for this run")
     ap.add_argument("--paths", default="token,lane", help="the kernel families to time (default token,lane)")
@@ -59,7 +63,12 @@ def main(argv):
         _tiling.TOKEN_MIN_THREADS = args.token_min_threads
     spin = spin_kernel()
     rows = []
-    cases = CASES if args.cases == "presets" else LARGE_K
+    known = {**CASES, **LARGE_K}
+    names = {"presets": list(CASES), "large-k": list(LARGE_K)}.get(args.cases, args.cases.split(","))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        ap.error(f"--cases: unknown {unknown}; presets, large-k or some of {sorted(known)}")
+    cases = {n: known[n] for n in names}
     for name, (e, k, g, kg, sf, has_bias, pre) in cases.items():
         for t in (int(v) for v in args.tokens.split(",")):
             rng = np.random.default_rng(0)
@@ -72,17 +81,19 @@ def main(argv):
                 try:
                     plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(1.0), sf,
                                                                0, path=path)
-                    aplan = K.score_for_aux_loss_fwd_plan(spec, k, sf, 0, path=path)
+                    aplan = None if path == "warp" else K.score_for_aux_loss_fwd_plan(spec, k, sf, 0, path=path)
                 except ValueError as err:  # path='token' on a shape it does not take
                     row[f"{path} error"] = str(err)
                     continue
                 row[f"{path} topk"], outs[path] = time_plan(plan, [[x, bias] if has_bias else [x]], args.repeats, spin)
                 regs = plan.steps[0].kernel.get_regs_per_thread()
                 row[f"{path} regs"] = sorted(regs.values()) if isinstance(regs, dict) else regs
-                row[f"{path} aux"], _ = time_plan(aplan, [[x]], args.repeats, spin)
-            if len(outs) == 2:  # (outs[2], saved, is only written where the backward reads it)
-                row["same map"] = bool(np.array_equal(outs["token"][1], outs["lane"][1]))
-                row["probs differ"] = int(np.sum(outs["token"][0] != outs["lane"][0]))
+                if aplan is not None:  # (the aux scores have no warp kernel)
+                    row[f"{path} aux"], _ = time_plan(aplan, [[x]], args.repeats, spin)
+            first, *others = list(outs) or [None]
+            for path in others:  # (outs[2], saved, is only written where the backward reads it)
+                row[f"same map ({path})"] = bool(np.array_equal(outs[first][1], outs[path][1]))
+                row[f"probs differ ({path})"] = int(np.sum(outs[first][0] != outs[path][0]))
             report(rows, row)
     save_rows(args.json, rows)
     return 0
