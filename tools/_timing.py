@@ -75,6 +75,37 @@ def time_plan(plan, sets, repeats, spin):
     return us, [o.copy_to_host() for o in outs]
 
 
+def sass_counts(kern, path=None) -> dict | str:
+    """A compiled kernel's registers and SASS instruction counts (needs
+    nvdisasm): in all, local-memory loads and stores, shuffles, and the ten
+    commonest opcodes; with ``path`` the SASS is written there too."""
+    try:
+        sass = kern.inspect_sass()
+    except Exception as exc:  # noqa: BLE001  (a diagnostic only)
+        return f"unavailable: {exc}"
+    text = next(iter(sass.values())) if isinstance(sass, dict) else sass
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+    lines = [ln for ln in text.splitlines() if "/*" in ln and ";" in ln]
+    try:
+        regs = kern.get_regs_per_thread()
+        regs = next(iter(regs.values())) if isinstance(regs, dict) else regs
+    except Exception:  # noqa: BLE001
+        regs = None
+    ops: dict[str, int] = {}
+    for ln in lines:
+        words = ln.split("*/", 1)[-1].replace("{", " ").split()
+        words = [w for w in words if not w.startswith("@")]
+        if words:
+            op = words[0].split(".")[0]
+            ops[op] = ops.get(op, 0) + 1
+    local = sum(("LDL" in ln) or ("STL" in ln) for ln in lines)
+    top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:10])
+    return {"registers": regs, "instructions": len(lines), "local (LDL/STL)": local,
+            "SHFL": sum("SHFL" in ln for ln in lines), "top opcodes": top}
+
+
 def report(rows: list, row: dict) -> None:
     """Keeps a probe's result row and prints it as one JSON line (the run's progress)."""
     rows.append(row)

@@ -39,7 +39,7 @@ import functools
 
 import ml_dtypes
 import numpy as np
-from _timing import median_us, report, save_rows, spin_kernel, time_plan
+from _timing import median_us, report, sass_counts, save_rows, spin_kernel, time_plan
 from numba import cuda, float32, int32, uint32, uint64
 from warp_topk_probe import bf16, to_bf16
 
@@ -197,26 +197,6 @@ def logits_for(case, t, e, rng):
     elif case == "crowded":  # the top experts in a few lanes
         x[:, :48] += 4.0
     return x.astype(ml_dtypes.bfloat16).view(np.uint16)
-
-
-def sass_counts(kern, path=None) -> dict | str:
-    try:
-        sass = kern.inspect_sass()
-    except Exception as exc:  # noqa: BLE001  (a diagnostic only)
-        return f"unavailable: {exc}"
-    text = next(iter(sass.values())) if isinstance(sass, dict) else sass
-    if path:
-        with open(path, "w") as f:
-            f.write(text)
-    lines = [ln for ln in text.splitlines() if "/*" in ln and ";" in ln]
-    try:
-        regs = kern.get_regs_per_thread()
-        regs = next(iter(regs.values())) if isinstance(regs, dict) else regs
-    except Exception:  # noqa: BLE001
-        regs = None
-    local = sum(("LDL" in ln) or ("STL" in ln) for ln in lines)
-    return {"registers": regs, "instructions": len(lines), "local (LDL/STL)": local,
-            "SHFL": sum("SHFL" in ln for ln in lines)}
 
 
 def run_shape(row, kern, launch, outs, lib, forced, tag, timing):

@@ -59,6 +59,9 @@ WARP_MAX_EXPERTS, WARP_MAX_TOPK = 512, 31
 #: kernel at E = 384 (Kimi-K2) and 512 (Nemotron-3 Super), T = 4096 and 65536;
 #: E = 128 and 256 (DeepSeek-V4, Llama-4) not yet timed against it
 WARP_AUTO_MIN_EXPERTS = 384
+#: a register cap a thread (0: the compiler's choice); read when a kernel is
+#: built (tools/path_probe.py --warp-max-registers sweeps it)
+WARP_MAX_REGISTERS = 0
 NO_EXPERT = np.int32(0x7FFFFFFF)
 
 
@@ -108,7 +111,9 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     def pick(r, n, e, thr, cut):
         return (r[n] > thr) | ((r[n] == thr) & (e <= cut))
 
-    @cuda.jit
+    jit = cuda.jit(max_registers=WARP_MAX_REGISTERS) if WARP_MAX_REGISTERS else cuda.jit
+
+    @jit
     def warp_topk_fwd(logits, bias, probs, rmap, saved, xarr, num_tokens, scale, fallback_only):
         cand_v = cuda.shared.array(SLOTS, nb_f32)
         cand_e = cuda.shared.array(SLOTS, nb_i32)
