@@ -108,6 +108,11 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         r[n] = nan_as_neg_inf(np.float32(v + b[n]) if has_bias else v)
 
     @cuda.jit(device=True)
+    def weight(v, inv, scale, on):
+        """A selected expert's prob (0 where ``on`` is false)."""
+        return np.float32(scale * np.float32(v * inv if norm else v)) if on else ZERO
+
+    @cuda.jit(device=True)
     def pick(r, n, e, thr, cut):
         return (r[n] > thr) | ((r[n] == thr) & (e <= cut))
 
@@ -117,6 +122,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     def warp_topk_fwd(logits, bias, probs, rmap, saved, xarr, num_tokens, scale, fallback_only):
         cand_v = cuda.shared.array(SLOTS, nb_f32)
         cand_e = cuda.shared.array(SLOTS, nb_i32)
+        cand_s = cuda.shared.array(SLOTS, nb_f32)
         red = cuda.shared.array(RED, nb_f32)
         redi = cuda.shared.array(RED, nb_i32)
         tid = np.int32(cuda.threadIdx.x)
@@ -125,6 +131,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         b = cuda.local.array(N, nb_f32)
         s = cuda.local.array(N, nb_f32)
         r = cuda.local.array(N, nb_f32)
+        xs = cuda.local.array(N, nb_f32)
         for n in range(N):
             b[n] = bias[np.int32(4 * lane + 128 * (n >> 2) + (n & 3))] if has_bias else ZERO
         tok = np.int64(cuda.blockIdx.x) * WARPS
@@ -134,18 +141,18 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
             row = u64(min(t, num_tokens - 1)) * u64(QROW)
             m1 = NEG_INF
             m2 = NEG_INF
+            for q in range(Q):  # every load first: Q of them in flight (a store between would wait for each)
+                x0, x1, x2, x3 = load4(logits, row + u64(lane + 32 * q))
+                xs[4 * q], xs[4 * q + 1], xs[4 * q + 2], xs[4 * q + 3] = x0, x1, x2, x3
             for q in range(Q):
                 w = row + u64(lane + 32 * q)
-                x0, x1, x2, x3 = load4(logits, w)
-                score(x0, b, s, r, 4 * q)
-                score(x1, b, s, r, 4 * q + 1)
-                score(x2, b, s, r, 4 * q + 2)
-                score(x3, b, s, r, 4 * q + 3)
+                for i in range(4):
+                    score(xs[4 * q + i], b, s, r, 4 * q + i)
                 if live:
                     if score_fn == SIGMOID:
                         store_f32(saved, w, s[4 * q], s[4 * q + 1], s[4 * q + 2], s[4 * q + 3])
                     else:
-                        store_f32(saved, w, x0, x1, x2, x3)
+                        store_f32(saved, w, xs[4 * q], xs[4 * q + 1], xs[4 * q + 2], xs[4 * q + 3])
                 for i in range(4):
                     v = r[4 * q + i]
                     m1, m2 = max(m1, v), max(m2, min(m1, v))
@@ -162,7 +169,8 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
             for n in range(N):
                 if r[n] >= bound and pos < 32:
                     cand_v[base + pos] = r[n]
-                    cand_e[base + pos] = np.int32(4 * lane + 128 * (n >> 2) + (n & 3))
+                    cand_e[base + pos] = np.int32((4 * lane + 128 * (n >> 2) + (n & 3)) << 5) | pos
+                    cand_s[base + pos] = s[n]
                     pos += 1
             warp_sync()
             cv = cand_v[base + lane] if lane < total else NEG_INF
@@ -177,48 +185,43 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                     bv = NEG_INF
                     be = NO_EXPERT
                     for n in range(N):
-                        e = np.int32(4 * lane + 128 * (n >> 2) + (n & 3))
+                        e = np.int32((4 * lane + 128 * (n >> 2) + (n & 3)) << 5) | np.int32(k)
                         if ((taken >> np.uint32(n)) & np.uint32(1)) == 0 and ahead(r[n], e, bv, be):
                             bv = r[n]
                             be = e
                     bv, be = arg_max(bv, be, red, redi, tid)
                     for n in range(N):
-                        if be == np.int32(4 * lane + 128 * (n >> 2) + (n & 3)):
+                        if be == np.int32((4 * lane + 128 * (n >> 2) + (n & 3)) << 5) | np.int32(k):
                             taken |= np.uint32(1) << np.uint32(n)
+                            if need:  # the owner's score, where the key says (slot k)
+                                cand_s[base + k] = s[n]
                     if need and lane == k:
                         cv = bv
                         ce = be
             thr = idx(cv, KL, red, tid)
-            cut = idx(ce, KL, redi, tid)
+            cut = idx(ce, KL, redi, tid) >> 5
+            expert = ce >> 5
             if indices and live and lane < topk:
-                xarr[u64(t) * u64(topk) + u64(lane)] = ce
+                xarr[u64(t) * u64(topk) + u64(lane)] = expert
             sel = np.uint32(0)  # bit n: expert slot n is selected
             for n in range(N):
                 if pick(r, n, np.int32(4 * lane + 128 * (n >> 2) + (n & 3)), thr, cut):
                     sel |= np.uint32(1) << np.uint32(n)
-            # the weights' sum, in the thread-per-token kernel's order
+            # the weights' sum, in the thread-per-token kernel's order: lane k < K adds
+            # its expert's score at its place (its rank among the K experts, or k)
             inv = ONE
             if norm:
-                if has_bias or thr == NEG_INF:  # ascending experts: each lane's places
-                    packed = np.int32(0)  # a byte a quad: its selected count
-                    for q in range(Q):
-                        packed += np.int32(cuda.popc((sel >> np.uint32(4 * q)) & np.uint32(15))) << np.int32(8 * q)
-                    incl = inclusive_sum(packed, redi, tid)
-                    sums = idx(incl, 31, redi, tid)
-                    at = np.int32(incl - packed)
-                    start = np.int32(0)  # the quads before this one, over the warp
-                    for q in range(Q):
-                        pos = np.int32(start + ((at >> np.int32(8 * q)) & np.int32(255)))
-                        for i in range(4):
-                            if (sel >> np.uint32(4 * q + i)) & np.uint32(1):
-                                cand_v[base + pos] = s[4 * q + i]
-                                pos += 1
-                        start += (sums >> np.int32(8 * q)) & np.int32(255)
-                else:
-                    incl = inclusive_sum(np.int32(0), redi, tid)  # the other branch's exchanges
-                    sums = idx(incl, 31, redi, tid)
-                    if lane < topk:
-                        cand_v[base + lane] = cv
+                warp_sync()  # (the fallback's scores written)
+                sk = cand_s[base + (ce & 31)] if lane < topk else ZERO
+                cand_e[base + lane] = expert
+                warp_sync()
+                place = lane
+                if has_bias or thr == NEG_INF:  # ascending experts
+                    place = 0
+                    for j in range(topk):
+                        place += np.int32(cand_e[base + j] < expert)
+                if lane < topk:
+                    cand_v[base + place] = sk
                 warp_sync()
                 acc = ZERO
                 for k in range(topk):
@@ -229,10 +232,10 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                 n = 4 * q
                 w = row + u64(lane + 32 * q)
                 nib = (sel >> np.uint32(n)) & np.uint32(15)
-                w0 = np.float32(scale * np.float32(s[n] * inv if norm else s[n])) if nib & 1 else ZERO
-                w1 = np.float32(scale * np.float32(s[n + 1] * inv if norm else s[n + 1])) if nib & 2 else ZERO
-                w2 = np.float32(scale * np.float32(s[n + 2] * inv if norm else s[n + 2])) if nib & 4 else ZERO
-                w3 = np.float32(scale * np.float32(s[n + 3] * inv if norm else s[n + 3])) if nib & 8 else ZERO
+                w0 = weight(s[n], inv, scale, (nib & np.uint32(1)) != 0)
+                w1 = weight(s[n + 1], inv, scale, (nib & np.uint32(2)) != 0)
+                w2 = weight(s[n + 2], inv, scale, (nib & np.uint32(4)) != 0)
+                w3 = weight(s[n + 3], inv, scale, (nib & np.uint32(8)) != 0)
                 if bitmap:  # a byte holds two quads: the even lane writes its odd neighbour's too
                     odd = np.uint32(xor(np.int32(nib), 1, redi, tid))
                     if live and (lane & 1) == 0:
