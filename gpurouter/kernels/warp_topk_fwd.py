@@ -127,7 +127,11 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         redi = cuda.shared.array(RED, nb_i32)
         tid = np.int32(cuda.threadIdx.x)
         lane = np.int32(tid & 31)
+        ulane = np.uint32(lane)  # (unsigned indices: no negative-index wrap-around code)
         base = np.int32(tid - lane)
+        wv = cand_v[base:base + 32]  # the warp's words (constant offsets in unrolled loops)
+        we = cand_e[base:base + 32]
+        ws = cand_s[base:base + 32]
         b = cuda.local.array(N, nb_f32)
         s = cuda.local.array(N, nb_f32)
         r = cuda.local.array(N, nb_f32)
@@ -168,13 +172,13 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
             pos = np.int32(incl - cnt)
             for n in range(N):
                 if r[n] >= bound and pos < 32:
-                    cand_v[base + pos] = r[n]
-                    cand_e[base + pos] = np.int32((4 * lane + 128 * (n >> 2) + (n & 3)) << 5) | pos
-                    cand_s[base + pos] = s[n]
+                    wv[np.uint32(pos)] = r[n]
+                    we[np.uint32(pos)] = np.int32((4 * lane + 128 * (n >> 2) + (n & 3)) << 5) | pos
+                    ws[np.uint32(pos)] = s[n]
                     pos += 1
             warp_sync()
-            cv = cand_v[base + lane] if lane < total else NEG_INF
-            ce = cand_e[base + lane] if lane < total else NO_EXPERT
+            cv = wv[ulane] if lane < total else NEG_INF
+            ce = we[ulane] if lane < total else NO_EXPERT
             warp_sync()
             cv, ce = sort32(cv, ce, red, redi, tid)
             # 3. K rounds of a warp arg-max where the candidates overflowed
@@ -194,7 +198,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                         if be == np.int32((4 * lane + 128 * (n >> 2) + (n & 3)) << 5) | np.int32(k):
                             taken |= np.uint32(1) << np.uint32(n)
                             if need:  # the owner's score, where the key says (slot k)
-                                cand_s[base + k] = s[n]
+                                ws[np.uint32(k)] = s[n]
                     if need and lane == k:
                         cv = bv
                         ce = be
@@ -212,20 +216,20 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
             inv = ONE
             if norm:
                 warp_sync()  # (the fallback's scores written)
-                sk = cand_s[base + (ce & 31)] if lane < topk else ZERO
-                cand_e[base + lane] = expert
+                sk = ws[np.uint32(ce & 31)] if lane < topk else ZERO
+                we[ulane] = expert
                 warp_sync()
                 place = lane
                 if has_bias or thr == NEG_INF:  # ascending experts
                     place = 0
                     for j in range(topk):
-                        place += np.int32(cand_e[base + j] < expert)
+                        place += np.int32(we[j] < expert)
                 if lane < topk:
-                    cand_v[base + place] = sk
+                    wv[np.uint32(place)] = sk
                 warp_sync()
                 acc = ZERO
                 for k in range(topk):
-                    acc = np.float32(acc + cand_v[base + k])
+                    acc = np.float32(acc + wv[k])
                 warp_sync()
                 inv = np.float32(ONE / np.float32(acc + EPS))
             for q in range(Q):
