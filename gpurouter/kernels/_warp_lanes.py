@@ -195,7 +195,7 @@ def warp_scans():
     @cuda.jit(device=True)
     def add_up(v, d, redi, tid):
         o = up(v, d, redi, tid)
-        return v + o if (tid & 31) >= d else v
+        return np.int32(v + o) if (tid & 31) >= d else v  # (numba's sum would be 64-bit: two shuffles a step)
 
     @cuda.jit(device=True)
     def inclusive_sum(v, redi, tid):

@@ -91,8 +91,8 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     KB = np.int32(topk)  # the bound's place in the 64-sort: the (K+1)-th largest
     KL = np.int32(topk - 1)
     WARPS = warp_launch(1)[1] // 32
-    SLOTS = 32 * WARPS
-    RED = SLOTS if simulator_enabled() else 1  # the exchanges' twins
+    SLOTS = 64 * WARPS  # a warp's words: 32 candidates, then one a lane for the others' stores
+    RED = 32 * WARPS if simulator_enabled() else 1  # the exchanges' twins: a word a thread
     norm = topk > 1
     load4, store4, _ = flat_io(kind)
     store_f32 = quad_f32()[1]
@@ -113,6 +113,11 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         return np.float32(scale * np.float32(v * inv if norm else v)) if on else ZERO
 
     @cuda.jit(device=True)
+    def expert_of(lane, n):
+        """The expert of a lane's slot ``n``: quad ``lane + 32 (n // 4)``, item ``n % 4``."""
+        return np.int32(np.int32(4) * lane + np.int32(128 * (n >> 2) + (n & 3)))
+
+    @cuda.jit(device=True)
     def pick(r, n, e, thr, cut):
         return (r[n] > thr) | ((r[n] == thr) & (e <= cut))
 
@@ -129,15 +134,16 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         lane = np.int32(tid & 31)
         ulane = np.uint32(lane)  # (unsigned indices: no negative-index wrap-around code)
         base = np.int32(tid - lane)
-        wv = cand_v[base:base + 32]  # the warp's words (constant offsets in unrolled loops)
-        we = cand_e[base:base + 32]
-        ws = cand_s[base:base + 32]
+        wv = cand_v[2 * base:2 * base + 64]  # the warp's words (constant offsets in unrolled loops)
+        we = cand_e[2 * base:2 * base + 64]
+        ws = cand_s[2 * base:2 * base + 64]
+        spare = np.uint32(32 + lane)  # where a lane's store goes when it writes no candidate
         b = cuda.local.array(N, nb_f32)
         s = cuda.local.array(N, nb_f32)
         r = cuda.local.array(N, nb_f32)
         xs = cuda.local.array(N, nb_f32)
         for n in range(N):
-            b[n] = bias[np.int32(4 * lane + 128 * (n >> 2) + (n & 3))] if has_bias else ZERO
+            b[n] = bias[expert_of(lane, n)] if has_bias else ZERO
         tok = np.int64(cuda.blockIdx.x) * WARPS
         while tok < num_tokens:  # the block's warps take the same trips (the twins' barriers)
             t = tok + (tid >> 5)
@@ -164,18 +170,19 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
             a0, a1 = sort64(m1, m2, red, tid)
             bound = idx(a1 if KB & 1 else a0, KB >> 1, red, tid)
             # 2. the candidates, at most 32 of them sorted
-            cnt = np.int32(0)
+            cnt = np.int32(0)  # (int32 throughout: numba's own integer arithmetic is 64-bit)
             for n in range(N):
-                cnt += np.int32(r[n] >= bound)
+                cnt = np.int32(cnt + np.int32(r[n] >= bound))
             incl = inclusive_sum(cnt, redi, tid)
             total = idx(incl, 31, redi, tid)
             pos = np.int32(incl - cnt)
-            for n in range(N):
-                if r[n] >= bound and pos < 32:
-                    wv[np.uint32(pos)] = r[n]
-                    we[np.uint32(pos)] = np.int32((4 * lane + 128 * (n >> 2) + (n & 3)) << 5) | pos
-                    ws[np.uint32(pos)] = s[n]
-                    pos += 1
+            for n in range(N):  # no branch: a non-candidate (or a 33rd) goes to the lane's spare word
+                c = r[n] >= bound
+                at = np.uint32(pos) if c & (pos < 32) else spare
+                wv[at] = r[n]
+                we[at] = np.int32(np.int32(expert_of(lane, n) << np.int32(5)) | pos)
+                ws[at] = s[n]
+                pos = np.int32(pos + np.int32(c))
             warp_sync()
             cv = wv[ulane] if lane < total else NEG_INF
             ce = we[ulane] if lane < total else NO_EXPERT
@@ -189,13 +196,13 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                     bv = NEG_INF
                     be = NO_EXPERT
                     for n in range(N):
-                        e = np.int32((4 * lane + 128 * (n >> 2) + (n & 3)) << 5) | np.int32(k)
+                        e = np.int32(np.int32(expert_of(lane, n) << np.int32(5)) | np.int32(k))
                         if ((taken >> np.uint32(n)) & np.uint32(1)) == 0 and ahead(r[n], e, bv, be):
                             bv = r[n]
                             be = e
                     bv, be = arg_max(bv, be, red, redi, tid)
                     for n in range(N):
-                        if be == np.int32((4 * lane + 128 * (n >> 2) + (n & 3)) << 5) | np.int32(k):
+                        if be == np.int32(np.int32(expert_of(lane, n) << np.int32(5)) | np.int32(k)):
                             taken |= np.uint32(1) << np.uint32(n)
                             if need:  # the owner's score, where the key says (slot k)
                                 ws[np.uint32(k)] = s[n]
@@ -203,27 +210,27 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                         cv = bv
                         ce = be
             thr = idx(cv, KL, red, tid)
-            cut = idx(ce, KL, redi, tid) >> 5
-            expert = ce >> 5
+            cut = np.int32(idx(ce, KL, redi, tid) >> np.int32(5))
+            expert = np.int32(ce >> np.int32(5))
             if indices and live and lane < topk:
                 xarr[u64(t) * u64(topk) + u64(lane)] = expert
             sel = np.uint32(0)  # bit n: expert slot n is selected
             for n in range(N):
-                if pick(r, n, np.int32(4 * lane + 128 * (n >> 2) + (n & 3)), thr, cut):
+                if pick(r, n, expert_of(lane, n), thr, cut):
                     sel |= np.uint32(1) << np.uint32(n)
             # the weights' sum, in the thread-per-token kernel's order: lane k < K adds
             # its expert's score at its place (its rank among the K experts, or k)
             inv = ONE
             if norm:
                 warp_sync()  # (the fallback's scores written)
-                sk = ws[np.uint32(ce & 31)] if lane < topk else ZERO
+                sk = ws[np.uint32(ce & np.int32(31))] if lane < topk else ZERO
                 we[ulane] = expert
                 warp_sync()
                 place = lane
                 if has_bias or thr == NEG_INF:  # ascending experts
-                    place = 0
+                    place = np.int32(0)
                     for j in range(topk):
-                        place += np.int32(we[j] < expert)
+                        place = np.int32(place + np.int32(we[j] < expert))
                 if lane < topk:
                     wv[np.uint32(place)] = sk
                 warp_sync()
