@@ -43,7 +43,7 @@ from .lane_topk_fwd import lane_topk_fwd_kernel
 from .quad_bwd import quad_bwd_kernel
 from .stream_bwd import stream_bwd_kernel
 from .token_topk_fwd import token_topk_fwd_kernel
-from .warp_topk_fwd import WARP_AUTO_MIN_EXPERTS, warp_launch, warp_path, warp_topk_fwd_kernel
+from .warp_topk_fwd import warp_auto, warp_launch, warp_path, warp_topk_fwd_kernel
 
 OP = "topk_with_score_function"
 
@@ -158,9 +158,9 @@ SM_SHARED, BLOCK_RESERVED, SM_REGISTERS, SM_THREADS = 233472, 1024, 65536, 2048
 
 
 def use_warp_path(path: str, op: str, num_experts: int, topk: int, num_groups: int, score_fn: int,
-                  pre_softmax: bool, forced: bool) -> bool:
+                  pre_softmax: bool, forced: bool, num_tokens: int) -> bool:
     """Whether the forward takes the warp-per-token kernel: ``"auto"`` where
-    ``warp_path`` takes the shape and E >= ``WARP_AUTO_MIN_EXPERTS``,
+    ``warp_path`` takes the shape and ``warp_auto`` says it is the faster,
     ``"warp"`` wherever ``warp_path`` takes it, else a ValueError naming
     ``op``.  Never for the replay: it takes the thread-per-token kernel, which
     sums a token's weights in the warp kernel's order (the same bits)."""
@@ -168,7 +168,7 @@ def use_warp_path(path: str, op: str, num_experts: int, topk: int, num_groups: i
     if path == "warp" and not fits:
         raise ValueError(f"{op}: path='warp' needs sigmoid or sqrtsoftplus, no groups, E a multiple of 128 up to "
                          f"512 and K <= 31 (E={num_experts}, K={topk}).")
-    auto = path == "auto" and num_experts >= WARP_AUTO_MIN_EXPERTS
+    auto = path == "auto" and warp_auto(num_experts, num_tokens)
     return fits and (auto or path == "warp") and not forced
 
 
@@ -219,7 +219,7 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     # indices out, forced in, or (never read) any int32 array: saved's first words
     xarr = In(1, flat_idx) if forced else Out(3, flat_idx) if indices else Out(2, Spec((1,), np.int32))
     if use_warp_path(path, OP + "_fwd_plan", num_experts, int(topk), G if grouped else 0, int(score_fn),
-                     bool(pre_softmax), forced):
+                     bool(pre_softmax), forced, num_tokens):
         kern = warp_topk_fwd_kernel(logits.kind, num_experts, int(topk), int(score_fn), bool(has_bias), bitmap,
                                     indices)
         words, quads, flat = array_views(logits.kind, shape)

@@ -3,8 +3,8 @@ selected by a bound and a sort of 32 candidates (docs/kernels.md, "The warp
 path").
 
 Where it runs (``topk.use_warp_path``): sigmoid or sqrtsoftplus, no groups,
-E a multiple of 128 up to 512, K <= 31 (``path="auto"``: E >= 384 only,
-``WARP_AUTO_MIN_EXPERTS``); not the routing replay (which runs the
+E a multiple of 128 up to 512, K <= 31 (``path="auto"``: E >= 256, and
+E = 128 up to 12288 tokens: ``warp_auto``); not the routing replay (which runs the
 thread-per-token kernel: both sum a token's weights in the same order, so a
 replay is the call bit for bit).  Lane ``l`` of the token's warp holds the
 quads ``l, l + 32, ...`` of its row: each load the warp makes is one
@@ -55,10 +55,11 @@ WARP_TOKENS, WARP_MAX_BLOCKS = 4, 2112
 #: the shapes the warp path takes: E a multiple of 128 up to this, K up to
 #: 31 (the candidates' sort holds 32: K of them and the bound's)
 WARP_MAX_EXPERTS, WARP_MAX_TOPK = 512, 31
-#: ``path="auto"`` takes it from this E on: measured faster than the token
-#: kernel at E = 384 (Kimi-K2) and 512 (Nemotron-3 Super), T = 4096 and 65536;
-#: E = 128 and 256 (DeepSeek-V4, Llama-4) not yet timed against it
-WARP_AUTO_MIN_EXPERTS = 384
+#: ``path="auto"`` takes it from this E on, and below it (E = 128) up to
+#: ``WARP_AUTO_MAX_TOKENS`` tokens: where it was timed faster than the token
+#: kernel (docs/benchmarks.md, "The warp forward's instructions": E = 256
+#: and up at T = 1024 - 65536; E = 128, K = 1 up to T = 12288, slower from 16384)
+WARP_AUTO_MIN_EXPERTS, WARP_AUTO_MAX_TOKENS = 256, 12288
 #: a register cap a thread (0: the compiler's choice); read when a kernel is
 #: built (tools/path_probe.py --warp-max-registers sweeps it)
 WARP_MAX_REGISTERS = 0
@@ -69,6 +70,11 @@ def warp_path(num_experts: int, topk: int, num_groups: int, score_fn: int, pre_s
     """Whether the warp-per-token forward takes the shape (module docstring)."""
     return (score_fn != SOFTMAX and not pre_softmax and num_groups == 0 and num_experts % 128 == 0
             and 128 <= num_experts <= WARP_MAX_EXPERTS and 1 <= topk <= WARP_MAX_TOPK)
+
+
+def warp_auto(num_experts: int, num_tokens: int) -> bool:
+    """Whether ``path="auto"`` takes the warp kernel for a shape it fits."""
+    return num_experts >= WARP_AUTO_MIN_EXPERTS or num_tokens <= WARP_AUTO_MAX_TOKENS
 
 
 def warp_launch(num_tokens: int) -> tuple[int, int]:

@@ -43,16 +43,19 @@ def _same(got, want):
 
 def test_dispatch():
     """sigmoid / sqrtsoftplus, no groups, E % 128 == 0 up to 512, K <= 31 take the warp
-    kernel (``path="auto"``: from E = 384); softmax, groups, other E, larger K and the
-    replay the token kernels."""
+    kernel (``path="auto"``: E >= 256 at any T, E = 128 up to ``WARP_AUTO_MAX_TOKENS``);
+    softmax, groups, other E, larger K and the replay the token kernels."""
 
-    def fwd(E, k, fn=L.SIGMOID, G=-1, Kg=-1, forced=False, path="auto"):
-        return topk.topk_with_score_function_fwd_plan(_plan.spec_of((5, E), L.BF16), fn != L.SOFTMAX, k, False,
+    def fwd(E, k, fn=L.SIGMOID, G=-1, Kg=-1, forced=False, path="auto", T=5):
+        return topk.topk_with_score_function_fwd_plan(_plan.spec_of((T, E), L.BF16), fn != L.SOFTMAX, k, False,
                                                       G, Kg, np.float32(1), fn, 0, False, forced, path)
 
+    big = warp_topk_fwd.WARP_AUTO_MAX_TOKENS + 1
     assert _module_of(fwd(512, 22)) == "warp_topk_fwd" and _module_of(fwd(384, 31)) == "warp_topk_fwd"
-    assert _module_of(fwd(128, 1, L.SQRTSOFTPLUS, path="warp")) == "warp_topk_fwd"
-    assert _module_of(fwd(256, 6, L.SQRTSOFTPLUS)) == "token_topk_fwd"  # auto: E < WARP_AUTO_MIN_EXPERTS
+    assert _module_of(fwd(256, 6, L.SQRTSOFTPLUS, T=big)) == "warp_topk_fwd"
+    assert _module_of(fwd(128, 1)) == "warp_topk_fwd"  # auto: E = 128 at small T
+    assert _module_of(fwd(128, 1, T=big)) == "token_topk_fwd"  # ... not past WARP_AUTO_MAX_TOKENS
+    assert _module_of(fwd(128, 1, L.SQRTSOFTPLUS, path="warp", T=big)) == "warp_topk_fwd"
     for plan in (fwd(512, 32), fwd(640, 8), fwd(260, 8), fwd(256, 8, L.SIGMOID, 8, 4), fwd(256, 8, L.SOFTMAX),
                  fwd(512, 22, forced=True), fwd(512, 22, forced=True, path="warp")):
         assert _module_of(plan) == "token_topk_fwd"
