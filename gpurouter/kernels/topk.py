@@ -157,17 +157,19 @@ TOKEN_INDICES_WAY = 2
 SM_SHARED, BLOCK_RESERVED, SM_REGISTERS, SM_THREADS = 233472, 1024, 65536, 2048
 
 
-def use_warp_path(path: str, op: str, num_experts: int, topk: int, num_groups: int, score_fn: int,
-                  pre_softmax: bool, forced: bool, num_tokens: int) -> bool:
+def use_warp_path(path: str, op: str, num_experts: int, topk: int, num_groups: int, group_topk: int,
+                  score_fn: int, pre_softmax: bool, forced: bool, num_tokens: int) -> bool:
     """Whether the forward takes the warp-per-token kernel: ``"auto"`` where
     ``warp_path`` takes the shape and ``warp_auto`` says it is the faster,
     ``"warp"`` wherever ``warp_path`` takes it, else a ValueError naming
     ``op``.  Never for the replay: it takes the thread-per-token kernel, which
     sums a token's weights in the warp kernel's order (the same bits)."""
-    fits = warp_path(num_experts, topk, num_groups, score_fn, pre_softmax)
+    fits = warp_path(num_experts, topk, num_groups, score_fn, pre_softmax, group_topk)
     if path == "warp" and not fits:
-        raise ValueError(f"{op}: path='warp' needs sigmoid or sqrtsoftplus, no groups, E a multiple of 128 up to "
-                         f"512 and K <= 31 (E={num_experts}, K={topk}).")
+        raise ValueError(f"{op}: path='warp' needs sigmoid or sqrtsoftplus, E a multiple of 128 up to 512, K <= 31 "
+                         "and, with groups, at most 32 groups of 4 to 128 experts (a divisor of 128), "
+                         "K // group_topk <= 2 and K <= group_topk * E / num_groups "
+                         f"(E={num_experts}, K={topk}, num_groups={num_groups}, group_topk={group_topk}).")
     auto = path == "auto" and warp_auto(num_experts, num_tokens)
     return fits and (auto or path == "warp") and not forced
 
@@ -218,10 +220,10 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     flat_idx = Spec((num_tokens * int(topk),), np.int32)
     # indices out, forced in, or (never read) any int32 array: saved's first words
     xarr = In(1, flat_idx) if forced else Out(3, flat_idx) if indices else Out(2, Spec((1,), np.int32))
-    if use_warp_path(path, OP + "_fwd_plan", num_experts, int(topk), G if grouped else 0, int(score_fn),
-                     bool(pre_softmax), forced, num_tokens):
+    if use_warp_path(path, OP + "_fwd_plan", num_experts, int(topk), G if grouped else 0,
+                     int(group_topk) if grouped else 0, int(score_fn), bool(pre_softmax), forced, num_tokens):
         kern = warp_topk_fwd_kernel(logits.kind, num_experts, int(topk), int(score_fn), bool(has_bias), bitmap,
-                                    indices)
+                                    indices, G if grouped else 0, int(group_topk) if grouped else 0)
         words, quads, flat = array_views(logits.kind, shape)
         step = Step(kern, *warp_launch(num_tokens), 0,
                     (In(0, words), bias, Out(0, words), Out(1, map_view(outs[1], quads)), Out(2, flat), xarr,

@@ -2,32 +2,45 @@
 selected by a bound and a sort of 32 candidates (docs/kernels.md, "The warp
 path").
 
-Where it runs (``topk.use_warp_path``): sigmoid or sqrtsoftplus, no groups,
-E a multiple of 128 up to 512, K <= 31 (``path="auto"``: E >= 256, and
-E = 128 up to 12288 tokens: ``warp_auto``); not the routing replay (which runs the
+Where it runs (``topk.use_warp_path``): sigmoid or sqrtsoftplus, E a
+multiple of 128 up to 512, K <= 31, no groups or groups ``warp_groups``
+takes (DeepSeek-V3's); ``path="auto"``: E >= 256, and E = 128 up to 12288
+tokens (``warp_auto``); not the routing replay (which runs the
 thread-per-token kernel: both sum a token's weights in the same order, so a
 replay is the call bit for bit).  Lane ``l`` of the token's warp holds the
 quads ``l, l + 32, ...`` of its row: each load the warp makes is one
-contiguous span.
+contiguous span, and all of a token's loads go out before any store.
 
-1. Each lane keeps its two largest ranking scores ``r = s + bias`` (NaN as
-   -inf).  The (K+1)-th largest of those 64 values (``sort64``) is a bound
-   ``b``: the (K+1)-th largest of any subset of a row is at most the row's,
-   so every expert of the top K has ``r >= b``.
+0. Groups: a group's experts are the quads of ``LG`` neighbouring lanes;
+   each lane's two largest ranking scores ``r = s + bias`` (NaN as -inf) of
+   each quad merge across those lanes (xor exchanges) into the group's
+   score (the sum of its ``K // group_topk`` largest, in descending order);
+   a group ranks by (larger score, NaN as -inf, then lower group), and a
+   dropped group's experts get ``r = -inf`` and a key after every kept
+   expert's (they are never selected, not even as -inf fillers).
+1. Each lane keeps its two largest ``r``.  The (K+1)-th largest of those 64
+   values (``sort64``) is a bound ``b``: the (K+1)-th largest of any subset
+   of a row is at most the row's, so every expert of the top K has
+   ``r >= b``.
 2. The candidates (``r >= b``; about K + 2 of them for random logits) go to
-   shared memory by a prefix count; when there are at most 32, a sort of the
-   (score, expert) pairs in the selection order (``sort32``: the larger
-   score, then the lower expert; docs/contract.md section 2) leaves the k-th
-   selected expert in lane k - 1.
+   shared memory by a prefix count (no branch: the others' stores go to a
+   spare word of the lane); when there are at most 32, a sort of the
+   (score, key) pairs in the selection order (``sort32``: the larger score,
+   then the lower expert; docs/contract.md section 2) leaves the k-th
+   selected expert in lane k - 1.  A key is ``expert << 5 | slot``: the
+   slot holds the candidate's score ``s`` for the weights' sum.
 3. Otherwise (ties, or the top experts crowded into a few lanes) K rounds of
    a warp arg-max over every expert leave the same in the same lanes.
 
 Then ``thr``, ``cut`` = lane K-1's pair: expert ``j`` is selected when
 ``r > thr``, or ``r == thr`` and ``j <= cut``.  The weights' sum runs in the
 thread-per-token kernel's order: ascending experts with a bias or when
-``thr`` is -inf, else the selection order.  Every lane then writes its
-quads: ``saved`` (sigmoid: ``s``; sqrtsoftplus: the logit), the probs
-``scale * s / (sum + 1e-20)`` (K > 1) and the map.
+``thr`` is -inf (lane k < K puts its score at its expert's rank among the
+K), else the selection order; then K adds in shared memory.  Every lane
+then writes its quads: ``saved`` (sigmoid: ``s``; sqrtsoftplus: the logit),
+the probs ``scale * s / (sum + 1e-20)`` (K > 1) and the map.  Integer
+arithmetic is cast to int32 throughout: numba's own is 64-bit (64-bit
+compares, two shuffles for one).
 """
 
 from __future__ import annotations
@@ -66,10 +79,24 @@ WARP_MAX_REGISTERS = 0
 NO_EXPERT = np.int32(0x7FFFFFFF)
 
 
-def warp_path(num_experts: int, topk: int, num_groups: int, score_fn: int, pre_softmax: bool) -> bool:
+def warp_groups(num_experts: int, topk: int, num_groups: int, group_topk: int) -> bool:
+    """Whether the warp kernel takes the grouping (``num_groups`` 0: none): at
+    most 32 groups of 4, 8, ..., 128 experts (a group's experts are whole
+    quads of lanes next to each other), whose score sums at most 2 experts
+    (``topk // group_topk``), the kept groups holding at least K experts."""
+    if num_groups <= 0:
+        return True
+    size = num_experts // num_groups
+    return (num_experts % num_groups == 0 and size % 4 == 0 and 128 % size == 0 and num_groups <= 32
+            and 1 <= group_topk <= num_groups and 1 <= topk // group_topk <= 2 and group_topk * size >= topk)
+
+
+def warp_path(num_experts: int, topk: int, num_groups: int, score_fn: int, pre_softmax: bool,
+              group_topk: int = 0) -> bool:
     """Whether the warp-per-token forward takes the shape (module docstring)."""
-    return (score_fn != SOFTMAX and not pre_softmax and num_groups == 0 and num_experts % 128 == 0
-            and 128 <= num_experts <= WARP_MAX_EXPERTS and 1 <= topk <= WARP_MAX_TOPK)
+    return (score_fn != SOFTMAX and not pre_softmax and num_experts % 128 == 0
+            and 128 <= num_experts <= WARP_MAX_EXPERTS and 1 <= topk <= WARP_MAX_TOPK
+            and warp_groups(num_experts, topk, num_groups, group_topk))
 
 
 def warp_auto(num_experts: int, num_tokens: int) -> bool:
@@ -86,10 +113,10 @@ def warp_launch(num_tokens: int) -> tuple[int, int]:
 
 @functools.cache
 def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, has_bias: bool,
-                         bitmap: bool = False, indices: bool = False):
+                         bitmap: bool = False, indices: bool = False, num_groups: int = 0, group_topk: int = 0):
     """The kernel for logits of ``kind``; everything but the token count is a
-    compile-time constant.  Launch: ``warp_launch(T)``, no dynamic shared
-    memory."""
+    compile-time constant (``num_groups`` 0: no groups).  Launch:
+    ``warp_launch(T)``, no dynamic shared memory."""
     Q = num_experts // 128  # quads a lane
     N = 4 * Q
     QROW = num_experts // 4  # quads a row
@@ -100,6 +127,12 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     SLOTS = 64 * WARPS  # a warp's words: 32 candidates, then one a lane for the others' stores
     RED = 32 * WARPS if simulator_enabled() else 1  # the exchanges' twins: a word a thread
     norm = topk > 1
+    G = max(0, num_groups)  # the groups (0: none): group g is quads g LG ... g LG + LG - 1
+    LG = num_experts // G // 4 if G else 32  # lanes a group spans in a quad row (128 experts)
+    GQ = 32 // LG  # groups a quad row
+    PER = topk // group_topk if G else 1  # the experts a group's score sums
+    KG = np.int32(group_topk if G else 0)
+    DROPPED = np.int32(1 << 10)  # added to a dropped group's experts: after every kept one in the order
     load4, store4, _ = flat_io(kind)
     store_f32 = quad_f32()[1]
     xor, _, idx, uniform_any, warp_sync = exchanges()
@@ -124,6 +157,78 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         return np.int32(np.int32(4) * lane + np.int32(128 * (n >> 2) + (n & 3)))
 
     @cuda.jit(device=True)
+    def key_of(lane, n, drop):
+        """Slot ``n``'s expert, plus ``DROPPED`` where its group is dropped: the key
+        of the selection order's tie-break (so a kept -inf precedes a dropped one)."""
+        return np.int32(expert_of(lane, n) | (DROPPED if (drop >> np.uint32(n)) & np.uint32(1) else np.int32(0)))
+
+    @cuda.jit(device=True)
+    def merge_top2(g1, g2, m, red, tid):
+        """The two largest of this lane's pair and lane ``l ^ m``'s."""
+        o1 = xor(g1, m, red, tid)
+        o2 = xor(g2, m, red, tid)
+        return max(g1, o1), max(min(g1, o1), max(g2, o2))
+
+    @cuda.jit(device=True)
+    def group_score(r, q, red, tid):
+        """The score of this lane's group in quad row ``q``: the sum of its PER
+        largest ranking scores in descending order (the token kernel's)."""
+        g1 = NEG_INF
+        g2 = NEG_INF
+        for i in range(4):
+            v = r[4 * q + i]
+            g1, g2 = max(g1, v), max(g2, min(g1, v))
+        if LG > 1:  # the stages written out: numba does not unroll a loop of shuffles
+            g1, g2 = merge_top2(g1, g2, 1, red, tid)
+        if LG > 2:
+            g1, g2 = merge_top2(g1, g2, 2, red, tid)
+        if LG > 4:
+            g1, g2 = merge_top2(g1, g2, 4, red, tid)
+        if LG > 8:
+            g1, g2 = merge_top2(g1, g2, 8, red, tid)
+        if LG > 16:
+            g1, g2 = merge_top2(g1, g2, 16, red, tid)
+        return np.float32(g1 + g2) if PER == 2 else g1
+
+    @cuda.jit(device=True)
+    def no_slots(r, lane, wg, gsc, red, tid):
+        return np.uint32(0)
+
+    @cuda.jit(device=True)
+    def dropped_slots(r, lane, wg, gsc, red, tid):
+        """Bit n: slot n's group is not among the KG best (the larger score, NaN
+        as -inf, then the lower group); those slots' ranking scores become -inf."""
+        gsc[0] = group_score(r, 0, red, tid)
+        if Q > 1:
+            gsc[1] = group_score(r, 1, red, tid)
+        if Q > 2:
+            gsc[2] = group_score(r, 2, red, tid)
+        if Q > 3:
+            gsc[3] = group_score(r, 3, red, tid)
+        mine = np.int32(lane // np.int32(LG))
+        for q in range(Q):
+            if (lane & np.int32(LG - 1)) == 0:
+                wg[np.uint32(q * GQ + mine)] = gsc[q]
+        warp_sync()
+        drop = np.uint32(0)
+        for q in range(Q):
+            g = np.int32(q * GQ + mine)
+            v = nan_as_neg_inf(gsc[q])
+            rank = np.int32(0)
+            for h in range(G):
+                u = nan_as_neg_inf(wg[h])
+                rank = np.int32(rank + np.int32((u > v) | ((u == v) & (h < g))))
+            if rank >= KG:
+                drop |= np.uint32(15) << np.uint32(4 * q)
+        warp_sync()
+        for n in range(N):
+            if (drop >> np.uint32(n)) & np.uint32(1):
+                r[n] = NEG_INF
+        return drop
+
+    dropped = dropped_slots if G else no_slots
+
+    @cuda.jit(device=True)
     def pick(r, n, e, thr, cut):
         return (r[n] > thr) | ((r[n] == thr) & (e <= cut))
 
@@ -134,6 +239,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         cand_v = cuda.shared.array(SLOTS, nb_f32)
         cand_e = cuda.shared.array(SLOTS, nb_i32)
         cand_s = cuda.shared.array(SLOTS, nb_f32)
+        cand_g = cuda.shared.array(32 * WARPS if G else 1, nb_f32)  # the group scores
         red = cuda.shared.array(RED, nb_f32)
         redi = cuda.shared.array(RED, nb_i32)
         tid = np.int32(cuda.threadIdx.x)
@@ -143,6 +249,8 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         wv = cand_v[2 * base:2 * base + 64]  # the warp's words (constant offsets in unrolled loops)
         we = cand_e[2 * base:2 * base + 64]
         ws = cand_s[2 * base:2 * base + 64]
+        wg = cand_g[base:base + 32] if G else cand_g[0:1]
+        gsc = cuda.local.array(4, nb_f32)
         spare = np.uint32(32 + lane)  # where a lane's store goes when it writes no candidate
         b = cuda.local.array(N, nb_f32)
         s = cuda.local.array(N, nb_f32)
@@ -169,9 +277,10 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                         store_f32(saved, w, s[4 * q], s[4 * q + 1], s[4 * q + 2], s[4 * q + 3])
                     else:
                         store_f32(saved, w, xs[4 * q], xs[4 * q + 1], xs[4 * q + 2], xs[4 * q + 3])
-                for i in range(4):
-                    v = r[4 * q + i]
-                    m1, m2 = max(m1, v), max(m2, min(m1, v))
+            drop = dropped(r, lane, wg, gsc, red, tid)
+            for n in range(N):
+                v = r[n]
+                m1, m2 = max(m1, v), max(m2, min(m1, v))
             # 1. the bound
             a0, a1 = sort64(m1, m2, red, tid)
             bound = idx(a1 if KB & 1 else a0, KB >> 1, red, tid)
@@ -186,7 +295,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                 c = r[n] >= bound
                 at = np.uint32(pos) if c & (pos < 32) else spare
                 wv[at] = r[n]
-                we[at] = np.int32(np.int32(expert_of(lane, n) << np.int32(5)) | pos)
+                we[at] = np.int32(np.int32(key_of(lane, n, drop) << np.int32(5)) | pos)
                 ws[at] = s[n]
                 pos = np.int32(pos + np.int32(c))
             warp_sync()
@@ -202,13 +311,13 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                     bv = NEG_INF
                     be = NO_EXPERT
                     for n in range(N):
-                        e = np.int32(np.int32(expert_of(lane, n) << np.int32(5)) | np.int32(k))
+                        e = np.int32(np.int32(key_of(lane, n, drop) << np.int32(5)) | np.int32(k))
                         if ((taken >> np.uint32(n)) & np.uint32(1)) == 0 and ahead(r[n], e, bv, be):
                             bv = r[n]
                             be = e
                     bv, be = arg_max(bv, be, red, redi, tid)
                     for n in range(N):
-                        if be == np.int32(np.int32(expert_of(lane, n) << np.int32(5)) | np.int32(k)):
+                        if be == np.int32(np.int32(key_of(lane, n, drop) << np.int32(5)) | np.int32(k)):
                             taken |= np.uint32(1) << np.uint32(n)
                             if need:  # the owner's score, where the key says (slot k)
                                 ws[np.uint32(k)] = s[n]
@@ -222,7 +331,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                 xarr[u64(t) * u64(topk) + u64(lane)] = expert
             sel = np.uint32(0)  # bit n: expert slot n is selected
             for n in range(N):
-                if pick(r, n, expert_of(lane, n), thr, cut):
+                if pick(r, n, key_of(lane, n, drop), thr, cut):
                     sel |= np.uint32(1) << np.uint32(n)
             # the weights' sum, in the thread-per-token kernel's order: lane k < K adds
             # its expert's score at its place (its rank among the K experts, or k)

@@ -42,9 +42,10 @@ def _same(got, want):
 
 
 def test_dispatch():
-    """sigmoid / sqrtsoftplus, no groups, E % 128 == 0 up to 512, K <= 31 take the warp
-    kernel (``path="auto"``: E >= 256 at any T, E = 128 up to ``WARP_AUTO_MAX_TOKENS``);
-    softmax, groups, other E, larger K and the replay the token kernels."""
+    """sigmoid / sqrtsoftplus, E % 128 == 0 up to 512, K <= 31, groups that ``warp_groups``
+    takes, take the warp kernel (``path="auto"``: E >= 256 at any T, E = 128 up to
+    ``WARP_AUTO_MAX_TOKENS``); softmax, other groups, other E, larger K and the replay the
+    token kernels."""
 
     def fwd(E, k, fn=L.SIGMOID, G=-1, Kg=-1, forced=False, path="auto", T=5):
         return topk.topk_with_score_function_fwd_plan(_plan.spec_of((T, E), L.BF16), fn != L.SOFTMAX, k, False,
@@ -56,12 +57,16 @@ def test_dispatch():
     assert _module_of(fwd(128, 1)) == "warp_topk_fwd"  # auto: E = 128 at small T
     assert _module_of(fwd(128, 1, T=big)) == "token_topk_fwd"  # ... not past WARP_AUTO_MAX_TOKENS
     assert _module_of(fwd(128, 1, L.SQRTSOFTPLUS, path="warp", T=big)) == "warp_topk_fwd"
-    for plan in (fwd(512, 32), fwd(640, 8), fwd(260, 8), fwd(256, 8, L.SIGMOID, 8, 4), fwd(256, 8, L.SOFTMAX),
+    assert _module_of(fwd(256, 8, L.SIGMOID, 8, 4)) == "warp_topk_fwd"  # DeepSeek-V3
+    assert _module_of(fwd(128, 4, L.SIGMOID, 32, 2)) == "warp_topk_fwd"  # groups of one quad
+    for plan in (fwd(512, 32), fwd(640, 8), fwd(260, 8), fwd(256, 8, L.SOFTMAX), fwd(256, 8, L.SIGMOID, 8, 2),
+                 fwd(256, 8, L.SIGMOID, 1, 1), fwd(512, 8, L.SIGMOID, 64, 8), fwd(384, 8, L.SIGMOID, 3, 2),
                  fwd(512, 22, forced=True), fwd(512, 22, forced=True, path="warp")):
         assert _module_of(plan) == "token_topk_fwd"
 
 
-@pytest.mark.parametrize("bad", [dict(k=32), dict(E=132), dict(fn="softmax"), dict(groups=(8, 4))])
+@pytest.mark.parametrize("bad", [dict(k=32), dict(E=132), dict(fn="softmax"), dict(groups=(8, 1)),
+                                 dict(groups=(1, 1))])
 def test_forced_warp_path_names_the_op(bad):
     E, k = bad.get("E", 128), bad.get("k", 4)
     G, Kg = bad.get("groups", (-1, -1))
@@ -71,13 +76,16 @@ def test_forced_warp_path_names_the_op(bad):
                                        score_function=bad.get("fn", "sigmoid"))
 
 
-CASES = [  # (E, K, score function, bias, dtype, map format, indices)
-    (128, 1, "sigmoid", True, np.float32, 0, True),
-    (128, 4, "sqrtsoftplus", False, np.float32, 1, False),
-    (256, 8, "sigmoid", False, "bfloat16", 0, True),
+CASES = [  # (E, K, score function, bias, dtype, map format, indices, (groups, group_topk) or None)
+    (128, 1, "sigmoid", True, np.float32, 0, True, None),
+    (128, 4, "sqrtsoftplus", False, np.float32, 1, False, (32, 2)),  # a group a lane's quad
+    (256, 8, "sigmoid", False, "bfloat16", 0, True, None),
+    (256, 8, "sigmoid", True, "bfloat16", 0, True, (8, 4)),  # DeepSeek-V3
     # the large ones on a GPU only: 40-90 s each on the simulator
-    pytest.param(384, 22, "sigmoid", True, "bfloat16", 1, True, marks=pytest.mark.gpu),
-    pytest.param(512, 31, "sqrtsoftplus", True, np.float16, 0, False, marks=pytest.mark.gpu),
+    pytest.param(384, 22, "sigmoid", True, "bfloat16", 1, True, None, marks=pytest.mark.gpu),
+    pytest.param(512, 31, "sqrtsoftplus", True, np.float16, 0, False, None, marks=pytest.mark.gpu),
+    pytest.param(512, 6, "sqrtsoftplus", True, np.float32, 1, True, (4, 3), marks=pytest.mark.gpu),  # 128 a group
+    pytest.param(256, 5, "sigmoid", False, np.float16, 0, True, (16, 5), marks=pytest.mark.gpu),
 ]
 
 
@@ -90,15 +98,16 @@ def _logits(T, E, dtype, rng, scale=1.0):
     return x.astype(dtype)
 
 
-@pytest.mark.parametrize("E,k,fn,has_bias,dtype,fmt,indices", CASES)
-def test_same_bits_as_the_token_kernel(E, k, fn, has_bias, dtype, fmt, indices):
+@pytest.mark.parametrize("E,k,fn,has_bias,dtype,fmt,indices,groups", CASES)
+def test_same_bits_as_the_token_kernel(E, k, fn, has_bias, dtype, fmt, indices, groups):
     """probs, map, saved (and indices) equal the thread-per-token kernel's bit for bit,
     the weights' sum included (5 tokens: a partial last block of warps on a GPU)."""
     rng = np.random.default_rng(E + k)
     x = _logits(5, E, dtype, rng)
     bias = (rng.standard_normal(E) * 0.05).astype(np.float32) if has_bias else None
+    G, Kg = groups or (-1, -1)
     kw = dict(score_function=fn, expert_bias=bias, scaling_factor=2.5, routing_map_format=fmt,
-              return_indices=indices)
+              return_indices=indices, num_groups=G, group_topk=Kg)
     _same(_fwd(x, k, "warp", **kw), _fwd(x, k, "token", **kw))
 
 
@@ -118,6 +127,32 @@ def test_ties_and_specials():
     bias[5] = -np.inf
     for b in (None, bias):
         kw = dict(expert_bias=b, return_indices=True)
+        _same(_fwd(x, k, "warp", **kw), _fwd(x, k, "token", **kw))
+
+
+def test_groups_ties_and_specials():
+    """Groups (8 of 16 experts, 3 kept, 2 summed): tied group scores (the lower group
+    kept), NaN and -inf groups, kept groups with fewer than K finite scores (the fillers:
+    the kept groups' -inf experts, never a dropped group's), +inf pairs (inf - inf: NaN
+    group scores, ranked as -inf): the token kernel's selection and bits."""
+    rng = np.random.default_rng(9)
+    E, k = 128, 6
+    x = rng.standard_normal((7, E)).astype(np.float32)
+    x[0] = np.tile(np.arange(16, dtype=np.float32) / 16, 8)  # every group tied
+    x[1, :] = -np.inf
+    x[1, [3, 40, 41, 100]] = [1.0, 2.0, 0.5, 3.0]  # 3 kept groups, 4 finite scores: fillers
+    x[2, 16:32] = np.nan
+    x[2, 64:80] = -np.inf
+    x[3, [0, 1]] = np.inf
+    x[3, 20] = -np.inf
+    x[4] = np.nan
+    x[5] = np.round(x[5] * 2) / 2  # ties inside the groups
+    x[6, 96:112] = 5.0
+    inf_bias = np.zeros(E, np.float32)
+    inf_bias[40:48] = -np.inf  # -inf ranking scores in a finite row
+    inf_bias[112], inf_bias[113:] = np.inf, -np.inf  # group 7: inf + -inf, a NaN group score
+    for b in (None, (rng.standard_normal(E) * 0.05).astype(np.float32), inf_bias):
+        kw = dict(expert_bias=b, num_groups=8, group_topk=3, return_indices=True, scaling_factor=1.5)
         _same(_fwd(x, k, "warp", **kw), _fwd(x, k, "token", **kw))
 
 
@@ -147,9 +182,11 @@ def test_replay_of_its_indices_is_the_call():
     """The replay (the token kernel) of the indices the warp kernel returned: the same bits."""
     rng = np.random.default_rng(11)
     x = rng.standard_normal((4, 256)).astype(np.float32)
-    for bias in (None, (rng.standard_normal(256) * 0.05).astype(np.float32)):
-        probs, rmap, saved, idx = _fwd(x, 8, "warp", expert_bias=bias, scaling_factor=1.5, return_indices=True)
-        again = _fwd(x, 8, "auto", expert_bias=bias, scaling_factor=1.5, forced_indices=idx)
+    for bias, G, Kg in ((None, -1, -1), ((rng.standard_normal(256) * 0.05).astype(np.float32), -1, -1),
+                        ((rng.standard_normal(256) * 0.05).astype(np.float32), 8, 4)):
+        kw = dict(expert_bias=bias, scaling_factor=1.5, num_groups=G, group_topk=Kg)
+        probs, rmap, saved, idx = _fwd(x, 8, "warp", return_indices=True, **kw)
+        again = _fwd(x, 8, "auto", forced_indices=idx, **kw)
         _same(again, [probs, rmap, saved])
 
 
