@@ -126,6 +126,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     WARPS = warp_launch(1)[1] // 32
     SLOTS = 64 * WARPS  # a warp's words: 32 candidates, then one a lane for the others' stores
     RED = 32 * WARPS if simulator_enabled() else 1  # the exchanges' twins: a word a thread
+    GSLOTS = 32 * WARPS if num_groups > 0 else 1  # the group scores: 32 a warp (a shared size is a constant)
     norm = topk > 1
     G = max(0, num_groups)  # the groups (0: none): group g is quads g LG ... g LG + LG - 1
     LG = num_experts // G // 4 if G else 32  # lanes a group spans in a quad row (128 experts)
@@ -239,7 +240,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         cand_v = cuda.shared.array(SLOTS, nb_f32)
         cand_e = cuda.shared.array(SLOTS, nb_i32)
         cand_s = cuda.shared.array(SLOTS, nb_f32)
-        cand_g = cuda.shared.array(32 * WARPS if G else 1, nb_f32)  # the group scores
+        cand_g = cuda.shared.array(GSLOTS, nb_f32)  # the group scores
         red = cuda.shared.array(RED, nb_f32)
         redi = cuda.shared.array(RED, nb_i32)
         tid = np.int32(cuda.threadIdx.x)
