@@ -74,7 +74,7 @@ def make_kernel(num_experts: int, topk: int, warps: int, max_registers: int = 0)
     KB = np.int32(topk)  # the bound's place in the 64-sort (0-based): the (K+1)-th largest
     KL = np.int32(topk - 1)  # the K-th selected's lane in the 32-sort
     SLOTS = 32 * warps  # the block's candidates in shared memory
-    sort64, sort32 = warp_sorts()  # the library's (GPU: shuffles; their shared arrays unread)
+    sort64, sort32, _ = warp_sorts()  # the library's (GPU: shuffles; their shared arrays unread)
     inclusive_sum, arg_max = warp_scans()
 
     jit = cuda.jit(max_registers=max_registers) if max_registers else cuda.jit

@@ -103,10 +103,12 @@ def exchanges():
 
 @functools.cache
 def warp_sorts():
-    """``(sort64, sort32)``.
+    """``(sort64, sort32, sort32v)``.
 
     ``sort64(a0, a1, red, tid) -> (a0, a1)``: a descending bitonic sort of 64
     fp32 values, item ``i = 2 lane + h`` in slot ``a_h`` of its lane.
+    ``sort32v(v, red, tid) -> v``: a descending sort of 32 fp32 values, one a
+    lane.
     ``sort32(v, e, red, redi, tid) -> (v, e)``: a bitonic sort of 32 (score,
     expert) pairs, one a lane, in the selection order (``ahead`` first).
 
@@ -164,6 +166,31 @@ def warp_sorts():
         return (ov if take else v), (oe if take else e)
 
     @cuda.jit(device=True)
+    def stage32v(v, red, tid, k, j):
+        lane = tid & 31
+        o = xor(v, j, red, tid)
+        keep_max = ((lane & j) == 0) == ((lane & k) == 0)
+        return max(v, o) if keep_max else min(v, o)
+
+    @cuda.jit(device=True)
+    def sort32v(v, red, tid):
+        v = stage32v(v, red, tid, 2, 1)
+        v = stage32v(v, red, tid, 4, 2)
+        v = stage32v(v, red, tid, 4, 1)
+        v = stage32v(v, red, tid, 8, 4)
+        v = stage32v(v, red, tid, 8, 2)
+        v = stage32v(v, red, tid, 8, 1)
+        v = stage32v(v, red, tid, 16, 8)
+        v = stage32v(v, red, tid, 16, 4)
+        v = stage32v(v, red, tid, 16, 2)
+        v = stage32v(v, red, tid, 16, 1)
+        v = stage32v(v, red, tid, 32, 16)
+        v = stage32v(v, red, tid, 32, 8)
+        v = stage32v(v, red, tid, 32, 4)
+        v = stage32v(v, red, tid, 32, 2)
+        return stage32v(v, red, tid, 32, 1)
+
+    @cuda.jit(device=True)
     def sort32(v, e, red, redi, tid):
         v, e = stage32(v, e, red, redi, tid, 2, 1)
         v, e = stage32(v, e, red, redi, tid, 4, 2)
@@ -182,7 +209,7 @@ def warp_sorts():
         v, e = stage32(v, e, red, redi, tid, 32, 1)
         return v, e
 
-    return sort64, sort32
+    return sort64, sort32, sort32v
 
 
 @functools.cache

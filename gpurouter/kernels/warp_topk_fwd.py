@@ -19,9 +19,9 @@ contiguous span, and all of a token's loads go out before any store.
    dropped group's experts get ``r = -inf`` and a key after every kept
    expert's (they are never selected, not even as -inf fillers).
 1. Each lane keeps its two largest ``r``.  The (K+1)-th largest of those 64
-   values (``sort64``) is a bound ``b``: the (K+1)-th largest of any subset
-   of a row is at most the row's, so every expert of the top K has
-   ``r >= b``.
+   values (``sort64``; K <= 12: of the 32 lanes' largest, ``sort32v``) is a
+   bound ``b``: the (K+1)-th largest of any subset of a row is at most the
+   row's, so every expert of the top K has ``r >= b``.
 2. The candidates (``r >= b``; about K + 2 of them for random logits) go to
    shared memory by a prefix count (no branch: the others' stores go to a
    spare word of the lane); when there are at most 32, a sort of the
@@ -73,6 +73,8 @@ WARP_MAX_EXPERTS, WARP_MAX_TOPK = 512, 31
 #: kernel (docs/benchmarks.md, "The warp forward's instructions": E = 256
 #: and up at T = 1024 - 65536; E = 128, K = 1 up to T = 12288, slower from 16384)
 WARP_AUTO_MIN_EXPERTS, WARP_AUTO_MAX_TOKENS = 256, 12288
+#: K up to this: the bound from the lanes' maxima (a sort of 32, not 64)
+WARP_ONE_A_LANE_TOPK = 12
 #: a register cap a thread (0: the compiler's choice); read when a kernel is
 #: built (tools/path_probe.py --warp-max-registers sweeps it)
 WARP_MAX_REGISTERS = 0
@@ -121,7 +123,10 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     N = 4 * Q
     QROW = num_experts // 4  # quads a row
     MROW = num_experts // 8  # BITMAP_U8 bytes a row
-    KB = np.int32(topk)  # the bound's place in the 64-sort: the (K+1)-th largest
+    KB = np.int32(topk)  # the bound's place in its sort: the (K+1)-th largest
+    #: K <= 12: the bound from the lanes' maxima (a 32-sort, about 32 ln(32 / (31 - K))
+    #: candidates: 17 at K = 12); else from each lane's two largest (a 64-sort)
+    ONE_A_LANE = topk <= WARP_ONE_A_LANE_TOPK
     KL = np.int32(topk - 1)
     WARPS = warp_launch(1)[1] // 32
     SLOTS = 64 * WARPS  # a warp's words: 32 candidates, then one a lane for the others' stores
@@ -137,7 +142,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     load4, store4, _ = flat_io(kind)
     store_f32 = quad_f32()[1]
     xor, _, idx, uniform_any, warp_sync = exchanges()
-    sort64, sort32 = warp_sorts()
+    sort64, sort32, sort32v = warp_sorts()
     inclusive_sum, arg_max = warp_scans()
 
     @cuda.jit(device=True)
@@ -283,8 +288,11 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                 v = r[n]
                 m1, m2 = max(m1, v), max(m2, min(m1, v))
             # 1. the bound
-            a0, a1 = sort64(m1, m2, red, tid)
-            bound = idx(a1 if KB & 1 else a0, KB >> 1, red, tid)
+            if ONE_A_LANE:
+                bound = idx(sort32v(m1, red, tid), KB, red, tid)
+            else:
+                a0, a1 = sort64(m1, m2, red, tid)
+                bound = idx(a1 if KB & 1 else a0, KB >> 1, red, tid)
             # 2. the candidates, at most 32 of them sorted
             cnt = np.int32(0)  # (int32 throughout: numba's own integer arithmetic is 64-bit)
             for n in range(N):

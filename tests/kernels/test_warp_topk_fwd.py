@@ -78,6 +78,7 @@ def test_forced_warp_path_names_the_op(bad):
 
 CASES = [  # (E, K, score function, bias, dtype, map format, indices, (groups, group_topk) or None)
     (128, 1, "sigmoid", True, np.float32, 0, True, None),
+    (128, 16, "sigmoid", True, np.float32, 0, True, None),  # K > 12: the bound from a 64-sort
     (128, 4, "sqrtsoftplus", False, np.float32, 1, False, (32, 2)),  # a group a lane's quad
     (256, 8, "sigmoid", False, "bfloat16", 0, True, None),
     (256, 8, "sigmoid", True, "bfloat16", 0, True, (8, 4)),  # DeepSeek-V3
@@ -208,14 +209,14 @@ def test_float64_oracle():
 
 
 def test_warp_sorts_and_scans():
-    """``sort64`` sorts 64 values descending, ``sort32`` 32 (score, expert) pairs in the
-    selection order, ``inclusive_sum`` and ``arg_max`` over a warp (GPU: shuffles;
-    simulator: their shared-memory twins)."""
-    sort64, sort32 = warp_sorts()
+    """``sort64`` sorts 64 values descending, ``sort32v`` 32, ``sort32`` 32 (score, expert)
+    pairs in the selection order, ``inclusive_sum`` and ``arg_max`` over a warp (GPU:
+    shuffles; simulator: their shared-memory twins)."""
+    sort64, sort32, sort32v = warp_sorts()
     inclusive_sum, arg_max = warp_scans()
 
     @cuda.jit
-    def run(a, v, e, c, out_a, out_v, out_e, out_c, out_m):
+    def run(a, v, e, c, out_a, out_v, out_e, out_c, out_m, out_s):
         red = cuda.shared.array(32, nb_f32)
         redi = cuda.shared.array(32, nb_i32)
         tid = np.int32(cuda.threadIdx.x)
@@ -228,6 +229,7 @@ def test_warp_sorts_and_scans():
         out_c[tid] = inclusive_sum(c[tid], redi, tid)
         mv, me = arg_max(v[tid], e[tid], red, redi, tid)
         out_m[tid] = me if mv == mv else -1
+        out_s[tid] = sort32v(a[tid], red, tid)
 
     rng = np.random.default_rng(2)
     a = rng.standard_normal(64).astype(np.float32)
@@ -235,10 +237,10 @@ def test_warp_sorts_and_scans():
     e = rng.permutation(32).astype(np.int32)
     c = rng.integers(0, 5, 32).astype(np.int32)
     outs = [cuda.device_array(64, np.float32), cuda.device_array(32, np.float32), cuda.device_array(32, np.int32),
-            cuda.device_array(32, np.int32), cuda.device_array(32, np.int32)]
+            cuda.device_array(32, np.int32), cuda.device_array(32, np.int32), cuda.device_array(32, np.float32)]
     L.launch(run, 1, 32, 0, 0, *(cuda.to_device(z) for z in (a, v, e, c)), *outs)
-    got_a, got_v, got_e, got_c, got_m = (o.copy_to_host() for o in outs)
-    assert (got_a == np.sort(a)[::-1]).all()
+    got_a, got_v, got_e, got_c, got_m, got_s = (o.copy_to_host() for o in outs)
+    assert (got_a == np.sort(a)[::-1]).all() and (got_s == np.sort(a[:32])[::-1]).all()
     order = sorted(range(32), key=lambda i: (-v[i], e[i]))
     assert (got_v == v[order]).all() and (got_e == e[order]).all()
     assert (got_c == np.cumsum(c)).all() and (got_m == e[order[0]]).all()
