@@ -101,8 +101,14 @@ def warp_path(num_experts: int, topk: int, num_groups: int, score_fn: int, pre_s
             and warp_groups(num_experts, topk, num_groups, group_topk))
 
 
-def warp_auto(num_experts: int, num_tokens: int) -> bool:
-    """Whether ``path="auto"`` takes the warp kernel for a shape it fits."""
+def warp_auto(num_experts: int, num_tokens: int, simulator: bool | None = None) -> bool:
+    """Whether ``path="auto"`` takes the warp kernel for a shape it fits: by
+    the GPU timings above; never on the CUDA simulator (``simulator`` None:
+    whether it is on), where its exchanges are block barriers and the
+    thread-per-token kernel, the same bits, runs many times faster (the warp
+    kernel's own tests force ``path="warp"``)."""
+    if simulator_enabled() if simulator is None else simulator:
+        return False
     return num_experts >= WARP_AUTO_MIN_EXPERTS or num_tokens <= WARP_AUTO_MAX_TOKENS
 
 
@@ -131,7 +137,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     WARPS = warp_launch(1)[1] // 32
     SLOTS = 64 * WARPS  # a warp's words: 32 candidates, then one a lane for the others' stores
     RED = 32 * WARPS if simulator_enabled() else 1  # the exchanges' twins: a word a thread
-    GSLOTS = 32 * WARPS if num_groups > 0 else 1  # the group scores: 32 a warp (a shared size is a constant)
+    GSLOTS = 64 * WARPS if num_groups > 0 else 1  # 32 group scores, 32 kept flags a warp (a constant size)
     norm = topk > 1
     G = max(0, num_groups)  # the groups (0: none): group g is quads g LG ... g LG + LG - 1
     LG = num_experts // G // 4 if G else 32  # lanes a group spans in a quad row (128 experts)
@@ -216,15 +222,18 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
             if (lane & np.int32(LG - 1)) == 0:
                 wg[np.uint32(q * GQ + mine)] = gsc[q]
         warp_sync()
+        # lane h < G ranks group h (G compares a lane, whatever Q), and says so in wg[32 + h]
+        v = nan_as_neg_inf(wg[np.uint32(min(lane, np.int32(G - 1)))])
+        rank = np.int32(0)
+        for h in range(G):
+            u = nan_as_neg_inf(wg[h])
+            rank = np.int32(rank + np.int32((u > v) | ((u == v) & (h < lane))))
+        if lane < G:
+            wg[np.uint32(32 + lane)] = ONE if rank < KG else ZERO
+        warp_sync()
         drop = np.uint32(0)
         for q in range(Q):
-            g = np.int32(q * GQ + mine)
-            v = nan_as_neg_inf(gsc[q])
-            rank = np.int32(0)
-            for h in range(G):
-                u = nan_as_neg_inf(wg[h])
-                rank = np.int32(rank + np.int32((u > v) | ((u == v) & (h < g))))
-            if rank >= KG:
+            if wg[np.uint32(32 + q * GQ + mine)] == ZERO:
                 drop |= np.uint32(15) << np.uint32(4 * q)
         warp_sync()
         for n in range(N):
@@ -255,7 +264,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         wv = cand_v[2 * base:2 * base + 64]  # the warp's words (constant offsets in unrolled loops)
         we = cand_e[2 * base:2 * base + 64]
         ws = cand_s[2 * base:2 * base + 64]
-        wg = cand_g[base:base + 32] if G else cand_g[0:1]
+        wg = cand_g[2 * base:2 * base + 64] if G else cand_g[0:1]
         gsc = cuda.local.array(4, nb_f32)
         spare = np.uint32(32 + lane)  # where a lane's store goes when it writes no candidate
         b = cuda.local.array(N, nb_f32)
@@ -311,7 +320,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
             cv = wv[ulane] if lane < total else NEG_INF
             ce = we[ulane] if lane < total else NO_EXPERT
             warp_sync()
-            cv, ce = sort32(cv, ce, red, redi, tid)
+            cv, ce = sort32(cv, ce, red, redi, tid, uniform_any(total > 16))
             # 3. K rounds of a warp arg-max where the candidates overflowed
             need = (total > 32) | (fallback_only != 0)
             if uniform_any(need):
