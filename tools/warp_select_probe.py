@@ -135,7 +135,7 @@ def make_kernel(num_experts: int, topk: int, warps: int, max_registers: int = 0)
                     cv = cand_v[base + lane]
                     ce = cand_e[base + lane]
                 cuda.syncwarp(FULL)
-                cv, ce = sort32(cv, ce, cand_v, cand_e, tid, True)
+                cv, ce = sort32(cv, ce, cand_v, cand_e, tid)
                 thr = cuda.shfl_sync(FULL, cv, KL)
                 cut = cuda.shfl_sync(FULL, ce, KL)
             else:  # 4: K rounds of a warp arg-max

@@ -109,10 +109,8 @@ def warp_sorts():
     fp32 values, item ``i = 2 lane + h`` in slot ``a_h`` of its lane.
     ``sort32v(v, red, tid) -> v``: a descending sort of 32 fp32 values, one a
     lane.
-    ``sort32(v, e, red, redi, tid, full) -> (v, e)``: a bitonic sort of 32
-    (score, expert) pairs, one a lane, in the selection order (``ahead``
-    first); with ``full`` false only lanes 0-15 come out sorted (enough when
-    lanes 16-31 hold nothing that could come before them).
+    ``sort32(v, e, red, redi, tid) -> (v, e)``: a bitonic sort of 32 (score,
+    expert) pairs, one a lane, in the selection order (``ahead`` first).
 
     The stages are written out, one call each with constant ``(k, j)``: numba
     does not unroll a loop that holds shuffles, and a loop's stage cost about 30
@@ -193,10 +191,7 @@ def warp_sorts():
         return stage32v(v, red, tid, 32, 1)
 
     @cuda.jit(device=True)
-    def sort32(v, e, red, redi, tid, full):
-        # (stages k <= 16 sort each half of the lanes; the k = 32 ones merge them: needed
-        # only when the upper half holds pairs, ``full``, the same on every lane that
-        # takes part in an exchange, block-wide on the simulator)
+    def sort32(v, e, red, redi, tid):
         v, e = stage32(v, e, red, redi, tid, 2, 1)
         v, e = stage32(v, e, red, redi, tid, 4, 2)
         v, e = stage32(v, e, red, redi, tid, 4, 1)
@@ -207,12 +202,11 @@ def warp_sorts():
         v, e = stage32(v, e, red, redi, tid, 16, 4)
         v, e = stage32(v, e, red, redi, tid, 16, 2)
         v, e = stage32(v, e, red, redi, tid, 16, 1)
-        if full:
-            v, e = stage32(v, e, red, redi, tid, 32, 16)
-            v, e = stage32(v, e, red, redi, tid, 32, 8)
-            v, e = stage32(v, e, red, redi, tid, 32, 4)
-            v, e = stage32(v, e, red, redi, tid, 32, 2)
-            v, e = stage32(v, e, red, redi, tid, 32, 1)
+        v, e = stage32(v, e, red, redi, tid, 32, 16)
+        v, e = stage32(v, e, red, redi, tid, 32, 8)
+        v, e = stage32(v, e, red, redi, tid, 32, 4)
+        v, e = stage32(v, e, red, redi, tid, 32, 2)
+        v, e = stage32(v, e, red, redi, tid, 32, 1)
         return v, e
 
     return sort64, sort32, sort32v

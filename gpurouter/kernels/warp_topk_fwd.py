@@ -320,7 +320,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
             cv = wv[ulane] if lane < total else NEG_INF
             ce = we[ulane] if lane < total else NO_EXPERT
             warp_sync()
-            cv, ce = sort32(cv, ce, red, redi, tid, uniform_any(total > 16))
+            cv, ce = sort32(cv, ce, red, redi, tid)
             # 3. K rounds of a warp arg-max where the candidates overflowed
             need = (total > 32) | (fallback_only != 0)
             if uniform_any(need):
