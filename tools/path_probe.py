@@ -11,7 +11,7 @@ launched on raw pointers as the transports launch them), through the plans'
     python3 tools/path_probe.py --json out.json
     python3 tools/path_probe.py --cases large-k --tokens 65536 --token-max-topk 64
     python3 tools/path_probe.py --cases deepseek-v4,llama-4 --paths token,warp
-    python3 tools/path_probe.py --cases nemotron-3-super --paths warp --warp-max-registers 0,64,72 --sass
+    python3 tools/path_probe.py --cases nemotron-3-super --paths warp --sass
 
 ``--cases large-k`` times the issue's large-K shapes (E = 512 at K = 8 ... 64,
 and E = 2304, K = 36); ``--token-max-topk`` lifts the token kernels' K limit
@@ -33,7 +33,7 @@ from numba import cuda
 
 from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _plan, _tiling, warp_topk_fwd
+from gpurouter.kernels import _plan, _tiling
 
 CASES = {  # name: (E, K, G, Kg, sf, bias, pre)
     "deepseek-v3": (256, 8, 8, 4, L.SIGMOID, True, False),
@@ -56,8 +56,6 @@ def main(argv):
     ap.add_argument("--token-max-topk", type=int, help="lift _tiling.TOKEN_MAX_TOPK for this run")
     ap.add_argument("--token-min-threads", type=int, help="set _tiling.TOKEN_MIN_THREADS for this run")
     ap.add_argument("--paths", default="token,lane", help="the kernel families to time (default token,lane)")
-    ap.add_argument("--warp-max-registers", default="0",
-                    help="register caps for the warp kernel, comma-separated (warp_topk_fwd.WARP_MAX_REGISTERS)")
     ap.add_argument("--sass", action="store_true", help="the warp kernel's SASS counts (needs nvdisasm)")
     ap.add_argument("--sass-out", help="with --sass: write each warp kernel's SASS to this folder")
     ap.add_argument("--json")
@@ -82,31 +80,24 @@ def main(argv):
             spec = _plan.spec_of((t, e), L.BF16)
             row = {"case": name, "T": t, "token min threads": _tiling.TOKEN_MIN_THREADS}
             outs = {}
-            caps = [int(v) for v in args.warp_max_registers.split(",")]
-            variants = [(p, c) for p in args.paths.split(",") for c in (caps if p == "warp" else [0])]
-            for path, cap in variants:
-                label = f"{path} r{cap}" if cap else path
-                if path == "warp":  # the cap is read when the kernel is built: rebuild it and its plan
-                    warp_topk_fwd.WARP_MAX_REGISTERS = cap
-                    warp_topk_fwd.warp_topk_fwd_kernel.cache_clear()
-                    K.topk_with_score_function_fwd_plan.cache_clear()
+            for path in args.paths.split(","):
                 try:
                     plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(1.0), sf,
                                                                0, path=path)
                     aplan = None if path == "warp" else K.score_for_aux_loss_fwd_plan(spec, k, sf, 0, path=path)
                 except ValueError as err:  # path='token' on a shape it does not take
-                    row[f"{label} error"] = str(err)
+                    row[f"{path} error"] = str(err)
                     continue
-                row[f"{label} topk"], outs[label] = time_plan(plan, [[x, bias] if has_bias else [x]], args.repeats,
+                row[f"{path} topk"], outs[path] = time_plan(plan, [[x, bias] if has_bias else [x]], args.repeats,
                                                               spin)
                 kern = plan.steps[0].kernel
                 regs = kern.get_regs_per_thread()
-                row[f"{label} regs"] = sorted(regs.values()) if isinstance(regs, dict) else regs
+                row[f"{path} regs"] = sorted(regs.values()) if isinstance(regs, dict) else regs
                 if args.sass and path == "warp":
-                    out = args.sass_out and f"{args.sass_out}/{name}-r{cap}.sass"
-                    row[f"{label} sass"] = sass_counts(kern, out)
+                    out = args.sass_out and f"{args.sass_out}/{name}.sass"
+                    row[f"{path} sass"] = sass_counts(kern, out)
                 if aplan is not None:  # (the aux scores have no warp kernel)
-                    row[f"{label} aux"], _ = time_plan(aplan, [[x]], args.repeats, spin)
+                    row[f"{path} aux"], _ = time_plan(aplan, [[x]], args.repeats, spin)
             first, *others = list(outs) or [None]
             for path in others:  # (outs[2], saved, is only written where the backward reads it)
                 row[f"same map ({path})"] = bool(np.array_equal(outs[first][1], outs[path][1]))

@@ -3,7 +3,8 @@
 
 The forward plan picks the kernel: the warp-per-token kernel
 (``warp_topk_fwd.py``) when ``use_warp_path`` takes the shape (sigmoid or
-sqrtsoftplus, no groups, E a multiple of 128 from 384 up to 512, K <= 31),
+sqrtsoftplus, E a multiple of 128 up to 512, K <= 31, no groups or
+``warp_groups``'s; under "auto" where ``warp_auto`` says it is faster),
 else the thread-per-token kernel (``token_topk_fwd.py``) when
 ``_tiling.token_path`` takes it (K <= 64, E a multiple of 4), else the
 W-lane kernel (``lane_topk_fwd.py``); the backward plan the quad kernel (``quad_bwd.py``, E a multiple of 4) or the

@@ -75,9 +75,6 @@ WARP_MAX_EXPERTS, WARP_MAX_TOPK = 512, 31
 WARP_AUTO_MIN_EXPERTS, WARP_AUTO_MAX_TOKENS = 256, 12288
 #: K up to this: the bound from the lanes' maxima (a sort of 32, not 64)
 WARP_ONE_A_LANE_TOPK = 12
-#: a register cap a thread (0: the compiler's choice); read when a kernel is
-#: built (tools/path_probe.py --warp-max-registers sweeps it)
-WARP_MAX_REGISTERS = 0
 NO_EXPERT = np.int32(0x7FFFFFFF)
 
 
@@ -247,9 +244,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     def pick(r, n, e, thr, cut):
         return (r[n] > thr) | ((r[n] == thr) & (e <= cut))
 
-    jit = cuda.jit(max_registers=WARP_MAX_REGISTERS) if WARP_MAX_REGISTERS else cuda.jit
-
-    @jit
+    @cuda.jit
     def warp_topk_fwd(logits, bias, probs, rmap, saved, xarr, num_tokens, scale, fallback_only):
         cand_v = cuda.shared.array(SLOTS, nb_f32)
         cand_e = cuda.shared.array(SLOTS, nb_i32)
