@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ._vma import match_varying_axes
+
 
 def _exclusive_cumsum(v: jax.Array, axis: int = -1) -> jax.Array:
     return jnp.cumsum(v, axis=axis) - v
@@ -62,10 +64,20 @@ def ragged_all_to_all(operand, num_rows: int, input_offsets, send_sizes, output_
     return _exchange(operand, params, axis_name, num_shards, (operand.shape, int(num_rows)))
 
 
+def has_ragged_all_to_all() -> bool:
+    """Whether the default backend runs ``lax.ragged_all_to_all`` (XLA:CPU
+    does not: the stand-in runs there). The one switch between the two, so
+    that tests can trace the GPU branch on the CPU."""
+    return jax.default_backend() != "cpu"
+
+
 def _exchange_raw(operand, params, num_rows: int, axis_name, num_shards: int):
     input_offsets, send_sizes, output_offsets, recv_sizes = params
     output = jnp.zeros((num_rows,) + operand.shape[1:], operand.dtype)
-    if jax.default_backend() != "cpu":
+    if has_ragged_all_to_all():
+        # the result takes the buffer's type: a fresh zero buffer is invariant,
+        # and the backward's cotangent must vary like its operand (check_vma)
+        (output,) = match_varying_axes((output,), (operand,), also=axis_name)
         return lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
                                      axis_name=axis_name)
     me = lax.axis_index(axis_name)

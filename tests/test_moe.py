@@ -223,6 +223,32 @@ def test_expert_parallel_equals_one_device(shards, early, gmm):
         np.testing.assert_allclose(np.asarray(got), np.asarray(w), rtol=1e-4, atol=1e-5)
 
 
+def test_expert_parallel_gpu_branch_types_and_lowers(monkeypatch):
+    """The branch GPUs take (the real ``ragged_all_to_all``, which XLA:CPU
+    cannot run) traced and lowered here under ``shard_map``'s type checks,
+    forward and backward: a zero output buffer left replicated made the
+    exchange's backward a ValueError on two H200s (its cotangent was not
+    varying over the axis like its operand) while every CPU test passed."""
+    from gpurouter import _ep
+    monkeypatch.setattr(_ep, "has_ragged_all_to_all", lambda: True)
+    P = jax.sharding.PartitionSpec
+    p = _params(seed=5)
+    kw = dict(KW, aux_loss_coeff=1e-2)
+    mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
+    sharded = ("x", "wi_0", "wi_1", "wo", "wi_0_bias", "wi_1_bias", "wo_bias")
+
+    def local(*vals):
+        out, loss = _call(gmoe.moe, dict(p, **dict(zip(sharded, vals, strict=True))), kw, ep_axis="ep")
+        return out, jax.lax.psum(loss, "ep")
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P("ep"),) * len(sharded), out_specs=(P("ep"), P()))
+    step = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)[0] ** 2) + f(*a)[1], argnums=tuple(range(len(sharded)))))
+    args = [jax.device_put(p[k], jax.sharding.NamedSharding(mesh, P("ep"))) for k in sharded]
+    hlo = step.trace(*args).lower().as_text()
+    # dispatch and combine forward, and each one's backward: four collectives
+    assert hlo.count("ragged_all_to_all") == 4, hlo.count("ragged_all_to_all")
+
+
 @pytest.mark.parametrize("change,exc,msg", [
     (dict(gate_kernel=jnp.zeros((H, E + 1))), ValueError,
      f"moe: gate_kernel shape ({H}, {E + 1}) must be (hidden, num_experts) = ({H}, {E})."),

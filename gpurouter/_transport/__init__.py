@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import jax
 
 from .. import _backend
-from ._shared import match_varying_axes
+from .._vma import match_varying_axes
 from .host import Launcher, host_call
 
 

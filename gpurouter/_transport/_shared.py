@@ -101,28 +101,3 @@ def word_spec(spec: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     if spec.dtype == jnp.bfloat16:
         return jax.ShapeDtypeStruct(spec.shape, jnp.uint16)
     return spec
-
-
-def varying(x) -> frozenset:
-    """The manual mesh axes ``x`` varies along (empty outside shard_map)."""
-    aval = jax.typeof(x)
-    if hasattr(aval, "vma"):  # jax < 0.10 spelling
-        return frozenset(aval.vma)
-    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10+
-    return frozenset(getattr(mat, "varying", ()) or ())
-
-
-def match_varying_axes(outs, ins):
-    """Marks the outputs varying over every manual mesh axis an input varies over.
-
-    Inside ``shard_map`` JAX types each value with the manual axes it varies
-    along; a callback's outputs come out typed invariant, which would break
-    ``custom_vjp`` (cotangent types must match the primal inputs) and any
-    later collective. The outputs of a per-shard kernel vary as its inputs do.
-    """
-    vma = frozenset().union(*(varying(a) for a in ins))
-    fixed = []
-    for o in outs:
-        missing = tuple(sorted(vma - varying(o)))
-        fixed.append(lax.pcast(o, missing, to="varying") if missing else o)
-    return tuple(fixed)

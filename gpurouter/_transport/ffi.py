@@ -36,7 +36,8 @@ import jax
 import numpy as np
 
 from . import ffi_abi as abi
-from ._shared import COMPILE_LOCK, plan_of, to_words, varying, word_spec
+from .._vma import varying
+from ._shared import COMPILE_LOCK, plan_of, to_words, word_spec
 from .ffi_record import (
     COUNTS,
     DEVICES,
