@@ -114,29 +114,29 @@ def update_expert_bias(
     counts_meta = array_meta(BIAS_UPDATE_OP, "tokens_per_expert", tokens_per_expert)
     check_bias_update_args(*bias_meta, *counts_meta, rate)
     load = jnp.asarray(tokens_per_expert)
-    exact = jnp.issubdtype(load.dtype, jnp.integer)
-    load = load.astype(jnp.int32 if exact else jnp.float32)
+    load = load.astype(jnp.int32 if jnp.issubdtype(load.dtype, jnp.integer) else jnp.float32)
     if axis_name is not None:
         axis_size(BIAS_UPDATE_OP, axis_name)  # checks that the axis is bound
         load = jax.lax.psum(load, axis_name)
     bias = jnp.asarray(expert_bias)
-    step = jnp.asarray(rate, jnp.float32) * _below_mean(load, exact).astype(jnp.float32)
+    step = jnp.asarray(rate, jnp.float32) * _sign_of_mean_minus(load).astype(jnp.float32)
     return (bias.astype(jnp.float32) + step).astype(bias.dtype)
 
 
-def _below_mean(load: jax.Array, exact: bool) -> jax.Array:
-    """``sign(mean(load) - load)`` without rounding the mean: a float32 mean
-    is a sum times ``1/E`` under XLA, so an expert exactly at the mean (60
-    tokens over 15 experts, 4 each) could read as below it and move. Integer
-    counts compare with ``total // E`` and the remainder (exact while the
-    total fits int32); float counts compare ``total`` with ``E * load``."""
+def _sign_of_mean_minus(load: jax.Array) -> jax.Array:
+    """``sign(mean(load) - load)`` (int32 or float32 ``load``) without rounding
+    the mean: a float32 mean is a sum times ``1/E`` under XLA, so an expert
+    exactly at the mean (60 tokens over 15 experts, 4 each) could read as
+    below it and move. int32 counts compare with ``total // E`` and the
+    remainder (exact while the total fits int32); float counts compare
+    ``total`` with ``E * load``."""
     num_experts = load.shape[-1]
     total = jnp.sum(load)
-    if not exact:
+    if load.dtype != jnp.int32:
         return jnp.sign(total - num_experts * load)
     quotient, remainder = total // num_experts, total % num_experts
-    at_quotient = jnp.where(remainder > 0, 1, 0)  # the mean is quotient + remainder / E
-    return jnp.where(load < quotient, 1, jnp.where(load > quotient, -1, at_quotient))
+    # at the quotient, the mean (quotient + remainder / E) is above or equal
+    return jnp.where(load < quotient, 1, jnp.where(load > quotient, -1, jnp.sign(remainder)))
 
 
 __all__ = ["router_z_loss", "update_expert_bias"]
