@@ -4,6 +4,8 @@
   ``ci``; pytest's ``--hypothesis-profile`` overrides it):
   ``ci`` (derandomized, ~25 examples), ``dev`` (10, random), ``fuzz``
   (3000, random; run by hand or nightly).
+- ``GPUROUTER_TEST_DEVICE=i`` makes ``jax.devices()[i]`` JAX's default device
+  (the public suite on a second GPU: tools/two_gpu.sh).
 - Strict JAX promotion: ``jax_numpy_dtype_promotion="strict"`` and
   ``jax_numpy_rank_promotion="raise"`` (x64 stays off; tests that need
   float64 use ``with jax.enable_x64(True):`` locally).
@@ -53,6 +55,27 @@ settings.load_profile(os.environ.get("GPUROUTER_HYPOTHESIS_PROFILE", "ci"))
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def _default_device_from_env():
+    """``GPUROUTER_TEST_DEVICE=i``: run the tests with ``jax.devices()[i]`` as JAX's
+    default device (``jax_default_device``), e.g. the public suite on a host's second
+    GPU, where a launch in the wrong CUDA context would show (issue #19,
+    tools/two_gpu.sh). Unset: JAX's own default (the first device)."""
+    raw = os.environ.get("GPUROUTER_TEST_DEVICE")
+    if raw is None or raw == "":
+        return
+    devices = jax.devices()
+    try:
+        index = int(raw)
+    except ValueError:
+        raise pytest.UsageError(f"GPUROUTER_TEST_DEVICE must be a device index, got {raw!r}") from None
+    if not 0 <= index < len(devices):
+        raise pytest.UsageError(f"GPUROUTER_TEST_DEVICE={index}: JAX has {len(devices)} device(s): {devices}")
+    jax.config.update("jax_default_device", devices[index])
+
+
+_default_device_from_env()
 
 
 def _simulator() -> bool:
