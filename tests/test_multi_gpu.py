@@ -6,6 +6,8 @@ and tests/test_moe.py (they use every device JAX has)."""
 
 from __future__ import annotations
 
+import ctypes
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,12 +40,15 @@ def _step(backend, transport="ffi"):
     return jax.jit(jax.value_and_grad(loss))
 
 
-def test_ffi_runs_on_each_gpu():
+@pytest.mark.parametrize("transport", ["ffi", "zero-copy"])
+def test_each_transport_runs_on_each_gpu(transport):
+    """The zero-copy transport takes a call's GPU from XLA's stream (on 2 x H200
+    the buffers' pointer attribute named GPU 0 for GPU 1's buffers)."""
     x, w, b = _inputs()
-    want = jax.device_get(_step("numba")(x, w, b))
+    want = jax.device_get(_step("numba", transport)(x, w, b))
     for d in GPUS:
         args = jax.device_put((x, w, b), d)
-        got = _step("numba")(*args)
+        got = _step("numba", transport)(*args)
         assert got[1].devices() == {d}
         for g, v in zip(jax.device_get(got), want, strict=True):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(v))
@@ -76,6 +81,32 @@ def test_one_jitted_step_on_every_gpu_at_once():
     for out in (outs[0], outs[-1]):
         for g, v in zip(out, want, strict=True):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(v))
+
+
+def test_on_gpu_gives_the_caller_its_context_back():
+    """``_context.on_gpu`` (compiles, counters) leaves the calling thread's current
+    context as it found it, from each GPU's context to each other GPU, and from
+    none; a stream's GPU is its context's device."""
+    from gpurouter.kernels import _context
+
+    ctxs = [_context.primary_context(d.local_hardware_id) for d in GPUS]
+    lib = _context.libcuda()
+    for outer in [None, *ctxs]:
+        if outer is not None:
+            assert lib.cuCtxPushCurrent_v2(outer) == 0
+        before = _context.current_context()
+        for d in GPUS:
+            with _context.on_gpu(d.local_hardware_id):
+                assert _context.current_context() == ctxs[GPUS.index(d)]
+            assert _context.current_context() == before
+        if outer is not None:
+            lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    from numba import cuda
+
+    for d in GPUS:
+        with _context.on_gpu(d.local_hardware_id):
+            stream = cuda.stream()
+        assert _context.stream_ordinal(int(stream.handle)) == d.local_hardware_id
 
 
 def test_aux_path_on_each_gpu():

@@ -226,13 +226,11 @@ def select_size(op, n: int) -> int:
 def function_of(kernel: int) -> int:
     """numba's kernel handle (a CUkernel) as a CUfunction of the current GPU's
     primary context (``cuKernelGetFunction``); the handle itself if that fails."""
-    from numba import cuda
-
-    from gpurouter.kernels._pointer import _libcuda
+    from gpurouter.kernels._context import libcuda, on_gpu
 
     fn = ctypes.c_void_p()
-    with cuda.gpus[_gpu_ordinals()[0]]:
-        rc = _libcuda().cuKernelGetFunction(ctypes.byref(fn), ctypes.c_void_p(kernel))
+    with on_gpu(_gpu_ordinals()[0]):
+        rc = libcuda().cuKernelGetFunction(ctypes.byref(fn), ctypes.c_void_p(kernel))
     print(f"cuKernelGetFunction: CUresult {rc}, kernel {kernel:#x} -> function {fn.value or 0:#x}", flush=True)
     return fn.value if rc == 0 and fn.value else kernel
 

@@ -64,18 +64,14 @@ def _gpu_count() -> int:
     return _GPU_COUNT[0]
 
 
-def _ordinal(ptr: int) -> int:
-    """The GPU that holds device pointer ``ptr`` (XLA's ExecutionContext names
-    no device; on a multi-GPU host each shard's buffers live on its own GPU)."""
+def _ordinal(stream: int) -> int:
+    """The GPU of a zero-copy call: its XLA stream's (the ExecutionContext names
+    no device; on a multi-GPU host each shard runs on its own GPU's stream)."""
     if _gpu_count() == 1:
         return 0
-    from cuda.bindings import driver
+    from ..kernels._context import stream_ordinal
 
-    err, ordinal = driver.cuPointerGetAttribute(
-        driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"gpurouter: cannot place device pointer {ptr:#x}: {err!r}")
-    return int(ordinal)
+    return stream_ordinal(int(stream or 0))
 
 
 _POINTER_LAUNCHES: dict = {}
@@ -101,10 +97,9 @@ def _run_plans(planner, n_token: int, n_out: int, ins, outs, stream: int) -> Non
 
     ``outs`` holds the op's outputs, then its scratch arrays (unbatched ops only).
     """
-    placed = [a.ptr for a in (*ins, *outs) if a.ptr]
-    if not placed:  # every array empty: nothing to launch
+    if not any(a.ptr for a in (*ins, *outs)):  # every array empty: nothing to launch
         return
-    ordinal = _ordinal(placed[0])
+    ordinal = _ordinal(stream)
     _, calls = launches(ins, n_token)
     for inputs, view in calls:
         plan = plan_of(planner, inputs)
@@ -145,10 +140,9 @@ def _device_call(planner, n_token: int, n_out: int, bufs, outs, stream: int) -> 
     """
     cais = [b.__cuda_array_interface__ for b in bufs] + [o.__cuda_array_interface__ for o in outs]
     ptrs = [c["data"][0] for c in cais]
-    placed = [p for p in ptrs if p]
-    if not placed:  # every array empty: nothing to launch
+    if not any(ptrs):  # every array empty: nothing to launch
         return
-    ordinal = _ordinal(placed[0])
+    ordinal = _ordinal(stream)
     key = (planner, n_token, n_out, ordinal, *((c["shape"], c["typestr"]) for c in cais))
     launch = _DIRECT.get(key, _DIRECT)
     if launch is _DIRECT:

@@ -53,9 +53,9 @@ def _driver() -> tuple[int, int, int, int]:
     """Addresses of cuLaunchKernel, cuCtxGetCurrent, cuCtxPushCurrent_v2, cuCtxPopCurrent_v2."""
     import ctypes
 
-    from ..kernels._pointer import _libcuda
+    from ..kernels._context import libcuda
 
-    lib = _libcuda()
+    lib = libcuda()
     return tuple(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in
                  ("cuLaunchKernel", "cuCtxGetCurrent", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2"))
 
@@ -118,7 +118,8 @@ def _record(plan) -> int:
     hit = _RECORDS.get(id(plan))
     if hit is None:
         from ..kernels._plan import counter_array, plan_counters
-        from ..kernels._pointer import compile_steps, primary_context
+        from ..kernels._context import primary_context
+        from ..kernels._pointer import compile_steps
 
         with COMPILE_LOCK, _RECORDS_LOCK:
             hit = _RECORDS.get(id(plan))

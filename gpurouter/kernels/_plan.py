@@ -21,6 +21,7 @@ import threading
 import numpy as np
 from numba import cuda
 
+from ._context import on_gpu
 from ._launch import (
     BITMAP_U8,
     DEVICE_DTYPE,
@@ -164,7 +165,7 @@ def counter_array(counter: Counter, ordinal: int, key):
                 if simulator_enabled():
                     hit = cuda.to_device(np.zeros(counter.words, np.uint32))
                 else:
-                    with cuda.gpus[ordinal]:
+                    with on_gpu(ordinal):  # not numba's cuda.gpus[ordinal]: _context says why
                         hit = cuda.to_device(np.zeros(counter.words, np.uint32))
                         cuda.synchronize()
                 _COUNTERS[full] = hit

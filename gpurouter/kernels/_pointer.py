@@ -9,11 +9,9 @@ launch table (``gpurouter/_transport/ffi.py``, no Python per call).
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
-from numba import cuda
 
+from ._context import function_of, libcuda, on_gpu, primary_context
 from ._plan import Counter, Plan, Ref, counter_array, counter_key, plan_counters
 
 
@@ -33,46 +31,6 @@ def _numba_type(arg, specs):
     if isinstance(arg, (int, np.integer)):
         return nbt.int64
     raise TypeError(f"no kernel parameter type for {arg!r}")
-
-
-@functools.cache
-def _libcuda():
-    """The CUDA driver through ctypes: a ctypes call costs well under a
-    microsecond, a cuda-python binding call a few."""
-    import ctypes
-
-    lib = ctypes.CDLL("libcuda.so.1")
-    u, vp = ctypes.c_uint, ctypes.c_void_p
-    lib.cuLaunchKernel.argtypes = [vp, u, u, u, u, u, u, u, vp, vp, vp]
-    lib.cuLaunchKernel.restype = ctypes.c_int
-    lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
-    lib.cuCtxGetCurrent.restype = ctypes.c_int
-    lib.cuCtxPushCurrent_v2.argtypes = [vp]
-    lib.cuCtxPushCurrent_v2.restype = ctypes.c_int
-    lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(vp)]
-    lib.cuCtxPopCurrent_v2.restype = ctypes.c_int
-    if hasattr(lib, "cuKernelGetFunction"):  # CUDA 12.0+ drivers
-        lib.cuKernelGetFunction.argtypes = [ctypes.POINTER(vp), vp]
-        lib.cuKernelGetFunction.restype = ctypes.c_int
-    return lib
-
-
-def _function_of(kernel: int) -> int:
-    """The current context's ``CUfunction`` of numba's kernel handle (a
-    ``CUkernel``, context-independent: ``cuLaunchKernel`` takes it but resolves
-    it to the context's function on every launch: host time, docs/benchmarks.md).  The handle as it is where the
-    driver lacks ``cuKernelGetFunction`` or refuses it (a ``CUfunction``
-    already).  Every launch of a step runs in the context it was compiled
-    in (the device's primary context, pushed when another is current)."""
-    import ctypes
-
-    lib = _libcuda()
-    if not hasattr(lib, "cuKernelGetFunction"):
-        return kernel
-    out = ctypes.c_void_p(0)
-    if lib.cuKernelGetFunction(ctypes.byref(out), ctypes.c_void_p(kernel)) != 0 or not out.value:
-        return kernel
-    return int(out.value)
 
 
 class CompiledStep:
@@ -138,10 +96,10 @@ def compile_steps(plan: Plan, ordinal: int, counters: dict | None = None) -> lis
                "counter": len(plan.ins) + len(plan.outs) + len(plan.tmps),
                "counters": [id(c) for c in plan_counters(plan)]}
     steps = []
-    with cuda.gpus[ordinal]:
+    with on_gpu(ordinal):
         for st in plan.steps:
             kern = st.kernel.compile(tuple(_numba_type(a, specs) for a in st.args))
-            handle = _function_of(int(kern._codelibrary.get_cufunc().handle))
+            handle = function_of(int(kern._codelibrary.get_cufunc().handle))
             params, holes = [], []
             for a in st.args:
                 slots, arg_holes = _slots(a, specs, slot_of, counters)
@@ -154,12 +112,6 @@ def compile_steps(plan: Plan, ordinal: int, counters: dict | None = None) -> lis
     return steps
 
 
-def primary_context(ordinal: int) -> int:
-    """numba's context of GPU ``ordinal``: the device's primary context (XLA's too)."""
-    with cuda.gpus[ordinal]:
-        return int(cuda.current_context().handle)
-
-
 class PointerLaunch:
     """``plan`` compiled for one GPU and launched on raw device pointers from
     Python (ctypes ``cuLaunchKernel``, a few microseconds per step).
@@ -169,7 +121,7 @@ class PointerLaunch:
     into it and launches (the driver copies the parameters at launch, so the
     storage is reused at once; a lock keeps two host threads from
     interleaving). The kernel handle is the context's CUfunction of numba's
-    CUkernel (``_function_of``); the launch runs in the device's primary context,
+    CUkernel (``_context.function_of``); the launch runs in the device's primary context,
     pushed only when another one is current.  The plan's counters
     (``_plan.Counter``): one per stream, appended to ``ptrs``.
     """
@@ -178,7 +130,7 @@ class PointerLaunch:
         import ctypes
         import threading
 
-        self._lib = _libcuda()
+        self._lib = libcuda()
         self._lock = threading.Lock()
         self._current = ctypes.c_void_p()
         self.steps = []
