@@ -12,6 +12,12 @@ thread fails (issue #19, 2 x H200: the public suite with GPU 1 as JAX's
 default device). :func:`on_gpu` pushes the primary context itself (numba then
 finds the device current and changes nothing) and puts the caller's back.
 
+At exit numba unloads its modules from weakref finalizers; on 2 x H200 that
+ended every process that had used both GPUs in a glibc abort ("double free or
+corruption") after its work was done. :func:`primary_context` registers
+:func:`_keep_modules_at_exit`, which holds numba's pending unloads: the driver
+frees a process's modules when it ends.
+
 The GPU of a zero-copy call comes from XLA's stream (:func:`stream_ordinal`):
 on 2 x H200 ``cuPointerGetAttribute(DEVICE_ORDINAL)`` named GPU 0 for XLA's
 buffers on GPU 1.
@@ -19,10 +25,12 @@ buffers on GPU 1.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
 import threading
+import weakref
 
 _VP = ctypes.c_void_p
 
@@ -68,6 +76,28 @@ _PRIMARY: dict[int, int] = {}
 _LOCK = threading.Lock()
 
 
+def _keep_modules_at_exit() -> None:
+    """numba's pending frees (modules, memory) of every context it made, held
+    for good: from here on its finalizers queue them and nothing unloads."""
+    from numba.cuda.cudadrv import devices
+
+    for gpu in devices.gpus:
+        ctx = gpu.primary_context
+        if ctx is None:
+            continue
+        for pending in {id(d): d for d in (ctx.deallocations,
+                                           getattr(ctx.memory_manager, "deallocations", None)) if d}.values():
+            pending.disable().__enter__()  # never left
+
+
+def _register_exit_hook() -> None:
+    # atexit runs last-registered first: weakref's own exit hook (numba's
+    # finalizers) is registered with the first finalize object, so make sure
+    # one exists before ours
+    weakref.finalize(_register_exit_hook, lambda: None)
+    atexit.register(_keep_modules_at_exit)
+
+
 def primary_context(ordinal: int) -> int:
     """GPU ``ordinal``'s primary context (XLA's and numba's), retained once."""
     ctx = _PRIMARY.get(ordinal)
@@ -79,6 +109,8 @@ def primary_context(ordinal: int) -> int:
                 dev, handle = ctypes.c_int(), _VP()
                 _check(lib.cuDeviceGet(ctypes.byref(dev), ordinal), f"cuDeviceGet({ordinal})")
                 _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(handle), dev), "cuDevicePrimaryCtxRetain")
+                if not _PRIMARY:
+                    _register_exit_hook()
                 ctx = _PRIMARY[ordinal] = int(handle.value)
     return ctx
 
