@@ -23,7 +23,7 @@ set -u
 cd "$(dirname "$0")/.."
 out=${1:-gpu-logs}
 mkdir -p "$out"
-export NUMBA_ENABLE_CUDASIM=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+export NUMBA_ENABLE_CUDASIM=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 py=${PYTHON:-python3}
 limit=${TWO_GPU_TIMEOUT:-150}
@@ -49,7 +49,7 @@ wait $p1 || status=1
 wait $p2 || status=1
 wait $p3 || status=1
 wait $p4 || status=1
-timeout "$limit" "$py" -X faulthandler tools/ep_bench.py --repeats 5 --json "$out/ep-bench.json" >"$out/ep-bench.log" 2>&1 || status=1
+timeout "$limit" "$py" tools/ep_bench.py --repeats 5 --json "$out/ep-bench.json" >"$out/ep-bench.log" 2>&1 || status=1
 if command -v compute-sanitizer >/dev/null 2>&1; then
   timeout "$limit" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 --target-processes all \
     "$py" -m pytest -q -p no:cacheprovider tests/test_multi_gpu.py -k one_jitted_step \
