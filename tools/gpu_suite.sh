@@ -21,7 +21,7 @@ groups=(
   "tests/kernels/test_t[a-n]*.py tests/kernels/test_tok*.py"
   "tests/kernels/test_to[p-z]*.py tests/kernels/test_[u-z]*.py"
   "tests/test_public.py tests/test_indices_replay.py tests/test_routing_map_format.py"
-  "tests/test_ffi.py tests/test_losses.py tests/test_callback.py tests/test_errors.py tests/test_ffi_abi.py"
+  "tests/test_ffi.py tests/test_losses.py tests/test_callback.py tests/test_errors.py tests/test_ffi_abi.py tests/test_context.py"
   "tests/test_moe_ops.py tests/test_moe.py tests/test_sharding.py tests/test_partition.py tests/test_multi_gpu.py"
   "tests/reference tests/test_api.py tests/test_cli.py tests/test_docs.py tests/test_layering.py"
 )

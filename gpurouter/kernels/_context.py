@@ -3,20 +3,16 @@ is on, and running host code on a GPU without disturbing the caller's context.
 
 Every GPU is used through its primary context (XLA's and numba's alike).
 
-Why not numba's ``with cuda.gpus[i]``: numba-cuda 0.30.4 fetches a device's
-primary context, the first time, with cuda.core's ``Device.set_current``
-(``cuCtxSetCurrent``, which *replaces* the top of the thread's context stack)
-and then pops it. On a thread where XLA had made GPU 1's context current, the
-first use of GPU 0 leaves no context current, and XLA's next CUDA call on that
-thread fails (issue #19, 2 x H200: the public suite with GPU 1 as JAX's
-default device). :func:`on_gpu` pushes the primary context itself (numba then
-finds the device current and changes nothing) and puts the caller's back.
-
-At exit numba unloads its modules from weakref finalizers; on 2 x H200 that
-ended every process that had used both GPUs in a glibc abort ("double free or
-corruption") after its work was done. :func:`primary_context` registers
-:func:`_keep_modules_at_exit`, which holds numba's pending unloads: the driver
-frees a process's modules when it ends.
+Why not numba's ``with cuda.gpus[i]``: on 2 x H200 (issue #19), on a thread
+where XLA had made GPU 1's context current, ``with cuda.gpus[0]`` around a
+compile (numba-cuda 0.30.4) left *no* context current after it, and XLA's
+next CUDA call on that thread failed. (numba-cuda fetches a device's primary
+context with cuda.core's ``Device.set_current`` and pushes through it; the
+net effect on the stack is what was seen.) :func:`on_gpu` pushes the primary
+context itself, pops it, and sets the caller's context back if anything in
+the block changed the thread's stack. Kernel handles are resolved in a block
+of their own (:func:`function_of` checks the context): a function of another
+GPU's context fails its launches with CUresult 400.
 
 The GPU of a zero-copy call comes from XLA's stream (:func:`stream_ordinal`):
 on 2 x H200 ``cuPointerGetAttribute(DEVICE_ORDINAL)`` named GPU 0 for XLA's
@@ -25,12 +21,10 @@ buffers on GPU 1.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import functools
 import threading
-import weakref
 
 _VP = ctypes.c_void_p
 
@@ -76,28 +70,6 @@ _PRIMARY: dict[int, int] = {}
 _LOCK = threading.Lock()
 
 
-def _keep_modules_at_exit() -> None:
-    """numba's pending frees (modules, memory) of every context it made, held
-    for good: from here on its finalizers queue them and nothing unloads."""
-    from numba.cuda.cudadrv import devices
-
-    for gpu in devices.gpus:
-        ctx = gpu.primary_context
-        if ctx is None:
-            continue
-        for pending in {id(d): d for d in (ctx.deallocations,
-                                           getattr(ctx.memory_manager, "deallocations", None)) if d}.values():
-            pending.disable().__enter__()  # never left
-
-
-def _register_exit_hook() -> None:
-    # atexit runs last-registered first: weakref's own exit hook (numba's
-    # finalizers) is registered with the first finalize object, so make sure
-    # one exists before ours
-    weakref.finalize(_register_exit_hook, lambda: None)
-    atexit.register(_keep_modules_at_exit)
-
-
 def primary_context(ordinal: int) -> int:
     """GPU ``ordinal``'s primary context (XLA's and numba's), retained once."""
     ctx = _PRIMARY.get(ordinal)
@@ -109,8 +81,6 @@ def primary_context(ordinal: int) -> int:
                 dev, handle = ctypes.c_int(), _VP()
                 _check(lib.cuDeviceGet(ctypes.byref(dev), ordinal), f"cuDeviceGet({ordinal})")
                 _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(handle), dev), "cuDevicePrimaryCtxRetain")
-                if not _PRIMARY:
-                    _register_exit_hook()
                 ctx = _PRIMARY[ordinal] = int(handle.value)
     return ctx
 
@@ -162,12 +132,17 @@ def stream_ordinal(stream: int) -> int:
     return ordinal
 
 
-def function_of(kernel: int) -> int:
-    """The current context's ``CUfunction`` of numba's kernel handle (a
-    ``CUkernel``, context-independent: ``cuLaunchKernel`` takes it but resolves
-    it to the context's function on every launch: host time,
-    docs/benchmarks.md). The handle as it is where the driver lacks
-    ``cuKernelGetFunction`` or refuses it (a ``CUfunction`` already)."""
+def function_of(kernel: int, ordinal: int) -> int:
+    """GPU ``ordinal``'s ``CUfunction`` of numba's kernel handle (a ``CUkernel``,
+    context-independent: ``cuLaunchKernel`` takes it but resolves it to the
+    context's function on every launch: host time, docs/benchmarks.md). Called
+    inside ``on_gpu(ordinal)``; an error if another context is current (a
+    function of another GPU's context fails its launches with CUresult 400).
+    The handle as it is where the driver lacks ``cuKernelGetFunction`` or
+    refuses it (a ``CUfunction`` already)."""
+    if current_context() != primary_context(ordinal):
+        raise RuntimeError(f"gpurouter: GPU {ordinal}'s context is not current to resolve a kernel "
+                           f"(current {current_context():#x}, GPU {ordinal}'s {primary_context(ordinal):#x})")
     lib = libcuda()
     if not hasattr(lib, "cuKernelGetFunction"):
         return kernel

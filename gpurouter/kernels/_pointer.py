@@ -95,20 +95,22 @@ def compile_steps(plan: Plan, ordinal: int, counters: dict | None = None) -> lis
     slot_of = {"in": 0, "out": len(plan.ins), "tmp": len(plan.ins) + len(plan.outs),
                "counter": len(plan.ins) + len(plan.outs) + len(plan.tmps),
                "counters": [id(c) for c in plan_counters(plan)]}
+    with on_gpu(ordinal):  # numba compiles and loads; it may leave another GPU current
+        kernels = [int(st.kernel.compile(tuple(_numba_type(a, specs) for a in st.args))
+                       ._codelibrary.get_cufunc().handle) for st in plan.steps]
     steps = []
-    with on_gpu(ordinal):
-        for st in plan.steps:
-            kern = st.kernel.compile(tuple(_numba_type(a, specs) for a in st.args))
-            handle = function_of(int(kern._codelibrary.get_cufunc().handle))
-            params, holes = [], []
-            for a in st.args:
-                slots, arg_holes = _slots(a, specs, slot_of, counters)
-                holes += [(len(params) + at, array) for at, array in arg_holes]
-                params += slots
-            name = getattr(st.kernel, "__name__", None) or getattr(getattr(st.kernel, "py_func", None),
-                                                                    "__name__", "kernel")
-            steps.append(CompiledStep(handle, st.grid, st.block, st.shared, b"".join(params),
-                                      holes, name))
+    with on_gpu(ordinal):  # the handles resolved in this GPU's context, nothing else run
+        handles = [function_of(k, ordinal) for k in kernels]
+    for st, handle in zip(plan.steps, handles, strict=True):
+        params, holes = [], []
+        for a in st.args:
+            slots, arg_holes = _slots(a, specs, slot_of, counters)
+            holes += [(len(params) + at, array) for at, array in arg_holes]
+            params += slots
+        name = getattr(st.kernel, "__name__", None) or getattr(getattr(st.kernel, "py_func", None),
+                                                                "__name__", "kernel")
+        steps.append(CompiledStep(handle, st.grid, st.block, st.shared, b"".join(params),
+                                  holes, name))
     return steps
 
 
