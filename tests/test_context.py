@@ -7,7 +7,10 @@ runs in tests/test_multi_gpu.py."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
+import types
 
 import pytest
 
@@ -87,6 +90,7 @@ def driver(monkeypatch):
     monkeypatch.setattr(_context, "libcuda", lambda: fake)
     monkeypatch.setattr(_context, "_PRIMARY", {})
     monkeypatch.setattr(_context, "_STREAM_ORDINAL", {})
+    monkeypatch.setattr(_context, "_register_exit_hook", lambda: fake.calls.append("exit hook"))
     return fake
 
 
@@ -159,3 +163,56 @@ def test_zero_copy_takes_the_gpu_of_its_stream(driver, monkeypatch):
     assert buffer._ordinal(0xB1) == 1
     monkeypatch.setattr(buffer, "_GPU_COUNT", [1])
     assert buffer._ordinal(0xB1) == 0  # one GPU: no driver call
+
+
+def test_the_exit_hook_is_registered_once_with_the_first_primary_context(driver):
+    assert "exit hook" not in driver.calls
+    _context.primary_context(1)
+    _context.primary_context(0)
+    _context.primary_context(1)
+    assert driver.calls.count("exit hook") == 1
+
+
+class FakePending:
+    """numba's ``_PendingDeallocs``: a generator-based ``disable()``, frees on ``clear()``."""
+
+    def __init__(self):
+        self._disable_count, self.freed, self.queued = 0, [], []
+
+    @contextlib.contextmanager
+    def disable(self):
+        self._disable_count += 1
+        try:
+            yield
+        finally:
+            self._disable_count -= 1
+
+    def add_item(self, handle):
+        self.queued.append(handle)
+        if not self._disable_count:
+            self.freed += self.queued
+            self.queued = []
+
+
+class FakeGpu:
+    def __init__(self, made: bool):
+        ctx = types.SimpleNamespace(deallocations=FakePending(),
+                                    memory_manager=types.SimpleNamespace(deallocations=FakePending()))
+        self.primary_context = ctx if made else None
+
+
+def test_frees_held_at_exit_stay_held_after_a_collection(monkeypatch):
+    """Each context's module unloads and memory frees queue and are not run, also
+    once the garbage collector has run (an entered ``disable()`` generator that
+    is collected leaves its block: the first version of this hook did nothing)."""
+    monkeypatch.setattr(_context, "_HELD", [])
+    gpus = [FakeGpu(True), FakeGpu(False), FakeGpu(True)]
+    _context.hold_numba_frees_at_exit(gpus)
+    _context.hold_numba_frees_at_exit(gpus)  # twice: held once
+    gc.collect()
+    for gpu in (gpus[0], gpus[2]):
+        for pending in (gpu.primary_context.deallocations, gpu.primary_context.memory_manager.deallocations):
+            pending.add_item("library 0x1")
+            assert pending.freed == [] and pending.queued == ["library 0x1"]
+            assert pending._disable_count == 1
+    assert len(_context._HELD) == 4

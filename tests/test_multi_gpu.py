@@ -7,6 +7,10 @@ and tests/test_moe.py (they use every device JAX has)."""
 from __future__ import annotations
 
 import ctypes
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -123,3 +127,30 @@ def test_aux_path_on_each_gpu():
         got = jax.device_get(jax.jit(jax.value_and_grad(aux))(jax.device_put(x, d)))
         for g, v in zip(got, want, strict=True):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(v))
+
+
+EXIT_SCRIPT = """
+import jax
+import gpurouter as gr
+from gpurouter.presets import PRESETS
+
+kw = PRESETS["deepseek-v3"].router_kwargs()
+x = jax.random.normal(jax.random.PRNGKey(0), (64, 256))
+for d in jax.devices("gpu"):
+    for t in ("ffi", "zero-copy"):
+        f = jax.jit(lambda x: gr.fused_topk_with_score_function(x, **kw, backend="numba", transport=t)[0])
+        jax.block_until_ready(f(jax.device_put(x, d)))
+print("routed on", len(jax.devices("gpu")), "GPUs")
+"""
+
+
+def test_a_process_that_used_every_gpu_exits_cleanly():
+    """Both transports on every GPU, then the interpreter's exit: numba's module
+    unloads ran twice on one library (one per GPU) and ended such processes in
+    a glibc abort (exit status 134) before ``_context.hold_numba_frees_at_exit``."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+               PYTHONFAULTHANDLER="1")
+    run = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and f"routed on {len(GPUS)} GPUs" in run.stdout, run.stderr[-3000:]

@@ -14,6 +14,16 @@ the block changed the thread's stack. Kernel handles are resolved in a block
 of their own (:func:`function_of` checks the context): a function of another
 GPU's context fails its launches with CUresult 400.
 
+At exit: numba-cuda 0.30.4 links a kernel once per compute capability and
+loads that one library (one ``cuLibrary`` handle) for every context that
+asks, but gives each context's module its own finalizer, and each unloads
+the handle. Two GPUs of one kind: two ``cuLibraryUnload`` of one library at
+interpreter exit, and on 2 x H200 every process that had used both ended in
+a glibc abort ("double free or corruption", exit status 134) after its work.
+:func:`primary_context` registers :func:`hold_numba_frees_at_exit`: at exit
+numba's pending frees are held (the driver frees the process's memory and
+modules when it ends).
+
 The GPU of a zero-copy call comes from XLA's stream (:func:`stream_ordinal`):
 on 2 x H200 ``cuPointerGetAttribute(DEVICE_ORDINAL)`` named GPU 0 for XLA's
 buffers on GPU 1.
@@ -21,10 +31,12 @@ buffers on GPU 1.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
 import threading
+import weakref
 
 _VP = ctypes.c_void_p
 
@@ -68,6 +80,34 @@ def current_context() -> int:
 
 _PRIMARY: dict[int, int] = {}
 _LOCK = threading.Lock()
+_HELD: list = []  # entered disable() blocks, kept: a collected generator would leave its block
+
+
+def hold_numba_frees_at_exit(gpus=None) -> None:
+    """numba's pending frees (modules, memory) of every context it made, held
+    from now on: its finalizers still queue them, nothing is flushed. For the
+    interpreter's exit (see the module docstring); ``gpus``: numba's device
+    list (default ``numba.cuda.cudadrv.devices.gpus``)."""
+    if gpus is None:
+        from numba.cuda.cudadrv import devices
+
+        gpus = devices.gpus
+    for gpu in gpus:
+        ctx = getattr(gpu, "primary_context", None)
+        if ctx is None:
+            continue
+        for pending in (ctx.deallocations, getattr(ctx.memory_manager, "deallocations", None)):
+            if pending is not None and not any(pending is p for p, _ in _HELD):
+                block = pending.disable()
+                block.__enter__()
+                _HELD.append((pending, block))
+
+
+def _register_exit_hook() -> None:
+    # atexit runs the last registered first; weakref's exit hook (which runs
+    # numba's finalizers) is registered with the first finalize object made
+    weakref.finalize(_register_exit_hook, lambda: None)
+    atexit.register(hold_numba_frees_at_exit)
 
 
 def primary_context(ordinal: int) -> int:
@@ -81,6 +121,8 @@ def primary_context(ordinal: int) -> int:
                 dev, handle = ctypes.c_int(), _VP()
                 _check(lib.cuDeviceGet(ctypes.byref(dev), ordinal), f"cuDeviceGet({ordinal})")
                 _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(handle), dev), "cuDevicePrimaryCtxRetain")
+                if not _PRIMARY:
+                    _register_exit_hook()
                 ctx = _PRIMARY[ordinal] = int(handle.value)
     return ctx
 
