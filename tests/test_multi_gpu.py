@@ -110,7 +110,11 @@ def test_on_gpu_gives_the_caller_its_context_back():
     for d in GPUS:
         with _context.on_gpu(d.local_hardware_id):
             stream = cuda.stream()
-        assert _context.stream_ordinal(int(stream.handle)) == d.local_hardware_id
+        handle = int(stream.handle)
+        try:
+            assert _context.stream_ordinal(handle) == d.local_hardware_id
+        finally:  # the cache is for XLA's streams, which live as long as the process
+            _context._STREAM_ORDINAL.pop(handle, None)
 
 
 def test_aux_path_on_each_gpu():
