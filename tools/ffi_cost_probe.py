@@ -224,15 +224,16 @@ def select_size(op, n: int) -> int:
 
 
 def function_of(kernel: int) -> int:
-    """numba's kernel handle (a CUkernel) as a CUfunction of the current GPU's
-    primary context (``cuKernelGetFunction``); the handle itself if that fails."""
-    from gpurouter.kernels._context import libcuda, on_gpu
+    """numba's kernel handle (a CUkernel) as a CUfunction of the first GPU's
+    primary context (``kernels._context.function_of``), printed."""
+    from gpurouter.kernels._context import function_of as resolve
+    from gpurouter.kernels._context import on_gpu
 
-    fn = ctypes.c_void_p()
-    with on_gpu(_gpu_ordinals()[0]):
-        rc = libcuda().cuKernelGetFunction(ctypes.byref(fn), ctypes.c_void_p(kernel))
-    print(f"cuKernelGetFunction: CUresult {rc}, kernel {kernel:#x} -> function {fn.value or 0:#x}", flush=True)
-    return fn.value if rc == 0 and fn.value else kernel
+    ordinal = _gpu_ordinals()[0]
+    with on_gpu(ordinal):
+        fn = resolve(kernel, ordinal)
+    print(f"kernel {kernel:#x} -> function {fn:#x}", flush=True)
+    return fn
 
 
 def body(v: str, op, n: int, address: int):
