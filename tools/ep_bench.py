@@ -11,8 +11,9 @@ scaled with ``--scale`` to fit): the forward + backward step time of
   ``_ep.combine`` with identity experts), forward + backward: its share of the
   EP step is the all-to-all share;
 
-and, at a small shape in float32, the EP block's output, aux loss and
-gradients against the single-device block on the same global batch. The
+and, in float32 at a small shape and at each timed shape (``--no-check-shapes``
+skips the latter), the EP block's output, aux loss and gradients against the
+single-device block on the same global batch; exit status 1 if any differs. The
 experts' grouped GEMM is ``--grouped-matmul``: ``ragged_dot`` (the block's
 default; XLA's dense rewrite needs E times the rows' memory, hence the
 default scale) or ``batched`` (``gpurouter.moe.batched_ragged_dot``, which
@@ -89,9 +90,10 @@ def exchange_step(mesh, kw, n_dev):
 
 
 
-def check_equal(mesh, n_dev, gmm):
-    """EP == one device, float32, small shape: values, aux loss, gradients."""
-    t, h, e, k, m = 64 * n_dev, 64, 8 * n_dev, 2, 32
+def check_equal(mesh, n_dev, gmm, shape=None):
+    """EP == one device in float32 (value = sum(out^2) + aux loss, gradients of
+    every input) at ``shape`` (T, H, E, K, M), default a small one."""
+    t, h, e, k, m = shape or (64 * n_dev, 64, 8 * n_dev, 2, 32)
     p = params(t, h, e, m, jnp.float32, seed=7)
     kw = dict(e=e, k=k, gmm=gmm)
     with jax.default_matmul_precision("float32"):
@@ -113,6 +115,8 @@ def main():
                     help="the experts' grouped GEMM (default ragged_dot)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated (default: all)")
+    ap.add_argument("--no-check-shapes", dest="check_shapes", action="store_false",
+                    help="skip the EP == one device check at each timed shape (float32; the small check still runs)")
     ap.add_argument("--json")
     args = ap.parse_args()
     gpus = jax.devices()
@@ -126,6 +130,8 @@ def main():
         t, h, e, k, m = SHAPES[name]
         t, m = max(e, int(t * args.scale)) // e * e, max(8, int(m * args.scale))
         kw = dict(e=e, k=k, gmm=gmm)
+        check = check_equal(mesh, n_dev, gmm, (t, h, e, k, m)) if args.check_shapes else None
+        print(f"{name}: EP == one device (float32, this shape):", check, flush=True)
         p = params(t, h, e, m, jnp.bfloat16)
         half = {n: p[n][: t // n_dev] if n == "x" else p[n] for n in NAMES}
         one = median_ms(step(block_fwd(kw)), [jax.device_put(half[n], gpus[0]) for n in NAMES], args.repeats)
@@ -135,12 +141,15 @@ def main():
         rows = jax.device_put(jnp.zeros((t * k, h), jnp.bfloat16), NamedSharding(mesh, P("ep")))
         ex = median_ms(exchange_step(mesh, kw, n_dev), [rows], args.repeats)
         row = {"shape": name, "T": t, "H": h, "E": e, "K": k, "M": m, "one_gpu_half_batch_ms": one,
-               "ep_ms": ep, "exchange_ms": ex, "exchange_share": ex / ep}
+               "ep_ms": ep, "exchange_ms": ex, "exchange_share": ex / ep, "check": check}
         res[name] = row
         print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)
+    failed = [c for c in [res["check"]] + [r["check"] for n, r in res.items() if n in SHAPES] if c and not c["ok"]]
+    if failed:
+        raise SystemExit(f"EP differs from one device: {failed}")
 
 
 if __name__ == "__main__":
