@@ -12,7 +12,7 @@ scaled with ``--scale`` to fit): the forward + backward step time of
   EP step is the all-to-all share;
 
 and, in float32 at a small shape and at each timed shape (``--no-check-shapes``
-skips the latter), the EP block's output, aux loss and gradients against the
+skips the latter; its tokens are cut to fit, ``--check-gib``), the EP block's output, aux loss and gradients against the
 single-device block on the same global batch; exit status 1 if any differs. The
 experts' grouped GEMM is ``--grouped-matmul``: ``ragged_dot`` (the block's
 default; XLA's dense rewrite needs E times the rows' memory, hence the
@@ -103,8 +103,17 @@ def check_equal(mesh, n_dev, gmm, shape=None):
         got_v, got_g = f(*args)
     err = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
               for a, b in zip(got_g, want_g, strict=True))
-    return {"value_rel_err": abs(float(got_v) - float(want_v)) / abs(float(want_v)), "grad_max_rel_err": err,
+    return {"T": t, "value_rel_err": abs(float(got_v) - float(want_v)) / abs(float(want_v)), "grad_max_rel_err": err,
             "ok": abs(float(got_v) - float(want_v)) <= 1e-5 * abs(float(want_v)) and err <= 1e-4}
+
+
+def check_tokens(t, h, e, k, gib):
+    """Tokens for the float32 check at a shape: at most ``t``, a multiple of 64,
+    and few enough that ragged_dot's dense backward (about 3 float32 buffers of
+    E x T*K x H) stays under ``gib`` GiB (2 x H200: DeepSeek-V3-like at 512
+    tokens asked for 84 GiB and hung the collective)."""
+    per_token = 3 * e * k * h * 4
+    return max(64, min(t, int(gib * 2**30 // per_token) // 64 * 64))
 
 
 def main():
@@ -117,6 +126,9 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated (default: all)")
     ap.add_argument("--no-check-shapes", dest="check_shapes", action="store_false",
                     help="skip the EP == one device check at each timed shape (float32; the small check still runs)")
+    ap.add_argument("--check-gib", type=float, default=24,
+                    help="memory bound that sets the tokens of each shape's check (default 24: Qwen3-like at "
+                         "1/8 scale gets 960 of its 1024 tokens, DeepSeek-V3-like 128 of 512)")
     ap.add_argument("--json")
     args = ap.parse_args()
     gpus = jax.devices()
@@ -130,8 +142,9 @@ def main():
         t, h, e, k, m = SHAPES[name]
         t, m = max(e, int(t * args.scale)) // e * e, max(8, int(m * args.scale))
         kw = dict(e=e, k=k, gmm=gmm)
-        check = check_equal(mesh, n_dev, gmm, (t, h, e, k, m)) if args.check_shapes else None
-        print(f"{name}: EP == one device (float32, this shape):", check, flush=True)
+        check = check_equal(mesh, n_dev, gmm, (check_tokens(t, h, e, k, args.check_gib), h, e, k, m)) \
+            if args.check_shapes else None
+        print(f"{name}: EP == one device (float32, this shape, {check and check['T']} tokens):", check, flush=True)
         p = params(t, h, e, m, jnp.bfloat16)
         half = {n: p[n][: t // n_dev] if n == "x" else p[n] for n in NAMES}
         one = median_ms(step(block_fwd(kw)), [jax.device_put(half[n], gpus[0]) for n in NAMES], args.repeats)
