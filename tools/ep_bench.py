@@ -128,7 +128,7 @@ def main():
                     help="skip the EP == one device check at each timed shape (float32; the small check still runs)")
     ap.add_argument("--check-gib", type=float, default=24,
                     help="memory bound that sets the tokens of each shape's check (default 24: Qwen3-like at "
-                         "1/8 scale gets 960 of its 1024 tokens, DeepSeek-V3-like 128 of 512)")
+                         "1/8 scale keeps its 1024 tokens, DeepSeek-V3-like gets 128 of 512)")
     ap.add_argument("--json")
     args = ap.parse_args()
     gpus = jax.devices()
