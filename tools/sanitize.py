@@ -16,8 +16,8 @@ import os
 import sys
 
 # The reference runs through JAX, which otherwise takes 75% of the GPU's
-# memory at start under the sanitizer. The runs that passed set this; at
-# 4ce0ea1, without it, racecheck did not finish in 250 s (cause not proven).
+# memory at start, under the sanitizer too (at 4ce0ea1, run without it,
+# racecheck did not finish in 250 s; the cause is not proven).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import ml_dtypes  # noqa: E402  (after the environment above)
