@@ -160,9 +160,9 @@ def stream_ordinal(stream: int) -> int:
     hit = _STREAM_ORDINAL.get(stream)
     if hit is not None:
         return hit
-    lib = libcuda()
     if stream in (0, 1, 2):
         return _device_of_current()
+    lib = libcuda()
     ctx = _VP()
     _check(lib.cuStreamGetCtx(_VP(stream), ctypes.byref(ctx)), "cuStreamGetCtx")
     _check(lib.cuCtxPushCurrent_v2(ctx), "cuCtxPushCurrent")
