@@ -354,7 +354,23 @@ def _kernel_rows(name, p, xs, bias, repeats, peak, want_p, want_m) -> list[Row]:
                               check)
     gp = [cuda.to_device(np.asarray(x).view(np.uint16)) for x in xs]  # any bf16 cotangents
     add("topk", "fwd", fwd_times, _bytes("topk", "fwd", tokens, e, 2))
-    add("topk", "bwd", _kernel_times(bwd_plan, 3, [[rmap, saved, g] for g in gp], [grad], repeats),
+    def grad_check(m_arr):
+        """Poisons the gradient; the check: the backward's against the reference, from the state it read."""
+        from . import reference as ref
+
+        grad.copy_to_device(np.full((tokens, e), 0x7FC1, np.uint16))
+
+        def check():
+            want = ref.topk_with_score_function_bwd(m_arr.copy_to_host(), saved.copy_to_host(), np.asarray(xs[0]),
+                                                    k, kw["use_pre_softmax"], kw["scaling_factor"],
+                                                    kw["score_function"])
+            _check(f"{name} kernel grad", grad.copy_to_host().view(ml_dtypes.bfloat16), np.asarray(want), 1e-2,
+                   1e-2)
+
+        return check
+
+    add("topk", "bwd", _kernel_times(bwd_plan, 3, [[rmap, saved, g] for g in gp], [grad], repeats,
+                                     grad_check(rmap)),
         _bytes("topk", "bwd", tokens, e, 2))
     if name == "deepseek-v3":
         # TE's BITMAP_U8 routing map: the same kernels writing / reading 1/8 of the map bytes
@@ -370,7 +386,7 @@ def _kernel_rows(name, p, xs, bias, repeats, peak, want_p, want_m) -> list[Row]:
             _bytes("topk_bitmap", "fwd", tokens, e, 2))
         add("topk_bitmap", "bwd",
             _kernel_times(functools.partial(bwd_plan, map_format=1), 3, [[bitmap, saved, g] for g in gp],
-                          [grad], repeats), _bytes("topk_bitmap", "bwd", tokens, e, 2))
+                          [grad], repeats, grad_check(bitmap)), _bytes("topk_bitmap", "bwd", tokens, e, 2))
         scores = cuda.device_array((tokens, e), np.float32)
         sal_saved = cuda.device_array((tokens, e), np.float32)
         g32 = [cuda.to_device(np.asarray(x, np.float32)) for x in xs]

@@ -7,8 +7,11 @@ sqrtsoftplus, E a multiple of 128 up to 512, K <= 31, no groups or
 ``warp_groups``'s; under "auto" where ``warp_auto`` says it is faster),
 else the thread-per-token kernel (``token_topk_fwd.py``) when
 ``_tiling.token_path`` takes it (K <= 64, E a multiple of 4), else the
-W-lane kernel (``lane_topk_fwd.py``); the backward plan the quad kernel (``quad_bwd.py``, E a multiple of 4) or the
-streaming one (``stream_bwd.py``).
+W-lane kernel (``lane_topk_fwd.py``).  The backward plan picks the
+warp-per-token kernel (``warp_topk_bwd.py``) when ``use_warp_bwd`` takes the
+shape (a map outside softmax-pre, E a multiple of 128 up to 512; under
+"auto" on a GPU), else the quad kernel (``quad_bwd.py``, E a multiple of 4),
+else the streaming one (``stream_bwd.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from .lane_topk_fwd import lane_topk_fwd_kernel
 from .quad_bwd import quad_bwd_kernel
 from .stream_bwd import stream_bwd_kernel
 from .token_topk_fwd import token_topk_fwd_kernel
+from .warp_topk_bwd import (WARP_BWD_MAX_EXPERTS, warp_bwd_auto, warp_bwd_launch, warp_bwd_path,
+                            warp_topk_bwd_kernel)
 from .warp_topk_fwd import warp_auto, warp_launch, warp_path, warp_topk_fwd_kernel
 
 OP = "topk_with_score_function"
@@ -175,6 +180,19 @@ def use_warp_path(path: str, op: str, num_experts: int, topk: int, num_groups: i
     return fits and (auto or path == "warp") and not forced
 
 
+def use_warp_bwd(path: str, op: str, num_experts: int, score_fn: int, pre_softmax: bool) -> bool:
+    """Whether the backward takes the warp-per-token kernel: ``"auto"`` where
+    ``warp_bwd_path`` takes the shape on a GPU (``warp_bwd_auto``), ``"warp"``
+    wherever it takes it (else a ValueError naming ``op``), never ``"quad"``."""
+    if path not in ("auto", "warp", "quad"):
+        raise ValueError(f"{op}: path must be 'auto', 'warp' or 'quad', got {path!r}.")
+    fits = warp_bwd_path(num_experts, score_fn, pre_softmax)
+    if path == "warp" and not fits:
+        raise ValueError(f"{op}: path='warp' needs a routing map outside softmax-pre and E a multiple of 128 "
+                         f"up to {WARP_BWD_MAX_EXPERTS} (E={num_experts}, use_pre_softmax={pre_softmax}).")
+    return fits and (path == "warp" or (path == "auto" and warp_bwd_auto()))
+
+
 def _register_cap(lay) -> int:
     """The register cap of a thread-per-token forward with indices: what lets as
     many blocks be resident as its shared memory allows, so that the indices'
@@ -287,6 +305,7 @@ def topk_with_score_function_bwd(
     scaling_factor=1.0,
     score_function="softmax",
     *,
+    path="auto",
     out=None,
     stream=0,
 ):
@@ -298,6 +317,11 @@ def topk_with_score_function_bwd(
       saved_scores: (T, E) float32, from the forward.
       grad_probs: (T, E) float32 | bfloat16 | float16.
       topk, use_pre_softmax, scaling_factor, score_function: as in the forward.
+      path: the kernel: ``"auto"``, ``"warp"`` (a warp a token: a map
+        outside softmax-pre, E a multiple of 128 up to 512; else a
+        ValueError) or ``"quad"`` (the quad kernel; the streaming one where
+        E % 4 != 0).  Every path gives the contract's gradients; the bits of
+        the token's sums may differ between paths in the last place.
       out: optional device array for grad_logits.
       stream: numba stream or int CUDA stream handle.
 
@@ -317,24 +341,32 @@ def topk_with_score_function_bwd(
         raise ValueError(f"{op}: grad_probs shape {tuple(d_grad.shape)} != saved_scores {shape}.")
     d_map, fmt = map_input(routing_map, "routing_map", op, s, shape)
     plan = topk_with_score_function_bwd_plan(spec_of(shape, kind), int(topk), bool(use_pre_softmax),
-                                             np.float32(scaling_factor), score_fn, fmt)
+                                             np.float32(scaling_factor), score_fn, fmt, path)
     return execute(plan, [d_map, d_saved, d_grad], out, s, to_host)[0]
 
 
 
 @functools.cache
 def topk_with_score_function_bwd_plan(grad_probs: Spec, topk: int, pre_softmax: bool, scale: np.float32,
-                                      score_fn: int, map_format: int = 0) -> Plan:
+                                      score_fn: int, map_format: int = 0, path: str = "auto") -> Plan:
     """The launches of the backward (inputs: map, saved, grad_probs; output:
     grad_logits).  The map's Spec: ``bool [T, E]`` (``map_format`` 0) or
-    ``uint8 [T, ceil(E/8)]`` (1, BITMAP_U8)."""
+    ``uint8 [T, ceil(E/8)]`` (1, BITMAP_U8).  ``path``: the launcher's."""
     fmt = map_format_code(map_format, OP + "_bwd_plan", "map_format")
     bitmap = fmt == BITMAP_U8
     shape = grad_probs.shape
     ins = (map_spec(shape[0], shape[1], fmt), spec_of(shape, F32), grad_probs)
     outs = (grad_probs,)
+    warp = use_warp_bwd(path, OP + "_bwd", shape[1], int(score_fn), bool(pre_softmax))
     if shape[0] == 0:
         return Plan(OP + "_bwd", ins, outs)
+    if warp:
+        words, quads, flat = array_views(grad_probs.kind, shape)
+        step = Step(warp_topk_bwd_kernel(grad_probs.kind, shape[1], int(score_fn), bitmap),
+                    *warp_bwd_launch(shape[0]), 0,
+                    (In(0, map_view(ins[0], quads)), In(1, flat), In(2, words), Out(0, words),
+                     shape[0], int(topk), np.float32(scale)))
+        return Plan(OP + "_bwd", ins, outs, (), (step,))
     if shape[1] % 4 == 0:
         dense = bool(pre_softmax) and score_fn == SOFTMAX
         grid, threads, lanes = _tiling.quad_tiling(shape[0], shape[1], dense=dense)

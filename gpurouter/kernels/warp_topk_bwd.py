@@ -1,0 +1,219 @@
+"""The warp-per-token top-k backward: a token's row in one warp, a lane the
+quads ``l, l + 32, ...`` (the forward's layout, ``warp_topk_fwd.py``).
+
+Where it runs (``warp_bwd_path``): a routing map, softmax after the top-k,
+sigmoid or sqrtsoftplus, E a multiple of 128 up to 512; ``path="auto"`` on a
+GPU (``warp_bwd_auto``), never on the CUDA simulator, where its exchanges are
+block barriers (its own tests force ``path="warp"``).  Softmax before the
+top-k (every expert's gradient needs every p) and the aux scores (no map)
+stay on the quad kernel.
+
+1. Every map word of the lane's quads is loaded first (a warp's load is one
+   contiguous span), then the gradient and saved quads where the word has a
+   selected expert; nothing else of the row is read.
+2. S (the activations' sum) and D (the gradient-weighted sum) over the
+   lane's selected experts in expert order, then a butterfly over the warp
+   (xor exchanges: every lane ends with the same bits).  sqrtsoftplus: the
+   activation and its derivative are computed once per selected expert, in
+   a loop over the lane's selection bits (a warp runs it as many times as
+   its fullest lane has experts, about 1.4 at K = 6 and E = 256), the
+   derivative kept for step 3.
+3. Every lane writes its quads: ``docs/contract.md`` section 3's VJP at the
+   selected experts, 0 elsewhere.
+
+The VJP and the sums' formulas are the quad kernel's (``quad_bwd.quad_dx``);
+only the order of the token's sums differs (a lane's experts, then the
+butterfly), so the bits may differ from the quad kernel's in the last place.
+"""
+
+from __future__ import annotations
+
+from . import _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+
+# isort: split
+
+import functools
+
+import numpy as np
+from numba import cuda
+from numba import float32 as nb_f32  # array declarations take numba types
+
+from ._access import flat_io
+from ._device import B0, B1, B2, B3, EPS, ONE, SQRTSOFTPLUS, ZERO, activation_grad, sqrtsoftplus, u64
+from ._launch import F32, SOFTMAX, simulator_enabled
+from ._warp_lanes import exchanges
+from .quad_bwd import quad_dx
+
+#: warps (tokens) a block; blocks at most (a grid-strided token loop): 16 an
+#: SM of an H200's 132, as the warp forward (docs/benchmarks.md)
+WARP_BWD_TOKENS, WARP_BWD_MAX_BLOCKS = 4, 2112
+#: the shapes it takes: E a multiple of 128 up to this
+WARP_BWD_MAX_EXPERTS = 512
+
+
+def warp_bwd_path(num_experts: int, score_fn: int, pre_softmax: bool) -> bool:
+    """Whether the warp-per-token backward takes the shape (module docstring)."""
+    return (not (pre_softmax and score_fn == SOFTMAX) and num_experts % 128 == 0
+            and 128 <= num_experts <= WARP_BWD_MAX_EXPERTS)
+
+
+def warp_bwd_auto(simulator: bool | None = None) -> bool:
+    """Whether ``path="auto"`` takes the warp backward for a shape it fits: on
+    a GPU (docs/benchmarks.md, "A warp a token, backward"), never on the
+    simulator (``simulator`` None: whether it is on)."""
+    return not (simulator_enabled() if simulator is None else simulator)
+
+
+def warp_bwd_launch(num_tokens: int) -> tuple[int, int]:
+    """``(grid, threads)``: ``WARP_BWD_TOKENS`` warps a block on a GPU, one on
+    the simulator (where a barrier costs a thread switch for each thread)."""
+    warps = 1 if simulator_enabled() else WARP_BWD_TOKENS
+    return max(1, min(WARP_BWD_MAX_BLOCKS, -(-num_tokens // warps))), 32 * warps
+
+
+@functools.cache
+def warp_topk_bwd_kernel(kind: str, num_experts: int, score_fn: int, bitmap: bool = False):
+    """The kernel for gradients of ``kind`` (in and out), the map a bool
+    ``[T, E]`` seen as uint32 quad words or (``bitmap``) BITMAP_U8 bytes;
+    E, the score function and the map format are compile-time constants.
+    Launch: ``warp_bwd_launch(T)``, no dynamic shared memory."""
+    if not warp_bwd_path(num_experts, score_fn, False):
+        raise ValueError(f"warp_topk_bwd_kernel: E must be a multiple of 128 up to {WARP_BWD_MAX_EXPERTS} "
+                         f"(E={num_experts}).")
+    Q = num_experts // 128  # quads a lane
+    N = 4 * Q  # experts a lane
+    QROW = num_experts // 4  # quads a row
+    MROW = num_experts // 8  # BITMAP_U8 bytes a row
+    WARPS = warp_bwd_launch(1)[1] // 32
+    RED = 32 * WARPS if simulator_enabled() else 1  # the exchanges' twins: a word a thread
+    listed = score_fn == SQRTSOFTPLUS
+    load4, store4, _ = flat_io(kind)
+    load_saved = flat_io(F32)[0]
+    dx = quad_dx(score_fn, False)
+    xor = exchanges()[0]
+
+    if bitmap:
+
+        @cuda.jit(device=True)
+        def flags(routing_map, row, mrow, q):
+            """Quad ``q``'s selection flags, bit i: its expert i."""
+            b = np.uint32(routing_map[mrow + u64(q >> np.int32(1))])
+            return (b >> np.uint32(4 * (q & np.int32(1)))) & np.uint32(15)
+
+    else:
+
+        @cuda.jit(device=True)
+        def flags(routing_map, row, mrow, q):
+            w = routing_map[row + u64(q)]
+            return (np.uint32((w & B0) != 0) | (np.uint32((w & B1) != 0) << np.uint32(1))
+                    | (np.uint32((w & B2) != 0) << np.uint32(2)) | (np.uint32((w & B3) != 0) << np.uint32(3)))
+
+    @cuda.jit(device=True)
+    def pick(a, n):
+        """``a[n]`` for a slot ``n`` known only at run time (constant indices: registers)."""
+        v = a[0]
+        for j in range(1, N):
+            if n == j:
+                v = a[j]
+        return v
+
+    @cuda.jit(device=True)
+    def put(a, n, v):
+        for j in range(N):
+            if n == j:
+                a[j] = v
+
+    @cuda.jit(device=True)
+    def butterfly(v, red, tid):
+        """The warp's sum of ``v`` on every lane (the stages written out: numba
+        does not unroll a loop that holds shuffles)."""
+        v = np.float32(v + xor(v, 16, red, tid))
+        v = np.float32(v + xor(v, 8, red, tid))
+        v = np.float32(v + xor(v, 4, red, tid))
+        v = np.float32(v + xor(v, 2, red, tid))
+        return np.float32(v + xor(v, 1, red, tid))
+
+    @cuda.jit(device=True)
+    def listed_dx(g, d, on, inv, c, scale, norm):
+        """sqrtsoftplus: a selected expert's d logit from its kept derivative ``d``."""
+        if not on:
+            return ZERO
+        gp = np.float32(g * scale)
+        if norm:
+            gp = np.float32(np.float32(gp * inv) - c)
+        return np.float32(gp * d)
+
+    @cuda.jit
+    def warp_topk_bwd(routing_map, saved, grad_probs, grad_logits, num_tokens, topk, scale):
+        red = cuda.shared.array(RED, nb_f32)
+        tid = np.int32(cuda.threadIdx.x)
+        lane = np.int32(tid & 31)
+        xs = cuda.local.array(N, nb_f32)  # the saved x and gradients of the lane's experts
+        gs = cuda.local.array(N, nb_f32)  # (constant indices once unrolled: registers)
+        ds = cuda.local.array(N, nb_f32)  # sqrtsoftplus: d a / d x of the selected
+        norm = score_fn != SOFTMAX and topk > 1
+        tok = np.int64(cuda.blockIdx.x) * WARPS
+        while tok < num_tokens:  # the block's warps take the same trips (the twins' barriers)
+            t = tok + (tid >> 5)
+            live = t < num_tokens
+            tc = u64(min(t, num_tokens - 1))  # a dead warp reads the last token, writes nothing
+            row = tc * u64(QROW)
+            mrow = tc * u64(MROW)
+            sel = np.uint32(0)  # bit n: the lane's expert slot n is selected
+            for q in range(Q):  # every map word first: Q loads in flight
+                sel |= flags(routing_map, row, mrow, np.int32(lane + 32 * q)) << np.uint32(4 * q)
+            for q in range(Q):
+                w = row + u64(lane + 32 * q)
+                if (sel >> np.uint32(4 * q)) & np.uint32(15):
+                    g0, g1, g2, g3 = load4(grad_probs, w)
+                    x0, x1, x2, x3 = load_saved(saved, w)
+                else:
+                    g0, g1, g2, g3 = ZERO, ZERO, ZERO, ZERO
+                    x0, x1, x2, x3 = ZERO, ZERO, ZERO, ZERO
+                gs[4 * q], gs[4 * q + 1], gs[4 * q + 2], gs[4 * q + 3] = g0, g1, g2, g3
+                xs[4 * q], xs[4 * q + 1], xs[4 * q + 2], xs[4 * q + 3] = x0, x1, x2, x3
+            total = ZERO
+            dot = ZERO
+            if listed:
+                for n in range(N):
+                    ds[n] = ZERO
+                m = sel
+                while m != 0:  # the selected slots, lowest first
+                    n = np.int32(np.int32(cuda.ffs(m)) - np.int32(1))
+                    m &= np.uint32(m - np.uint32(1))
+                    x = pick(xs, n)
+                    a = sqrtsoftplus(x)
+                    total = np.float32(total + a)
+                    dot = np.float32(dot + np.float32(np.float32(pick(gs, n) * scale) * a))
+                    put(ds, n, activation_grad(x, a, score_fn))
+            else:
+                for n in range(N):
+                    if (sel >> np.uint32(n)) & np.uint32(1):
+                        total = np.float32(total + xs[n])
+                        dot = np.float32(dot + np.float32(np.float32(gs[n] * scale) * xs[n]))
+            total = butterfly(total, red, tid)
+            dot = butterfly(dot, red, tid)
+            inv = np.float32(ONE / np.float32(total + EPS))
+            c = np.float32(np.float32(dot * inv) * inv)
+            for q in range(Q):
+                n = 4 * q
+                nib = (sel >> np.uint32(n)) & np.uint32(15)
+                on0 = (nib & np.uint32(1)) != 0
+                on1 = (nib & np.uint32(2)) != 0
+                on2 = (nib & np.uint32(4)) != 0
+                on3 = (nib & np.uint32(8)) != 0
+                if listed:
+                    v0 = listed_dx(gs[n], ds[n], on0, inv, c, scale, norm)
+                    v1 = listed_dx(gs[n + 1], ds[n + 1], on1, inv, c, scale, norm)
+                    v2 = listed_dx(gs[n + 2], ds[n + 2], on2, inv, c, scale, norm)
+                    v3 = listed_dx(gs[n + 3], ds[n + 3], on3, inv, c, scale, norm)
+                else:
+                    v0 = dx(xs[n], gs[n], on0, inv, c, dot, scale, norm)
+                    v1 = dx(xs[n + 1], gs[n + 1], on1, inv, c, dot, scale, norm)
+                    v2 = dx(xs[n + 2], gs[n + 2], on2, inv, c, dot, scale, norm)
+                    v3 = dx(xs[n + 3], gs[n + 3], on3, inv, c, dot, scale, norm)
+                if live:
+                    store4(grad_logits, row + u64(lane + 32 * q), v0, v1, v2, v3)
+            tok += np.int64(cuda.gridDim.x) * WARPS
+
+    return warp_topk_bwd
