@@ -8,22 +8,25 @@ block barriers (its own tests force ``path="warp"``).  Softmax before the
 top-k (every expert's gradient needs every p) and the aux scores (no map)
 stay on the quad kernel.
 
-1. Every map word of the lane's quads is loaded first (a warp's load is one
-   contiguous span), then the gradient and saved quads where the word has a
-   selected expert; nothing else of the row is read.
+1. A token's map words are loaded a token ahead (the grid-strided loop's
+   next token's, while this one is worked: a warp's load is one contiguous
+   span); then the gradient and saved quads where the word has a selected
+   expert; nothing else of the row is read.
 2. S (the activations' sum) and D (the gradient-weighted sum) over the
    lane's selected experts in expert order, then a butterfly over the warp
    (xor exchanges: every lane ends with the same bits).  sqrtsoftplus: the
-   activation and its derivative are computed once per selected expert, in
-   a loop over the lane's selection bits (a warp runs it as many times as
-   its fullest lane has experts, about 1.4 at K = 6 and E = 256), the
-   derivative kept for step 3.
+   warp's selected experts go into a list in shared memory (a prefix count
+   gives each lane its place; lane order, then expert order), lane ``j``
+   works entries ``j, j + 32, ...`` (one entry a lane for K <= 32): the
+   activation and its derivative once per selected expert, S and D over
+   its entries, the derivative written back for step 3.
 3. Every lane writes its quads: ``docs/contract.md`` section 3's VJP at the
    selected experts, 0 elsewhere.
 
 The VJP and the sums' formulas are the quad kernel's (``quad_bwd.quad_dx``);
-only the order of the token's sums differs (a lane's experts, then the
-butterfly), so the bits may differ from the quad kernel's in the last place.
+only the order of the token's sums differs (a lane's experts or list
+entries, then the butterfly), so the bits may differ from the quad kernel's
+in the last place.
 """
 
 from __future__ import annotations
@@ -37,11 +40,13 @@ import functools
 import numpy as np
 from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
+from numba import int32 as nb_i32
+from numba import uint32 as nb_u32
 
 from ._access import flat_io
 from ._device import B0, B1, B2, B3, EPS, ONE, SQRTSOFTPLUS, ZERO, activation_grad, sqrtsoftplus, u64
 from ._launch import F32, SOFTMAX, simulator_enabled
-from ._warp_lanes import exchanges
+from ._warp_lanes import exchanges, warp_scans
 from .quad_bwd import quad_dx
 
 #: warps (tokens) a block; blocks at most (a grid-strided token loop): 16 an
@@ -87,41 +92,43 @@ def warp_topk_bwd_kernel(kind: str, num_experts: int, score_fn: int, bitmap: boo
     WARPS = warp_bwd_launch(1)[1] // 32
     RED = 32 * WARPS if simulator_enabled() else 1  # the exchanges' twins: a word a thread
     listed = score_fn == SQRTSOFTPLUS
+    LROW = N if listed else 0  # list slots a lane: a warp's list holds up to E entries
+    LSLOTS = max(1, 32 * WARPS * LROW)
     load4, store4, _ = flat_io(kind)
     load_saved = flat_io(F32)[0]
     dx = quad_dx(score_fn, False)
-    xor = exchanges()[0]
+    xor, _, idx, _, warp_sync = exchanges()
+    inclusive_sum = warp_scans()[0]
 
     if bitmap:
 
         @cuda.jit(device=True)
-        def flags(routing_map, row, mrow, q):
-            """Quad ``q``'s selection flags, bit i: its expert i."""
-            b = np.uint32(routing_map[mrow + u64(q >> np.int32(1))])
-            return (b >> np.uint32(4 * (q & np.int32(1)))) & np.uint32(15)
+        def map_word(routing_map, row, mrow, q):
+            """Quad ``q``'s map bits as loaded: its octet's byte."""
+            return np.uint32(routing_map[mrow + u64(q >> np.int32(1))])
+
+        @cuda.jit(device=True)
+        def flags(w, q):
+            """Quad ``q``'s selection flags from its loaded word, bit i: its expert i."""
+            return (w >> np.uint32(4 * (q & np.int32(1)))) & np.uint32(15)
 
     else:
 
         @cuda.jit(device=True)
-        def flags(routing_map, row, mrow, q):
-            w = routing_map[row + u64(q)]
+        def map_word(routing_map, row, mrow, q):
+            return np.uint32(routing_map[row + u64(q)])
+
+        @cuda.jit(device=True)
+        def flags(w, q):
             return (np.uint32((w & B0) != 0) | (np.uint32((w & B1) != 0) << np.uint32(1))
                     | (np.uint32((w & B2) != 0) << np.uint32(2)) | (np.uint32((w & B3) != 0) << np.uint32(3)))
 
     @cuda.jit(device=True)
-    def pick(a, n):
-        """``a[n]`` for a slot ``n`` known only at run time (constant indices: registers)."""
-        v = a[0]
-        for j in range(1, N):
-            if n == j:
-                v = a[j]
-        return v
-
-    @cuda.jit(device=True)
-    def put(a, n, v):
-        for j in range(N):
-            if n == j:
-                a[j] = v
+    def load_words(words, routing_map, t, num_tokens, lane):
+        """The map words of token ``t``'s quads for this lane (the last token's past the end)."""
+        tc = u64(min(t, num_tokens - 1))
+        for q in range(Q):
+            words[q] = map_word(routing_map, tc * u64(QROW), tc * u64(MROW), np.int32(lane + 32 * q))
 
     @cuda.jit(device=True)
     def butterfly(v, red, tid):
@@ -134,34 +141,40 @@ def warp_topk_bwd_kernel(kind: str, num_experts: int, score_fn: int, bitmap: boo
         return np.float32(v + xor(v, 1, red, tid))
 
     @cuda.jit(device=True)
-    def listed_dx(g, d, on, inv, c, scale, norm):
-        """sqrtsoftplus: a selected expert's d logit from its kept derivative ``d``."""
+    def listed_dx(lx, wbase, pos, g, on, inv, c, scale, norm):
+        """sqrtsoftplus: ``(d logit, next list position)`` of a slot, its derivative
+        from the warp's list entry ``pos`` when selected (0 and ``pos`` else)."""
         if not on:
-            return ZERO
+            return ZERO, pos
         gp = np.float32(g * scale)
         if norm:
             gp = np.float32(np.float32(gp * inv) - c)
-        return np.float32(gp * d)
+        return np.float32(gp * lx[wbase + np.uint32(pos)]), np.int32(pos + np.int32(1))
 
     @cuda.jit
     def warp_topk_bwd(routing_map, saved, grad_probs, grad_logits, num_tokens, topk, scale):
         red = cuda.shared.array(RED, nb_f32)
+        redi = cuda.shared.array(RED, nb_i32)
+        lx = cuda.shared.array(LSLOTS, nb_f32)  # sqrtsoftplus: the warps' selected x, then d a / d x
+        lg = cuda.shared.array(LSLOTS, nb_f32)  # ... and their gradients
         tid = np.int32(cuda.threadIdx.x)
         lane = np.int32(tid & 31)
+        wbase = np.uint32(tid - lane) * np.uint32(LROW)  # the warp's first list slot
         xs = cuda.local.array(N, nb_f32)  # the saved x and gradients of the lane's experts
         gs = cuda.local.array(N, nb_f32)  # (constant indices once unrolled: registers)
-        ds = cuda.local.array(N, nb_f32)  # sqrtsoftplus: d a / d x of the selected
+        words = cuda.local.array(Q, nb_u32)  # the next token's map words, loaded a token ahead
         norm = score_fn != SOFTMAX and topk > 1
+        stride = np.int64(cuda.gridDim.x) * WARPS
         tok = np.int64(cuda.blockIdx.x) * WARPS
+        load_words(words, routing_map, tok + (tid >> 5), num_tokens, lane)
         while tok < num_tokens:  # the block's warps take the same trips (the twins' barriers)
             t = tok + (tid >> 5)
             live = t < num_tokens
-            tc = u64(min(t, num_tokens - 1))  # a dead warp reads the last token, writes nothing
-            row = tc * u64(QROW)
-            mrow = tc * u64(MROW)
+            row = u64(min(t, num_tokens - 1)) * u64(QROW)  # a dead warp reads the last token, writes nothing
             sel = np.uint32(0)  # bit n: the lane's expert slot n is selected
-            for q in range(Q):  # every map word first: Q loads in flight
-                sel |= flags(routing_map, row, mrow, np.int32(lane + 32 * q)) << np.uint32(4 * q)
+            for q in range(Q):
+                sel |= flags(words[q], np.int32(lane + 32 * q)) << np.uint32(4 * q)
+            load_words(words, routing_map, t + stride, num_tokens, lane)  # in flight through this token
             for q in range(Q):
                 w = row + u64(lane + 32 * q)
                 if (sel >> np.uint32(4 * q)) & np.uint32(15):
@@ -174,18 +187,30 @@ def warp_topk_bwd_kernel(kind: str, num_experts: int, score_fn: int, bitmap: boo
                 xs[4 * q], xs[4 * q + 1], xs[4 * q + 2], xs[4 * q + 3] = x0, x1, x2, x3
             total = ZERO
             dot = ZERO
+            pos = np.int32(0)
             if listed:
+                # the warp's selected experts in a list (lane order, then slot order), the
+                # list's j-th entry worked by lane j % 32: one turn a lane for K <= 32
+                cnt = np.int32(cuda.popc(sel))
+                incl = inclusive_sum(cnt, redi, tid)
+                count = idx(incl, 31, redi, tid)
+                pos = np.int32(incl - cnt)
+                at = pos
                 for n in range(N):
-                    ds[n] = ZERO
-                m = sel
-                while m != 0:  # the selected slots, lowest first
-                    n = np.int32(np.int32(cuda.ffs(m)) - np.int32(1))
-                    m &= np.uint32(m - np.uint32(1))
-                    x = pick(xs, n)
+                    if (sel >> np.uint32(n)) & np.uint32(1):
+                        lx[wbase + np.uint32(at)] = xs[n]
+                        lg[wbase + np.uint32(at)] = gs[n]
+                        at = np.int32(at + np.int32(1))
+                warp_sync()
+                j = lane
+                while j < count:
+                    x = lx[wbase + np.uint32(j)]
                     a = sqrtsoftplus(x)
                     total = np.float32(total + a)
-                    dot = np.float32(dot + np.float32(np.float32(pick(gs, n) * scale) * a))
-                    put(ds, n, activation_grad(x, a, score_fn))
+                    dot = np.float32(dot + np.float32(np.float32(lg[wbase + np.uint32(j)] * scale) * a))
+                    lx[wbase + np.uint32(j)] = activation_grad(x, a, score_fn)  # for the owner's pass 2
+                    j = np.int32(j + np.int32(32))
+                warp_sync()
             else:
                 for n in range(N):
                     if (sel >> np.uint32(n)) & np.uint32(1):
@@ -202,11 +227,11 @@ def warp_topk_bwd_kernel(kind: str, num_experts: int, score_fn: int, bitmap: boo
                 on1 = (nib & np.uint32(2)) != 0
                 on2 = (nib & np.uint32(4)) != 0
                 on3 = (nib & np.uint32(8)) != 0
-                if listed:
-                    v0 = listed_dx(gs[n], ds[n], on0, inv, c, scale, norm)
-                    v1 = listed_dx(gs[n + 1], ds[n + 1], on1, inv, c, scale, norm)
-                    v2 = listed_dx(gs[n + 2], ds[n + 2], on2, inv, c, scale, norm)
-                    v3 = listed_dx(gs[n + 3], ds[n + 3], on3, inv, c, scale, norm)
+                if listed:  # the derivatives from the list, in the order they went in
+                    v0, pos = listed_dx(lx, wbase, pos, gs[n], on0, inv, c, scale, norm)
+                    v1, pos = listed_dx(lx, wbase, pos, gs[n + 1], on1, inv, c, scale, norm)
+                    v2, pos = listed_dx(lx, wbase, pos, gs[n + 2], on2, inv, c, scale, norm)
+                    v3, pos = listed_dx(lx, wbase, pos, gs[n + 3], on3, inv, c, scale, norm)
                 else:
                     v0 = dx(xs[n], gs[n], on0, inv, c, dot, scale, norm)
                     v1 = dx(xs[n + 1], gs[n + 1], on1, inv, c, dot, scale, norm)
@@ -214,6 +239,8 @@ def warp_topk_bwd_kernel(kind: str, num_experts: int, score_fn: int, bitmap: boo
                     v3 = dx(xs[n + 3], gs[n + 3], on3, inv, c, dot, scale, norm)
                 if live:
                     store4(grad_logits, row + u64(lane + 32 * q), v0, v1, v2, v3)
-            tok += np.int64(cuda.gridDim.x) * WARPS
+            if listed:
+                warp_sync()  # the list read before the next token's entries go in
+            tok += stride
 
     return warp_topk_bwd
