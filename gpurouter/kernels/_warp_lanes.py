@@ -25,9 +25,11 @@ import functools
 import numpy as np
 from numba import cuda
 
+from ._device import NEG_INF
 from ._launch import simulator_enabled
 
 FULL = np.uint32(0xFFFFFFFF)
+NO_EXPERT = np.int32(0x7FFFFFFF)  # a key after every expert's
 
 
 @cuda.jit(device=True)
@@ -248,3 +250,35 @@ def warp_scans():
         return max_step(v, e, red, redi, tid, 1)
 
     return inclusive_sum, arg_max
+
+
+@functools.cache
+def warp_ranks():
+    """``by_rank(wv, we, cv, ce, lane, count) -> (v, e)``: the warp-per-token
+    forward's candidates in the selection order, without a sort."""
+    warp_sync = exchanges()[4]
+
+    @cuda.jit(device=True)
+    def by_rank(wv, we, cv, ce, lane, count):
+        """The ``count`` candidates in the warp's words (this lane's ``(cv, ce)``
+        if ``lane < count``) in the selection order, the k-th in lane k (``sort32``'s
+        result; the others get ``(-inf, NO_EXPERT)``): each candidate's rank is
+        the number of candidates ahead of it (the keys differ: a permutation),
+        then each goes to its rank's word."""
+        rank = np.int32(0)
+        j = np.int32(0)
+        while j < count:  # (int32, unsigned indices: numba's range is 64-bit, its indices wrap)
+            rank = np.int32(rank + np.int32(ahead(wv[np.uint32(j)], we[np.uint32(j)], cv, ce)))
+            j = np.int32(j + np.int32(1))
+        warp_sync()  # every read done before the words are overwritten
+        if lane < count:
+            wv[np.uint32(rank)] = cv
+            we[np.uint32(rank)] = ce
+        warp_sync()
+        ulane = np.uint32(lane)
+        v = wv[ulane] if lane < count else NEG_INF
+        e = we[ulane] if lane < count else NO_EXPERT
+        warp_sync()
+        return v, e
+
+    return by_rank

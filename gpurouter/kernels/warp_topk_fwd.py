@@ -26,7 +26,8 @@ contiguous span, and all of a token's loads go out before any store.
    shared memory by a prefix count (no branch: the others' stores go to a
    spare word of the lane); when there are at most 32, a sort of the
    (score, key) pairs in the selection order (``sort32``: the larger score,
-   then the lower expert; docs/contract.md section 2) leaves the k-th
+   then the lower expert; docs/contract.md section 2; K <= 12: each placed
+   by its rank, counted over the candidates, ``by_rank``) leaves the k-th
    selected expert in lane k - 1.  A key is ``expert << 5 | slot``: the
    slot holds the candidate's score ``s`` for the weights' sum.
 3. Otherwise (ties, or the top experts crowded into a few lanes) K rounds of
@@ -60,7 +61,7 @@ from ._access import flat_io
 from ._device import EPS, NEG_INF, ONE, SIGMOID, ZERO, activation, nan_as_neg_inf, u64
 from ._launch import SOFTMAX, simulator_enabled
 from ._vec import quad_f32
-from ._warp_lanes import ahead, exchanges, warp_scans, warp_sorts
+from ._warp_lanes import NO_EXPERT, ahead, exchanges, warp_ranks, warp_scans, warp_sorts
 
 #: warps (tokens) a block; blocks at most (a grid-strided token loop): 16 an
 #: SM of an H200's 132 (tools/warp_select_probe.py, docs/benchmarks.md)
@@ -75,7 +76,8 @@ WARP_MAX_EXPERTS, WARP_MAX_TOPK = 512, 31
 WARP_AUTO_MIN_EXPERTS, WARP_AUTO_MAX_TOKENS = 256, 12288
 #: K up to this: the bound from the lanes' maxima (a sort of 32, not 64)
 WARP_ONE_A_LANE_TOPK = 12
-NO_EXPERT = np.int32(0x7FFFFFFF)
+#: K up to this: the candidates placed by counting their ranks, not sorted (``by_rank``)
+WARP_RANK_MAX_TOPK = 12
 
 
 def warp_groups(num_experts: int, topk: int, num_groups: int, group_topk: int) -> bool:
@@ -130,6 +132,9 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     #: K <= 12: the bound from the lanes' maxima (a 32-sort, about 32 ln(32 / (31 - K))
     #: candidates: 17 at K = 12); else from each lane's two largest (a 64-sort)
     ONE_A_LANE = topk <= WARP_ONE_A_LANE_TOPK
+    #: K <= WARP_RANK_MAX_TOPK: the candidates (about K + 3) placed by their ranks, counted
+    #: over the warp's words, instead of a 32-sort (15 stages of two exchanges)
+    RANKED = topk <= WARP_RANK_MAX_TOPK
     KL = np.int32(topk - 1)
     WARPS = warp_launch(1)[1] // 32
     SLOTS = 64 * WARPS  # a warp's words: 32 candidates, then one a lane for the others' stores
@@ -146,6 +151,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     store_f32 = quad_f32()[1]
     xor, _, idx, uniform_any, warp_sync = exchanges()
     sort64, sort32, sort32v = warp_sorts()
+    by_rank = warp_ranks()
     inclusive_sum, arg_max = warp_scans()
 
     @cuda.jit(device=True)
@@ -314,8 +320,11 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
             warp_sync()
             cv = wv[ulane] if lane < total else NEG_INF
             ce = we[ulane] if lane < total else NO_EXPERT
-            warp_sync()
-            cv, ce = sort32(cv, ce, red, redi, tid)
+            if RANKED:
+                cv, ce = by_rank(wv, we, cv, ce, lane, min(total, np.int32(32)))
+            else:
+                warp_sync()
+                cv, ce = sort32(cv, ce, red, redi, tid)
             # 3. K rounds of a warp arg-max where the candidates overflowed
             need = (total > 32) | (fallback_only != 0)
             if uniform_any(need):
