@@ -26,7 +26,7 @@ contiguous span, and all of a token's loads go out before any store.
    shared memory by a prefix count (no branch: the others' stores go to a
    spare word of the lane); when there are at most 32, a sort of the
    (score, key) pairs in the selection order (``sort32``: the larger score,
-   then the lower expert; docs/contract.md section 2; K <= 12: each placed
+   then the lower expert; docs/contract.md section 2; K = 1: each placed
    by its rank, counted over the candidates, ``by_rank``) leaves the k-th
    selected expert in lane k - 1.  A key is ``expert << 5 | slot``: the
    slot holds the candidate's score ``s`` for the weights' sum.
@@ -76,8 +76,9 @@ WARP_MAX_EXPERTS, WARP_MAX_TOPK = 512, 31
 WARP_AUTO_MIN_EXPERTS, WARP_AUTO_MAX_TOKENS = 256, 12288
 #: K up to this: the bound from the lanes' maxima (a sort of 32, not 64)
 WARP_ONE_A_LANE_TOPK = 12
-#: K up to this: the candidates placed by counting their ranks, not sorted (``by_rank``)
-WARP_RANK_MAX_TOPK = 12
+#: K up to this: the candidates placed by counting their ranks, not sorted (``by_rank``):
+#: faster at K = 1, slower from K = 6 on (more registers; docs/benchmarks.md, "A warp a token, backward")
+WARP_RANK_MAX_TOPK = 1
 
 
 def warp_groups(num_experts: int, topk: int, num_groups: int, group_topk: int) -> bool:
@@ -132,8 +133,8 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     #: K <= 12: the bound from the lanes' maxima (a 32-sort, about 32 ln(32 / (31 - K))
     #: candidates: 17 at K = 12); else from each lane's two largest (a 64-sort)
     ONE_A_LANE = topk <= WARP_ONE_A_LANE_TOPK
-    #: K <= WARP_RANK_MAX_TOPK: the candidates (about K + 3) placed by their ranks, counted
-    #: over the warp's words, instead of a 32-sort (15 stages of two exchanges)
+    #: K <= WARP_RANK_MAX_TOPK: the candidates placed by their ranks, counted over the
+    #: warp's words, instead of a 32-sort (15 stages of two exchanges)
     RANKED = topk <= WARP_RANK_MAX_TOPK
     KL = np.int32(topk - 1)
     WARPS = warp_launch(1)[1] // 32
