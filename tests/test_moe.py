@@ -230,6 +230,8 @@ def test_expert_parallel_gpu_branch_types_and_lowers(monkeypatch):
     exchange's backward a ValueError on two H200s (its cotangent was not
     varying over the axis like its operand) while every CPU test passed."""
     from gpurouter import _ep
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two devices of the default backend (CPU runs get eight host devices; one GPU is one)")
     monkeypatch.setattr(_ep, "has_ragged_all_to_all", lambda: True)
     P = jax.sharding.PartitionSpec
     p = _params(seed=5)
