@@ -63,9 +63,10 @@ from ._launch import SOFTMAX, simulator_enabled
 from ._vec import quad_f32
 from ._warp_lanes import NO_EXPERT, ahead, exchanges, warp_ranks, warp_scans, warp_sorts
 
-#: warps (tokens) a block; blocks at most (a grid-strided token loop): 16 an
-#: SM of an H200's 132 (tools/warp_select_probe.py, docs/benchmarks.md)
-WARP_TOKENS, WARP_MAX_BLOCKS = 4, 2112
+#: warps (tokens) a block; blocks at most (a grid-strided token loop): 64 an
+#: SM of an H200's 132, several rounds of what is resident at 64-90 registers (fewer
+#: blocks left a partial last round; docs/benchmarks.md, "The warp forward's grid")
+WARP_TOKENS, WARP_MAX_BLOCKS = 4, 8448
 #: the shapes the warp path takes: E a multiple of 128 up to this, K up to
 #: 31 (the candidates' sort holds 32: K of them and the bound's)
 WARP_MAX_EXPERTS, WARP_MAX_TOPK = 512, 31
