@@ -150,12 +150,14 @@ def test_special_values(sf):
 
 
 def test_grid_strided_tokens(monkeypatch):
-    """Fewer blocks than tokens: each block walks the token loop (a partial last trip)."""
+    """Fewer blocks than tokens: each block walks the token loop (a partial last trip;
+    two blocks of four warps on a GPU, of one on the simulator), each token's map words
+    loaded the trip before."""
     monkeypatch.setattr(warp_topk_bwd, "WARP_BWD_MAX_BLOCKS", 2)
     topk.topk_with_score_function_bwd_plan.cache_clear()
     try:
         rng = np.random.default_rng(5)
-        x = rng.standard_normal((7, 256)).astype(np.float32)
+        x = rng.standard_normal((13, 256)).astype(np.float32)
         _, m, s = K.topk_with_score_function_fwd(x, 6, score_function="sqrtsoftplus")
         g = rng.standard_normal(x.shape).astype(np.float32)
         assert topk.topk_with_score_function_bwd_plan(_plan.spec_of(x.shape, L.F32), 6, False, np.float32(1),
