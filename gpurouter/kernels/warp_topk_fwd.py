@@ -61,6 +61,7 @@ from ._access import flat_io
 from ._device import EPS, NEG_INF, ONE, SIGMOID, ZERO, activation, nan_as_neg_inf, u64
 from ._launch import SOFTMAX, simulator_enabled
 from ._vec import quad_f32
+from ._warp_groups import DROPPED, group_dropper, warp_groups
 from ._warp_lanes import NO_EXPERT, ahead, exchanges, warp_ranks, warp_scans, warp_sorts
 
 #: warps (tokens) a block; blocks at most (a grid-strided token loop): 64 an
@@ -80,18 +81,6 @@ WARP_ONE_A_LANE_TOPK = 12
 #: K up to this: the candidates placed by counting their ranks, not sorted (``by_rank``):
 #: faster at K = 1, slower from K = 6 on (more registers; docs/benchmarks.md, "A warp a token, backward")
 WARP_RANK_MAX_TOPK = 1
-
-
-def warp_groups(num_experts: int, topk: int, num_groups: int, group_topk: int) -> bool:
-    """Whether the warp kernel takes the grouping (``num_groups`` 0: none): at
-    most 32 groups of 4, 8, ..., 128 experts (a group's experts are whole
-    quads of lanes next to each other), whose score sums at most 2 experts
-    (``topk // group_topk``), the kept groups holding at least K experts."""
-    if num_groups <= 0:
-        return True
-    size = num_experts // num_groups
-    return (num_experts % num_groups == 0 and size % 4 == 0 and 128 % size == 0 and num_groups <= 32
-            and 1 <= group_topk <= num_groups and 1 <= topk // group_topk <= 2 and group_topk * size >= topk)
 
 
 def warp_path(num_experts: int, topk: int, num_groups: int, score_fn: int, pre_softmax: bool,
@@ -141,14 +130,9 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     WARPS = warp_launch(1)[1] // 32
     SLOTS = 64 * WARPS  # a warp's words: 32 candidates, then one a lane for the others' stores
     RED = 32 * WARPS if simulator_enabled() else 1  # the exchanges' twins: a word a thread
-    GSLOTS = 64 * WARPS if num_groups > 0 else 1  # 32 group scores, 32 kept flags a warp (a constant size)
+    G = max(0, num_groups)  # the groups (0: none)
+    GSLOTS = 64 * WARPS if G else 1  # 32 group scores, 32 kept flags a warp (a constant size)
     norm = topk > 1
-    G = max(0, num_groups)  # the groups (0: none): group g is quads g LG ... g LG + LG - 1
-    LG = num_experts // G // 4 if G else 32  # lanes a group spans in a quad row (128 experts)
-    GQ = 32 // LG  # groups a quad row
-    PER = topk // group_topk if G else 1  # the experts a group's score sums
-    KG = np.int32(group_topk if G else 0)
-    DROPPED = np.int32(1 << 10)  # added to a dropped group's experts: after every kept one in the order
     load4, store4, _ = flat_io(kind)
     store_f32 = quad_f32()[1]
     xor, _, idx, uniform_any, warp_sync = exchanges()
@@ -179,74 +163,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         of the selection order's tie-break (so a kept -inf precedes a dropped one)."""
         return np.int32(expert_of(lane, n) | (DROPPED if (drop >> np.uint32(n)) & np.uint32(1) else np.int32(0)))
 
-    @cuda.jit(device=True)
-    def merge_top2(g1, g2, m, red, tid):
-        """The two largest of this lane's pair and lane ``l ^ m``'s."""
-        o1 = xor(g1, m, red, tid)
-        o2 = xor(g2, m, red, tid)
-        return max(g1, o1), max(min(g1, o1), max(g2, o2))
-
-    @cuda.jit(device=True)
-    def group_score(r, q, red, tid):
-        """The score of this lane's group in quad row ``q``: the sum of its PER
-        largest ranking scores in descending order (the token kernel's)."""
-        g1 = NEG_INF
-        g2 = NEG_INF
-        for i in range(4):
-            v = r[4 * q + i]
-            g1, g2 = max(g1, v), max(g2, min(g1, v))
-        if LG > 1:  # the stages written out: numba does not unroll a loop of shuffles
-            g1, g2 = merge_top2(g1, g2, 1, red, tid)
-        if LG > 2:
-            g1, g2 = merge_top2(g1, g2, 2, red, tid)
-        if LG > 4:
-            g1, g2 = merge_top2(g1, g2, 4, red, tid)
-        if LG > 8:
-            g1, g2 = merge_top2(g1, g2, 8, red, tid)
-        if LG > 16:
-            g1, g2 = merge_top2(g1, g2, 16, red, tid)
-        return np.float32(g1 + g2) if PER == 2 else g1
-
-    @cuda.jit(device=True)
-    def no_slots(r, lane, wg, gsc, red, tid):
-        return np.uint32(0)
-
-    @cuda.jit(device=True)
-    def dropped_slots(r, lane, wg, gsc, red, tid):
-        """Bit n: slot n's group is not among the KG best (the larger score, NaN
-        as -inf, then the lower group); those slots' ranking scores become -inf."""
-        gsc[0] = group_score(r, 0, red, tid)
-        if Q > 1:
-            gsc[1] = group_score(r, 1, red, tid)
-        if Q > 2:
-            gsc[2] = group_score(r, 2, red, tid)
-        if Q > 3:
-            gsc[3] = group_score(r, 3, red, tid)
-        mine = np.int32(lane // np.int32(LG))
-        for q in range(Q):
-            if (lane & np.int32(LG - 1)) == 0:
-                wg[np.uint32(q * GQ + mine)] = gsc[q]
-        warp_sync()
-        # lane h < G ranks group h (G compares a lane, whatever Q), and says so in wg[32 + h]
-        v = nan_as_neg_inf(wg[np.uint32(min(lane, np.int32(G - 1)))])
-        rank = np.int32(0)
-        for h in range(G):
-            u = nan_as_neg_inf(wg[h])
-            rank = np.int32(rank + np.int32((u > v) | ((u == v) & (h < lane))))
-        if lane < G:
-            wg[np.uint32(32 + lane)] = ONE if rank < KG else ZERO
-        warp_sync()
-        drop = np.uint32(0)
-        for q in range(Q):
-            if wg[np.uint32(32 + q * GQ + mine)] == ZERO:
-                drop |= np.uint32(15) << np.uint32(4 * q)
-        warp_sync()
-        for n in range(N):
-            if (drop >> np.uint32(n)) & np.uint32(1):
-                r[n] = NEG_INF
-        return drop
-
-    dropped = dropped_slots if G else no_slots
+    dropped = group_dropper(num_experts, topk, num_groups, group_topk)
 
     @cuda.jit(device=True)
     def pick(r, n, e, thr, cut):
