@@ -37,7 +37,7 @@ from gpurouter.kernels import _plan, _tiling
 
 CASES = {  # name: (E, K, G, Kg, sf, bias, pre)
     "deepseek-v3": (256, 8, 8, 4, L.SIGMOID, True, False),
-    "qwen3": (128, 8, -1, -1, L.SOFTMAX, False, True),
+    "qwen3": (128, 8, -1, -1, L.SOFTMAX, False, False),  # softmax after the top-k (the preset)
     "kimi-k2": (384, 8, -1, -1, L.SIGMOID, True, False),
     "mixtral": (8, 2, -1, -1, L.SOFTMAX, False, False),
     "deepseek-v4": (256, 6, -1, -1, L.SQRTSOFTPLUS, True, False),

@@ -2,8 +2,8 @@
 (docs/contract.md sections 2 and 3).
 
 The forward plan picks the kernel: the warp-per-token kernel
-(``warp_topk_fwd.py``) when ``use_warp_path`` takes the shape (sigmoid or
-sqrtsoftplus, E a multiple of 128 up to 512, K <= 31, no groups or
+(``warp_topk_fwd.py``) when ``use_warp_path`` takes the shape (sigmoid,
+sqrtsoftplus or softmax after the top-k, E a multiple of 128 up to 512, K <= 31, no groups or
 ``warp_groups``'s; under "auto" where ``warp_auto`` says it is faster),
 else the thread-per-token kernel (``token_topk_fwd.py``) when
 ``_tiling.token_path`` takes it (K <= 64, E a multiple of 4), else the
@@ -172,7 +172,8 @@ def use_warp_path(path: str, op: str, num_experts: int, topk: int, num_groups: i
     sums a token's weights in the warp kernel's order (the same bits)."""
     fits = warp_path(num_experts, topk, num_groups, score_fn, pre_softmax, group_topk)
     if path == "warp" and not fits:
-        raise ValueError(f"{op}: path='warp' needs sigmoid or sqrtsoftplus, E a multiple of 128 up to 512, K <= 31 "
+        raise ValueError(f"{op}: path='warp' needs sigmoid, sqrtsoftplus or softmax after the top-k "
+                         "(use_pre_softmax=False), E a multiple of 128 up to 512, K <= 31 "
                          "and, with groups, at most 32 groups of 4 to 128 experts (a divisor of 128), "
                          "K // group_topk <= 2 and K <= group_topk * E / num_groups "
                          f"(E={num_experts}, K={topk}, num_groups={num_groups}, group_topk={group_topk}).")

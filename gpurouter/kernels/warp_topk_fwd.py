@@ -58,7 +58,7 @@ from numba import float32 as nb_f32  # array declarations take numba types
 from numba import int32 as nb_i32
 
 from ._access import flat_io
-from ._device import EPS, NEG_INF, ONE, SIGMOID, ZERO, activation, nan_as_neg_inf, u64
+from ._device import EPS, NAN, NEG_INF, ONE, SIGMOID, ZERO, activation, exp_f32, nan_as_neg_inf, u64
 from ._launch import SOFTMAX, simulator_enabled
 from ._vec import quad_f32
 from ._warp_groups import DROPPED, group_dropper, warp_groups
@@ -86,7 +86,7 @@ WARP_RANK_MAX_TOPK = 1
 def warp_path(num_experts: int, topk: int, num_groups: int, score_fn: int, pre_softmax: bool,
               group_topk: int = 0) -> bool:
     """Whether the warp-per-token forward takes the shape (module docstring)."""
-    return (score_fn != SOFTMAX and not pre_softmax and num_experts % 128 == 0
+    return (not (score_fn == SOFTMAX and pre_softmax) and num_experts % 128 == 0
             and 128 <= num_experts <= WARP_MAX_EXPERTS and 1 <= topk <= WARP_MAX_TOPK
             and warp_groups(num_experts, topk, num_groups, group_topk))
 
@@ -132,7 +132,8 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     RED = 32 * WARPS if simulator_enabled() else 1  # the exchanges' twins: a word a thread
     G = max(0, num_groups)  # the groups (0: none)
     GSLOTS = 64 * WARPS if G else 1  # 32 group scores, 32 kept flags a warp (a constant size)
-    norm = topk > 1
+    post = score_fn == SOFTMAX  # softmax after the top-k (the kernel never takes softmax-pre)
+    norm = topk > 1 and not post
     load4, store4, _ = flat_io(kind)
     store_f32 = quad_f32()[1]
     xor, _, idx, uniform_any, warp_sync = exchanges()
@@ -142,15 +143,21 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
 
     @cuda.jit(device=True)
     def score(x, b, s, r, n):
-        """Expert slot ``n``'s score and ranking score from its logit ``x``."""
-        v = activation(x, score_fn)
+        """Expert slot ``n``'s score and ranking score from its logit ``x``
+        (softmax after the top-k: the logit itself)."""
+        v = x if post else activation(x, score_fn)
         s[n] = v
         r[n] = nan_as_neg_inf(np.float32(v + b[n]) if has_bias else v)
 
     @cuda.jit(device=True)
-    def weight(v, inv, scale, on):
-        """A selected expert's prob (0 where ``on`` is false)."""
-        return np.float32(scale * np.float32(v * inv if norm else v)) if on else ZERO
+    def weight(v, m, inv, on):
+        """A selected expert's weight before the scaling (0 where ``on`` is false):
+        ``exp(v - m) / sum`` after the top-k, ``v / sum`` normalised, else ``v``."""
+        if post:
+            w = np.float32(exp_f32(v - m) * inv)
+        else:
+            w = np.float32(v * inv) if norm else v
+        return w if on else ZERO
 
     @cuda.jit(device=True)
     def expert_of(lane, n):
@@ -207,7 +214,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                 w = row + u64(lane + 32 * q)
                 for i in range(4):
                     score(xs[4 * q + i], b, s, r, 4 * q + i)
-                if live:
+                if live and not post:  # (after the top-k: saved is the weights, stored with them)
                     if score_fn == SIGMOID:
                         store_f32(saved, w, s[4 * q], s[4 * q + 1], s[4 * q + 2], s[4 * q + 3])
                     else:
@@ -277,16 +284,20 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
             # the weights' sum, in the thread-per-token kernel's order: lane k < K adds
             # its expert's score at its place (its rank among the K experts, or k)
             inv = ONE
-            if norm:
+            m = idx(cv, 0, red, tid) if post else ZERO  # after the top-k: the largest selected score
+            if norm or post:
                 warp_sync()  # (the fallback's scores written)
                 sk = ws[np.uint32(ce & np.int32(31))] if lane < topk else ZERO
-                we[ulane] = expert
-                warp_sync()
                 place = lane
-                if has_bias or thr == NEG_INF:  # ascending experts
-                    place = np.int32(0)
-                    for j in range(topk):
-                        place = np.int32(place + np.int32(we[j] < expert))
+                if post:  # exp(v - m) in the selection order; NaN where a selected logit is
+                    sk = np.float32(exp_f32(cv - m)) if sk == sk else NAN
+                else:
+                    we[ulane] = expert
+                    warp_sync()
+                    if has_bias or thr == NEG_INF:  # ascending experts
+                        place = np.int32(0)
+                        for j in range(topk):
+                            place = np.int32(place + np.int32(we[j] < expert))
                 if lane < topk:
                     wv[np.uint32(place)] = sk
                 warp_sync()
@@ -294,15 +305,20 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                 for k in range(topk):
                     acc = np.float32(acc + wv[k])
                 warp_sync()
-                inv = np.float32(ONE / np.float32(acc + EPS))
+                inv = np.float32(ONE / (np.float32(acc + EPS) if norm else acc))
             for q in range(Q):
                 n = 4 * q
                 w = row + u64(lane + 32 * q)
                 nib = (sel >> np.uint32(n)) & np.uint32(15)
-                w0 = weight(s[n], inv, scale, (nib & np.uint32(1)) != 0)
-                w1 = weight(s[n + 1], inv, scale, (nib & np.uint32(2)) != 0)
-                w2 = weight(s[n + 2], inv, scale, (nib & np.uint32(4)) != 0)
-                w3 = weight(s[n + 3], inv, scale, (nib & np.uint32(8)) != 0)
+                on0, on1 = (nib & np.uint32(1)) != 0, (nib & np.uint32(2)) != 0
+                on2, on3 = (nib & np.uint32(4)) != 0, (nib & np.uint32(8)) != 0
+                w0 = weight(s[n], m, inv, on0)
+                w1 = weight(s[n + 1], m, inv, on1)
+                w2 = weight(s[n + 2], m, inv, on2)
+                w3 = weight(s[n + 3], m, inv, on3)
+                if post and live:
+                    store_f32(saved, w, w0 if on0 else NEG_INF, w1 if on1 else NEG_INF, w2 if on2 else NEG_INF,
+                              w3 if on3 else NEG_INF)
                 if bitmap:  # a byte holds two quads: the even lane writes its odd neighbour's too
                     odd = np.uint32(xor(np.int32(nib), 1, redi, tid))
                     if live and (lane & 1) == 0:
@@ -311,7 +327,8 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                     rmap[w] = ((nib & np.uint32(1)) | ((nib & np.uint32(2)) << np.uint32(7))
                                | ((nib & np.uint32(4)) << np.uint32(14)) | ((nib & np.uint32(8)) << np.uint32(21)))
                 if live:
-                    store4(probs, w, w0, w1, w2, w3)
+                    store4(probs, w, np.float32(scale * w0) if on0 else ZERO, np.float32(scale * w1) if on1 else ZERO,
+                           np.float32(scale * w2) if on2 else ZERO, np.float32(scale * w3) if on3 else ZERO)
             tok += np.int64(cuda.gridDim.x) * WARPS
 
     return warp_topk_fwd

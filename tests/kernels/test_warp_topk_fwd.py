@@ -1,7 +1,8 @@
 """The warp-per-token top-k forward (``gpurouter/kernels/warp_topk_fwd.py``) and its
 exchanges and sorts (``_warp_lanes.py``): the dispatch to it, the same bits as the
 thread-per-token kernel (which test_token_topk_fwd.py checks against the reference) in
-every dtype, map format, K and score function it takes, ties, specials, the arg-max
+every dtype, map format, K and score function it takes (softmax after the top-k
+included), ties, specials, the arg-max
 rounds alone, the replay of its indices, and a float64 oracle.  Tiny shapes: the
 simulator runs them (a block of one warp there; four on a GPU).
 """
@@ -42,13 +43,13 @@ def _same(got, want):
 
 
 def test_dispatch():
-    """sigmoid / sqrtsoftplus, E % 128 == 0 up to 512, K <= 31, groups that ``warp_groups``
-    takes, take the warp kernel (``path="auto"``: E >= 256 at any T, E = 128 up to
-    ``WARP_AUTO_MAX_TOKENS``); softmax, other groups, other E, larger K and the replay the
-    token kernels."""
+    """sigmoid / sqrtsoftplus / softmax after the top-k, E % 128 == 0 up to 512, K <= 31,
+    groups that ``warp_groups`` takes, take the warp kernel (``path="auto"``: E >= 256 at
+    any T, E = 128 up to ``WARP_AUTO_MAX_TOKENS``); softmax-pre, other groups, other E,
+    larger K and the replay the token kernels."""
 
-    def fwd(E, k, fn=L.SIGMOID, G=-1, Kg=-1, forced=False, path="auto", T=5):
-        return topk.topk_with_score_function_fwd_plan(_plan.spec_of((T, E), L.BF16), fn != L.SOFTMAX, k, False,
+    def fwd(E, k, fn=L.SIGMOID, G=-1, Kg=-1, forced=False, path="auto", T=5, pre=False):
+        return topk.topk_with_score_function_fwd_plan(_plan.spec_of((T, E), L.BF16), fn != L.SOFTMAX, k, pre,
                                                       G, Kg, np.float32(1), fn, 0, False, forced, path)
 
     big = warp_topk_fwd.WARP_AUTO_MAX_TOKENS + 1
@@ -60,24 +61,27 @@ def test_dispatch():
     assert _module_of(fwd(128, 1, L.SQRTSOFTPLUS, path="warp", T=big)) == "warp_topk_fwd"
     assert _module_of(fwd(256, 8, L.SIGMOID, 8, 4, path="warp")) == "warp_topk_fwd"  # DeepSeek-V3
     assert _module_of(fwd(128, 4, L.SIGMOID, 32, 2, path="warp")) == "warp_topk_fwd"  # groups of one quad
+    assert _module_of(fwd(256, 8, L.SOFTMAX)) == auto  # softmax after the top-k
+    assert _module_of(fwd(128, 8, L.SOFTMAX, path="warp")) == "warp_topk_fwd"
     # the GPU's rule
     assert warp_topk_fwd.warp_auto(256, big, simulator=False) and warp_topk_fwd.warp_auto(128, big - 1, False)
     assert not warp_topk_fwd.warp_auto(128, big, simulator=False) and not warp_topk_fwd.warp_auto(512, 8, True)
-    for plan in (fwd(512, 32), fwd(640, 8), fwd(260, 8), fwd(256, 8, L.SOFTMAX), fwd(256, 8, L.SIGMOID, 8, 2),
+    for plan in (fwd(512, 32), fwd(640, 8), fwd(260, 8), fwd(256, 8, L.SOFTMAX, pre=True), fwd(256, 8, L.SIGMOID, 8, 2),
                  fwd(256, 8, L.SIGMOID, 1, 1), fwd(512, 8, L.SIGMOID, 64, 8), fwd(384, 8, L.SIGMOID, 3, 2),
                  fwd(512, 22, forced=True), fwd(512, 22, forced=True, path="warp")):
         assert _module_of(plan) == "token_topk_fwd"
 
 
-@pytest.mark.parametrize("bad", [dict(k=32), dict(E=132), dict(fn="softmax"), dict(groups=(8, 1)),
+@pytest.mark.parametrize("bad", [dict(k=32), dict(E=132), dict(pre=True), dict(groups=(8, 1)),
                                  dict(groups=(1, 1))])
 def test_forced_warp_path_names_the_op(bad):
     E, k = bad.get("E", 128), bad.get("k", 4)
     G, Kg = bad.get("groups", (-1, -1))
     x = np.zeros((2, E), np.float32)
+    fn = "softmax" if "pre" in bad else "sigmoid"
     with pytest.raises(ValueError, match="topk_with_score_function.*path='warp'"):
-        K.topk_with_score_function_fwd(x, k, num_groups=G, group_topk=Kg, path="warp",
-                                       score_function=bad.get("fn", "sigmoid"))
+        K.topk_with_score_function_fwd(x, k, num_groups=G, group_topk=Kg, path="warp", score_function=fn,
+                                       use_pre_softmax=bad.get("pre", False))
 
 
 CASES = [  # (E, K, score function, bias, dtype, map format, indices, (groups, group_topk) or None)
@@ -86,11 +90,15 @@ CASES = [  # (E, K, score function, bias, dtype, map format, indices, (groups, g
     (128, 4, "sqrtsoftplus", False, np.float32, 1, False, (32, 2)),  # a group a lane's quad
     (256, 8, "sigmoid", False, "bfloat16", 0, True, None),
     (256, 8, "sigmoid", True, "bfloat16", 0, True, (8, 4)),  # DeepSeek-V3
+    (128, 8, "softmax", False, "bfloat16", 0, True, None),  # Qwen3: softmax after the top-k
+    (128, 1, "softmax", False, np.float32, 1, False, None),
+    (256, 6, "softmax", False, np.float16, 1, True, (8, 3)),  # groups, softmax after
     # the large ones on a GPU only: 40-90 s each on the simulator
     pytest.param(384, 22, "sigmoid", True, "bfloat16", 1, True, None, marks=pytest.mark.gpu),
     pytest.param(512, 31, "sqrtsoftplus", True, np.float16, 0, False, None, marks=pytest.mark.gpu),
     pytest.param(512, 6, "sqrtsoftplus", True, np.float32, 1, True, (4, 3), marks=pytest.mark.gpu),  # 128 a group
     pytest.param(256, 5, "sigmoid", False, np.float16, 0, True, (16, 5), marks=pytest.mark.gpu),
+    pytest.param(512, 22, "softmax", False, "bfloat16", 0, True, None, marks=pytest.mark.gpu),
 ]
 
 
@@ -109,7 +117,7 @@ def test_same_bits_as_the_token_kernel(E, k, fn, has_bias, dtype, fmt, indices, 
     the weights' sum included (5 tokens: a partial last block of warps on a GPU)."""
     rng = np.random.default_rng(E + k)
     x = _logits(5, E, dtype, rng)
-    bias = (rng.standard_normal(E) * 0.05).astype(np.float32) if has_bias else None
+    bias = (rng.standard_normal(E) * 0.05).astype(np.float32) if has_bias else None  # (never with softmax)
     G, Kg = groups or (-1, -1)
     kw = dict(score_function=fn, expert_bias=bias, scaling_factor=2.5, routing_map_format=fmt,
               return_indices=indices, num_groups=G, group_topk=Kg)
@@ -130,8 +138,8 @@ def test_ties_and_specials():
     x[5] = np.nan
     bias = np.zeros(E, np.float32)
     bias[5] = -np.inf
-    for b in (None, bias):
-        kw = dict(expert_bias=b, return_indices=True)
+    for fn, b in (("sigmoid", None), ("sigmoid", bias), ("softmax", None)):
+        kw = dict(score_function=fn, expert_bias=b, return_indices=True)
         _same(_fwd(x, k, "warp", **kw), _fwd(x, k, "token", **kw))
 
 
@@ -156,8 +164,10 @@ def test_groups_ties_and_specials():
     inf_bias = np.zeros(E, np.float32)
     inf_bias[40:48] = -np.inf  # -inf ranking scores in a finite row
     inf_bias[112], inf_bias[113:] = np.inf, -np.inf  # group 7: inf + -inf, a NaN group score
-    for b in (None, (rng.standard_normal(E) * 0.05).astype(np.float32), inf_bias):
-        kw = dict(expert_bias=b, num_groups=8, group_topk=3, return_indices=True, scaling_factor=1.5)
+    for fn, b in (("sigmoid", None), ("sigmoid", (rng.standard_normal(E) * 0.05).astype(np.float32)),
+                  ("sigmoid", inf_bias), ("softmax", None)):
+        kw = dict(score_function=fn, expert_bias=b, num_groups=8, group_topk=3, return_indices=True,
+                  scaling_factor=1.5)
         _same(_fwd(x, k, "warp", **kw), _fwd(x, k, "token", **kw))
 
 
@@ -187,9 +197,11 @@ def test_replay_of_its_indices_is_the_call():
     """The replay (the token kernel) of the indices the warp kernel returned: the same bits."""
     rng = np.random.default_rng(11)
     x = rng.standard_normal((4, 256)).astype(np.float32)
-    for bias, G, Kg in ((None, -1, -1), ((rng.standard_normal(256) * 0.05).astype(np.float32), -1, -1),
-                        ((rng.standard_normal(256) * 0.05).astype(np.float32), 8, 4)):
-        kw = dict(expert_bias=bias, scaling_factor=1.5, num_groups=G, group_topk=Kg)
+    for fn, bias, G, Kg in (("sigmoid", None, -1, -1),
+                            ("sigmoid", (rng.standard_normal(256) * 0.05).astype(np.float32), -1, -1),
+                            ("sigmoid", (rng.standard_normal(256) * 0.05).astype(np.float32), 8, 4),
+                            ("softmax", None, -1, -1), ("softmax", None, 8, 4)):
+        kw = dict(score_function=fn, expert_bias=bias, scaling_factor=1.5, num_groups=G, group_topk=Kg)
         probs, rmap, saved, idx = _fwd(x, 8, "warp", return_indices=True, **kw)
         again = _fwd(x, 8, "auto", forced_indices=idx, **kw)
         _same(again, [probs, rmap, saved])
@@ -210,6 +222,27 @@ def test_float64_oracle():
     want = np.where(want_map, 3.0 * s / (np.take_along_axis(s, order, 1).sum(1, keepdims=True) + 1e-20), 0)
     np.testing.assert_allclose(probs, want, rtol=2e-6, atol=0)
     np.testing.assert_allclose(saved, s, rtol=2e-6)
+
+
+def test_float64_oracle_softmax_after_topk():
+    """Softmax after the top-k: the top K logits, their softmax (saved, -inf elsewhere) and
+    its scaled probs against float64 NumPy (distinct logits)."""
+    rng = np.random.default_rng(6)
+    T, E, k = 3, 256, 8
+    x = rng.permutation(T * E).reshape(T, E).astype(np.float32) / (T * E) * 16 - 8
+    probs, rmap, saved, idx = _fwd(x, k, "warp", score_function="softmax", scaling_factor=2.0,
+                                   return_indices=True)
+    order = np.argsort(-x, axis=1, kind="stable")[:, :k]
+    want_map = np.zeros((T, E), bool)
+    np.put_along_axis(want_map, order, True, axis=1)
+    assert (rmap == want_map).all() and (idx == order).all()
+    top = np.take_along_axis(x.astype(np.float64), order, 1)
+    soft = np.exp(top - top.max(1, keepdims=True))
+    soft /= soft.sum(1, keepdims=True)
+    want = np.full((T, E), -np.inf)
+    np.put_along_axis(want, order, soft, axis=1)
+    np.testing.assert_allclose(saved, want, rtol=2e-6)
+    np.testing.assert_allclose(probs, np.where(want_map, 2.0 * want, 0), rtol=2e-6)
 
 
 def test_warp_sorts_and_scans():
