@@ -4,7 +4,7 @@
 The forward plan picks the kernel: the warp-per-token kernel
 (``warp_topk_fwd.py``) when ``use_warp_path`` takes the shape (sigmoid,
 sqrtsoftplus or softmax after the top-k, E a multiple of 128 up to 512, K <= 31, no groups or
-``warp_groups``'s; under "auto" where ``warp_auto`` says it is faster),
+``warp_groups``'s; under "auto" on a GPU: ``warp_auto``),
 else the thread-per-token kernel (``token_topk_fwd.py``) when
 ``_tiling.token_path`` takes it (K <= 64, E a multiple of 4), else the
 W-lane kernel (``lane_topk_fwd.py``).  The backward plan picks the
@@ -164,9 +164,9 @@ SM_SHARED, BLOCK_RESERVED, SM_REGISTERS, SM_THREADS = 233472, 1024, 65536, 2048
 
 
 def use_warp_path(path: str, op: str, num_experts: int, topk: int, num_groups: int, group_topk: int,
-                  score_fn: int, pre_softmax: bool, forced: bool, num_tokens: int) -> bool:
+                  score_fn: int, pre_softmax: bool, forced: bool) -> bool:
     """Whether the forward takes the warp-per-token kernel: ``"auto"`` where
-    ``warp_path`` takes the shape and ``warp_auto`` says it is the faster,
+    ``warp_path`` takes the shape and ``warp_auto`` says so (on a GPU),
     ``"warp"`` wherever ``warp_path`` takes it, else a ValueError naming
     ``op``.  Never for the replay: it takes the thread-per-token kernel, which
     sums a token's weights in the warp kernel's order (the same bits)."""
@@ -177,7 +177,7 @@ def use_warp_path(path: str, op: str, num_experts: int, topk: int, num_groups: i
                          "and, with groups, at most 32 groups of 4 to 128 experts (a divisor of 128), "
                          "K // group_topk <= 2 and K <= group_topk * E / num_groups "
                          f"(E={num_experts}, K={topk}, num_groups={num_groups}, group_topk={group_topk}).")
-    auto = path == "auto" and warp_auto(num_experts, num_tokens)
+    auto = path == "auto" and warp_auto()
     return fits and (auto or path == "warp") and not forced
 
 
@@ -241,7 +241,7 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     # indices out, forced in, or (never read) any int32 array: saved's first words
     xarr = In(1, flat_idx) if forced else Out(3, flat_idx) if indices else Out(2, Spec((1,), np.int32))
     if use_warp_path(path, OP + "_fwd_plan", num_experts, int(topk), G if grouped else 0,
-                     int(group_topk) if grouped else 0, int(score_fn), bool(pre_softmax), forced, num_tokens):
+                     int(group_topk) if grouped else 0, int(score_fn), bool(pre_softmax), forced):
         kern = warp_topk_fwd_kernel(logits.kind, num_experts, int(topk), int(score_fn), bool(has_bias), bitmap,
                                     indices, G if grouped else 0, int(group_topk) if grouped else 0)
         words, quads, flat = array_views(logits.kind, shape)

@@ -2,10 +2,10 @@
 selected by a bound and a sort of 32 candidates (docs/kernels.md, "The warp
 path").
 
-Where it runs (``topk.use_warp_path``): sigmoid or sqrtsoftplus, E a
-multiple of 128 up to 512, K <= 31, no groups or groups ``warp_groups``
-takes (DeepSeek-V3's); ``path="auto"``: E >= 256, and E = 128 up to 12288
-tokens (``warp_auto``); not the routing replay (which runs the
+Where it runs (``topk.use_warp_path``): sigmoid, sqrtsoftplus or softmax
+after the top-k, E a multiple of 128 up to 512, K <= 31, no groups or groups
+``_warp_groups.warp_groups`` takes (DeepSeek-V3's); ``path="auto"``: every
+such shape on a GPU (``warp_auto``); not the routing replay (which runs the
 thread-per-token kernel: both sum a token's weights in the same order, so a
 replay is the call bit for bit).  Lane ``l`` of the token's warp holds the
 quads ``l, l + 32, ...`` of its row: each load the warp makes is one
@@ -71,16 +71,12 @@ WARP_TOKENS, WARP_MAX_BLOCKS = 4, 8448
 #: the shapes the warp path takes: E a multiple of 128 up to this, K up to
 #: 31 (the candidates' sort holds 32: K of them and the bound's)
 WARP_MAX_EXPERTS, WARP_MAX_TOPK = 512, 31
-#: ``path="auto"`` takes it from this E on, and below it (E = 128) up to
-#: ``WARP_AUTO_MAX_TOKENS`` tokens: where it was timed faster than the token
-#: kernel (docs/benchmarks.md, "The warp forward's instructions": E = 256
-#: and up at T = 1024 - 65536; E = 128, K = 1 up to T = 12288, slower from 16384)
-WARP_AUTO_MIN_EXPERTS, WARP_AUTO_MAX_TOKENS = 256, 12288
 #: K up to this: the bound from the lanes' maxima (a sort of 32, not 64)
 WARP_ONE_A_LANE_TOPK = 12
-#: K up to this: the candidates placed by counting their ranks, not sorted (``by_rank``):
-#: faster at K = 1, slower from K = 6 on (more registers; docs/benchmarks.md, "A warp a token, backward")
-WARP_RANK_MAX_TOPK = 1
+#: K up to these: the candidates placed by counting their ranks, not sorted (``by_rank``):
+#: E >= 256 K = 1, slower from K = 6 on (more registers; docs/benchmarks.md, "A warp a token,
+#: backward"); E = 128 (a quad a lane, 48 registers) faster up to K = 8 ("Softmax after the top-k")
+WARP_RANK_MAX_TOPK, WARP_RANK_E128_MAX_TOPK = 1, 8
 
 
 def warp_path(num_experts: int, topk: int, num_groups: int, score_fn: int, pre_softmax: bool,
@@ -91,15 +87,15 @@ def warp_path(num_experts: int, topk: int, num_groups: int, score_fn: int, pre_s
             and warp_groups(num_experts, topk, num_groups, group_topk))
 
 
-def warp_auto(num_experts: int, num_tokens: int, simulator: bool | None = None) -> bool:
-    """Whether ``path="auto"`` takes the warp kernel for a shape it fits: by
-    the GPU timings above; never on the CUDA simulator (``simulator`` None:
-    whether it is on), where its exchanges are block barriers and the
-    thread-per-token kernel, the same bits, runs many times faster (the warp
-    kernel's own tests force ``path="warp"``)."""
-    if simulator_enabled() if simulator is None else simulator:
-        return False
-    return num_experts >= WARP_AUTO_MIN_EXPERTS or num_tokens <= WARP_AUTO_MAX_TOKENS
+def warp_auto(simulator: bool | None = None) -> bool:
+    """Whether ``path="auto"`` takes the warp kernel for a shape it fits: on a
+    GPU always (timed faster than the thread-per-token kernel at every preset
+    and T = 1024 - 65536: docs/benchmarks.md, "Softmax after the top-k");
+    never on the CUDA simulator (``simulator`` None: whether it is on), where
+    its exchanges are block barriers and the thread-per-token kernel, the same
+    bits, runs many times faster (the warp kernel's own tests force
+    ``path="warp"``)."""
+    return not (simulator_enabled() if simulator is None else simulator)
 
 
 def warp_launch(num_tokens: int) -> tuple[int, int]:
@@ -123,9 +119,9 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     #: K <= 12: the bound from the lanes' maxima (a 32-sort, about 32 ln(32 / (31 - K))
     #: candidates: 17 at K = 12); else from each lane's two largest (a 64-sort)
     ONE_A_LANE = topk <= WARP_ONE_A_LANE_TOPK
-    #: K <= WARP_RANK_MAX_TOPK: the candidates placed by their ranks, counted over the
-    #: warp's words, instead of a 32-sort (15 stages of two exchanges)
-    RANKED = topk <= WARP_RANK_MAX_TOPK
+    #: the candidates placed by their ranks, counted over the warp's words, instead of
+    #: a 32-sort (15 stages of two exchanges): K <= WARP_RANK_MAX_TOPK (E = 128: ..._E128_...)
+    RANKED = topk <= (WARP_RANK_E128_MAX_TOPK if Q == 1 else WARP_RANK_MAX_TOPK)
     KL = np.int32(topk - 1)
     WARPS = warp_launch(1)[1] // 32
     SLOTS = 64 * WARPS  # a warp's words: 32 candidates, then one a lane for the others' stores
