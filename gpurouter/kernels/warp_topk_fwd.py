@@ -75,8 +75,8 @@ WARP_MAX_EXPERTS, WARP_MAX_TOPK = 512, 31
 WARP_ONE_A_LANE_TOPK = 12
 #: K up to these: the candidates placed by counting their ranks, not sorted (``by_rank``):
 #: E >= 256 K = 1, slower from K = 6 on (more registers; docs/benchmarks.md, "A warp a token,
-#: backward"); E = 128 (a quad a lane, 48 registers) faster up to K = 8 ("Softmax after the top-k")
-WARP_RANK_MAX_TOPK, WARP_RANK_E128_MAX_TOPK = 1, 8
+#: backward"); E = 128 (a quad a lane, 48-56 registers) faster at K = 1-12 ("Softmax after the top-k")
+WARP_RANK_MAX_TOPK, WARP_RANK_E128_MAX_TOPK = 1, 12
 
 
 def warp_path(num_experts: int, topk: int, num_groups: int, score_fn: int, pre_softmax: bool,

@@ -272,7 +272,7 @@ def test_bwd_ignores_padding_bits():
     (7168, 256, 8, dict(score_function="sigmoid", num_groups=8, group_topk=4, scaling_factor=2.5,
                         expert_bias=_bias(256)), "bfloat16", "warp"),
     (2048, 132, 8, dict(use_pre_softmax=True), "float32", "token"),
-    (7168, 128, 8, dict(), "bfloat16", "token"),
+    (7168, 128, 8, dict(), "bfloat16", "warp"),
     (7168, 512, 22, dict(score_function="sigmoid", scaling_factor=5.0, expert_bias=_bias(512)),
      "bfloat16", "warp"),
     (2048, 130, 6, dict(score_function="sqrtsoftplus"), "float16", "lanes"),

@@ -48,13 +48,14 @@ def _assert_lanes(lanes, T, E, k, G=0, has_bias=False):
 
 
 def test_dispatch():
-    """E % 4 == 0 and K <= 64 take the token kernels, the rest the W-lane ones."""
+    """E % 4 == 0 and K <= 64 take the token kernels, the rest the W-lane ones (softmax-pre:
+    the warp kernel, which ``path="auto"`` takes on a GPU, never does)."""
     from gpurouter.kernels import _launch as L
     from gpurouter.kernels import _plan, aux_scores, topk
 
     def fwd(E, k, G=-1, Kg=-1):
-        return topk.topk_with_score_function_fwd_plan(_plan.spec_of((5, E), L.BF16), False, k, False,
-                                                      G, Kg, np.float32(1), 1)
+        return topk.topk_with_score_function_fwd_plan(_plan.spec_of((5, E), L.BF16), False, k, True,
+                                                      G, Kg, np.float32(1), L.SOFTMAX)
 
     assert _kernel_of(fwd(256, 8, 8, 4)) and _kernel_of(fwd(8, 2)) and _kernel_of(fwd(32, 16))
     assert _kernel_of(fwd(64, 17)) and _kernel_of(fwd(512, 22)) and _kernel_of(fwd(68, 64))
