@@ -33,8 +33,10 @@ def main(argv: list[str]) -> int:
     rng = np.random.default_rng(0)
     failures = 0
     cases = 0
-    # (E = 384 and 256: the warp-per-token forward for sigmoid and sqrtsoftplus, 256 with groups too)
-    shapes = ((40, 37), (384, 9), (256, 9)) if quick else ((8, 5), (40, 37), (256, 70), (384, 9))
+    # (E = 384, 256 and 128: the warp-per-token forward (sigmoid, sqrtsoftplus, softmax after the
+    # top-k), 256 with groups too, 128 placing K > 1 candidates by their ranks)
+    shapes = ((40, 37), (384, 9), (256, 9), (128, 9)) if quick else ((8, 5), (40, 37), (256, 70), (384, 9),
+                                                                      (128, 9))
     dtypes = (np.float32, ml_dtypes.bfloat16) if quick else (np.float32, ml_dtypes.bfloat16, np.float16)
     for e, t in shapes:
         for dtype in dtypes:
