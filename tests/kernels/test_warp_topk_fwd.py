@@ -83,7 +83,8 @@ def test_forced_warp_path_names_the_op(bad):
 
 CASES = [  # (E, K, score function, bias, dtype, map format, indices, (groups, group_topk) or None)
     (128, 1, "sigmoid", True, np.float32, 0, True, None),
-    (128, 16, "sigmoid", True, np.float32, 0, True, None),  # K > 12: the bound from a 64-sort
+    (128, 12, "sigmoid", True, np.float32, 0, True, None),  # E = 128: K <= 12 placed by ranks
+    (128, 16, "sigmoid", True, np.float32, 0, True, None),  # K > 12: the bound from a 64-sort, sorted
     (128, 4, "sqrtsoftplus", False, np.float32, 1, False, (32, 2)),  # a group a lane's quad
     (256, 8, "sigmoid", False, "bfloat16", 0, True, None),
     (256, 8, "sigmoid", True, "bfloat16", 0, True, (8, 4)),  # DeepSeek-V3
