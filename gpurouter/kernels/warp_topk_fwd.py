@@ -11,14 +11,10 @@ replay is the call bit for bit).  Lane ``l`` of the token's warp holds the
 quads ``l, l + 32, ...`` of its row: each load the warp makes is one
 contiguous span, and all of a token's loads go out before any store.
 
-0. Groups: a group's experts are the quads of ``LG`` neighbouring lanes;
-   each lane's two largest ranking scores ``r = s + bias`` (NaN as -inf) of
-   each quad merge across those lanes (xor exchanges) into the group's
-   score (the sum of its ``K // group_topk`` largest, in descending order);
-   a group ranks by (larger score, NaN as -inf, then lower group), and a
-   dropped group's experts get ``r = -inf`` and a key after every kept
-   expert's (they are never selected, not even as -inf fillers).
-1. Each lane keeps its two largest ``r``.  The (K+1)-th largest of those 64
+0. Groups (``_warp_groups.py``): a dropped group's experts get the ranking
+   score ``r = -inf`` and a key after every kept expert's.
+1. Each lane keeps its two largest ranking scores ``r = s + bias`` (NaN as
+   -inf; ``s`` the activation, or the logit for softmax after the top-k).  The (K+1)-th largest of those 64
    values (``sort64``; K <= 12: of the 32 lanes' largest, ``sort32v``) is a
    bound ``b``: the (K+1)-th largest of any subset of a row is at most the
    row's, so every expert of the top K has ``r >= b``.
@@ -26,8 +22,9 @@ contiguous span, and all of a token's loads go out before any store.
    shared memory by a prefix count (no branch: the others' stores go to a
    spare word of the lane); when there are at most 32, a sort of the
    (score, key) pairs in the selection order (``sort32``: the larger score,
-   then the lower expert; docs/contract.md section 2; K = 1: each placed
-   by its rank, counted over the candidates, ``by_rank``) leaves the k-th
+   then the lower expert; docs/contract.md section 2; K = 1, and E = 128 up
+   to K = 12: each placed by its rank, counted over the candidates,
+   ``by_rank``) leaves the k-th
    selected expert in lane k - 1.  A key is ``expert << 5 | slot``: the
    slot holds the candidate's score ``s`` for the weights' sum.
 3. Otherwise (ties, or the top experts crowded into a few lanes) K rounds of
@@ -39,7 +36,11 @@ thread-per-token kernel's order: ascending experts with a bias or when
 ``thr`` is -inf (lane k < K puts its score at its expert's rank among the
 K), else the selection order; then K adds in shared memory.  Every lane
 then writes its quads: ``saved`` (sigmoid: ``s``; sqrtsoftplus: the logit),
-the probs ``scale * s / (sum + 1e-20)`` (K > 1) and the map.  Integer
+the probs ``scale * s / (sum + 1e-20)`` (K > 1) and the map.  Softmax after
+the top-k: the sum is of ``exp(r - m)`` over the K in the selection order
+(``m`` the largest; NaN where a selected logit is), the probs ``scale *
+exp(s - m) / sum``, and ``saved`` (those weights unscaled, -inf elsewhere) is
+written with them.  Integer
 arithmetic is cast to int32 throughout: numba's own is 64-bit (64-bit
 compares, two shuffles for one).
 """
@@ -119,8 +120,8 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     #: K <= 12: the bound from the lanes' maxima (a 32-sort, about 32 ln(32 / (31 - K))
     #: candidates: 17 at K = 12); else from each lane's two largest (a 64-sort)
     ONE_A_LANE = topk <= WARP_ONE_A_LANE_TOPK
-    #: the candidates placed by their ranks, counted over the warp's words, instead of
-    #: a 32-sort (15 stages of two exchanges): K <= WARP_RANK_MAX_TOPK (E = 128: ..._E128_...)
+    #: the candidates placed by their ranks, counted over the warp's words, instead of a
+    #: 32-sort (15 stages of two exchanges): K <= WARP_RANK_MAX_TOPK, at E = 128 WARP_RANK_E128_MAX_TOPK
     RANKED = topk <= (WARP_RANK_E128_MAX_TOPK if Q == 1 else WARP_RANK_MAX_TOPK)
     KL = np.int32(topk - 1)
     WARPS = warp_launch(1)[1] // 32
