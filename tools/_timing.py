@@ -14,6 +14,17 @@ from gpurouter.kernels import _launch as L
 from gpurouter.kernels import _pointer
 
 
+def preset_cases(names=None) -> dict:
+    """``{name: (E, K, num_groups, group_topk, score-function code, bias, pre-softmax)}``
+    of the model presets (``gpurouter.presets``: the probes time what the bench does),
+    all of them or ``names``."""
+    from gpurouter.presets import PRESETS
+
+    return {n: (p.num_experts, p.topk, p.num_groups, p.group_topk,
+                L.score_function_code(p.score_function, "preset_cases"), p.expert_bias, p.use_pre_softmax)
+            for n, p in PRESETS.items() if names is None or n in names}
+
+
 def spin_kernel():
     """A one-thread kernel that sleeps about ``n`` microseconds."""
 

@@ -20,7 +20,7 @@ import sys
 
 import ml_dtypes
 import numpy as np
-from _timing import floor_us, spin_kernel, time_plan
+from _timing import floor_us, preset_cases, spin_kernel, time_plan
 from numba import cuda
 
 from gpurouter import kernels as K
@@ -28,11 +28,7 @@ from gpurouter.kernels import _launch as L
 from gpurouter.kernels import _tiling
 from gpurouter.kernels import topk as T
 
-CASES = {  # name: (E, K, G, Kg, sf, bias, pre)
-    "deepseek-v3": (256, 8, 8, 4, L.SIGMOID, True, False),
-    "qwen3": (128, 8, -1, -1, L.SOFTMAX, False, True),
-    "kimi-k2": (384, 8, -1, -1, L.SIGMOID, True, False),
-}
+CASES = preset_cases(("deepseek-v3", "qwen3", "kimi-k2"))  # name: (E, K, G, Kg, sf, bias, pre)
 
 
 def cut_selector(cut: str):

@@ -28,22 +28,14 @@ import sys
 
 import ml_dtypes
 import numpy as np
-from _timing import report, sass_counts, save_rows, spin_kernel, time_plan
+from _timing import preset_cases, report, sass_counts, save_rows, spin_kernel, time_plan
 from numba import cuda
 
 from gpurouter import kernels as K
 from gpurouter.kernels import _launch as L
 from gpurouter.kernels import _plan, _tiling
 
-CASES = {  # name: (E, K, G, Kg, sf, bias, pre)
-    "deepseek-v3": (256, 8, 8, 4, L.SIGMOID, True, False),
-    "qwen3": (128, 8, -1, -1, L.SOFTMAX, False, False),  # softmax after the top-k (the preset)
-    "kimi-k2": (384, 8, -1, -1, L.SIGMOID, True, False),
-    "mixtral": (8, 2, -1, -1, L.SOFTMAX, False, False),
-    "deepseek-v4": (256, 6, -1, -1, L.SQRTSOFTPLUS, True, False),
-    "llama-4": (128, 1, -1, -1, L.SIGMOID, False, False),
-    "nemotron-3-super": (512, 22, -1, -1, L.SIGMOID, True, False),
-}
+CASES = preset_cases()  # name: (E, K, G, Kg, sf, bias, pre), the bench's presets
 LARGE_K = {f"e512-k{k}": (512, k, -1, -1, L.SIGMOID, True, False) for k in (8, 16, 22, 32, 64)}
 LARGE_K["e2304-k36"] = (2304, 36, -1, -1, L.SIGMOID, True, False)
 
