@@ -35,8 +35,8 @@ import warnings
 import jax
 import numpy as np
 
-from . import ffi_abi as abi
 from .._vma import varying
+from . import ffi_abi as abi
 from ._shared import COMPILE_LOCK, plan_of, to_words, word_spec
 from .ffi_record import (
     COUNTS,

@@ -117,8 +117,8 @@ def _record(plan) -> int:
     """The address of ``plan``'s launch record, built on first use."""
     hit = _RECORDS.get(id(plan))
     if hit is None:
-        from ..kernels._plan import counter_array, plan_counters
         from ..kernels._context import primary_context
+        from ..kernels._plan import counter_array, plan_counters
         from ..kernels._pointer import compile_steps
 
         with COMPILE_LOCK, _RECORDS_LOCK:

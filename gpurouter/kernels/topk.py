@@ -47,8 +47,7 @@ from .lane_topk_fwd import lane_topk_fwd_kernel
 from .quad_bwd import quad_bwd_kernel
 from .stream_bwd import stream_bwd_kernel
 from .token_topk_fwd import token_topk_fwd_kernel
-from .warp_topk_bwd import (WARP_BWD_MAX_EXPERTS, warp_bwd_auto, warp_bwd_launch, warp_bwd_path,
-                            warp_topk_bwd_kernel)
+from .warp_topk_bwd import WARP_BWD_MAX_EXPERTS, warp_bwd_auto, warp_bwd_launch, warp_bwd_path, warp_topk_bwd_kernel
 from .warp_topk_fwd import warp_auto, warp_launch, warp_path, warp_topk_fwd_kernel
 
 OP = "topk_with_score_function"
