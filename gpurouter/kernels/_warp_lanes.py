@@ -32,6 +32,27 @@ FULL = np.uint32(0xFFFFFFFF)
 NO_EXPERT = np.int32(0x7FFFFFFF)  # a key after every expert's
 
 
+def warp_auto(simulator: bool | None = None) -> bool:
+    """Whether ``path="auto"`` takes a warp-per-token kernel (forward or
+    backward) for a shape it fits: on a GPU always (timed faster than the
+    other kernels at every preset and T = 1024 - 65536: docs/benchmarks.md,
+    "Softmax after the top-k" and "A warp a token, backward"); never on the
+    CUDA simulator (``simulator`` None: whether it is on), where the
+    exchanges are block barriers and the other kernels, the same bits or the
+    same gradients, run many times faster (the warp kernels' own tests force
+    ``path="warp"``)."""
+    return not (simulator_enabled() if simulator is None else simulator)
+
+
+def warp_grid(num_tokens: int, warps: int, max_blocks: int) -> tuple[int, int]:
+    """``(grid, threads)`` of a warp-per-token kernel: ``warps`` warps (tokens)
+    a block on a GPU, one on the simulator (where a barrier costs a thread
+    switch for each thread), at most ``max_blocks`` blocks (a grid-strided
+    token loop)."""
+    warps = 1 if simulator_enabled() else warps
+    return max(1, min(max_blocks, -(-num_tokens // warps))), 32 * warps
+
+
 @cuda.jit(device=True)
 def ahead(v, e, ov, oe):
     """Whether (score ``v``, expert ``e``) comes before (``ov``, ``oe``) in the

@@ -43,12 +43,13 @@ from ._launch import (
 )
 from ._limits import check_limits
 from ._plan import In, Out, Plan, Spec, Step, execute, map_spec, spec_of
+from ._warp_lanes import warp_auto
 from .lane_topk_fwd import lane_topk_fwd_kernel
 from .quad_bwd import quad_bwd_kernel
 from .stream_bwd import stream_bwd_kernel
 from .token_topk_fwd import token_topk_fwd_kernel
-from .warp_topk_bwd import WARP_BWD_MAX_EXPERTS, warp_bwd_auto, warp_bwd_launch, warp_bwd_path, warp_topk_bwd_kernel
-from .warp_topk_fwd import warp_auto, warp_launch, warp_path, warp_topk_fwd_kernel
+from .warp_topk_bwd import WARP_BWD_MAX_EXPERTS, warp_bwd_launch, warp_bwd_path, warp_topk_bwd_kernel
+from .warp_topk_fwd import warp_launch, warp_path, warp_topk_fwd_kernel
 
 OP = "topk_with_score_function"
 
@@ -182,7 +183,7 @@ def use_warp_path(path: str, op: str, num_experts: int, topk: int, num_groups: i
 
 def use_warp_bwd(path: str, op: str, num_experts: int, score_fn: int, pre_softmax: bool) -> bool:
     """Whether the backward takes the warp-per-token kernel: ``"auto"`` where
-    ``warp_bwd_path`` takes the shape on a GPU (``warp_bwd_auto``), ``"warp"``
+    ``warp_bwd_path`` takes the shape on a GPU (``warp_auto``), ``"warp"``
     wherever it takes it (else a ValueError naming ``op``), never ``"quad"``."""
     if path not in ("auto", "warp", "quad"):
         raise ValueError(f"{op}: path must be 'auto', 'warp' or 'quad', got {path!r}.")
@@ -190,7 +191,7 @@ def use_warp_bwd(path: str, op: str, num_experts: int, score_fn: int, pre_softma
     if path == "warp" and not fits:
         raise ValueError(f"{op}: path='warp' needs a routing map outside softmax-pre and E a multiple of 128 "
                          f"up to {WARP_BWD_MAX_EXPERTS} (E={num_experts}, use_pre_softmax={pre_softmax}).")
-    return fits and (path == "warp" or (path == "auto" and warp_bwd_auto()))
+    return fits and (path == "warp" or (path == "auto" and warp_auto()))
 
 
 def _register_cap(lay) -> int:

@@ -3,8 +3,8 @@ quads ``l, l + 32, ...`` (the forward's layout, ``warp_topk_fwd.py``).
 
 Where it runs (``warp_bwd_path``): a routing map, softmax after the top-k,
 sigmoid or sqrtsoftplus, E a multiple of 128 up to 512; ``path="auto"`` on a
-GPU (``warp_bwd_auto``), never on the CUDA simulator, where its exchanges are
-block barriers (its own tests force ``path="warp"``).  Softmax before the
+GPU (``_warp_lanes.warp_auto``), never on the CUDA simulator, where its
+exchanges are block barriers (its own tests force ``path="warp"``).  Softmax before the
 top-k (every expert's gradient needs every p) and the aux scores (no map)
 stay on the quad kernel.
 
@@ -46,7 +46,7 @@ from numba import uint32 as nb_u32
 from ._access import flat_io
 from ._device import B0, B1, B2, B3, EPS, ONE, SQRTSOFTPLUS, ZERO, activation_grad, sqrtsoftplus, u64
 from ._launch import F32, SOFTMAX, simulator_enabled
-from ._warp_lanes import exchanges, warp_scans
+from ._warp_lanes import exchanges, warp_grid, warp_scans
 from .quad_bwd import quad_dx
 
 #: warps (tokens) a block; blocks at most (a grid-strided token loop): 16 an
@@ -63,18 +63,9 @@ def warp_bwd_path(num_experts: int, score_fn: int, pre_softmax: bool) -> bool:
             and 128 <= num_experts <= WARP_BWD_MAX_EXPERTS)
 
 
-def warp_bwd_auto(simulator: bool | None = None) -> bool:
-    """Whether ``path="auto"`` takes the warp backward for a shape it fits: on
-    a GPU (docs/benchmarks.md, "A warp a token, backward"), never on the
-    simulator (``simulator`` None: whether it is on)."""
-    return not (simulator_enabled() if simulator is None else simulator)
-
-
 def warp_bwd_launch(num_tokens: int) -> tuple[int, int]:
-    """``(grid, threads)``: ``WARP_BWD_TOKENS`` warps a block on a GPU, one on
-    the simulator (where a barrier costs a thread switch for each thread)."""
-    warps = 1 if simulator_enabled() else WARP_BWD_TOKENS
-    return max(1, min(WARP_BWD_MAX_BLOCKS, -(-num_tokens // warps))), 32 * warps
+    """``(grid, threads)``: ``_warp_lanes.warp_grid`` with this kernel's sizes."""
+    return warp_grid(num_tokens, WARP_BWD_TOKENS, WARP_BWD_MAX_BLOCKS)
 
 
 @functools.cache

@@ -5,7 +5,7 @@ path").
 Where it runs (``topk.use_warp_path``): sigmoid, sqrtsoftplus or softmax
 after the top-k, E a multiple of 128 up to 512, K <= 31, no groups or groups
 ``_warp_groups.warp_groups`` takes (DeepSeek-V3's); ``path="auto"``: every
-such shape on a GPU (``warp_auto``); not the routing replay (which runs the
+such shape on a GPU (``_warp_lanes.warp_auto``); not the routing replay (which runs the
 thread-per-token kernel: both sum a token's weights in the same order, so a
 replay is the call bit for bit).  Lane ``l`` of the token's warp holds the
 quads ``l, l + 32, ...`` of its row: each load the warp makes is one
@@ -63,7 +63,7 @@ from ._device import EPS, NAN, NEG_INF, ONE, SIGMOID, ZERO, activation, exp_f32,
 from ._launch import SOFTMAX, simulator_enabled
 from ._vec import quad_f32
 from ._warp_groups import DROPPED, group_dropper, warp_groups
-from ._warp_lanes import NO_EXPERT, ahead, exchanges, warp_ranks, warp_scans, warp_sorts
+from ._warp_lanes import NO_EXPERT, ahead, exchanges, warp_grid, warp_ranks, warp_scans, warp_sorts
 
 #: warps (tokens) a block; blocks at most (a grid-strided token loop): 64 an
 #: SM of an H200's 132, several rounds of what is resident at 64-90 registers (fewer
@@ -88,22 +88,9 @@ def warp_path(num_experts: int, topk: int, num_groups: int, score_fn: int, pre_s
             and warp_groups(num_experts, topk, num_groups, group_topk))
 
 
-def warp_auto(simulator: bool | None = None) -> bool:
-    """Whether ``path="auto"`` takes the warp kernel for a shape it fits: on a
-    GPU always (timed faster than the thread-per-token kernel at every preset
-    and T = 1024 - 65536: docs/benchmarks.md, "Softmax after the top-k");
-    never on the CUDA simulator (``simulator`` None: whether it is on), where
-    its exchanges are block barriers and the thread-per-token kernel, the same
-    bits, runs many times faster (the warp kernel's own tests force
-    ``path="warp"``)."""
-    return not (simulator_enabled() if simulator is None else simulator)
-
-
 def warp_launch(num_tokens: int) -> tuple[int, int]:
-    """``(grid, threads)``: ``WARP_TOKENS`` warps a block on a GPU, one on the
-    simulator (where a barrier costs a thread switch for each thread)."""
-    warps = 1 if simulator_enabled() else WARP_TOKENS
-    return max(1, min(WARP_MAX_BLOCKS, -(-num_tokens // warps))), 32 * warps
+    """``(grid, threads)``: ``_warp_lanes.warp_grid`` with this kernel's sizes."""
+    return warp_grid(num_tokens, WARP_TOKENS, WARP_MAX_BLOCKS)
 
 
 @functools.cache

@@ -18,6 +18,7 @@ from tolerances import assert_close  # noqa: E402
 
 from gpurouter.kernels import _launch as L  # noqa: E402
 from gpurouter.kernels import _plan, topk, warp_topk_bwd  # noqa: E402
+from gpurouter.kernels._warp_lanes import warp_auto  # noqa: E402
 
 from ._helpers import cast, check_topk_bwd, host  # noqa: E402
 
@@ -69,7 +70,7 @@ def test_dispatch():
         assert _module_of(plan(E, fn)) == auto
         assert _module_of(plan(E, fn, path="warp")) == "warp_topk_bwd"
         assert _module_of(plan(E, fn, path="quad")) == "quad_bwd"
-    assert warp_topk_bwd.warp_bwd_auto(simulator=False) and not warp_topk_bwd.warp_bwd_auto(simulator=True)
+    assert warp_auto(simulator=False) and not warp_auto(simulator=True)  # the forward's rule too
     for E, fn, pre in ((256, L.SOFTMAX, True), (640, L.SIGMOID, False), (260, L.SIGMOID, False),
                        (64, L.SIGMOID, False)):
         assert _module_of(plan(E, fn, pre)) in ("quad_bwd", "stream_bwd")

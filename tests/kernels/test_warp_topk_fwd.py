@@ -20,7 +20,7 @@ from numba import int32 as nb_i32  # noqa: E402
 
 from gpurouter.kernels import _launch as L  # noqa: E402
 from gpurouter.kernels import _plan, topk, warp_topk_fwd  # noqa: E402
-from gpurouter.kernels._warp_lanes import warp_scans, warp_sorts  # noqa: E402
+from gpurouter.kernels._warp_lanes import warp_auto, warp_scans, warp_sorts  # noqa: E402
 
 from ._helpers import host  # noqa: E402
 
@@ -62,7 +62,7 @@ def test_dispatch():
     assert _module_of(fwd(256, 8, L.SOFTMAX)) == auto  # softmax after the top-k
     assert _module_of(fwd(128, 8, L.SOFTMAX, path="warp")) == "warp_topk_fwd"
     # the GPU's rule
-    assert warp_topk_fwd.warp_auto(simulator=False) and not warp_topk_fwd.warp_auto(simulator=True)
+    assert warp_auto(simulator=False) and not warp_auto(simulator=True)  # (the backward's rule too)
     for plan in (fwd(512, 32), fwd(640, 8), fwd(260, 8), fwd(256, 8, L.SOFTMAX, pre=True), fwd(256, 8, L.SIGMOID, 8, 2),
                  fwd(256, 8, L.SIGMOID, 1, 1), fwd(512, 8, L.SIGMOID, 64, 8), fwd(384, 8, L.SIGMOID, 3, 2),
                  fwd(512, 22, forced=True), fwd(512, 22, forced=True, path="warp")):
