@@ -107,7 +107,7 @@ def _gpu_info() -> dict:
     try:
         import numba
 
-        from .kernels import _compat  # noqa: F401
+        from .kernels._base import compat as _compat  # noqa: F401
 
         info["numba"] = numba.__version__
         from importlib.metadata import version
@@ -187,7 +187,7 @@ def _kernel_times(planner, n_token: int, arg_sets, outs, repeats: int, check=Non
     from numba import cuda
 
     from ._transport import buffer as cb
-    from .kernels import _launch as L
+    from .kernels._base import launch as L
 
     stream = cuda.stream()
     handle = int(stream.handle)
@@ -312,8 +312,8 @@ def _kernel_rows(name, p, xs, bias, repeats, peak, want_p, want_m) -> list[Row]:
 
     from . import kernels as K
     from ._host import aux_loss_coeff
-    from .kernels import _launch as L
-    from .kernels import _plan
+    from .kernels._base import launch as L
+    from .kernels._base import plan as _plan
 
     e, k = p.num_experts, p.topk
     tokens = xs[0].shape[0]

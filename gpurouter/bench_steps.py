@@ -152,7 +152,7 @@ def _axpy_op():
     from numba import cuda
 
     from ._transport import kernel_call
-    from .kernels._plan import In, Out, Plan, Step, execute
+    from .kernels._base.plan import In, Out, Plan, Step, execute
 
     @cuda.jit
     def bench_axpy(x, y, out):
@@ -170,7 +170,7 @@ def _axpy_op():
         return plans[x]
 
     def launcher(x, y):
-        from .kernels._plan import spec_for
+        from .kernels._base.plan import spec_for
 
         plan = planner(spec_for(x.shape, x.dtype), spec_for(y.shape, y.dtype))
         return execute(plan, [cuda.to_device(x), cuda.to_device(y)], None, 0, True)

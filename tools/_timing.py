@@ -10,8 +10,8 @@ import statistics
 import numpy as np
 from numba import cuda, uint32
 
-from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _pointer
+from gpurouter.kernels._base import launch as L
+from gpurouter.kernels._base import pointer as _pointer
 
 
 def preset_cases(names=None) -> dict:

@@ -22,8 +22,8 @@ from _timing import floor_us, report, save_rows, spin_kernel, time_plan
 from numba import cuda
 
 from gpurouter.kernels import _tiling
-from gpurouter.kernels import aux_loss as A
-from gpurouter.kernels._plan import spec_for
+from gpurouter.kernels._base.plan import spec_for
+from gpurouter.kernels.losses import aux_loss as A
 
 
 def main():

@@ -31,8 +31,10 @@ from path_probe import CASES
 
 from gpurouter import kernels as K
 from gpurouter import reference as ref
-from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _plan, topk, warp_topk_bwd
+from gpurouter.kernels._base import launch as L
+from gpurouter.kernels._base import plan as _plan
+from gpurouter.kernels.topk import plans as topk
+from gpurouter.kernels.topk.warp import bwd as warp_topk_bwd
 
 SF_NAMES = {L.SIGMOID: "sigmoid", L.SOFTMAX: "softmax", L.SQRTSOFTPLUS: "sqrtsoftplus"}
 

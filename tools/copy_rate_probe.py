@@ -5,7 +5,7 @@
 Times, on buffers of ``--mbytes`` MB (three sets rotated, more than L2 holds):
 an empty kernel (the fixed cost of a launch in this timing method); a copy
 kernel and a read-only kernel (sum of the words, one fp32 per block
-written) with 16-byte accesses (``kernels/_vec.py``) at several grid sizes
+written) with 16-byte accesses (``kernels/_base/vec.py``) at several grid sizes
 and quads per thread.  Same timing method as the other probes
 (``tools/_timing.py``).  The router z-loss backward reads and writes
 ``T * E`` elements, its forward reads them: these rates say how far above
@@ -23,7 +23,7 @@ from _timing import spin_kernel as _spin_kernel
 from numba import cuda
 from numba import float32 as nb_f32
 
-from gpurouter.kernels._vec import quad_f32, quad_store_once_f32
+from gpurouter.kernels._base.vec import quad_f32, quad_store_once_f32
 
 _U = np.uint64
 

@@ -209,7 +209,7 @@ def register(variants) -> None:
 
 def select_size(op, n: int) -> int:
     """Points the tool's handlers at the bench plan for float32[n]; returns its record's address."""
-    from gpurouter.kernels._plan import spec_for
+    from gpurouter.kernels._base.plan import spec_for
 
     spec = spec_for((n,), np.dtype(np.float32))
     plan = op.planner(spec, spec)
@@ -226,8 +226,8 @@ def select_size(op, n: int) -> int:
 def function_of(kernel: int) -> int:
     """numba's kernel handle (a CUkernel) as a CUfunction of the first GPU's
     primary context (``kernels._context.function_of``), printed."""
-    from gpurouter.kernels._context import function_of as resolve
-    from gpurouter.kernels._context import on_gpu
+    from gpurouter.kernels._base.context import function_of as resolve
+    from gpurouter.kernels._base.context import on_gpu
 
     ordinal = _gpu_ordinals()[0]
     with on_gpu(ordinal):

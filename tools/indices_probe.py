@@ -30,8 +30,9 @@ from _timing import spin_kernel as _spin_kernel
 from numba import cuda
 
 from gpurouter import kernels as K
-from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _plan, _pointer
+from gpurouter.kernels._base import launch as L
+from gpurouter.kernels._base import plan as _plan
+from gpurouter.kernels._base import pointer as _pointer
 
 CASES = {  # name: (E, K, G, Kg, sf, bias, scale)
     "deepseek_v3": (256, 8, 8, 4, L.SIGMOID, True, 2.5),
@@ -45,13 +46,13 @@ def _device_like(spec):
 
 
 def _indices_plan(args, way):
-    old = K.topk.TOKEN_INDICES_WAY
-    K.topk.TOKEN_INDICES_WAY = way
+    old = K.topk.plans.TOKEN_INDICES_WAY
+    K.topk.plans.TOKEN_INDICES_WAY = way
     K.topk_with_score_function_fwd_plan.cache_clear()
     try:
         return K.topk_with_score_function_fwd_plan(*args, return_indices=True)
     finally:
-        K.topk.TOKEN_INDICES_WAY = old
+        K.topk.plans.TOKEN_INDICES_WAY = old
         K.topk_with_score_function_fwd_plan.cache_clear()
 
 

@@ -18,8 +18,9 @@ import numpy as np
 from numba import cuda
 
 from gpurouter import kernels as K
-from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _plan, _pointer
+from gpurouter.kernels._base import launch as L
+from gpurouter.kernels._base import plan as _plan
+from gpurouter.kernels._base import pointer as _pointer
 from gpurouter.presets import PRESETS
 
 

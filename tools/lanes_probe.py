@@ -1,5 +1,5 @@
 """Kernel time of the thread-per-token top-k forward at small T against its
-chunk lanes (``gpurouter/kernels/_token_lanes.py``) and their tiling (GPU).
+chunk lanes (``gpurouter/kernels/topk/token/chunk_lanes.py``) and their tiling (GPU).
 
 For each preset and T: the forward with the lanes off (``_tiling``'s
 ``TOKEN_*_LANES_MAX_TOKENS`` set to 0) and on (the defaults), at each ``--min-blocks``
@@ -24,9 +24,9 @@ from _timing import floor_us, preset_cases, spin_kernel, time_plan
 from numba import cuda
 
 from gpurouter import kernels as K
-from gpurouter.kernels import _launch as L
 from gpurouter.kernels import _tiling
-from gpurouter.kernels import topk as T
+from gpurouter.kernels._base import launch as L
+from gpurouter.kernels.topk import plans as T
 
 CASES = preset_cases(("deepseek-v3", "qwen3", "kimi-k2"))  # name: (E, K, G, Kg, sf, bias, pre)
 
@@ -35,7 +35,7 @@ def cut_selector(cut: str):
     """``_token_lanes.lane_selector`` with phases taken out (a timing probe: the
     outputs are wrong): ``lists`` (only its barrier kept), ``merge``, ``masks``, ``token``
     (``keys`` and ``finish``: nothing selected), or ``all`` of them."""
-    from gpurouter.kernels import _token_lanes as TL
+    from gpurouter.kernels.topk.token import chunk_lanes as TL
 
     @cuda.jit(device=True)
     def no_lists(smem, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, num_groups, group_topk, o_gs,
@@ -148,7 +148,7 @@ def main(argv):
                 row[tag + " same"] = all(np.array_equal(a, b) for a, b in zip(first[False], outs, strict=True))
                 setattr(_tiling, knob, default)
             for cut in [v for v in args.cuts.split(",") if v]:
-                from gpurouter.kernels import token_topk_fwd as R
+                from gpurouter.kernels.topk.token import fwd as R
                 orig = R.lane_selector
                 R.lane_selector = cut_selector(cut)
                 R.token_topk_fwd_kernel.cache_clear()

@@ -29,8 +29,9 @@ from _timing import spin_kernel as _spin_kernel
 from numba import cuda
 
 from gpurouter import kernels as K
-from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _plan, _pointer
+from gpurouter.kernels._base import launch as L
+from gpurouter.kernels._base import plan as _plan
+from gpurouter.kernels._base import pointer as _pointer
 
 CASES = {  # name: (E, K, G, Kg, sf, bias, scale)
     "deepseek_v3": (256, 8, 8, 4, L.SIGMOID, True, 2.5),

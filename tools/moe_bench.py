@@ -55,8 +55,8 @@ from numba import cuda  # noqa: E402
 
 from gpurouter import kernels as K  # noqa: E402
 from gpurouter import moe_ops as mo  # noqa: E402
-from gpurouter.kernels import _pointer  # noqa: E402
-from gpurouter.kernels._plan import spec_for  # noqa: E402
+from gpurouter.kernels._base import pointer as _pointer  # noqa: E402
+from gpurouter.kernels._base.plan import spec_for  # noqa: E402
 from gpurouter.reference import moe_ops as ref  # noqa: E402
 
 SHAPES = {"qwen3": dict(T=8192, H=2048, E=128, K=8), "deepseek-v3": dict(T=4096, H=7168, E=256, K=8),

@@ -20,10 +20,10 @@ from moe_bench import BF16, SHAPES, _dev, kernel_us  # tools/moe_bench.py
 from numba import cuda
 
 from gpurouter import kernels as K
-from gpurouter.kernels import moe_combine as C
-from gpurouter.kernels import moe_grouped_dbias as G
-from gpurouter.kernels import moe_plans as P
-from gpurouter.kernels._plan import spec_for
+from gpurouter.kernels._base.plan import spec_for
+from gpurouter.kernels.moe import combine as C
+from gpurouter.kernels.moe import grouped_dbias as G
+from gpurouter.kernels.moe import plans as P
 
 
 def _set(variant: str) -> dict:

@@ -32,8 +32,9 @@ from _timing import preset_cases, report, sass_counts, save_rows, spin_kernel, t
 from numba import cuda
 
 from gpurouter import kernels as K
-from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _plan, _tiling
+from gpurouter.kernels import _tiling
+from gpurouter.kernels._base import launch as L
+from gpurouter.kernels._base import plan as _plan
 
 CASES = preset_cases()  # name: (E, K, G, Kg, sf, bias, pre), the bench's presets
 LARGE_K = {f"e512-k{k}": (512, k, -1, -1, L.SIGMOID, True, False) for k in (8, 16, 22, 32, 64)}

@@ -29,11 +29,13 @@ import statistics
 import numpy as np
 from numba import cuda
 
-from gpurouter.kernels import _device as D
-from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _plan, _pointer, _token_rows
-from gpurouter.kernels import token_topk_fwd as R
-from gpurouter.kernels import topk as T
+from gpurouter.kernels._base import device as D
+from gpurouter.kernels._base import launch as L
+from gpurouter.kernels._base import plan as _plan
+from gpurouter.kernels._base import pointer as _pointer
+from gpurouter.kernels.topk import plans as T
+from gpurouter.kernels.topk.token import fwd as R
+from gpurouter.kernels.topk.token import rows as _token_rows
 from gpurouter.presets import PRESETS
 
 

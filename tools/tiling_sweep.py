@@ -15,7 +15,8 @@ import json
 
 from gpurouter import bench
 from gpurouter.kernels import _tiling as L
-from gpurouter.kernels import aux_scores, topk
+from gpurouter.kernels.topk import aux_plans as aux_scores
+from gpurouter.kernels.topk import plans as topk
 
 SETTINGS = [
     {},

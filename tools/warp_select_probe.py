@@ -29,7 +29,7 @@ differs).
 
 Its figures in docs/benchmarks.md ("A warp a token") were taken at 7532931, when this
 file had its own copy of the sorts, scans and bf16 helpers; it now takes the library's
-(``kernels/_warp_lanes.py``, the same stages) and ``warp_topk_probe.py``'s (not run on a GPU since).
+(``kernels/topk/warp/lanes.py``, the same stages) and ``warp_topk_probe.py``'s (not run on a GPU since).
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from numba import cuda, float32, int32, uint32, uint64
 from warp_topk_probe import bf16, to_bf16
 
 from gpurouter import kernels as K
-from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _plan
-from gpurouter.kernels._device import EPS, sigmoid
-from gpurouter.kernels._vec import quad_f32
-from gpurouter.kernels._warp_lanes import ahead, warp_scans, warp_sorts
+from gpurouter.kernels._base import launch as L
+from gpurouter.kernels._base import plan as _plan
+from gpurouter.kernels._base.device import EPS, sigmoid
+from gpurouter.kernels._base.vec import quad_f32
+from gpurouter.kernels.topk.warp.lanes import ahead, warp_scans, warp_sorts
 from gpurouter.presets import PRESETS
 
 QUAD_STORE = quad_f32()[1]  # 16-byte stores of saved

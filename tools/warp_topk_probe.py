@@ -1,7 +1,7 @@
 """A warp per token for the DeepSeek-V3 top-k forward: how fast could it be? (GPU only; a probe,
 not a library kernel.)
 
-The library's thread-per-token forward (``kernels/token_topk_fwd.py``) is bound by one
+The library's thread-per-token forward (``kernels/topk/token/fwd.py``) is bound by one
 thread's serial selection per token (docs/kernels.md).  This probe times another design
 for the DeepSeek-V3 shape only (E = 256, 8 groups of 32, top 4 groups by the sum of their
 2 largest, top 8, sigmoid + fp32 bias, scaling 2.5, bf16 logits, the byte map): one warp
@@ -25,9 +25,9 @@ from _timing import median_us, report, save_rows, spin_kernel, time_plan
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from gpurouter import kernels as K
-from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _plan
-from gpurouter.kernels._device import EPS, ZERO, sigmoid
+from gpurouter.kernels._base import launch as L
+from gpurouter.kernels._base import plan as _plan
+from gpurouter.kernels._base.device import EPS, ZERO, sigmoid
 
 FULL = np.uint32(0xFFFFFFFF)
 DROPPED = np.int64(-(2**63))

@@ -24,8 +24,8 @@ import numpy as np
 from numba import cuda
 
 from gpurouter.bench import _spin_kernel
-from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _vec
+from gpurouter.kernels._base import launch as L
+from gpurouter.kernels._base import vec as _vec
 
 
 def _strided_fill(store4):

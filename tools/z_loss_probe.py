@@ -28,10 +28,11 @@ from _timing import spin_kernel as _spin_kernel
 from numba import cuda
 
 from gpurouter import kernels as K
-from gpurouter.kernels import _launch as L
-from gpurouter.kernels import _plan, _pointer
 from gpurouter.kernels import _tiling as Z
-from gpurouter.kernels import _z_loss_finish as F
+from gpurouter.kernels._base import launch as L
+from gpurouter.kernels._base import plan as _plan
+from gpurouter.kernels._base import pointer as _pointer
+from gpurouter.kernels.losses import last_block as F
 
 DTYPES = {"bf16": (ml_dtypes.bfloat16, L.BF16), "fp32": (np.float32, L.F32), "fp16": (np.float16, L.F16)}
 
