@@ -13,11 +13,16 @@ and, on the jax block's inputs, each stage alone (forward + backward): the
 router, the dispatch + combine (the row gather and the weighted sum back),
 the same on the dispatch / combine kernels (``dispatch+combine numba``),
 and the three grouped GEMMs, with their TFLOP/s (6 N H M flops forward,
-twice that backward, N = T K rows; also the forward alone). The stage times
-are measured apart, so they need not add up to the block's. The grouped
-GEMM of both blocks and of the GEMM stage is ``--grouped-matmul``:
-``ragged_dot`` (``jax.lax.ragged_dot``, the block's default) or ``batched``
-(:func:`gpurouter.moe.batched_ragged_dot`).
+twice that backward, N = T K rows; also the forward alone). Beside every
+grouped-GEMM row, its ceiling: the same three GEMMs as dense GEMMs of the
+same FLOPs (``[N, H] @ [H, M]`` and so on, one expert's weights), its time
+(``dense GEMMs ms``, ``dense GEMMs fwd ms``), TFLOP/s and the ratio
+(``grouped / dense``: 1.0 is the dense rate). The stage times are measured
+apart, so they need not add up to the block's. The grouped GEMM of both
+blocks and of the GEMM stage is ``--grouped-matmul``: ``ragged_dot``
+(``jax.lax.ragged_dot``, the block's default), ``batched``
+(:func:`gpurouter.moe.batched_ragged_dot`) or ``tiled``
+(:func:`gpurouter.moe.tiled_ragged_dot`).
 
 Results: a table on stdout, ``--json`` for the numbers. GPU for real figures;
 ``--tiny`` runs a toy shape anywhere (the tests use it).
@@ -41,16 +46,16 @@ SHAPES = {
                                                         scaling_factor=2.5)),
 }
 TINY = (64, 32, 8, 2, 16, dict(score_function="softmax"))
-GROUPED_MATMULS = ("ragged_dot", "batched")
+GROUPED_MATMULS = ("ragged_dot", "batched", "tiled")
 
 
 def grouped_matmul_of(name: str):
     """The grouped GEMM named by ``--grouped-matmul``."""
     import jax
 
-    from .reference.grouped_matmul import batched_ragged_dot
+    from .reference.grouped_matmul import batched_ragged_dot, tiled_ragged_dot
 
-    return {"ragged_dot": jax.lax.ragged_dot, "batched": batched_ragged_dot}[name]
+    return {"ragged_dot": jax.lax.ragged_dot, "batched": batched_ragged_dot, "tiled": tiled_ragged_dot}[name]
 
 
 def median_ms(fn, args, repeats: int) -> float:
@@ -124,6 +129,19 @@ def _stage_steps(e, k, router, gmm):
             jax.jit(jax.value_and_grad(gemms, argnums=(0, 2, 3, 4))), jax.jit(gemms))
 
 
+def _dense_steps():
+    """The grouped GEMMs' ceiling: the same three GEMMs, forward + backward and
+    forward, as dense GEMMs of the same FLOPs (``[N, H] @ [H, M]``, ...)."""
+    import jax
+    import jax.numpy as jnp
+
+    def gemms(xs, w0, w1, wo):
+        hid = jax.nn.silu(xs @ w0) * (xs @ w1)
+        return jnp.sum((hid @ wo).astype(jnp.float32) ** 2)
+
+    return jax.jit(jax.value_and_grad(gemms, argnums=(0, 1, 2, 3))), jax.jit(gemms)
+
+
 def run_shape(name, shape, repeats: int, grouped_matmul: str = "ragged_dot") -> dict:
     import jax
     import jax.numpy as jnp
@@ -151,6 +169,13 @@ def run_shape(name, shape, repeats: int, grouped_matmul: str = "ragged_dot") -> 
     flops = 18.0 * t * k * h * m
     row["grouped GEMM TFLOP/s"] = flops / (row["grouped GEMMs ms"] * 1e-3) / 1e12
     row["grouped GEMM fwd TFLOP/s"] = flops / 3 / (row["grouped GEMMs fwd ms"] * 1e-3) / 1e12
+    dense, dense_fwd = _dense_steps()
+    row["dense GEMMs ms"] = median_ms(dense, (xs, w0[0], w1[0], wo[0]), repeats)
+    row["dense GEMMs fwd ms"] = median_ms(dense_fwd, (xs, w0[0], w1[0], wo[0]), repeats)
+    row["dense GEMM TFLOP/s"] = flops / (row["dense GEMMs ms"] * 1e-3) / 1e12
+    row["dense GEMM fwd TFLOP/s"] = flops / 3 / (row["dense GEMMs fwd ms"] * 1e-3) / 1e12
+    row["grouped / dense"] = row["dense GEMMs ms"] / row["grouped GEMMs ms"]
+    row["grouped / dense fwd"] = row["dense GEMMs fwd ms"] / row["grouped GEMMs fwd ms"]
     for backend in ("jax", "numba"):
         row[f"GEMM share of the {backend} block"] = row["grouped GEMMs ms"] / row[f"block {backend} ms"]
     row["device"] = jax.devices()[0].device_kind

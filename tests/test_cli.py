@@ -139,8 +139,11 @@ def test_moe_bench_tiny_runs_and_writes_json(capsys, tmp_path):
     (row,) = json.loads(out.read_text())
     assert row["grouped_matmul"] == gmm
     for key in ("block numba ms", "block jax ms", "router ms", "dispatch+combine ms", "dispatch+combine numba ms",
-                "grouped GEMMs ms", "grouped GEMM TFLOP/s"):
+                "grouped GEMMs ms", "grouped GEMM TFLOP/s", "dense GEMMs ms", "dense GEMMs fwd ms",
+                "dense GEMM TFLOP/s", "grouped / dense", "grouped / dense fwd"):
         assert row[key] > 0, key
+    # the ceiling beside the grouped rows: the ratio is the two times'
+    assert row["grouped / dense"] == pytest.approx(row["dense GEMMs ms"] / row["grouped GEMMs ms"])
     assert "block jax / numba=" in capsys.readouterr().out
 
 
