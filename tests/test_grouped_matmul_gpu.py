@@ -7,6 +7,7 @@ has the breakdown."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -40,6 +41,7 @@ def _sizes(t, e, k, skewed: bool, seed=0):
     return jnp.asarray(sizes, jnp.int32)
 
 
+@functools.cache  # one set per shape for every test (bf16; 7.5 GB of weights at DeepSeek-V3-like)
 def _operands(name):
     t, h, e, k, m = SHAPES[name][:5]
     ks = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -50,6 +52,7 @@ def _operands(name):
     return (t, e, k), lhs, rhs, dy
 
 
+@functools.cache  # one compile per function and shape across the tests
 def _fwd_bwd(fn):
     def f(a, b, s, d):
         out, vjp = jax.vjp(lambda x, y: fn(x, y, s), a, b)

@@ -111,7 +111,7 @@ def gemm_layouts(hlo: str) -> list[str]:
     return out
 
 
-def probe_shape(name, shape, repeats: int, hlo_dir) -> list[dict]:
+def probe_shape(name, shape, repeats: int, hlo_dir, save=lambda rows: None) -> list[dict]:
     t, h, e, k, m = shape
     n = t * k
     flops = 2.0 * n * h * m
@@ -128,6 +128,7 @@ def probe_shape(name, shape, repeats: int, hlo_dir) -> list[dict]:
             r["dense ms"] = ceiling
             r["x dense"] = ceiling / ms
         rows.append(r)
+        save(rows)  # after every row: a run cut short by its time limit keeps what it measured
         shown = ", ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}" for a, b in r.items()
                           if a not in ("shape", "T", "H", "E", "K", "M") and b is not None)
         print(f"{name}: {shown}", flush=True)
@@ -225,12 +226,16 @@ def main(argv) -> int:
     head = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d %H:%M UTC",
                 time.gmtime()), commit=os.environ.get("GPUROUTER_COMMIT", ""))
     print(head, flush=True)
-    rows = []
+    done: list[dict] = []
+
+    def save(rows):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(head, rows=done + rows), f, indent=1)
+
     for name, shape in shapes.items():
-        rows += probe_shape(name, shape, args.repeats, hlo_dir)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(head, rows=rows), f, indent=1)
+        done += probe_shape(name, shape, args.repeats, hlo_dir, save)
+    save([])
     return 0
 
 
