@@ -22,7 +22,7 @@ The token-level MoE ops (``moe_kernels_faster``): the kernels from
 ``AUTO_MOE_MIN_ELEMENTS`` elements of the op's row buffer (rows x hidden;
 the dispatch's output, the combine's input, the bias gradients' ``dy``),
 ``token_dispatch`` from ``AUTO_DISPATCH_MIN_ELEMENTS``. H200, the jitted
-public ops, jax / numba (tools/moe_bench.py, commit 1327627, H = 2048,
+public ops, jax / numba (tools/probes/moe_bench.py, commit 1327627, H = 2048,
 K = 8): at 512 tokens (2^23 row elements) dbias/dscales 2.2x, dbias 6.3x,
 combine forward 7.0x, forward + backward 5.8x, dispatch forward + backward
 3.2x but its forward alone 0.52x; at 2048 tokens the dispatch forward 0.92x,

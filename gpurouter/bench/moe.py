@@ -31,8 +31,8 @@ import statistics
 import sys
 import time
 
-from ._cli import positive_int
-from ._progress import progress
+from .._cli import positive_int
+from .._progress import progress
 
 #: T, H, E, K, M and the router of each layer
 SHAPES = {
@@ -48,7 +48,7 @@ def grouped_matmul_of(name: str):
     """The grouped GEMM named by ``--grouped-matmul``."""
     import jax
 
-    from .reference.grouped_matmul import batched_ragged_dot
+    from ..reference.grouped_matmul import batched_ragged_dot
 
     return {"ragged_dot": jax.lax.ragged_dot, "batched": batched_ragged_dot}[name]
 
@@ -82,7 +82,7 @@ def _block_step(e, k, router, backend, gmm):
     import jax
     import jax.numpy as jnp
 
-    from . import moe as gmoe
+    from .. import moe as gmoe
 
     def loss(x, g, w0, w1, wo):
         out, aux = gmoe.moe(x, g, w0, w1, wo, num_experts=e, num_experts_per_tok=k, aux_loss_coeff=1e-3,
@@ -96,7 +96,7 @@ def _stage_steps(e, k, router, gmm):
     import jax
     import jax.numpy as jnp
 
-    from . import reference as ref
+    from .. import reference as ref
 
     def route(x, g):
         probs, _ = ref.fused_topk_with_score_function(x @ g, k, **router)
@@ -110,7 +110,7 @@ def _stage_steps(e, k, router, gmm):
         return jnp.sum((z.astype(jnp.float32) * w[:, :, None]).sum(1) ** 2)
 
     def permute_numba(x, routing_map, probs):
-        from .moe_ops import token_combine, token_dispatch
+        from ..moe_ops import token_combine, token_dispatch
 
         xs, _, rid, _, _ = token_dispatch(x, routing_map, x.shape[0] * k, probs=probs, backend="numba")
         return jnp.sum(token_combine(xs, rid, probs, backend="numba").astype(jnp.float32) ** 2)
@@ -174,7 +174,7 @@ def main(argv: list[str]) -> int:
     bad = [n for n in names if n not in SHAPES]
     if bad:
         parser.error(f"unknown shape {', '.join(map(repr, bad))}; choose from {', '.join(SHAPES)}")
-    from . import _backend
+    from .. import _backend
 
     if not _backend.numba_usable():
         parser.error("the MoE bench times backend=\"numba\": it needs numba-cuda and a GPU "

@@ -35,9 +35,10 @@ import time
 import ml_dtypes
 import numpy as np
 
-from ._cli import PLOT_NEEDS, comma_list, matplotlib_missing, positive_float, positive_int
-from ._progress import progress
-from .presets import PRESETS
+from .._cli import PLOT_NEEDS, comma_list, matplotlib_missing, positive_float, positive_int
+from .._progress import progress
+from ..presets import PRESETS
+from .timing import launch_times, spin_kernel
 
 BF16 = np.dtype(ml_dtypes.bfloat16)  # ml_dtypes ships with jax
 
@@ -132,7 +133,7 @@ def _gpu_info() -> dict:
 def _git_commit() -> str:
     """HEAD of the checkout this package was imported from, or "unknown" when
     the package does not sit at the top of a git work tree."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above gpurouter/bench/
 
     def git(*args):
         return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10).stdout.strip()
@@ -160,67 +161,39 @@ def _median_wall(fn, args_list, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _spin_kernel():
-    """A one-thread kernel that sleeps ``n`` microseconds: queued before a batch
-    of timed launches, it keeps the GPU busy while the host queues them, so
-    the events time the kernels alone, not the host's launch rate."""
-    from numba import cuda, uint32
-
-    @cuda.jit
-    def spin(n):
-        for _ in range(n):
-            cuda.nanosleep(uint32(1000))
-
-    return spin
-
-
 def _kernel_times(planner, n_token: int, arg_sets, outs, repeats: int, check=None) -> tuple[float, float]:
     """``(kernel seconds, host seconds)``: medians over ``repeats`` launches.
 
     Runs exactly what a zero-copy callback runs (``_transport.buffer._run_plans`` on the
-    arrays' raw pointers), inputs rotated over ``arg_sets``. Kernel time: CUDA
-    events around each launch, the launches queued behind a 2 ms sleep kernel.
-    Host time: the Python time of one call, the per-call overhead of the
-    zero-copy transport (plus XLA's own callback dispatch, not measured here).
-    ``check()`` runs after the first launch, on ``arg_sets[0]``, before timing.
+    arrays' raw pointers), inputs rotated over ``arg_sets``, timed by
+    ``timing.launch_times`` on a stream of its own. Host time: the Python time of
+    one call, the per-call overhead of the zero-copy transport (plus XLA's own
+    callback dispatch, not measured here). ``check()`` runs after the first
+    launch, on ``arg_sets[0]``, before timing.
     """
     from numba import cuda
 
-    from ._transport import buffer as cb
-    from .kernels._base import launch as L
+    from .._transport import buffer as cb
 
     stream = cuda.stream()
     handle = int(stream.handle)
-    spin = _spin_kernel()
     n_out = len(outs)
 
     def call(args):
         cb._device_call(planner, n_token, n_out, args, outs, handle)
 
-    call(arg_sets[0])
-    stream.synchronize()
     if check is not None:
+        call(arg_sets[0])
+        stream.synchronize()
         check()
-    kernel, host = [], []
-    for c0 in range(0, repeats, 25):
-        n = min(25, repeats - c0)
-        events = [cuda.event() for _ in range(n + 1)]
-        L.launch(spin, 1, 1, stream, 0, 2000)
-        events[0].record(stream)
-        for i in range(n):
-            t = time.perf_counter()
-            call(arg_sets[(c0 + i) % len(arg_sets)])
-            host.append(time.perf_counter() - t)
-            events[i + 1].record(stream)
-        events[-1].synchronize()
-        kernel += [events[i].elapsed_time(events[i + 1]) * 1e-3 for i in range(n)]
+    kernel, host = launch_times(call, arg_sets, repeats, spin_kernel(), stream)
     return statistics.median(kernel), statistics.median(host)
 
 
 @contextlib.contextmanager
 def _callback_timer():
     """Records the Python seconds of every zero-copy callback body run inside."""
-    from ._transport import buffer as cb
+    from .._transport import buffer as cb
 
     inner, times = cb._device_call, []
 
@@ -310,10 +283,10 @@ def _kernel_rows(name, p, xs, bias, repeats, peak, want_p, want_m) -> list[Row]:
     fwd/bwd and aux-loss fwd/bwd. Each row also carries the host time per call."""
     from numba import cuda
 
-    from . import kernels as K
-    from ._host import aux_loss_coeff
-    from .kernels._base import launch as L
-    from .kernels._base import plan as _plan
+    from .. import kernels as K
+    from .._host import aux_loss_coeff
+    from ..kernels._base import launch as L
+    from ..kernels._base import plan as _plan
 
     e, k = p.num_experts, p.topk
     tokens = xs[0].shape[0]
@@ -356,7 +329,7 @@ def _kernel_rows(name, p, xs, bias, repeats, peak, want_p, want_m) -> list[Row]:
     add("topk", "fwd", fwd_times, _bytes("topk", "fwd", tokens, e, 2))
     def grad_check(m_arr):
         """Poisons the gradient; the check: the backward's against the reference, from the state it read."""
-        from . import reference as ref
+        from .. import reference as ref
 
         grad.copy_to_device(np.full((tokens, e), 0x7FC1, np.uint16))
 
@@ -472,7 +445,7 @@ PATHS = ("kernel", "jax", "numba:zero-copy", "numba:callback")
 
 def _path_problem(path: str) -> str:
     """Why ``path`` cannot run on this machine ("" when it can)."""
-    from . import _backend
+    from .. import _backend
 
     if path == "jax":
         return ""

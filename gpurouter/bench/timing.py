@@ -1,24 +1,25 @@
-"""Kernel timing shared by the probes in tools/ (GPU only): CUDA events around
-plan launches on raw pointers, queued behind a sleep kernel so that the
-host's launch rate is not what is timed (as ``python -m gpurouter bench``)."""
+"""The one kernel timer of ``python -m gpurouter bench`` and of the probes in
+``tools/probes`` (GPU only): CUDA events around launches, queued behind a sleep
+kernel so that the host's launch rate is not what is timed.
+
+The probes use this module's API (``time_plan``, ``median_us``, ``floor_us``,
+``preset_cases``, ``report``) rather than kernel privates."""
 
 from __future__ import annotations
 
 import json
 import statistics
+import time
 
 import numpy as np
-from numba import cuda, uint32
-
-from gpurouter.kernels._base import launch as L
-from gpurouter.kernels._base import pointer as _pointer
 
 
 def preset_cases(names=None) -> dict:
     """``{name: (E, K, num_groups, group_topk, score-function code, bias, pre-softmax)}``
     of the model presets (``gpurouter.presets``: the probes time what the bench does),
     all of them or ``names``."""
-    from gpurouter.presets import PRESETS
+    from ..kernels._base import launch as L
+    from ..presets import PRESETS
 
     return {n: (p.num_experts, p.topk, p.num_groups, p.group_topk,
                 L.score_function_code(p.score_function, "preset_cases"), p.expert_bias, p.use_pre_softmax)
@@ -26,7 +27,10 @@ def preset_cases(names=None) -> dict:
 
 
 def spin_kernel():
-    """A one-thread kernel that sleeps about ``n`` microseconds."""
+    """A one-thread kernel that sleeps about ``n`` microseconds: queued before a
+    batch of timed launches, it keeps the GPU busy while the host queues them,
+    so that the events time the kernels alone, not the host's launch rate."""
+    from numba import cuda, uint32
 
     @cuda.jit
     def spin(n):
@@ -41,28 +45,47 @@ def ptr(a) -> int:
     return int(a.__cuda_array_interface__["data"][0])
 
 
-def median_us(launch, ptr_sets, repeats, spin) -> float:
-    """Median microseconds of ``launch(ptrs, 0)`` over ``repeats`` launches,
-    ``ptrs`` rotated over ``ptr_sets``; batches of 25 launches, each behind a
-    ~2 ms sleep (longer than the host needs to queue them)."""
-    launch(ptr_sets[0], 0)
+def launch_times(call, arg_sets, repeats: int, spin, stream=0) -> tuple[list[float], list[float]]:
+    """``(kernel seconds, host seconds)`` of ``repeats`` calls of ``call(args)``,
+    ``args`` rotated over ``arg_sets`` (the first call, untimed, compiles and warms).
+
+    Kernel seconds: CUDA events recorded on ``stream`` around each call, in
+    batches of 25 queued behind a ~2 ms sleep kernel (longer than the host needs
+    to queue them). Host seconds: the Python time of each call."""
+    from numba import cuda
+
+    from ..kernels._base import launch as L
+
+    call(arg_sets[0])
     cuda.synchronize()
-    times = []
+    kernel, host = [], []
     for c0 in range(0, repeats, 25):
         n = min(25, repeats - c0)
         events = [cuda.event() for _ in range(n + 1)]
-        L.launch(spin, 1, 1, 0, 0, 2000)
-        events[0].record()
+        L.launch(spin, 1, 1, stream, 0, 2000)
+        events[0].record(stream)
         for i in range(n):
-            launch(ptr_sets[(c0 + i) % len(ptr_sets)], 0)
-            events[i + 1].record()
+            t = time.perf_counter()
+            call(arg_sets[(c0 + i) % len(arg_sets)])
+            host.append(time.perf_counter() - t)
+            events[i + 1].record(stream)
         events[-1].synchronize()
-        times += [events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(n)]
-    return statistics.median(times)
+        kernel += [events[i].elapsed_time(events[i + 1]) * 1e-3 for i in range(n)]
+    return kernel, host
+
+
+def median_us(launch, ptr_sets, repeats, spin) -> float:
+    """Median microseconds of ``launch(ptrs, 0)`` over ``repeats`` launches,
+    ``ptrs`` rotated over ``ptr_sets`` (``launch_times`` on the default stream)."""
+    kernel, _ = launch_times(lambda ptrs: launch(ptrs, 0), ptr_sets, repeats, spin)
+    return statistics.median(kernel) * 1e6
 
 
 def floor_us(repeats, spin) -> float:
     """Median microseconds of an empty kernel timed the same way: the method's floor."""
+    from numba import cuda
+
+    from ..kernels._base import launch as L
 
     @cuda.jit
     def empty(x):
@@ -76,6 +99,10 @@ def time_plan(plan, sets, repeats, spin):
     """``(median us, outputs)`` of a plan launched as the pointer transports launch it
     (``_pointer.PointerLaunch``), its inputs rotated over ``sets`` (lists of device
     arrays, the plan's inputs in order); the outputs (host arrays) are the first set's."""
+    from numba import cuda
+
+    from ..kernels._base import pointer as _pointer
+
     outs = [cuda.device_array(s.shape, dtype=s.dtype) for s in plan.outs]
     tmps = [cuda.device_array(s.shape, dtype=s.dtype) for s in plan.tmps]
     launch = _pointer.PointerLaunch(plan, 0)

@@ -128,7 +128,7 @@ def select_layout(num_tokens: int, num_experts: int, topk: int, num_groups: int 
 TOKEN_MAX_TOPK = 64
 #: tokens per block of the thread-per-token kernels at most, threads at least
 TOKEN_MAX_TOKENS = 256
-TOKEN_MIN_THREADS = 256  # measured: docs/benchmarks.md (tools/tiling_sweep.py)
+TOKEN_MIN_THREADS = 256  # measured: docs/benchmarks.md (tools/probes/tiling_sweep.py)
 
 
 def pow2_at_least(n: int) -> int:
@@ -280,7 +280,7 @@ def stream_tiling(num_tokens: int, num_experts: int):
 
 
 #: lanes per token of the quad backwards at most, top-k (sparse; at T <= ``QUAD_SMALL_T``: ``_SMALL_T``)
-#: and aux scores (dense), and threads per block (``tools/tiling_sweep.py``; docs/benchmarks.md)
+#: and aux scores (dense), and threads per block (``tools/probes/tiling_sweep.py``; docs/benchmarks.md)
 QUAD_LANES_SPARSE, QUAD_LANES_SPARSE_SMALL_T, QUAD_SMALL_T, QUAD_LANES_DENSE, QUAD_THREADS = 8, 16, 8192, 16, 128
 #: quads per lane held in registers by the aux-score backward (8 fp32 registers each)
 QUAD_HOLD = 4
@@ -345,7 +345,7 @@ def fill_tiling(num_rows: int, num_quads: int):
 # Router z-loss
 
 #: the unit kernels: threads per block of the forward's (TB rows x W lanes) and
-#: the units (four experts) a lane loads at once (``tools/z_loss_probe.py --sweep``)
+#: the units (four experts) a lane loads at once (``tools/probes/z_loss_probe.py --sweep``)
 Z_THREADS = 128
 Z_HOLD = 16
 #: the backward's threads per block and held units

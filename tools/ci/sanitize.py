@@ -1,5 +1,5 @@
 """Runs every kernel op and mode once at small shapes: the workload for
-``compute-sanitizer --tool memcheck|racecheck python tools/sanitize.py [--quick]``.
+``compute-sanitizer --tool memcheck|racecheck python tools/ci/sanitize.py [--quick]``.
 
 Every launcher is called on NumPy inputs (fp32, bf16, fp16; T not a multiple
 of the tile; E not a multiple of 32) and its result is compared with the
@@ -11,6 +11,7 @@ and backward, dispatch), so a sanitizer run is also a correctness run.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 import sys
@@ -29,7 +30,10 @@ from gpurouter import reference as ref  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    quick = "--quick" in argv  # racecheck is ~10x slower than memcheck
+    parser = argparse.ArgumentParser(prog="tools/ci/sanitize.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and dtypes (racecheck is ~10x slower)")
+    quick = parser.parse_args(argv).quick
     rng = np.random.default_rng(0)
     failures = 0
     cases = 0

@@ -4,10 +4,10 @@
 # one log a part, then each log's last line. Exit status non-zero when any
 # part failed or timed out.
 #
-#   bash tools/two_gpu.sh [LOG_DIR]          (default: gpu-logs)
+#   bash tools/ci/two_gpu.sh [LOG_DIR]          (default: gpu-logs)
 #   TWO_GPU_TIMEOUT=150 PYTHON=python3       (seconds a part; interpreter)
 #   TWO_GPU_PUBLIC_TIMEOUT=300               (seconds for each public-suite part)
-#   TWO_GPU_EP_BENCH_TIMEOUT=300             (seconds for tools/ep_bench.py: its times and
+#   TWO_GPU_EP_BENCH_TIMEOUT=300             (seconds for tools/probes/ep_bench.py: its times and
 #                                             a float32 check at each shape; 150 s on 2 x H200)
 #
 # 1. expert parallelism with the real ragged_all_to_all against one device
@@ -18,11 +18,11 @@
 #    beside them, the top-k / aux-scores / aux-loss public suite (test_public,
 #    test_ffi, test_losses, test_callback) with the last GPU as JAX's default
 #    device (GPUROUTER_TEST_DEVICE; the single-GPU runs cover the first);
-# 3. tools/ep_bench.py: EP against one GPU on half the batch, the exchange's
+# 3. tools/probes/ep_bench.py: EP against one GPU on half the batch, the exchange's
 #    share, and its own EP == one device checks (a small shape and each timed one);
 # 4. compute-sanitizer memcheck over the jitted step on every GPU at once.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${1:-gpu-logs}
 mkdir -p "$out"
 export NUMBA_ENABLE_CUDASIM=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
@@ -52,7 +52,7 @@ wait $p1 || status=1
 wait $p2 || status=1
 wait $p3 || status=1
 wait $p4 || status=1
-timeout "$ep_bench_limit" "$py" tools/ep_bench.py --repeats 5 --json "$out/ep-bench.json" >"$out/ep-bench.log" 2>&1 || status=1
+timeout "$ep_bench_limit" "$py" tools/probes/ep_bench.py --repeats 5 --json "$out/ep-bench.json" >"$out/ep-bench.log" 2>&1 || status=1
 if command -v compute-sanitizer >/dev/null 2>&1; then
   timeout "$limit" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 --target-processes all \
     "$py" -m pytest -q -p no:cacheprovider tests/test_multi_gpu.py -k one_jitted_step \

@@ -9,7 +9,7 @@ inputs rotated over 4 buffers) at each ``--knobs`` setting of
 float64 NumPy sum (``rel err``), and the backward once. Run it on two trees
 (``PYTHONPATH``) to compare kernels. The floor: an empty kernel timed the same way.
 
-    python3 tools/aux_loss_probe.py --tokens 4096,8192,65536 --knobs 256:64,512:16,1024:16
+    python3 tools/probes/aux_loss_probe.py --tokens 4096,8192,65536 --knobs 256:64,512:16,1024:16
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import argparse
 import json
 
 import numpy as np
-from _timing import floor_us, report, save_rows, spin_kernel, time_plan
 from numba import cuda
 
+from gpurouter.bench.timing import floor_us, report, save_rows, spin_kernel, time_plan
 from gpurouter.kernels import _tiling
 from gpurouter.kernels._base.plan import spec_for
 from gpurouter.kernels.losses import aux_loss as A

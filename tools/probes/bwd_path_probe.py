@@ -3,9 +3,9 @@ the warp-per-token kernel (``warp_topk_bwd``) and the quad kernel
 (``quad_bwd``), chosen by the plans' ``path=`` argument, on the state of the
 forward (the library's own, ``path="auto"``) and a random bf16 cotangent.
 
-    python3 tools/bwd_path_probe.py --json out.json
-    python3 tools/bwd_path_probe.py --cases deepseek-v4 --tokens 65536 --map-formats 0,1
-    python3 tools/bwd_path_probe.py --paths warp --knobs '[{}, {"WARP_BWD_MAX_BLOCKS": 4224}]'
+    python3 tools/probes/bwd_path_probe.py --json out.json
+    python3 tools/probes/bwd_path_probe.py --cases deepseek-v4 --tokens 65536 --map-formats 0,1
+    python3 tools/probes/bwd_path_probe.py --paths warp --knobs '[{}, {"WARP_BWD_MAX_BLOCKS": 4224}]'
 
 ``--knobs``: settings of ``warp_topk_bwd``'s module constants (its launch
 knobs), each run in turn with the plans and kernels forgotten between them.
@@ -14,7 +14,7 @@ Every row checks each path's gradients against the jnp reference (``max rel``:
 the largest |difference| over the largest |reference gradient|; ``ok``: within
 bf16's 1e-2) and counts the elements where the paths' bits differ (``bits
 differ``: the token's sums run in different orders).  Times: CUDA events,
-plans launched on raw pointers as the transports launch them (``_timing``).
+plans launched on raw pointers as the transports launch them (``gpurouter.bench.timing``).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import sys
 
 import ml_dtypes
 import numpy as np
-from _timing import report, save_rows, spin_kernel, time_plan
 from numba import cuda
 from path_probe import CASES
 
 from gpurouter import kernels as K
 from gpurouter import reference as ref
+from gpurouter.bench.timing import report, save_rows, spin_kernel, time_plan
 from gpurouter.kernels._base import launch as L
 from gpurouter.kernels._base import plan as _plan
 from gpurouter.kernels.topk import plans as topk

@@ -1,13 +1,13 @@
 """The GPU's streaming rates, measured: what a bandwidth-bound kernel can reach.
 
-``python tools/copy_rate_probe.py [--mbytes 33.5] [--repeats 100] [--json out.json]``
+``python tools/probes/copy_rate_probe.py [--mbytes 33.5] [--repeats 100] [--json out.json]``
 
 Times, on buffers of ``--mbytes`` MB (three sets rotated, more than L2 holds):
 an empty kernel (the fixed cost of a launch in this timing method); a copy
 kernel and a read-only kernel (sum of the words, one fp32 per block
 written) with 16-byte accesses (``kernels/_base/vec.py``) at several grid sizes
 and quads per thread.  Same timing method as the other probes
-(``tools/_timing.py``).  The router z-loss backward reads and writes
+(``gpurouter/bench/timing.py``).  The router z-loss backward reads and writes
 ``T * E`` elements, its forward reads them: these rates say how far above
 the copy rate and the read rate those kernels are (docs/benchmarks.md).
 """
@@ -18,11 +18,11 @@ import argparse
 import json
 
 import numpy as np
-from _timing import median_us as _time
-from _timing import spin_kernel as _spin_kernel
 from numba import cuda
 from numba import float32 as nb_f32
 
+from gpurouter.bench.timing import median_us as _time
+from gpurouter.bench.timing import spin_kernel as _spin_kernel
 from gpurouter.kernels._base.vec import quad_f32, quad_store_once_f32
 
 _U = np.uint64
@@ -92,7 +92,7 @@ def main():
         rows.append(dict(label=label, us=us, bytes=moved, tb_per_s=tbs))
         print(f"{label:>44}: {us:8.2f} us  {tbs:5.2f} TB/s", flush=True)
 
-    sets = [[j] for j in range(3)]  # "pointer sets" for _timing: the buffer set's index
+    sets = [[j] for j in range(3)]  # "pointer sets" for the timer: the buffer set's index
 
     @cuda.jit
     def empty_kernel(out, flag):

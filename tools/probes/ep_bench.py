@@ -20,8 +20,8 @@ default; XLA's dense rewrite needs E times the rows' memory, hence the
 default scale) or ``batched`` (``gpurouter.moe.batched_ragged_dot``, which
 fits at ``--scale 1``).
 
-    python3 tools/ep_bench.py --json out.json
-    python3 tools/ep_bench.py --grouped-matmul batched --scale 1 --json out.json
+    python3 tools/probes/ep_bench.py --json out.json
+    python3 tools/probes/ep_bench.py --grouped-matmul batched --scale 1 --json out.json
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from gpurouter import _ep
 from gpurouter import moe as gmoe
-from gpurouter.bench_moe import GROUPED_MATMULS, grouped_matmul_of, median_ms
+from gpurouter.bench.moe import GROUPED_MATMULS, grouped_matmul_of, median_ms
 
 SHAPES = {  # T, H, E, K, M
     "qwen3-like": (8192, 2048, 128, 8, 768),

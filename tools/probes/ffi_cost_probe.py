@@ -39,7 +39,7 @@ gives the host ns per call of the handler itself inside XLA's loop (``t_``):
 - ``t_min_func``: ``t_min`` launching the kernel as a CUfunction
   (``cuKernelGetFunction``) instead of numba's CUkernel.
 
-    python3 tools/ffi_cost_probe.py --json out.json [--variants fusion,ffi,...]
+    python3 tools/probes/ffi_cost_probe.py --json out.json [--variants fusion,ffi,...]
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from jax import lax
 from gpurouter._transport import ffi
 from gpurouter._transport import ffi_abi as abi
 from gpurouter._transport.ffi_record import _RECORDS, DEVICES, MAX_PARAMS, _driver, _gpu_ordinals
-from gpurouter.bench_steps import _axpy_op, _diff_us, _loops
+from gpurouter.bench.steps import _axpy_op, _diff_us, _loops
 
 #: the tool's handlers read the current size's device block here: [device block,
 #: static parameter block, static argv] (addresses), and the kernel as a CUfunction
@@ -312,7 +312,7 @@ def main():
     args = ap.parse_args()
     variants = args.variants.split(",")
     assert set(variants) <= set(VARIANTS), set(variants) - set(VARIANTS)
-    from gpurouter.bench import _gpu_info
+    from gpurouter.bench.router import _gpu_info
 
     res = {"info": _gpu_info(), "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
            "commit": os.environ.get("GPUROUTER_COMMIT"), "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),

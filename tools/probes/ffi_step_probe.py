@@ -1,12 +1,12 @@
 """Where a jitted DeepSeek-V3 step's time goes with the ffi transport (GPU).
 
-Marginal us per step of a jitted fori_loop (gpurouter.bench_steps), for
+Marginal us per step of a jitted fori_loop (gpurouter.bench.steps), for
 variants of the router step: forward only or forward + backward, with and
 without the expert bias and the groups, jax vs numba:ffi, and the loop's
 own cost (the x update alone). Run it under different XLA_FLAGS to see
 what they change.
 
-    python3 tools/ffi_step_probe.py --tokens 256,4096 --json out.json
+    python3 tools/probes/ffi_step_probe.py --tokens 256,4096 --json out.json
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import gpurouter as gr
-from gpurouter.bench_steps import _marginal_us
+from gpurouter.bench.steps import _marginal_us
 
 KW = dict(topk=8, num_groups=8, group_topk=4, scaling_factor=2.5, score_function="sigmoid")
 

@@ -4,7 +4,7 @@ checked at full size.  ``--ways 2,1``: the indices timed for each way
 of the thread-per-token kernel (``kernels.topk.TOKEN_INDICES_WAY``; variants
 ``indices@w``).
 
-``python tools/indices_probe.py [--tokens 65536] [--repeats 50] [--ways 2] [--json out.json]``
+``python tools/probes/indices_probe.py [--tokens 65536] [--repeats 50] [--ways 2] [--json out.json]``
 
 Cases (bf16 logits, BYTEMAP): DeepSeek-V3 (E=256, K=8, 8 groups / 4,
 sigmoid + fp32 bias, scaling 2.5), Qwen3 (E=128, K=8, softmax), Mixtral
@@ -24,12 +24,12 @@ import json
 
 import ml_dtypes
 import numpy as np
-from _timing import median_us as _time  # tools/_timing.py (the script's own folder)
-from _timing import ptr as _ptr
-from _timing import spin_kernel as _spin_kernel
 from numba import cuda
 
 from gpurouter import kernels as K
+from gpurouter.bench.timing import median_us as _time
+from gpurouter.bench.timing import ptr as _ptr
+from gpurouter.bench.timing import spin_kernel as _spin_kernel
 from gpurouter.kernels._base import launch as L
 from gpurouter.kernels._base import plan as _plan
 from gpurouter.kernels._base import pointer as _pointer

@@ -1,7 +1,7 @@
 """Resource report of the kernels a preset launches (GPU only): registers, local
 memory, shared memory, resident blocks per SM and a SASS opcode census.
 
-``python tools/kernel_report.py [--preset deepseek-v3] [--tokens 65536]``
+``python tools/probes/kernel_report.py [--preset deepseek-v3] [--tokens 65536]``
 
 What costs no device time to read and answers most "why is it slow"
 questions (``../.library/device/METHOD.md``): spills (LDL/STL), calls that

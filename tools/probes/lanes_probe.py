@@ -9,7 +9,7 @@ for bit against the first one's (``same``), and ``--save`` writes the
 default variant's outputs (probs, map, indices) to compare across trees
 (``--compare``: another run's file).  The floor: an empty kernel timed the same way.
 
-    python3 tools/lanes_probe.py --tokens 256,1024,4096 --min-blocks 128,264 --tree 0 --save out.npz
+    python3 tools/probes/lanes_probe.py --tokens 256,1024,4096 --min-blocks 128,264 --tree 0 --save out.npz
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import sys
 
 import ml_dtypes
 import numpy as np
-from _timing import floor_us, preset_cases, spin_kernel, time_plan
 from numba import cuda
 
 from gpurouter import kernels as K
+from gpurouter.bench.timing import floor_us, preset_cases, spin_kernel, time_plan
 from gpurouter.kernels import _tiling
 from gpurouter.kernels._base import launch as L
 from gpurouter.kernels.topk import plans as T

@@ -1,7 +1,7 @@
 """BYTEMAP vs BITMAP_U8 routing maps on the GPU: the top-k forward and the
 backward from each map, timed, and checked against each other at full size.
 
-``python tools/map_format_probe.py [--tokens 65536] [--repeats 100] [--json out.json]``
+``python tools/probes/map_format_probe.py [--tokens 65536] [--repeats 100] [--json out.json]``
 
 Cases: DeepSeek-V3 (E=256, K=8, 8 groups / 4, sigmoid + fp32 bias, scaling
 2.5, bf16 logits: the thread-per-token forward and the quad backward) and
@@ -23,12 +23,12 @@ import json
 
 import ml_dtypes
 import numpy as np
-from _timing import median_us as _time  # tools/_timing.py (the script's own folder)
-from _timing import ptr as _ptr
-from _timing import spin_kernel as _spin_kernel
 from numba import cuda
 
 from gpurouter import kernels as K
+from gpurouter.bench.timing import median_us as _time
+from gpurouter.bench.timing import ptr as _ptr
+from gpurouter.bench.timing import spin_kernel as _spin_kernel
 from gpurouter.kernels._base import launch as L
 from gpurouter.kernels._base import plan as _plan
 from gpurouter.kernels._base import pointer as _pointer

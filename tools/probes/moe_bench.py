@@ -2,7 +2,7 @@
 its byte floor, and the jitted op on ``backend="numba"`` against the jitted
 jnp reference, at the issue's shapes.
 
-``python tools/moe_bench.py [--shapes qwen3,deepseek-v3,qwen3@1024] [--repeats 50]
+``python tools/probes/moe_bench.py [--shapes qwen3,deepseek-v3,qwen3@1024] [--repeats 50]
 [--peak 4.0] [--json out.json] [--kernels-only] [--commit C]``
 
 ``--kernels-only`` times the plans' kernels alone: no jitted jnp reference or
@@ -14,7 +14,7 @@ Shapes: Qwen3-30B-A3B-like ``T=8192 H=2048 E=128 K=8`` and DeepSeek-V3-like
 
 - ``kernel_us``: the plan's kernels alone, the way the zero-copy transport runs
   them (``_pointer.PointerLaunch`` on raw pointers), CUDA events around each
-  launch behind a sleep kernel (``tools/_timing.py``), median of ``--repeats``,
+  launch behind a sleep kernel (``gpurouter/bench/timing.py``), median of ``--repeats``,
   inputs rotated over two sets;
 - ``floor_us``: the op's compulsory bytes (every input read once, every output
   written once; scratch not counted) at ``--peak`` TB/s, and at the measured
@@ -50,11 +50,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
-from _timing import median_us, ptr, spin_kernel  # noqa: E402  (tools/_timing.py)
 from numba import cuda  # noqa: E402
 
 from gpurouter import kernels as K  # noqa: E402
 from gpurouter import moe_ops as mo  # noqa: E402
+from gpurouter.bench.timing import median_us, ptr, spin_kernel  # noqa: E402
 from gpurouter.kernels._base import pointer as _pointer  # noqa: E402
 from gpurouter.kernels._base.plan import spec_for  # noqa: E402
 from gpurouter.reference import moe_ops as ref  # noqa: E402

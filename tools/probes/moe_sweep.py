@@ -1,8 +1,8 @@
 """Tile-knob sweep of the token-level MoE kernels (GPU): each variant's
 ``kernel_us`` per op at one shape, the way ``moe_bench.py`` times them.
 
-``python tools/moe_sweep.py [--shape qwen3] [--repeats 30] [--variants 'DB_HOLD_ROWS=4;CMB_HOLD=4,CMB_MAX_REGS=64']
-[--ops dbias_dscales,dbias]``
+``python tools/probes/moe_sweep.py [--shape qwen3] [--repeats 30]
+[--variants 'DB_HOLD_ROWS=4;CMB_HOLD=4,CMB_MAX_REGS=64'] [--ops dbias_dscales,dbias]``
 
 A variant is a comma-separated list of ``NAME=int`` module constants of
 ``moe_grouped_dbias`` (``DB_*``) or ``moe_combine`` (``CMB_*``); the plans are
@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from _timing import spin_kernel
-from moe_bench import BF16, SHAPES, _dev, kernel_us  # tools/moe_bench.py
+from moe_bench import BF16, SHAPES, _dev, kernel_us  # tools/probes/moe_bench.py
 from numba import cuda
 
 from gpurouter import kernels as K
+from gpurouter.bench.timing import spin_kernel
 from gpurouter.kernels._base.plan import spec_for
 from gpurouter.kernels.moe import combine as C
 from gpurouter.kernels.moe import grouped_dbias as G

@@ -3,9 +3,9 @@ counts: where a kernel's instructions go (docs/benchmarks.md, "The warp forward'
 instructions").
 
     ncu --kernel-name regex:warp_topk_fwd --launch-count 1 --section SourceCounters \\
-        -o rep python3 tools/path_probe.py --cases nemotron-3-super --paths warp --tokens 65536 --repeats 1
+        -o rep python3 tools/probes/path_probe.py --cases nemotron-3-super --paths warp --tokens 65536 --repeats 1
     ncu --import rep.ncu-rep --page source --csv --print-source sass > rep.csv
-    python3 tools/ncu_blocks.py rep.csv --tokens 65536 [--min 6]
+    python3 tools/probes/ncu_blocks.py rep.csv --tokens 65536 [--min 6]
 
 A block is a run of consecutive SASS instructions executed the same number of times
 (straight-line code); each printed line: its first instruction's row, its length, its

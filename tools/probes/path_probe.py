@@ -8,10 +8,10 @@ threads per token. This times both, per preset, over T (CUDA events, plans
 launched on raw pointers as the transports launch them), through the plans'
 ``path=`` argument.
 
-    python3 tools/path_probe.py --json out.json
-    python3 tools/path_probe.py --cases large-k --tokens 65536 --token-max-topk 64
-    python3 tools/path_probe.py --cases deepseek-v4,llama-4 --paths token,warp
-    python3 tools/path_probe.py --cases nemotron-3-super --paths warp --sass
+    python3 tools/probes/path_probe.py --json out.json
+    python3 tools/probes/path_probe.py --cases large-k --tokens 65536 --token-max-topk 64
+    python3 tools/probes/path_probe.py --cases deepseek-v4,llama-4 --paths token,warp
+    python3 tools/probes/path_probe.py --cases nemotron-3-super --paths warp --sass
 
 ``--cases large-k`` times the issue's large-K shapes (E = 512 at K = 8 ... 64,
 and E = 2304, K = 36); ``--token-max-topk`` lifts the token kernels' K limit
@@ -28,10 +28,10 @@ import sys
 
 import ml_dtypes
 import numpy as np
-from _timing import preset_cases, report, sass_counts, save_rows, spin_kernel, time_plan
 from numba import cuda
 
 from gpurouter import kernels as K
+from gpurouter.bench.timing import preset_cases, report, sass_counts, save_rows, spin_kernel, time_plan
 from gpurouter.kernels import _tiling
 from gpurouter.kernels._base import launch as L
 from gpurouter.kernels._base import plan as _plan

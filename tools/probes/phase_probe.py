@@ -1,7 +1,7 @@
 """Where a thread-per-token forward spends its time (GPU only): the kernel timed
 whole and with phases taken out, by building variants of it.
 
-``python tools/phase_probe.py [--preset deepseek-v3] [--tokens 65536] [--repeats 50]``
+``python tools/probes/phase_probe.py [--preset deepseek-v3] [--tokens 65536] [--repeats 50]``
 
 Variants (each a different kernel, built from the same factories with one
 device function swapped; the outputs of the cut ones are wrong, only their
@@ -57,7 +57,7 @@ def _time(plan, arrays, repeats):
     """Median kernel microseconds: CUDA events around each launch, the launches
     queued behind a sleeping kernel (as ``gpurouter.bench`` does), so the
     host's launch time is not counted."""
-    from gpurouter.bench import _spin_kernel
+    from gpurouter.bench.timing import spin_kernel as _spin_kernel
 
     def launch():
         for st in plan.steps:

@@ -2,7 +2,7 @@
 knobs of ``kernels/_tiling.py`` (GPU only): the measurements behind the
 knobs' defaults.
 
-``python tools/tiling_sweep.py [--presets deepseek-v3,qwen3] [--repeats 30]``
+``python tools/probes/tiling_sweep.py [--presets deepseek-v3,qwen3] [--repeats 30]``
 
 Each setting patches the knobs, forgets the cached plans and runs the
 benchmark's kernel rows (checked against the reference first).
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from gpurouter import bench
+from gpurouter.bench import router as bench
 from gpurouter.kernels import _tiling as L
 from gpurouter.kernels.topk import aux_plans as aux_scores
 from gpurouter.kernels.topk import plans as topk

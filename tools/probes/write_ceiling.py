@@ -1,4 +1,4 @@
-"""How fast this GPU takes writes (GPU only): ``python tools/write_ceiling.py``.
+"""How fast this GPU takes writes (GPU only): ``python tools/probes/write_ceiling.py``.
 
 The aux-loss backward only writes (67 MB at DeepSeek-V3's T = 65536, E =
 256, fp32), so its floor is the write rate, not the copy rate.  Times, for
@@ -8,7 +8,7 @@ over several grid and block sizes.  (gpurouter's aux-loss backward itself:
 ``python -m gpurouter bench --paths kernel --presets deepseek-v3``.)
 
 Kernel time: CUDA events around each launch, the launches queued behind a
-sleep kernel (``bench._spin_kernel``) so that the host's launch rate is not
+sleep kernel (``gpurouter.bench.timing``) so that the host's launch rate is not
 what gets timed (numba's dispatcher takes longer to launch a kernel than
 this one runs; timing back-to-back launches without the sleep measured
 24-28 us for kernels that take 19-20).  Median of 100 launches; every
@@ -17,14 +17,14 @@ element checked afterwards.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import statistics
 
 import numpy as np
 from numba import cuda
 
-from gpurouter.bench import _spin_kernel
-from gpurouter.kernels._base import launch as L
+from gpurouter.bench.timing import launch_times, spin_kernel
 from gpurouter.kernels._base import vec as _vec
 
 
@@ -42,29 +42,15 @@ def _strided_fill(store4):
     return fill
 
 
-_strided = _strided_fill(_vec.quad_f32()[1])
-_strided_once = _strided_fill(_vec.quad_store_once_f32())
-
-
 def _time(fn, stream, repeats=100):
-    """Median kernel microseconds of ``fn()``, batches of 25 queued behind a sleep."""
-    spin = _spin_kernel()
-    fn()
-    stream.synchronize()
-    times = []
-    for _ in range(repeats // 25):
-        events = [cuda.event() for _ in range(26)]
-        L.launch(spin, 1, 1, stream, 0, 3000)
-        events[0].record(stream)
-        for i in range(25):
-            fn()
-            events[i + 1].record(stream)
-        events[-1].synchronize()
-        times += [events[i].elapsed_time(events[i + 1]) for i in range(25)]
-    return statistics.median(times) * 1e3
+    """Median kernel microseconds of ``fn()`` (``gpurouter.bench.timing.launch_times``)."""
+    kernel, _ = launch_times(lambda _: fn(), [()], repeats, spin_kernel(), stream)
+    return statistics.median(kernel) * 1e6
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    strided, strided_once = _strided_fill(_vec.quad_f32()[1]), _strided_fill(_vec.quad_store_once_f32())
     n = 65536 * 256
     nq = n // 4
     mb = 4 * n / 1e6
@@ -88,8 +74,8 @@ def main():
             grid = sms * mult
             if grid * threads > 2048 * sms:
                 continue
-            plain = _time(lambda g=grid, t=threads: _strided[g, t, stream](a, nq, v), stream)
-            once = _time(lambda g=grid, t=threads: _strided_once[g, t, stream](a, nq, v), stream)
+            plain = _time(lambda g=grid, t=threads: strided[g, t, stream](a, nq, v), stream)
+            once = _time(lambda g=grid, t=threads: strided_once[g, t, stream](a, nq, v), stream)
             print(f"grid-strided, {mult:2d} blocks per SM x {threads:4d} threads: plain stores "
                   f"{plain:6.1f} us, evict-first {once:6.1f} us")
     assert (a.copy_to_host() == v).all(), "an element was not written"

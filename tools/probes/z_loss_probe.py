@@ -1,14 +1,14 @@
 """Router z-loss kernels on the GPU: the forward and backward plans timed against
 their byte floors, checked against float64 NumPy at full size.
 
-``python tools/z_loss_probe.py [--tokens 65536] [--experts 256] [--dtype bf16]
+``python tools/probes/z_loss_probe.py [--tokens 65536] [--experts 256] [--dtype bf16]
 [--repeats 100] [--peak 4.0] [--sweep] [--json out.json]``
 
 Each plan runs the way the zero-copy transport runs it (``_launch.PointerLaunch``
 on raw pointers of numba device arrays), inputs rotated over three sets (more
 bytes than L2 holds).  Time: CUDA events around each launch, the launches
 queued behind a sleeping kernel (so the host's launch rate is not what is
-timed), the median of ``--repeats`` (as ``gpurouter.bench._kernel_times``).
+timed), the median of ``--repeats`` (as ``gpurouter.bench.router._kernel_times``).
 Byte floors at ``--peak`` TB/s: the forward reads T*E*s bytes and writes T*4
 (s = 2 for bf16 / fp16, 4 for fp32); the backward reads T*E*s + T*4 and
 writes T*E*s.  ``--sweep`` also times other tilings (``SWEEP``: the vector
@@ -22,12 +22,12 @@ import json
 
 import ml_dtypes
 import numpy as np
-from _timing import median_us as _time  # tools/_timing.py (the script's own folder)
-from _timing import ptr as _ptr
-from _timing import spin_kernel as _spin_kernel
 from numba import cuda
 
 from gpurouter import kernels as K
+from gpurouter.bench.timing import median_us as _time
+from gpurouter.bench.timing import ptr as _ptr
+from gpurouter.bench.timing import spin_kernel as _spin_kernel
 from gpurouter.kernels import _tiling as Z
 from gpurouter.kernels._base import launch as L
 from gpurouter.kernels._base import plan as _plan

@@ -1,4 +1,4 @@
-"""Where the time of one zero-copy call goes (GPU only): ``python tools/zero_copy_probe.py``.
+"""Where the time of one zero-copy call goes (GPU only): ``python tools/probes/zero_copy_probe.py``.
 
 Times, on the DeepSeek-V3 shape by default, the wall time per jitted call of:
 

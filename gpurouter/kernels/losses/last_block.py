@@ -31,7 +31,7 @@ from .z_io import lane_reducers
 
 #: the finish: "acq_rel" (one acquire-release ``atom.inc``), "fence" (``membar.gl``,
 #: ``atomic.inc``, ``membar.gl``), or "none" (no finish, the loss unwritten: only
-#: for timing the rows alone, ``tools/z_loss_probe.py``)
+#: for timing the rows alone, ``tools/probes/z_loss_probe.py``)
 FINISH = "acq_rel"
 
 

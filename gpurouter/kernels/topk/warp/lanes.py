@@ -137,7 +137,7 @@ def warp_sorts():
 
     The stages are written out, one call each with constant ``(k, j)``: numba
     does not unroll a loop that holds shuffles, and a loop's stage cost about 30
-    more instructions on an H200 (``tools/warp_select_probe.py``).  Each stage
+    more instructions on an H200 (a warp-select probe since removed; figures in the lab journal).  Each stage
     calls the exchange once a value: a stage that called the next one on two
     branches would double the inlined code at every level."""
     xor, _, _, _, _ = exchanges()
