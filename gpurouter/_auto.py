@@ -1,6 +1,6 @@
 """``backend="auto"``: where the kernels measured faster than the jnp reference.
 
-The one rule (docs/contract.md section 5; its measurements: docs/benchmarks.md,
+The one rule (docs/contract.md section 5; its measurements: lab/journal/benchmarks.md,
 "Steps through the public API"). ``backend="auto"`` picks the numba kernels
 only when JAX runs on a CUDA GPU with a device transport and:
 

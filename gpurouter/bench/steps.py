@@ -200,7 +200,7 @@ def transport_rows(sizes, steps: int, repeats: int, transports=TRANSPORTS) -> li
     and ``y`` are arguments of the jitted loop, as a step's activations and
     parameters are: a closed-over ``y`` is a constant, which XLA fuses into
     the fusion but must write to memory every step for a custom call (one
-    more kernel per step: tools/ffi_cost_probe.py, docs/bench/h200-ffi-cost-notes.md). The
+    more kernel per step: tools/ffi_cost_probe.py, lab/journal/ffi-cost-notes.md). The
     bodies of one n are timed in turns, as ``step_rows`` does. A transport's
     cost includes XLA's copy of the call's result into the loop carry (the
     fusion writes in place, a custom call cannot)."""
