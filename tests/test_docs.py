@@ -84,20 +84,46 @@ def test_every_md_file_named_is_in_the_repository():
     assert not missing, f"*.md names with no such file in the repository: {missing}"
 
 
+def _anchors(page: pathlib.Path) -> set[str]:
+    """The heading anchors GitHub gives a page: lower case, punctuation dropped,
+    spaces as hyphens, ``-1``, ``-2`` ... for repeats; headings in code fences skipped."""
+    found, seen, fence = set(), {}, False
+    for _, line in _lines(page):
+        fence ^= line.startswith("```")
+        heading = None if fence else re.match(r"#+ (.*)", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+            found.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
 def test_every_relative_link_in_a_page_resolves():
-    """Every markdown link in every .md file that is not a URL or an anchor
-    points to a file or folder that exists, relative to the page."""
+    """Every markdown link in every .md file that is not a URL points to a file
+    or folder that exists, relative to the page, and its ``#anchor`` (if any)
+    to a heading of the page it names."""
     broken = []
     for path in _text_files():
         if path.suffix != ".md":
             continue
         for i, line in _lines(path):
             for target in LINK.findall(line):
-                if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-                    continue  # a URL or an anchor on the same page
-                if not (path.parent / target.split("#", 1)[0]).exists():
+                if re.match(r"[a-z][a-z0-9+.-]*:", target):
+                    continue  # a URL
+                file, _, anchor = target.partition("#")
+                dest = path.parent / file if file else path
+                if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in _anchors(dest)):
                     broken.append(f"{path.relative_to(ROOT)}:{i}: {target}")
-    assert not broken, f"relative links to missing files: {broken}"
+    assert not broken, f"relative links to missing files or headings: {broken}"
+
+
+def test_the_docs_index_links_every_guide():
+    """docs/index.md is the front page: every page under docs/ is one link away."""
+    index = ROOT / "docs" / "index.md"
+    linked = {(index.parent / t.partition("#")[0]).resolve() for t in LINK.findall(index.read_text())}
+    pages = {p.resolve() for p in (ROOT / "docs").rglob("*.md")} - {index.resolve()}
+    unlinked = sorted(p.relative_to(ROOT).as_posix() for p in pages - linked)
+    assert not unlinked, f"docs pages docs/index.md does not link: {unlinked}"
 
 
 def test_every_lab_result_has_a_line_in_the_index():
