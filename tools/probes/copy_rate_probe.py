@@ -9,7 +9,7 @@ written) with 16-byte accesses (``kernels/_base/vec.py``) at several grid sizes
 and quads per thread.  Same timing method as the other probes
 (``gpurouter/bench/timing.py``).  The router z-loss backward reads and writes
 ``T * E`` elements, its forward reads them: these rates say how far above
-the copy rate and the read rate those kernels are (docs/benchmarks.md).
+the copy rate and the read rate those kernels are (lab/journal/benchmarks.md).
 """
 
 from __future__ import annotations

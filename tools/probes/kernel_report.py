@@ -4,7 +4,7 @@ memory, shared memory, resident blocks per SM and a SASS opcode census.
 ``python tools/probes/kernel_report.py [--preset deepseek-v3] [--tokens 65536]``
 
 What costs no device time to read and answers most "why is it slow"
-questions (``../.library/device/METHOD.md``): spills (LDL/STL), calls that
+questions: spills (LDL/STL), calls that
 were not inlined (CALL), barriers, and how many blocks fit on an SM.
 """
 

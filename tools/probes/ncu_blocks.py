@@ -1,5 +1,5 @@
 """Warp instructions a token, block by block, from Nsight Compute's per-instruction
-counts: where a kernel's instructions go (docs/benchmarks.md, "The warp forward's
+counts: where a kernel's instructions go (lab/journal/benchmarks.md, "The warp forward's
 instructions").
 
     ncu --kernel-name regex:warp_topk_fwd --launch-count 1 --section SourceCounters \\

@@ -35,7 +35,7 @@ NO_EXPERT = np.int32(0x7FFFFFFF)  # a key after every expert's
 def warp_auto(simulator: bool | None = None) -> bool:
     """Whether ``path="auto"`` takes a warp-per-token kernel (forward or
     backward) for a shape it fits: on a GPU always (timed faster than the
-    other kernels at every preset and T = 1024 - 65536: docs/benchmarks.md,
+    other kernels at every preset and T = 1024 - 65536: lab/journal/benchmarks.md,
     "Softmax after the top-k" and "A warp a token, backward"); never on the
     CUDA simulator (``simulator`` None: whether it is on), where the
     exchanges are block barriers and the other kernels, the same bits or the
