@@ -25,8 +25,8 @@ import statistics
 import sys
 import time
 
-from ._cli import comma_list, positive_int
-from ._progress import progress
+from .._cli import comma_list, positive_int
+from .._progress import progress
 
 #: (config, preset, tokens, aux path)
 CONFIGS = {
@@ -151,8 +151,8 @@ def _axpy_op():
     """``2 x + y`` as a numba kernel plan, called through ``kernel_call``."""
     from numba import cuda
 
-    from ._transport import kernel_call
-    from .kernels._base.plan import In, Out, Plan, Step, execute
+    from .._transport import kernel_call
+    from ..kernels._base.plan import In, Out, Plan, Step, execute
 
     @cuda.jit
     def bench_axpy(x, y, out):
@@ -170,7 +170,7 @@ def _axpy_op():
         return plans[x]
 
     def launcher(x, y):
-        from .kernels._base.plan import spec_for
+        from ..kernels._base.plan import spec_for
 
         plan = planner(spec_for(x.shape, x.dtype), spec_for(y.shape, y.dtype))
         return execute(plan, [cuda.to_device(x), cuda.to_device(y)], None, 0, True)
@@ -262,7 +262,7 @@ def main(argv: list[str]) -> int:
     if jax.default_backend() != "gpu":
         parser.error("the steps bench needs JAX on a CUDA GPU (jax.default_backend() is "
                      f"{jax.default_backend()!r})")
-    from .bench import _gpu_info
+    from .router import _gpu_info
 
     info = _gpu_info()
     steps = step_rows(args.configs, args.paths, args.steps, args.repeats, not args.no_progress,
