@@ -1,7 +1,7 @@
 """Numba-CUDA kernels of gpurouter (semi-public: no stability promise).
 
 Launchers take NumPy arrays (and return NumPy) or device arrays (and return
-numba device arrays); see ``_launch.py`` for the conventions and README.md for
+numba device arrays); see ``_base/launch.py`` for the conventions and README.md for
 the layout.  Never imports jax.
 """
 
@@ -16,6 +16,8 @@ from .losses.aux_loss import moe_aux_loss_bwd as moe_aux_loss_bwd
 from .losses.aux_loss import moe_aux_loss_bwd_plan as moe_aux_loss_bwd_plan
 from .losses.aux_loss import moe_aux_loss_fwd as moe_aux_loss_fwd
 from .losses.aux_loss import moe_aux_loss_fwd_plan as moe_aux_loss_fwd_plan
+from .losses.tiling import AuxLossTiling as AuxLossTiling
+from .losses.tiling import ZLossTiling as ZLossTiling
 from .losses.z_loss import router_z_loss_bwd as router_z_loss_bwd
 from .losses.z_loss import router_z_loss_bwd_plan as router_z_loss_bwd_plan
 from .losses.z_loss import router_z_loss_fwd as router_z_loss_fwd
@@ -24,15 +26,25 @@ from .topk.aux_plans import score_for_aux_loss_bwd as score_for_aux_loss_bwd
 from .topk.aux_plans import score_for_aux_loss_bwd_plan as score_for_aux_loss_bwd_plan
 from .topk.aux_plans import score_for_aux_loss_fwd as score_for_aux_loss_fwd
 from .topk.aux_plans import score_for_aux_loss_fwd_plan as score_for_aux_loss_fwd_plan
+from .topk.bwd_tiling import BwdTiling as BwdTiling
+from .topk.lane.tiling import RowTiling as RowTiling
 from .topk.plans import topk_with_score_function_bwd as topk_with_score_function_bwd
 from .topk.plans import topk_with_score_function_bwd_plan as topk_with_score_function_bwd_plan
 from .topk.plans import topk_with_score_function_fwd as topk_with_score_function_fwd
 from .topk.plans import topk_with_score_function_fwd_plan as topk_with_score_function_fwd_plan
+from .topk.tiling import TopkTiling as TopkTiling
+from .topk.token.tiling import TokenTiling as TokenTiling
 
 __all__ = [
     "MAX_EXPERTS",
     "MAX_GROUPS",
     "MAX_TOPK",
+    "AuxLossTiling",
+    "BwdTiling",
+    "RowTiling",
+    "TokenTiling",
+    "TopkTiling",
+    "ZLossTiling",
     "aux_loss_coeff",
     "check_limits",
     "kind_of_dtype",
@@ -56,6 +68,8 @@ __all__ = [
 
 # Token-level MoE ops (moe_*.py)
 from .moe.combine import CMB_MAX_EXPERTS as CMB_MAX_EXPERTS  # noqa: E402
+from .moe.combine import CombineTiling as CombineTiling  # noqa: E402
+from .moe.grouped_dbias import DbiasTiling as DbiasTiling  # noqa: E402
 from .moe.plans import grouped_dbias as grouped_dbias  # noqa: E402
 from .moe.plans import grouped_dbias_dscales as grouped_dbias_dscales  # noqa: E402
 from .moe.plans import grouped_dbias_dscales_plan as grouped_dbias_dscales_plan  # noqa: E402
@@ -66,6 +80,8 @@ from .moe.plans import token_combine_fwd_plan as token_combine_fwd_plan  # noqa:
 
 __all__ += [
     "CMB_MAX_EXPERTS",
+    "CombineTiling",
+    "DbiasTiling",
     "grouped_dbias",
     "grouped_dbias_dscales",
     "grouped_dbias_dscales_plan",
