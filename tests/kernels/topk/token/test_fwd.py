@@ -64,7 +64,7 @@ def test_dispatch():
 @pytest.mark.parametrize("sf,pre", FWD_MODES)
 def test_specials_fillers_partial_tile(token_tiling, sf, pre, lanes):
     # 2 tokens per block: 5 rows give 3 blocks, the last one partial
-    token_tiling(2, lanes=lanes)
+    K = token_tiling(2, lanes=lanes)
     _assert_lanes(lanes, 5, 12, 4)
     ninf, nan = -np.inf, np.nan
     x = np.array([
@@ -80,7 +80,7 @@ def test_specials_fillers_partial_tile(token_tiling, sf, pre, lanes):
 @pytest.mark.parametrize("lanes", FLAT_LANES)
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid"])
 def test_ties_and_signed_zeros(token_tiling, sf, lanes):
-    token_tiling(2, lanes=lanes)
+    K = token_tiling(2, lanes=lanes)
     _assert_lanes(lanes, 3, 12, 5)
     x = np.zeros((3, 12), np.float32)
     x[1] = [1, 2, 2, 0, 2, 2, 1, 0, 2, 2, 1, 2]
@@ -94,7 +94,7 @@ def test_ties_and_signed_zeros(token_tiling, sf, lanes):
 
 @pytest.mark.parametrize("lanes", GROUP_LANES)
 def test_group_ties_and_dropped_fillers(token_tiling, lanes):
-    token_tiling(1, lanes=lanes)
+    K = token_tiling(1, lanes=lanes)
     _assert_lanes(lanes, 2, 16, 4, 4)
     x = np.zeros((2, 16), np.float32)
     p, m, _ = K.topk_with_score_function_fwd(x, 4, num_groups=4, group_topk=2,
@@ -119,7 +119,7 @@ def test_ties_across_the_threshold(token_tiling, sf, pre, grouped, lanes):
     repeated values, rows with fewer than K finite scores, all in one block
     with tie-free rows: the threshold way with and without a tie cutoff and
     the bit way side by side, maps exact against the reference."""
-    token_tiling(8, lanes=lanes)
+    K = token_tiling(8, lanes=lanes)
     _assert_lanes(lanes, 12, 32, 6, 4 if grouped else 0, sf != "softmax")
     rng = np.random.default_rng(21)
     T, E, k = 12, 32, 6
@@ -152,7 +152,7 @@ def test_large_k_ties_and_fillers(token_tiling, sf, lanes):
     """K = 20 of E = 32 (a 21-slot register list): bf16-like ties across the
     threshold, a row of one value, fewer than K finite scores; maps exact
     against the reference."""
-    token_tiling(4, lanes=lanes)
+    K = token_tiling(4, lanes=lanes)
     _assert_lanes(lanes, 6, 32, 20, 0, sf != "softmax")
     rng = np.random.default_rng(5)
     T, E, k = 6, 32, 20
@@ -192,7 +192,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}E{}K{}G{}Kg{}".format(*s))
 @pytest.mark.parametrize("sf", ["sigmoid", "softmax", "sqrtsoftplus"])
 def test_shapes_fwd_bwd(token_tiling, shape, sf, lanes):
-    token_tiling(2, lanes=lanes)
+    K = token_tiling(2, lanes=lanes)
     T, E, k, G, Kg = shape
     cfg = _cfg(T, E, k, sf, False, G, Kg, 2.5, sf != "softmax")
     bias = _bias(E, 7) if cfg.has_bias else None
@@ -227,7 +227,7 @@ def test_chunk_lanes_at_the_library_min_blocks(library_lane_blocks, shape, sf):
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
 def test_half_quads(token_tiling, sf, pre, dtype):
     """bf16 rows travel as uint64 quads, fp16 element by element: both against the reference."""
-    token_tiling(2)
+    K = token_tiling(2)
     cfg = _cfg(5, 16, 4, sf, pre, 4, 2, 2.5, sf != "softmax", dtype)
     bias = _bias(16, 5) if cfg.has_bias else None
     x = tie_free_rows_np(6, cfg, bias)
