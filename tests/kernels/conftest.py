@@ -9,6 +9,7 @@ module (``K = tiling(4, 8)``, then ``K.topk_with_score_function_fwd(...)`` or
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -29,6 +30,10 @@ class Tiled:
 
         value = getattr(kernels, name)
         return functools.partial(value, tiling=self.tiling) if name in self.LAUNCHERS else value
+
+    def replace(self, **parts):
+        """This ``Tiled`` with some parts of its ``TopkTiling`` replaced (``dataclasses.replace``)."""
+        return Tiled(dataclasses.replace(self.tiling, **parts))
 
 
 @pytest.fixture

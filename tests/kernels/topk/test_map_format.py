@@ -146,7 +146,7 @@ def test_topk_bitmap_lanes_partial_tile(tiling):
 def test_quad_bwd_bitmap_several_quads_per_lane(quad_lanes, sf, pre):
     """The quad backward with 2 lanes per token, 4 tokens per block (a partial
     last block), each lane several quads: a token's nibbles from its own bytes."""
-    _check_topk(K, _logits(5, 20, 6), 3, "token", use_pre_softmax=pre, score_function=sf)
+    _check_topk(quad_lanes, _logits(5, 20, 6), 3, "token", use_pre_softmax=pre, score_function=sf)
 
 
 def test_topk_bitmap_bit_order():
@@ -278,7 +278,7 @@ def test_bwd_ignores_padding_bits():
     (2048, 130, 6, dict(score_function="sqrtsoftplus"), "float16", "lanes"),
 ], ids=["deepseek_v3", "E132-pre", "qwen3", "nemotron", "E130"])
 def test_gpu_shapes(T, E, k, kw, dtype, path):
-    m = _check_topk(_logits(T, E, 1, dtype), k, path, **kw)
+    m = _check_topk(K, _logits(T, E, 1, dtype), k, path, **kw)
     assert (np.unpackbits(m, axis=-1, count=E, bitorder="little").sum(-1) == k).all()
 
 

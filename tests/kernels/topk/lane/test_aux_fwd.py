@@ -41,4 +41,4 @@ def test_lanes_ties_and_specials(tiling):
     x = np.array([[1.0, 2.0, 2.0, 2.0, 0.0, 2.0, 1.0],
                   [-np.inf, 0.5, -np.inf, 0.5, np.nan, 0.5, 0.5],
                   [-np.inf] * 7], np.float32)
-    _check_specials(x, 3, [1, 2, 3])
+    _check_specials(x, 3, [1, 2, 3], K)
