@@ -161,7 +161,7 @@ def test_vec_single_kernel_finish(T, E, knobs):
     assert seen[0] == np.asarray(want, np.float32).tobytes()
     lse = outs[1].copy_to_host().astype(np.float64)
     assert abs(float(want) - float(c) * np.sum(lse ** 2) / total) <= 1e-5 * abs(float(want))
-    assert K.router_z_loss_fwd(x, float(c), total)[0].tobytes() == seen[0]  # the launcher: the same bits
+    assert K.router_z_loss_fwd(x, float(c), total, tiling=tiling)[0].tobytes() == seen[0]  # the launcher: same bits
 
 
 def test_word_view():

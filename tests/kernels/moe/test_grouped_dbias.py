@@ -176,14 +176,14 @@ def test_plan_layout():
     dy = spec_for((65536, 2048), np.uint16)
     plan = K.grouped_dbias_dscales_plan(dy, spec_for((65536,), np.float32), spec_for((128, 2048), np.float32),
                                         spec_for((129,), np.int32))
-    chunks = 65536 // M.DB_CHUNK_ROWS
+    chunks = 65536 // M.DBIAS_TILING.chunk_rows
     assert [st.grid for st in plan.steps] == [chunks, 128 * 4]  # 4 blocks of kernel 2 per group
     assert plan.steps[0].block == 256  # 256 units of eight bf16 columns (16 bytes), one per lane
     assert plan.tmps[0].shape == (2 * chunks, 2048)  # two partial rows per chunk
     wide = K.grouped_dbias_dscales_plan(spec_for((32768, 7168), np.uint16), spec_for((32768,), np.float32),
                                         spec_for((256, 7168), np.float32), spec_for((257,), np.int32))
-    # 896 units a row in 2 column blocks of 448 lanes (DB_MAX_LANES = 512)
-    assert wide.steps[0].grid == (32768 // M.DB_CHUNK_ROWS) * 2 and wide.steps[0].block == 448
+    # 896 units a row in 2 column blocks of 448 lanes (DbiasTiling.max_lanes = 512)
+    assert wide.steps[0].grid == (32768 // M.DBIAS_TILING.chunk_rows) * 2 and wide.steps[0].block == 448
     assert len(wide.steps) == 3  # + the dscales of the column blocks summed in order
 
 
