@@ -20,11 +20,15 @@ from .losses.aux_loss import moe_aux_loss_bwd as moe_aux_loss_bwd
 from .losses.aux_loss import moe_aux_loss_bwd_plan as moe_aux_loss_bwd_plan
 from .losses.aux_loss import moe_aux_loss_fwd as moe_aux_loss_fwd
 from .losses.aux_loss import moe_aux_loss_fwd_plan as moe_aux_loss_fwd_plan
+from .losses.tiling import AuxLossTiling as AuxLossTiling
+from .losses.tiling import ZLossTiling as ZLossTiling
 from .losses.z_loss import router_z_loss_bwd as router_z_loss_bwd
 from .losses.z_loss import router_z_loss_bwd_plan as router_z_loss_bwd_plan
 from .losses.z_loss import router_z_loss_fwd as router_z_loss_fwd
 from .losses.z_loss import router_z_loss_fwd_plan as router_z_loss_fwd_plan
 from .moe.combine import CMB_MAX_EXPERTS as CMB_MAX_EXPERTS
+from .moe.combine import CombineTiling as CombineTiling
+from .moe.grouped_dbias import DbiasTiling as DbiasTiling
 from .moe.plans import grouped_dbias as grouped_dbias
 from .moe.plans import grouped_dbias_dscales as grouped_dbias_dscales
 from .moe.plans import grouped_dbias_dscales_plan as grouped_dbias_dscales_plan
@@ -38,16 +42,28 @@ from .topk.aux_plans import score_for_aux_loss_bwd as score_for_aux_loss_bwd
 from .topk.aux_plans import score_for_aux_loss_bwd_plan as score_for_aux_loss_bwd_plan
 from .topk.aux_plans import score_for_aux_loss_fwd as score_for_aux_loss_fwd
 from .topk.aux_plans import score_for_aux_loss_fwd_plan as score_for_aux_loss_fwd_plan
+from .topk.bwd_tiling import BwdTiling as BwdTiling
+from .topk.lane.tiling import RowTiling as RowTiling
 from .topk.plans import topk_with_score_function_bwd as topk_with_score_function_bwd
 from .topk.plans import topk_with_score_function_bwd_plan as topk_with_score_function_bwd_plan
 from .topk.plans import topk_with_score_function_fwd as topk_with_score_function_fwd
 from .topk.plans import topk_with_score_function_fwd_plan as topk_with_score_function_fwd_plan
+from .topk.tiling import TopkTiling as TopkTiling
+from .topk.token.tiling import TokenTiling as TokenTiling
 
 __all__ = [
+    "AuxLossTiling",
+    "BwdTiling",
     "CMB_MAX_EXPERTS",
+    "CombineTiling",
+    "DbiasTiling",
     "MAX_EXPERTS",
     "MAX_GROUPS",
     "MAX_TOPK",
+    "RowTiling",
+    "TokenTiling",
+    "TopkTiling",
+    "ZLossTiling",
     "aux_loss_coeff",
     "check_limits",
     "grouped_dbias",

@@ -5,10 +5,10 @@ forward (the library's own, ``path="auto"``) and a random bf16 cotangent.
 
     python3 tools/probes/bwd_path_probe.py --json out.json
     python3 tools/probes/bwd_path_probe.py --cases deepseek-v4 --tokens 65536 --map-formats 0,1
-    python3 tools/probes/bwd_path_probe.py --paths warp --knobs '[{}, {"WARP_BWD_MAX_BLOCKS": 4224}]'
+    python3 tools/probes/bwd_path_probe.py --paths warp --knobs '[{}, {"warp_max_blocks": 4224}]'
 
-``--knobs``: settings of ``warp_topk_bwd``'s module constants (its launch
-knobs), each run in turn with the plans and kernels forgotten between them.
+``--knobs``: settings of ``BwdTiling`` fields (the warp kernel's launch knob
+``warp_max_blocks``), each passed to the plans as a ``TopkTiling`` in turn.
 
 Every row checks each path's gradients against the jnp reference (``max rel``:
 the largest |difference| over the largest |reference gradient|; ``ok``: within
@@ -33,8 +33,6 @@ from gpurouter import reference as ref
 from gpurouter.bench.timing import report, save_rows, spin_kernel, time_plan
 from gpurouter.kernels._base import launch as L
 from gpurouter.kernels._base import plan as _plan
-from gpurouter.kernels.topk import plans as topk
-from gpurouter.kernels.topk.warp import bwd as warp_topk_bwd
 
 SF_NAMES = {L.SIGMOID: "sigmoid", L.SOFTMAX: "softmax", L.SQRTSOFTPLUS: "sqrtsoftplus"}
 
@@ -46,11 +44,10 @@ def main(argv):
     ap.add_argument("--cases", default="deepseek-v3,deepseek-v4,kimi-k2,nemotron-3-super,qwen3,llama-4")
     ap.add_argument("--paths", default="warp,quad")
     ap.add_argument("--map-formats", default="0", help="0 (BYTEMAP), 1 (BITMAP_U8), or both")
-    ap.add_argument("--knobs", default="[{}]", help="JSON list of dicts of warp_topk_bwd constants")
+    ap.add_argument("--knobs", default="[{}]", help="JSON list of dicts of BwdTiling fields")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     settings = json.loads(args.knobs)
-    defaults = {k: getattr(warp_topk_bwd, k) for st in settings for k in st}
     unknown = [n for n in args.cases.split(",") if n not in CASES]
     if unknown:
         ap.error(f"--cases: unknown {unknown}; some of {sorted(CASES)}")
@@ -76,10 +73,7 @@ def main(argv):
                 row = {"case": name, "T": t, "map_format": fmt}
                 outs = {}
                 for i, setting in enumerate(settings):
-                    for key, v in defaults.items():
-                        setattr(warp_topk_bwd, key, setting.get(key, v))
-                    topk.topk_with_score_function_bwd_plan.cache_clear()
-                    warp_topk_bwd.warp_topk_bwd_kernel.cache_clear()
+                    tiling = K.TopkTiling(bwd=K.BwdTiling(**setting))
                     tag = "" if len(settings) == 1 else f"#{i} "
                     if tag:
                         row[f"{tag}knobs"] = setting
@@ -89,7 +83,7 @@ def main(argv):
                         name_ = tag + path
                         try:
                             plan = K.topk_with_score_function_bwd_plan(spec, k, pre, np.float32(scale), sf, fmt,
-                                                                       path)
+                                                                       path, tiling)
                         except ValueError as err:  # path='warp' on a shape it does not take
                             row[f"{name_} error"] = str(err)
                             continue

@@ -1,7 +1,7 @@
 """Top-k indices (``return_indices``) and routing replay (``forced_indices``)
 on the GPU: the top-k forward plain, with indices, and replayed, timed and
 checked at full size.  ``--ways 2,1``: the indices timed for each way
-of the thread-per-token kernel (``kernels.topk.TOKEN_INDICES_WAY``; variants
+of the thread-per-token kernel (``TokenTiling.indices_way``; variants
 ``indices@w``).
 
 ``python tools/probes/indices_probe.py [--tokens 65536] [--repeats 50] [--ways 2] [--json out.json]``
@@ -46,14 +46,8 @@ def _device_like(spec):
 
 
 def _indices_plan(args, way):
-    old = K.topk.plans.TOKEN_INDICES_WAY
-    K.topk.plans.TOKEN_INDICES_WAY = way
-    K.topk_with_score_function_fwd_plan.cache_clear()
-    try:
-        return K.topk_with_score_function_fwd_plan(*args, return_indices=True)
-    finally:
-        K.topk.plans.TOKEN_INDICES_WAY = old
-        K.topk_with_score_function_fwd_plan.cache_clear()
+    tiling = K.TopkTiling(token=K.TokenTiling(indices_way=way))
+    return K.topk_with_score_function_fwd_plan(*args, return_indices=True, tiling=tiling)
 
 
 def run_case(name, tokens, repeats, spin, ways=(2,)):
@@ -109,7 +103,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--ways", default="2", help="TOKEN_INDICES_WAY values, the first is 'indices'")
+    ap.add_argument("--ways", default="2", help="TokenTiling.indices_way values, the first is 'indices'")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     spin = _spin_kernel()

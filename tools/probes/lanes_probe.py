@@ -1,9 +1,9 @@
 """Kernel time of the thread-per-token top-k forward at small T against its
 chunk lanes (``gpurouter/kernels/topk/token/chunk_lanes.py``) and their tiling (GPU).
 
-For each preset and T: the forward with the lanes off (``_tiling``'s
-``TOKEN_*_LANES_MAX_TOKENS`` set to 0) and on (the defaults), at each ``--min-blocks``
-(``_tiling.TOKEN_LANES_MIN_BLOCKS``, the grid the tile shrinks to reach),
+For each preset and T: the forward with the lanes off (``TokenTiling``'s
+``*_lanes_max_tokens`` set to 0) and on (the defaults), at each ``--min-blocks``
+(``TokenTiling.lanes_min_blocks``, the grid the tile shrinks to reach),
 plain and with ``return_indices``; every variant's outputs are checked bit
 for bit against the first one's (``same``), and ``--save`` writes the
 default variant's outputs (probs, map, indices) to compare across trees
@@ -24,7 +24,6 @@ from numba import cuda
 
 from gpurouter import kernels as K
 from gpurouter.bench.timing import floor_us, preset_cases, spin_kernel, time_plan
-from gpurouter.kernels import _tiling
 from gpurouter.kernels._base import launch as L
 from gpurouter.kernels.topk import plans as T
 
@@ -75,27 +74,24 @@ def cut_selector(cut: str):
     return make
 
 
-DEFAULTS = {k: getattr(_tiling, k) for k in ("TOKEN_GROUP_LANES_MAX_TOKENS", "TOKEN_CHUNK_LANES_MAX_TOKENS",
-                                              "TOKEN_LANES_MIN_BLOCKS") if hasattr(_tiling, k)}
-
-
-def knobs(lanes: bool, min_blocks: int | None):
-    """The lanes of every kind on (the defaults) or off; ``min_blocks`` where given."""
-    for name, value in DEFAULTS.items():
-        off = (0, 0) if isinstance(value, tuple) else 0
-        setattr(_tiling, name, value if lanes or name == "TOKEN_LANES_MIN_BLOCKS" else off)
-    if min_blocks is not None and hasattr(_tiling, "TOKEN_LANES_MIN_BLOCKS"):
-        _tiling.TOKEN_LANES_MIN_BLOCKS = min_blocks
-    T.topk_with_score_function_fwd_plan.cache_clear()
+def knobs(lanes: bool, min_blocks: int | None, tree: bool | None = None) -> K.TopkTiling:
+    """The plans' tiling: the lanes of every kind on (the defaults) or off; ``min_blocks``
+    and ``tree`` where given."""
+    token = {} if lanes else dict(group_lanes_max_tokens=0, chunk_lanes_max_tokens=(0, 0))
+    if min_blocks is not None:
+        token["lanes_min_blocks"] = min_blocks
+    if tree is not None:
+        token["lanes_tree"] = tree
+    return K.TopkTiling(token=K.TokenTiling(**token))
 
 
 def main(argv):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="256,1024,4096,8192,16384,65536")
-    ap.add_argument("--min-blocks", default="128", help="TOKEN_LANES_MIN_BLOCKS values (the first: --save's)")
+    ap.add_argument("--min-blocks", default="128", help="lanes_min_blocks values (the first: --save's)")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--repeats", type=int, default=50)
-    ap.add_argument("--tree", default="", help="TOKEN_LANES_TREE values (0/1) to time besides the default")
+    ap.add_argument("--tree", default="", help="lanes_tree values (0/1) to time besides the default")
     ap.add_argument("--cuts", default="", help="phases to take out (cut_selector), timed at the default knobs")
     ap.add_argument("--save")
     ap.add_argument("--compare")
@@ -118,9 +114,8 @@ def main(argv):
             variants = [(True, mb) for mb in mbs] + [(False, None)]
             for idx in (False, True):
                 for lanes, mb in variants:
-                    knobs(lanes, mb)
                     plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(2.5), sf,
-                                                               0, idx)
+                                                               0, idx, tiling=knobs(lanes, mb))
                     st = plan.steps[0]
                     tag = (f"lanes@{mb}" if lanes else "off") + (" +idx" if idx else "")
                     us, outs = time_plan(plan, [arrays], args.repeats, spin)
@@ -134,26 +129,23 @@ def main(argv):
                                 saved[f"{name}/{t}/{int(idx)}/{i}"] = o
                     else:
                         row[tag + " same"] = all(np.array_equal(a, b) for a, b in zip(first[idx], outs, strict=True))
-            sweep = [("TOKEN_LANES_TREE", bool(int(v))) for v in args.tree.split(",") if v]
-            for knob, th in sweep:
-                default = getattr(_tiling, knob)
-                setattr(_tiling, knob, th)
-                knobs(True, mbs[0])
-                plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(2.5), sf, 0)
+            for th in (bool(int(v)) for v in args.tree.split(",") if v):
+                plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(2.5), sf, 0,
+                                                           tiling=knobs(True, mbs[0], th))
                 us, outs = time_plan(plan, [arrays], args.repeats, spin)
-                tag = f"lanes@{mbs[0]} {knob[12:].lower()} {th}"
+                tag = f"lanes@{mbs[0]} tree {th}"
                 row[tag] = round(us, 2)
                 row[tag + " grid"] = f"{plan.steps[0].grid}x{plan.steps[0].block}"
                 outs = [o.view(np.uint8) for o in outs if o.shape != (t, e) or o.dtype != np.float32]
                 row[tag + " same"] = all(np.array_equal(a, b) for a, b in zip(first[False], outs, strict=True))
-                setattr(_tiling, knob, default)
             for cut in [v for v in args.cuts.split(",") if v]:
                 from gpurouter.kernels.topk.token import fwd as R
                 orig = R.lane_selector
                 R.lane_selector = cut_selector(cut)
                 R.token_topk_fwd_kernel.cache_clear()
-                knobs(True, mbs[0])
-                plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(2.5), sf, 0)
+                T.topk_with_score_function_fwd_plan.cache_clear()  # (its kernel changed, not its tiling)
+                plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(2.5), sf, 0,
+                                                           tiling=knobs(True, mbs[0]))
                 row[f"cut {cut}"] = round(time_plan(plan, [arrays], args.repeats, spin)[0], 2)
                 R.lane_selector = orig
                 R.token_topk_fwd_kernel.cache_clear()
@@ -162,7 +154,6 @@ def main(argv):
                 row["same as --compare"] = all(
                     np.array_equal(ref[key], saved[key]) for key in saved if key.startswith(f"{name}/{t}/"))
             print(json.dumps(row), flush=True)
-    knobs(True, None)
     if args.save:
         np.savez(args.save, **saved)
     return 0

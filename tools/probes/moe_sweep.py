@@ -2,12 +2,13 @@
 ``kernel_us`` per op at one shape, the way ``moe_bench.py`` times them.
 
 ``python tools/probes/moe_sweep.py [--shape qwen3] [--repeats 30]
-[--variants 'DB_HOLD_ROWS=4;CMB_HOLD=4,CMB_MAX_REGS=64'] [--ops dbias_dscales,dbias]``
+[--variants 'dbias.hold_rows=4;combine.hold=4,combine.max_regs=64'] [--ops dbias_dscales,dbias]``
 
-A variant is a comma-separated list of ``NAME=int`` module constants of
-``moe_grouped_dbias`` (``DB_*``) or ``moe_combine`` (``CMB_*``); the plans are
-re-made for each.  The first variant is the modules' defaults.  ``--ops``: only
-these ops (default: all six).
+A variant is a comma-separated list of ``part.field=int``: fields of
+``grouped_dbias.DbiasTiling`` (``dbias.*``) or ``combine.CombineTiling``
+(``combine.*``); each variant builds the two tilings and passes them to the
+plans.  The first variant is the defaults.  ``--ops``: only these ops
+(default: all six).
 """
 
 from __future__ import annotations
@@ -21,22 +22,17 @@ from numba import cuda
 from gpurouter import kernels as K
 from gpurouter.bench.timing import spin_kernel
 from gpurouter.kernels._base.plan import spec_for
-from gpurouter.kernels.moe import combine as C
-from gpurouter.kernels.moe import grouped_dbias as G
 from gpurouter.kernels.moe import plans as P
 
 
-def _set(variant: str) -> dict:
-    old = {}
+def tilings(variant: str) -> tuple[K.DbiasTiling, K.CombineTiling]:
+    """The ``(DbiasTiling, CombineTiling)`` of a variant (module docstring)."""
+    knobs = {"dbias": {}, "combine": {}}
     for kv in filter(None, variant.split(",")):
         name, v = kv.split("=")
-        mod = G if name.startswith("DB_") else C
-        old[name] = (mod, getattr(mod, name))
-        setattr(mod, name, int(v))
-    for f in (P.grouped_dbias_dscales_plan, P.token_combine_fwd_plan, P.token_combine_bwd_plan,
-              P.token_dispatch_fwd_plan):
-        f.cache_clear()
-    return old
+        part, field = name.split(".")
+        knobs[part][field] = int(v)
+    return K.DbiasTiling(**knobs["dbias"]), K.CombineTiling(**knobs["combine"])
 
 
 def main():
@@ -65,30 +61,32 @@ def main():
     d_off, d_rid, d_w = _dev(offsets), _dev(rid), _dev(probs)
     bf, f32, i32 = np.uint16, np.float32, np.int32
     zs, rs, ws = spec_for((n, h), bf), spec_for((t, e), i32), spec_for((t, e), f32)
+
+    def ops_of(db, cmb):
+        """The ops' plans with these tilings and their argument lists, made only when timed."""
+        return {  # name: (plan, argument lists)
+            "dbias_dscales": lambda: (K.grouped_dbias_dscales_plan(zs, spec_for((n,), f32), spec_for((e, h), bf),
+                                                                   spec_for((e + 1,), i32), tiling=db),
+                                      [[d, sc, bias, d_off] for d in big]),
+            "dbias": lambda: (K.grouped_dbias_dscales_plan(zs, None, None, spec_for((e + 1,), i32), tiling=db),
+                              [[d, d_off] for d in big]),
+            "combine_fwd": lambda: (P.token_combine_fwd_plan(zs, rs, ws, tiling=cmb), [[z, d_rid, d_w] for z in big]),
+            "combine_bwd": lambda: (P.token_combine_bwd_plan(spec_for((t, h), bf), zs, rs, ws, tiling=cmb),
+                                    [[g, z, d_rid, d_w] for g, z in zip(small, big, strict=True)]),
+            "dispatch_fwd": lambda: (P.token_dispatch_fwd_plan(spec_for((t, h), bf), rs, n, tiling=cmb),
+                                     [[x, d_rid] for x in small]),
+            "dispatch_bwd": lambda: (P.token_combine_fwd_plan(zs, rs, tiling=cmb), [[z, d_rid] for z in big]),
+        }
+
     spin = spin_kernel()
     for variant in [""] + [v for v in a.variants.split(";") if v]:
-        old = _set(variant)
-        ops = {  # name: (plan, argument lists), made only when timed
-            "dbias_dscales": lambda: (K.grouped_dbias_dscales_plan(zs, spec_for((n,), f32), spec_for((e, h), bf),
-                                                                   spec_for((e + 1,), i32)),
-                                      [[d, sc, bias, d_off] for d in big]),
-            "dbias": lambda: (K.grouped_dbias_dscales_plan(zs, None, None, spec_for((e + 1,), i32)),
-                              [[d, d_off] for d in big]),
-            "combine_fwd": lambda: (P.token_combine_fwd_plan(zs, rs, ws), [[z, d_rid, d_w] for z in big]),
-            "combine_bwd": lambda: (P.token_combine_bwd_plan(spec_for((t, h), bf), zs, rs, ws),
-                                    [[g, z, d_rid, d_w] for g, z in zip(small, big, strict=True)]),
-            "dispatch_fwd": lambda: (P.token_dispatch_fwd_plan(spec_for((t, h), bf), rs, n),
-                                     [[x, d_rid] for x in small]),
-            "dispatch_bwd": lambda: (P.token_combine_fwd_plan(zs, rs), [[z, d_rid] for z in big]),
-        }
+        ops = ops_of(*tilings(variant))
         wanted = [o for o in a.ops.split(",") if o] or list(ops)
         row = {}
         for name in wanted:
             plan, args = ops[name]()
             row[name] = kernel_us(plan, args, a.repeats, spin)
         print(f"{variant or 'defaults':<48} " + " ".join(f"{k}={v:.1f}" for k, v in row.items()), flush=True)
-        for name, (mod, v) in old.items():
-            setattr(mod, name, v)
     cuda.synchronize()
 
 

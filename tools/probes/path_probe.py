@@ -15,7 +15,7 @@ launched on raw pointers as the transports launch them), through the plans'
 
 ``--cases large-k`` times the issue's large-K shapes (E = 512 at K = 8 ... 64,
 and E = 2304, K = 36); ``--token-max-topk`` lifts the token kernels' K limit
-(``_tiling.TOKEN_MAX_TOPK``) for the run, and every row checks that the two
+(``TokenTiling.max_topk``, the plans' ``tiling``) for the run, and every row checks that the two
 paths wrote the same routing map (``same map``) and counts the probs that
 differ in their bits (``probs differ``: the paths may sum a token's weights
 in different orders).
@@ -32,7 +32,6 @@ from numba import cuda
 
 from gpurouter import kernels as K
 from gpurouter.bench.timing import preset_cases, report, sass_counts, save_rows, spin_kernel, time_plan
-from gpurouter.kernels import _tiling
 from gpurouter.kernels._base import launch as L
 from gpurouter.kernels._base import plan as _plan
 
@@ -46,17 +45,16 @@ def main(argv):
     ap.add_argument("--tokens", default="256,1024,2048,4096,8192,16384,65536")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--cases", default="presets", help="presets, large-k, or names from either (comma-separated)")
-    ap.add_argument("--token-max-topk", type=int, help="lift _tiling.TOKEN_MAX_TOPK for this run")
-    ap.add_argument("--token-min-threads", type=int, help="set _tiling.TOKEN_MIN_THREADS for this run")
+    ap.add_argument("--token-max-topk", type=int, help="lift TokenTiling.max_topk for this run")
+    ap.add_argument("--token-min-threads", type=int, help="set TokenTiling.min_threads for this run")
     ap.add_argument("--paths", default="token,lane", help="the kernel families to time (default token,lane)")
     ap.add_argument("--sass", action="store_true", help="the warp kernel's SASS counts (needs nvdisasm)")
     ap.add_argument("--sass-out", help="with --sass: write each warp kernel's SASS to this folder")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    if args.token_max_topk is not None:
-        _tiling.TOKEN_MAX_TOPK = args.token_max_topk
-    if args.token_min_threads is not None:
-        _tiling.TOKEN_MIN_THREADS = args.token_min_threads
+    token = {name: v for name, v in (("max_topk", args.token_max_topk), ("min_threads", args.token_min_threads))
+             if v is not None}
+    tiling = K.TopkTiling(token=K.TokenTiling(**token))
     spin = spin_kernel()
     rows = []
     known = {**CASES, **LARGE_K}
@@ -71,13 +69,14 @@ def main(argv):
             x = cuda.to_device(rng.standard_normal((t, e), np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
             bias = cuda.to_device(np.linspace(-0.01, 0.01, e, dtype=np.float32))
             spec = _plan.spec_of((t, e), L.BF16)
-            row = {"case": name, "T": t, "token min threads": _tiling.TOKEN_MIN_THREADS}
+            row = {"case": name, "T": t, "token min threads": tiling.token.min_threads}
             outs = {}
             for path in args.paths.split(","):
                 try:
                     plan = K.topk_with_score_function_fwd_plan(spec, has_bias, k, pre, g, kg, np.float32(1.0), sf,
-                                                               0, path=path)
-                    aplan = None if path == "warp" else K.score_for_aux_loss_fwd_plan(spec, k, sf, 0, path=path)
+                                                               0, path=path, tiling=tiling)
+                    aplan = None if path == "warp" else K.score_for_aux_loss_fwd_plan(spec, k, sf, 0, path=path,
+                                                                                      tiling=tiling)
                 except ValueError as err:  # path='token' on a shape it does not take
                     row[f"{path} error"] = str(err)
                     continue

@@ -12,7 +12,7 @@ timed), the median of ``--repeats`` (as ``gpurouter.bench.router._kernel_times``
 Byte floors at ``--peak`` TB/s: the forward reads T*E*s bytes and writes T*4
 (s = 2 for bf16 / fp16, 4 for fp32); the backward reads T*E*s + T*4 and
 writes T*E*s.  ``--sweep`` also times other tilings (``SWEEP``: the vector
-kernels' ``Z_VEC_FWD`` or ``Z_VEC_BWD``) and the other dtypes.
+kernels' ``ZLossTiling.vec_fwd`` or ``vec_bwd``, passed to the plans) and the other dtypes.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from gpurouter import kernels as K
 from gpurouter.bench.timing import median_us as _time
 from gpurouter.bench.timing import ptr as _ptr
 from gpurouter.bench.timing import spin_kernel as _spin_kernel
-from gpurouter.kernels import _tiling as Z
 from gpurouter.kernels._base import launch as L
 from gpurouter.kernels._base import plan as _plan
 from gpurouter.kernels._base import pointer as _pointer
 from gpurouter.kernels.losses import last_block as F
+from gpurouter.kernels.losses import tiling as Z
 
 DTYPES = {"bf16": (ml_dtypes.bfloat16, L.BF16), "fp32": (np.float32, L.F32), "fp16": (np.float16, L.F16)}
 
@@ -43,17 +43,18 @@ def _lse64(x):
     return (np.log(np.exp(x - m).sum(-1, keepdims=True)) + m)[..., 0]
 
 
-#: (label, _tiling knobs): (threads, held vectors, blocks at most, prefetch, hints), the forward's
-#: or the backward's alone (the forward of the vector kernels is one launch, its finish in the last block)
+#: (label, knobs): ``ZLossTiling`` fields (``vec_fwd`` / ``vec_bwd``: threads, held vectors, blocks at
+#: most, prefetch, hints), the forward's or the backward's alone (the forward of the vector kernels is one
+#: launch, its finish in the last block), or ``FINISH`` (``last_block.FINISH``, a kernel mode)
 _NO_CAP = 1 << 20
-SWEEP = [(f"fwd {v}", dict(Z_VEC_FWD=v)) for v in (
+SWEEP = [(f"fwd {v}", dict(vec_fwd=v)) for v in (
     (256, 4, _NO_CAP, False, True), (256, 4, 1056, False, True), (256, 4, 1056, True, True),
     (256, 4, 396, True, True), (128, 4, 1056, True, True), (128, 4, 528, True, True),
     (256, 8, _NO_CAP, False, True), (256, 4, _NO_CAP, False, False))
 ] + [(f"finish {m}", dict(FINISH=m)) for m in ("fence", "none")] + [
-    (f"fwd {v}, finish none", dict(Z_VEC_FWD=v, FINISH="none")) for v in ((256, 4, _NO_CAP, False, True),
+    (f"fwd {v}, finish none", dict(vec_fwd=v, FINISH="none")) for v in ((256, 4, _NO_CAP, False, True),
                                                                           (128, 4, 1056, True, True))
-] + [(f"bwd {v}", dict(Z_VEC_BWD=v)) for v in ((256, 2, _NO_CAP, False, True), (256, 4, _NO_CAP, False, True))]
+] + [(f"bwd {v}", dict(vec_bwd=v)) for v in ((256, 2, _NO_CAP, False, True), (256, 4, _NO_CAP, False, True))]
 
 
 def _inputs(tokens, experts, dtype):
@@ -64,14 +65,14 @@ def _inputs(tokens, experts, dtype):
     return xs, words, [cuda.to_device(w) for w in words]
 
 
-def run(tokens, experts, dtype, repeats, peak, label="", data=None):
+def run(tokens, experts, dtype, repeats, peak, label="", data=None, tiling=Z.Z_LOSS_TILING):
     host_dtype, kind = DTYPES[dtype]
     size = np.dtype(host_dtype).itemsize
     xs, words, dxs = data or _inputs(tokens, experts, dtype)
     coeff, total = np.float32(1e-3), tokens
     spec = _plan.spec_of((tokens, experts), kind)
-    fplan = K.router_z_loss_fwd_plan(spec, coeff, total)
-    bplan = K.router_z_loss_bwd_plan(spec, coeff, total)
+    fplan = K.router_z_loss_fwd_plan(spec, coeff, total, tiling)
+    bplan = K.router_z_loss_bwd_plan(spec, coeff, total, tiling)
     rows_only = _plan.Plan("rows", fplan.ins, fplan.outs, fplan.tmps, fplan.steps[:1])
     fwd, rows, bwd = (_pointer.PointerLaunch(p, 0) for p in (fplan, rows_only, bplan))
     loss = cuda.device_array((), np.float32)
@@ -114,10 +115,11 @@ def run(tokens, experts, dtype, repeats, peak, label="", data=None):
     fbytes = tokens * experts * size + tokens * 4
     bbytes = 2 * tokens * experts * size + tokens * 4
     ffloor, bfloor = fbytes / (peak * 1e12) * 1e6, bbytes / (peak * 1e12) * 1e6
-    vec = None if kind == L.F16 else Z.z_loss_vec_tiling(tokens, experts, size)
-    tiling = vec or Z.z_loss_tiling(tokens, experts)
-    knobs = dict(vec_fwd=Z.Z_VEC_FWD, vec_bwd=Z.Z_VEC_BWD, vec=bool(vec), final_threads=Z.Z_FINAL_THREADS) \
-        if vec else dict(hold=Z.Z_HOLD, threads=Z.Z_THREADS, bwd_hold=Z.Z_BWD_HOLD, bwd_threads=Z.Z_BWD_THREADS)
+    vec = None if kind == L.F16 else Z.z_loss_vec_tiling(tokens, experts, size, False, tiling)
+    knobs = dict(vec_fwd=tiling.vec_fwd, vec_bwd=tiling.vec_bwd, vec=bool(vec), final_threads=tiling.final_threads) \
+        if vec else dict(hold=tiling.hold, threads=tiling.threads, bwd_hold=tiling.bwd_hold,
+                         bwd_threads=tiling.bwd_threads)
+    tiling = vec or Z.z_loss_tiling(tokens, experts, tiling=tiling)
     res = dict(label=label, tokens=tokens, experts=experts, dtype=dtype, **knobs,
                grid=tiling[0], block=tiling[1], lanes=tiling[2],
                fwd_us=t_fwd, fwd_rows_kernel_us=t_rows, bwd_us=t_bwd, fwd_floor_us=ffloor, bwd_floor_us=bfloor,
@@ -135,11 +137,7 @@ def run(tokens, experts, dtype, repeats, peak, label="", data=None):
     return res
 
 
-def _module(knob):
-    return F if knob == "FINISH" else Z
-
-
-def _clear():
+def _clear():  # (FINISH is a kernel mode read when a plan is made: the plans made under another are forgotten)
     K.router_z_loss_fwd_plan.cache_clear()
     K.router_z_loss_bwd_plan.cache_clear()
 
@@ -160,17 +158,20 @@ def main():
     results = [run(a.tokens, a.experts, a.dtype, a.repeats, a.peak, "default", data)]
     if a.sweep:
         for label, knobs in SWEEP:
-            saved = {k: getattr(_module(k), k) for k in knobs}
-            for k, v in knobs.items():
-                setattr(_module(k), k, v)
-            _clear()
+            knobs = dict(knobs)
+            finish = knobs.pop("FINISH", None)
+            saved = F.FINISH
+            if finish is not None:
+                F.FINISH = finish
+                _clear()
             try:
-                results.append(run(a.tokens, a.experts, a.dtype, a.repeats, a.peak, label, data))
+                results.append(run(a.tokens, a.experts, a.dtype, a.repeats, a.peak, label, data,
+                                   Z.ZLossTiling(**knobs)))
             except Exception as e:  # a variant that fails to compile or run: say so, go on
                 print(f"{label}: {type(e).__name__}: {e}", flush=True)
-            for k, v in saved.items():
-                setattr(_module(k), k, v)
-        _clear()
+            if finish is not None:
+                F.FINISH = saved
+                _clear()
         for dtype in sorted(set(DTYPES) - {a.dtype}):
             results.append(run(a.tokens, a.experts, dtype, a.repeats, a.peak, "other dtype"))
     if a.json:

@@ -1,6 +1,6 @@
 """Launch plumbing: the ONLY place that moves arrays between host and device,
 reinterprets bfloat16, allocates outputs and resolves streams (grids and tile
-sizes: ``_tiling.py``; plans and their executor: ``_plan.py``).  The launcher
+sizes: each family's ``tiling.py``; plans and their executor: ``plan.py``).  The launcher
 modules (``topk.py``, ``aux_scores.py``, ``aux_loss.py``, ``z_loss.py``) call
 the helpers below; they never call ``cuda.to_device`` themselves.
 

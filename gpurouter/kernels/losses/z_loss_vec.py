@@ -1,6 +1,6 @@
 """Router z-loss row kernels on 16-byte vectors: the forward's rows and the
 backward when a row is a whole number of 16-byte vectors (bf16 with
-``E % 8 == 0``, fp32 with ``E % 4 == 0``; ``_tiling.z_loss_vec_tiling``).
+``E % 8 == 0``, fp32 with ``E % 4 == 0``; ``tiling.z_loss_vec_tiling``).
 ``z_loss.py`` picks these or its unit kernels, and holds the plans.
 
 Layout: the logits seen flat as uint32 words (bf16: two experts a word, fp32:
