@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .context import function_of, libcuda, on_gpu, primary_context
+from .context import libcuda, primary_context
+from .kernel_cache import function_handle
 from .plan import Counter, Plan, Ref, counter_array, counter_key, plan_counters
 
 
@@ -87,20 +88,18 @@ def _slots(arg, specs, slot_of, counters) -> tuple[list[bytes], list[tuple[int, 
 
 
 def compile_steps(plan: Plan, ordinal: int, counters: dict | None = None) -> list[CompiledStep]:
-    """Every step of ``plan`` compiled for GPU ``ordinal`` (numba caches the
-    compile per argument types and device), with its parameter block.
+    """Every step of ``plan`` compiled for GPU ``ordinal`` (``kernel_cache.
+    function_handle``: from the process's memo, the disk cache or numba's
+    compile), with its parameter block.
     ``counters`` (``id(Counter) -> device address``): the plan's counters
     written into the blocks; None: holes after the tmps (``_slots``)."""
     specs = {"in": plan.ins, "out": plan.outs, "tmp": plan.tmps}
     slot_of = {"in": 0, "out": len(plan.ins), "tmp": len(plan.ins) + len(plan.outs),
                "counter": len(plan.ins) + len(plan.outs) + len(plan.tmps),
                "counters": [id(c) for c in plan_counters(plan)]}
-    with on_gpu(ordinal):  # numba compiles and loads; it may leave another GPU current
-        kernels = [int(st.kernel.compile(tuple(_numba_type(a, specs) for a in st.args))
-                       ._codelibrary.get_cufunc().handle) for st in plan.steps]
+    handles = [function_handle(st.kernel, tuple(_numba_type(a, specs) for a in st.args), ordinal)
+               for st in plan.steps]
     steps = []
-    with on_gpu(ordinal):  # the handles resolved in this GPU's context, nothing else run
-        handles = [function_of(k, ordinal) for k in kernels]
     for st, handle in zip(plan.steps, handles, strict=True):
         params, holes = [], []
         for a in st.args:
@@ -123,7 +122,8 @@ class PointerLaunch:
     into it and launches (the driver copies the parameters at launch, so the
     storage is reused at once; a lock keeps two host threads from
     interleaving). The kernel handle is the context's CUfunction of numba's
-    CUkernel (``_context.function_of``); the launch runs in the device's primary context,
+    CUkernel (``_context.function_of``) or of a cubin loaded from the disk cache
+    (``kernel_cache``); the launch runs in the device's primary context,
     pushed only when another one is current.  The plan's counters
     (``_plan.Counter``): one per stream, appended to ``ptrs``.
     """
