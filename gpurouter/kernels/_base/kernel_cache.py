@@ -82,8 +82,8 @@ def _dist_version(name: str) -> str:
 
 
 #: distributions whose versions go into every key (absent ones count as "-")
-DISTRIBUTIONS = ("numba", "numba-cuda", "llvmlite", "cuda-bindings", "cuda-python",
-                 "nvidia-cuda-nvcc", "nvidia-cuda-nvcc-cu12", "nvidia-cuda-nvrtc",
+DISTRIBUTIONS = ("numba", "numba-cuda", "llvmlite", "cuda-bindings", "cuda-python", "cuda-toolkit",
+                 "nvidia-nvvm", "nvidia-cuda-nvcc", "nvidia-cuda-nvcc-cu12", "nvidia-cuda-nvrtc",
                  "nvidia-cuda-nvrtc-cu12", "nvidia-nvjitlink", "nvidia-nvjitlink-cu12",
                  "nvidia-cuda-runtime", "nvidia-cuda-runtime-cu12", "nvidia-cuda-runtime-cu13")
 
@@ -92,12 +92,17 @@ DISTRIBUTIONS = ("numba", "numba-cuda", "llvmlite", "cuda-bindings", "cuda-pytho
 def toolchain() -> str:
     """gpurouter's, numba's and the CUDA packages' versions and numba's
     config values that change code generation, as one string."""
+    import re
+
     from numba import config
 
-    import gpurouter
-
-    parts = [f"gpurouter={gpurouter.__version__}"]
+    init = (Path(__file__).resolve().parents[2] / "__init__.py").read_text()
+    version = re.search(r"^__version__ = ['\"]([^'\"]+)", init, re.M)
+    parts = [f"gpurouter={version.group(1) if version else '-'}"]
     parts += [f"{d}={_dist_version(d)}" for d in DISTRIBUTIONS]
+    import os
+
+    parts += [f"{v}={os.environ.get(v, '-')}" for v in ("CUDA_HOME", "CUDA_PATH")]
     for name in ("OPT", "CUDA_DEBUGINFO_DEFAULT", "CUDA_ENABLE_PYNVJITLINK", "CUDA_DEFAULT_PTX_CC",
                  "CUDA_USE_NVIDIA_BINDING", "FASTMATH", "CUDA_ARRAY_INTERFACE_SYNC"):
         parts.append(f"{name}={getattr(config, name, '-')!r}")
@@ -294,28 +299,37 @@ def function_handle(kernel, argtypes, ordinal: int, cache=None) -> int:
         hit = _HANDLES.get(memo)
         if hit is not None:
             return hit[0]
-        handle = _resolve(kernel, argtypes, ordinal, cache if cache is not None else disk_cache.default_cache())
+        handle = resolve(kernel, argtypes, ordinal, cache if cache is not None else disk_cache.default_cache())
         _HANDLES[memo] = (handle, kernel)  # the kernel kept: its id stays its own
         return handle
 
 
-def _resolve(kernel, argtypes, ordinal: int, cache) -> int:
+def resolve(kernel, argtypes, ordinal: int, cache, *, compile_fn=None, load_fn=None,
+            cc=None, driver=None) -> int:
+    """One lookup of :func:`function_handle` (no memo): the disk entry of the
+    kernel's key loaded, else compiled and stored. The GPU steps are
+    injectable (the tests run this on a CPU): ``compile_fn(kernel, argtypes,
+    ordinal) -> (handle, entry name, cubin)``, ``load_fn(entry, cubin,
+    ordinal) -> handle`` (0: refused), ``cc`` and ``driver`` the key's."""
+    compile_fn = compile_fn or _compile
+    load_fn = load_fn or _load
     if cache is None:
-        return _compile(kernel, argtypes, ordinal)[0]
-    key = kernel_key(kernel, argtypes, compute_capability(ordinal), driver_version())
+        return compile_fn(kernel, argtypes, ordinal)[0]
+    key = kernel_key(kernel, argtypes, compute_capability(ordinal) if cc is None else cc,
+                     driver_version() if driver is None else driver)
     if key is None:
         STATS["uncacheable"] += 1
-        return _compile(kernel, argtypes, ordinal)[0]
+        return compile_fn(kernel, argtypes, ordinal)[0]
     payload = cache.load(key)
     if payload is not None:
         parsed = unpack_payload(payload)
-        handle = _load(*parsed, ordinal) if parsed is not None else 0
+        handle = load_fn(*parsed, ordinal) if parsed is not None else 0
         if handle:
             STATS["loaded"] += 1
             return handle
         STATS["load_failed"] += 1
         disk_cache.warn_once("bad", f"the entry {key[:16]}... did not load on GPU {ordinal}; "
                              "compiling again and overwriting it.")
-    handle, entry, cubin = _compile(kernel, argtypes, ordinal)
+    handle, entry, cubin = compile_fn(kernel, argtypes, ordinal)
     cache.store(key, pack_payload(entry, cubin))
     return handle
