@@ -125,7 +125,7 @@ class DiskCache:
         path = self.path_of(key)
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             self.stats["misses"] += 1
             return None
         except OSError as e:
