@@ -275,16 +275,35 @@ def test_toolchain_names_the_versions():
         assert name in text
 
 
-def test_real_kernel_keys_are_stable_across_processes():
-    """The key of a real factory kernel (numba's dispatcher, not the
-    simulator's) is the same in two fresh processes; another E is another key."""
-    script = textwrap.dedent("""
-        import json
+NEW_T_PRESETS = ("deepseek-v3", "qwen3", "mixtral", "nemotron-3-super")
+
+
+def test_real_kernels_in_fresh_processes():
+    """Without the simulator (the GPU's plans), in two fresh processes:
+
+    - the key of a real factory kernel (numba's dispatcher) is the same in
+      both; another E is another key;
+    - a new token count of a family already used needs no new kernel: the
+      token count is a run-time argument of every router kernel, so the plans
+      of the demo's routing step for T = 64, 333 and 1000 use the kernels
+      (same objects, same argument types) of T = 4096 (docs/cache.md lists
+      what stays a compile-time constant).
+    """
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from test_kernel_cache import preset_kernels
+        from gpurouter.presets import PRESETS
         from gpurouter.kernels.topk.warp.fwd import warp_topk_fwd_kernel as f
         from gpurouter.kernels._base.kernel_cache import kernel_key
         args = ("array(uint16, 2d, C)", "int64")
-        print(json.dumps([kernel_key(f("bf16", e, 8, 0, True, num_groups=8, group_topk=4), args, (9, 0), 1)
-                          for e in (256, 512)]))
+        keys = [kernel_key(f("bf16", e, 8, 0, True, num_groups=8, group_topk=4), args, (9, 0), 1)
+                for e in (256, 512)]
+        new_t = {{}}
+        for name in {NEW_T_PRESETS!r}:
+            used = preset_kernels(PRESETS[name], 4096)
+            new_t[name] = [t for t in (64, 333, 1000) if preset_kernels(PRESETS[name], t) != used]
+        print(json.dumps([keys, new_t]))
     """)
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["PYTHONPATH"] = str(ROOT)
@@ -295,8 +314,10 @@ def test_real_kernel_keys_are_stable_across_processes():
         out, err = p.communicate(timeout=180)
         assert p.returncode == 0, err
         outs.append(json.loads(out.strip().splitlines()[-1]))
-    assert outs[0] == outs[1]
-    assert None not in outs[0] and outs[0][0] != outs[0][1]
+    (keys, new_t), (keys2, _) = outs
+    assert keys == keys2
+    assert None not in keys and keys[0] != keys[1]
+    assert new_t == {name: [] for name in NEW_T_PRESETS}, "token counts that need other kernels"
 
 
 class FakeGpu:
@@ -443,3 +464,41 @@ def test_warm_cache_loads_from_disk_with_the_bits_of_a_fresh_compile(tmp_path):
     off = run_gpu_child(tmp_path, GPUROUTER_CACHE="0")
     assert off["stats"]["loaded"] == 0 and off["stats"]["compiled"] > 0, off
     assert cold["digest"] == warm["digest"] == off["digest"]
+
+
+# ----------------------------------------------------------------------------
+# A new token count of a family already used: no new kernel
+# ----------------------------------------------------------------------------
+
+
+def preset_kernels(preset, tokens: int) -> set:
+    """(kernel, argument types) of every step of a preset's router plans at ``tokens``."""
+    import numpy as np
+
+    from gpurouter._checks import score_function_of
+    from gpurouter.kernels._base.launch import BF16, F32
+    from gpurouter.kernels._base.plan import Spec, spec_of
+    from gpurouter.kernels._base.pointer import _numba_type
+    from gpurouter.kernels.losses.aux_loss import moe_aux_loss_bwd_plan, moe_aux_loss_fwd_plan
+    from gpurouter.kernels.topk.aux_plans import score_for_aux_loss_bwd_plan, score_for_aux_loss_fwd_plan
+    from gpurouter.kernels.topk.plans import topk_with_score_function_bwd_plan, topk_with_score_function_fwd_plan
+
+    p, t = preset, tokens
+    sf = int(score_function_of("test", p.score_function))
+    logits, scale = spec_of((t, p.num_experts), BF16), np.float32(p.scaling_factor)
+    plans = [
+        topk_with_score_function_fwd_plan(logits, p.expert_bias, p.topk, p.use_pre_softmax, p.num_groups,
+                                          p.group_topk, scale, sf),
+        topk_with_score_function_bwd_plan(logits, p.topk, p.use_pre_softmax, scale, sf),
+        score_for_aux_loss_fwd_plan(logits, p.topk, sf),
+        score_for_aux_loss_bwd_plan(spec_of((t, p.num_experts), F32), sf, BF16),
+        moe_aux_loss_fwd_plan(spec_of((t, p.num_experts), F32), Spec((p.num_experts,), np.int32, "int"),
+                              np.float32(1e-3)),
+        moe_aux_loss_bwd_plan(Spec((p.num_experts,), np.int32, "int"), spec_of((), F32), t),
+    ]
+    out = set()
+    for plan in plans:
+        specs = {"in": plan.ins, "out": plan.outs, "tmp": plan.tmps}
+        for st in plan.steps:
+            out.add((st.kernel, tuple(str(_numba_type(a, specs)) for a in st.args)))
+    return out
