@@ -9,11 +9,11 @@ miss compiles with numba (``dispatcher.compile``), stores the linked cubin
 and its entry name, and returns numba's own function. Later calls are a dict
 lookup.
 
-Why not numba's ``cache=True``: its index is keyed by the function's
-qualified name, source file and line, so the factories' closures (one
-source function, many kernels: each ``(kind, E, K, ...)`` closes over other
-constants and device functions) are not told apart by it; numba's docs list
-closures and generated functions among what its cache does not support.
+Why not numba's ``cache=True`` (docs/cache.md): numba-cuda keys a closure
+by a cloudpickle of its cells, and for the factories' kernels (closures over
+device functions and intrinsics) that pickle differs from one process to the
+next, so a fresh process would never hit; and its invalidation does not see
+edits to device functions in other files (numba's "Notes on Caching").
 
 The key is a SHA-256 of everything that changes the machine code:
 
