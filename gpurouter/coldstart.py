@@ -111,12 +111,18 @@ def _run_child(preset: str, backend: str, tokens: int, cache_dir: str | None, ti
 
 
 def _gpu_problem() -> str:
-    from .__main__ import _numba_problem
-    from ._backend import simulator_enabled
+    """Why the numba rows cannot run here ("" when they can)."""
+    from . import _backend
 
-    if simulator_enabled():
+    if _backend.simulator_enabled():
         return "NUMBA_ENABLE_CUDASIM is set: the simulator compiles nothing (unset it on a GPU machine)"
-    return _numba_problem()
+    try:
+        _backend.kernels()
+    except ImportError:
+        return "numba-cuda is not installed (pip install 'gpurouter[cuda13]')"
+    if not _backend.numba_gpu_available():
+        return "numba-cuda sees no CUDA GPU"
+    return ""
 
 
 def main(argv: list[str]) -> int:

@@ -502,3 +502,82 @@ def preset_kernels(preset, tokens: int) -> set:
         for st in plan.steps:
             out.add((st.kernel, tuple(str(_numba_type(a, specs)) for a in st.args)))
     return out
+
+
+# ----------------------------------------------------------------------------
+# execute's GPU path (pointer.launch_plan), the launch faked
+# ----------------------------------------------------------------------------
+
+
+class FakeArray:
+    """A device array as ``launch_plan`` reads it: its CUDA array interface."""
+
+    def __init__(self, shape, typestr, ptr, strides=None):
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False),
+                                         "strides": strides, "version": 3}
+
+
+class FakeLaunch:
+    made: list = []
+
+    def __init__(self, plan, ordinal):
+        FakeLaunch.made.append((plan, ordinal))
+        self.calls = []
+
+    def __call__(self, ptrs, stream):
+        self.calls.append((list(ptrs), stream))
+
+
+@pytest.fixture
+def fake_gpu_executor(monkeypatch):
+    from gpurouter.kernels._base import plan as plan_mod
+    from gpurouter.kernels._base import pointer
+
+    FakeLaunch.made = []
+    monkeypatch.setattr(pointer, "PointerLaunch", FakeLaunch)
+    monkeypatch.setattr(pointer, "_POINTER_PLANS", {})
+    monkeypatch.setattr(plan_mod, "_ordinal_now", lambda: 0)
+    return pointer.launch_plan
+
+
+def a_plan():
+    import numpy as np
+
+    from gpurouter.kernels._base.plan import In, Out, Plan, Spec, Step, Tmp
+
+    x = Spec((4, 8), np.uint16, "bf16")
+    steps = [Step(object(), 1, 32, 0, (In(0, Spec((8,), np.uint64)), In(1), Out(0), Tmp(0), 7))]
+    return Plan("op", (x, Spec((8,), np.float32)), (Spec((4, 8), np.float32),), (Spec((3,), np.int32),), steps)
+
+
+def arrays(**change):
+    a = {"in": [FakeArray((4, 8), "<u2", 4096), FakeArray((8,), "<f4", 8192)],
+         "out": [FakeArray((4, 8), "<f4", 12288)], "tmp": [FakeArray((3,), "<i4", 16384)]}
+    for role, items in change.items():
+        a[role] = items
+    return a
+
+
+def test_execute_gpu_path_launches_the_plans_arrays(fake_gpu_executor):
+    import ctypes
+
+    plan = a_plan()
+    assert fake_gpu_executor(plan, arrays(), 0)
+    assert fake_gpu_executor(plan, arrays(**{"in": [FakeArray((4, 8), "<u2", 4096), None]}),
+                             type("S", (), {"handle": ctypes.c_void_p(0x1234)})())
+    c_strides = arrays(**{"in": [FakeArray((4, 8), "<u2", 4096, strides=(16, 2)), FakeArray((8,), "<f4", 8192)]})
+    assert fake_gpu_executor(plan, c_strides, 0)  # explicit C-order strides are C order
+    assert len(FakeLaunch.made) == 1 and FakeLaunch.made[0][0] is plan  # one PointerLaunch, kept
+    calls = fake_gpu_executor.__globals__["_POINTER_PLANS"][(id(plan), 0)][0].calls
+    assert calls[0][0] == [4096, 8192, 12288, 16384]  # ins, outs, tmps in plan order
+    assert calls[1] == ([4096, 0, 12288, 16384], 0x1234)  # an input the plan does not read: 0
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "strides", "misaligned view", "missing"])
+def test_execute_gpu_path_leaves_other_arrays_to_numba(fake_gpu_executor, bad):
+    x = {"shape": FakeArray((8, 4), "<u2", 4096), "dtype": FakeArray((4, 8), "<f2", 4096),
+         "strides": FakeArray((4, 8), "<u2", 4096, strides=(32, 4)),
+         "misaligned view": FakeArray((4, 8), "<u2", 4098)}.get(bad)
+    ins = [] if bad == "missing" else [x, FakeArray((8,), "<f4", 8192)]
+    assert not fake_gpu_executor(a_plan(), arrays(**{"in": ins}), 0)
+    assert FakeLaunch.made == []

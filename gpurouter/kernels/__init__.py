@@ -6,6 +6,7 @@ the layout.  Never imports jax.
 """
 
 from ._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+from ._base import pointer as _pointer  # noqa: F401  (registers execute's GPU path: plan.GPU_EXECUTOR)
 from ._base.launch import kind_of_dtype as kind_of_dtype
 from ._base.limits import MAX_EXPERTS as MAX_EXPERTS
 from ._base.limits import MAX_GROUPS as MAX_GROUPS

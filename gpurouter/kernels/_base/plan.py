@@ -19,7 +19,6 @@ executors alone turn them into device arrays or pointers.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 
 import numpy as np
@@ -256,78 +255,18 @@ def execute(plan: Plan, ins, out, stream, to_host: bool):
                 for sp, o in zip(plan.outs, outs, strict=True)],
         "tmp": [cuda.device_array(sp.shape, dtype=sp.dtype, stream=stream) for sp in plan.tmps],
     }
-    if simulator_enabled() or not _launch_pointers(plan, arrays, stream):
+    if simulator_enabled() or not (GPU_EXECUTOR and GPU_EXECUTOR[0](plan, arrays, stream)):
         for st in plan.steps:
             launch(st.kernel, st.grid, st.block, stream, st.shared,
                    *(_resolve(a, arrays, plan.op, stream) for a in st.args))
     return finish(arrays["out"], [sp.kind for sp in plan.outs], to_host, stream)
 
 
-_POINTER_PLANS: dict = {}
-
-
-def _c_contiguous(cai) -> bool:
-    strides = cai.get("strides")
-    if strides is None:
-        return True
-    itemsize = np.dtype(cai["typestr"]).itemsize
-    want = itemsize
-    for n, s in zip(reversed(cai["shape"]), reversed(strides), strict=True):
-        if n > 1 and s != want:
-            return False
-        want *= n
-    return True
-
-
-def _launch_pointers(plan: Plan, arrays: dict, stream) -> bool:
-    """Runs ``plan`` on the GPU through ``pointer.PointerLaunch`` (the kernels'
-    compiled handles: disk cache, no per-launch typing); False, launching
-    nothing, where an array is not the plan's: a shape or dtype other than its
-    Spec, strides not C-contiguous, or a reinterpreted view that is misaligned
-    (numba's dispatcher then runs the plan, and raises what it raises)."""
-    ptrs = []
-    for role, specs in (("in", plan.ins), ("out", plan.outs), ("tmp", plan.tmps)):
-        for a, sp in zip(arrays[role], specs, strict=False):
-            if a is None:
-                ptrs.append(0)
-                continue
-            cai = a.__cuda_array_interface__
-            shape = tuple(int(n) for n in cai["shape"])
-            if (shape not in (sp.shape, sp.shape or (1,)) or np.dtype(cai["typestr"]) != sp.dtype
-                    or not _c_contiguous(cai)):
-                return False
-            ptrs.append(int(cai["data"][0]))
-        if len(arrays[role]) < len(specs):
-            return False
-    starts = {"in": 0, "out": len(plan.ins), "tmp": len(plan.ins) + len(plan.outs)}
-    for st in plan.steps:
-        for a in st.args:
-            if isinstance(a, Ref) and a.view is not None and ptrs[starts[a.role] + a.index] % a.view.dtype.itemsize:
-                return False
-    ordinal = _ordinal_now()
-    memo = (id(plan), ordinal)
-    hit = _POINTER_PLANS.get(memo)
-    if hit is None:
-        from .pointer import PointerLaunch
-
-        if len(_POINTER_PLANS) > 4096:  # one entry per plan used: bounded anyway
-            _POINTER_PLANS.clear()
-        hit = _POINTER_PLANS[memo] = (PointerLaunch(plan, ordinal), plan)  # plan kept: its id stays its own
-    hit[0](ptrs, _stream_handle(stream))
-    return True
-
-
-def _stream_handle(stream) -> int:
-    """A numba stream (or 0) as the handle cuLaunchKernel takes; 0 is numba's
-    default stream: the per-thread one (2) where numba's config says so."""
-    if stream is None or (isinstance(stream, (int, np.integer)) and int(stream) == 0):
-        from numba import config
-
-        return 2 if config.CUDA_PER_THREAD_DEFAULT_STREAM else 0
-    handle = getattr(stream, "handle", stream)
-    if isinstance(handle, ctypes.c_void_p):
-        return int(handle.value or 0)
-    return int(handle)
+#: the GPU executor: ``pointer.launch_plan``, which ``pointer`` registers here
+#: when it is imported (``gpurouter/kernels/__init__.py`` imports it; this
+#: module cannot import it: ``pointer`` imports this one). Empty: numba's
+#: dispatcher runs every plan.
+GPU_EXECUTOR: list = []
 
 
 def map_spec(num_tokens: int, num_experts: int, map_format: int) -> Spec:
