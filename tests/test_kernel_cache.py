@@ -457,10 +457,11 @@ def run_gpu_child(tmp_path, **env_extra):
 @pytest.mark.gpu
 def test_warm_cache_loads_from_disk_with_the_bits_of_a_fresh_compile(tmp_path):
     cold = run_gpu_child(tmp_path)
-    assert cold["stats"]["compiled"] > 0 and cold["stats"]["loaded"] == 0, cold
+    assert cold["stats"]["compiled"] > 0, cold
     warm = run_gpu_child(tmp_path)
     assert warm["stats"]["compiled"] == 0 and warm["numba_compiles"] == 0, warm
-    assert warm["stats"]["loaded"] == cold["stats"]["compiled"], (cold, warm)
+    # (two kernel objects with one key: the second is loaded even in the cold process)
+    assert warm["stats"]["loaded"] == cold["stats"]["compiled"] + cold["stats"]["loaded"], (cold, warm)
     off = run_gpu_child(tmp_path, GPUROUTER_CACHE="0")
     assert off["stats"]["loaded"] == 0 and off["stats"]["compiled"] > 0, off
     assert cold["digest"] == warm["digest"] == off["digest"]

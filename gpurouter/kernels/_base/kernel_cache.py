@@ -238,6 +238,7 @@ def _driver():
 
 @functools.cache
 def driver_version() -> int:
+    """The CUDA driver's version (``cuDriverGetVersion``: 12080 for 12.8)."""
     v = ctypes.c_int(0)
     _driver().cuDriverGetVersion(ctypes.byref(v))
     return int(v.value)
@@ -245,9 +246,12 @@ def driver_version() -> int:
 
 @functools.cache
 def compute_capability(ordinal: int) -> tuple[int, int]:
-    lib, major, minor = _driver(), ctypes.c_int(0), ctypes.c_int(0)
-    lib.cuDeviceGetAttribute(ctypes.byref(major), 75, ordinal)  # ..._COMPUTE_CAPABILITY_MAJOR
-    lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, ordinal)  # ..._COMPUTE_CAPABILITY_MINOR
+    """GPU ``ordinal``'s compute capability, from the driver."""
+    lib, dev, major, minor = _driver(), ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
+    if lib.cuDeviceGet(ctypes.byref(dev), ordinal) != 0:
+        raise RuntimeError(f"gpurouter: cuDeviceGet({ordinal}) failed")
+    lib.cuDeviceGetAttribute(ctypes.byref(major), 75, dev)  # ..._COMPUTE_CAPABILITY_MAJOR
+    lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev)  # ..._COMPUTE_CAPABILITY_MINOR
     return int(major.value), int(minor.value)
 
 
