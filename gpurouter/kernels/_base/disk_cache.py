@@ -157,6 +157,7 @@ class DiskCache:
             fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=self.folder)
             with os.fdopen(fd, "wb") as f:
                 f.write(pack(key, payload))
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the entry from another user of the folder
             os.replace(tmp, path)
             tmp = None
         except OSError as e:
