@@ -582,3 +582,74 @@ def test_execute_gpu_path_leaves_other_arrays_to_numba(fake_gpu_executor, bad):
     ins = [] if bad == "missing" else [x, FakeArray((8,), "<f4", 8192)]
     assert not fake_gpu_executor(a_plan(), arrays(**{"in": ins}), 0)
     assert FakeLaunch.made == []
+
+
+# ----------------------------------------------------------------------------
+# The FFI handler (a CPU cfunc) from the cache, in a fresh process
+# ----------------------------------------------------------------------------
+
+
+def probe_handler(address: int) -> list:
+    """What the handler at ``address`` does with three hand-made call frames:
+    XLA's metadata query, a call frame too small, an API of another major
+    version (the last two: the error message it hands XLA)."""
+    import ctypes
+
+    import numpy as np
+
+    from gpurouter._transport import ffi_abi as abi
+
+    fn = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)(address)
+    out = []
+    ext, md, frame = np.zeros(16, np.int64), np.zeros(16, np.int64), np.zeros(64, np.int64)
+    ext.view(np.int32)[abi.EXT_TYPE // 4] = abi.EXTENSION_METADATA
+    ext[abi.EXT_METADATA // 8] = md.ctypes.data
+    md[abi.MD_STRUCT_SIZE // 8] = 64
+    frame[abi.CF_EXTENSION // 8] = ext.ctypes.data
+    out.append([int(fn(frame.ctypes.data)), md.tolist()])
+    messages = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)
+    def error_create(args):
+        messages.append(ctypes.string_at(ctypes.c_int64.from_address(args + abi.ERR_MESSAGE).value).decode())
+        return 77
+
+    api = np.zeros(64, np.int64)
+    api[abi.API_STRUCT_SIZE // 8] = api.nbytes
+    api[abi.API_ERROR_CREATE // 8] = ctypes.cast(error_create, ctypes.c_void_p).value
+    for size, major in ((8, abi.ABI_MAJOR), (abi.CF_MIN_SIZE, abi.ABI_MAJOR + 1)):
+        frame = np.zeros(64, np.int64)
+        frame[abi.CF_API // 8] = api.ctypes.data
+        frame[abi.CF_STRUCT_SIZE // 8] = size
+        api.view(np.int32)[abi.API_MAJOR // 4] = major
+        out.append([int(fn(frame.ctypes.data)), messages[-1:] if messages else None])
+        messages.clear()
+    return out
+
+
+def test_the_ffi_handler_loads_from_the_cache_in_a_fresh_process(tmp_path):
+    """The handler compiled here (stored in a fresh cache folder) and the one a
+    fresh process loads from it (no compile) answer the same frames alike."""
+    pytest.importorskip("jax")
+    from gpurouter._transport import ffi, ffi_cache
+
+    compiled = ffi_cache.cached_cfunc(ffi._compile_handler, cache=disk_cache.DiskCache(tmp_path))
+    want = probe_handler(compiled.address)
+    assert want[0][0] == 0 and want[1][0] == want[2][0] == 77
+    assert "older than the handler reads" in want[1][1][0] and "major version" in want[2][1][0]
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from test_kernel_cache import probe_handler
+        from gpurouter._transport import ffi, ffi_cache
+        h = ffi._handler()
+        print(json.dumps([type(h).__name__, ffi_cache.STATS, probe_handler(h.address)]))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "GPUROUTER_CACHE"}
+    env.update(PYTHONPATH=str(ROOT), GPUROUTER_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kind, stats, got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (kind, stats) == ("LoadedCFunc", {"compiled": 0, "loaded": 1})
+    assert got == want
