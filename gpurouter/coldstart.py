@@ -13,9 +13,9 @@ scores and the aux loss; bf16 logits, ``--tokens`` tokens), then again:
 Each numba row also gives the first call for a new token count in the same
 process (``--tokens // 2 + 8``: a new shape of a family already used), and
 what the process compiled and loaded (``kernel_cache.STATS``). The FFI
-handler (``transport="ffi"``, one ``numba.cfunc`` a process, not cached:
-docs/cache.md) is compiled before the timed call and its time is its own
-column; the first-call column includes it.
+handler (``transport="ffi"``, one ``numba.cfunc`` a process, cached too:
+``_transport/ffi_cache.py``) is compiled or loaded before the timed call and
+its time is its own column; the first-call column includes it.
 
 Needs a CUDA GPU for the numba rows (``--backends jax`` runs anywhere).
 """
