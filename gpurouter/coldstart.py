@@ -81,7 +81,7 @@ def _child(preset: str, backend: str, tokens: int) -> dict:
     jax.block_until_ready(step(x))
     out["second_ms"] = (time.perf_counter() - t0) * 1e3
     if stats is not None:
-        out["compiled"], out["loaded"] = stats["compiled"], stats["loaded"]
+        out["compiled"], out["loaded"], out["uncacheable"] = stats["compiled"], stats["loaded"], stats["uncacheable"]
         before = stats["compiled"]
         x2 = jax.block_until_ready(logits(tokens // 2 + 8))
         t0 = time.perf_counter()
