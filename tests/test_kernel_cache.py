@@ -574,6 +574,18 @@ def test_execute_gpu_path_launches_the_plans_arrays(fake_gpu_executor):
     assert calls[1] == ([4096, 0, 12288, 16384], 0x1234)  # an input the plan does not read: 0
 
 
+def test_execute_gpu_path_leaves_unknown_argument_types_to_numba(fake_gpu_executor, monkeypatch):
+    from gpurouter.kernels._base import pointer
+
+    def refuse(plan, ordinal):
+        raise TypeError("no kernel parameter type for 1.5")
+
+    monkeypatch.setattr(pointer, "PointerLaunch", refuse)
+    plan = a_plan()
+    assert not fake_gpu_executor(plan, arrays(), 0)
+    assert not fake_gpu_executor(plan, arrays(), 0)  # remembered
+
+
 @pytest.mark.parametrize("bad", ["shape", "dtype", "strides", "misaligned view", "missing"])
 def test_execute_gpu_path_leaves_other_arrays_to_numba(fake_gpu_executor, bad):
     x = {"shape": FakeArray((8, 4), "<u2", 4096), "dtype": FakeArray((4, 8), "<f2", 4096),

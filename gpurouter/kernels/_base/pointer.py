@@ -233,7 +233,13 @@ def launch_plan(plan: Plan, arrays: dict, stream) -> bool:
     if hit is None:
         if len(_POINTER_PLANS) > 4096:  # one entry per plan used: bounded anyway
             _POINTER_PLANS.clear()
-        hit = _POINTER_PLANS[memo] = (PointerLaunch(plan, ordinal), plan)  # plan kept: its id stays its own
+        try:
+            launcher = PointerLaunch(plan, ordinal)
+        except TypeError:  # an argument with no kernel parameter type (_numba_type): numba's dispatcher
+            launcher = None
+        hit = _POINTER_PLANS[memo] = (launcher, plan)  # plan kept: its id stays its own
+    if hit[0] is None:
+        return False
     hit[0](ptrs, _stream_handle(stream))
     return True
 
