@@ -147,15 +147,15 @@ def demo(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
-        from .bench import main as bench_main
+        from .bench.router import main as bench_main
 
         return bench_main(argv[1:])
     if argv and argv[0] == "moe-bench":
-        from .bench_moe import main as moe_main
+        from .bench.moe import main as moe_main
 
         return moe_main(argv[1:])
     if argv and argv[0] == "steps":
-        from .bench_steps import main as steps_main
+        from .bench.steps import main as steps_main
 
         return steps_main(argv[1:])
     if argv and argv[0] in ("cache", "coldstart"):  # the kernel cache (docs/cache.md)

@@ -5,7 +5,7 @@
   ``ci`` (derandomized, ~25 examples), ``dev`` (10, random), ``fuzz``
   (3000, random; run by hand or nightly).
 - ``GPUROUTER_TEST_DEVICE=i`` makes ``jax.devices()[i]`` JAX's default device
-  (the public suite on a second GPU: tools/two_gpu.sh).
+  (the public suite on a second GPU: tools/ci/two_gpu.sh).
 - Strict JAX promotion: ``jax_numpy_dtype_promotion="strict"`` and
   ``jax_numpy_rank_promotion="raise"`` (x64 stays off; tests that need
   float64 use ``with jax.enable_x64(True):`` locally).
@@ -61,7 +61,7 @@ def _default_device_from_env():
     """``GPUROUTER_TEST_DEVICE=i``: run the tests with ``jax.devices()[i]`` as JAX's
     default device (``jax_default_device``), e.g. the public suite on a host's second
     GPU, where a launch in the wrong CUDA context would show (issue #19,
-    tools/two_gpu.sh). Unset: JAX's own default (the first device)."""
+    tools/ci/two_gpu.sh). Unset: JAX's own default (the first device)."""
     raw = os.environ.get("GPUROUTER_TEST_DEVICE")
     if raw is None or raw == "":
         return

@@ -1,6 +1,6 @@
 """Tiling: the ONLY place that computes grids, block sizes and shared-memory
 layouts of the kernels (the knobs measured on a GPU are module constants;
-their figures live in docs/benchmarks.md).
+their figures live in lab/journal/benchmarks.md).
 
 - W-lane row forwards (``lane_topk_fwd.py``, ``lane_aux_scores_fwd.py``):
   ``row_lanes``, ``row_stride``, ``select_layout`` -> ``RowLayout``;
@@ -124,11 +124,11 @@ def select_layout(num_tokens: int, num_experts: int, topk: int, num_groups: int 
 
 
 #: the token forwards take K <= this (register lists) and E % 4 == 0: faster than the
-#: W-lane ones at every K to 64 (E = 512, 2304: docs/benchmarks.md, "Large K")
+#: W-lane ones at every K to 64 (E = 512, 2304: lab/journal/benchmarks.md, "Large K")
 TOKEN_MAX_TOPK = 64
 #: tokens per block of the thread-per-token kernels at most, threads at least
 TOKEN_MAX_TOKENS = 256
-TOKEN_MIN_THREADS = 256  # measured: docs/benchmarks.md (tools/tiling_sweep.py)
+TOKEN_MIN_THREADS = 256  # measured: lab/journal/benchmarks.md (tools/probes/tiling_sweep.py)
 
 
 def pow2_at_least(n: int) -> int:
@@ -280,7 +280,7 @@ def stream_tiling(num_tokens: int, num_experts: int):
 
 
 #: lanes per token of the quad backwards at most, top-k (sparse; at T <= ``QUAD_SMALL_T``: ``_SMALL_T``)
-#: and aux scores (dense), and threads per block (``tools/tiling_sweep.py``; docs/benchmarks.md)
+#: and aux scores (dense), and threads per block (``tools/probes/tiling_sweep.py``; lab/journal/benchmarks.md)
 QUAD_LANES_SPARSE, QUAD_LANES_SPARSE_SMALL_T, QUAD_SMALL_T, QUAD_LANES_DENSE, QUAD_THREADS = 8, 16, 8192, 16, 128
 #: quads per lane held in registers by the aux-score backward (8 fp32 registers each)
 QUAD_HOLD = 4
@@ -307,7 +307,7 @@ def quad_hold(num_experts: int, lanes: int) -> int:
 
 
 #: the aux loss's column-sum kernel: threads per block, blocks at most, rows per block at least
-#: (measured: docs/benchmarks.md, "The aux loss's forward in one kernel")
+#: (measured: lab/journal/benchmarks.md, "The aux loss's forward in one kernel")
 COLUMN_THREADS, COLUMN_BLOCKS, COLUMN_MIN_ROWS = 512, 256, 64
 
 
@@ -325,7 +325,7 @@ def column_tiling(num_rows: int, num_cols: int, block: int = COLUMN_THREADS):
 
 
 #: the aux-loss backward's fill: threads per block, blocks at most (the sweep
-#: against other grids and the driver's memset: docs/benchmarks.md).
+#: against other grids and the driver's memset: lab/journal/benchmarks.md).
 FILL_THREADS = 128
 FILL_BLOCKS = 528
 
@@ -345,7 +345,7 @@ def fill_tiling(num_rows: int, num_quads: int):
 # Router z-loss
 
 #: the unit kernels: threads per block of the forward's (TB rows x W lanes) and
-#: the units (four experts) a lane loads at once (``tools/z_loss_probe.py --sweep``)
+#: the units (four experts) a lane loads at once (``tools/probes/z_loss_probe.py --sweep``)
 Z_THREADS = 128
 Z_HOLD = 16
 #: the backward's threads per block and held units

@@ -39,8 +39,6 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 #: the numba dtype a kernel sees for each kind of float.
 DEVICE_DTYPE = {F32: np.dtype(np.float32), BF16: np.dtype(np.uint16), F16: np.dtype(np.float16)}
-#: the host dtype the caller sees.
-HOST_DTYPE = {F32: np.dtype(np.float32), BF16: BFLOAT16, F16: np.dtype(np.float16)}
 
 
 # ----------------------------------------------------------------------------

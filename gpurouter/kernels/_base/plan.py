@@ -37,21 +37,6 @@ from .launch import (
     simulator_enabled,
 )
 
-# ----------------------------------------------------------------------------
-# Plans: what a launcher launches, decided once per shape and configuration
-#
-# A launcher validates its arguments, asks its op's ``*_plan`` function for a
-# Plan (cached: a pure function of shapes, dtypes and static configuration)
-# and hands it to one of two executors:
-#
-# - ``execute``: numba device arrays (``PointerLaunch`` on a GPU, numba's
-#   dispatcher on the CUDA simulator); allocates outputs and scratch arrays;
-# - ``PointerLaunch``: raw device pointers (XLA's buffers, zero-copy), each
-#   step one ``cuLaunchKernel`` of a kernel compiled once per device, with its
-#   parameter list built once: a few microseconds of Python per step instead
-#   of numba's per-call typing and argument marshalling.
-# ----------------------------------------------------------------------------
-
 
 class Spec:
     """Shape, device dtype and kind of one array of a plan (``kind`` None: not a float)."""

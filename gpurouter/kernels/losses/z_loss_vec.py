@@ -32,7 +32,7 @@ at the end thread 0 sums the block's TB running sums in slot order into
 at launch, wrapping back to zero at the grid's last block): the block that
 gets the last one sums every partial in a fixed order (``_z_loss_finish``) and
 writes the loss, one launch in all (a second one-block launch cost more:
-docs/benchmarks.md, "Router z-loss").  Every order is fixed: bit-identical
+lab/journal/benchmarks.md, "Router z-loss").  Every order is fixed: bit-identical
 run to run (the simulator's exchange goes through shared memory in the same
 order).
 

@@ -37,7 +37,7 @@ register cap (``rows_knobs``): more threads with fewer loads each ran faster.
 held row a fixed tree over the lanes (``_moe_rows.lane_tree_sums``: a warp
 butterfly of shuffles, then the warps in order; one barrier per
 ``DB_HOLD_ROWS`` rows; it replaced a two-barrier shared-memory sum,
-docs/benchmarks.md).  With one column block that is ``dscales``; with several
+lab/journal/benchmarks.md).  With one column block that is ``dscales``; with several
 (more units than Q DB_MAX_LANES) each writes a partial row ``dsp[cb]`` and
 kernel 3 sums them in column-block order.  Every order is fixed by the
 shapes: the results are bit-identical run to run.
@@ -78,7 +78,7 @@ DB_HOLD_ROWS_DBIAS = 4
 DB_CHUNK_ROWS_DBIAS = 128
 DB_MAX_REGS_DBIAS = 64
 #: lanes (threads) per block at most; wider rows take several column blocks (512: the DeepSeek-V3-like
-#: H = 7168 in 2 column blocks, not 4; docs/benchmarks.md, "Op 1 at the DeepSeek-V3-like shape")
+#: H = 7168 in 2 column blocks, not 4; lab/journal/benchmarks.md, "Op 1 at the DeepSeek-V3-like shape")
 DB_MAX_LANES = 512
 #: kernel 1's register cap with scales (0: the compiler's choice)
 DB_MAX_REGS = 0

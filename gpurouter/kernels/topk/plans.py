@@ -155,7 +155,7 @@ def topk_with_score_function_fwd(
 #: how the thread-per-token top-k forward writes its indices where E <= 256
 #: and K <= 8 (``token_topk_fwd_kernel``'s ``indices``): 2, the hits packed in
 #: a register by the selecting thread; 1, the hit lists in local memory (the
-#: only way elsewhere).  Figures: docs/benchmarks.md
+#: only way elsewhere).  Figures: lab/journal/benchmarks.md
 TOKEN_INDICES_WAY = 2
 
 #: an SM of the GPUs the kernels are tuned on (sm_90: H100, H200): shared

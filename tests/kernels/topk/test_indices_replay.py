@@ -51,7 +51,7 @@ def _same_bits(a, b, what):
 
 
 def _path(plan):
-    return "token" if plan.steps[0].kernel.py_func.__module__.startswith("gpurouter.kernels.token_") else "lanes"
+    return "token" if plan.steps[0].kernel.py_func.__module__.startswith("gpurouter.kernels.topk.token.") else "lanes"
 
 
 def _plan(x, k, kw, fmt, **extra):

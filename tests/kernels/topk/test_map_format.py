@@ -50,7 +50,7 @@ def _logits(T, E, seed, dtype="float32", specials=True):
 
 def _path(plan):
     mod = plan.steps[0].kernel.py_func.__module__
-    return "token" if mod.startswith("gpurouter.kernels.token_") else "warp" if mod.endswith(".warp_topk_fwd") \
+    return "token" if mod.startswith("gpurouter.kernels.topk.token.") else "warp" if mod.endswith(".warp.fwd") \
         else "lanes"
 
 

@@ -3,7 +3,7 @@ and E a multiple of 4 (every model preset, Nemotron's K=22 included; the other
 shapes take ``lane_topk_fwd.py``); launched by
 ``topk.topk_with_score_function_fwd_plan`` when ``_tiling.token_path`` says so.
 
-Why one thread per token (docs/benchmarks.md): the W-lane kernels spend
+Why one thread per token (lab/journal/benchmarks.md): the W-lane kernels spend
 their time in the selection, a few thousand warp instructions per token
 (shared-memory lists, tree merges, a barrier per merge level).  Here a
 token's whole selection is one thread's serial scan of its tile row, its

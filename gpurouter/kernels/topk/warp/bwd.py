@@ -51,7 +51,7 @@ from .lanes import exchanges, warp_grid, warp_scans
 
 #: warps (tokens) a block; blocks at most (a grid-strided token loop): 16 an
 #: SM of an H200's 132 (1584 or unlimited blocks, or 8 warps a block, were no
-#: better everywhere: docs/benchmarks.md, "A warp a token, backward")
+#: better everywhere: lab/journal/benchmarks.md, "A warp a token, backward")
 WARP_BWD_TOKENS, WARP_BWD_MAX_BLOCKS = 4, 2112
 #: the shapes it takes: E a multiple of 128 up to this
 WARP_BWD_MAX_EXPERTS = 512

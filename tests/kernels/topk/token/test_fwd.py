@@ -26,7 +26,7 @@ pytestmark = pytest.mark.cuda
 def _kernel_of(plan):
     """True when the plan's kernel is a thread-per-token one (``token_topk_fwd.py``,
     ``token_aux_scores_fwd.py``)."""
-    return plan.steps[0].kernel.py_func.__module__.startswith("gpurouter.kernels.token_")
+    return plan.steps[0].kernel.py_func.__module__.startswith("gpurouter.kernels.topk.token.")
 
 
 #: the selections of the token forward (``token_tiling``'s ``lanes``; ``_tiling.token_lanes``'s mode)

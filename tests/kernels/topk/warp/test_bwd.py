@@ -30,7 +30,7 @@ SF = ("sigmoid", "sqrtsoftplus", "softmax")
 
 
 def _module_of(plan):
-    return plan.steps[0].kernel.py_func.__module__.rsplit(".", 1)[-1]
+    return plan.steps[0].kernel.py_func.__module__.removeprefix("gpurouter.kernels.topk.")  # e.g. "warp.fwd"
 
 
 def _bwd(m, s, g, k, sf, path="warp", scale=1.0):
@@ -67,18 +67,18 @@ def test_dispatch():
         return topk.topk_with_score_function_bwd_plan(_plan.spec_of((T, E), L.BF16), 8, pre, np.float32(1), fn,
                                                       0, path)
 
-    auto = "quad_bwd" if L.simulator_enabled() else "warp_topk_bwd"  # (never on the simulator)
+    auto = "bwd_quad" if L.simulator_enabled() else "warp.bwd"  # (never on the simulator)
     for E, fn in ((128, L.SIGMOID), (256, L.SQRTSOFTPLUS), (384, L.SOFTMAX), (512, L.SIGMOID)):
         assert _module_of(plan(E, fn)) == auto
-        assert _module_of(plan(E, fn, path="warp")) == "warp_topk_bwd"
-        assert _module_of(plan(E, fn, path="quad")) == "quad_bwd"
+        assert _module_of(plan(E, fn, path="warp")) == "warp.bwd"
+        assert _module_of(plan(E, fn, path="quad")) == "bwd_quad"
     assert warp_auto(simulator=False) and not warp_auto(simulator=True)  # the forward's rule too
     for E, fn, pre in ((256, L.SOFTMAX, True), (640, L.SIGMOID, False), (260, L.SIGMOID, False),
                        (64, L.SIGMOID, False)):
-        assert _module_of(plan(E, fn, pre)) in ("quad_bwd", "stream_bwd")
+        assert _module_of(plan(E, fn, pre)) in ("bwd_quad", "bwd_stream")
         with pytest.raises(ValueError, match="topk_with_score_function_bwd: path='warp' needs"):
             plan(E, fn, pre, path="warp")
-    assert _module_of(plan(130, path="quad")) == "stream_bwd"
+    assert _module_of(plan(130, path="quad")) == "bwd_stream"
     with pytest.raises(ValueError, match="topk_with_score_function_bwd: path must be"):
         plan(256, path="token")
     with pytest.raises(ValueError, match="path must be"):  # an empty batch too
