@@ -7,6 +7,7 @@ imports jax.
 """
 
 from ._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+from ._base import pointer as _pointer  # noqa: F401  (registers execute's GPU path: plan.GPU_EXECUTOR)
 
 # isort: split
 

@@ -29,7 +29,7 @@ groups=(  # (a -k expression without spaces: a group is split on them)
   "$k/_base/test_vec.py $k/topk/warp/test_bwd.py $k/topk/warp/test_fwd.py $k/losses/test_z_loss.py $k/losses/test_z_loss_vec.py"
   "tests/test_public.py"
   "tests/test_indices_replay.py tests/test_routing_map_format.py"
-  "tests/test_ffi.py tests/test_losses.py tests/test_callback.py tests/test_errors.py tests/test_ffi_abi.py tests/test_context.py"
+  "tests/test_ffi.py tests/test_losses.py tests/test_callback.py tests/test_errors.py tests/test_ffi_abi.py tests/test_context.py tests/test_kernel_cache.py"
   "tests/test_moe_ops.py tests/test_moe.py"
   "tests/test_sharding.py tests/test_partition.py tests/test_multi_gpu.py"
   "tests/reference tests/test_api.py tests/test_cli.py tests/test_docs.py tests/test_layering.py"
