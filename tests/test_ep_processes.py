@@ -1,7 +1,7 @@
 """Expert parallelism across processes: the MoE block with ``ep_axis`` over
 two processes joined by ``jax.distributed`` (localhost, one CPU device each,
 the gloo collectives) gives the values and gradients of the block on one
-process. The two processes run ``tools/ep_processes.py``; this test compares
+process. The two processes run ``tools/ci/ep_processes.py``; this test compares
 what process 0 gathered with the block computed here, without EP."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from gpurouter import moe as gmoe
 from gpurouter import reference as ref
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tools" / "ep_processes.py"
+SCRIPT = ROOT / "tools" / "ci" / "ep_processes.py"
 TIMEOUT = 240  # seconds for both processes, start to finish (25 s on 2 busy cores, 80 s on 2 overloaded ones)
 
 

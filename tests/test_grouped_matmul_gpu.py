@@ -2,7 +2,7 @@
 the same values and gradients as ``batched_ragged_dot`` in bf16, balanced and
 skewed routing (the largest expert at 4x the mean load), and no cliff: its
 forward + backward under the skewed routing within 1.5x of the balanced one.
-The times are printed (``-s``) for the record; tools/grouped_gemm_probe.py
+The times are printed (``-s``) for the record; tools/probes/grouped_gemm_probe.py
 has the breakdown."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpurouter.bench_moe import SHAPES
+from gpurouter.bench.moe import SHAPES
 from gpurouter.reference.grouped_matmul import batched_ragged_dot, tiled_ragged_dot
 
 pytestmark = pytest.mark.gpu

@@ -3,7 +3,7 @@ result, without XLA's dense rewrite of a ragged dot.
 
 On a GPU, XLA (jax 0.11) rewrites ``ragged_dot`` and its transposes into
 dense dots over every group, masked: about ``G`` times the work and memory
-of the grouped GEMM (docs/benchmarks.md measured 2.7 TFLOP/s on an H200 for
+of the grouped GEMM (lab/journal/benchmarks.md measured 2.7 TFLOP/s on an H200 for
 the MoE block's GEMMs, and out-of-memory at a DeepSeek-V3-like slice).
 :func:`batched_ragged_dot` computes the same product as one batched GEMM,
 ``[G, C, K] @ [G, K, M]``, the weights used in place (never gathered): the

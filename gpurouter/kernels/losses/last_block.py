@@ -3,7 +3,7 @@ block's thread 0, its partial sum written, takes a ticket, an increment of a
 ``_plan.Counter`` (zero when the kernel starts) that wraps back to zero at the
 grid's last block; the block that gets the last ticket sums every partial in
 a fixed order and writes the loss.  One launch in all, instead of a second,
-one-block launch (docs/benchmarks.md has what each costs).
+one-block launch (lab/journal/benchmarks.md has what each costs).
 
 - ``load_l2(a, i)``: ``ld.global.cg.f32`` (the partials other blocks wrote,
   never through a stale L1 line);
@@ -31,7 +31,7 @@ from .z_io import lane_reducers
 
 #: the finish: "acq_rel" (one acquire-release ``atom.inc``), "fence" (``membar.gl``,
 #: ``atomic.inc``, ``membar.gl``), or "none" (no finish, the loss unwritten: only
-#: for timing the rows alone, ``tools/z_loss_probe.py``)
+#: for timing the rows alone, ``tools/probes/z_loss_probe.py``)
 FINISH = "acq_rel"
 
 

@@ -27,9 +27,9 @@ def test_streaming_bwd_lanes_and_partial_blocks(sf, pre, T, E, k):
     """The streaming backwards: E=40 -> a warp per token, lanes wrapping past
     E, 8 tokens per block (a partial second block); E=6 -> 8 lanes per token,
     two of them idle, 32 tokens per block (a partial second block)."""
-    from gpurouter.kernels import _tiling as L
+    from gpurouter.kernels.topk.bwd_tiling import stream_tiling
 
-    grid, threads, lanes = L.stream_tiling(T, E)
+    grid, threads, lanes = stream_tiling(T, E)
     assert grid == 2 and threads % lanes == 0
     cfg = _cfg(T, E, k, sf, pre)
     x = tie_free_rows_np(8, cfg)
