@@ -3,6 +3,7 @@
 Usage:
   python -m gpurouter [demo] [--tokens N] [--backend all|jax|numba] [--dtype bfloat16]
   python -m gpurouter bench [--presets ...] [--paths ...] [--json F] [--plot F]   (see bench --help)
+  python -m gpurouter check MODULE:FUNCTION --op topk|aux-scores|aux-loss|z-loss   (see check --help)
 
 Prints one row per (preset, backend): shapes, time per jitted forward+backward,
 the largest difference to the reference (the jax backend is the reference), the
@@ -156,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_steps import main as steps_main
 
         return steps_main(argv[1:])
+    if argv and argv[0] == "check":
+        from .testing._cli import main as check_main
+
+        return check_main(argv[1:])
     if argv and argv[0] == "demo":
         argv = argv[1:]
     return demo(argv)

@@ -15,14 +15,13 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from tolerances import assert_close  # noqa: E402
-
 from gpurouter import reference as ref  # noqa: E402
 from gpurouter.kernels import _tiling  # noqa: E402
 from gpurouter.kernels._base import launch as L  # noqa: E402
 from gpurouter.kernels._base import plan as _plan  # noqa: E402
 from gpurouter.kernels._base import pointer as _pointer  # noqa: E402
 from gpurouter.kernels.losses import z_loss as Z  # noqa: E402
+from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
