@@ -21,6 +21,7 @@ reproducible; without it the hypothesis settings of the current profile decide
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -337,10 +338,17 @@ def _topk_args(cfg: RouterConfig, x, bias):
             cfg.scaling_factor, cfg.score_function, bj)
 
 
+@functools.lru_cache(maxsize=16)
+def _jit_topk(fn):
+    """``fn`` under ``jax.jit`` (the statics static): one compile per config, not one per op."""
+    return jax.jit(fn, static_argnums=(1, 2, 3, 4, 5, 6))
+
+
 def _topk_forward_check(fn, cfg: RouterConfig, x, bias, *, nan_rows_values: bool = False) -> None:
     """Map exactly the oracle's; probs within the contract's tolerance; 0 off the map."""
     ctx = _case(cfg, x, bias)
-    probs, rmap = _pair(_call(fn, _topk_args(cfg, x, bias), ctx), cfg.shape, np_dtype(cfg.dtype), cfg.shape, ctx)
+    probs, rmap = _pair(_call(_jit_topk(fn), _topk_args(cfg, x, bias), ctx), cfg.shape, np_dtype(cfg.dtype),
+                        cfg.shape, ctx)
     rmap = np.asarray(rmap)
     counts = rmap.sum(-1)
     if (counts != cfg.topk).any():
@@ -464,8 +472,7 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
 
         ctx = _case(cfg, x, bias, f"  cotangent of probs = {_arr(g)}")
         try:
-            _, pullback = jax.vjp(f, args[0])
-            (dx,) = pullback(as_jnp(g, cfg.dtype))
+            dx = jax.jit(lambda a, c: jax.vjp(f, a)[1](c)[0])(args[0], as_jnp(g, cfg.dtype))
         except _Violation:
             raise
         except Exception as e:  # noqa: BLE001
@@ -537,13 +544,14 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
             xbj = as_jnp(xb, cfg.dtype)
             compare(run("jax.jit", jax.jit(lambda a, b: fn(a, *statics, b)), args[0], bj),
                     (T, E), "jax.jit", e_probs[0], e_map[0])
-            compare(run("leading dims [2, T, E]", fn, xbj, *statics, bj), (2, T, E),
+            compare(run("leading dims [2, T, E]", _jit_topk(fn), xbj, *statics, bj), (2, T, E),
                     "leading dims [2, T, E]", e_probs, e_map)
-            compare(run("jax.vmap", jax.vmap(lambda a: fn(a, *statics, bj)), xbj), (2, T, E),
+            compare(run("jax.vmap", jax.jit(jax.vmap(lambda a: fn(a, *statics, bj))), xbj), (2, T, E),
                     "jax.vmap over a batch of [T, E]", e_probs, e_map)
             for empty in ((0, E), (2, 0, E)):
                 ctx = _case(cfg, x, bias, f"  on empty logits of shape {empty} (T = 0)", shape=empty)
-                _pair(run(f"T = 0 {empty}", fn, jnp.zeros(empty, dt), *statics, bj), empty, dt, empty, ctx)
+                _pair(run(f"T = 0 {empty}", _jit_topk(fn), jnp.zeros(empty, dt), *statics, bj), empty, dt, empty,
+                      ctx)
             if grads:
                 g = random_cotangent(data.draw(st.integers(0, 2**16), label="cotangent seed"), cfg.shape, cfg.dtype)
                 gj = as_jnp(g, cfg.dtype).astype(jnp.float32)
@@ -583,7 +591,7 @@ def _aux_case(cfg, x, extra="", shape=None) -> str:
 
 def _aux_forward_check(fn, cfg, x) -> None:
     ctx = _aux_case(cfg, x)
-    res = _call(fn, (as_jnp(x, cfg.dtype), cfg.topk, cfg.score_function), ctx)
+    res = _call(jax.jit(fn, static_argnums=(1, 2)), (as_jnp(x, cfg.dtype), cfg.topk, cfg.score_function), ctx)
     scores, rmap = _pair(res, cfg.shape, np.float32, cfg.shape, ctx, names=("scores", "routing_map"))
     rmap = np.asarray(rmap)
     counts = rmap.sum(-1)
@@ -668,8 +676,7 @@ def check_aux_scores(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTY
             if under_jit:
                 dx = jax.jit(jax.grad(lambda a: jnp.sum(f(a) * jnp.asarray(g))))(as_jnp(x, cfg.dtype))
             else:
-                _, pullback = jax.vjp(f, as_jnp(x, cfg.dtype))
-                (dx,) = pullback(jnp.asarray(g))
+                dx = jax.jit(lambda a, c: jax.vjp(f, a)[1](c)[0])(as_jnp(x, cfg.dtype), jnp.asarray(g))
         except _Violation:
             raise
         except Exception as e:  # noqa: BLE001
@@ -709,11 +716,12 @@ def check_aux_scores(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTY
 
             xj, xbj = as_jnp(x, cfg.dtype), as_jnp(xb, cfg.dtype)
             check("jax.jit", jax.jit(lambda a: fn(a, k, sf)), xj, (T, E), e_s[0], e_m[0])
-            check("leading dims [2, T, E]", lambda a: fn(a, k, sf), xbj, (2, T, E), e_s, e_m)
-            check("jax.vmap", jax.vmap(lambda a: fn(a, k, sf)), xbj, (2, T, E), e_s, e_m)
+            check("leading dims [2, T, E]", jax.jit(lambda a: fn(a, k, sf)), xbj, (2, T, E), e_s, e_m)
+            check("jax.vmap", jax.jit(jax.vmap(lambda a: fn(a, k, sf))), xbj, (2, T, E), e_s, e_m)
             for empty in ((0, E), (2, 0, E)):
                 ctx = _aux_case(cfg, x, f"  on empty logits of shape {empty} (T = 0)", shape=empty)
-                _pair(_call(fn, (jnp.zeros(empty, np_dtype(cfg.dtype)), k, sf), ctx), empty, np.float32, empty,
+                _pair(_call(jax.jit(lambda a: fn(a, k, sf)), (jnp.zeros(empty, np_dtype(cfg.dtype)),), ctx), empty,
+                      np.float32, empty,
                       ctx, names=("scores", "routing_map"))
             if grads:
                 _grad(data, cfg, x, under_jit=True)
@@ -910,7 +918,8 @@ def check_router_z_loss(fn, *, max_examples: int = 100, dtypes: Sequence[str] = 
             if t % 2 == 0:
                 shape = (2, t // 2, x.shape[1])
                 ctx = _z_ctx(x, dtype, coeff, f"  with leading dims {shape}", shape=shape)
-                out = _scalar(_call(fn, (as_jnp(x.reshape(shape), dtype), coeff), ctx), np.float32, ctx)
+                out = _scalar(_call(jax.jit(lambda a: fn(a, coeff)), (as_jnp(x.reshape(shape), dtype),), ctx),
+                              np.float32, ctx)
                 msg = _z_close(out, want, coeff)
                 if msg:
                     raise _Violation(f"{ctx}\n{msg}")
