@@ -37,7 +37,9 @@ def _replay(x, rmap, k, pre, scaling, sf):
 
 
 def higher_index_wins(x, k, pre, g, gk, s, sf, b):
-    flip = (lambda a: a[..., ::-1])
+    def flip(a):
+        return a[..., ::-1]
+
     p, m = ref(flip(x), k, pre, g, gk, s, sf, None if b is None else flip(b))
     return flip(p), flip(m)
 
@@ -154,7 +156,6 @@ TOPK_MUTANTS = [
     (group_score_max, "group-limited selection"),
     (drops_masked_fillers, "-inf and NaN masking"),
     (nan_as_plus_inf, "-inf and NaN masking"),
-    (half_arithmetic, "values (tie-free)"),
     (fp32_out, "values (tie-free)"),
     (sigmoid_unnormalised, "values (tie-free)"),
     (grad_without_scaling, "gradients"),
@@ -164,6 +165,10 @@ TOPK_MUTANTS = [
 ]
 
 
+# On this 2-core CI machine under load a mutant takes 10 s to 3 min (one jit
+# compile per example, shrinking included): the whole list is marked slow; the
+# two cheapest run in CI below.
+@pytest.mark.slow
 @pytest.mark.parametrize("mutant,prop", TOPK_MUTANTS, ids=[f"{m.__name__}-{p}" for m, p in TOPK_MUTANTS])
 def test_topk_mutant_is_caught(mutant, prop):
     with pytest.raises(AssertionError) as info:
@@ -234,10 +239,18 @@ OTHER_MUTANTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check,mutant,prop", OTHER_MUTANTS, ids=[m.__name__ for _, m, _ in OTHER_MUTANTS])
 def test_other_mutants_are_caught(check, mutant, prop):
     with pytest.raises(AssertionError, match=f"property '{prop}' failed"):
         check(mutant, max_examples=30, seed=0, properties=[prop])
+
+
+def test_scaling_mutants_caught_cheaply():
+    for mutant in (scaling_twice, scaling_never):
+        with pytest.raises(CheckFailure, match="property 'values \\(tie-free\\)' failed"):
+            check_topk(mutant, max_examples=10, seed=0, properties=["values (tie-free)"],
+                       dtypes=("float32",))
 
 
 def test_fn_that_returns_garbage_is_reported_not_a_traceback():
