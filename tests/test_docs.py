@@ -47,3 +47,14 @@ def test_readme_example_runs_as_pasted():
     r = subprocess.run([sys.executable, "-c", blocks[0]], capture_output=True, text=True, timeout=300,
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_testing_tutorial_example_runs_and_catches_the_bug():
+    """docs/testing-your-router.md's first snippet runs as pasted and prints the violation."""
+    text = (ROOT / "docs" / "testing-your-router.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks, "the tutorial has a python example"
+    r = subprocess.run([sys.executable, "-c", blocks[0]], capture_output=True, text=True, timeout=600,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "property 'tie rule' failed" in r.stdout and "routing_map differs" in r.stdout, r.stdout[-2000:]
