@@ -37,3 +37,11 @@ def test_cli_bad_target_is_a_usage_error():
     r = subprocess.run([sys.executable, "-m", "gpurouter", "check", "no_such_module_xyz:f", "--op", "topk"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "cannot import module" in r.stderr
+
+
+def test_cli_checks_the_reference_and_prints_the_table():
+    r = subprocess.run([sys.executable, "-m", "gpurouter", "check", "gpurouter.reference:router_z_loss",
+                        "--op", "z-loss", "--examples", "2", "--seed", "0"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "value and dtype" in r.stdout and "total" in r.stdout and "passed" in r.stdout
