@@ -5,6 +5,7 @@ Usage:
   python -m gpurouter bench [--presets ...] [--paths ...] [--json F] [--plot F]   (see bench --help)
   python -m gpurouter cache info|clear        (the compiled kernels kept on disk)
   python -m gpurouter coldstart [--json F]    (first calls in fresh processes; see coldstart --help)
+  python -m gpurouter check MODULE:FUNCTION --op topk|aux-scores|aux-loss|z-loss   (see check --help)
 
 Prints one row per (preset, backend): shapes, time per jitted forward+backward,
 the largest difference to the reference (the jax backend is the reference), the
@@ -162,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import _cache_cli, coldstart
 
         return (_cache_cli.main if argv[0] == "cache" else coldstart.main)(argv[1:])
+    if argv and argv[0] == "check":
+        from .testing._cli import main as check_main
+
+        return check_main(argv[1:])
     if argv and argv[0] == "demo":
         argv = argv[1:]
     return demo(argv)

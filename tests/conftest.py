@@ -2,8 +2,8 @@
 
 - Hypothesis profiles, picked by ``GPUROUTER_HYPOTHESIS_PROFILE`` (default
   ``ci``; pytest's ``--hypothesis-profile`` overrides it):
-  ``ci`` (derandomized, ~25 examples), ``dev`` (10, random), ``fuzz``
-  (3000, random; run by hand or nightly).
+  ``ci`` (derandomized, 25 examples), ``dev`` (10, random), ``fuzz``
+  (3000, random; run by hand or nightly): ``gpurouter.testing.profiles``.
 - ``GPUROUTER_TEST_DEVICE=i`` makes ``jax.devices()[i]`` JAX's default device
   (the public suite on a second GPU: tools/ci/two_gpu.sh).
 - Strict JAX promotion: ``jax_numpy_dtype_promotion="strict"`` and
@@ -43,14 +43,13 @@ for _flag in SIMULATOR_XLA_FLAGS:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
-# Every profile: no deadline (jit compiles and simulator launches take
-# seconds), the reproduction blob printed, slow examples allowed.
-_COMMON = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("ci", derandomize=True, database=None, max_examples=25, **_COMMON)
-settings.register_profile("dev", max_examples=10, **_COMMON)
-settings.register_profile("fuzz", max_examples=3000, derandomize=False, **_COMMON)
+from gpurouter.testing import profiles  # noqa: E402
+
+# The profiles are the public ones (gpurouter/testing/profiles.py): no deadline,
+# the reproduction blob printed, slow examples allowed.
+profiles.register()
 settings.load_profile(os.environ.get("GPUROUTER_HYPOTHESIS_PROFILE", "ci"))
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")

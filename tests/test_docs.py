@@ -133,3 +133,12 @@ def test_every_lab_result_has_a_line_in_the_index():
     assert not missing, f"lab/results files with no line in lab/README.md: {missing}"
     stale = sorted(set(re.findall(r"\]\(results/([^)]+)\)", index)) - {p.name for p in RESULTS.iterdir()})
     assert not stale, f"lab/README.md lists files lab/results/ does not have: {stale}"
+def test_testing_tutorial_example_runs_and_catches_the_bug():
+    """docs/testing-your-router.md's first snippet runs as pasted and prints the violation."""
+    text = (ROOT / "docs" / "testing-your-router.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks, "the tutorial has a python example"
+    r = subprocess.run([sys.executable, "-c", blocks[0]], capture_output=True, text=True, timeout=600,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "property 'tie rule' failed" in r.stdout and "routing_map differs" in r.stdout, r.stdout[-2000:]

@@ -8,9 +8,8 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from tolerances import assert_close  # noqa: E402
-
 from gpurouter import reference as ref  # noqa: E402
+from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
 from .._helpers import host  # noqa: E402
 

@@ -15,13 +15,12 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from tolerances import assert_close  # noqa: E402
-
 from gpurouter import reference as ref  # noqa: E402
 from gpurouter.kernels._base import launch as L  # noqa: E402
 from gpurouter.kernels._base import plan as _plan  # noqa: E402
 from gpurouter.kernels._base import pointer as _pointer  # noqa: E402
 from gpurouter.kernels.losses.tiling import ZLossTiling, z_loss_tiling, z_loss_vec_tiling  # noqa: E402
+from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 

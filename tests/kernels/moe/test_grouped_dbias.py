@@ -6,9 +6,10 @@ chunks, several column blocks), and on a GPU at a real shape (``gpu``)."""
 from __future__ import annotations
 
 import ml_dtypes
-import moe_oracles as orc
 import numpy as np
 import pytest
+
+from gpurouter.testing import moe_oracle as orc
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 

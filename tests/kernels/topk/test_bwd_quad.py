@@ -10,9 +10,8 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from strategies import random_cotangent, tie_free_rows_np  # noqa: E402
-
 from gpurouter import reference as ref  # noqa: E402
+from gpurouter.testing.strategies import random_cotangent, tie_free_rows_np  # noqa: E402
 
 from .._helpers import FWD_MODES, check_topk_bwd, check_topk_fwd, host  # noqa: E402
 from .test_plans import _cfg  # noqa: E402
@@ -32,8 +31,8 @@ def test_quad_bwd_several_quads_per_lane(quad_lanes, sf, pre, dtype):
 
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
 def test_quad_aux_bwd_several_quads_per_lane(quad_lanes, sf):
-    from strategies import np_dtype
-    from tolerances import assert_close
+    from gpurouter.testing.strategies import np_dtype
+    from gpurouter.testing.tolerances import assert_close
 
     K = quad_lanes
     x = (np.random.default_rng(3).permutation(100).reshape(5, 20) / 16 - 3).astype(np.float32)

@@ -10,10 +10,9 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from strategies import random_cotangent, tie_free_rows_np  # noqa: E402
-from tolerances import assert_close  # noqa: E402
-
 from gpurouter import reference as ref  # noqa: E402
+from gpurouter.testing.strategies import random_cotangent, tie_free_rows_np  # noqa: E402
+from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
 from .._helpers import FWD_MODES, check_topk_bwd, check_topk_fwd, host  # noqa: E402
 from .test_plans import _cfg  # noqa: E402

@@ -20,10 +20,10 @@ import pytest
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
 from numba import cuda  # noqa: E402
-from strategies import np_dtype  # noqa: E402
-from tolerances import assert_close  # noqa: E402
 
 from gpurouter import reference as ref  # noqa: E402
+from gpurouter.testing.strategies import np_dtype  # noqa: E402
+from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 

@@ -16,7 +16,8 @@ import pytest
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
 from numba import cuda  # noqa: E402
-from strategies import np_dtype  # noqa: E402
+
+from gpurouter.testing.strategies import np_dtype  # noqa: E402
 
 from .._helpers import FWD_MODES  # noqa: E402
 

@@ -9,10 +9,9 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from strategies import random_cotangent  # noqa: E402
-from tolerances import assert_close  # noqa: E402
-
 from gpurouter import reference as ref  # noqa: E402
+from gpurouter.testing.strategies import random_cotangent  # noqa: E402
+from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
 from ..._helpers import host  # noqa: E402
 from ..test_aux_plans import _check_specials, _tie_free  # noqa: E402

@@ -13,14 +13,13 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from strategies import np_dtype  # noqa: E402
-from tolerances import assert_close  # noqa: E402
-
 from gpurouter.kernels._base import launch as L  # noqa: E402
 from gpurouter.kernels._base import plan as _plan  # noqa: E402
 from gpurouter.kernels.topk import plans as topk  # noqa: E402
 from gpurouter.kernels.topk.warp import bwd as warp_topk_bwd  # noqa: E402
 from gpurouter.kernels.topk.warp.lanes import warp_auto  # noqa: E402
+from gpurouter.testing.strategies import np_dtype  # noqa: E402
+from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
 from ..._helpers import cast, check_topk_bwd, host  # noqa: E402
 

@@ -25,11 +25,12 @@ import hypothesis.strategies as st
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import oracles
 from hypothesis import assume
 from hypothesis.extra import numpy as hnp
 
 from gpurouter._checks import check_aux_loss_args, check_topk_args
+
+from . import oracle as oracles
 
 DTYPES = ("float32", "bfloat16", "float16")
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -310,3 +311,134 @@ def aux_loss_inputs(draw, cfg: AuxLossConfig):
     probs = probs.astype(np_dtype(cfg.dtype)).astype(np.float32)
     tpe = draw(hnp.arrays(np.int32, (cfg.num_cols,), elements=st.integers(0, 64)))
     return probs, tpe.astype(np.float32)
+
+
+# ----------------------------------------------------------------------------
+# Ties, masks and replay (the conformance checks, gpurouter.testing.checks)
+# ----------------------------------------------------------------------------
+
+#: Values of :func:`tied_logits` and :func:`masked_logits`: multiples of 1/2 in [-2, 2],
+#: exact in float32, bfloat16 and float16, and far apart after any score function.
+TIE_VALUES = (-2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0)
+
+
+def tie_configs(**kwargs):
+    """:func:`router_configs` whose group scores cannot be near-ties that are not ties.
+
+    Invariants: those of :func:`router_configs`, and, when grouped and the
+    selection scores are not the raw logits (sigmoid, sqrtsoftplus, softmax pre),
+    ``topk // group_topk <= 2``: a group score is then a sum of at most two
+    values, the same in any summation order, so groups holding the same values
+    tie exactly in float32 as in float64.
+    """
+    def ok(cfg: RouterConfig) -> bool:
+        raw = cfg.score_function == "softmax" and not cfg.use_pre_softmax
+        return not cfg.grouped or raw or cfg.topk // cfg.group_topk <= 2
+
+    return router_configs(**kwargs).filter(ok)
+
+
+@st.composite
+def tie_biases(draw, cfg: RouterConfig):
+    """``expert_bias`` for tied rows: float32 ``[E]`` with values in {-0.25, 0, 0.25}, or None.
+
+    Invariants: None unless ``cfg.has_bias``; few distinct values, so experts
+    with equal logits often keep equal selection scores (ties survive the bias).
+    """
+    if not cfg.has_bias:
+        return None
+    vals = draw(hnp.arrays(np.int8, (cfg.num_experts,), elements=st.integers(-1, 1)))
+    return (vals.astype(np.float32) / 4).astype(np.float32)
+
+
+@st.composite
+def tied_logits(draw, cfg: RouterConfig) -> np.ndarray:
+    """``[T, E]`` float32 logits with many exact ties.
+
+    Invariants: every value is in :data:`TIE_VALUES` (exact in every dtype of
+    :data:`DTYPES`); each row draws from at most 3 of them, so most rows tie
+    at the top-K boundary; all finite.
+    """
+    rows = []
+    for _ in range(cfg.num_tokens):
+        levels = draw(st.lists(st.sampled_from(TIE_VALUES), min_size=1, max_size=3, unique=True))
+        idx = draw(hnp.arrays(np.int8, (cfg.num_experts,), elements=st.integers(0, len(levels) - 1)))
+        rows.append(np.asarray(levels, np.float32)[idx])
+    return np.stack(rows).astype(np.float32)
+
+
+@st.composite
+def group_tied_logits(draw, cfg: RouterConfig) -> np.ndarray:
+    """``[T, E]`` float32 logits whose groups tie: every group is a permutation of one block.
+
+    Invariants: ``cfg`` is grouped; each row draws one block of ``E / G``
+    distinct values of :data:`TIE_VALUES` (or fewer values, repeated, when
+    ``E / G > 9``), and each group of that row is a permutation of it. Every
+    group score is then equal (same values, at most two summed or raw values:
+    use with :func:`tie_configs`), so which groups stay eligible is decided by
+    the tie rule alone (the lower group index wins).
+    """
+    assert cfg.grouped
+    size = cfg.num_experts // cfg.num_groups
+    rows = []
+    for _ in range(cfg.num_tokens):
+        block = np.asarray(draw(st.lists(st.sampled_from(TIE_VALUES), min_size=size, max_size=size,
+                                         unique=size <= len(TIE_VALUES))), np.float32)
+        groups = [block[np.asarray(draw(st.permutations(range(size))))] for _ in range(cfg.num_groups)]
+        rows.append(np.concatenate(groups))
+    return np.stack(rows).astype(np.float32)
+
+
+@st.composite
+def masked_logits(draw, cfg: RouterConfig, *, allow_nan: bool = True, all_masked_rows: bool = True) -> np.ndarray:
+    """``[T, E]`` float32 logits of :data:`TIE_VALUES`, ``-inf`` and NaN: masked experts.
+
+    Invariants: every finite value is in :data:`TIE_VALUES`; each row masks
+    (``-inf``, or NaN with ``allow_nan``) a drawn number of experts from 0 to E,
+    so rows with fewer than K finite experts are common; with
+    ``all_masked_rows`` the first row is entirely ``-inf`` whenever T > 1.
+    """
+    specials = [-np.inf, np.nan] if allow_nan else [-np.inf]
+    rows = []
+    for t in range(cfg.num_tokens):
+        row = np.asarray(draw(st.lists(st.sampled_from(TIE_VALUES), min_size=cfg.num_experts,
+                                       max_size=cfg.num_experts)), np.float32)
+        n_masked = cfg.num_experts if (all_masked_rows and t == 0 and cfg.num_tokens > 1) else \
+            draw(st.integers(0, cfg.num_experts))
+        where = draw(st.permutations(range(cfg.num_experts)))[:n_masked]
+        for i in where:
+            row[i] = draw(st.sampled_from(specials))
+        rows.append(row)
+    return np.stack(rows).astype(np.float32)
+
+
+@st.composite
+def forced_indices(draw, cfg: RouterConfig) -> np.ndarray:
+    """``[T, K]`` int32 expert indices for routing replay (``forced_indices=``).
+
+    Invariants: each row holds ``cfg.topk`` distinct indices in ``[0, E)``, in
+    drawn order (not sorted).
+    """
+    rows = [draw(st.permutations(range(cfg.num_experts)))[: cfg.topk] for _ in range(cfg.num_tokens)]
+    return np.asarray(rows, np.int32).reshape(cfg.num_tokens, cfg.topk)
+
+
+@st.composite
+def z_loss_logits(draw, *, max_tokens: int = 6, max_experts: int = 32, dtypes=DTYPES):
+    """``(logits [T, E] float32, dtype name, coeff)`` for the router z-loss.
+
+    Invariants: T in 1..max_tokens, E in 1..max_experts; values are float32
+    in [-20, 20] exactly representable in the drawn dtype, with ``-inf`` masks
+    (never NaN) and, whenever T > 1, one row of all ``-inf`` (it contributes 0
+    and gets no gradient); coeff in {1e-3, 0.1, 1.0}.
+    """
+    num_tokens = draw(st.integers(1, max_tokens))
+    num_experts = draw(st.integers(1, max_experts))
+    dtype = draw(st.sampled_from(dtypes))
+    elements = st.one_of(st.floats(-20, 20, width=32, allow_nan=False, allow_subnormal=False),
+                         st.just(-np.inf))
+    x = draw(hnp.arrays(np.float32, (num_tokens, num_experts), elements=elements))
+    if num_tokens > 1:
+        x[draw(st.integers(0, num_tokens - 1))] = -np.inf
+    x = x.astype(np_dtype(dtype)).astype(np.float32)
+    return x, dtype, draw(st.sampled_from([1e-3, 0.1, 1.0]))
