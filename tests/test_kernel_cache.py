@@ -665,3 +665,22 @@ def test_the_ffi_handler_loads_from_the_cache_in_a_fresh_process(tmp_path):
     kind, stats, got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (kind, stats) == ("LoadedCFunc", {"compiled": 0, "loaded": 1})
     assert got == want
+
+
+def test_cubin_bytes_reads_every_form_numba_returns(tmp_path):
+    """numba-cuda 0.30 on a GPU returns a ``cuda.core`` ``ObjectCode`` from ``get_cubin``
+    (found on an H200: ``bytes()`` of it raised TypeError); older ones return bytes."""
+    blob = b"\x7fELF-not-really-a-cubin"
+    assert kernel_cache.cubin_bytes(blob) == blob
+    assert kernel_cache.cubin_bytes(bytearray(blob)) == blob
+    path = tmp_path / "k.cubin"
+    path.write_bytes(blob)
+
+    class FromFile:  # ObjectCode's ``code`` may be a path
+        code = str(path)
+
+    assert kernel_cache.cubin_bytes(FromFile()) == blob
+    core = pytest.importorskip("cuda.core", reason="cuda.core (numba-cuda's ObjectCode) is not installed")
+    assert kernel_cache.cubin_bytes(core.ObjectCode.from_cubin(blob)) == blob
+    with pytest.raises(TypeError, match="cannot read a cubin"):
+        kernel_cache.cubin_bytes(object())
