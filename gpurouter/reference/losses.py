@@ -16,6 +16,7 @@ from .._checks import (
     check_z_loss_args,
 )
 from .._sharding import axis_size
+from .aux_loss import mask_rows
 
 
 def _row_lse(x: jax.Array) -> jax.Array:
@@ -39,6 +40,7 @@ def router_z_loss(
     *,
     total_num_tokens: int | None = None,
     axis_name: str | tuple[str, ...] | None = None,
+    token_mask: jax.typing.ArrayLike | None = None,
 ) -> jax.Array:
     """Router z-loss of ST-MoE (Zoph et al. 2022, eq. 5), pure-jnp reference.
 
@@ -58,6 +60,12 @@ def router_z_loss(
         defaults to the global token count (this shard's rows times the axis
         size), so each shard returns its share and the shares sum (``psum``)
         to the loss of the whole batch.
+      token_mask: bool, the tokens' shape (or flat ``[T]``): masked tokens
+        contribute 0 and get a zero gradient, and ``T`` defaults to
+        ``max(valid count, 1)``, summed over ``axis_name`` (docs/contract.md
+        section 10).
+
+    ``total_num_tokens`` may also be a traced scalar (no retrace per value).
 
     Returns:
       A float32 scalar.
@@ -69,12 +77,13 @@ def router_z_loss(
       1.9218
     """
     shape, dtype = array_meta(Z_LOSS_OP, "logits", logits)
+    logits, total_num_tokens = mask_rows(Z_LOSS_OP, logits, token_mask, total_num_tokens, axis_name, -jnp.inf)
     coeff, total = check_z_loss_args(shape, dtype, coeff, total_num_tokens,
                                      axis_size(Z_LOSS_OP, axis_name))
     x = jnp.asarray(logits).astype(jnp.float32)
     x = x.reshape(-1, x.shape[-1])
     lse = _row_lse(x)
-    return jnp.float32(coeff) * (jnp.sum(lse * lse) / jnp.float32(total))
+    return jnp.float32(coeff) * (jnp.sum(lse * lse) / jnp.asarray(total).astype(jnp.float32))
 
 
 def update_expert_bias(
