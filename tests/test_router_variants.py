@@ -9,7 +9,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import oracles
 import pytest
 import variant_oracles as vo
 from hypothesis import given, settings

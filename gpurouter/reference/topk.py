@@ -218,7 +218,8 @@ def fused_topk_with_score_function(
         op, cfg, jnp.shape(logits), return_indices=return_indices, group_score=group_score,
         compact=compact, indices_dtype=indices_dtype, expert_bias=expert_bias,
         forced=forced_indices is not None, qb_histogram=qb_histogram, qb_bin_bounds=qb_bin_bounds,
-        token_mask=token_mask, axis_name=axis_name, shards=axis_size(op, axis_name))
+        token_mask=token_mask, axis_name=axis_name,
+        shards=axis_size(op, axis_name) if qb_histogram is not None else 1)
     logits = jnp.asarray(logits)
     shape = logits.shape
     idx_shape = shape[:-1] + (cfg.topk,)
