@@ -78,7 +78,7 @@ def moe_kernels_take(dtypes, num_experts: int | None = None) -> bool:
     experts involved; -1: not known here, so no)."""
     import jax.numpy as jnp
 
-    from .kernels.moe_combine import CMB_MAX_EXPERTS
+    from .kernels.moe.combine import CMB_MAX_EXPERTS
 
     if any(jnp.dtype(d) not in (jnp.float32, jnp.bfloat16, jnp.float16) for d in dtypes):
         return False

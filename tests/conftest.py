@@ -164,7 +164,9 @@ def library_lane_blocks(monkeypatch):
     """The library's ``TOKEN_LANES_MIN_BLOCKS`` for the test (the simulator suite runs with
     ``SIM_TOKEN_LANES_MIN_BLOCKS``); yields its value. Plans forgotten around it."""
     pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
-    from gpurouter.kernels import _tiling, aux_scores, topk
+    from gpurouter.kernels import _tiling
+    from gpurouter.kernels.topk import aux_plans as aux_scores
+    from gpurouter.kernels.topk import plans as topk
 
     def clear():
         for f in (topk.topk_with_score_function_fwd_plan, aux_scores.score_for_aux_loss_fwd_plan):

@@ -10,8 +10,8 @@ import pytest
 from gpurouter._transport import buffer as cb
 
 pytest.importorskip("numba")
-L = pytest.importorskip("gpurouter.kernels._launch")
-_plan = pytest.importorskip("gpurouter.kernels._plan")
+L = pytest.importorskip("gpurouter.kernels._base.launch")
+_plan = pytest.importorskip("gpurouter.kernels._base.plan")
 
 
 def _ptr_of(a: np.ndarray) -> cb._Ptr:

@@ -1,4 +1,4 @@
-"""``gpurouter.kernels._context`` against a fake CUDA driver (a context stack per
+"""``gpurouter.kernels._base.context`` against a fake CUDA driver (a context stack per
 thread, two GPUs): ``on_gpu`` gives the caller its context back whatever the
 block did to the stack (numba-cuda did that on 2 x H200, issue #19),
 ``function_of`` refuses to resolve a kernel in another GPU's context, and a
@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from gpurouter.kernels import _context
+from gpurouter.kernels._base import context as _context
 
 PRIMARY = {0: 0x1000, 1: 0x2000}  # GPU -> its primary context
 DEVICE_OF = {v: k for k, v in PRIMARY.items()}

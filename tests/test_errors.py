@@ -225,7 +225,7 @@ def test_kernel_limits_say_the_limit_and_the_way_out():
 
     if not _backend.numba_usable():
         pytest.skip("backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1")
-    from gpurouter.kernels import _limits
+    from gpurouter.kernels._base import limits as _limits
 
     x = jax.ShapeDtypeStruct((2, _limits.MAX_EXPERTS + 1), jnp.float32)
     with pytest.raises(NotImplementedError, match=re.escape(

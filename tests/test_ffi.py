@@ -143,9 +143,9 @@ def test_a_failed_launch_is_an_error_naming_the_op_and_the_process_lives_on():
     """A record whose kernel handle is 0: cuLaunchKernel refuses it, the handler
     returns XLA's error with the CUresult, and the next call works."""
     from gpurouter._transport import ffi, ffi_record
-    from gpurouter.kernels._context import primary_context
-    from gpurouter.kernels._plan import Plan, Spec
-    from gpurouter.kernels._pointer import CompiledStep
+    from gpurouter.kernels._base.context import primary_context
+    from gpurouter.kernels._base.plan import Plan, Spec
+    from gpurouter.kernels._base.pointer import CompiledStep
 
     plan = Plan("broken_op", [Spec((4,), np.float32)], [Spec((4,), np.float32)], [], [])
     ordinals = ffi_record._gpu_ordinals()

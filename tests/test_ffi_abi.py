@@ -87,7 +87,7 @@ class _Step:
 
 
 def _plan():
-    from gpurouter.kernels._plan import Plan, Spec
+    from gpurouter.kernels._base.plan import Plan, Spec
 
     return Plan("test_op", [Spec((4, 8), np.float32)], [Spec((4, 8), np.float32)],
                 [Spec((2,), np.float32)], [])

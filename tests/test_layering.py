@@ -120,10 +120,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_relative_absolute_and_function_level_imports():
     graph = _import_graph()
-    assert "gpurouter.kernels._launch" in graph["gpurouter.kernels._plan"]  # from ._launch import ...
-    assert "gpurouter._checks" in graph["gpurouter.kernels.topk"]  # from .._checks import ...
-    assert "gpurouter.kernels._pointer" in graph["gpurouter._transport.buffer"]  # in a function
-    assert {"gpurouter.kernels", "gpurouter.kernels._launch"} <= graph["gpurouter.bench"]
+    assert "gpurouter.kernels._base.launch" in graph["gpurouter.kernels._base.plan"]  # from ._launch import ...
+    assert "gpurouter._checks" in graph["gpurouter.kernels.topk.plans"]  # from .._checks import ...
+    assert "gpurouter.kernels._base.pointer" in graph["gpurouter._transport.buffer"]  # in a function
+    assert {"gpurouter.kernels", "gpurouter.kernels._base.launch"} <= graph["gpurouter.bench"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -147,29 +147,39 @@ def _defines_a_kernel(src: str) -> bool:
     return re.search(r"^\s*@cuda\.jit\s*$", src, re.M) is not None
 
 
+def _kernel_modules():
+    return sorted(p for p in KERNELS.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _kernel_key(path) -> str:
+    return path.relative_to(KERNELS).as_posix()
+
+
 def test_every_kernel_module_has_its_test():
-    missing = [p.name for p in sorted(KERNELS.glob("*.py"))
-               if _defines_a_kernel(p.read_text()) and not (KERNEL_TESTS / f"test_{p.stem}.py").exists()]
-    assert not missing, f"kernel modules without tests/kernels/test_<module>.py: {missing}"
+    # tests/kernels mirrors the folders: kernels/topk/warp/fwd.py -> tests/kernels/topk/warp/test_fwd.py
+    missing = [_kernel_key(p) for p in _kernel_modules()
+               if _defines_a_kernel(p.read_text())
+               and not (KERNEL_TESTS / p.relative_to(KERNELS).parent / f"test_{p.stem}.py").exists()]
+    assert not missing, f"kernel modules without their mirrored tests/kernels/<dir>/test_<module>.py: {missing}"
 
 
 def test_kernel_layer_never_imports_jax():
-    for path in KERNELS.glob("*.py"):
-        assert not re.search(r"^\s*(import jax|from jax)", path.read_text(), re.M), path.name
+    for path in _kernel_modules():
+        assert not re.search(r"^\s*(import jax|from jax)", path.read_text(), re.M), _kernel_key(path)
 
 
 def test_kernel_modules_never_move_arrays():
-    for path in KERNELS.glob("*.py"):
-        if path.name not in ("_launch.py", "_plan.py"):
-            assert "to_device" not in path.read_text(), f"{path.name}: host<->device copies belong in _launch.py"
+    for path in _kernel_modules():
+        if _kernel_key(path) not in ("_base/launch.py", "_base/plan.py"):
+            assert "to_device" not in path.read_text(), f"{_kernel_key(path)}: host<->device copies belong in _base/launch.py"
 
 
 #: kernel modules allowed warp intrinsics on the GPU only (their simulator
 #: twin in shared memory), with the test (file::name) that runs them on a GPU
 WARP_INTRINSICS = {
-    "_z_loss_io.py": "tests/kernels/test_z_loss_vec.py::test_lane_reducers_fixed_tree",
-    "_moe_rows.py": "tests/kernels/test_moe_grouped_dbias.py::test_lane_tree_sums_fixed_order",
-    "_warp_lanes.py": "tests/kernels/test_warp_topk_fwd.py::test_warp_sorts_and_scans",
+    "losses/z_io.py": "tests/kernels/losses/test_z_loss_vec.py::test_lane_reducers_fixed_tree",
+    "moe/rows.py": "tests/kernels/moe/test_grouped_dbias.py::test_lane_tree_sums_fixed_order",
+    "topk/warp/lanes.py": "tests/kernels/topk/warp/test_fwd.py::test_warp_sorts_and_scans",
 }
 
 
@@ -177,21 +187,22 @@ def test_no_warp_intrinsics():
     # the simulator has none of them; the kernels use shared memory + syncthreads,
     # except the WARP_INTRINSICS modules behind ``if simulator_enabled():``
     pattern = r"shfl_|syncwarp|ballot_sync|all_sync|any_sync|activemask"
-    for path in KERNELS.glob("*.py"):
-        src = path.read_text()
-        if path.name in WARP_INTRINSICS:
-            test_file, test_name = WARP_INTRINSICS[path.name].split("::")
-            assert f"def {test_name}(" in (ROOT / test_file).read_text(), path.name
-            assert "if simulator_enabled():" in src, path.name
+    for path in _kernel_modules():
+        src, key = path.read_text(), _kernel_key(path)
+        if key in WARP_INTRINSICS:
+            test_file, test_name = WARP_INTRINSICS[key].split("::")
+            assert f"def {test_name}(" in (ROOT / test_file).read_text(), key
+            assert "if simulator_enabled():" in src, key
             continue
-        assert not re.search(pattern, src), path.name
+        assert not re.search(pattern, src), key
 
 
 def test_compat_imported_first():
     # (every kernels module loads after kernels/__init__.py, which imports _compat
     # first; the modules that compile kernels or device functions say so too)
-    for path in KERNELS.glob("*.py"):
+    for path in _kernel_modules():
         src = path.read_text()
         if re.search(r"^\s*@cuda\.jit", src, re.M):
-            assert "from . import _compat" in src, path.name
-            assert src.index("from . import _compat") < src.index("from numba import cuda"), path.name
+            first = re.search(r"^from \.+(_base)? import compat", src, re.M)
+            assert first, _kernel_key(path)
+            assert first.start() < src.index("from numba import cuda"), _kernel_key(path)

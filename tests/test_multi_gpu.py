@@ -91,7 +91,7 @@ def test_on_gpu_gives_the_caller_its_context_back():
     """``_context.on_gpu`` (compiles, counters) leaves the calling thread's current
     context as it found it, from each GPU's context to each other GPU, and from
     none; a stream's GPU is its context's device."""
-    from gpurouter.kernels import _context
+    from gpurouter.kernels._base import context as _context
 
     ctxs = [_context.primary_context(d.local_hardware_id) for d in GPUS]
     lib = _context.libcuda()

@@ -101,7 +101,7 @@ def fused_moe_aux_loss(
 
 
 def _fwd_launch(cfg: AuxLossConfig, probs, tokens_per_expert, **kw):
-    from ..kernels.aux_loss import moe_aux_loss_fwd
+    from ..kernels.losses.aux_loss import moe_aux_loss_fwd
 
     return moe_aux_loss_fwd(
         probs, tokens_per_expert, cfg.topk, cfg.coeff, cfg.total_num_tokens, cfg.num_experts,
@@ -110,7 +110,7 @@ def _fwd_launch(cfg: AuxLossConfig, probs, tokens_per_expert, **kw):
 
 
 def _bwd_launch(num_rows: int, saved_coeff, tokens_per_expert, grad_loss, **kw):
-    from ..kernels.aux_loss import moe_aux_loss_bwd
+    from ..kernels.losses.aux_loss import moe_aux_loss_bwd
 
     out = moe_aux_loss_bwd(
         saved_coeff, tokens_per_expert, grad_loss, num_rows, **kw
@@ -119,7 +119,7 @@ def _bwd_launch(num_rows: int, saved_coeff, tokens_per_expert, grad_loss, **kw):
 
 
 def _fwd_plan(cfg: AuxLossConfig, probs, tokens_per_expert):
-    from ..kernels.aux_loss import moe_aux_loss_fwd_plan
+    from ..kernels.losses.aux_loss import moe_aux_loss_fwd_plan
 
     rows, cols = probs.shape
     c = aux_loss_coeff(cols if cfg.num_experts is None else cfg.num_experts, cfg.coeff, cfg.topk,
@@ -128,7 +128,7 @@ def _fwd_plan(cfg: AuxLossConfig, probs, tokens_per_expert):
 
 
 def _bwd_plan(num_rows: int, saved_coeff, tokens_per_expert, grad_loss):
-    from ..kernels.aux_loss import moe_aux_loss_bwd_plan
+    from ..kernels.losses.aux_loss import moe_aux_loss_bwd_plan
 
     return moe_aux_loss_bwd_plan(tokens_per_expert, grad_loss, num_rows)
 

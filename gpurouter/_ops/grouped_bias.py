@@ -1,5 +1,5 @@
 """The numba backend of the grouped bias ops: ``jax.custom_vjp`` around the
-kernels of ``gpurouter/kernels/moe_grouped_dbias.py`` (docs/ops/moe_ops.md).
+kernels of ``gpurouter/kernels/moe/grouped_dbias.py`` (docs/ops/moe_ops.md).
 
 - ``compute_grouped_dbias_dscales`` / ``compute_grouped_dbias``: one kernel call;
 - ``grouped_scaled_bias_add``: the forward is elementwise jnp (XLA fuses it),
@@ -42,26 +42,26 @@ def _dbs_specs(has_db: bool, has_ds: bool, specs):
 
 
 def _dbs_plan(has_db, has_ds, *specs):
-    from ..kernels.moe_plans import grouped_dbias_dscales_plan
+    from ..kernels.moe.plans import grouped_dbias_dscales_plan
 
     return grouped_dbias_dscales_plan(*_dbs_specs(has_db, has_ds, specs))
 
 
 def _dbs_launch(has_db, has_ds, *arrays, **kw):
-    from ..kernels.moe_plans import grouped_dbias_dscales
+    from ..kernels.moe.plans import grouped_dbias_dscales
 
     dy, scales, bias, offsets, db, ds = _dbs_specs(has_db, has_ds, arrays)
     return grouped_dbias_dscales(dy, scales, bias, offsets, db, ds, **kw)
 
 
 def _db_plan(has_db, dy, offsets, *acc):
-    from ..kernels.moe_plans import grouped_dbias_dscales_plan
+    from ..kernels.moe.plans import grouped_dbias_dscales_plan
 
     return grouped_dbias_dscales_plan(dy, None, None, offsets, acc[0] if has_db else None)
 
 
 def _db_launch(has_db, dy, offsets, *acc, **kw):
-    from ..kernels.moe_plans import grouped_dbias
+    from ..kernels.moe.plans import grouped_dbias
 
     return (grouped_dbias(dy, offsets, acc[0] if has_db else None, **kw),)
 

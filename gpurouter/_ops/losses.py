@@ -73,25 +73,25 @@ def router_z_loss(
 
 
 def _fwd_launch(coeff, total, logits, **kw):
-    from ..kernels.z_loss import router_z_loss_fwd
+    from ..kernels.losses.z_loss import router_z_loss_fwd
 
     return router_z_loss_fwd(logits, coeff, total, **kw)
 
 
 def _fwd_plan(coeff, total, logits):
-    from ..kernels.z_loss import router_z_loss_fwd_plan
+    from ..kernels.losses.z_loss import router_z_loss_fwd_plan
 
     return router_z_loss_fwd_plan(logits, coeff, total)
 
 
 def _bwd_launch(coeff, total, logits, lse, grad_loss, **kw):
-    from ..kernels.z_loss import router_z_loss_bwd
+    from ..kernels.losses.z_loss import router_z_loss_bwd
 
     return (router_z_loss_bwd(logits, lse, grad_loss, coeff, total, **kw),)
 
 
 def _bwd_plan(coeff, total, logits, lse, grad_loss):
-    from ..kernels.z_loss import router_z_loss_bwd_plan
+    from ..kernels.losses.z_loss import router_z_loss_bwd_plan
 
     return router_z_loss_bwd_plan(logits, coeff, total)
 

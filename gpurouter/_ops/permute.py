@@ -1,5 +1,5 @@
 """The numba backend of token dispatch and combine: ``jax.custom_vjp`` around
-the kernels of ``gpurouter/kernels/moe_combine.py`` (docs/ops/moe_ops.md).
+the kernels of ``gpurouter/kernels/moe/combine.py`` (docs/ops/moe_ops.md).
 
 - ``token_combine``: forward one kernel call, backward one kernel call that
   computes ``d_inp`` and ``d_merging_probs`` together;
@@ -37,25 +37,25 @@ I32 = jnp.int32
 
 
 def _cf_plan(*specs):
-    from ..kernels.moe_plans import token_combine_fwd_plan
+    from ..kernels.moe.plans import token_combine_fwd_plan
 
     return token_combine_fwd_plan(*specs)
 
 
 def _cf_launch(*arrays, **kw):
-    from ..kernels.moe_plans import token_combine_fwd
+    from ..kernels.moe.plans import token_combine_fwd
 
     return (token_combine_fwd(*arrays, **kw),)
 
 
 def _cb_plan(*specs):
-    from ..kernels.moe_plans import token_combine_bwd_plan
+    from ..kernels.moe.plans import token_combine_bwd_plan
 
     return token_combine_bwd_plan(*specs)
 
 
 def _cb_launch(*arrays, **kw):
-    from ..kernels.moe_plans import token_combine_bwd
+    from ..kernels.moe.plans import token_combine_bwd
 
     d_z, d_w = token_combine_bwd(*arrays, **kw)
     return (d_z,) if d_w is None else (d_z, d_w)
@@ -115,7 +115,7 @@ _combine_plain.defvjp(_combine_plain_fwd, _combine_plain_bwd)
 
 def token_combine(inp, row_id_map, merging_probs, transport: str):
     """``[T, H]`` in ``inp.dtype`` by the kernels (arguments checked)."""
-    from ..kernels.moe_combine import CMB_MAX_EXPERTS
+    from ..kernels.moe.combine import CMB_MAX_EXPERTS
 
     op = TOKEN_COMBINE_OP
     transport = resolve_transport(op, transport)
@@ -139,13 +139,13 @@ def token_combine(inp, row_id_map, merging_probs, transport: str):
 
 
 def _df_plan(num_rows, *specs):
-    from ..kernels.moe_plans import token_dispatch_fwd_plan
+    from ..kernels.moe.plans import token_dispatch_fwd_plan
 
     return token_dispatch_fwd_plan(*specs, num_rows)
 
 
 def _df_launch(num_rows, *arrays, **kw):
-    from ..kernels.moe_plans import token_dispatch_fwd
+    from ..kernels.moe.plans import token_dispatch_fwd
 
     return (token_dispatch_fwd(*arrays, num_rows, **kw),)
 
@@ -195,7 +195,7 @@ _dispatch_apply.defvjp(_dispatch_apply_fwd, _dispatch_apply_bwd)
 def token_dispatch(inp, routing_map, probs, cfg, transport: str):
     """``(output, permuted_probs, row_id_map, pad_offsets, tokens_per_expert)``
     with the row copy on the kernels (``cfg``: the checked DispatchConfig)."""
-    from ..kernels.moe_combine import CMB_MAX_EXPERTS
+    from ..kernels.moe.combine import CMB_MAX_EXPERTS
     from ..reference.routing_map import unpack_routing_map
 
     op = TOKEN_DISPATCH_OP

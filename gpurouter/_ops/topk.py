@@ -119,7 +119,7 @@ def fused_topk_with_score_function(
                 or logits.dtype == jnp.float64):
             return False
         try:
-            from ..kernels._limits import check_limits
+            from ..kernels._base.limits import check_limits
 
             check_limits(TOPK_OP, num_experts, cfg.topk, cfg.num_groups if cfg.grouped else 1)
         except (ImportError, NotImplementedError):
@@ -144,7 +144,7 @@ def fused_topk_with_score_function(
     else:
         transport = resolve_transport(TOPK_OP, transport)
         check_kernel_dtype(TOPK_OP, "logits", logits.dtype)
-        from ..kernels._limits import check_limits
+        from ..kernels._base.limits import check_limits
 
         check_limits(TOPK_OP, num_experts, cfg.topk, cfg.num_groups if cfg.grouped else 1)
         if bias is not None:
@@ -243,7 +243,7 @@ def _indices_kw(call: _KernelCall) -> dict:
 
 
 def _topk_launch(cfg: TopkConfig, call: _KernelCall, logits, *extra, **kw):
-    from ..kernels.topk import topk_with_score_function_fwd
+    from ..kernels.topk.plans import topk_with_score_function_fwd
 
     bias = extra[0] if extra and not call.forced else None
     if call.forced:
@@ -258,7 +258,7 @@ def _topk_launch(cfg: TopkConfig, call: _KernelCall, logits, *extra, **kw):
 
 
 def _topk_plan(cfg: TopkConfig, call: _KernelCall, logits, *extra):
-    from ..kernels.topk import topk_with_score_function_fwd_plan
+    from ..kernels.topk.plans import topk_with_score_function_fwd_plan
 
     kw = _indices_kw(call)
     if call.forced:
@@ -289,7 +289,7 @@ def _topk_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
 
 
 def _topk_bwd_launch(cfg: TopkConfig, routing_map, saved, grad_probs, **kw):
-    from ..kernels.topk import topk_with_score_function_bwd
+    from ..kernels.topk.plans import topk_with_score_function_bwd
 
     out = topk_with_score_function_bwd(
         routing_map, saved, grad_probs, cfg.topk, cfg.use_pre_softmax,
@@ -299,7 +299,7 @@ def _topk_bwd_launch(cfg: TopkConfig, routing_map, saved, grad_probs, **kw):
 
 
 def _topk_bwd_plan(cfg: TopkConfig, routing_map, saved, grad_probs):
-    from ..kernels.topk import topk_with_score_function_bwd_plan
+    from ..kernels.topk.plans import topk_with_score_function_bwd_plan
 
     return topk_with_score_function_bwd_plan(
         grad_probs, cfg.topk, cfg.use_pre_softmax, np.float32(cfg.scaling_factor),
@@ -323,7 +323,7 @@ _topk.defvjp(_topk_fwd, _topk_bwd)
 
 
 def _aux_launch(cfg: TopkConfig, write_indices: bool, logits, **kw):
-    from ..kernels.aux_scores import score_for_aux_loss_fwd
+    from ..kernels.topk.aux_plans import score_for_aux_loss_fwd
 
     if write_indices:
         kw["return_indices"] = True
@@ -333,7 +333,7 @@ def _aux_launch(cfg: TopkConfig, write_indices: bool, logits, **kw):
 
 
 def _aux_plan(cfg: TopkConfig, write_indices: bool, logits):
-    from ..kernels.aux_scores import score_for_aux_loss_fwd_plan
+    from ..kernels.topk.aux_plans import score_for_aux_loss_fwd_plan
 
     kw = {"return_indices": True} if write_indices else {}
     return score_for_aux_loss_fwd_plan(
@@ -355,7 +355,7 @@ def _aux_scores_fwd(x, cfg: TopkConfig, dtype, transport: str, write_indices: bo
 
 
 def _aux_bwd_launch(cfg: TopkConfig, out_dtype, saved, grad_scores, **kw):
-    from ..kernels.aux_scores import score_for_aux_loss_bwd
+    from ..kernels.topk.aux_plans import score_for_aux_loss_bwd
 
     out = score_for_aux_loss_bwd(
         saved, grad_scores, int(cfg.score_function), out_dtype, **kw
@@ -364,8 +364,8 @@ def _aux_bwd_launch(cfg: TopkConfig, out_dtype, saved, grad_scores, **kw):
 
 
 def _aux_bwd_plan(cfg: TopkConfig, out_dtype, saved, grad_scores):
-    from ..kernels._launch import kind_of_dtype
-    from ..kernels.aux_scores import score_for_aux_loss_bwd_plan
+    from ..kernels._base.launch import kind_of_dtype
+    from ..kernels.topk.aux_plans import score_for_aux_loss_bwd_plan
 
     kind = kind_of_dtype(out_dtype, "out_dtype", "score_for_aux_loss_bwd")
     return score_for_aux_loss_bwd_plan(saved, int(cfg.score_function), kind)

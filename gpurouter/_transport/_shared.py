@@ -85,7 +85,7 @@ def plan_of(planner, arrays):
     key = (planner, *((a.shape, a.dtype) for a in arrays))
     plan = _PLANS.get(key)
     if plan is None:
-        from ..kernels._plan import spec_for
+        from ..kernels._base.plan import spec_for
 
         if len(_PLANS) > 4096:  # one entry per traced call site and shape: bounded anyway
             _PLANS.clear()

@@ -69,7 +69,7 @@ def _ordinal(stream: int) -> int:
     no device; on a multi-GPU host each shard runs on its own GPU's stream)."""
     if _gpu_count() == 1:
         return 0
-    from ..kernels._context import stream_ordinal
+    from ..kernels._base.context import stream_ordinal
 
     return stream_ordinal(int(stream or 0))
 
@@ -82,7 +82,7 @@ def _pointer_launch(plan, ordinal: int):
     key = (id(plan), ordinal)
     hit = _POINTER_LAUNCHES.get(key)
     if hit is None:
-        from ..kernels._pointer import PointerLaunch
+        from ..kernels._base.pointer import PointerLaunch
 
         with COMPILE_LOCK:
             hit = _POINTER_LAUNCHES.get(key)
@@ -160,7 +160,7 @@ def _device_call(planner, n_token: int, n_out: int, bufs, outs, stream: int) -> 
 def buffer_call(planner, out_specs, token_args, call_args):
     from jax.experimental.buffer_callback import buffer_callback
 
-    from ..kernels._plan import spec_for
+    from ..kernels._base.plan import spec_for
 
     n_token, n_out = len(token_args), len(out_specs)
     args = [to_words(jnp.asarray(a)) for a in (*token_args, *call_args)]

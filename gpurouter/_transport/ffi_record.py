@@ -53,7 +53,7 @@ def _driver() -> tuple[int, int, int, int]:
     """Addresses of cuLaunchKernel, cuCtxGetCurrent, cuCtxPushCurrent_v2, cuCtxPopCurrent_v2."""
     import ctypes
 
-    from ..kernels._context import libcuda
+    from ..kernels._base.context import libcuda
 
     lib = libcuda()
     return tuple(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in
@@ -117,9 +117,9 @@ def _record(plan) -> int:
     """The address of ``plan``'s launch record, built on first use."""
     hit = _RECORDS.get(id(plan))
     if hit is None:
-        from ..kernels._context import primary_context
-        from ..kernels._plan import counter_array, plan_counters
-        from ..kernels._pointer import compile_steps
+        from ..kernels._base.context import primary_context
+        from ..kernels._base.plan import counter_array, plan_counters
+        from ..kernels._base.pointer import compile_steps
 
         with COMPILE_LOCK, _RECORDS_LOCK:
             hit = _RECORDS.get(id(plan))

@@ -15,7 +15,7 @@ Host code only (no numba): the planners call these and put the results in their 
 
 from __future__ import annotations
 
-from ._limits import SMEM_BUDGET
+from ._base.limits import SMEM_BUDGET
 
 # W-lane row kernels
 

@@ -8,7 +8,8 @@ import pytest
 
 def _clear_row_plans():
     """Forget the cached plans of the row forward kernels (their layouts depend on the tiling knobs)."""
-    from gpurouter.kernels import aux_scores, topk
+    from gpurouter.kernels.topk import aux_plans as aux_scores
+    from gpurouter.kernels.topk import plans as topk
 
     for f in (topk.topk_with_score_function_fwd_plan, aux_scores.score_for_aux_loss_fwd_plan):
         f.cache_clear()
@@ -72,7 +73,9 @@ def quad_lanes(monkeypatch, request):
     quads in registers (the others loaded again in pass 2) or all of them,
     plans forgotten around it."""
     pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
-    from gpurouter.kernels import _tiling, aux_scores, topk
+    from gpurouter.kernels import _tiling
+    from gpurouter.kernels.topk import aux_plans as aux_scores
+    from gpurouter.kernels.topk import plans as topk
 
     def clear():
         topk.topk_with_score_function_bwd_plan.cache_clear()

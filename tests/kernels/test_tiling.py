@@ -15,7 +15,7 @@ pytestmark = pytest.mark.cuda
 def test_row_layouts_fit_shared_memory():
     """Every valid config up to the limits fits the 48 KiB budget (pure host code)."""
     from gpurouter.kernels import _tiling as L
-    from gpurouter.kernels._limits import SMEM_BUDGET
+    from gpurouter.kernels._base.limits import SMEM_BUDGET
 
     for E in (1, 8, 20, 128, 256, 1000, 1024, 4096, 8192):
         for k in (1, 8, 64):
@@ -36,7 +36,7 @@ def test_row_layouts_fit_shared_memory():
 def test_token_layouts_fit_shared_memory():
     """Every token-path config up to the limits fits the 48 KiB budget (host code)."""
     from gpurouter.kernels import _tiling as L
-    from gpurouter.kernels._limits import MAX_EXPERTS, SMEM_BUDGET
+    from gpurouter.kernels._base.limits import MAX_EXPERTS, SMEM_BUDGET
 
     for E in (4, 8, 128, 256, 1024, 4096, MAX_EXPERTS):
         for G in (0, 8, 64):
@@ -63,7 +63,7 @@ def test_token_lanes(library_lane_blocks):
     ``TOKEN_LANES_MIN_BLOCKS`` blocks (the library's value, not the simulator suite's); the slots
     sit after the bias."""
     from gpurouter.kernels import _tiling as L
-    from gpurouter.kernels._limits import SMEM_BUDGET
+    from gpurouter.kernels._base.limits import SMEM_BUDGET
 
     small, mid = L.TOKEN_CHUNK_LANES_MAX_TOKENS
     assert L.token_lanes(mid, 256, 8, 8, True) == (2, 13)  # DeepSeek-V3: groups of 32, K + 3 + 2 words

@@ -1,0 +1,1 @@
+"""gpurouter.kernels._base: see gpurouter/kernels/README.md for the layout."""

@@ -1,0 +1,1 @@
+"""gpurouter.kernels.losses: see gpurouter/kernels/README.md for the layout."""

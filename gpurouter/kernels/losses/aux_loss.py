@@ -1,0 +1,324 @@
+"""Switch load-balancing aux loss: Numba-CUDA kernels and launchers (docs/contract.md section 4).
+
+``C = num_experts * coeff / (topk * T * T)`` (fp32, host, in that order) and
+``loss = C * sum_c (sum_r probs[r, c]) * tokens_per_expert[c]``.
+
+Deterministic by construction (≠TE, which uses float atomics): one kernel;
+each of its blocks (``_tiling.column_tiling``) writes one fp32 partial, the
+sum over its fixed row range of ``probs[r, c] * tokens_per_expert[c]`` (its
+threads are row lanes x column lanes, each summing its rows of a column, or
+of an fp32 column quad, with several loads in flight (``_column_sums.py``),
+times the column's count, then a fixed-shape tree over the block), and takes a ticket
+(``_z_loss_finish.ticket``: an increment of a ``_plan.Counter`` that wraps to
+zero at the last block); the block with the last ticket adds every partial
+in a fixed order and a tree, times C.  No float atomics; every order fixed.
+"""
+
+from __future__ import annotations
+
+from .._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+
+# isort: split
+
+import functools
+
+import numpy as np
+from numba import cuda
+from numba import float32 as nb_f32  # array declarations take numba types
+
+from ..._host import aux_loss_coeff
+from .. import _tiling
+from .._base.access import array_views, flat_io, loader_1d, storer_1d, storer_2d
+from .._base.device import ZERO, u64
+from .._base.launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
+from .._base.plan import Counter, In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
+from .column_sums import block_tree_sum, lane_column_sum, lane_quad_sum
+from .last_block import finish_pieces, load_l2
+
+OP = "moe_aux_loss"
+
+# The shared array's size must be a compile-time constant: numba freezes module
+# globals as constants, but types ``_tiling.COLUMN_THREADS`` (a module attribute)
+# as a plain int64, which cuda.shared.array rejects on the GPU (the
+# simulator accepts anything).
+_RED_WORDS = _tiling.COLUMN_THREADS
+
+
+@functools.cache
+def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = False):
+    """The forward; ``quads``: fp32 probs with C % 4 == 0, seen flat, a column quad
+    per column lane (``lane_quad_sum``), else an element per column lane."""
+    column_sum = lane_column_sum(kind)
+    quad_sum = lane_quad_sum()
+    load_tpe = loader_1d(tpe_kind)
+    store = storer_1d(out_kind)
+    ticket = finish_pieces("acq_rel", False)[0]  # one acquire-release atom.inc (not the z-loss probe's knob)
+    load_partial = load_l2()
+
+    @cuda.jit
+    def aux_loss_fwd(
+        probs,  # [T, C] kind (``quads``: flat [T*C] fp32)
+        num_rows,
+        num_cols,
+        tokens_per_expert,  # [C] tpe_kind
+        partial,  # [nblocks] fp32, scratch: sum of probs[r, c] * tpe[c] over block b's rows, all c
+        count,  # [1] uint32 (``_plan.Counter``): zero whenever no launch runs
+        coeff,  # fp32 scalar: C
+        loss,  # [1] out_kind, out
+        saved_coeff,  # [1] fp32, out: C again, for the backward
+        rows_per_block,
+        col_lanes,  # CL; blockDim.x == RL * CL
+    ):
+        # Thread (rl, cl): its row lane's sum of each of its columns, times
+        # that column's count, added over its columns; the block's tree; the
+        # partial and a ticket; the last block adds every partial in a fixed order.
+        red = cuda.shared.array(_RED_WORDS, nb_f32)
+        last = cuda.shared.array(1, nb_f32)
+        tid = cuda.threadIdx.x
+        nthreads = cuda.blockDim.x
+        nrl = nthreads // col_lanes
+        rl = tid // col_lanes
+        cl = tid - rl * col_lanes
+        b = cuda.blockIdx.x
+        r0 = b * rows_per_block
+        r1 = min(num_rows, r0 + rows_per_block)
+        total = ZERO
+        if quads:
+            eq = num_cols // 4
+            cq = cl
+            while cq < eq:
+                s0, s1, s2, s3 = quad_sum(probs, r0, r1, cq, eq, rl, nrl)
+                c = 4 * cq
+                total += np.float32(s0 * load_tpe(tokens_per_expert, c))
+                total += np.float32(s1 * load_tpe(tokens_per_expert, c + 1))
+                total += np.float32(s2 * load_tpe(tokens_per_expert, c + 2))
+                total += np.float32(s3 * load_tpe(tokens_per_expert, c + 3))
+                cq += col_lanes
+        else:
+            c = cl
+            while c < num_cols:
+                total += np.float32(column_sum(probs, r0, r1, c, rl, nrl) * load_tpe(tokens_per_expert, c))
+                c += col_lanes
+        red[tid] = total
+        block_tree_sum(red, tid, nthreads)
+        if tid == 0:
+            partial[b] = red[0]
+            last[0] = ticket(count)
+        # Barrier: every thread reads the flag (block-uniform below).
+        cuda.syncthreads()
+        if last[0] != ZERO:
+            acc = ZERO
+            i = tid
+            while i < cuda.gridDim.x:
+                acc += load_partial(partial, i)
+                i += nthreads
+            red[tid] = acc
+            block_tree_sum(red, tid, nthreads)
+            if tid == 0:
+                store(loss, 0, np.float32(coeff * red[0]))
+                saved_coeff[0] = coeff
+
+    return aux_loss_fwd
+
+
+# ----------------------------------------------------------------------------
+# Backward: grad_probs[r, c] = C * f32(tpe[c]) * f32(grad_loss), every row alike.
+# ----------------------------------------------------------------------------
+
+
+@functools.cache
+def aux_loss_bwd_kernel(tpe_kind: str, out_kind: str):
+    load_tpe = loader_1d(tpe_kind)
+    load_grad = loader_1d(out_kind)
+    store = storer_2d(out_kind)
+
+    @cuda.jit
+    def aux_loss_bwd(
+        coeff,  # [1] fp32: C
+        tokens_per_expert,  # [C] tpe_kind
+        grad_loss,  # [1] out_kind
+        grad_probs,  # [R, C] out_kind, out
+        rows_per_block,
+        col_lanes,  # CL; blockDim.x == RL * CL
+    ):
+        # Thread (rl, cl) computes its columns' value once and writes it down
+        # its rows: no index division, coalesced stores.
+        num_rows = grad_probs.shape[0]
+        num_cols = grad_probs.shape[1]
+        tid = cuda.threadIdx.x
+        nrl = cuda.blockDim.x // col_lanes
+        rl = tid // col_lanes
+        cl = tid - rl * col_lanes
+        r0 = cuda.blockIdx.x * rows_per_block
+        r1 = min(num_rows, r0 + rows_per_block)
+        c0 = coeff[0]
+        g = load_grad(grad_loss, 0)
+        for c in range(cl, num_cols, col_lanes):
+            v = np.float32(np.float32(c0 * load_tpe(tokens_per_expert, c)) * g)
+            for r in range(r0 + rl, r1, nrl):
+                store(grad_probs, r, c, v)
+
+    return aux_loss_bwd
+
+
+@functools.cache
+def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str):
+    """The backward for C a multiple of 4, a quad of columns per store, grad_probs
+    seen flat (``array_views``): fp32 as 16-byte stores that L2 evicts first
+    (``_vec.quad_store_once_f32``: the output is larger than L2 and the
+    kernel never reads it), bf16 as one uint64 per quad, fp16 as elements."""
+    from .._base.vec import quad_store_once_f32
+
+    load_tpe = loader_1d(tpe_kind)
+    load_grad = loader_1d(out_kind)
+    store4 = quad_store_once_f32() if out_kind == F32 else flat_io(out_kind)[1]
+
+    @cuda.jit(device=True)
+    def value(c0, tokens_per_expert, c, g):
+        return np.float32(np.float32(c0 * load_tpe(tokens_per_expert, c)) * g)
+
+    @cuda.jit
+    def aux_loss_bwd_quad(
+        coeff,  # [1] fp32: C
+        tokens_per_expert,  # [C] tpe_kind
+        grad_loss,  # [1] out_kind
+        grad_probs,  # [R, C] out_kind, flat (bf16: [R*C/4] uint64), out
+        num_rows,
+        num_cols,
+        col_lanes,  # CL; blockDim.x == RL * CL
+    ):
+        # Thread (rl, cl) computes its column quads' values once and writes
+        # them down its rows, grid-strided (_tiling.fill_tiling; int32
+        # counters, unsigned indices: _device.u64).
+        eq = np.int32(num_cols // 4)
+        tid = np.int32(cuda.threadIdx.x)
+        nrl = np.int32(cuda.blockDim.x // col_lanes)
+        rl = np.int32(tid // col_lanes)
+        cl = np.int32(tid - rl * col_lanes)
+        first = np.int32(cuda.blockIdx.x * nrl + rl)
+        step = np.int32(cuda.gridDim.x * nrl)
+        c0 = coeff[0]
+        g = load_grad(grad_loss, 0)
+        cq = cl
+        while cq < eq:
+            c = u64(4 * cq)
+            v0 = value(c0, tokens_per_expert, c, g)
+            v1 = value(c0, tokens_per_expert, c + u64(1), g)
+            v2 = value(c0, tokens_per_expert, c + u64(2), g)
+            v3 = value(c0, tokens_per_expert, c + u64(3), g)
+            r = first
+            while r < num_rows:
+                store4(grad_probs, np.int64(r) * eq + cq, v0, v1, v2, v3)
+                r = np.int32(r + step)
+            cq = np.int32(cq + col_lanes)
+
+    return aux_loss_bwd_quad
+
+
+def moe_aux_loss_fwd(probs, tokens_per_expert, topk, coeff, total_num_tokens=None,
+                     num_experts=None, *, out=None, stream=0):
+    """Aux loss forward.
+
+    Args:
+      probs: (T, C) float32 | bfloat16 | float16; ``C % num_experts == 0``.
+      tokens_per_expert: (C,) int32 | int64 | float32 | bfloat16.
+      topk: K.
+      coeff: the loss coefficient.
+      total_num_tokens: T of the formula (default ``probs.shape[0]``; the
+        global count when token-sharded).
+      num_experts: E of the formula (default C).
+      out: optional ``(loss, saved_coeff)`` device arrays of shape ().
+      stream: numba stream or int CUDA stream handle.
+
+    Returns:
+      ``(loss () probs dtype, saved_coeff () float32)``; bit-identical run to run.
+    """
+    op = OP + "_fwd"
+    s = resolve_stream(stream)
+    d_probs, kind = device_input(probs, "probs", op, s, ndim=2)
+    d_tpe, tpe_kind = device_input(tokens_per_expert, "tokens_per_expert", op, s,
+                                     allow_int=True, ndim=1)
+    if tpe_kind == F16:
+        raise TypeError(f"{op}: tokens_per_expert must be int32, int64, float32 or bfloat16, "
+                        "got float16.")
+    num_rows, num_cols = (int(v) for v in d_probs.shape)
+    if tuple(d_tpe.shape) != (num_cols,):
+        raise ValueError(
+            f"{op}: tokens_per_expert shape {tuple(d_tpe.shape)} must be ({num_cols},).")
+    n_exp = num_cols if num_experts is None else int(num_experts)
+    if n_exp < 1 or num_cols % n_exp:
+        raise ValueError(f"{op}: probs columns ({num_cols}) must be a multiple of "
+                         f"num_experts ({n_exp}).")
+    total = num_rows if total_num_tokens is None else int(total_num_tokens)
+    c_host = aux_loss_coeff(n_exp, coeff, int(topk), total)
+    to_host = not any_on_device(probs, tokens_per_expert) and out is None
+    plan = moe_aux_loss_fwd_plan(spec_of(d_probs.shape, kind), spec_for(d_tpe.shape, d_tpe.dtype),
+                                 c_host)
+    return execute(plan, [d_probs, d_tpe], out, s, to_host)
+
+
+@functools.cache
+def moe_aux_loss_fwd_plan(probs: Spec, tokens_per_expert: Spec, c: np.float32) -> Plan:
+    """The launches of the forward (inputs: probs, tokens_per_expert; outputs: loss,
+    saved_coeff; scratch: the per-block partials). ``c`` is the fp32 C."""
+    num_rows, num_cols = probs.shape
+    outs = (spec_of((), probs.kind), spec_of((), F32))
+    quads = probs.kind == F32 and num_cols % 4 == 0
+    grid, threads, cl, rows = _tiling.column_tiling(num_rows, num_cols // 4 if quads else num_cols)
+    tmps = (spec_of((grid,), F32),)
+    src = In(0, array_views(F32, (num_rows, num_cols))[0]) if quads else In(0)
+    steps = (Step(aux_loss_fwd_kernel(probs.kind, tokens_per_expert.kind, probs.kind, quads), grid, threads, 0,
+                  (src, num_rows, num_cols, In(1), Tmp(0), Counter(), np.float32(c),
+                   Out(0, spec_of((1,), probs.kind)), Out(1, spec_of((1,), F32)), rows, cl)),)
+    return Plan(OP + "_fwd", (probs, tokens_per_expert), outs, tmps, steps)
+
+
+def moe_aux_loss_bwd(saved_coeff, tokens_per_expert, grad_loss, num_rows, *, out=None, stream=0):
+    """Aux loss backward: ``grad_probs[r, c] = C * f32(tpe[c]) * f32(grad_loss)``.
+
+    Args:
+      saved_coeff: () float32 C from the forward (host scalar or device array).
+      tokens_per_expert: (C,) int32 | int64 | float32 | bfloat16.
+      grad_loss: () float32 | bfloat16 | float16 (host scalar or device array).
+      num_rows: R, the rows of probs.
+      out: optional device array for grad_probs.
+      stream: numba stream or int CUDA stream handle.
+
+    Returns:
+      grad_probs (R, C), dtype of grad_loss.
+    """
+    op = OP + "_bwd"
+    s = resolve_stream(stream)
+    d_coeff, ckind = scalar_input(saved_coeff, "saved_coeff", op, s)
+    if ckind != F32:
+        raise TypeError(f"{op}: saved_coeff must be float32, got {d_coeff.dtype}.")
+    d_grad, kind = scalar_input(grad_loss, "grad_loss", op, s)
+    d_tpe, tpe_kind = device_input(tokens_per_expert, "tokens_per_expert", op, s,
+                                     allow_int=True, ndim=1)
+    to_host = not any_on_device(saved_coeff, tokens_per_expert, grad_loss) and out is None
+    plan = moe_aux_loss_bwd_plan(spec_for(d_tpe.shape, d_tpe.dtype), spec_of((), kind), int(num_rows))
+    return execute(plan, [d_coeff, d_tpe, d_grad], out, s, to_host)[0]
+
+
+@functools.cache
+def moe_aux_loss_bwd_plan(tokens_per_expert: Spec, grad_loss: Spec, num_rows: int) -> Plan:
+    """The launches of the backward (inputs: saved_coeff, tokens_per_expert,
+    grad_loss; output: grad_probs [num_rows, C] in grad_loss's kind)."""
+    num_cols = tokens_per_expert.shape[0]
+    kind = grad_loss.kind
+    ins = (spec_of((), F32), tokens_per_expert, grad_loss)
+    outs = (spec_of((num_rows, num_cols), kind),)
+    if num_rows == 0 or num_cols == 0:
+        return Plan(OP + "_bwd", ins, outs)
+    if num_cols % 4 == 0:  # a quad of columns per store
+        grid, threads, cl = _tiling.fill_tiling(num_rows, num_cols // 4)
+        words = array_views(kind, (num_rows, num_cols))[0]
+        step = Step(aux_loss_bwd_quad_kernel(tokens_per_expert.kind, kind), grid, threads, 0,
+                      (In(0, spec_of((1,), F32)), In(1), In(2, spec_of((1,), kind)),
+                       Out(0, words), num_rows, num_cols, cl))
+        return Plan(OP + "_bwd", ins, outs, (), (step,))
+    grid, threads, cl, rows = _tiling.column_tiling(num_rows, num_cols)
+    step = Step(aux_loss_bwd_kernel(tokens_per_expert.kind, kind), 2 * grid, threads, 0,
+                  (In(0, spec_of((1,), F32)), In(1), In(2, spec_of((1,), kind)), Out(0),
+                   -(-num_rows // (2 * grid)), cl))
+    return Plan(OP + "_bwd", ins, outs, (), (step,))

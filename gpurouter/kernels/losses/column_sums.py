@@ -1,0 +1,146 @@
+"""The aux loss forward's column sums (``aux_loss.py``; device functions only).
+
+A block is RL row lanes x CL column lanes (``_tiling.column_tiling``).
+Thread (rl, cl) owns columns (or, fp32 with C % 4 == 0, column quads) cl,
+cl + CL, ... and, of its block's rows, those congruent to rl mod RL, summed
+with independent accumulators so that several loads are in flight per
+thread (the sums are bandwidth-bound only if enough bytes are in flight,
+~4 MB on an H200): 8 element loads, or 4 16-byte quad loads.  Every order is
+fixed: deterministic.
+
+- ``lane_column_sum(kind)``: one column, elements of ``kind``;
+- ``lane_quad_sum()``: one fp32 column quad (``_vec.quad_f32``);
+- ``block_tree_sum``: a block's values summed by a fixed-shape tree.
+"""
+
+from __future__ import annotations
+
+from .._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+
+# isort: split
+
+import functools
+
+import numpy as np
+from numba import cuda
+
+from .._base.access import loader_2d
+from .._base.device import ZERO
+from .._base.vec import quad_f32
+
+
+@functools.cache
+def lane_column_sum(kind: str):
+    """Device function ``sum(src, r0, r1, c, rl, nrl)``: fp32 sum of ``src[r, c]``
+    (``src`` of ``kind``) over ``r0 <= r < r1`` with ``r = r0 + rl (mod nrl)``, in
+    a fixed order: 8 interleaved accumulators, then a pairwise tree of them."""
+    load = loader_2d(kind)
+
+    @cuda.jit(device=True)
+    def column_sum(src, r0, r1, c, rl, nrl):
+        a0 = ZERO
+        a1 = ZERO
+        a2 = ZERO
+        a3 = ZERO
+        a4 = ZERO
+        a5 = ZERO
+        a6 = ZERO
+        a7 = ZERO
+        r = r0 + rl
+        while r + 7 * nrl < r1:  # 8 independent loads in flight
+            a0 += load(src, r, c)
+            a1 += load(src, r + nrl, c)
+            a2 += load(src, r + 2 * nrl, c)
+            a3 += load(src, r + 3 * nrl, c)
+            a4 += load(src, r + 4 * nrl, c)
+            a5 += load(src, r + 5 * nrl, c)
+            a6 += load(src, r + 6 * nrl, c)
+            a7 += load(src, r + 7 * nrl, c)
+            r += 8 * nrl
+        while r < r1:
+            a0 += load(src, r, c)
+            r += nrl
+        return np.float32(np.float32(np.float32(a0 + a1) + np.float32(a2 + a3))
+                          + np.float32(np.float32(a4 + a5) + np.float32(a6 + a7)))
+
+    return column_sum
+
+
+@cuda.jit(device=True)
+def block_tree_sum(red, tid, n):
+    """``red[0] = red[0] + ... + red[n - 1]`` by a fixed-shape tree (pairs ``(i, i +
+    ceil(n / 2))``, any n), every thread of the block calling it; ``red[tid]``
+    written by its thread before the call.  Deterministic."""
+    # Barrier: the tree reads other threads' values.
+    cuda.syncthreads()
+    while n > 1:
+        half = (n + 1) // 2
+        if tid < n - half:
+            red[tid] = np.float32(red[tid] + red[tid + half])
+        # Barrier: the next level reads this level's results.
+        cuda.syncthreads()
+        n = half
+
+
+@functools.cache
+def lane_quad_sum():
+    """Device function ``sum4(src, r0, r1, cq, eq, rl, nrl) -> 4 x fp32``: the column
+    sums of fp32 quad ``cq`` of ``src`` (flat, ``eq`` quads a row) over ``r0 <= r <
+    r1`` with ``r = r0 + rl (mod nrl)``: 16-byte loads (``_vec.quad_f32``), 4 rows
+    in flight, then a pairwise tree of the 4 row accumulators, in a fixed order."""
+    load4 = quad_f32()[0]
+
+    @cuda.jit(device=True)
+    def quad_sum(src, r0, r1, cq, eq, rl, nrl):
+        a0 = ZERO
+        a1 = ZERO
+        a2 = ZERO
+        a3 = ZERO
+        b0 = ZERO
+        b1 = ZERO
+        b2 = ZERO
+        b3 = ZERO
+        c0 = ZERO
+        c1 = ZERO
+        c2 = ZERO
+        c3 = ZERO
+        d0 = ZERO
+        d1 = ZERO
+        d2 = ZERO
+        d3 = ZERO
+        r = r0 + rl
+        while r + 3 * nrl < r1:  # 4 independent 16-byte loads in flight
+            x0, x1, x2, x3 = load4(src, np.int64(r) * eq + cq)
+            y0, y1, y2, y3 = load4(src, np.int64(r + nrl) * eq + cq)
+            z0, z1, z2, z3 = load4(src, np.int64(r + 2 * nrl) * eq + cq)
+            w0, w1, w2, w3 = load4(src, np.int64(r + 3 * nrl) * eq + cq)
+            a0 += x0
+            a1 += x1
+            a2 += x2
+            a3 += x3
+            b0 += y0
+            b1 += y1
+            b2 += y2
+            b3 += y3
+            c0 += z0
+            c1 += z1
+            c2 += z2
+            c3 += z3
+            d0 += w0
+            d1 += w1
+            d2 += w2
+            d3 += w3
+            r += 4 * nrl
+        while r < r1:
+            x0, x1, x2, x3 = load4(src, np.int64(r) * eq + cq)
+            a0 += x0
+            a1 += x1
+            a2 += x2
+            a3 += x3
+            r += nrl
+        return (np.float32(np.float32(a0 + b0) + np.float32(c0 + d0)),
+                np.float32(np.float32(a1 + b1) + np.float32(c1 + d1)),
+                np.float32(np.float32(a2 + b2) + np.float32(c2 + d2)),
+                np.float32(np.float32(a3 + b3) + np.float32(c3 + d3)))
+
+    return quad_sum

@@ -1,0 +1,396 @@
+"""Router z-loss (ST-MoE): Numba-CUDA kernels and launchers.
+
+``lse_t = logsumexp_e(logits[t])`` in fp32 (0 for a row of all ``-inf``: it adds
+nothing and gets no gradient; NaN for a row with a NaN) and
+``loss = coeff * (sum_t lse_t^2 / N)`` with ``N = total_num_tokens`` (the global
+token count under sharding; default T).  The reference is
+``gpurouter.reference.router_z_loss``.
+
+Rows of whole 16-byte vectors (bf16 ``E % 8 == 0``, fp32 ``E % 4 == 0``, up to
+``_tiling.Z_VEC_MAX_HOLD`` vectors a lane) take the kernels of ``z_loss_vec.py``;
+the others these *unit* kernels (``_tiling.z_loss_tiling``): a row's experts
+cut into units of four (a quad seen flat through ``_access.array_views`` when
+``E % 4 == 0``, else four masked element loads), W lanes a row, lane ``l``
+taking units ``l, l + W, ...``, ``Z_HOLD`` of them a step, all loads issued
+before any use (indices clamped into the row, values past it ignored).
+
+Forward, kernel 1 (a block of TB rows x W lanes): each lane keeps an online
+``(max m, sum s of exp(x - m))`` (one rescale a step); a fixed-pairing tree in
+shared memory combines the lanes; lane 0 writes ``lse``; thread 0 sums the
+block's TB squares in a fixed tree into ``partial[b]`` (plan scratch).  Kernel
+2 (one block): a fixed-shape tree of the partials, ``loss = coeff * (S / N)``
+(the vector forward: its last block does it, ``z_loss_vec.py``).  Every order
+fixed: bit-identical run to run.
+
+Backward: elementwise, ``grad[t, e] = (g * 2 coeff / N) lse_t exp(x - lse_t)``
+(0 on a dead row: the saved ``lse_t`` is 0), the same lanes and units.
+No warp intrinsics (the simulator runs the same kernels).  ``exp(x - m)`` is
+``2^(fma(x, log2 e, -m log2 e))``, one ``ex2.approx`` (``_logsumexp``).
+"""
+
+from __future__ import annotations
+
+from .._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+
+# isort: split
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda
+from numba import float32 as nb_f32  # array declarations take numba types
+
+from .. import _tiling
+from .._base.access import array_views, flat_io, storer_2d
+from .._base.device import NEG_INF, ZERO, fmax_f32, u64
+from .._base.launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
+from .._base.plan import Counter, In, Out, Plan, Ref, Spec, Step, Tmp, execute, spec_of
+from . import last_block as _z_loss_finish
+from .logsumexp import LOG2E, exp2_term, held_unit_loader, lse_of, merge_max_sum, rescale_sum, shift2, unit_fetchers
+from .z_loss_vec import word_view, z_loss_vec_bwd_kernel, z_loss_vec_rows_kernel
+
+OP = "router_z_loss"
+
+# Shared-array sizes must be compile-time constants (a module global is frozen as one)
+_FINAL_WORDS = _tiling.Z_FINAL_THREADS
+
+
+# ----------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------
+
+
+@functools.cache
+def z_loss_rows_kernel(kind: str, quads: bool, hold: int):
+    """Kernel 1 of the forward: ``lse`` of every row and a partial sum of
+    ``lse^2`` per block (see the module docstring)."""
+    aligned, fetch_fast, fetch = unit_fetchers(kind, quads)
+    load_fast = held_unit_loader(fetch_fast, hold)
+    load_slow = held_unit_loader(fetch, hold)
+    held_words = 4 * hold  # a compile-time constant (local array sizes must be)
+
+    @cuda.jit
+    def z_loss_rows(
+        logits,  # quads: [T*E] (bf16: [T*E/4] uint64) flat; else [T, E]; kind
+        lse,  # [T] fp32, out
+        partial,  # [>= grid] fp32, out: the block's sum of lse^2 (rows in order)
+        num_tokens,
+        num_experts,
+        units,
+        lanes,  # W; blockDim.x = TB * W
+    ):
+        red = cuda.shared.array(0, nb_f32)  # [2 * threads] lane (max, sum), then [TB] lse^2
+        held = cuda.local.array(held_words, nb_f32)
+        tid = np.int32(cuda.threadIdx.x)
+        nthreads = np.int32(cuda.blockDim.x)
+        w = np.int32(lanes)
+        tok = np.int32(tid // w)
+        lane = np.int32(tid - tok * w)
+        tb = np.int32(nthreads // w)
+        token = np.int64(cuda.blockIdx.x) * tb + tok
+        live = token < num_tokens
+        nu = np.int32(units)
+        n = np.int32(num_experts)
+        fast = aligned(logits)
+
+        m = NEG_INF
+        s = ZERO
+        u0 = lane
+        while live and u0 < nu:
+            if fast:
+                load_fast(held, logits, token, u0, w, nu, n)
+            else:
+                load_slow(held, logits, token, u0, w, nu, n)
+            cm = NEG_INF
+            for h in range(hold):
+                if u0 + h * w < nu:
+                    cm = fmax_f32(cm, fmax_f32(fmax_f32(held[4 * h], held[4 * h + 1]),
+                                         fmax_f32(held[4 * h + 2], held[4 * h + 3])))
+            if cm > m:  # a new max: rescale the sum
+                s = rescale_sum(s, m, cm)
+                m = cm
+            sh2 = shift2(m)  # an all -inf step so far: 2^(-inf - 0) = 0
+            for h in range(hold):
+                if u0 + h * w < nu:
+                    e01 = np.float32(exp2_term(held[4 * h], sh2) + exp2_term(held[4 * h + 1], sh2))
+                    e23 = np.float32(exp2_term(held[4 * h + 2], sh2) + exp2_term(held[4 * h + 3], sh2))
+                    s = np.float32(s + np.float32(e01 + e23))
+            u0 = np.int32(u0 + hold * w)
+
+        # The lanes of a row, combined in a fixed pairing (log2 W levels).
+        red[tid] = m
+        red[nthreads + tid] = s
+        span = np.int32(1)
+        while span < w:  # W a power of two: lane % (2 span) == lane & (2 span - 1)
+            # Barrier: this level reads the previous level's (or the lanes') pairs.
+            cuda.syncthreads()
+            if lane & (2 * span - 1) == 0:
+                mm, ss = merge_max_sum(red[tid], red[nthreads + tid], red[tid + span],
+                                red[nthreads + tid + span])
+                red[tid] = mm
+                red[nthreads + tid] = ss
+            span = np.int32(2 * span)
+        # Barrier: lane 0 reads the last level's pair.
+        cuda.syncthreads()
+        if lane == 0:
+            v = lse_of(red[tid], red[nthreads + tid])
+            sq = ZERO
+            if live:
+                lse[u64(token)] = v
+                sq = np.float32(v * v)
+            red[2 * nthreads + tok] = sq
+        # The TB squares in a fixed-shape tree (pairs r, r + ceil(n/2)).
+        o = 2 * nthreads
+        k = tb
+        while k > 1:
+            # Barrier: this level reads the squares (or the previous level's sums).
+            cuda.syncthreads()
+            half = np.int32((k + 1) // 2)
+            if tid < k - half:
+                red[o + tid] = np.float32(red[o + tid] + red[o + tid + half])
+            k = half
+        if tid == 0:  # the last level's sum is thread 0's own (no barrier needed)
+            partial[cuda.blockIdx.x] = red[o]
+
+    return z_loss_rows
+
+
+@cuda.jit
+def z_loss_final_kernel(partial, loss, nparts, coeff, total):  # [>= nparts], [1] out, ., fp32, fp32 N
+    """One block (a power of two of threads): thread i sums partials i, i + n,
+    ... in order, a halving tree combines the threads; ``coeff * (S / N)``."""
+    red = cuda.shared.array(_FINAL_WORDS, nb_f32)
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    acc = ZERO
+    for i in range(tid, nparts, nthreads):
+        acc = np.float32(acc + partial[i])
+    red[tid] = acc
+    half = nthreads // 2
+    while half > 0:
+        # Barrier: this level reads the previous level's sums.
+        cuda.syncthreads()
+        if tid < half:
+            red[tid] = np.float32(red[tid] + red[tid + half])
+        half //= 2
+    if tid == 0:
+        loss[0] = np.float32(coeff * np.float32(red[0] / total))
+
+
+# ----------------------------------------------------------------------------
+# Backward: grad[t, e] = (g * 2 coeff / N) * lse_t * exp(x - lse_t)
+# ----------------------------------------------------------------------------
+
+
+@functools.cache
+def z_loss_bwd_kernel(kind: str, quads: bool, hold: int):
+    aligned, fetch_fast, fetch = unit_fetchers(kind, quads)
+    load_fast = held_unit_loader(fetch_fast, hold)
+    load_slow = held_unit_loader(fetch, hold)
+    held_words = 4 * hold  # a compile-time constant (local array sizes must be)
+    if quads:
+        store4 = flat_io(kind)[1]
+
+        @cuda.jit(device=True)
+        def put(a, t, u, units, n, v0, v1, v2, v3):
+            store4(a, np.int64(t) * units + u, v0, v1, v2, v3)
+
+    else:
+        store = storer_2d(kind)
+
+        @cuda.jit(device=True)
+        def put1(a, t, j, n, v):
+            if j < n:
+                store(a, u64(t), u64(j), v)
+
+        @cuda.jit(device=True)
+        def put(a, t, u, units, n, v0, v1, v2, v3):
+            j = 4 * u
+            put1(a, t, j, n, v0)
+            put1(a, t, j + 1, n, v1)
+            put1(a, t, j + 2, n, v2)
+            put1(a, t, j + 3, n, v3)
+
+    @cuda.jit
+    def z_loss_bwd(
+        logits,  # as in the forward
+        lse,  # [T] fp32: the forward's saved lse
+        grad_loss,  # [1] fp32
+        grad_logits,  # as logits (bf16 quads: [T*E/4] uint64), out
+        num_tokens,
+        num_experts,
+        units,
+        lanes,  # W; blockDim.x = TB * W
+        scale,  # fp32: 2 coeff / N
+    ):
+        held = cuda.local.array(held_words, nb_f32)
+        tid = np.int32(cuda.threadIdx.x)
+        w = np.int32(lanes)
+        tok = np.int32(tid // w)
+        lane = np.int32(tid - tok * w)
+        token = np.int64(cuda.blockIdx.x) * np.int32(cuda.blockDim.x // w) + tok
+        if token >= num_tokens:
+            return
+        nu = np.int32(units)
+        n = np.int32(num_experts)
+        fast = aligned(logits)
+        v = lse[u64(token)]
+        a = np.float32(np.float32(grad_loss[0] * scale) * v)  # 0 on a dead row (v = 0)
+        v2 = np.float32(v * LOG2E)  # exp(x - v) = 2^(fma(x, log2 e, -v2))
+        u0 = lane
+        while u0 < nu:
+            if fast:
+                load_fast(held, logits, token, u0, w, nu, n)
+            else:
+                load_slow(held, logits, token, u0, w, nu, n)
+            for h in range(hold):
+                u = np.int32(u0 + h * w)
+                if u < nu:
+                    put(grad_logits, token, u, nu, n,
+                        np.float32(a * exp2_term(held[4 * h], v2)), np.float32(a * exp2_term(held[4 * h + 1], v2)),
+                        np.float32(a * exp2_term(held[4 * h + 2], v2)), np.float32(a * exp2_term(held[4 * h + 3], v2)))
+            u0 = np.int32(u0 + hold * w)
+
+    return z_loss_bwd
+
+
+# ----------------------------------------------------------------------------
+# Launchers and plans
+# ----------------------------------------------------------------------------
+
+
+def _static_args(op: str, num_tokens: int, coeff, total_num_tokens):
+    """``(coeff fp32, N)``: coeff finite, N (default max(T, 1)) >= 1."""
+    c = float(coeff)
+    if not math.isfinite(c):
+        raise ValueError(f"{op}: coeff ({coeff!r}) must be finite.")
+    total = max(num_tokens, 1) if total_num_tokens is None else int(total_num_tokens)
+    if total < 1:
+        raise ValueError(f"{op}: total_num_tokens ({total}) must be >= 1.")
+    return np.float32(c), total
+
+
+def _logits_input(logits, op: str, stream):
+    d, kind = device_input(logits, "logits", op, stream, ndim=2)
+    if int(d.shape[1]) < 1:
+        raise ValueError(f"{op}: num_experts (logits.shape[-1] = 0) must be >= 1.")
+    return d, kind
+
+
+def _logits_arg(logits: Spec, quads: bool) -> Ref:
+    """The logits as the kernels take them: flat quads (``array_views``) or 2-D."""
+    return In(0, array_views(logits.kind, logits.shape)[0]) if quads else In(0)
+
+
+def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, out=None, stream=0):
+    """Router z-loss forward.
+
+    Args:
+      logits: (T, E) float32 | bfloat16 | float16, E >= 1, T >= 0.
+      coeff: the loss coefficient (finite).
+      total_num_tokens: N of ``coeff * sum_t lse_t^2 / N`` (default T, 1 when
+        T == 0; the global count when token-sharded).
+      out: optional ``(loss (), lse (T,))`` float32 device arrays.
+      stream: numba stream or int CUDA stream handle.
+
+    Returns:
+      ``(loss () float32, saved_lse (T,) float32)``; the loss bit-identical
+      run to run.
+    """
+    op = OP + "_fwd"
+    s = resolve_stream(stream)
+    d, kind = _logits_input(logits, op, s)
+    c, total = _static_args(op, int(d.shape[0]), coeff, total_num_tokens)
+    to_host = not any_on_device(logits) and out is None
+    plan = router_z_loss_fwd_plan(spec_of(d.shape, kind), c, total)
+    return tuple(execute(plan, [d], out, s, to_host))
+
+
+@functools.cache
+def router_z_loss_fwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: int) -> Plan:
+    """The launches of the forward: input logits; outputs ``loss () f32``,
+    ``lse (T,) f32``; scratch: the per-block partial sums of ``lse^2``."""
+    num_tokens, num_experts = logits.shape
+    outs = (spec_of((), F32), spec_of((num_tokens,), F32))
+    vec = logits.kind != F16 and _tiling.z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize)
+    grid, threads, lanes, units, quads = _tiling.z_loss_tiling(num_tokens, num_experts)
+    steps = []
+    if vec:  # one launch: the grid's last block sums the partials (a Counter tells it it is last)
+        grid, threads, lanes, vecs, hold, iters = vec
+        kern = z_loss_vec_rows_kernel(logits.kind, hold, lanes, *_tiling.Z_VEC_FWD[3:], vecs == lanes * hold,
+                                      threads % 32 == 0, _z_loss_finish.FINISH)  # exact rows, full warps
+        steps.append(Step(kern, grid, threads, 4 * (threads + threads // lanes + 1),
+                          (In(0, word_view(logits)), Out(1), Tmp(0), Out(0, spec_of((1,), F32)), Counter(),
+                           num_tokens, vecs, iters, np.float32(coeff), np.float32(total_num_tokens))))
+        return Plan(OP + "_fwd", (logits,), outs, (spec_of((grid,), F32),), steps)
+    if grid:
+        steps.append(Step(z_loss_rows_kernel(logits.kind, quads, _tiling.Z_HOLD), grid, threads,
+                            4 * (2 * threads + threads // lanes),
+                            (_logits_arg(logits, quads), Out(1), Tmp(0), num_tokens, num_experts,
+                             units, lanes)))
+    tmps = (spec_of((max(grid, 1),), F32),)
+    final = min(_tiling.Z_FINAL_THREADS, _tiling.pow2_at_least(max(grid, 1)))
+    steps.append(Step(z_loss_final_kernel, 1, final, 0,
+                        (Tmp(0), Out(0, spec_of((1,), F32)), grid, np.float32(coeff),
+                         np.float32(total_num_tokens))))
+    return Plan(OP + "_fwd", (logits,), outs, tmps, steps)
+
+
+def router_z_loss_bwd(logits, saved_lse, grad_loss, coeff, total_num_tokens=None, *, out=None,
+                      stream=0):
+    """Router z-loss backward:
+    ``grad_logits[t, e] = grad_loss * 2 coeff / N * lse_t * exp(logits[t, e] - lse_t)``.
+
+    Args:
+      logits: (T, E) float32 | bfloat16 | float16, as given to the forward.
+      saved_lse: (T,) float32, the forward's second output.
+      grad_loss: () float32 (host scalar, Python float or device array).
+      coeff, total_num_tokens: as given to the forward.
+      out: optional device array for grad_logits.
+      stream: numba stream or int CUDA stream handle.
+
+    Returns:
+      grad_logits (T, E), dtype of logits (0 on an all -inf row).
+    """
+    op = OP + "_bwd"
+    s = resolve_stream(stream)
+    d, kind = _logits_input(logits, op, s)
+    num_tokens = int(d.shape[0])
+    d_lse, lse_kind = device_input(saved_lse, "saved_lse", op, s, ndim=1)
+    if lse_kind != F32 or tuple(d_lse.shape) != (num_tokens,):
+        raise ValueError(f"{op}: saved_lse must be float32 of shape ({num_tokens},), got "
+                         f"{tuple(d_lse.shape)} {d_lse.dtype}.")
+    d_g, gkind = scalar_input(grad_loss, "grad_loss", op, s)
+    if gkind != F32:
+        raise TypeError(f"{op}: grad_loss must be float32, got {d_g.dtype}.")
+    c, total = _static_args(op, num_tokens, coeff, total_num_tokens)
+    to_host = not any_on_device(logits, saved_lse, grad_loss) and out is None
+    plan = router_z_loss_bwd_plan(spec_of(d.shape, kind), c, total)
+    return execute(plan, [d, d_lse, d_g], out, s, to_host)[0]
+
+
+@functools.cache
+def router_z_loss_bwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: int) -> Plan:
+    """The launches of the backward: inputs logits, ``lse (T,) f32``,
+    ``grad_loss () f32``; output ``grad_logits`` (logits' shape and kind)."""
+    num_tokens, num_experts = logits.shape
+    ins = (logits, spec_of((num_tokens,), F32), spec_of((), F32))
+    outs = (spec_of(logits.shape, logits.kind),)
+    grid, threads, lanes, units, quads = _tiling.z_loss_tiling(num_tokens, num_experts, backward=True)
+    if not grid:
+        return Plan(OP + "_bwd", ins, outs)
+    # 2 coeff / N in fp32, in that order (the reference: coeff * (S / N), d/d lse_t: 2 lse_t)
+    scale = np.float32(np.float32(np.float32(coeff) / np.float32(total_num_tokens)) * np.float32(2))
+    vec = logits.kind != F16 and _tiling.z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize, True)
+    if vec:
+        grid, threads, lanes, vecs, hold, iters = vec
+        kern = z_loss_vec_bwd_kernel(logits.kind, hold, lanes, *_tiling.Z_VEC_BWD[3:])
+        step = Step(kern, grid, threads, 0, (In(0, word_view(logits)), In(1), In(2, spec_of((1,), F32)),
+                                             Out(0, word_view(logits)), num_tokens, vecs, iters, scale))
+        return Plan(OP + "_bwd", ins, outs, (), (step,))
+    grad = Out(0, array_views(logits.kind, logits.shape)[0]) if quads else Out(0)
+    step = Step(z_loss_bwd_kernel(logits.kind, quads, _tiling.Z_BWD_HOLD), grid, threads, 0,
+                  (_logits_arg(logits, quads), In(1), In(2, spec_of((1,), F32)), grad,
+                   num_tokens, num_experts, units, lanes, scale))
+    return Plan(OP + "_bwd", ins, outs, (), (step,))

@@ -1,0 +1,337 @@
+"""Router z-loss row kernels on 16-byte vectors: the forward's rows and the
+backward when a row is a whole number of 16-byte vectors (bf16 with
+``E % 8 == 0``, fp32 with ``E % 4 == 0``; ``_tiling.z_loss_vec_tiling``).
+``z_loss.py`` picks these or its unit kernels, and holds the plans.
+
+Layout: the logits seen flat as uint32 words (bf16: two experts a word, fp32:
+one), a row as ``V`` vectors of four words.  W lanes (a compile-time
+constant) own a row, lane ``l`` holding vectors ``l, l + W, ...`` (``hold`` of
+them, all of the row: one step), so a warp's load is W * 16 contiguous bytes
+of each of its rows.  A block's TB = threads / W row slots walk ``iters``
+consecutive groups of TB rows (a block owns ``TB * iters`` consecutive rows);
+with ``prefetch`` the next group's loads are issued before the current one
+is used (the forward walks two groups a trip, its two buffers in turn: no
+copies between them).  The forward is compiled for rows of exactly
+``W * hold`` vectors (no clamps or masks) and for blocks of whole warps
+(a constant shuffle mask) where the tiling gives them.  The unit kernels
+were instruction-bound (about 18 instructions an element, fp32 logits as
+slow as bf16): here an element costs about four (unpack, fma,
+``ex2.approx.ftz``, add or multiply; ``_z_loss_io``), the max
+of a bf16 row is taken two experts an instruction, the gradient packed two
+a ``cvt``.
+
+Forward: a lane takes the max of its vectors (fmaxf drops NaN; the sum keeps
+it), the W lanes' maxima give the row's ``M`` (``_z_loss_io.lane_reducers``:
+a butterfly of warp shuffles, log2 W steps, every lane gets ``M``), then each
+lane ``s_l = sum 2^(fma(x, log2 e, -sh2(M)))`` (one exp an element, no
+rescale at all), and the W sums in a fixed pairwise tree in lane order give
+``S``; lane 0 writes ``lse = (sh2(M) + lg2.approx(S)) ln 2`` and adds
+``lse^2`` to its own running sum in row order.  No barrier inside the walk (the lane exchange is within a warp);
+at the end thread 0 sums the block's TB running sums in slot order into
+``partial[b]`` and takes a ticket (``atomic.inc`` on a ``_plan.Counter``, zero
+at launch, wrapping back to zero at the grid's last block): the block that
+gets the last one sums every partial in a fixed order (``_z_loss_finish``) and
+writes the loss, one launch in all (a second one-block launch cost more:
+docs/benchmarks.md, "Router z-loss").  Every order is fixed: bit-identical
+run to run (the simulator's exchange goes through shared memory in the same
+order).
+
+Backward: ``grad = (g * 2 coeff / N) lse_t 2^(fma(x, log2 e, -lse_t log2 e))``,
+as the unit kernel, one 16-byte store per vector; no barrier.
+
+On the simulator the vector accesses are four word accesses (same code).
+"""
+
+from __future__ import annotations
+
+from .._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+
+# isort: split
+
+import functools
+
+import numpy as np
+from numba import cuda
+from numba import float32 as nb_f32  # array declarations take numba types
+from numba import uint32 as nb_u32
+
+from .._base.device import NEG_INF, ZERO, fmax_f32, u64
+from .._base.launch import BF16
+from .._base.plan import Spec
+from .last_block import finish_pieces
+from .logsumexp import LN2, LOG2E, shift2
+from .z_io import lane_reducers, load_words, log2_approx, single_ops, store_words, vector_io, warp_mask
+
+
+def word_view(logits: Spec) -> Spec:
+    """A ``[T, E]`` array (logits or their gradient) seen flat as uint32 words."""
+    return Spec((logits.shape[0] * logits.shape[1] * logits.dtype.itemsize // 4,), np.uint32)
+
+
+@functools.cache
+def _row_pieces(kind: str, hold: int, lanes: int, hints: bool, exact: bool = False):
+    """Device functions of both kernels for ``kind``, ``hold`` vectors a lane and
+    W = ``lanes``: ``fetch(held, a, fast, row, lane, vecs)`` (every load issued
+    before any use; vectors past the row's end read its last vector, which
+    leaves the max alone), ``row_max(held)``, ``row_sum(held, lane, vecs, sh2)``
+    (those past the end masked) and ``grad_word(word, a, v2)``.  ``exact``: the
+    row is exactly ``W * hold`` vectors (``vecs`` is that constant: no clamp,
+    no mask, the row's offset a shift)."""
+    aligned, load_v, store_v = vector_io(hints)
+    exp2, max2, pack2 = single_ops()
+    pair = kind == BF16
+    words = 4 * hold
+    row_vecs = lanes * hold
+    hi_mask = np.uint32(0xFFFF0000)
+    shift = np.uint32(16)
+
+    @cuda.jit(device=True)
+    def fetch(held, a, fast, row, lane, vecs):
+        if exact:
+            base = np.int64(row) * row_vecs + lane
+        else:
+            base = np.int64(row) * vecs
+        for h in range(hold):
+            if exact:
+                v = base + h * lanes
+            else:
+                v = base + min(np.int32(lane + h * lanes), np.int32(vecs - 1))
+            if fast:
+                w0, w1, w2, w3 = load_v(a, v)
+            else:
+                w0, w1, w2, w3 = load_words(a, v)
+            held[4 * h] = w0
+            held[4 * h + 1] = w1
+            held[4 * h + 2] = w2
+            held[4 * h + 3] = w3
+
+    @cuda.jit(device=True)
+    def lo(w):  # bf16: the low word's expert is the top half of an fp32
+        return np.uint32(w << shift).view(np.float32)
+
+    @cuda.jit(device=True)
+    def hi(w):
+        return np.uint32(w & hi_mask).view(np.float32)
+
+    @cuda.jit(device=True)
+    def term(x, sh2):  # exp(x - m) = 2^(fma(x, log2 e, -sh2))
+        return exp2(cuda.fma(x, LOG2E, -sh2))
+
+    if pair and max2 is not None:
+
+        @cuda.jit(device=True)
+        def row_max(held):  # a vector's four words in a tree, then the vectors: short chains
+            m2 = max2(max2(held[0], held[1]), max2(held[2], held[3]))
+            for h in range(1, hold):
+                m2 = max2(m2, max2(max2(held[4 * h], held[4 * h + 1]), max2(held[4 * h + 2], held[4 * h + 3])))
+            return fmax_f32(lo(m2), hi(m2))
+
+    elif pair:
+
+        @cuda.jit(device=True)
+        def row_max(held):
+            m = NEG_INF
+            for i in range(words):
+                m = fmax_f32(fmax_f32(m, lo(held[i])), hi(held[i]))
+            return m
+
+    else:
+
+        @cuda.jit(device=True)
+        def row_max(held):
+            m = NEG_INF
+            for i in range(words):
+                m = fmax_f32(m, np.uint32(held[i]).view(np.float32))
+            return m
+
+    if pair:
+
+        @cuda.jit(device=True)
+        def word_sum(w, sh2):
+            return np.float32(term(lo(w), sh2) + term(hi(w), sh2))
+
+        @cuda.jit(device=True)
+        def grad_word(w, a, v2):
+            return pack2(np.float32(a * term(lo(w), v2)), np.float32(a * term(hi(w), v2)))
+
+    else:
+
+        @cuda.jit(device=True)
+        def word_sum(w, sh2):
+            return term(np.uint32(w).view(np.float32), sh2)
+
+        @cuda.jit(device=True)
+        def grad_word(w, a, v2):
+            return np.float32(a * term(np.uint32(w).view(np.float32), v2)).view(np.uint32)
+
+    @cuda.jit(device=True)
+    def row_sum(held, lane, vecs, sh2):
+        s = ZERO
+        for h in range(hold):
+            if exact or lane + h * lanes < vecs:  # pairwise within a vector: short add chains
+                s01 = np.float32(word_sum(held[4 * h], sh2) + word_sum(held[4 * h + 1], sh2))
+                s23 = np.float32(word_sum(held[4 * h + 2], sh2) + word_sum(held[4 * h + 3], sh2))
+                s = np.float32(s + np.float32(s01 + s23))
+        return s
+
+    return aligned, store_v, fetch, row_max, row_sum, grad_word
+
+
+@functools.cache
+def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool,
+                           exact: bool = False, full: bool = False, finish_mode: str = "acq_rel"):
+    """The forward's row kernel on vectors (see the module docstring).  ``exact``:
+    every row is ``W * hold`` vectors (``_row_pieces``); ``full``: blockDim.x is
+    a multiple of 32 (the shuffles' member mask a constant)."""
+    aligned, _, fetch, row_max, row_sum, _ = _row_pieces(kind, hold, lanes, hints, exact)
+    all_max, all_sum = lane_reducers(lanes, full)
+    lg2 = log2_approx()
+    ticket, finish = finish_pieces(finish_mode, full)
+    words = 4 * hold  # compile-time constants (local array sizes, unrolled loops)
+    w = np.int32(lanes)
+
+    @cuda.jit(device=True)
+    def lse_fast(m, s):  # _logsumexp.lse_of with one lg2.approx (s >= 1 or NaN when m > -inf)
+        if m == NEG_INF:
+            return s
+        return np.float32(np.float32(shift2(m) + lg2(s)) * LN2)
+
+    @cuda.jit(device=True)
+    def group(held, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc):
+        """One row group on the held vectors: the row's max over its W lanes, then
+        each lane's sum against it (no rescale), the W sums in the fixed pairwise
+        order; lane 0 writes ``lse`` and returns ``acc + lse^2``."""
+        m = all_max(row_max(held), red, tid, first, mask)
+        s = all_sum(row_sum(held, lane, vecs, shift2(m)), red, tid, first, mask)
+        if lane == 0 and row < num_tokens:
+            v = lse_fast(m, s)
+            lse[u64(row)] = v
+            acc = np.float32(acc + np.float32(v * v))
+        return acc
+
+    @cuda.jit
+    def z_loss_vec_rows(
+        logits,  # [T * E * size / 4] uint32 words, flat
+        lse,  # [T] fp32, out
+        partial,  # [>= grid] fp32, out: the block's sum of lse^2 (rows in order)
+        loss,  # [1] fp32, out: coeff * (S / N)
+        count,  # [1] uint32: 0 at launch, left 0 (a _plan.Counter)
+        num_tokens,
+        vecs,  # V: 16-byte vectors a row
+        iters,  # row groups a block walks; blockDim.x = TB * W
+        coeff,  # fp32
+        total,  # fp32: N
+    ):
+        red = cuda.shared.array(0, nb_f32)  # [threads] lane exchange (simulator), [TB] running sums, a flag
+        cur = cuda.local.array(words, nb_u32)
+        nxt = cuda.local.array(words, nb_u32)
+        tid = np.int32(cuda.threadIdx.x)
+        nthreads = np.int32(cuda.blockDim.x)
+        tok = np.int32(tid // w)
+        lane = np.int32(tid - tok * w)
+        first = np.int32(tid - lane)
+        mask = warp_mask(tid, nthreads)
+        tb = np.int32(nthreads // w)
+        last = np.int64(num_tokens - 1)
+        row = np.int64(cuda.blockIdx.x) * tb * iters + tok
+        fast = aligned(logits)
+        acc = ZERO
+        fetch(cur, logits, fast, min(row, last), lane, vecs)
+        k = np.int32(0)
+        while k < iters:
+            if prefetch:  # two groups a trip, the buffers in turn: each group's loads in flight
+                if k + 1 < iters:  # during the group before it, and no copies between buffers
+                    fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
+                acc = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc)
+                row += tb
+                if k + 1 < iters:
+                    if k + 2 < iters:
+                        fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
+                    acc = group(nxt, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc)
+                    row += tb
+                k += 2
+            else:
+                acc = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc)
+                row += tb
+                k += 1
+                if k < iters:
+                    fetch(cur, logits, fast, min(row, last), lane, vecs)
+        if lane == 0:
+            red[nthreads + tok] = acc
+        # Barrier: thread 0 reads every slot's running sum.
+        cuda.syncthreads()
+        if tid == 0:
+            block_sum = ZERO
+            for i in range(tb):
+                block_sum = np.float32(block_sum + red[nthreads + i])
+            partial[cuda.blockIdx.x] = block_sum
+            red[nthreads + tb] = ticket(count)
+        # Barrier: every thread reads the flag (block-uniform below).
+        cuda.syncthreads()
+        if red[nthreads + tb] != ZERO:
+            finish(partial, loss, red, tid, nthreads, coeff, total)
+
+    return z_loss_vec_rows
+
+
+@functools.cache
+def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool):
+    """The backward on vectors: ``grad = (g * scale) lse_t exp(x - lse_t)``."""
+    aligned, store_v, fetch, _, _, grad_word = _row_pieces(kind, hold, lanes, hints)
+    words = 4 * hold
+    w = np.int32(lanes)
+
+    @cuda.jit
+    def z_loss_vec_bwd(
+        logits,  # [T * E * size / 4] uint32 words, flat
+        lse,  # [T] fp32: the forward's saved lse
+        grad_loss,  # [1] fp32
+        grad_logits,  # as logits, out
+        num_tokens,
+        vecs,
+        iters,
+        scale,  # fp32: 2 coeff / N
+    ):
+        cur = cuda.local.array(words, nb_u32)
+        nxt = cuda.local.array(words, nb_u32)
+        tid = np.int32(cuda.threadIdx.x)
+        tok = np.int32(tid // w)
+        lane = np.int32(tid - tok * w)
+        tb = np.int32(cuda.blockDim.x // w)
+        last = np.int64(num_tokens - 1)
+        row = np.int64(cuda.blockIdx.x) * tb * iters + tok
+        fast = aligned(logits) and aligned(grad_logits)
+        g = np.float32(grad_loss[0] * scale)
+        fetch(cur, logits, fast, min(row, last), lane, vecs)
+        v = lse[u64(min(row, last))]
+        nv = v
+        for k in range(iters):
+            more = k + 1 < iters
+            if prefetch and more:
+                fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
+                nv = lse[u64(min(row + tb, last))]
+            if row < num_tokens:
+                a = np.float32(g * v)  # 0 on a dead row (v = 0)
+                v2 = np.float32(v * LOG2E)
+                base = row * vecs
+                for h in range(hold):
+                    u = np.int32(lane + h * w)
+                    if u < vecs:
+                        o0 = grad_word(cur[4 * h], a, v2)
+                        o1 = grad_word(cur[4 * h + 1], a, v2)
+                        o2 = grad_word(cur[4 * h + 2], a, v2)
+                        o3 = grad_word(cur[4 * h + 3], a, v2)
+                        if fast:
+                            store_v(grad_logits, base + u, o0, o1, o2, o3)
+                        else:
+                            store_words(grad_logits, base + u, o0, o1, o2, o3)
+            if prefetch:
+                for i in range(words):
+                    cur[i] = nxt[i]
+                v = nv
+            elif more:
+                fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
+                v = lse[u64(min(row + tb, last))]
+            row += tb
+
+    return z_loss_vec_bwd

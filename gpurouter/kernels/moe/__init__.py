@@ -1,0 +1,1 @@
+"""gpurouter.kernels.moe: see gpurouter/kernels/README.md for the layout."""

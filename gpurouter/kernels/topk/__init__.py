@@ -1,0 +1,1 @@
+"""gpurouter.kernels.topk: see gpurouter/kernels/README.md for the layout."""

@@ -1,0 +1,386 @@
+"""Router top-k with a score function: the launchers and plans
+(docs/contract.md sections 2 and 3).
+
+The forward plan picks the kernel: the warp-per-token kernel
+(``warp_topk_fwd.py``) when ``use_warp_path`` takes the shape (sigmoid,
+sqrtsoftplus or softmax after the top-k, E a multiple of 128 up to 512, K <= 31, no groups or
+``warp_groups``'s; under "auto" on a GPU: ``warp_auto``),
+else the thread-per-token kernel (``token_topk_fwd.py``) when
+``_tiling.token_path`` takes it (K <= 64, E a multiple of 4), else the
+W-lane kernel (``lane_topk_fwd.py``).  The backward plan picks the
+warp-per-token kernel (``warp_topk_bwd.py``) when ``use_warp_bwd`` takes the
+shape (a map outside softmax-pre, E a multiple of 128 up to 512; under
+"auto" on a GPU), else the quad kernel (``quad_bwd.py``, E a multiple of 4),
+else the streaming one (``stream_bwd.py``).
+"""
+
+from __future__ import annotations
+
+from .._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+
+# isort: split
+
+import functools
+
+import numpy as np
+
+from ..._checks import check_topk_args
+from .. import _tiling
+from .._base.access import array_views, map_view
+from .._base.launch import (
+    BITMAP_U8,
+    F32,
+    SOFTMAX,
+    SQRTSOFTPLUS,
+    any_on_device,
+    device_input,
+    index_input,
+    map_format_code,
+    map_input,
+    resolve_stream,
+    score_function_code,
+)
+from .._base.limits import check_limits
+from .._base.plan import In, Out, Plan, Spec, Step, execute, map_spec, spec_of
+from .bwd_quad import quad_bwd_kernel
+from .bwd_stream import stream_bwd_kernel
+from .lane.fwd import lane_topk_fwd_kernel
+from .lane.lists import topk_capacity
+from .token.fwd import token_topk_fwd_kernel
+from .warp.bwd import WARP_BWD_MAX_EXPERTS, warp_bwd_launch, warp_bwd_path, warp_topk_bwd_kernel
+from .warp.fwd import warp_launch, warp_path, warp_topk_fwd_kernel
+from .warp.lanes import warp_auto
+
+OP = "topk_with_score_function"
+
+
+def _check_config(op, num_experts, topk, num_groups, group_topk, score_fn, pre_softmax, scaling_factor, bias_given,
+                  fmt):
+    """The launcher's configuration, by the rules of ``gpurouter._checks`` (the
+    one place they are written; the public ops apply them at trace time), then
+    the kernel limits."""
+    cfg = check_topk_args((1, num_experts), np.float32, topk, pre_softmax, num_groups, group_topk, scaling_factor,
+                          score_fn, (num_experts,) if bias_given else None, np.float32, False, fmt, op=op)
+    check_limits(op, num_experts, cfg.topk, cfg.num_groups if cfg.grouped else 1)
+    return cfg.grouped
+
+
+def topk_with_score_function_fwd(
+    logits,
+    topk,
+    use_pre_softmax=False,
+    num_groups=-1,
+    group_topk=-1,
+    scaling_factor=1.0,
+    score_function="softmax",
+    expert_bias=None,
+    routing_map_format=0,
+    *,
+    return_indices=False,
+    forced_indices=None,
+    path="auto",
+    out=None,
+    stream=0,
+):
+    """Router forward: scores, (group-limited) top-K, weights.
+
+    Args:
+      logits: (T, E) float32 | bfloat16 | float16, host or device.
+      topk: K, ``1 <= K <= E``.
+      use_pre_softmax: softmax over all E before the top-K (softmax only).
+      num_groups: G; grouping is on iff ``group_topk > 0``.
+      group_topk: Kg; ``E % G == 0``, ``K % Kg == 0``, ``Kg <= G``, ``K / Kg <= E / G``.
+      scaling_factor: multiplies the final probs.
+      score_function: "softmax" | "sigmoid" | "sqrtsoftplus" | 0..2.
+      expert_bias: (E,) float32 or None; sigmoid/sqrtsoftplus only, selection only.
+      routing_map_format: 0 (BYTEMAP): the map is (T, E) bool; 1 (BITMAP_U8):
+        (T, ceil(E/8)) uint8, bit ``e % 8`` of byte ``e // 8`` set iff the
+        token routes to expert ``e`` (``np.packbits(map, -1, bitorder="little")``).
+      return_indices: also return ``indices (T, K) int32``, the selected
+        experts in selection order (larger ``s + bias`` first, the lower index
+        among equal scores, NaN as -inf), written by the selecting kernel.
+      forced_indices: (T, K) integers, host or device (int32 on the device):
+        the routing replay.  No selection: token t's experts are
+        ``forced_indices[t]`` (entries outside [0, E) select nothing, a repeat
+        selects its expert once); the bias is not read and the groups are
+        ignored; everything after the selection is the normal call's.  An
+        ``expert_bias`` given here only says that the replayed call had one
+        (the weights' normaliser is then summed in that call's order, so a
+        replay of returned indices is bit for bit the call).  Not with
+        ``return_indices``.
+      path: the kernel family: "auto" (warp-per-token, else thread-per-token,
+        else W-lane: the first that takes the shape), "warp", "token" or
+        "lane" (``use_warp_path``, ``_tiling.use_token_path``).
+      out: optional ``(probs, routing_map, saved_scores[, indices])`` device arrays to write.
+      stream: numba stream or int CUDA stream handle (0: default).
+
+    Returns:
+      ``(probs (T, E) logits dtype, routing_map (T, E) bool or (T, ceil(E/8))
+      uint8, saved_scores (T, E) float32)``, and ``indices (T, K) int32``
+      with ``return_indices``; probs and saved_scores are the same bits in
+      both formats.
+
+    Notes:
+      fp32 math throughout.  Ties: the lower expert index wins; NaN counts
+      as -inf for selection; exactly K experts per token.
+    """
+    op = OP + "_fwd"
+    score_fn = score_function_code(score_function, op)
+    fmt = map_format_code(routing_map_format, op)
+    s = resolve_stream(stream)
+    d_logits, kind = device_input(logits, "logits", op, s, ndim=2)
+    num_tokens, num_experts = (int(v) for v in d_logits.shape)
+    topk = int(topk)
+    _check_config(op, num_experts, topk, num_groups, group_topk, score_fn, use_pre_softmax, scaling_factor,
+                  expert_bias is not None, fmt)
+    forced = forced_indices is not None
+    if forced and return_indices:
+        raise ValueError(f"{op}: return_indices with forced_indices: the indices are the forced ones.")
+    to_host = not any_on_device(logits, expert_bias, forced_indices) and out is None
+    d_bias = None
+    if expert_bias is not None and score_fn != SOFTMAX:
+        d_bias, bkind = device_input(expert_bias, "expert_bias", op, s, ndim=1)
+        if bkind != F32 or tuple(d_bias.shape) != (num_experts,):
+            raise ValueError(f"{op}: expert_bias must be float32 of shape ({num_experts},), "
+                             f"got {tuple(d_bias.shape)} {d_bias.dtype}.")
+    plan = topk_with_score_function_fwd_plan(
+        spec_of(d_logits.shape, kind), d_bias is not None, topk, bool(use_pre_softmax),
+        num_groups, group_topk, np.float32(scaling_factor), score_fn, fmt, bool(return_indices), forced, path)
+    if forced:
+        d_forced = index_input(forced_indices, "forced_indices", op, s, (num_tokens, topk))
+        return execute(plan, [d_logits, d_forced], out, s, to_host)
+    return execute(plan, [d_logits] if d_bias is None else [d_logits, d_bias], out, s, to_host)
+
+
+#: how the thread-per-token top-k forward writes its indices where E <= 256
+#: and K <= 8 (``token_topk_fwd_kernel``'s ``indices``): 2, the hits packed in
+#: a register by the selecting thread; 1, the hit lists in local memory (the
+#: only way elsewhere).  Figures: docs/benchmarks.md
+TOKEN_INDICES_WAY = 2
+
+#: an SM of the GPUs the kernels are tuned on (sm_90: H100, H200): shared
+#: memory (of which 1 KiB is reserved per block), 32-bit registers, threads
+SM_SHARED, BLOCK_RESERVED, SM_REGISTERS, SM_THREADS = 233472, 1024, 65536, 2048
+
+
+def use_warp_path(path: str, op: str, num_experts: int, topk: int, num_groups: int, group_topk: int,
+                  score_fn: int, pre_softmax: bool, forced: bool) -> bool:
+    """Whether the forward takes the warp-per-token kernel: ``"auto"`` where
+    ``warp_path`` takes the shape and ``warp_auto`` says so (on a GPU),
+    ``"warp"`` wherever ``warp_path`` takes it, else a ValueError naming
+    ``op``.  Never for the replay: it takes the thread-per-token kernel, which
+    sums a token's weights in the warp kernel's order (the same bits)."""
+    fits = warp_path(num_experts, topk, num_groups, score_fn, pre_softmax, group_topk)
+    if path == "warp" and not fits:
+        raise ValueError(f"{op}: path='warp' needs sigmoid, sqrtsoftplus or softmax after the top-k "
+                         "(use_pre_softmax=False), E a multiple of 128 up to 512, K <= 31 "
+                         "and, with groups, at most 32 groups of 4 to 128 experts (a divisor of 128), "
+                         "K // group_topk <= 2 and K <= group_topk * E / num_groups "
+                         f"(E={num_experts}, K={topk}, num_groups={num_groups}, group_topk={group_topk}).")
+    auto = path == "auto" and warp_auto()
+    return fits and (auto or path == "warp") and not forced
+
+
+def use_warp_bwd(path: str, op: str, num_experts: int, score_fn: int, pre_softmax: bool) -> bool:
+    """Whether the backward takes the warp-per-token kernel: ``"auto"`` where
+    ``warp_bwd_path`` takes the shape on a GPU (``warp_auto``), ``"warp"``
+    wherever it takes it (else a ValueError naming ``op``), never ``"quad"``."""
+    if path not in ("auto", "warp", "quad"):
+        raise ValueError(f"{op}: path must be 'auto', 'warp' or 'quad', got {path!r}.")
+    fits = warp_bwd_path(num_experts, score_fn, pre_softmax)
+    if path == "warp" and not fits:
+        raise ValueError(f"{op}: path='warp' needs a routing map outside softmax-pre and E a multiple of 128 "
+                         f"up to {WARP_BWD_MAX_EXPERTS} (E={num_experts}, use_pre_softmax={pre_softmax}).")
+    return fits and (path == "warp" or (path == "auto" and warp_auto()))
+
+
+def _register_cap(lay) -> int:
+    """The register cap of a thread-per-token forward with indices: what lets as
+    many blocks be resident as its shared memory allows, so that the indices'
+    live values never cost occupancy."""
+    blocks = min(SM_THREADS // lay.threads, SM_SHARED // (lay.shared + BLOCK_RESERVED))
+    return max(32, min(255, SM_REGISTERS // (max(1, blocks) * lay.threads) // 8 * 8))
+
+
+@functools.cache
+def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, pre_softmax: bool,
+                                      num_groups, group_topk, scale: np.float32, score_fn: int,
+                                      map_format: int = 0, return_indices: bool = False,
+                                      forced: bool = False, path: str = "auto") -> Plan:
+    """The launches of the forward (inputs: logits, bias; outputs: probs, map, saved).
+
+    Arguments are validated (by the launcher or, under JAX, at trace time);
+    ``map_format`` is checked here too.  The map's Spec: ``bool [T, E]``
+    (0, BYTEMAP) or ``uint8 [T, ceil(E/8)]`` (1, BITMAP_U8).
+    ``return_indices``: a fourth output, ``indices`` ``int32 [T, K]`` (the
+    selection order).  ``forced`` (the routing replay): the inputs are
+    ``(logits, forced int32 [T, K])``, never a bias; ``has_bias`` then says
+    whether the replayed call had one (the order of the weights' sum), and
+    the groups choose only the kernel path the replayed call took.
+    """
+    fmt = map_format_code(map_format, OP + "_fwd_plan", "map_format")
+    bitmap = fmt == BITMAP_U8
+    indices = bool(return_indices) and not forced
+    num_tokens, num_experts = logits.shape
+    grouped = group_topk is not None and group_topk > 0
+    shape = (num_tokens, num_experts)
+    idx_spec = Spec((num_tokens, int(topk)), np.int32)
+    outs = (spec_of(shape, logits.kind), map_spec(num_tokens, num_experts, fmt),
+            spec_of(shape, F32)) + ((idx_spec,) if indices else ())
+    bias_spec = spec_of((num_experts,), F32)
+    if forced:
+        ins = (logits, idx_spec)
+    else:
+        ins = (logits, bias_spec) if has_bias else (logits,)
+    if num_tokens == 0:
+        return Plan(OP + "_fwd", ins, outs)
+    # without a bias the kernel gets any [E] fp32 array (never read): saved's first row
+    bias = In(1) if has_bias and not forced else Out(2, bias_spec)
+    G = int(num_groups) if grouped else 1
+    flat_idx = Spec((num_tokens * int(topk),), np.int32)
+    # indices out, forced in, or (never read) any int32 array: saved's first words
+    xarr = In(1, flat_idx) if forced else Out(3, flat_idx) if indices else Out(2, Spec((1,), np.int32))
+    if use_warp_path(path, OP + "_fwd_plan", num_experts, int(topk), G if grouped else 0,
+                     int(group_topk) if grouped else 0, int(score_fn), bool(pre_softmax), forced):
+        kern = warp_topk_fwd_kernel(logits.kind, num_experts, int(topk), int(score_fn), bool(has_bias), bitmap,
+                                    indices, G if grouped else 0, int(group_topk) if grouped else 0)
+        words, quads, flat = array_views(logits.kind, shape)
+        step = Step(kern, *warp_launch(num_tokens), 0,
+                    (In(0, words), bias, Out(0, words), Out(1, map_view(outs[1], quads)), Out(2, flat), xarr,
+                     num_tokens, np.float32(scale), 0))
+        return Plan(OP + "_fwd", ins, outs, (), (step,))
+    # (the replay takes the kernel path of the call it replays: the same sums)
+    token_path = _tiling.use_token_path("token" if path == "warp" else path, OP + "_fwd_plan", num_experts,
+                                        int(topk), G if grouped else 0, bool(has_bias))
+    if token_path:
+        post = score_fn == SOFTMAX and not pre_softmax
+        if forced:  # no groups, no bias: the bits say which experts
+            lay = _tiling.token_layout(num_tokens, num_experts)
+            kern = token_topk_fwd_kernel(logits.kind, int(topk), 0, int(score_fn), False,
+                                         bool(pre_softmax) and score_fn == SOFTMAX,
+                                   bitmap, False, True, bool(has_bias) and not post)
+            G, Kg = 1, -1
+        else:
+            group_cap = _tiling.pow2_at_least(int(topk) // int(group_topk)) if grouped else 0
+            mode, slot = _tiling.token_lanes(num_tokens, num_experts, int(topk), G if grouped else 0,
+                                             bool(has_bias))
+            lay = _tiling.token_layout(num_tokens, num_experts, G if grouped else 0, bool(has_bias), slot,
+                                       _tiling.TOKEN_LANES_MIN_BLOCKS if mode == 2 else 0)
+            way = TOKEN_INDICES_WAY if num_experts <= 256 and int(topk) <= 8 else 1
+            kern = token_topk_fwd_kernel(logits.kind, int(topk), group_cap, int(score_fn), bool(has_bias),
+                                         bool(pre_softmax) and score_fn == SOFTMAX, bitmap, way if indices else 0,
+                                         False, False, _register_cap(lay) if indices else 0,
+                                         mode + (mode == 2 and _tiling.TOKEN_LANES_TREE))
+            Kg = int(group_topk) if grouped else -1
+        words, quads, flat = array_views(logits.kind, shape)
+        step = Step(kern, lay.grid, lay.threads, lay.shared,
+                      (In(0, words), bias, Out(0, words), Out(1, map_view(outs[1], quads)),
+                       Out(2, flat),
+                       num_tokens, num_experts, G, Kg,
+                       np.float32(scale), lay.tb, lay.stride, lay.o_flag, lay.o_gs, lay.o_red,
+                       lay.o_thr, lay.o_bias, xarr, lay.o_lists))
+        return Plan(OP + "_fwd", ins, outs, (), (step,))
+    if forced:
+        lay = _tiling.select_layout(num_tokens, num_experts, int(topk))
+        kern = lane_topk_fwd_kernel(logits.kind, topk_capacity(topk), bitmap, False, True)
+        has_bias, G, Kg = False, 1, -1
+    else:
+        lay = _tiling.select_layout(num_tokens, num_experts, int(topk), G if grouped else 0)
+        kern = lane_topk_fwd_kernel(logits.kind, topk_capacity(topk), bitmap, *((True,) if indices else ()))
+        Kg = int(group_topk) if grouped else -1
+    xarr2 = In(1) if forced else Out(3) if indices else Out(2, Spec((1, 1), np.int32))
+    step = Step(kern, lay.grid, lay.threads, lay.shared,
+                  (In(0), bias, Out(0), Out(1), Out(2), int(topk), int(score_fn), bool(pre_softmax),
+                   bool(has_bias), G, Kg, np.float32(scale),
+                   lay.tb, lay.lanes, lay.stride, lay.list_stride, lay.group_lanes, lay.o_list,
+                   lay.o_idx, lay.o_cnt, lay.o_grp, lay.o_keep, lay.o_flag, xarr2))
+    return Plan(OP + "_fwd", ins, outs, (), (step,))
+
+
+def topk_with_score_function_bwd(
+    routing_map,
+    saved_scores,
+    grad_probs,
+    topk,
+    use_pre_softmax=False,
+    scaling_factor=1.0,
+    score_function="softmax",
+    *,
+    path="auto",
+    out=None,
+    stream=0,
+):
+    """Router backward: ``grad_probs`` -> ``grad_logits`` (docs/contract.md section 3).
+
+    Args:
+      routing_map: from the forward, either format (told by its dtype): (T, E)
+        bool (BYTEMAP) or (T, ceil(E/8)) uint8 (BITMAP_U8; padding bits ignored).
+      saved_scores: (T, E) float32, from the forward.
+      grad_probs: (T, E) float32 | bfloat16 | float16.
+      topk, use_pre_softmax, scaling_factor, score_function: as in the forward.
+      path: the kernel: ``"auto"``, ``"warp"`` (a warp a token: a map
+        outside softmax-pre, E a multiple of 128 up to 512; else a
+        ValueError) or ``"quad"`` (the quad kernel; the streaming one where
+        E % 4 != 0).  Every path gives the contract's gradients; the bits of
+        the token's sums may differ between paths in the last place.
+      out: optional device array for grad_logits.
+      stream: numba stream or int CUDA stream handle.
+
+    Returns:
+      grad_logits (T, E), dtype of grad_probs.
+    """
+    op = OP + "_bwd"
+    score_fn = score_function_code(score_function, op)
+    s = resolve_stream(stream)
+    d_saved, skind = device_input(saved_scores, "saved_scores", op, s, ndim=2)
+    if skind != F32:
+        raise TypeError(f"{op}: saved_scores must be float32, got {d_saved.dtype}.")
+    d_grad, kind = device_input(grad_probs, "grad_probs", op, s, ndim=2)
+    shape = tuple(int(v) for v in d_saved.shape)
+    to_host = not any_on_device(routing_map, saved_scores, grad_probs) and out is None
+    if tuple(d_grad.shape) != shape:
+        raise ValueError(f"{op}: grad_probs shape {tuple(d_grad.shape)} != saved_scores {shape}.")
+    d_map, fmt = map_input(routing_map, "routing_map", op, s, shape)
+    plan = topk_with_score_function_bwd_plan(spec_of(shape, kind), int(topk), bool(use_pre_softmax),
+                                             np.float32(scaling_factor), score_fn, fmt, path)
+    return execute(plan, [d_map, d_saved, d_grad], out, s, to_host)[0]
+
+
+
+@functools.cache
+def topk_with_score_function_bwd_plan(grad_probs: Spec, topk: int, pre_softmax: bool, scale: np.float32,
+                                      score_fn: int, map_format: int = 0, path: str = "auto") -> Plan:
+    """The launches of the backward (inputs: map, saved, grad_probs; output:
+    grad_logits).  The map's Spec: ``bool [T, E]`` (``map_format`` 0) or
+    ``uint8 [T, ceil(E/8)]`` (1, BITMAP_U8).  ``path``: the launcher's."""
+    fmt = map_format_code(map_format, OP + "_bwd_plan", "map_format")
+    bitmap = fmt == BITMAP_U8
+    shape = grad_probs.shape
+    ins = (map_spec(shape[0], shape[1], fmt), spec_of(shape, F32), grad_probs)
+    outs = (grad_probs,)
+    warp = use_warp_bwd(path, OP + "_bwd", shape[1], int(score_fn), bool(pre_softmax))
+    if shape[0] == 0:
+        return Plan(OP + "_bwd", ins, outs)
+    if warp:
+        words, quads, flat = array_views(grad_probs.kind, shape)
+        step = Step(warp_topk_bwd_kernel(grad_probs.kind, shape[1], int(score_fn), bitmap),
+                    *warp_bwd_launch(shape[0]), 0,
+                    (In(0, map_view(ins[0], quads)), In(1, flat), In(2, words), Out(0, words),
+                     shape[0], int(topk), np.float32(scale)))
+        return Plan(OP + "_bwd", ins, outs, (), (step,))
+    if shape[1] % 4 == 0:
+        dense = bool(pre_softmax) and score_fn == SOFTMAX
+        grid, threads, lanes = _tiling.quad_tiling(shape[0], shape[1], dense=dense)
+        words, quads, flat = array_views(grad_probs.kind, shape)
+        listed = _tiling.QUAD_LIST if score_fn == SQRTSOFTPLUS else 0  # quad_bwd_kernel's docstring
+        step = Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True, int(score_fn), dense, 0, bitmap,
+                                    listed),
+                      grid, threads, (8 + 8 * listed) * threads,
+                      (In(0, map_view(ins[0], quads)), In(1, flat), In(2, words), Out(0, words),
+                       shape[0], shape[1], int(topk), np.float32(scale), lanes))
+        return Plan(OP + "_bwd", ins, outs, (), (step,))
+    grid, threads, lanes = _tiling.stream_tiling(shape[0], shape[1])
+    step = Step(stream_bwd_kernel(grad_probs.kind, grad_probs.kind, True, bitmap), grid, threads, 8 * threads,
+                  (In(0), In(1), In(2), Out(0), int(topk), int(score_fn), bool(pre_softmax),
+                   np.float32(scale), lanes))
+    return Plan(OP + "_bwd", ins, outs, (), (step,))

@@ -1,0 +1,280 @@
+"""Kernel vs reference: ``router_z_loss_fwd/_bwd`` (GPU or the CUDA simulator).
+
+The reference is ``gpurouter.reference.router_z_loss`` (its T is the rows it
+sees: a ``total_num_tokens`` N > T scales it by T / N) and ``jax.grad`` of it;
+``lse`` against a float64 NumPy logsumexp.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+
+from tolerances import assert_close  # noqa: E402
+
+from gpurouter import reference as ref  # noqa: E402
+from gpurouter.kernels import _tiling  # noqa: E402
+from gpurouter.kernels._base import launch as L  # noqa: E402
+from gpurouter.kernels._base import plan as _plan  # noqa: E402
+from gpurouter.kernels._base import pointer as _pointer  # noqa: E402
+from gpurouter.kernels.losses import z_loss as Z  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+BF16 = ml_dtypes.bfloat16
+COEFF = 0.01
+
+
+def _logits(T, E, dtype, seed=0, masked=0.1):
+    """[T, E] normal * 3 logits of ``dtype`` with a fraction ``masked`` of -inf."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((T, E)) * 3).astype(np.float32)
+    x[rng.random((T, E)) < masked] = -np.inf
+    x[:, 0] = np.where(np.isneginf(x).all(-1), np.float32(0.5), x[:, 0])  # no dead rows by accident
+    return x.astype(dtype)
+
+
+def _lse64(x):
+    """float64 logsumexp of each row, 0 for an all -inf row, NaN for a NaN row."""
+    x = np.asarray(x, np.float64)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        m = np.max(x, -1, keepdims=True)
+        shift = np.where(np.isneginf(m), 0.0, m)
+        lse = (np.log(np.sum(np.exp(x - shift), -1, keepdims=True)) + shift)[..., 0]
+    return np.where(np.isneginf(m[..., 0]), 0.0, lse)
+
+
+def _reference(x, coeff, total, g):
+    """(loss, grad_logits) of the reference with N = ``total``: the reference
+    divides by its own T, so it is scaled by T / N (exact in the gradient's
+    tolerance; the loss is compared at rtol 1e-5)."""
+    T = x.shape[0]
+    scale = np.float32(T / total) if T else np.float32(0)
+
+    def f(y):
+        return ref.router_z_loss(y, coeff) * scale
+
+    xj = jnp.asarray(x)
+    loss, vjp = jax.vjp(f, xj)
+    (grad,) = vjp(jnp.asarray(g, jnp.float32))
+    return np.asarray(loss), np.asarray(grad)
+
+
+def _check(x, total=None, g=1.5, coeff=COEFF):
+    T, E = x.shape
+    n = max(T, 1) if total is None else total
+    loss, lse = K.router_z_loss_fwd(x, coeff, total)
+    assert loss.shape == () and loss.dtype == np.float32
+    assert lse.shape == (T,) and lse.dtype == np.float32
+    rloss, rgrad = _reference(x, coeff, n, g)
+    assert_close(loss, rloss, "aux_loss", np.float32, err_msg="z-loss")  # fp32 from the same inputs
+    assert_close(lse, _lse64(x).astype(np.float32), "probs", np.float32, err_msg="lse")  # a saved fp32 value
+    grad = K.router_z_loss_bwd(x, lse, g, coeff, total)
+    assert grad.shape == x.shape and grad.dtype == x.dtype
+    assert_close(grad, rgrad.astype(x.dtype), "grads", x.dtype, E=E, err_msg="z-loss grad")
+    return loss, lse, grad
+
+
+@pytest.mark.parametrize("dtype,T,E,total", [
+    (np.float32, 5, 8, None),  # quads, one block
+    (np.float32, 70, 130, 1000),  # masked units of elements, 5 blocks, a partial last tile
+    (np.float32, 1, 3, None),
+    (BF16, 5, 3, 7),
+    (BF16, 70, 12, None),  # one lane per row, 70 rows in one block
+    (np.float16, 1, 1, None),
+    (np.float16, 5, 130, None),
+    (np.float32, 0, 12, None),
+    (BF16, 0, 3, 4),
+    (BF16, 70, 24, 90),  # the vector kernels: 3 vectors a row
+])
+def test_fwd_bwd(dtype, T, E, total):
+    _check(_logits(T, E, dtype, seed=T + E), total)
+
+
+def test_empty_tokens():
+    x = np.zeros((0, 12), np.float32)
+    loss, lse = K.router_z_loss_fwd(x, 1.0)
+    assert loss == 0.0 and lse.shape == (0,)
+    assert K.router_z_loss_bwd(x, lse, 1.0, 1.0).shape == (0, 12)
+
+
+@pytest.mark.parametrize("dtype,E", [(np.float32, 8), (BF16, 3), (np.float16, 12), (BF16, 16)])
+def test_special_rows(dtype, E):
+    """An all -inf row (lse 0, no contribution, zero gradient), rows with some
+    -inf, a single finite entry, and a NaN row (NaN lse, loss and gradient row)."""
+    x = _logits(6, E, np.float32, seed=E, masked=0.3)
+    x[1] = -np.inf
+    x[2, :] = -np.inf
+    x[2, E - 1] = 0.0  # lse exactly 0: a zero gradient too
+    x = x.astype(dtype)
+    loss, lse = K.router_z_loss_fwd(x, COEFF)
+    assert lse[1] == 0.0 and lse[2] == 0.0
+    rloss, rgrad = _reference(x, COEFF, 6, 2.0)
+    assert_close(loss, rloss, "aux_loss", np.float32)
+    assert_close(lse, _lse64(x).astype(np.float32), "probs", np.float32, err_msg="lse")
+    grad = K.router_z_loss_bwd(x, lse, 2.0, COEFF)
+    assert (np.asarray(grad[1:3], np.float32) == 0).all()
+    assert_close(grad, rgrad.astype(dtype), "grads", dtype, E=E)
+
+    xn = np.array(x)
+    xn[4, E // 2] = np.nan
+    loss, lse = K.router_z_loss_fwd(xn, COEFF)
+    assert np.isnan(loss) and np.isnan(lse[4]) and not np.isnan(np.delete(lse, 4)).any()
+    grad = np.asarray(K.router_z_loss_bwd(xn, lse, 2.0, COEFF), np.float32)
+    assert np.isnan(grad[4]).all() and not np.isnan(np.delete(grad, 4, 0)).any()
+    _, rgrad = _reference(xn, COEFF, 6, 2.0)
+    assert np.isnan(rgrad[4]).all()
+    assert_close(np.delete(grad, 4, 0), np.delete(rgrad.astype(dtype), 4, 0).astype(np.float32),
+                 "grads", dtype, E=E)
+
+    xnan_dead = np.full((2, E), -np.inf, np.float32)
+    xnan_dead[0, 0] = np.nan  # NaN among -inf only: still NaN, not a dead row
+    lse = K.router_z_loss_fwd(xnan_dead.astype(dtype), COEFF)[1]
+    assert np.isnan(lse[0]) and lse[1] == 0.0
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """``small_tiles(threads, hold, lanes)``: the z-loss tiling knobs for the test,
+    so that tiny inputs take several blocks, partial tiles, several steps per
+    lane and many lanes."""
+
+    def clear():
+        Z.router_z_loss_fwd_plan.cache_clear()
+        Z.router_z_loss_bwd_plan.cache_clear()
+
+    def force(threads, hold, lanes):
+        for name, value in (("Z_THREADS", threads), ("Z_BWD_THREADS", threads), ("Z_HOLD", hold),
+                            ("Z_BWD_HOLD", hold), ("Z_MAX_LANES", lanes)):
+            monkeypatch.setattr(_tiling, name, value)
+        clear()
+
+    yield force
+    monkeypatch.undo()
+    clear()
+
+
+@pytest.mark.parametrize("dtype,T,E,knobs,want", [
+    # E=12: 3 units, 2 lanes x 1 held unit: lane 0 steps twice; 16 rows per block, 5 blocks
+    (np.float32, 70, 12, (32, 1, 2), (5, 32, 2)),
+    # E=130: 33 masked units, 4 lanes x 2 held: 5 steps for lane 0, the last units clamped
+    (BF16, 9, 130, (16, 2, 4), (3, 16, 4)),
+    # E=8, one lane per row x 2 held units: 8 rows per block, a partial last tile
+    (np.float16, 13, 8, (8, 2, 32), (2, 8, 1)),
+])
+def test_small_tiles(small_tiles, dtype, T, E, knobs, want):
+    small_tiles(*knobs)
+    assert _tiling.z_loss_tiling(T, E)[:3] == want == _tiling.z_loss_tiling(T, E, backward=True)[:3]
+    _check(_logits(T, E, dtype, seed=3), total=T + 3)
+
+
+def test_deterministic(small_tiles):
+    small_tiles(16, 1, 4)  # 4 rows per block: 18 partials
+    x = _logits(70, 12, np.float32, seed=5)
+    first = K.router_z_loss_fwd(x, 1.0)
+    again = K.router_z_loss_fwd(x, 1.0)
+    assert first[0].tobytes() == again[0].tobytes() and first[1].tobytes() == again[1].tobytes()
+    g1 = K.router_z_loss_bwd(x, first[1], 0.5, 1.0)
+    assert g1.tobytes() == K.router_z_loss_bwd(x, first[1], 0.5, 1.0).tobytes()
+
+
+def test_plans():
+    spec = _plan.spec_of((70, 256), L.BF16)
+    fwd = K.router_z_loss_fwd_plan(spec, np.float32(COEFF), 100)
+    assert fwd is K.router_z_loss_fwd_plan(spec, np.float32(COEFF), 100)  # cached
+    assert fwd.ins == (spec,)
+    assert fwd.outs == (_plan.Spec((), np.float32, L.F32), _plan.Spec((70,), np.float32, L.F32))
+    grid = _tiling.z_loss_vec_tiling(70, 256, 2)[0]  # bf16 E = 256: the vector kernels
+    assert fwd.tmps == (_plan.Spec((grid,), np.float32, L.F32),) and len(fwd.steps) == 1  # the finish inside
+    unit = K.router_z_loss_fwd_plan(_plan.spec_of((70, 256), L.F16), np.float32(COEFF), 100)
+    assert len(unit.steps) == 2 and not _plan.plan_counters(unit)  # unit kernels: rows, then the final block
+    bwd = K.router_z_loss_bwd_plan(spec, np.float32(COEFF), 100)
+    assert bwd.ins == (spec, _plan.spec_of((70,), L.F32), _plan.spec_of((), L.F32))
+    assert bwd.outs == (spec,) and bwd.tmps == () and len(bwd.steps) == 1
+    empty = _plan.spec_of((0, 3), L.F32)
+    assert len(K.router_z_loss_fwd_plan(empty, np.float32(1), 1).steps) == 1  # the final block only
+    assert K.router_z_loss_bwd_plan(empty, np.float32(1), 1).steps == ()
+
+
+def test_device_arrays_out_and_stream():
+    from numba import cuda
+
+    x = _logits(5, 8, np.float32, seed=7)
+    hloss, hlse = K.router_z_loss_fwd(x, COEFF)
+    s = cuda.stream()
+    h = getattr(s, "handle", None)  # the simulator's streams have none
+    handle = 12345 if h is None else int(getattr(h, "value", h))
+    outs = (cuda.device_array((), np.float32), cuda.device_array((5,), np.float32))
+    dx = cuda.to_device(x)
+    loss, lse = K.router_z_loss_fwd(dx, COEFF, out=outs, stream=handle)
+    assert loss is outs[0] and lse is outs[1]
+    s.synchronize()
+    assert loss.copy_to_host() == hloss and lse.copy_to_host().tobytes() == hlse.tobytes()
+    gout = cuda.device_array((5, 8), np.float32)
+    g = cuda.to_device(np.asarray(1.5, np.float32))
+    assert K.router_z_loss_bwd(dx, lse, g, COEFF, out=gout, stream=handle) is gout
+    s.synchronize()
+    np.testing.assert_array_equal(gout.copy_to_host(), K.router_z_loss_bwd(x, hlse, 1.5, COEFF))
+    dbf = cuda.to_device(x.astype(BF16).view(np.uint16))  # bf16 on the device: its words
+    dgrad = K.router_z_loss_bwd(dbf, K.router_z_loss_fwd(dbf, COEFF)[1], 1.5, COEFF)
+    assert dgrad.dtype == np.uint16
+    want = K.router_z_loss_bwd(x.astype(BF16), K.router_z_loss_fwd(x.astype(BF16), COEFF)[1], 1.5, COEFF)
+    np.testing.assert_array_equal(dgrad.copy_to_host(), want.view(np.uint16))
+
+
+def test_bad_input():
+    x = _logits(3, 4, np.float32)
+    with pytest.raises(ValueError, match="coeff"):
+        K.router_z_loss_fwd(x, float("nan"))
+    with pytest.raises(ValueError, match="total_num_tokens"):
+        K.router_z_loss_fwd(x, 1.0, 0)
+    with pytest.raises(TypeError, match="logits"):
+        K.router_z_loss_fwd(x.astype(np.float64), 1.0)
+    with pytest.raises(ValueError, match="num_experts"):
+        K.router_z_loss_fwd(np.zeros((3, 0), np.float32), 1.0)
+    with pytest.raises(ValueError, match="saved_lse"):
+        K.router_z_loss_bwd(x, np.zeros(4, np.float32), 1.0, 1.0)
+    with pytest.raises(TypeError, match="grad_loss"):
+        K.router_z_loss_bwd(x, np.zeros(3, np.float32), np.asarray(1.0, BF16), 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,T,E", [(BF16, 7168, 256), (np.float32, 2048, 128),
+                                       (np.float16, 1031, 130), (BF16, 333, 8192)])
+def test_gpu_pointer_launch(dtype, T, E):
+    """The plans through ``_launch.PointerLaunch`` (the zero-copy transport's
+    executor) at model shapes, against the reference and the numba executor;
+    the forward bit-identical over runs."""
+    from numba import cuda
+
+    x = _logits(T, E, dtype, seed=11, masked=0.02)
+    c = np.float32(1e-3)
+    loss, lse, grad = _check(x, total=2 * T, coeff=float(c))
+    spec = _plan.spec_of((T, E), L.kind_of_dtype(x.dtype, "logits", "test"))
+    fwd = _pointer.PointerLaunch(K.router_z_loss_fwd_plan(spec, c, 2 * T), 0)
+    bwd = _pointer.PointerLaunch(K.router_z_loss_bwd_plan(spec, c, 2 * T), 0)
+    words = x.view(np.uint16) if dtype == BF16 else x
+    dx = cuda.to_device(words)
+    dloss, dlse = cuda.device_array((), np.float32), cuda.device_array((T,), np.float32)
+    part = cuda.device_array(K.router_z_loss_fwd_plan(spec, c, 2 * T).tmps[0].shape, np.float32)
+    g = cuda.to_device(np.asarray(1.5, np.float32))
+    dgrad = cuda.device_array((T, E), words.dtype)
+
+    def ptr(a):
+        return int(a.__cuda_array_interface__["data"][0])
+
+    losses = []
+    for _ in range(3):
+        fwd([ptr(dx), ptr(dloss), ptr(dlse), ptr(part)], 0)
+        cuda.synchronize()
+        losses.append(dloss.copy_to_host().tobytes())
+    assert len(set(losses)) == 1 and losses[0] == loss.tobytes()
+    assert dlse.copy_to_host().tobytes() == lse.tobytes()
+    bwd([ptr(dx), ptr(dlse), ptr(g), ptr(dgrad)], 0)
+    cuda.synchronize()
+    assert dgrad.copy_to_host().tobytes() == np.asarray(grad).view(words.dtype).tobytes()

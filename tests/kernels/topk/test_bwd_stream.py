@@ -1,0 +1,41 @@
+"""The streaming backward (``gpurouter/kernels/topk/bwd_stream.py``, E not a
+multiple of 4) of the top-k and aux-score ops against the reference: lanes
+wrapping past E, idle lanes, partial blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+
+from strategies import random_cotangent, tie_free_rows_np  # noqa: E402
+from tolerances import assert_close  # noqa: E402
+
+from gpurouter import reference as ref  # noqa: E402
+
+from .._helpers import FWD_MODES, check_topk_bwd, check_topk_fwd, host  # noqa: E402
+from .test_plans import _cfg  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.parametrize("sf,pre", FWD_MODES)
+@pytest.mark.parametrize("T,E,k", [(11, 40, 5), (37, 6, 2)])
+def test_streaming_bwd_lanes_and_partial_blocks(sf, pre, T, E, k):
+    """The streaming backwards: E=40 -> a warp per token, lanes wrapping past
+    E, 8 tokens per block (a partial second block); E=6 -> 8 lanes per token,
+    two of them idle, 32 tokens per block (a partial second block)."""
+    from gpurouter.kernels import _tiling as L
+
+    grid, threads, lanes = L.stream_tiling(T, E)
+    assert grid == 2 and threads % lanes == 0
+    cfg = _cfg(T, E, k, sf, pre)
+    x = tie_free_rows_np(8, cfg)
+    _, m, s = check_topk_fwd(K, x, "float32", cfg.kwargs())
+    check_topk_bwd(K, m, s, random_cotangent(9, x.shape), "float32", cfg.kwargs())
+    _, _, sv = K.score_for_aux_loss_fwd(x, k, sf)
+    g = random_cotangent(10, x.shape)
+    assert_close(K.score_for_aux_loss_bwd(sv, g, sf),
+                 host(ref.score_for_aux_loss_bwd(sv, g, sf)), "grads", np.float32, E=E)
