@@ -107,3 +107,16 @@ def test_traced_total_num_tokens_compiles_once():
     aux = step(p, x, jnp.float32(16.0))[0]  # a float scalar: one more trace (its dtype)
     np.testing.assert_allclose(float(aux), oracles.aux_loss_fwd(p, tpe, 2, 0.1, total_num_tokens=16)[0], rtol=1e-5)
     assert len(traces) == 2
+
+
+def test_update_expert_bias_with_a_mask_counts_the_valid_rows_of_the_map():
+    m = np.random.default_rng(6).random((8, 6)) > 0.5
+    bias = np.asarray(np.linspace(-0.1, 0.1, 6), np.float32)
+    counts = m[MASK].sum(axis=0)
+    want = oracles.update_expert_bias(bias, counts, 0.01)
+    for routing_map in (m, gr.pack_routing_map(m)):
+        got = gr.update_expert_bias(bias, routing_map, 0.01, token_mask=MASK)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+    with pytest.raises(ValueError, match="update_expert_bias: tokens_per_expert \\(shape \\(6,\\), int32\\) must be "
+                                         "a routing map"):
+        gr.update_expert_bias(bias, np.ones(6, np.int32), 0.01, token_mask=MASK)
