@@ -80,3 +80,24 @@ def test_masked_and_traced_losses_on_numba():
     traced = jax.jit(lambda q, t: gr.fused_moe_aux_loss(q, tpe, 2, 0.1, total_num_tokens=t, backend="numba"))
     plain = gr.fused_moe_aux_loss(p, tpe, 2, 0.1, total_num_tokens=7, backend="jax")
     np.testing.assert_allclose(float(traced(p, jnp.int32(7))), float(plain), rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", ["sum_topk", "top2_sum", "max"])
+def test_variants_at_a_deepseek_v3_shape_on_the_gpu(rule):
+    """DeepSeek-V3's router (E = 256, K = 8, G = 8, Kg = 4) with QB, compact
+    int16 output and a token mask, T = 4096: numba against jax (GPU only:
+    far too big for the simulator)."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(4096, 256)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(256,)) * 0.01, jnp.float32)
+    mask = jnp.asarray(rng.random(4096) > 0.1)
+    kw = dict(num_groups=8, group_topk=4, score_function="sigmoid", expert_bias=b, scaling_factor=2.5,
+              group_score=rule, compact=True, indices_dtype="int16", token_mask=mask,
+              qb_histogram=jnp.zeros((256, 1000), jnp.int32), qb_bin_bounds=jnp.array([-0.5, 0.5]))
+    got = jax.jit(lambda z: gr.fused_topk_with_score_function(z, 8, backend="numba", **kw))(x)
+    want = jax.jit(lambda z: gr.fused_topk_with_score_function(z, 8, backend="jax", **kw))(x)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
+    assert int(np.asarray(got[2]).sum()) == 256 * int(mask.sum())
