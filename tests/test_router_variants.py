@@ -305,3 +305,21 @@ def test_qb_update_on_random_histograms(data):
     want_bias, want_bounds = vo.qb_update(hist, bounds, topk)
     np.testing.assert_allclose(np.asarray(bias), want_bias, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(new_bounds), want_bounds, rtol=1e-5, atol=1e-5)
+
+
+def test_qb_under_a_token_sharded_jit_counts_every_shard_once():
+    devices = jax.devices()
+    if len(devices) < 4:
+        pytest.skip("needs 4 JAX devices (tests/conftest.py asks for 8 host devices)")
+    mesh = jax.make_mesh((4,), ("data",), devices=devices[:4])
+    x, b = _logits(8, 8, seed=14, scale=1.0), _bias(8)
+    mask = np.array([1, 1, 0, 1, 1, 1, 0, 1], bool)
+    bounds = np.array([-1.0, 1.0], np.float32)
+    kw = dict(token_mask=mask, compact=True)
+    want = _qb(x, b, 2, np.zeros((8, 4), np.int32), bounds, **kw)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+        got = jax.jit(lambda z: _qb(z, b, 2, np.zeros((8, 4), np.int32), bounds, **kw))(xs)
+    for a, c in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    np.testing.assert_array_equal(np.asarray(got[2]), vo.qb_counts(x, b, 2, 4, bounds, mask=mask))

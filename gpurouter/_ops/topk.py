@@ -26,6 +26,7 @@ from .._checks import (
 from .._sharding import axis_size, per_token_shard
 from .._transport import kernel_call, resolve_transport
 from ..reference import _route as _ref_route
+from .qb import histogram_after
 
 
 def fused_topk_with_score_function(
@@ -174,8 +175,7 @@ def fused_topk_with_score_function(
     if var.qb:  # this call's QB counts, in jnp on every backend (integers: exact)
         qb_bias = jnp.asarray(expert_bias)
         valid = None if token_mask is None else jnp.asarray(token_mask).reshape(x.shape[0])
-        qb = (_ref_route.qb_histogram_after(x, qb_bias, cfg, var.group_score, jnp.asarray(qb_histogram),
-                                          qb_bin_bounds, valid, axis_name),)
+        qb = (histogram_after(x, qb_bias, cfg, var.group_score, qb_histogram, qb_bin_bounds, valid, axis_name),)
     if x.shape[0] == 0:
         out_dtype = jnp.float32 if cfg.compute_aux_scores else logits.dtype
         idx = jnp.zeros(idx_shape, var.indices_dtype)

@@ -58,14 +58,20 @@ def selection(logits_rows, expert_bias, cfg: TopkConfig, group_score: str = "sum
     return selected_indices(r, _select(r, cfg, group_score), cfg.topk)
 
 
-def qb_histogram_after(logits_rows, expert_bias, cfg: TopkConfig, group_score, histogram, bin_bounds,
-                 valid=None, axis_name=None) -> jax.Array:
-    """The QB histogram after this call (contract section 12): ``histogram``
-    plus this call's counts (summed over ``axis_name`` once), saturating."""
+def qb_call_counts(logits_rows, expert_bias, cfg: TopkConfig, group_score, num_bins, bin_bounds,
+                   valid=None) -> jax.Array:
+    """This call's QB counts, int32 ``[E, B]`` (contract section 12, step 3)."""
     x = lax.stop_gradient(jnp.asarray(logits_rows)).astype(jnp.float32)
     s, r = _scores(x, expert_bias, cfg)
-    counts = qb_counts(s, r, cfg.topk, jnp.shape(histogram)[1], bin_bounds,
-                       _eligible(r, cfg, group_score), valid)
+    return qb_counts(s, r, cfg.topk, num_bins, bin_bounds, _eligible(r, cfg, group_score), valid)
+
+
+def qb_histogram_after(logits_rows, expert_bias, cfg: TopkConfig, group_score, histogram, bin_bounds,
+                       valid=None, axis_name=None) -> jax.Array:
+    """The QB histogram after this call (contract section 12): ``histogram``
+    plus this call's counts (summed over ``axis_name`` once), saturating."""
+    counts = qb_call_counts(logits_rows, expert_bias, cfg, group_score, jnp.shape(histogram)[1], bin_bounds,
+                            valid)
     if axis_name is not None:
         counts = lax.psum(counts, axis_name)
     return saturating_add(histogram, counts)
