@@ -196,6 +196,9 @@ def check_topk_variants(op: str, cfg, logits_shape, *, return_indices, group_sco
                            cfg.num_groups)
     idx_dtype = check_indices_dtype(op, indices_dtype, num_experts)
     compact = check_compact(op, compact, cfg.compute_aux_scores, return_indices, cfg.bitmap)
+    if idx_dtype.name != "int32" and not (compact or return_indices):
+        raise ValueError(f"{op}: indices_dtype ({idx_dtype.name}) needs an index output (compact=True or "
+                         "return_indices=True); without one it would do nothing.")
     qb = qb_histogram is not None or qb_bin_bounds is not None
     num_bins = 0
     if qb:
