@@ -15,6 +15,7 @@ from ._ops.topk import fused_topk_with_score_function as fused_topk_with_score_f
 from .reference.routing_map import pack_routing_map as pack_routing_map
 from .reference.routing_map import tokens_per_expert as tokens_per_expert
 from .reference.routing_map import unpack_routing_map as unpack_routing_map
+from .reference.variants import qb_update_expert_bias as qb_update_expert_bias
 
 _guard_simulator_collectives()  # only with NUMBA_ENABLE_CUDASIM set: see _backend.py
 
@@ -26,6 +27,7 @@ __all__ = [
     "fused_moe_aux_loss",
     "fused_topk_with_score_function",
     "pack_routing_map",
+    "qb_update_expert_bias",
     "router_z_loss",
     "tokens_per_expert",
     "unpack_routing_map",

@@ -15,8 +15,9 @@ from gpurouter import reference as ref
 
 def test_all():
     assert sorted(gr.__all__) == ["RoutingMapFormat", "ScoreFunction", "fused_moe_aux_loss",
-                                  "fused_topk_with_score_function", "pack_routing_map", "router_z_loss",
-                                  "tokens_per_expert", "unpack_routing_map", "update_expert_bias"]
+                                  "fused_topk_with_score_function", "pack_routing_map", "qb_update_expert_bias",
+                                  "router_z_loss", "tokens_per_expert", "unpack_routing_map",
+                                  "update_expert_bias"]
     for name in ref.__all__:
         assert getattr(ref, name) is not None
 
@@ -30,7 +31,9 @@ def test_topk_signature_is_tes_plus_keyword_backend():
     te = ["logits", "topk", "use_pre_softmax", "num_groups", "group_topk", "scaling_factor",
           "score_function", "expert_bias", "compute_aux_scores", "routing_map_format"]
     params = _params(gr.fused_topk_with_score_function)
-    assert [p[0] for p in params] == te + ["return_indices", "forced_indices", "backend", "transport"]
+    variants = ["group_score", "compact", "indices_dtype", "qb_histogram", "qb_bin_bounds", "token_mask",
+                "axis_name"]  # docs/contract.md sections 9-12
+    assert [p[0] for p in params] == te + ["return_indices", "forced_indices", *variants, "backend", "transport"]
     defaults = {p[0]: p[1] for p in params}
     assert defaults["use_pre_softmax"] is False
     assert defaults["num_groups"] == -1 and defaults["group_topk"] == -1
@@ -40,14 +43,18 @@ def test_topk_signature_is_tes_plus_keyword_backend():
     assert defaults["routing_map_format"] is gr.RoutingMapFormat.BYTEMAP
     assert all(p[2] is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:10])
     assert defaults["return_indices"] is False and defaults["forced_indices"] is None
-    assert all(p[2] is inspect.Parameter.KEYWORD_ONLY for p in params[-4:])
+    assert defaults["group_score"] == "sum_topk" and defaults["compact"] is False
+    assert defaults["indices_dtype"] == "int32"
+    assert all(defaults[name] is None for name in variants[3:])
+    assert all(p[2] is inspect.Parameter.KEYWORD_ONLY for p in params[10:])
     assert _params(ref.fused_topk_with_score_function) == params[:-2]
 
 
 def test_aux_loss_signature():
     params = _params(gr.fused_moe_aux_loss)
     assert [p[0] for p in params] == ["probs", "tokens_per_expert", "topk", "coeff",
-                                      "total_num_tokens", "num_experts", "axis_name", "backend", "transport"]
+                                      "total_num_tokens", "num_experts", "axis_name", "token_mask", "backend",
+                                      "transport"]
     assert all(p[2] is inspect.Parameter.KEYWORD_ONLY for p in params[4:])
     assert _params(ref.fused_moe_aux_loss) == params[:-2]
 

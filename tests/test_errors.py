@@ -268,3 +268,118 @@ def test_pack_takes_a_bytemap_only():
     with pytest.raises(ValueError, match="^" + re.escape(
             "tokens_per_expert: num_experts must be given with a uint8 routing_map")):
         gr.tokens_per_expert(jnp.zeros((4, 1), jnp.uint8))
+
+
+# ----------------------------------------------------------------------------
+# The router variants (docs/contract.md sections 9-12)
+# ----------------------------------------------------------------------------
+
+H8 = jnp.zeros((8, 5), jnp.int32)
+BOUNDS = jnp.array([-1.0, 1.0], jnp.float32)
+QB = dict(score_function="sigmoid", expert_bias=B8, qb_histogram=H8, qb_bin_bounds=BOUNDS)
+
+VARIANT_CASES = [
+    ((X8, 2), dict(group_score="top3"), ValueError,
+     f"{TOPK}: group_score ('top3') must be one of 'sum_topk', 'top2_sum', 'max'."),
+    ((X8, 2), dict(group_score=2), TypeError, f"{TOPK}: group_score (2) must be a str"),
+    ((X8, 2), dict(group_score="max"), ValueError,
+     f"{TOPK}: group_score ('max') needs grouping on (group_topk > 0); without groups it would do nothing."),
+    ((X8, 2), dict(group_score="max", compute_aux_scores=True), ValueError,
+     f"{TOPK}: group_score ('max') must be 'sum_topk' with compute_aux_scores=True"),
+    ((X8, 2), dict(group_score="top2_sum", num_groups=8, group_topk=2), ValueError,
+     f"{TOPK}: group_score ('top2_sum') needs num_experts / num_groups (1) >= 2."),
+    ((X8, 2), dict(compact=True, return_indices=True), ValueError,
+     f"{TOPK}: return_indices must be False with compact=True"),
+    ((X8, 2), dict(compact=True, compute_aux_scores=True), ValueError,
+     f"{TOPK}: compact must be False with compute_aux_scores=True"),
+    ((X8, 2), dict(compact=True, routing_map_format="bitmap_u8"), ValueError,
+     f"{TOPK}: routing_map_format must be BYTEMAP with compact=True"),
+    ((X8, 2), dict(compact=1), TypeError, f"{TOPK}: compact (1) must be a bool, got int."),
+    ((X8, 2), dict(indices_dtype="int16"), ValueError,
+     f"{TOPK}: indices_dtype (int16) needs an index output (compact=True or return_indices=True)"),
+    ((X8, 2), dict(indices_dtype="int64"), TypeError, f"{TOPK}: indices_dtype (int64) must be int32 or int16."),
+    ((jnp.zeros((1, 40000)), 2), dict(indices_dtype="int16", compact=True), ValueError,
+     f"{TOPK}: indices_dtype int16 needs num_experts (40000) <= 32768; use int32."),
+    ((X8, 2), dict(score_function="sigmoid", expert_bias=B8, qb_histogram=H8), ValueError,
+     f"{TOPK}: qb_histogram needs qb_bin_bounds too"),
+    ((X8, 2), dict(score_function="sigmoid", qb_histogram=H8, qb_bin_bounds=BOUNDS), ValueError,
+     f"{TOPK}: qb_histogram needs expert_bias"),
+    ((X8, 2), dict(qb_histogram=H8, qb_bin_bounds=BOUNDS), ValueError,
+     f"{TOPK}: qb_histogram needs score_function 'sigmoid' (or 'sqrtsoftplus'), got 'softmax'."),
+    ((X8, 8), QB, ValueError, f"{TOPK}: topk (8) must be < num_experts (8) with qb_histogram"),
+    ((X8, 2), dict(QB, compute_aux_scores=True), ValueError,
+     f"{TOPK}: qb_histogram must be None with compute_aux_scores=True."),
+    ((X8, 2), dict(QB, forced_indices=jnp.tile(jnp.arange(2, dtype=jnp.int32), (4, 1))), ValueError,
+     f"{TOPK}: qb_histogram must be None with forced_indices"),
+    ((X8, 4), dict(QB, num_groups=4, group_topk=2), ValueError,
+     f"{TOPK}: group_topk * num_experts / num_groups (4) must be >= topk + 1 (5) with qb_histogram"),
+    ((X8, 2), dict(QB, qb_histogram=H8.astype(jnp.float32)), TypeError,
+     f"{TOPK}: qb_histogram must be int32, got float32."),
+    ((X8, 2), dict(QB, qb_histogram=jnp.zeros((7, 5), jnp.int32)), ValueError,
+     f"{TOPK}: qb_histogram shape (7, 5) must be (num_experts, num_bins) = (8, B), B >= 1."),
+    ((X8, 2), dict(QB, qb_bin_bounds=jnp.array([1.0, -1.0])), ValueError,
+     f"{TOPK}: qb_bin_bounds ([1.0, -1.0]) must be finite with lower < upper."),
+    ((X8, 2), dict(QB, qb_bin_bounds=jnp.array([0.0, jnp.inf])), ValueError,
+     f"{TOPK}: qb_bin_bounds ([0.0, inf]) must be finite with lower < upper."),
+    ((X8, 2), dict(QB, qb_bin_bounds=jnp.zeros(3)), ValueError,
+     f"{TOPK}: qb_bin_bounds shape (3,) must be (2,) ([lower, upper])."),
+    ((X8, 2), dict(QB, token_mask=jnp.ones((4,), jnp.int32)), TypeError,
+     f"{TOPK}: token_mask must be bool (True = a valid token), got int32."),
+    ((X8, 2), dict(QB, token_mask=jnp.ones((5,), bool)), ValueError,
+     f"{TOPK}: token_mask shape (5,) must be the tokens' shape (4,) or (4,)."),
+    ((X8, 2), dict(token_mask=jnp.ones((4,), bool)), ValueError,
+     f"{TOPK}: token_mask needs qb_histogram"),
+    ((X8, 2), dict(axis_name="data"), ValueError, f"{TOPK}: axis_name needs qb_histogram"),
+]
+
+
+@pytest.mark.parametrize("fn", [gr.fused_topk_with_score_function, ref.fused_topk_with_score_function])
+@pytest.mark.parametrize("args,kwargs,exc,msg", VARIANT_CASES)
+def test_variant_errors(fn, args, kwargs, exc, msg):
+    with pytest.raises(exc, match=re.escape(msg)):
+        fn(*args, **kwargs)
+
+
+LOSS_MASK_CASES = [
+    (lambda m: gr.fused_moe_aux_loss(jnp.ones((4, 8)), jnp.ones((8,), jnp.int32), 2, 1.0, token_mask=m),
+     "fused_moe_aux_loss"),
+    (lambda m: gr.router_z_loss(X8, 1.0, token_mask=m), "router_z_loss"),
+    (lambda m: gr.tokens_per_expert(jnp.zeros((4, 8), bool), token_mask=m), "tokens_per_expert"),
+]
+
+
+@pytest.mark.parametrize("call,op", LOSS_MASK_CASES)
+def test_loss_mask_errors(call, op):
+    msg = f"{op}: token_mask must be bool (True = a valid token), got float32."
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        call(jnp.ones((4,), jnp.float32))
+    with pytest.raises(ValueError, match=re.escape(f"{op}: token_mask shape (2, 3) must be the tokens' shape")):
+        call(jnp.ones((2, 3), bool))
+
+
+def test_traced_total_num_tokens_errors():
+    probs, tpe = jnp.ones((4, 8)), jnp.ones((8,), jnp.int32)
+    with pytest.raises(ValueError, match=re.escape("fused_moe_aux_loss: total_num_tokens shape (2,) must be ()")):
+        jax.jit(lambda t: gr.fused_moe_aux_loss(probs, tpe, 2, 1.0, total_num_tokens=t))(jnp.ones(2, jnp.int32))
+    with pytest.raises(TypeError, match=re.escape("router_z_loss: total_num_tokens must be an int or float scalar, "
+                                                  "got bool.")):
+        jax.jit(lambda t: gr.router_z_loss(X8, 1.0, total_num_tokens=t))(jnp.bool_(True))
+    with pytest.raises(ValueError, match=re.escape("fused_moe_aux_loss: total_num_tokens (0) must be > 0.")):
+        gr.fused_moe_aux_loss(probs, tpe, 2, 1.0, total_num_tokens=0)
+
+
+QB_UPDATE_CASES = [
+    ((H8.astype(jnp.float32), BOUNDS, 2), TypeError, "qb_update_expert_bias: histogram must be int32, got float32."),
+    ((jnp.zeros((8,), jnp.int32), BOUNDS, 2), ValueError, "qb_update_expert_bias: histogram shape (8,) must be"),
+    ((H8, BOUNDS, 8), ValueError, "qb_update_expert_bias: topk (8) must be in [1, num_experts) = [1, 8)."),
+    ((H8, BOUNDS, 0), ValueError, "qb_update_expert_bias: topk (0) must be in [1, num_experts) = [1, 8)."),
+    ((H8, jnp.array([2.0, 2.0]), 1), ValueError,
+     "qb_update_expert_bias: bin_bounds ([2.0, 2.0]) must be finite with lower < upper."),
+    ((H8, jnp.array([1, 2]), 1), TypeError, "qb_update_expert_bias: bin_bounds must be float"),
+]
+
+
+@pytest.mark.parametrize("args,exc,msg", QB_UPDATE_CASES)
+def test_qb_update_errors(args, exc, msg):
+    with pytest.raises(exc, match=re.escape(msg)):
+        gr.qb_update_expert_bias(*args)

@@ -72,3 +72,17 @@ from .topk import TopkConfig as TopkConfig
 from .topk import check_forced_indices as check_forced_indices
 from .topk import check_routing_map as check_routing_map
 from .topk import check_topk_args as check_topk_args
+from .variants import GROUP_SCORES as GROUP_SCORES
+from .variants import INT32_MAX as INT32_MAX
+from .variants import QB_UPDATE_OP as QB_UPDATE_OP
+from .variants import TopkVariants as TopkVariants
+from .variants import check_bin_bounds as check_bin_bounds
+from .variants import check_compact as check_compact
+from .variants import check_flag as check_flag
+from .variants import check_group_score as check_group_score
+from .variants import check_indices_dtype as check_indices_dtype
+from .variants import check_qb_args as check_qb_args
+from .variants import check_qb_update_args as check_qb_update_args
+from .variants import check_token_mask as check_token_mask
+from .variants import check_topk_variants as check_topk_variants
+from .variants import check_traced_token_count as check_traced_token_count

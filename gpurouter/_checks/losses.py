@@ -16,6 +16,7 @@ from .common import (
     _is_traced,
     check_float_dtype,
 )
+from .variants import check_traced_token_count
 
 AUX_LOSS_OP = "fused_moe_aux_loss"
 Z_LOSS_OP = "router_z_loss"
@@ -81,6 +82,9 @@ def check_aux_loss_args(
         # No tokens and no count: the loss is an empty sum, 0. T = 1 keeps C
         # finite (C * 0 = 0, and the gradient is [0, C]) instead of 0/0.
         total_num_tokens = max(rows, 1)
+    if _is_traced(total_num_tokens):  # a device scalar (contract section 10): used as it is
+        return AuxLossConfig(topk=topk, coeff=coeff, num_experts=num_experts,
+                             total_num_tokens=check_traced_token_count(op, total_num_tokens))
     total_num_tokens = _as_int(op, "total_num_tokens", total_num_tokens)
     if total_num_tokens <= 0:
         raise ValueError(f"{op}: total_num_tokens ({total_num_tokens}) must be > 0.")
@@ -102,6 +106,8 @@ def check_z_loss_args(logits_shape, logits_dtype, coeff, total_num_tokens, shard
     coeff = _as_finite_float(op, "coeff", coeff)
     if total_num_tokens is None:
         return coeff, max(int(np.prod(logits_shape[:-1])) * shards, 1)
+    if _is_traced(total_num_tokens):  # a device scalar (contract section 10): used as it is
+        return coeff, check_traced_token_count(op, total_num_tokens)
     total_num_tokens = _as_int(op, "total_num_tokens", total_num_tokens)
     if total_num_tokens <= 0:
         raise ValueError(f"{op}: total_num_tokens ({total_num_tokens}) must be > 0.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,6 +32,7 @@ def fused_moe_aux_loss(
     total_num_tokens: int | None = None,
     num_experts: int | None = None,
     axis_name: str | tuple[str, ...] | None = None,
+    token_mask: jax.typing.ArrayLike | None = None,
     backend: str = "auto",
     transport: str = "auto",
 ) -> jax.Array:
@@ -48,8 +50,12 @@ def fused_moe_aux_loss(
     The numba forward is deterministic: bit-identical from run to run. Under
     ``jit`` with token-sharded ``probs`` (explicit sharding) every backend
     runs per shard and all-reduces the partial losses. ``total_num_tokens``
-    must be a static Python int (under ``axis_name`` it defaults to the
-    static global count).
+    is a Python int or a traced scalar (docs/contract.md section 10; no
+    retrace per value); under ``axis_name`` it defaults to the static global
+    count, or with ``token_mask`` to the global valid count (traced).
+    ``backend="numba"`` composes both around the kernel: masked rows are
+    zeroed before it, and a traced ``T`` runs it with ``T = 1`` on float32
+    probs and divides by ``T`` twice after (C's division order).
 
     Raises:
       ValueError, TypeError: bad shapes, config or dtypes (at trace time), or
@@ -57,6 +63,7 @@ def fused_moe_aux_loss(
       ImportError, RuntimeError: as for
         :func:`gpurouter.fused_topk_with_score_function`.
     """
+    probs, total_num_tokens = reference.mask_rows(AUX_LOSS_OP, probs, token_mask, total_num_tokens, axis_name, 0)
     tokens_per_expert, total_num_tokens = reference.global_counts(
         AUX_LOSS_OP, probs, tokens_per_expert, total_num_tokens, axis_name)
     cfg = check_aux_loss_args(
@@ -67,24 +74,30 @@ def fused_moe_aux_loss(
     check_transport(AUX_LOSS_OP, transport)  # validated whatever the backend
     probs = jnp.asarray(probs)
     tokens_per_expert = jnp.asarray(tokens_per_expert)
+    traced = not isinstance(cfg.total_num_tokens, int)  # a device scalar: an argument, not config
     def kernels_faster() -> bool:  # "auto": the measured rule (gpurouter/_auto.py)
-        return probs.dtype != jnp.float64 and kernels_faster_here(
+        return probs.dtype != jnp.float64 and not traced and kernels_faster_here(
             AUX_LOSS_OP, transport, probs.shape[0], probs.shape[1])
 
     if _backend.resolve(AUX_LOSS_OP, backend, faster=kernels_faster) == "jax":
-        def loss(p, t):
+        def loss(p, t, total=cfg.total_num_tokens):
             return reference.fused_moe_aux_loss(
-                p, t, topk, coeff, total_num_tokens=cfg.total_num_tokens,
-                num_experts=cfg.num_experts)
+                p, t, topk, coeff, total_num_tokens=total, num_experts=cfg.num_experts)
     else:
         transport = resolve_transport(AUX_LOSS_OP, transport)
         check_kernel_dtype(AUX_LOSS_OP, "probs", probs.dtype)
 
-        def loss(p, t):
-            return _aux_loss(p, t, cfg, transport)
+        def loss(p, t, total=None):
+            if total is None:
+                return _aux_loss(p, t, cfg, transport)
+            # C = ((E coeff) / k) / T / T: the kernel with T = 1, then / T / T
+            once = dataclasses.replace(cfg, total_num_tokens=1)
+            t32 = total.astype(jnp.float32)
+            return ((_aux_loss(p.astype(jnp.float32), t, once, transport) / t32) / t32).astype(p.dtype)
 
     # Token-sharded probs: per-shard partial losses, all-reduced (_sharding.py).
-    return per_row_shard_sum(loss, probs, [tokens_per_expert])
+    extra = [jnp.asarray(cfg.total_num_tokens)] if traced else []
+    return per_row_shard_sum(loss, probs, [tokens_per_expert, *extra])
 
 
 def _fwd_launch(cfg: AuxLossConfig, probs, tokens_per_expert, **kw):

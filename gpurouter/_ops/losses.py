@@ -22,6 +22,7 @@ def router_z_loss(
     *,
     total_num_tokens: int | None = None,
     axis_name: str | tuple[str, ...] | None = None,
+    token_mask: jax.typing.ArrayLike | None = None,
     backend: str = "auto",
     transport: str = "auto",
 ) -> jax.Array:
@@ -37,26 +38,38 @@ def router_z_loss(
     Under ``jit`` with token-sharded ``logits`` (explicit sharding) every
     backend computes each shard's share and all-reduces it; inside
     ``shard_map`` pass ``axis_name`` and sum the shares yourself (``psum``).
+
+    ``token_mask`` and a traced ``total_num_tokens`` (docs/contract.md
+    section 10): masked rows become all ``-inf`` rows (which add 0 and get no
+    gradient, on every backend) and ``T`` their global valid count; the
+    numba kernel then runs with ``coeff = 1, T = 1`` (the sum of the
+    squares) and ``coeff * (sum / T)`` is taken after it.
     """
     shape, dtype = array_meta(Z_LOSS_OP, "logits", logits)
+    logits, total_num_tokens = reference.mask_rows(Z_LOSS_OP, logits, token_mask, total_num_tokens,
+                                                   axis_name, -jnp.inf)
     coeff, total = check_z_loss_args(shape, dtype, coeff, total_num_tokens, axis_size(Z_LOSS_OP, axis_name))
     check_transport(Z_LOSS_OP, transport)
     x = jnp.asarray(logits).reshape(-1, shape[-1])
+    traced = not isinstance(total, int)  # a device scalar: an argument, not config
     # Under a token-sharded jit each shard's rows see the global T: shares.
     if _backend.resolve(Z_LOSS_OP, backend) == "jax":
-        def loss(rows):
-            return reference.router_z_loss(rows, coeff, total_num_tokens=total)
+        def loss(rows, t=total):
+            return reference.router_z_loss(rows, coeff, total_num_tokens=t)
     else:
         transport = resolve_transport(Z_LOSS_OP, transport)
         check_kernel_dtype(Z_LOSS_OP, "logits", dtype)
 
-        def loss(rows):
-            return _z_loss(rows, np.float32(coeff), total, transport)
+        def loss(rows, t=None):
+            if t is None:
+                return _z_loss(rows, np.float32(coeff), total, transport)
+            squares = _z_loss(rows, np.float32(1.0), 1, transport)
+            return jnp.float32(coeff) * (squares / t.astype(jnp.float32))
 
     if x.shape[0] == 0:
         return jnp.zeros((), jnp.float32)
     # Token-sharded logits: per-shard shares, all-reduced (_sharding.py).
-    return per_row_shard_sum(loss, x, [])
+    return per_row_shard_sum(loss, x, [jnp.asarray(total)] if traced else [])
 
 
 def _fwd_launch(coeff, total, logits, **kw):

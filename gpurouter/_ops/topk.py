@@ -20,10 +20,13 @@ from .._checks import (
     check_forced_indices,
     check_kernel_dtype,
     check_topk_args,
+    check_topk_variants,
     check_transport,
 )
-from .._sharding import per_token_shard
+from .._sharding import axis_size, per_token_shard
 from .._transport import kernel_call, resolve_transport
+from ..reference import _route as _ref_route
+from .qb import histogram_after
 
 
 def fused_topk_with_score_function(
@@ -40,6 +43,13 @@ def fused_topk_with_score_function(
     *,
     return_indices: bool = False,
     forced_indices: jax.typing.ArrayLike | None = None,
+    group_score: str = "sum_topk",
+    compact: bool = False,
+    indices_dtype="int32",
+    qb_histogram: jax.typing.ArrayLike | None = None,
+    qb_bin_bounds: jax.typing.ArrayLike | None = None,
+    token_mask: jax.typing.ArrayLike | None = None,
+    axis_name: str | tuple[str, ...] | None = None,
     backend: str = "auto",
     transport: str = "auto",
 ) -> tuple[jax.Array, ...]:
@@ -61,7 +71,18 @@ def fused_topk_with_score_function(
     directly and the backward reads it; probs and gradients are those of the
     default BYTEMAP, bit for bit. ``return_indices`` (the kernels write the
     indices as they select) and ``forced_indices`` (routing replay: the
-    kernels skip the selection) are gpurouter's keyword-only extensions.
+    kernels skip the selection) are gpurouter's keyword-only extensions, as
+    are the router variants (docs/contract.md sections 9-12): ``group_score``,
+    ``compact``, ``indices_dtype``, Quantile Balancing (``qb_histogram``,
+    ``qb_bin_bounds``, ``token_mask``, ``axis_name``).
+
+    With ``backend="numba"`` the kernels compute the routes and probs; the
+    variants they do not implement are composed around them, exactly: a
+    ``group_score`` other than ``"sum_topk"`` selects in jnp and the
+    kernels replay that selection (``forced_indices``: the same probs and
+    gradients); the compact weights are gathered from the kernels' probs
+    at the indices they write; the QB counts are computed in jnp from the
+    logits (integer counts: the same histogram bit for bit).
 
     Raises:
       ValueError, TypeError: bad shapes, config or dtypes (at trace time).
@@ -80,15 +101,23 @@ def fused_topk_with_score_function(
     forced = forced_indices is not None
     if forced:
         check_forced_indices(TOPK_OP, forced_indices, jnp.shape(logits), cfg.topk, cfg.compute_aux_scores)
-    return_indices = bool(return_indices)
+    var = check_topk_variants(
+        TOPK_OP, cfg, jnp.shape(logits), return_indices=return_indices, group_score=group_score,
+        compact=compact, indices_dtype=indices_dtype, expert_bias=expert_bias, forced=forced,
+        qb_histogram=qb_histogram, qb_bin_bounds=qb_bin_bounds, token_mask=token_mask,
+        axis_name=axis_name, shards=axis_size(TOPK_OP, axis_name) if qb_histogram is not None else 1)
+    # the compact result is gathered at the indices: the route writes them
+    return_indices = var.return_indices or var.compact
     check_transport(TOPK_OP, transport)  # validated whatever the backend
     logits = jnp.asarray(logits)
     shape, num_experts = logits.shape, logits.shape[-1]
 
     def kernels_faster() -> bool:
         # "auto": the measured rule (gpurouter/_auto.py), only where the
-        # kernels take the call at all; indices and replays stay on jax.
-        if return_indices or forced or logits.dtype == jnp.float64:
+        # kernels take the call at all; indices, replays and the composed
+        # variants stay on jax.
+        if (return_indices or forced or var.qb or var.group_score != "sum_topk"
+                or logits.dtype == jnp.float64):
             return False
         try:
             from ..kernels._base.limits import check_limits
@@ -112,7 +141,7 @@ def fused_topk_with_score_function(
             return reference.fused_topk_with_score_function(
                 x, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
                 score_function, b, compute_aux_scores, cfg.routing_map_format,
-                return_indices=write_indices, forced_indices=f)
+                return_indices=write_indices, forced_indices=f, group_score=var.group_score)
     else:
         transport = resolve_transport(TOPK_OP, transport)
         check_kernel_dtype(TOPK_OP, "logits", logits.dtype)
@@ -127,6 +156,13 @@ def fused_topk_with_score_function(
         def route(x, *rest):
             if cfg.compute_aux_scores:
                 return _aux_scores(x, cfg, logits.dtype, transport, write_indices)
+            if var.group_score != "sum_topk" and not forced:
+                # the kernels score groups by sum_topk only: select in jnp,
+                # then replay that selection (the same probs and gradients)
+                b = rest[0] if rest else None
+                idx = _ref_route.selection(x, b, cfg, var.group_score)
+                out = _topk(x, idx, cfg, _KernelCall(transport, True, False, b is not None))
+                return (*out, idx) if write_indices else out
             replay_bias = forced and expert_bias is not None and cfg.score_function != ScoreFunction.SOFTMAX
             return _topk(x, rest[0] if rest else None, cfg,
                          _KernelCall(transport, forced, write_indices, replay_bias))
@@ -135,21 +171,35 @@ def fused_topk_with_score_function(
     map_spec = _map_spec(x.shape, cfg)
     map_shape = shape[:-1] + map_spec.shape[-1:]
     idx_shape = shape[:-1] + (cfg.topk,)
+    qb = ()
+    if var.qb:  # this call's QB counts, in jnp on every backend (integers: exact)
+        qb_bias = jnp.asarray(expert_bias)
+        valid = None if token_mask is None else jnp.asarray(token_mask).reshape(x.shape[0])
+        qb = (histogram_after(x, qb_bias, cfg, var.group_score, qb_histogram, qb_bin_bounds, valid, axis_name),)
     if x.shape[0] == 0:
         out_dtype = jnp.float32 if cfg.compute_aux_scores else logits.dtype
+        idx = jnp.zeros(idx_shape, var.indices_dtype)
+        if var.compact:
+            return (jnp.zeros(idx_shape, out_dtype), idx, *qb)
         empty = (jnp.zeros(shape, out_dtype), jnp.zeros(map_shape, map_spec.dtype))
-        return (*empty, jnp.zeros(idx_shape, jnp.int32)) if return_indices else empty
+        return (*empty, idx, *qb) if return_indices else (*empty, *qb)
     tokens = [x]
     if forced:
         tokens.append(jnp.asarray(forced_indices).reshape(-1, cfg.topk).astype(jnp.int32))
     # Token-sharded logits: each device routes its own tokens (_sharding.py).
     n_out = 3 if write_indices else 2
     out = per_token_shard(route, tokens, [] if bias is None else [bias], n_out)
+    if forced:
+        idx_rows = jnp.asarray(forced_indices).reshape(-1, cfg.topk).astype(jnp.int32)
+    elif return_indices:
+        idx_rows = out[2]
+    if var.compact:
+        weights = jnp.take_along_axis(out[0], idx_rows, axis=-1)
+        return (weights.reshape(idx_shape), idx_rows.astype(var.indices_dtype).reshape(idx_shape), *qb)
     probs, routing_map = out[0].reshape(shape), out[1].reshape(map_shape)
     if not return_indices:
-        return probs, routing_map
-    indices = jnp.asarray(forced_indices).astype(jnp.int32) if forced else out[2].reshape(idx_shape)
-    return probs, routing_map, indices
+        return (probs, routing_map, *qb)
+    return (probs, routing_map, idx_rows.astype(var.indices_dtype).reshape(idx_shape), *qb)
 
 
 # ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from . import moe as moe
 from .aux_loss import aux_loss_coeff as aux_loss_coeff
 from .aux_loss import fused_moe_aux_loss as fused_moe_aux_loss
 from .aux_loss import global_counts as global_counts
+from .aux_loss import mask_rows as mask_rows
 from .aux_loss import moe_aux_loss_bwd as moe_aux_loss_bwd
 from .aux_loss import moe_aux_loss_fwd as moe_aux_loss_fwd
 from .losses import router_z_loss as router_z_loss
@@ -24,6 +25,7 @@ from .topk import score_for_aux_loss_bwd as score_for_aux_loss_bwd
 from .topk import score_for_aux_loss_fwd as score_for_aux_loss_fwd
 from .topk import topk_with_score_function_bwd as topk_with_score_function_bwd
 from .topk import topk_with_score_function_fwd as topk_with_score_function_fwd
+from .variants import qb_update_expert_bias as qb_update_expert_bias
 
 __all__ = [
     "RoutingMapFormat",
@@ -32,9 +34,11 @@ __all__ = [
     "fused_moe_aux_loss",
     "fused_topk_with_score_function",
     "global_counts",
+    "mask_rows",
     "moe_aux_loss_bwd",
     "moe_aux_loss_fwd",
     "pack_routing_map",
+    "qb_update_expert_bias",
     "router_z_loss",
     "score_for_aux_loss_bwd",
     "score_for_aux_loss_fwd",

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import AuxLossConfig, array_meta, check_aux_loss_args
+from .._checks import AuxLossConfig, array_meta, check_aux_loss_args, check_token_mask
 from .._host import aux_loss_coeff as host_coeff
 
 
@@ -47,6 +47,28 @@ def global_counts(op, probs, tokens_per_expert, total_num_tokens, axis_name):
     return jax.lax.psum(jnp.asarray(tokens_per_expert), axis_name), total_num_tokens
 
 
+def mask_rows(op, rows, token_mask, total_num_tokens, axis_name, fill):
+    """``(rows, total_num_tokens)`` with the masked rows of ``rows [T, C]`` set
+    to ``fill`` and ``T`` defaulting to ``max(valid count, 1)`` (global over
+    ``axis_name``; contract section 10). Without a mask: as given."""
+    if token_mask is None:
+        return rows, total_num_tokens
+    from .variants import flat_token_mask, valid_count
+
+    shape, _ = array_meta(op, "probs" if fill == 0 else "logits", rows)
+    check_token_mask(op, token_mask, tuple(shape[:-1]))
+    if axis_name is not None:
+        from .._sharding import axis_size
+
+        axis_size(op, axis_name)  # checks that the axis is bound
+    rows = jnp.asarray(rows)
+    mask = flat_token_mask(token_mask, int(np.prod(shape[:-1], dtype=np.int64)))
+    rows = jnp.where(mask.reshape(shape[:-1] + (1,)), rows, jnp.asarray(fill, rows.dtype))
+    if total_num_tokens is None:
+        total_num_tokens = valid_count(mask, axis_name)
+    return rows, total_num_tokens
+
+
 def _config(probs, tokens_per_expert, topk, coeff, total_num_tokens, num_experts, op):
     return check_aux_loss_args(
         *array_meta(op, "probs", probs), *array_meta(op, "tokens_per_expert", tokens_per_expert),
@@ -70,6 +92,7 @@ def fused_moe_aux_loss(
     total_num_tokens: int | None = None,
     num_experts: int | None = None,
     axis_name: str | tuple[str, ...] | None = None,
+    token_mask: jax.typing.ArrayLike | None = None,
 ) -> jax.Array:
     """Switch load-balancing aux loss (pure-jnp reference).
 
@@ -91,6 +114,13 @@ def fused_moe_aux_loss(
         token-sharded ``probs``: ``tokens_per_expert`` is all-reduced over it
         and ``total_num_tokens`` defaults to the global count, so that the
         psum of the per-shard losses is the unsharded loss (docs/sharding.md).
+      token_mask: bool ``[T]``, the valid rows (docs/contract.md section
+        10): masked rows are left out of the column sums and get a zero
+        gradient, and ``total_num_tokens`` defaults to ``max(valid count,
+        1)`` (summed over ``axis_name``). Pass the masked counts as
+        ``tokens_per_expert`` (``gr.tokens_per_expert(map, token_mask=)``).
+
+    ``total_num_tokens`` may be a traced scalar (no retrace per value).
 
     Returns:
       A scalar in the dtype of ``probs`` (with ``axis_name``: this shard's
@@ -103,6 +133,7 @@ def fused_moe_aux_loss(
       >>> float(ref.fused_moe_aux_loss(probs, jnp.array([3, 1]), topk=1, coeff=1.0))
       1.0
     """
+    probs, total_num_tokens = mask_rows("fused_moe_aux_loss", probs, token_mask, total_num_tokens, axis_name, 0)
     tokens_per_expert, total_num_tokens = global_counts(
         "fused_moe_aux_loss", probs, tokens_per_expert, total_num_tokens, axis_name)
     cfg = _config(probs, tokens_per_expert, topk, coeff, total_num_tokens, num_experts,
@@ -133,4 +164,4 @@ def moe_aux_loss_bwd(saved_coeff, tokens_per_expert, grad_loss, num_rows):
     return jnp.broadcast_to(row, (num_rows, tpe.shape[0])).astype(grad_loss.dtype)
 
 
-__all__ = ["fused_moe_aux_loss", "moe_aux_loss_fwd", "moe_aux_loss_bwd", "aux_loss_coeff"]
+__all__ = ["fused_moe_aux_loss", "moe_aux_loss_fwd", "moe_aux_loss_bwd", "aux_loss_coeff", "mask_rows"]

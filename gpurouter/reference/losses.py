@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._checks import (
     BIAS_UPDATE_OP,
     Z_LOSS_OP,
     array_meta,
     check_bias_update_args,
+    check_token_mask,
     check_z_loss_args,
 )
 from .._sharding import axis_size
+from .aux_loss import mask_rows
 
 
 def _row_lse(x: jax.Array) -> jax.Array:
@@ -39,6 +42,7 @@ def router_z_loss(
     *,
     total_num_tokens: int | None = None,
     axis_name: str | tuple[str, ...] | None = None,
+    token_mask: jax.typing.ArrayLike | None = None,
 ) -> jax.Array:
     """Router z-loss of ST-MoE (Zoph et al. 2022, eq. 5), pure-jnp reference.
 
@@ -58,6 +62,12 @@ def router_z_loss(
         defaults to the global token count (this shard's rows times the axis
         size), so each shard returns its share and the shares sum (``psum``)
         to the loss of the whole batch.
+      token_mask: bool, the tokens' shape (or flat ``[T]``): masked tokens
+        contribute 0 and get a zero gradient, and ``T`` defaults to
+        ``max(valid count, 1)``, summed over ``axis_name`` (docs/contract.md
+        section 10).
+
+    ``total_num_tokens`` may also be a traced scalar (no retrace per value).
 
     Returns:
       A float32 scalar.
@@ -69,12 +79,13 @@ def router_z_loss(
       1.9218
     """
     shape, dtype = array_meta(Z_LOSS_OP, "logits", logits)
+    logits, total_num_tokens = mask_rows(Z_LOSS_OP, logits, token_mask, total_num_tokens, axis_name, -jnp.inf)
     coeff, total = check_z_loss_args(shape, dtype, coeff, total_num_tokens,
                                      axis_size(Z_LOSS_OP, axis_name))
     x = jnp.asarray(logits).astype(jnp.float32)
     x = x.reshape(-1, x.shape[-1])
     lse = _row_lse(x)
-    return jnp.float32(coeff) * (jnp.sum(lse * lse) / jnp.float32(total))
+    return jnp.float32(coeff) * (jnp.sum(lse * lse) / jnp.asarray(total).astype(jnp.float32))
 
 
 def update_expert_bias(
@@ -83,6 +94,7 @@ def update_expert_bias(
     rate: float | jax.typing.ArrayLike,
     *,
     axis_name: str | tuple[str, ...] | None = None,
+    token_mask: jax.typing.ArrayLike | None = None,
 ) -> jax.Array:
     """DeepSeek-V3's aux-loss-free balancing step: the expert bias, updated.
 
@@ -100,6 +112,11 @@ def update_expert_bias(
         array (a schedule).
       axis_name: inside ``shard_map`` over data shards: the counts are summed
         over this axis first, so every shard computes the same new bias.
+      token_mask: bool, the valid tokens (docs/contract.md section 10). With
+        it, ``tokens_per_expert`` is the routing map itself (bool ``[..., E]``
+        or BITMAP_U8) and the counts are its valid rows'
+        (:func:`gpurouter.tokens_per_expert` with the mask): padding moves
+        no bias.
 
     Returns:
       ``[E]``, the dtype of ``expert_bias`` (the arithmetic is float32).
@@ -111,6 +128,8 @@ def update_expert_bias(
       [-0.10000000149011612, 0.10000000149011612, 0.0]
     """
     bias_meta = array_meta(BIAS_UPDATE_OP, "expert_bias", expert_bias)
+    if token_mask is not None:
+        tokens_per_expert = masked_counts(BIAS_UPDATE_OP, tokens_per_expert, bias_meta[0], token_mask)
     counts_meta = array_meta(BIAS_UPDATE_OP, "tokens_per_expert", tokens_per_expert)
     check_bias_update_args(*bias_meta, *counts_meta, rate)
     load = jnp.asarray(tokens_per_expert)
@@ -121,6 +140,19 @@ def update_expert_bias(
     bias = jnp.asarray(expert_bias)
     step = jnp.asarray(rate, jnp.float32) * _sign_of_mean_minus(load).astype(jnp.float32)
     return (bias.astype(jnp.float32) + step).astype(bias.dtype)
+
+
+def masked_counts(op, routing_map, bias_shape, token_mask) -> jax.Array:
+    """The counts of a routing map's valid rows, for ``update_expert_bias``
+    with a ``token_mask`` (its ``tokens_per_expert`` is then the map)."""
+    from .routing_map import tokens_per_expert
+
+    shape, dtype = array_meta(op, "tokens_per_expert", routing_map)
+    if len(bias_shape) != 1 or np.dtype(dtype).name not in ("bool", "uint8") or len(shape) < 2:
+        raise ValueError(f"{op}: tokens_per_expert (shape {tuple(shape)}, {np.dtype(dtype).name}) must be "
+                         "a routing map (bool [..., num_experts] or uint8 BITMAP_U8) with token_mask.")
+    check_token_mask(op, token_mask, tuple(shape[:-1]))
+    return tokens_per_expert(routing_map, bias_shape[0], token_mask=token_mask)
 
 
 def _sign_of_mean_minus(load: jax.Array) -> jax.Array:

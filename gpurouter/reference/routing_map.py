@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import RoutingMapFormat, check_routing_map
+from .._checks import RoutingMapFormat, check_routing_map, check_token_mask
 
 _WEIGHTS = np.array([1 << b for b in range(8)], np.uint8)  # bit b of a byte
 
@@ -60,12 +60,15 @@ def unpack_routing_map(routing_map: jax.typing.ArrayLike, num_experts: int) -> j
     return bits.reshape(m.shape[:-1] + (8 * m.shape[-1],))[..., :num_experts]
 
 
-def tokens_per_expert(routing_map: jax.typing.ArrayLike, num_experts: int | None = None) -> jax.Array:
+def tokens_per_expert(routing_map: jax.typing.ArrayLike, num_experts: int | None = None, *,
+                      token_mask: jax.typing.ArrayLike | None = None) -> jax.Array:
     """Tokens routed to each expert, ``int32 [E]``, from either map format.
 
     What :func:`gpurouter.fused_moe_aux_loss` takes as ``tokens_per_expert``:
     the map's rows summed over every leading dim. ``num_experts`` is needed
     for a bitmap (its byte count only bounds E) and optional for a bool map.
+    ``token_mask`` (bool, the map's leading shape or flat ``[T]``): masked
+    rows count nowhere (docs/contract.md section 10).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -76,8 +79,11 @@ def tokens_per_expert(routing_map: jax.typing.ArrayLike, num_experts: int | None
       [2, 1, 1]
     """
     _, num_experts = check_routing_map("tokens_per_expert", routing_map, num_experts)
-    m = unpack_routing_map(routing_map, num_experts)
-    return jnp.sum(m.reshape(-1, num_experts), axis=0, dtype=jnp.int32)
+    m = unpack_routing_map(routing_map, num_experts).reshape(-1, num_experts)
+    if token_mask is not None:
+        check_token_mask("tokens_per_expert", token_mask, tuple(jnp.shape(routing_map)[:-1]))
+        m = m & jnp.asarray(token_mask).reshape(-1, 1)
+    return jnp.sum(m, axis=0, dtype=jnp.int32)
 
 
 def map_of_format(mask: jax.Array, routing_map_format: RoutingMapFormat) -> jax.Array:

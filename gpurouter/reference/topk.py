@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from .._checks import (
+    TOPK_OP,
     RoutingMapFormat,
     ScoreFunction,
     TopkConfig,
     array_meta,
     check_forced_indices,
     check_topk_args,
+    check_topk_variants,
     score_function_of,
 )
+from ._route import _scores, _select, qb_histogram_after
 from ._scores import EPS as EPS
 from ._scores import SOFTPLUS_THRESHOLD as SOFTPLUS_THRESHOLD
 from ._scores import _activation, _activation_and_grad, _normalise, _normalised_grad
@@ -33,8 +35,9 @@ from ._scores import _sqrtsoftplus_jvp as _sqrtsoftplus_jvp
 from ._scores import sigmoid as sigmoid
 from ._scores import sqrtsoftplus as sqrtsoftplus
 from ._scores import sqrtsoftplus_grad as sqrtsoftplus_grad
-from ._select import mask_of_indices, selected_indices, sum_topk_values, topk_mask
+from ._select import mask_of_indices, selected_indices, topk_mask
 from .routing_map import map_of_format, unpack_routing_map
+from .variants import flat_token_mask
 
 # The score functions and the normalisation (EPS, sigmoid, sqrtsoftplus, ...) live in
 # _scores.py; the names imported above as `X as X` stay importable from this module.
@@ -45,33 +48,14 @@ from .routing_map import map_of_format, unpack_routing_map
 # ----------------------------------------------------------------------------
 
 
-def _select(r: jax.Array, cfg: TopkConfig) -> jax.Array:
-    """Routing mask from the selection scores ``r`` [T, E] (fp32), groups included."""
-    if not cfg.grouped:
-        return topk_mask(r, cfg.topk)
-    num_tokens, num_experts = r.shape
-    group_size = num_experts // cfg.num_groups
-    per_group = cfg.topk // cfg.group_topk
-    grouped = r.reshape(num_tokens, cfg.num_groups, group_size)
-    group_scores = sum_topk_values(lax.stop_gradient(grouped), per_group)  # [T, G]
-    kept = topk_mask(group_scores, cfg.group_topk)  # [T, G]
-    eligible = jnp.repeat(kept, group_size, axis=-1)  # [T, E]
-    return topk_mask(r, cfg.topk, eligible)
-
-
-def _topk_forward(logits, expert_bias, cfg: TopkConfig, forced=None):
+def _topk_forward(logits, expert_bias, cfg: TopkConfig, forced=None, group_score: str = "sum_topk"):
     """Shared forward: returns ``(probs fp32, routing_map, saved fp32, r fp32)``,
     ``r`` the selection scores. With ``forced`` indices ``[T, K]`` (routing
     replay) the experts are those, not selected: bias and groups play no part."""
     x = logits.astype(jnp.float32)
     sf = cfg.score_function
-    if sf == ScoreFunction.SOFTMAX:
-        s = jax.nn.softmax(x, axis=-1) if cfg.use_pre_softmax else x
-        r = s
-    else:
-        s = _activation(x, sf)
-        r = s if expert_bias is None else s + lax.stop_gradient(expert_bias).astype(jnp.float32)[None, :]
-    mask = _select(r, cfg) if forced is None else mask_of_indices(forced, x.shape[-1])
+    s, r = _scores(x, expert_bias, cfg)
+    mask = _select(r, cfg, group_score) if forced is None else mask_of_indices(forced, x.shape[-1])
     if sf == ScoreFunction.SOFTMAX and not cfg.use_pre_softmax:
         t = jax.nn.softmax(jnp.where(mask, x, -jnp.inf), axis=-1)
         saved = jnp.where(mask, t, -jnp.inf)
@@ -127,6 +111,13 @@ def fused_topk_with_score_function(
     *,
     return_indices: bool = False,
     forced_indices: jax.typing.ArrayLike | None = None,
+    group_score: str = "sum_topk",
+    compact: bool = False,
+    indices_dtype="int32",
+    qb_histogram: jax.typing.ArrayLike | None = None,
+    qb_bin_bounds: jax.typing.ArrayLike | None = None,
+    token_mask: jax.typing.ArrayLike | None = None,
+    axis_name: str | tuple[str, ...] | None = None,
 ) -> tuple[jax.Array, ...]:
     """Routes each token to ``topk`` experts (pure-jnp reference).
 
@@ -158,7 +149,24 @@ def fused_topk_with_score_function(
         experts gives. Out-of-range or repeated indices: a ``ValueError``
         where the array is concrete; under ``jit`` an out-of-range entry
         selects nothing and a repeated one its expert once. Not with
-        ``compute_aux_scores``.
+        ``compute_aux_scores``. Any integer dtype (int16 and int32 alike).
+      group_score: with grouping, how a group is scored from ``r``:
+        ``"sum_topk"`` (the sum of its top ``topk / Kg``; TE's rule and the
+        default), ``"top2_sum"`` (the sum of its top 2; DeepSeek-V3's
+        reference code) or ``"max"`` (docs/contract.md section 9).
+      compact: return ``(weights [..., topk], indices [..., topk])`` in
+        selection order instead of the dense probs and map (section 11).
+      indices_dtype: ``"int32"`` (default) or ``"int16"`` (``E <= 32768``):
+        the dtype of the returned indices.
+      qb_histogram: Quantile Balancing (section 12): int32 ``[E, B]``
+        counts, with ``qb_bin_bounds``; the updated histogram is returned as
+        an extra last result. Needs sigmoid (or sqrtsoftplus), an
+        ``expert_bias`` and ``topk < E``.
+      qb_bin_bounds: float ``[2]``, ``[lower, upper]`` of the histogram's bins.
+      token_mask: with QB: bool, the tokens' shape (or flat ``[T]``); masked
+        tokens are routed as usual but add no counts.
+      axis_name: with QB, inside ``shard_map`` over data shards: this call's
+        counts are summed over the axis (once) before they are added.
 
     Returns:
       ``(probs, routing_map)``: ``probs [..., E]`` in the dtype of ``logits``
@@ -167,7 +175,10 @@ def fused_topk_with_score_function(
       bool (BYTEMAP), or ``[..., ceil(E / 8)]`` uint8 with bit ``e % 8`` of
       byte ``e // 8`` set for expert ``e`` and padding bits 0 (BITMAP_U8).
       With ``return_indices``: ``(probs, routing_map, indices)``; with
-      ``forced_indices`` too, ``indices`` are the forced ones as int32.
+      ``forced_indices`` too, ``indices`` are the forced ones (in
+      ``indices_dtype``). With ``compact``: ``(weights, indices)``,
+      ``weights[..., j] = probs[..., indices[..., j]]``. With QB the updated
+      histogram follows, last.
 
     Algorithm (per token, in float32):
       1. score ``s``: softmax (pre), raw logits (softmax post), sigmoid or
@@ -196,30 +207,49 @@ def fused_topk_with_score_function(
       >>> [round(float(p), 4) for p in probs[0]]
       [0.0, 0.7311, 0.2689, 0.0]
     """
-    op = "fused_topk_with_score_function"
+    op = TOPK_OP
     cfg = _config(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
                   score_function, expert_bias, compute_aux_scores, routing_map_format, op)
     if forced_indices is not None:
         check_forced_indices(op, forced_indices, jnp.shape(logits), cfg.topk, cfg.compute_aux_scores)
+    from .._sharding import axis_size
+
+    var = check_topk_variants(
+        op, cfg, jnp.shape(logits), return_indices=return_indices, group_score=group_score,
+        compact=compact, indices_dtype=indices_dtype, expert_bias=expert_bias,
+        forced=forced_indices is not None, qb_histogram=qb_histogram, qb_bin_bounds=qb_bin_bounds,
+        token_mask=token_mask, axis_name=axis_name,
+        shards=axis_size(op, axis_name) if qb_histogram is not None else 1)
     logits = jnp.asarray(logits)
     shape = logits.shape
+    idx_shape = shape[:-1] + (cfg.topk,)
     x = _rows(logits)
+    bias = None
     if cfg.compute_aux_scores:
         out, mask, _ = _aux_scores_forward(x, cfg)
         r = out
     else:
         bias = None if expert_bias is None or forced_indices is not None else jnp.asarray(expert_bias)
         forced = None if forced_indices is None else jnp.asarray(forced_indices).reshape(-1, cfg.topk)
-        out, mask, _, r = _topk_forward(x, bias, cfg, forced)
+        out, mask, _, r = _topk_forward(x, bias, cfg, forced, var.group_score)
         out = out.astype(logits.dtype)
-    result = (out.reshape(shape), map_of_format(mask.reshape(shape), cfg.routing_map_format))
-    if not return_indices:
-        return result
-    if forced_indices is not None:
-        indices = jnp.asarray(forced_indices).astype(jnp.int32)
+    if var.return_indices or var.compact:
+        if forced_indices is not None:
+            indices = jnp.asarray(forced_indices).reshape(-1, cfg.topk).astype(jnp.int32)
+        else:
+            indices = selected_indices(r, mask, cfg.topk)
+    if var.compact:
+        weights = jnp.take_along_axis(out, indices, axis=-1)
+        result = (weights.reshape(idx_shape), indices.astype(var.indices_dtype).reshape(idx_shape))
     else:
-        indices = selected_indices(r, mask, cfg.topk).reshape(shape[:-1] + (cfg.topk,))
-    return (*result, indices)
+        result = (out.reshape(shape), map_of_format(mask.reshape(shape), cfg.routing_map_format))
+        if var.return_indices:
+            result += (indices.astype(var.indices_dtype).reshape(idx_shape),)
+    if var.qb:
+        valid = None if token_mask is None else flat_token_mask(token_mask, x.shape[0])
+        result += (qb_histogram_after(x, bias, cfg, var.group_score, jnp.asarray(qb_histogram), qb_bin_bounds,
+                                valid, axis_name),)
+    return result
 
 
 # ----------------------------------------------------------------------------
