@@ -1,19 +1,19 @@
 """Token masks and traced token counts (docs/contract.md section 10) on the
 losses and ``tokens_per_expert``, jax backend and reference, against the
-float64 oracles of tests/oracles.py applied to the valid rows only."""
+float64 oracles of gpurouter.testing.oracle applied to the valid rows only."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import oracles
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gpurouter as gr
 from gpurouter import reference as ref
+from gpurouter.testing import oracle as oracles
 
 MASK = np.array([1, 0, 1, 1, 0, 1, 1, 1], bool)
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import oracles
+
+from gpurouter.testing import oracle as oracles
 
 
 def group_score(values, rule: str, per_group: int) -> float:
