@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_public import BACKENDS, CONFIGS, _backend_kw, _call, _tie_free_logits
+from public_helpers import BACKENDS, CONFIGS
+from public_helpers import backend_kw as _backend_kw
+from public_helpers import call as _call
+from public_helpers import tie_free_logits as _tie_free_logits
 
 import gpurouter as gr
 from gpurouter import reference as ref

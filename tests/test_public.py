@@ -15,67 +15,22 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from public_helpers import BACKENDS, CONFIGS
+from public_helpers import backend_kw as _backend_kw
+from public_helpers import call as _call
+from public_helpers import tie_free_logits as _tie_free_logits
 
 import gpurouter as gr
 from gpurouter import _backend
 from gpurouter import reference as ref
 from gpurouter.testing.tolerances import assert_close
 
-_NUMBA_MARKS = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not _backend.numba_usable(),
-                       reason="backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1"),
-]
-# "numba" picks its transport automatically (ffi when JAX is on a GPU);
-# "numba:zero-copy" and "numba:callback" force the other two, which are then
-# tested on the GPU too.
-_ON_GPU_ONLY = pytest.mark.skipif(jax.default_backend() != "gpu",
-                                  reason="on a CPU 'numba' already means the callback transport")
-BACKENDS = [
-    "jax",
-    pytest.param("numba", marks=_NUMBA_MARKS),
-    pytest.param("numba:zero-copy", marks=[*_NUMBA_MARKS, _ON_GPU_ONLY]),
-    pytest.param("numba:callback", marks=[*_NUMBA_MARKS, _ON_GPU_ONLY]),
-]
-
-
-def _backend_kw(backend: str) -> dict:
-    name, _, transport = backend.partition(":")
-    return dict(backend=name, transport=transport or "auto")
 
 def _close(actual, expected, dtype, kind):
     """docs/contract.md section 7 (tests/tolerances.py); kind "probs" or "grad"."""
     kind = "grads" if kind == "grad" else kind
     assert_close(actual, expected, kind, dtype, E=np.shape(actual)[-1] if kind == "grads" else None,
                  check_dtype=False)
-
-
-def _tie_free_logits(shape, dtype, seed=0):
-    """Rows of distinct values, well apart at the dtype's precision."""
-    rng = np.random.default_rng(seed)
-    e = shape[-1]
-    rows = int(np.prod(shape[:-1]))
-    perms = np.stack([rng.permutation(e) for _ in range(rows)]).reshape(shape)
-    return jnp.asarray((perms - e / 2) * (4.0 / e), dtype)
-
-
-CONFIGS = {
-    "softmax-post": dict(score_function="softmax"),
-    "softmax-pre": dict(score_function="softmax", use_pre_softmax=True, scaling_factor=1.5),
-    "sigmoid-groups-bias": dict(score_function="sigmoid", num_groups=4, group_topk=2,
-                                scaling_factor=2.5, bias=True),
-    "sqrtsoftplus-bias": dict(score_function="sqrtsoftplus", bias=True, scaling_factor=1.5),
-    "sigmoid-k1": dict(score_function="sigmoid", topk=1),
-}
-
-
-def _call(fn, x, cfg, **kw):
-    cfg = dict(cfg)
-    topk = cfg.pop("topk", 4)
-    bias = None
-    if cfg.pop("bias", False):
-        bias = jnp.linspace(0.3, -0.3, x.shape[-1], dtype=jnp.float32)
-    return fn(x, topk, expert_bias=bias, **cfg, **kw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

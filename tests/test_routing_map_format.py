@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_public import BACKENDS, _backend_kw, _tie_free_logits
+from public_helpers import BACKENDS
+from public_helpers import backend_kw as _backend_kw
+from public_helpers import tie_free_logits as _tie_free_logits
 
 import gpurouter as gr
 from gpurouter import reference as ref

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpurouter import reference as ref
-from gpurouter.testing.strategies import np_dtype
+from gpurouter.testing.strategies import RouterConfig, np_dtype
 from gpurouter.testing.tolerances import assert_close, assert_dtype
 
 FWD_MODES = (  # (score_function, use_pre_softmax)
@@ -76,3 +76,38 @@ def check_special_rows(kern, x, k, pre, sf, first_selected):
     np.testing.assert_allclose(p, rp, atol=1e-6, rtol=1e-5)
     np.testing.assert_allclose(s, rs, atol=1e-6, rtol=1e-5)
     return p, m, s
+
+
+def cfg(T, E, k, sf="softmax", pre=False, G=-1, Kg=-1, scale=1.0, bias=False, dtype="float32"):
+    return RouterConfig(num_tokens=T, num_experts=E, topk=k, use_pre_softmax=pre,
+                        num_groups=G, group_topk=Kg, scaling_factor=scale,
+                        score_function=sf, has_bias=bias, dtype=dtype)
+
+
+def bias(E, seed=0):
+    return ((np.random.default_rng(seed).integers(-32, 33, E)) / 64).astype(np.float32)
+
+
+def sel(m):
+    return [np.flatnonzero(r).tolist() for r in np.asarray(m)]
+
+
+def tie_free(T, E, seed):
+    rng = np.random.default_rng(seed)
+    return np.stack([(rng.permutation(E) - E // 2) / 8 for _ in range(T)]).astype(np.float32)
+
+
+def check_specials(x, k, first_row_selected, kern=None):
+    """Ties, -inf, NaN and all -inf rows: map, NaN pattern and scores equal the
+    reference's, exactly K per row, ties of row 0 to the lower indices (``kern``:
+    ``gpurouter.kernels`` (None) or a tiling fixture's ``Tiled``)."""
+    if kern is None:
+        import gpurouter.kernels as kern
+    for sf in ("softmax", "sigmoid"):
+        sc, m, _ = kern.score_for_aux_loss_fwd(x, k, sf)
+        rsc, rm, _ = (host(a) for a in ref.score_for_aux_loss_fwd(x, k, sf))
+        assert (m.sum(-1) == k).all()
+        np.testing.assert_array_equal(m, rm)
+        np.testing.assert_array_equal(np.isnan(sc), np.isnan(rsc))
+        np.testing.assert_allclose(sc, rsc, atol=1e-6, rtol=1e-5)
+        assert np.flatnonzero(m[0]).tolist() == first_row_selected

@@ -12,13 +12,10 @@ from gpurouter.testing.strategies import np_dtype, random_cotangent  # noqa: E40
 from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
 from .._helpers import cast, host  # noqa: E402
+from .._helpers import check_specials as _check_specials  # noqa: E402
+from .._helpers import tie_free as _tie_free  # noqa: E402
 
 pytestmark = pytest.mark.cuda
-
-
-def _tie_free(T, E, seed):
-    rng = np.random.default_rng(seed)
-    return np.stack([(rng.permutation(E) - E // 2) / 8 for _ in range(T)]).astype(np.float32)
 
 
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
@@ -37,20 +34,6 @@ def test_fwd_bwd(sf, dtype, E, k):
     dx = K.score_for_aux_loss_bwd(sv, g, sf, np_dtype(dtype))
     rdx = host(ref.score_for_aux_loss_bwd(sv, g, sf, np_dtype(dtype)))
     assert_close(dx, rdx, "grads", np_dtype(dtype), E=E, err_msg="aux grad")
-
-
-def _check_specials(x, k, first_row_selected, kern=K):
-    """Ties, -inf, NaN and all -inf rows: map, NaN pattern and scores equal the
-    reference's, exactly K per row, ties of row 0 to the lower indices (``kern``:
-    ``gpurouter.kernels`` or a tiling fixture's ``Tiled``)."""
-    for sf in ("softmax", "sigmoid"):
-        sc, m, _ = kern.score_for_aux_loss_fwd(x, k, sf)
-        rsc, rm, _ = (host(a) for a in ref.score_for_aux_loss_fwd(x, k, sf))
-        assert (m.sum(-1) == k).all()
-        np.testing.assert_array_equal(m, rm)
-        np.testing.assert_array_equal(np.isnan(sc), np.isnan(rsc))
-        np.testing.assert_allclose(sc, rsc, atol=1e-6, rtol=1e-5)
-        assert np.flatnonzero(m[0]).tolist() == first_row_selected
 
 
 def test_ties_and_specials():

@@ -14,7 +14,7 @@ from gpurouter import reference as ref  # noqa: E402
 from gpurouter.testing.strategies import random_cotangent, tie_free_rows_np  # noqa: E402
 
 from .._helpers import FWD_MODES, check_topk_bwd, check_topk_fwd, host  # noqa: E402
-from .test_plans import _cfg  # noqa: E402
+from .._helpers import cfg as _cfg  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 

@@ -18,7 +18,6 @@ K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed
 
 from gpurouter import reference as ref  # noqa: E402
 from gpurouter.testing.strategies import (  # noqa: E402
-    RouterConfig,
     arbitrary_logits,
     biases,
     random_cotangent,
@@ -28,20 +27,13 @@ from gpurouter.testing.strategies import (  # noqa: E402
 )
 
 from .._helpers import FWD_MODES, check_special_rows, check_topk_bwd, check_topk_fwd, host  # noqa: E402
+from .._helpers import bias as _bias  # noqa: E402
+from .._helpers import cfg as _cfg  # noqa: E402
+from .._helpers import sel as _sel  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _cfg(T, E, k, sf="softmax", pre=False, G=-1, Kg=-1, scale=1.0, bias=False, dtype="float32"):
-    return RouterConfig(num_tokens=T, num_experts=E, topk=k, use_pre_softmax=pre,
-                        num_groups=G, group_topk=Kg, scaling_factor=scale,
-                        score_function=sf, has_bias=bias, dtype=dtype)
-
-
-def _bias(E, seed=0):
-    return ((np.random.default_rng(seed).integers(-32, 33, E)) / 64).astype(np.float32)
 
 
 # (T, E, K, G, Kg, scale, bias): plain with E not a multiple of 32, groups,
@@ -89,10 +81,6 @@ def test_matches_reference_hypothesis(data):
 # Ties, -inf, NaN, signed zeros (docs/contract.md section 2: lower index wins; NaN is
 # -inf for selection; exactly K per row)
 # ----------------------------------------------------------------------------
-
-
-def _sel(m):
-    return [np.flatnonzero(r).tolist() for r in np.asarray(m)]
 
 
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])

@@ -13,8 +13,9 @@ from gpurouter import reference as ref  # noqa: E402
 from gpurouter.testing.strategies import random_cotangent  # noqa: E402
 from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
+from ..._helpers import check_specials as _check_specials  # noqa: E402
 from ..._helpers import host  # noqa: E402
-from ..test_aux_plans import _check_specials, _tie_free  # noqa: E402
+from ..._helpers import tie_free as _tie_free  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 

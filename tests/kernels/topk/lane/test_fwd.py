@@ -16,7 +16,9 @@ from gpurouter import reference as ref  # noqa: E402
 from gpurouter.testing.strategies import random_cotangent, tie_free_rows_np  # noqa: E402
 
 from ..._helpers import FWD_MODES, check_special_rows, check_topk_bwd, check_topk_fwd, host  # noqa: E402
-from ..test_plans import _bias, _cfg, _sel  # noqa: E402
+from ..._helpers import bias as _bias  # noqa: E402
+from ..._helpers import cfg as _cfg  # noqa: E402
+from ..._helpers import sel as _sel  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
