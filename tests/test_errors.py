@@ -123,15 +123,37 @@ def test_group_checks_ignored_when_grouping_is_off():
     assert probs.shape == (4, 8) and int(rmap.sum()) == 8
 
 
-def test_aux_scores_ignore_bias_and_groups():
-    # compute_aux_scores=True ignores the bias, groups and scaling (TE's JAX
-    # wrapper); the group config is then not checked, the bias still is.
-    scores, _ = gr.fused_topk_with_score_function(
-        X8, 2, num_groups=3, group_topk=2, score_function="sigmoid",
-        expert_bias=B8 + 5.0, compute_aux_scores=True)
-    want, _ = gr.fused_topk_with_score_function(X8, 2, score_function="sigmoid", compute_aux_scores=True)
-    assert scores.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(scores), np.asarray(want))
+@pytest.mark.parametrize("kw,name", [
+    (dict(num_groups=4, group_topk=2), "group_topk (2) does nothing with compute_aux_scores=True"),
+    (dict(expert_bias=B8), "expert_bias (shape (8,)) does nothing with compute_aux_scores=True"),
+    (dict(scaling_factor=2.5), "scaling_factor (2.5) does nothing with compute_aux_scores=True"),
+    (dict(use_pre_softmax=True), "use_pre_softmax (True) does nothing with compute_aux_scores=True"),
+])
+def test_aux_scores_refuse_arguments_that_do_nothing(kw, name):
+    # one rule for every op (contract section 6): an argument that does nothing is an error
+    for backend in ("jax", "numba"):
+        with pytest.raises(ValueError, match=re.escape(f"fused_topk_with_score_function: {name}")):
+            gr.fused_topk_with_score_function(X8, 2, score_function="sigmoid", compute_aux_scores=True,
+                                              backend=backend, **kw)
+
+
+@pytest.mark.parametrize("sf", ["sigmoid", "sqrtsoftplus"])
+def test_pre_softmax_without_softmax_is_an_error(sf):
+    with pytest.raises(ValueError, match=re.escape(
+            f"fused_topk_with_score_function: use_pre_softmax (True) does nothing with score_function ('{sf}')")):
+        gr.fused_topk_with_score_function(X8, 2, use_pre_softmax=True, score_function=sf, backend="jax")
+
+
+@pytest.mark.parametrize("name", ["use_pre_softmax", "compute_aux_scores", "return_indices"])
+@pytest.mark.parametrize("value", ["no", 0, 1, None])
+def test_flags_must_be_bools(name, value):
+    # "no" would be truthy: a flag takes True or False only (contract section 6)
+    for backend in ("jax", "numba"):
+        with pytest.raises(TypeError, match=re.escape(
+                f"fused_topk_with_score_function: {name} ({value!r}) must be a bool")):
+            gr.fused_topk_with_score_function(X8, 2, backend=backend, **{name: value})
+    with pytest.raises(TypeError, match=re.escape(f"fused_topk_with_score_function: {name} ({value!r})")):
+        ref.fused_topk_with_score_function(X8, 2, **{name: value})
 
 
 def test_aux_loss_of_no_tokens_is_zero():

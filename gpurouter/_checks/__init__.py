@@ -28,7 +28,10 @@ from .common import BACKENDS as BACKENDS
 from .common import TRANSPORTS as TRANSPORTS
 from .common import RoutingMapFormat as RoutingMapFormat
 from .common import ScoreFunction as ScoreFunction
+from .common import _as_bool as as_bool
+from .common import _as_finite_float as as_finite_float
 from .common import array_meta as array_meta
+from .common import check_array_rank as check_array_rank
 from .common import check_backend as check_backend
 from .common import check_float_dtype as check_float_dtype
 from .common import check_kernel_dtype as check_kernel_dtype
@@ -37,6 +40,7 @@ from .common import routing_map_format_of as routing_map_format_of
 from .common import score_function_of as score_function_of
 from .common import simulator_collectives_warning as simulator_collectives_warning
 from .common import unbound_axis_error as unbound_axis_error
+from .common import unused_argument_error as unused_argument_error
 from .losses import AUX_LOSS_OP as AUX_LOSS_OP
 from .losses import BIAS_UPDATE_OP as BIAS_UPDATE_OP
 from .losses import Z_LOSS_OP as Z_LOSS_OP

@@ -17,6 +17,7 @@ from .._checks import (
     ScoreFunction,
     TopkConfig,
     array_meta,
+    as_bool,
     check_forced_indices,
     check_kernel_dtype,
     check_topk_args,
@@ -80,7 +81,7 @@ def fused_topk_with_score_function(
     forced = forced_indices is not None
     if forced:
         check_forced_indices(TOPK_OP, forced_indices, jnp.shape(logits), cfg.topk, cfg.compute_aux_scores)
-    return_indices = bool(return_indices)
+    return_indices = as_bool(TOPK_OP, "return_indices", return_indices)
     check_transport(TOPK_OP, transport)  # validated whatever the backend
     logits = jnp.asarray(logits)
     shape, num_experts = logits.shape, logits.shape[-1]
@@ -148,7 +149,12 @@ def fused_topk_with_score_function(
     probs, routing_map = out[0].reshape(shape), out[1].reshape(map_shape)
     if not return_indices:
         return probs, routing_map
-    indices = jnp.asarray(forced_indices).astype(jnp.int32) if forced else out[2].reshape(idx_shape)
+    if forced:  # the map's experts: -1 for an entry that selects nothing (contract section 2)
+        from ..reference._select import replay_indices
+
+        indices = replay_indices(jnp.asarray(forced_indices), num_experts)
+    else:
+        indices = out[2].reshape(idx_shape)
     return probs, routing_map, indices
 
 

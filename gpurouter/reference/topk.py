@@ -20,6 +20,7 @@ from .._checks import (
     ScoreFunction,
     TopkConfig,
     array_meta,
+    as_bool,
     check_forced_indices,
     check_topk_args,
     score_function_of,
@@ -33,7 +34,7 @@ from ._scores import _sqrtsoftplus_jvp as _sqrtsoftplus_jvp
 from ._scores import sigmoid as sigmoid
 from ._scores import sqrtsoftplus as sqrtsoftplus
 from ._scores import sqrtsoftplus_grad as sqrtsoftplus_grad
-from ._select import mask_of_indices, selected_indices, sum_topk_values, topk_mask
+from ._select import mask_of_indices, replay_indices, selected_indices, sum_topk_values, topk_mask
 from .routing_map import map_of_format, unpack_routing_map
 
 # The score functions and the normalisation (EPS, sigmoid, sqrtsoftplus, ...) live in
@@ -78,7 +79,10 @@ def _topk_forward(logits, expert_bias, cfg: TopkConfig, forced=None):
     elif sf == ScoreFunction.SOFTMAX:
         t, saved = s, s
     else:
-        t = _normalise(s, mask) if cfg.topk > 1 else s
+        # the weights from the selected logits only: an expert off the map then
+        # gets gradient 0, not 0 * NaN, whatever its logit (contract section 2)
+        sw = _activation(jnp.where(mask, x, 0), sf)
+        t = _normalise(sw, mask) if cfg.topk > 1 else sw
         saved = s if sf == ScoreFunction.SIGMOID else x
     probs = jnp.where(mask, cfg.scaling_factor * t, 0)
     return probs, mask, saved, r
@@ -167,7 +171,8 @@ def fused_topk_with_score_function(
       bool (BYTEMAP), or ``[..., ceil(E / 8)]`` uint8 with bit ``e % 8`` of
       byte ``e // 8`` set for expert ``e`` and padding bits 0 (BITMAP_U8).
       With ``return_indices``: ``(probs, routing_map, indices)``; with
-      ``forced_indices`` too, ``indices`` are the forced ones as int32.
+      ``forced_indices`` too, ``indices`` are the forced ones as int32, -1
+      where an entry selects nothing (out of range, or a repeat).
 
     Algorithm (per token, in float32):
       1. score ``s``: softmax (pre), raw logits (softmax post), sigmoid or
@@ -199,6 +204,7 @@ def fused_topk_with_score_function(
     op = "fused_topk_with_score_function"
     cfg = _config(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
                   score_function, expert_bias, compute_aux_scores, routing_map_format, op)
+    return_indices = as_bool(op, "return_indices", return_indices)
     if forced_indices is not None:
         check_forced_indices(op, forced_indices, jnp.shape(logits), cfg.topk, cfg.compute_aux_scores)
     logits = jnp.asarray(logits)
@@ -216,7 +222,7 @@ def fused_topk_with_score_function(
     if not return_indices:
         return result
     if forced_indices is not None:
-        indices = jnp.asarray(forced_indices).astype(jnp.int32)
+        indices = replay_indices(jnp.asarray(forced_indices), shape[-1])
     else:
         indices = selected_indices(r, mask, cfg.topk).reshape(shape[:-1] + (cfg.topk,))
     return (*result, indices)
