@@ -456,7 +456,7 @@ CASES = [
     (DB, (D, OFF, 2), dict(dbias=B[:1]), ValueError,
      f"{DB}: dbias shape (1, 3) must be (2, 3) (it is accumulated into)."),
     (SBA, (D, B, S, GS[:1]), {}, ValueError, f"{SBA}: group_sizes shape (1,) must be (num_groups,) = (2,)."),
-    (SBA, (D, B, S, jnp.asarray([3, -1])), {}, ValueError, f"{SBA}: group_sizes ([3, -1]) must be >= 0."),
+    (SBA, (D, B, S, jnp.asarray([3, -1])), {}, ValueError, f"{SBA}: group_sizes ([3, -1]) must be >= 0 and sum to at most y.shape[0] (4)."),
     (SBA, (D, B, S, GS.astype(jnp.float32)), {}, TypeError, f"{SBA}: group_sizes must be integers, got float32."),
     (SBA, (D, B[:, :1], S, GS), {}, ValueError,
      f"{SBA}: bias shape (2, 1) must be (num_groups, hidden) with num_groups >= 1 and hidden = y.shape[1] (3)."),

@@ -28,9 +28,9 @@ from .common import BACKENDS as BACKENDS
 from .common import TRANSPORTS as TRANSPORTS
 from .common import RoutingMapFormat as RoutingMapFormat
 from .common import ScoreFunction as ScoreFunction
-from .common import _as_bool as as_bool
-from .common import _as_finite_float as as_finite_float
 from .common import array_meta as array_meta
+from .common import as_bool as as_bool
+from .common import as_finite_float as as_finite_float
 from .common import check_array_rank as check_array_rank
 from .common import check_backend as check_backend
 from .common import check_float_dtype as check_float_dtype
@@ -63,6 +63,7 @@ from .moe import check_grouped_dbias_args as check_grouped_dbias_args
 from .moe import check_grouped_dbias_dscales_args as check_grouped_dbias_dscales_args
 from .moe import check_moe_args as check_moe_args
 from .moe import check_moe_backend as check_moe_backend
+from .moe import check_moe_inputs as check_moe_inputs
 from .moe import check_moe_kernel_backend as check_moe_kernel_backend
 from .moe import check_moe_kernel_limit as check_moe_kernel_limit
 from .moe import check_scaled_bias_add_args as check_scaled_bias_add_args

@@ -99,9 +99,14 @@ def _as_bool(op: str, name: str, value) -> bool:
     return bool(value)
 
 
+as_bool = _as_bool  # the public names of the package (gpurouter/_checks/__init__.py)
+
+
 def unused_argument_error(op: str, name: str, value, why: str) -> ValueError:
-    """An argument that does nothing in the chosen mode (docs/contract.md section 6)."""
-    return ValueError(f"{op}: {name} ({value!r}) does nothing {why}; leave it at its default.")
+    """An argument that does nothing in the chosen mode (docs/contract.md section 6);
+    ``value`` is shown by its repr, or as given when it is already a description (a str)."""
+    shown = value if isinstance(value, str) else repr(value)
+    return ValueError(f"{op}: {name} ({shown}) does nothing {why}; leave it at its default.")
 
 
 def _as_float(op: str, name: str, value) -> float:
@@ -191,6 +196,9 @@ def check_transport(op: str, transport: str) -> str:
             f"{op}: transport ({transport!r}) must be one of {', '.join(map(repr, TRANSPORTS))}."
         )
     return transport
+
+
+as_finite_float = _as_finite_float
 
 
 def check_array_rank(op: str, name: str, shape, rank: int, what: str) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 
 from .common import (
     RoutingMapFormat,
+    _as_finite_float,
     _as_int,
     _dtype_name,
     _is_traced,
@@ -56,8 +57,9 @@ def _check_int_dtype(op: str, name: str, dtype) -> None:
         raise TypeError(f"{op}: {name} must be integers, got {_dtype_name(dtype)}.")
 
 
-def _check_offsets(op: str, offsets, num_groups: int) -> None:
-    """``offsets [G + 1]`` integers; where concrete, non-decreasing."""
+def _check_offsets(op: str, offsets, num_groups: int, num_rows: int, rows_name: str) -> None:
+    """``offsets [G + 1]`` integers; where concrete, non-decreasing and within
+    ``[0, num_rows]`` (a group past the rows would be truncated silently)."""
     shape, dtype = array_meta(op, "offsets", offsets)
     if tuple(shape) != (num_groups + 1,):
         raise ValueError(f"{op}: offsets shape {shape} must be (num_groups + 1,) = ({num_groups + 1},).")
@@ -67,6 +69,8 @@ def _check_offsets(op: str, offsets, num_groups: int) -> None:
     o = np.asarray(offsets)
     if (np.diff(o) < 0).any():
         raise ValueError(f"{op}: offsets ({o.tolist()}) must be non-decreasing.")
+    if o.size and (o[0] < 0 or o[-1] > num_rows):
+        raise ValueError(f"{op}: offsets ({o.tolist()}) must lie in [0, {rows_name}] = [0, {num_rows}].")
 
 
 def _check_group_sizes(op: str, group_sizes, num_groups: int, total: tuple[int, str] | None = None) -> None:
@@ -121,7 +125,7 @@ def check_grouped_dbias_dscales_args(dy, scales, bias, offsets, dbias, dscales,
     check_float_dtype(op, "dy", dy_dtype)
     _check_scales(op, scales, n)
     g = _check_grouped_bias(op, bias, h, "dy")
-    _check_offsets(op, offsets, g)
+    _check_offsets(op, offsets, g, n, "dy.shape[0]")
     _check_accumulator(op, "dbias", dbias, (g, h))
     _check_accumulator(op, "dscales", dscales, (n,))
     return n, h, g
@@ -135,7 +139,7 @@ def check_grouped_dbias_args(dy, offsets, num_groups, dbias,
     g = _as_int(op, "num_groups", num_groups)
     if g < 1:
         raise ValueError(f"{op}: num_groups ({g}) must be >= 1.")
-    _check_offsets(op, offsets, g)
+    _check_offsets(op, offsets, g, n, "dy.shape[0]")
     _check_accumulator(op, "dbias", dbias, (g, h))
     return n, h, g
 
@@ -147,7 +151,7 @@ def check_scaled_bias_add_args(y, bias, scales, group_sizes,
     check_float_dtype(op, "y", y_dtype)
     g = _check_grouped_bias(op, bias, h, "y")
     _check_scales(op, scales, n)
-    _check_group_sizes(op, group_sizes, g)
+    _check_group_sizes(op, group_sizes, g, (n, "y.shape[0]"))
     return n, h, g
 
 
@@ -252,6 +256,20 @@ def check_token_combine_args(inp, row_id_map, merging_probs, pad_offsets,
         if tuple(o_shape) != (e,):
             raise ValueError(f"{op}: pad_offsets shape {o_shape} must be (num_experts,) = ({e},).")
         _check_int_dtype(op, "pad_offsets", o_dtype)
+        if not _is_traced(pad_offsets) and (np.asarray(pad_offsets) < 0).any():
+            raise ValueError(f"{op}: pad_offsets ({np.asarray(pad_offsets).tolist()}) must be >= 0.")
+    if not _is_traced(row_id_map):
+        # concrete: each entry -1 (not routed) or a row of inp, no row twice
+        # (out of range would read zeros; a shared row, a token's rows twice)
+        rid = np.asarray(row_id_map).reshape(-1)
+        bad = (rid < -1) | (rid >= r)
+        if bad.any():
+            raise ValueError(f"{op}: row_id_map entries must be -1 (not routed) or a row of inp in "
+                             f"[0, inp.shape[0]) = [0, {r}), got {int(rid[np.argmax(bad)])}.")
+        used = np.sort(rid[rid >= 0])
+        if used.size > 1 and (used[1:] == used[:-1]).any():
+            dup = int(used[1:][used[1:] == used[:-1]][0])
+            raise ValueError(f"{op}: row_id_map must name each row of inp at most once, got row {dup} twice.")
     return r, h, t, e
 
 
@@ -329,3 +347,26 @@ def check_moe_args(x_shape, gate_shape, wi_0_shape, wi_1_shape, wo_shape, b0_sha
     if activation_type not in MOE_ACTIVATIONS:
         raise ValueError(f"{op}: activation_type ({activation_type!r}) must be one of "
                          f"{', '.join(map(repr, MOE_ACTIVATIONS))}.")
+
+
+def check_moe_inputs(x, gate_kernel, weights: dict, expert_bias, num_groups, group_topk, aux_loss_coeff,
+                     grouped_matmul, op: str = MOE_OP) -> None:
+    """The MoE block's arguments in its own terms, before any op it calls
+    sees them: arrays (not lists) of float dtypes, a finite non-negative
+    ``aux_loss_coeff``, a callable ``grouped_matmul``, and the group pair
+    (``num_groups`` given when ``group_topk`` is)."""
+    for name, a in (("x", x), ("gate_kernel", gate_kernel), *weights.items(), ("expert_bias", expert_bias)):
+        if a is None and name in ("x", "gate_kernel", "wi_0", "wi_1", "wo"):
+            raise TypeError(f"{op}: {name} must be an array (jax.Array or numpy.ndarray), got None.")
+        if a is not None:
+            check_float_dtype(op, name, array_meta(op, name, a)[1])
+    coeff = _as_finite_float(op, "aux_loss_coeff", aux_loss_coeff)
+    if coeff < 0:
+        raise ValueError(f"{op}: aux_loss_coeff ({coeff!r}) must be >= 0 (0: no aux loss).")
+    if not callable(grouped_matmul):
+        raise TypeError(f"{op}: grouped_matmul ({grouped_matmul!r}) must be a function with "
+                        "jax.lax.ragged_dot's signature (e.g. jax.lax.ragged_dot or gpurouter.moe.batched_ragged_dot).")
+    kg = None if group_topk is None else _as_int(op, "group_topk", group_topk)
+    g = None if num_groups is None else _as_int(op, "num_groups", num_groups)
+    if kg is not None and kg > 0 and (g is None or g < 1):
+        raise ValueError(f"{op}: num_groups ({num_groups!r}) must be given (>= 1) when group_topk ({kg}) > 0.")

@@ -73,8 +73,9 @@ def fused_topk_with_score_function(
     """
     bias_shape, bias_dtype = (None, None) if expert_bias is None else array_meta(
         TOPK_OP, "expert_bias", expert_bias)
+    logits_meta = array_meta(TOPK_OP, "logits", logits)
     cfg = check_topk_args(
-        *array_meta(TOPK_OP, "logits", logits), topk, use_pre_softmax, num_groups,
+        *logits_meta, topk, use_pre_softmax, num_groups,
         group_topk, scaling_factor, score_function, bias_shape, bias_dtype,
         compute_aux_scores, routing_map_format,
     )
@@ -89,7 +90,7 @@ def fused_topk_with_score_function(
     def kernels_faster() -> bool:
         # "auto": the measured rule (gpurouter/_auto.py), only where the
         # kernels take the call at all; indices and replays stay on jax.
-        if return_indices or forced or logits.dtype == jnp.float64:
+        if return_indices or forced or logits_meta[1] == np.float64:
             return False
         try:
             from ..kernels._base.limits import check_limits
@@ -116,13 +117,13 @@ def fused_topk_with_score_function(
                 return_indices=write_indices, forced_indices=f)
     else:
         transport = resolve_transport(TOPK_OP, transport)
-        check_kernel_dtype(TOPK_OP, "logits", logits.dtype)
+        check_kernel_dtype(TOPK_OP, "logits", logits_meta[1])  # the caller's dtype, before jnp's cast
         from ..kernels._base.limits import check_limits
 
         check_limits(TOPK_OP, num_experts, cfg.topk, cfg.num_groups if cfg.grouped else 1)
         if bias is not None:
             # The kernels read an fp32 bias; a half bias is upcast here (exactly).
-            check_kernel_dtype(TOPK_OP, "expert_bias", bias.dtype)
+            check_kernel_dtype(TOPK_OP, "expert_bias", bias_dtype)
             bias = bias.astype(jnp.float32)
 
         def route(x, *rest):
