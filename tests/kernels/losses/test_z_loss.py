@@ -49,6 +49,16 @@ def _lse64(x):
     return np.where(np.isneginf(m[..., 0]), 0.0, lse)
 
 
+def _lse_of(saved):
+    """The lse of the forward's saved ``(m, log2 s)`` pairs (``[2T]``: the maxima,
+    then the log sums), in fp32 as the kernels take it (``logsumexp.lse_of_saved``)."""
+    saved = np.asarray(saved, np.float32)
+    t = saved.shape[0] // 2
+    m, lg = saved[:t], saved[t:]
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isneginf(m), lg, m + lg * np.float32(np.log(2.0))).astype(np.float32)
+
+
 def _reference(x, coeff, total, g):
     """(loss, grad_logits) of the reference with N = ``total``: the reference
     divides by its own T, so it is scaled by T / N (exact in the gradient's
@@ -68,16 +78,16 @@ def _reference(x, coeff, total, g):
 def _check(x, total=None, g=1.5, coeff=COEFF):
     T, E = x.shape
     n = max(T, 1) if total is None else total
-    loss, lse = K.router_z_loss_fwd(x, coeff, total)
+    loss, saved = K.router_z_loss_fwd(x, coeff, total)
     assert loss.shape == () and loss.dtype == np.float32
-    assert lse.shape == (T,) and lse.dtype == np.float32
+    assert saved.shape == (2 * T,) and saved.dtype == np.float32
     rloss, rgrad = _reference(x, coeff, n, g)
     assert_close(loss, rloss, "aux_loss", np.float32, err_msg="z-loss")  # fp32 from the same inputs
-    assert_close(lse, _lse64(x).astype(np.float32), "probs", np.float32, err_msg="lse")  # a saved fp32 value
-    grad = K.router_z_loss_bwd(x, lse, g, coeff, total)
+    assert_close(_lse_of(saved), _lse64(x).astype(np.float32), "probs", np.float32, err_msg="lse")
+    grad = K.router_z_loss_bwd(x, saved, g, coeff, total)
     assert grad.shape == x.shape and grad.dtype == x.dtype
     assert_close(grad, rgrad.astype(x.dtype), "grads", x.dtype, E=E, err_msg="z-loss grad")
-    return loss, lse, grad
+    return loss, saved, grad
 
 
 @pytest.mark.parametrize("dtype,T,E,total", [
@@ -112,20 +122,22 @@ def test_special_rows(dtype, E):
     x[2, :] = -np.inf
     x[2, E - 1] = 0.0  # lse exactly 0: a zero gradient too
     x = x.astype(dtype)
-    loss, lse = K.router_z_loss_fwd(x, COEFF)
+    loss, saved = K.router_z_loss_fwd(x, COEFF)
+    lse = _lse_of(saved)
     assert lse[1] == 0.0 and lse[2] == 0.0
     rloss, rgrad = _reference(x, COEFF, 6, 2.0)
     assert_close(loss, rloss, "aux_loss", np.float32)
     assert_close(lse, _lse64(x).astype(np.float32), "probs", np.float32, err_msg="lse")
-    grad = K.router_z_loss_bwd(x, lse, 2.0, COEFF)
+    grad = K.router_z_loss_bwd(x, saved, 2.0, COEFF)
     assert (np.asarray(grad[1:3], np.float32) == 0).all()
     assert_close(grad, rgrad.astype(dtype), "grads", dtype, E=E)
 
     xn = np.array(x)
     xn[4, E // 2] = np.nan
-    loss, lse = K.router_z_loss_fwd(xn, COEFF)
+    loss, saved = K.router_z_loss_fwd(xn, COEFF)
+    lse = _lse_of(saved)
     assert np.isnan(loss) and np.isnan(lse[4]) and not np.isnan(np.delete(lse, 4)).any()
-    grad = np.asarray(K.router_z_loss_bwd(xn, lse, 2.0, COEFF), np.float32)
+    grad = np.asarray(K.router_z_loss_bwd(xn, saved, 2.0, COEFF), np.float32)
     assert np.isnan(grad[4]).all() and not np.isnan(np.delete(grad, 4, 0)).any()
     _, rgrad = _reference(xn, COEFF, 6, 2.0)
     assert np.isnan(rgrad[4]).all()
@@ -134,7 +146,7 @@ def test_special_rows(dtype, E):
 
     xnan_dead = np.full((2, E), -np.inf, np.float32)
     xnan_dead[0, 0] = np.nan  # NaN among -inf only: still NaN, not a dead row
-    lse = K.router_z_loss_fwd(xnan_dead.astype(dtype), COEFF)[1]
+    lse = _lse_of(K.router_z_loss_fwd(xnan_dead.astype(dtype), COEFF)[1])
     assert np.isnan(lse[0]) and lse[1] == 0.0
 
 
@@ -188,13 +200,13 @@ def test_plans():
     fwd = K.router_z_loss_fwd_plan(spec, np.float32(COEFF), 100)
     assert fwd is K.router_z_loss_fwd_plan(spec, np.float32(COEFF), 100)  # cached
     assert fwd.ins == (spec,)
-    assert fwd.outs == (_plan.Spec((), np.float32, L.F32), _plan.Spec((70,), np.float32, L.F32))
+    assert fwd.outs == (_plan.Spec((), np.float32, L.F32), _plan.Spec((140,), np.float32, L.F32))  # (m, log2 s) pairs
     grid = _tiling.z_loss_vec_tiling(70, 256, 2)[0]  # bf16 E = 256: the vector kernels
     assert fwd.tmps == (_plan.Spec((grid,), np.float32, L.F32),) and len(fwd.steps) == 1  # the finish inside
     unit = K.router_z_loss_fwd_plan(_plan.spec_of((70, 256), L.F16), np.float32(COEFF), 100)
     assert len(unit.steps) == 2 and not _plan.plan_counters(unit)  # unit kernels: rows, then the final block
     bwd = K.router_z_loss_bwd_plan(spec, np.float32(COEFF), 100)
-    assert bwd.ins == (spec, _plan.spec_of((70,), L.F32), _plan.spec_of((), L.F32))
+    assert bwd.ins == (spec, _plan.spec_of((140,), L.F32), _plan.spec_of((), L.F32))
     assert bwd.outs == (spec,) and bwd.tmps == () and len(bwd.steps) == 1
     empty = _plan.spec_of((0, 3), L.F32)
     assert len(K.router_z_loss_fwd_plan(empty, np.float32(1), 1).steps) == 1  # the final block only
@@ -209,7 +221,7 @@ def test_device_arrays_out_and_stream():
     s = cuda.stream()
     h = getattr(s, "handle", None)  # the simulator's streams have none
     handle = 12345 if h is None else int(getattr(h, "value", h))
-    outs = (cuda.device_array((), np.float32), cuda.device_array((5,), np.float32))
+    outs = (cuda.device_array((), np.float32), cuda.device_array((10,), np.float32))  # the (m, log2 s) pairs
     dx = cuda.to_device(x)
     loss, lse = K.router_z_loss_fwd(dx, COEFF, out=outs, stream=handle)
     assert loss is outs[0] and lse is outs[1]
@@ -238,9 +250,9 @@ def test_bad_input():
     with pytest.raises(ValueError, match="num_experts"):
         K.router_z_loss_fwd(np.zeros((3, 0), np.float32), 1.0)
     with pytest.raises(ValueError, match="saved_lse"):
-        K.router_z_loss_bwd(x, np.zeros(4, np.float32), 1.0, 1.0)
+        K.router_z_loss_bwd(x, np.zeros(3, np.float32), 1.0, 1.0)  # the pairs: 2T
     with pytest.raises(TypeError, match="grad_loss"):
-        K.router_z_loss_bwd(x, np.zeros(3, np.float32), np.asarray(1.0, BF16), 1.0)
+        K.router_z_loss_bwd(x, np.zeros(6, np.float32), np.asarray(1.0, BF16), 1.0)
 
 
 @pytest.mark.gpu
@@ -260,7 +272,7 @@ def test_gpu_pointer_launch(dtype, T, E):
     bwd = _pointer.PointerLaunch(K.router_z_loss_bwd_plan(spec, c, 2 * T), 0)
     words = x.view(np.uint16) if dtype == BF16 else x
     dx = cuda.to_device(words)
-    dloss, dlse = cuda.device_array((), np.float32), cuda.device_array((T,), np.float32)
+    dloss, dlse = cuda.device_array((), np.float32), cuda.device_array((2 * T,), np.float32)
     part = cuda.device_array(K.router_z_loss_fwd_plan(spec, c, 2 * T).tmps[0].shape, np.float32)
     g = cuda.to_device(np.asarray(1.5, np.float32))
     dgrad = cuda.device_array((T, E), words.dtype)
