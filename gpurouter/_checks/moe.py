@@ -10,6 +10,7 @@ import numpy as np
 
 from .common import (
     RoutingMapFormat,
+    _as_bool,
     _as_finite_float,
     _as_int,
     _dtype_name,
@@ -17,6 +18,7 @@ from .common import (
     array_meta,
     check_backend,
     check_float_dtype,
+    score_function_of,
 )
 from .topk import check_routing_map
 
@@ -158,10 +160,41 @@ def check_scaled_bias_add_args(y, bias, scales, group_sizes,
 BATCHED_RAGGED_DOT_OP = "batched_ragged_dot"
 
 
-def check_batched_ragged_dot_args(lhs, rhs, group_sizes, capacity,
+#: jax.lax's precision names (jax.lax.Precision and the dot algorithm presets it takes as strings)
+_PRECISION_NAMES = ("default", "high", "highest", "fastest", "float32", "tensorfloat32", "bfloat16",
+                    "bfloat16_3x")
+
+
+def _check_precision(op: str, precision) -> None:
+    """``precision`` as ``jax.lax.dot_general`` takes it: None, a name, or a
+    ``jax.lax.Precision`` / dot algorithm object or a pair (passed through)."""
+    if precision is None:
+        return
+    if isinstance(precision, (bool, int, float)):
+        raise TypeError(f"{op}: precision ({precision!r}) must be None, a jax.lax.Precision or one of "
+                        f"{', '.join(map(repr, _PRECISION_NAMES))}, got {type(precision).__name__}.")
+    if isinstance(precision, str) and precision.lower() not in _PRECISION_NAMES:
+        raise ValueError(f"{op}: precision ({precision!r}) must be one of {', '.join(map(repr, _PRECISION_NAMES))} "
+                         "(or None, or a jax.lax.Precision).")
+
+
+def _check_preferred_type(op: str, preferred_element_type) -> None:
+    if preferred_element_type is None:
+        return
+    try:
+        dtype = np.dtype(preferred_element_type)
+    except TypeError:
+        raise TypeError(f"{op}: preferred_element_type ({preferred_element_type!r}) must be None or a "
+                        "float dtype.") from None
+    check_float_dtype(op, "preferred_element_type", dtype)
+
+
+def check_batched_ragged_dot_args(lhs, rhs, group_sizes, capacity, precision=None, preferred_element_type=None,
                                   op: str = BATCHED_RAGGED_DOT_OP) -> tuple[int, int, int, int]:
     """Checks ``batched_ragged_dot`` (``jax.lax.ragged_dot``'s operands);
     returns ``(N, K, G, M)``."""
+    _check_precision(op, precision)
+    _check_preferred_type(op, preferred_element_type)
     (n, k), l_dtype = _rank2(op, "lhs", lhs, "num_rows, contracting")
     check_float_dtype(op, "lhs", l_dtype)
     r_shape, r_dtype = array_meta(op, "rhs", rhs)
@@ -350,7 +383,7 @@ def check_moe_args(x_shape, gate_shape, wi_0_shape, wi_1_shape, wo_shape, b0_sha
 
 
 def check_moe_inputs(x, gate_kernel, weights: dict, expert_bias, num_groups, group_topk, aux_loss_coeff,
-                     grouped_matmul, op: str = MOE_OP) -> None:
+                     grouped_matmul, num_experts=None, router: dict | None = None, op: str = MOE_OP) -> None:
     """The MoE block's arguments in its own terms, before any op it calls
     sees them: arrays (not lists) of float dtypes, a finite non-negative
     ``aux_loss_coeff``, a callable ``grouped_matmul``, and the group pair
@@ -366,6 +399,17 @@ def check_moe_inputs(x, gate_kernel, weights: dict, expert_bias, num_groups, gro
     if not callable(grouped_matmul):
         raise TypeError(f"{op}: grouped_matmul ({grouped_matmul!r}) must be a function with "
                         "jax.lax.ragged_dot's signature (e.g. jax.lax.ragged_dot or gpurouter.moe.batched_ragged_dot).")
+    for name, value in (router or {}).items():  # the router's and the block's flags and scalars, in moe's terms
+        if name in ("use_pre_softmax", "apply_topk_weights_early"):
+            _as_bool(op, name, value)
+        elif name == "scaling_factor":
+            _as_finite_float(op, name, value)
+        elif name == "score_function":
+            score_function_of(op, value)
+    if expert_bias is not None and isinstance(num_experts, int) and not isinstance(num_experts, bool):
+        shape = array_meta(op, "expert_bias", expert_bias)[0]
+        if tuple(shape) != (num_experts,):
+            raise ValueError(f"{op}: expert_bias shape {tuple(shape)} must be (num_experts,) = ({num_experts},).")
     kg = None if group_topk is None else _as_int(op, "group_topk", group_topk)
     g = None if num_groups is None else _as_int(op, "num_groups", num_groups)
     if kg is not None and kg > 0 and (g is None or g < 1):

@@ -75,7 +75,7 @@ def batched_ragged_dot(
     >>> batched_ragged_dot(lhs, rhs, jnp.array([1, 2])).tolist()
     [[0.0, 1.0], [4.0, 6.0], [8.0, 10.0], [0.0, 0.0]]
     """
-    n, _, g, m = check_batched_ragged_dot_args(lhs, rhs, group_sizes, capacity)
+    n, _, g, m = check_batched_ragged_dot_args(lhs, rhs, group_sizes, capacity, precision, preferred_element_type)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     if n == 0:
