@@ -290,3 +290,73 @@ def test_gpu_pointer_launch(dtype, T, E):
     bwd([ptr(dx), ptr(dlse), ptr(g), ptr(dgrad)], 0)
     cuda.synchronize()
     assert dgrad.copy_to_host().tobytes() == np.asarray(grad).view(words.dtype).tobytes()
+
+
+def _large_logits(T, E, dtype, scale, seed):
+    """Logits within a few units of ``scale`` (multiples of its spacing in
+    ``dtype``), a row of ties and a half-masked row: a spread softmax."""
+    rng = np.random.default_rng(seed)
+    ulp = float(np.spacing(np.asarray(scale, dtype).astype(np.float32)))
+    x = (np.float64(scale) + max(ulp, 1.0) * rng.integers(-2, 3, (T, E))).astype(np.float32)
+    x[0] = scale
+    x[1, : E // 2] = -np.inf
+    return x.astype(dtype)
+
+
+def _check_large(x, coeff=1e-3):
+    """The backward against the float64 oracle at the contract's rtol, its atol
+    scaled by the gradient's size (which grows with lse); the loss's lse too."""
+    import oracles
+
+    loss, saved = K.router_z_loss_fwd(x, coeff)
+    x32 = np.asarray(x, np.float32)
+    np.testing.assert_allclose(_lse_of(saved), _lse64(x32), rtol=1e-6)
+    grad = np.asarray(K.router_z_loss_bwd(x, saved, 1.0, coeff), np.float64)
+    want = oracles.z_loss_grad(x32, coeff)
+    rtol = 1e-4 if x.dtype == np.float32 else 1e-2
+    np.testing.assert_allclose(grad, want, rtol=rtol, atol=1e-5 * np.sqrt(x.shape[1]) * np.abs(want).max())
+    return loss, grad
+
+
+@pytest.mark.parametrize("dtype,E", [(np.float32, 16), (np.float32, 13), (BF16, 16), (BF16, 12)])
+@pytest.mark.parametrize("scale", [1e4, 1e8, 1e30])
+def test_large_logits(dtype, E, scale):
+    """Issue 40's W1 on the simulator, unit and vector kernels: the backward's
+    softmax from the saved (max, log2 sum), accurate at any magnitude."""
+    _check_large(_large_logits(5, E, dtype, scale, seed=E))
+
+
+@pytest.mark.parametrize("dtype,E", [(BF16, 16), (BF16, 12), (np.float32, 16)])
+def test_max_logits_give_inf_loss_and_finite_gradient(dtype, E):
+    """Issue 40's W2: every logit the dtype's max (bf16 3.39e38): lse^2
+    overflows fp32 (loss inf, as jnp), the gradient is finite."""
+    big = np.asarray(ml_dtypes.finfo(BF16).max if dtype == BF16 else np.finfo(np.float32).max / 2, np.float32)
+    x = np.full((2, E), big, np.float32).astype(dtype)
+    loss, saved = K.router_z_loss_fwd(x, 1e-3)
+    assert np.isinf(loss) and loss > 0
+    grad = np.asarray(K.router_z_loss_bwd(x, saved, 1.0, 1e-3), np.float64)
+    assert np.isfinite(grad).all()
+    want = 2e-3 / 2 * float(big) / E  # 2 coeff / T * lse * (1 / E), lse ~ big
+    np.testing.assert_allclose(grad, want, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,T,E", [(BF16, 4096, 256), (np.float32, 2048, 128), (BF16, 333, 8192),
+                                       (np.float32, 1031, 130)])
+@pytest.mark.parametrize("scale", [1e2, 1e4, 1e8, 1e30])
+def test_gpu_large_logits(dtype, T, E, scale):
+    """W1 at model shapes on the GPU (the vector kernels and the unit kernels)."""
+    _check_large(_large_logits(T, E, dtype, scale, seed=T))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,T,E", [(BF16, 4096, 256), (BF16, 1031, 130)])
+def test_gpu_max_logits(dtype, T, E):
+    """W2 on the GPU: loss inf, gradient finite and 2 coeff / T * lse / E."""
+    big = np.asarray(ml_dtypes.finfo(BF16).max, np.float32)
+    x = np.full((T, E), big, np.float32).astype(dtype)
+    loss, saved = K.router_z_loss_fwd(x, 1e-3)
+    assert np.isinf(loss) and loss > 0
+    grad = np.asarray(K.router_z_loss_bwd(x, saved, 1.0, 1e-3), np.float64)
+    assert np.isfinite(grad).all()
+    np.testing.assert_allclose(grad, 2e-3 / T * float(big) / E, rtol=1e-2)
