@@ -9,9 +9,9 @@ on raw pointers of numba device arrays), inputs rotated over three sets (more
 bytes than L2 holds).  Time: CUDA events around each launch, the launches
 queued behind a sleeping kernel (so the host's launch rate is not what is
 timed), the median of ``--repeats`` (as ``gpurouter.bench._kernel_times``).
-Byte floors at ``--peak`` TB/s: the forward reads T*E*s bytes and writes T*4
-(s = 2 for bf16 / fp16, 4 for fp32); the backward reads T*E*s + T*4 and
-writes T*E*s.  ``--sweep`` also times other tilings (``SWEEP``: the vector
+Byte floors at ``--peak`` TB/s: the forward reads T*E*s bytes and writes T*8
+(each row's saved max and log2 sum; s = 2 for bf16 / fp16, 4 for fp32); the
+backward reads T*E*s + T*8 and writes T*E*s.  ``--sweep`` also times other tilings (``SWEEP``: the vector
 kernels' ``Z_VEC_FWD`` or ``Z_VEC_BWD``) and the other dtypes.
 """
 
@@ -112,8 +112,8 @@ def run(tokens, experts, dtype, repeats, peak, label="", data=None):
     regs = st.kernel.compile(tuple(_pointer._numba_type(a, specs) for a in st.args)).regs_per_thread
     counters_zero = all(not _plan.counter_array(c, 0, _plan.counter_key(0)).copy_to_host().any()
                         for c in _plan.plan_counters(fplan))  # left zero by every launch
-    fbytes = tokens * experts * size + tokens * 4
-    bbytes = 2 * tokens * experts * size + tokens * 4
+    fbytes = tokens * experts * size + tokens * 8  # the saved (m, log2 s) pairs
+    bbytes = 2 * tokens * experts * size + tokens * 8
     ffloor, bfloor = fbytes / (peak * 1e12) * 1e6, bbytes / (peak * 1e12) * 1e6
     vec = None if kind == L.F16 else Z.z_loss_vec_tiling(tokens, experts, size)
     tiling = vec or Z.z_loss_tiling(tokens, experts)
