@@ -19,7 +19,8 @@ here (``from gpurouter._checks import check_topk_args``):
   environment's messages;
 - ``topk``: the router top-k, forced indices, routing maps;
 - ``losses``: the aux loss, the z-loss, the expert-bias update;
-- ``moe``: the token-level MoE ops, their kernels' limits, the MoE block.
+- ``moe``: the token-level MoE ops and their kernels' limits;
+- ``moe_block``: the MoE block.
 
 NumPy only: no jax, no numba.
 """
@@ -51,9 +52,7 @@ from .losses import check_z_loss_args as check_z_loss_args
 from .moe import BATCHED_RAGGED_DOT_OP as BATCHED_RAGGED_DOT_OP
 from .moe import GROUPED_DBIAS_DSCALES_OP as GROUPED_DBIAS_DSCALES_OP
 from .moe import GROUPED_DBIAS_OP as GROUPED_DBIAS_OP
-from .moe import MOE_ACTIVATIONS as MOE_ACTIVATIONS
 from .moe import MOE_KERNEL_OPS as MOE_KERNEL_OPS
-from .moe import MOE_OP as MOE_OP
 from .moe import SCALED_BIAS_ADD_OP as SCALED_BIAS_ADD_OP
 from .moe import TOKEN_COMBINE_OP as TOKEN_COMBINE_OP
 from .moe import TOKEN_DISPATCH_OP as TOKEN_DISPATCH_OP
@@ -61,15 +60,17 @@ from .moe import DispatchConfig as DispatchConfig
 from .moe import check_batched_ragged_dot_args as check_batched_ragged_dot_args
 from .moe import check_grouped_dbias_args as check_grouped_dbias_args
 from .moe import check_grouped_dbias_dscales_args as check_grouped_dbias_dscales_args
-from .moe import check_moe_args as check_moe_args
 from .moe import check_moe_backend as check_moe_backend
-from .moe import check_moe_inputs as check_moe_inputs
 from .moe import check_moe_kernel_backend as check_moe_kernel_backend
 from .moe import check_moe_kernel_limit as check_moe_kernel_limit
 from .moe import check_scaled_bias_add_args as check_scaled_bias_add_args
 from .moe import check_token_combine_args as check_token_combine_args
 from .moe import check_token_dispatch_args as check_token_dispatch_args
 from .moe import moe_no_kernel_error as moe_no_kernel_error
+from .moe_block import MOE_ACTIVATIONS as MOE_ACTIVATIONS
+from .moe_block import MOE_OP as MOE_OP
+from .moe_block import check_moe_args as check_moe_args
+from .moe_block import check_moe_inputs as check_moe_inputs
 from .topk import TOPK_OP as TOPK_OP
 from .topk import TopkConfig as TopkConfig
 from .topk import check_forced_indices as check_forced_indices

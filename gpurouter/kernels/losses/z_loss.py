@@ -50,6 +50,7 @@ from .._base.device import NEG_INF, ZERO, fmax_f32, u64
 from .._base.launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
 from .._base.plan import Counter, In, Out, Plan, Ref, Spec, Step, Tmp, execute, spec_of
 from . import last_block as _z_loss_finish
+from .last_block import z_loss_final_kernel
 from .logsumexp import (
     backward_row,
     exp2_term,
@@ -66,8 +67,6 @@ from .z_loss_vec import word_view, z_loss_vec_bwd_kernel, z_loss_vec_rows_kernel
 
 OP = "router_z_loss"
 
-# Shared-array sizes must be compile-time constants (a module global is frozen as one)
-_FINAL_WORDS = _tiling.Z_FINAL_THREADS
 
 
 # ----------------------------------------------------------------------------
@@ -172,28 +171,6 @@ def z_loss_rows_kernel(kind: str, quads: bool, hold: int):
             partial[cuda.blockIdx.x] = red[o]
 
     return z_loss_rows
-
-
-@cuda.jit
-def z_loss_final_kernel(partial, loss, nparts, coeff, total):  # [>= nparts], [1] out, ., fp32, fp32 N
-    """One block (a power of two of threads): thread i sums partials i, i + n,
-    ... in order, a halving tree combines the threads; ``coeff * (S / N)``."""
-    red = cuda.shared.array(_FINAL_WORDS, nb_f32)
-    tid = cuda.threadIdx.x
-    nthreads = cuda.blockDim.x
-    acc = ZERO
-    for i in range(tid, nparts, nthreads):
-        acc = np.float32(acc + partial[i])
-    red[tid] = acc
-    half = nthreads // 2
-    while half > 0:
-        # Barrier: this level reads the previous level's sums.
-        cuda.syncthreads()
-        if tid < half:
-            red[tid] = np.float32(red[tid] + red[tid + half])
-        half //= 2
-    if tid == 0:
-        loss[0] = np.float32(coeff * np.float32(red[0] / total))
 
 
 # ----------------------------------------------------------------------------
