@@ -10,6 +10,8 @@ GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda13,bench
 DEMO_EXTRAS ?= $(if $(GPU_EXTRAS),[$(GPU_EXTRAS)],)
 TEST_EXTRAS ?= [test,$(if $(GPU_EXTRAS),cuda13,sim)]
 PYTEST_ARGS ?=
+# The tests, and the reference's docstring examples (doctests: they cannot drift from the code).
+TEST_PATHS ?= tests --doctest-modules gpurouter/reference
 # pytest-xdist workers: one per core up to 4 on the simulator (its tests are
 # single-threaded Python; 2 workers halve CI's 2-core run), none with a GPU
 # (the GPU suite has its own groups: make test-gpu). 0 runs in one process.
@@ -35,11 +37,11 @@ demo: $(VENV)/.demo
 
 # Kernel tests run on the CUDA simulator here unless a GPU is present.
 test: $(VENV)/.test
-	NUMBA_ENABLE_CUDASIM=$${NUMBA_ENABLE_CUDASIM-$(if $(GPU_EXTRAS),0,1)} $(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	NUMBA_ENABLE_CUDASIM=$${NUMBA_ENABLE_CUDASIM-$(if $(GPU_EXTRAS),0,1)} $(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS) $(TEST_PATHS)
 
-# The whole suite on a GPU, in parallel groups (tools/gpu_suite.sh; logs in gpu-logs/).
+# The whole suite on a GPU, in parallel groups (tools/ci/gpu_suite.sh; logs in gpu-logs/).
 test-gpu: $(VENV)/.test
-	PYTHON=$(PY) bash tools/gpu_suite.sh
+	PYTHON=$(PY) bash tools/ci/gpu_suite.sh
 
 lint: $(VENV)/.test
 	$(PY) -m pip install -q -e ".[dev]"

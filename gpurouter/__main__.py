@@ -3,6 +3,9 @@
 Usage:
   python -m gpurouter [demo] [--tokens N] [--backend all|jax|numba] [--dtype bfloat16]
   python -m gpurouter bench [--presets ...] [--paths ...] [--json F] [--plot F]   (see bench --help)
+  python -m gpurouter cache info|clear        (the compiled kernels kept on disk)
+  python -m gpurouter coldstart [--json F]    (first calls in fresh processes; see coldstart --help)
+  python -m gpurouter check MODULE:FUNCTION --op topk|aux-scores|aux-loss|z-loss   (see check --help)
 
 Prints one row per (preset, backend): shapes, time per jitted forward+backward,
 the largest difference to the reference (the jax backend is the reference), the
@@ -145,17 +148,25 @@ def demo(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
-        from .bench import main as bench_main
+        from .bench.router import main as bench_main
 
         return bench_main(argv[1:])
     if argv and argv[0] == "moe-bench":
-        from .bench_moe import main as moe_main
+        from .bench.moe import main as moe_main
 
         return moe_main(argv[1:])
     if argv and argv[0] == "steps":
-        from .bench_steps import main as steps_main
+        from .bench.steps import main as steps_main
 
         return steps_main(argv[1:])
+    if argv and argv[0] in ("cache", "coldstart"):  # the kernel cache (docs/cache.md)
+        from . import _cache_cli, coldstart
+
+        return (_cache_cli.main if argv[0] == "cache" else coldstart.main)(argv[1:])
+    if argv and argv[0] == "check":
+        from .testing._cli import main as check_main
+
+        return check_main(argv[1:])
     if argv and argv[0] == "demo":
         argv = argv[1:]
     return demo(argv)

@@ -1,34 +1,24 @@
 """``backend="auto"``: where the kernels measured faster than the jnp reference.
 
-The one rule (docs/contract.md section 5; its measurements: docs/benchmarks.md,
-"Steps through the public API"). ``backend="auto"`` picks the numba kernels
-only when JAX runs on a CUDA GPU with a device transport and:
+The one rule (docs/contract.md section 5; the measurements behind each
+threshold, GPU, date and commit: docs/performance.md, "Where
+`backend="auto"` picks the kernels"). ``backend="auto"`` picks the numba
+kernels only when JAX runs on a CUDA GPU with a device transport and:
 
 - the call has at least ``AUTO_MIN_ELEMENTS[transport]`` logits (tokens x
   experts): below that the launch cost (one per forward, one per backward)
-  outweighs the work. H200, jitted forward + backward steps, jax / numba:ffi
-  (commits f53ab13; 6747d01): DeepSeek-V3 (E=256) T=256 0.9x; 0.6x, T=4096
-  2.9x; 3.2x, T=16384 8.2x; 8.2x; Qwen3 (E=128) T=256 0.4x; 0.7x, T=4096
-  1.1x; 1.2x, T=8192 2.0x; 1.7x; Mixtral (E=8) T=65536 2.7x; 3.8x; the aux
-  path (aux scores + aux loss) T=8192 1.8x; 1.9x. The zero-copy transport costs
-  more per call (its Python), so its threshold is twice as high;
-- for the router top-k: K <= ``AUTO_MAX_TOPK``, the largest K measured
-  (Nemotron-3 Super, E=512, K=22, on the thread-per-token kernels since
-  7a71344: steps 1.6x at T=4096 and 2.9x at T=65536; past K=22 nothing is
-  measured end to end), and neither ``return_indices`` nor
-  ``forced_indices`` (not measured end to end).
+  outweighs the work. The zero-copy transport costs more per call (its
+  Python), so its threshold is twice as high;
+- for the router top-k: K <= ``AUTO_MAX_TOPK``, the largest K measured end
+  to end (Nemotron-3 Super, E=512, K=22), and neither ``return_indices``
+  nor ``forced_indices`` (not measured end to end).
 
 The token-level MoE ops (``moe_kernels_faster``): the kernels from
 ``AUTO_MOE_MIN_ELEMENTS`` elements of the op's row buffer (rows x hidden;
 the dispatch's output, the combine's input, the bias gradients' ``dy``),
-``token_dispatch`` from ``AUTO_DISPATCH_MIN_ELEMENTS``. H200, the jitted
-public ops, jax / numba (tools/moe_bench.py, commit 1327627, H = 2048,
-K = 8): at 512 tokens (2^23 row elements) dbias/dscales 2.2x, dbias 6.3x,
-combine forward 7.0x, forward + backward 5.8x, dispatch forward + backward
-3.2x but its forward alone 0.52x; at 2048 tokens the dispatch forward 0.92x,
-at 8192 tokens (2^27) 1.1x (everything else 1.9-5.4x). Below 2^23 nothing is
-measured. The z-loss has no end-to-end measurement yet: "auto" keeps it on
-jax.
+``token_dispatch`` from ``AUTO_DISPATCH_MIN_ELEMENTS``, where its forward
+alone stops losing. Below 2^23 nothing is measured. The z-loss has no
+end-to-end measurement yet: "auto" keeps it on jax.
 """
 
 from __future__ import annotations

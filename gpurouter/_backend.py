@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import types
 from collections.abc import Callable
 
@@ -72,7 +73,19 @@ def kernels() -> types.ModuleType:
 
 
 def simulator_enabled() -> bool:
-    """True when numba runs on the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``)."""
+    """True when numba runs (or, once imported, will run) on the CUDA simulator
+    (``NUMBA_ENABLE_CUDASIM=1``).
+
+    The one answer is the kernel layer's (``kernels/_base/launch.simulator_enabled``:
+    numba's config, fixed when numba is imported). This module must answer before
+    numba is imported and without importing it (``import gpurouter`` never does: it
+    costs seconds, and the XLA flags of ``guard_simulator_collectives`` must be set
+    before JAX's backends start), so while numba is not imported it reads the
+    environment variable, as numba will at its import; once numba is imported it
+    reads numba's config, which later changes of the environment do not touch."""
+    config = sys.modules.get("numba.core.config")
+    if config is not None:
+        return bool(config.ENABLE_CUDASIM)
     return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
 
 

@@ -56,4 +56,7 @@ PLOT_NEEDS = "--plot needs matplotlib: pip install 'gpurouter[bench]'"
 USAGE = ("python -m gpurouter [demo] [options]    (route every preset)\n"
          "       python -m gpurouter bench [options]     (time presets, backends, transports)\n"
          "       python -m gpurouter steps [options]     (jitted fwd+bwd steps per backend and transport)\n"
-         "       python -m gpurouter moe-bench [options] (the MoE block end to end and by stage)")
+         "       python -m gpurouter moe-bench [options] (the MoE block end to end and by stage)\n"
+         "       python -m gpurouter cache info|clear    (the compiled kernels kept on disk)\n"
+         "       python -m gpurouter coldstart [options] (first-call times, fresh processes; GPU)\n"
+         "       python -m gpurouter check MODULE:FUNCTION --op topk|aux-scores|aux-loss|z-loss  (conformance)")

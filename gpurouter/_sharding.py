@@ -1,4 +1,4 @@
-"""Token sharding for the kernel backend: run the numba ops once per token shard.
+"""Token sharding of the callback transports: run the numba ops once per token shard.
 
 XLA does not partition a callback on its own: under ``jit`` a callback whose
 operand is sharded gets the whole array gathered onto one device. gpurouter
@@ -9,10 +9,11 @@ outputs (probs, routing map, gradients) stay token-sharded, and no logits
 cross devices. The expert axis is always made whole first (``reshard`` to
 replicated experts): a kernel never routes over a slice of the experts.
 
-``jax.experimental.custom_partitioning`` was the other route; with a
-callback inside its partitioned body, jax 0.10.2 segfaults when the compiled
-program runs (both pure_callback and buffer_callback, checked on 8 CPU
-devices), so the explicit-sharding route is the one used.
+``jax.experimental.custom_partitioning`` cannot hold the Python callbacks:
+with a callback inside its partitioned body, jax 0.10.2 segfaults when the
+compiled program runs (both pure_callback and buffer_callback, checked on 8
+CPU devices). The ``"ffi"`` transport, which runs no Python per call, does use
+it on meshes with Auto axes (``_transport/partition.py``).
 
 Inside ``shard_map`` the ops already see their shard and run per shard as
 they are. Arrays whose sharding JAX does not expose at trace time (mesh axes of

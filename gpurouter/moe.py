@@ -28,6 +28,7 @@ from .moe_ops import grouped_scaled_bias_add as grouped_scaled_bias_add
 from .moe_ops import token_combine as token_combine
 from .moe_ops import token_dispatch as token_dispatch
 from .reference.grouped_matmul import batched_ragged_dot as batched_ragged_dot
+from .reference.grouped_matmul import tiled_ragged_dot as tiled_ragged_dot
 
 
 def moe(
@@ -73,7 +74,9 @@ def moe(
     ``grouped_matmul`` is any function with ``jax.lax.ragged_dot``'s
     signature: :func:`batched_ragged_dot` (batched dense GEMMs; on a GPU far
     faster than ``ragged_dot``, which XLA rewrites into dense masked dots:
-    docs/moe.md), or e.g. a tuned Pallas grouped GEMM.
+    docs/moe.md), :func:`tiled_ragged_dot` (the same batched GEMM with its
+    slots capped at 1.5x the mean group and the rest in per-expert tiles: no
+    cliff under skewed routing), or e.g. a tuned Pallas grouped GEMM.
 
     Returns:
       ``(output [..., H] in x's dtype, aux_loss float32 scalar or None)``.
@@ -137,6 +140,7 @@ __all__ = [
     "compute_grouped_dbias_dscales",
     "grouped_scaled_bias_add",
     "moe",
+    "tiled_ragged_dot",
     "token_combine",
     "token_dispatch",
 ]

@@ -1,4 +1,4 @@
-"""Router configurations of real MoE models (te-router-notes.md section 9).
+"""Router configurations of real MoE models (each ``source``: the public config it comes from).
 
 One table, used by ``python -m gpurouter`` (demo and bench) and by the tests.
 ``num_tokens`` is the demo batch; the benchmark picks its own token counts.

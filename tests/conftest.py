@@ -2,10 +2,10 @@
 
 - Hypothesis profiles, picked by ``GPUROUTER_HYPOTHESIS_PROFILE`` (default
   ``ci``; pytest's ``--hypothesis-profile`` overrides it):
-  ``ci`` (derandomized, ~25 examples), ``dev`` (10, random), ``fuzz``
-  (3000, random; run by hand or nightly).
+  ``ci`` (derandomized, 25 examples), ``dev`` (10, random), ``fuzz``
+  (3000, random; run by hand or nightly): ``gpurouter.testing.profiles``.
 - ``GPUROUTER_TEST_DEVICE=i`` makes ``jax.devices()[i]`` JAX's default device
-  (the public suite on a second GPU: tools/two_gpu.sh).
+  (the public suite on a second GPU: tools/ci/two_gpu.sh).
 - Strict JAX promotion: ``jax_numpy_dtype_promotion="strict"`` and
   ``jax_numpy_rank_promotion="raise"`` (x64 stays off; tests that need
   float64 use ``with jax.enable_x64(True):`` locally).
@@ -43,14 +43,13 @@ for _flag in SIMULATOR_XLA_FLAGS:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
-# Every profile: no deadline (jit compiles and simulator launches take
-# seconds), the reproduction blob printed, slow examples allowed.
-_COMMON = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("ci", derandomize=True, database=None, max_examples=25, **_COMMON)
-settings.register_profile("dev", max_examples=10, **_COMMON)
-settings.register_profile("fuzz", max_examples=3000, derandomize=False, **_COMMON)
+from gpurouter.testing import profiles  # noqa: E402
+
+# The profiles are the public ones (gpurouter/testing/profiles.py): no deadline,
+# the reproduction blob printed, slow examples allowed.
+profiles.register()
 settings.load_profile(os.environ.get("GPUROUTER_HYPOTHESIS_PROFILE", "ci"))
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -61,7 +60,7 @@ def _default_device_from_env():
     """``GPUROUTER_TEST_DEVICE=i``: run the tests with ``jax.devices()[i]`` as JAX's
     default device (``jax_default_device``), e.g. the public suite on a host's second
     GPU, where a launch in the wrong CUDA context would show (issue #19,
-    tools/two_gpu.sh). Unset: JAX's own default (the first device)."""
+    tools/ci/two_gpu.sh). Unset: JAX's own default (the first device)."""
     raw = os.environ.get("GPUROUTER_TEST_DEVICE")
     if raw is None or raw == "":
         return
@@ -114,12 +113,6 @@ def _real_gpu() -> bool:
 #: busy loop: with 5 ms every hand-over of the GIL to and from the poller (at each
 #: barrier, each block's start) waited up to 5 ms, most of a tiny kernel's time.
 SIM_SWITCH_INTERVAL = 1e-4
-#: ``_tiling.TOKEN_LANES_MIN_BLOCKS`` under the simulator (the library's 128 is a GPU's
-#: figure: on the tiny test inputs it makes one token a block, one block of Python
-#: threads per token). Tests that need the library's value take ``library_lane_blocks``.
-SIM_TOKEN_LANES_MIN_BLOCKS = 2
-_LIBRARY_LANE_BLOCKS = []  # the library's TOKEN_LANES_MIN_BLOCKS, once replaced
-
 if _simulator():
     sys.setswitchinterval(SIM_SWITCH_INTERVAL)
 
@@ -147,37 +140,17 @@ def _atomic_simulator_shared():
     kernelapi.FakeCUDAShared.array = array
 
 
+_SIMULATOR_READY = []
+
+
 def _simulator_setup():
-    """Under the simulator, once, where kernel tests were collected: ``_atomic_simulator_shared``;
-    ``TOKEN_LANES_MIN_BLOCKS`` := ``SIM_TOKEN_LANES_MIN_BLOCKS`` (before any plan is made)."""
-    if _LIBRARY_LANE_BLOCKS:
+    """Under the simulator, once, where kernel tests were collected: ``_atomic_simulator_shared``.
+    (The chunk lanes' ``lanes_min_blocks`` needs nothing here: ``TokenTiling``'s default is
+    the simulator's own figure there; tests that need a GPU's take ``library_lane_blocks``.)"""
+    if _SIMULATOR_READY:
         return
+    _SIMULATOR_READY.append(True)
     _atomic_simulator_shared()
-    from gpurouter.kernels import _tiling
-
-    _LIBRARY_LANE_BLOCKS.append(_tiling.TOKEN_LANES_MIN_BLOCKS)
-    _tiling.TOKEN_LANES_MIN_BLOCKS = SIM_TOKEN_LANES_MIN_BLOCKS
-
-
-@pytest.fixture
-def library_lane_blocks(monkeypatch):
-    """The library's ``TOKEN_LANES_MIN_BLOCKS`` for the test (the simulator suite runs with
-    ``SIM_TOKEN_LANES_MIN_BLOCKS``); yields its value. Plans forgotten around it."""
-    pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
-    from gpurouter.kernels import _tiling
-    from gpurouter.kernels.topk import aux_plans as aux_scores
-    from gpurouter.kernels.topk import plans as topk
-
-    def clear():
-        for f in (topk.topk_with_score_function_fwd_plan, aux_scores.score_for_aux_loss_fwd_plan):
-            f.cache_clear()
-
-    value = _LIBRARY_LANE_BLOCKS[0] if _LIBRARY_LANE_BLOCKS else _tiling.TOKEN_LANES_MIN_BLOCKS
-    monkeypatch.setattr(_tiling, "TOKEN_LANES_MIN_BLOCKS", value)
-    clear()
-    yield value
-    monkeypatch.undo()
-    clear()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from gpurouter import __main__ as cli
-from gpurouter import _backend, bench
+from gpurouter import _backend
+from gpurouter.bench import router as bench
 
 
 def _error(capsys, argv) -> str:
@@ -144,8 +145,11 @@ def test_moe_bench_tiny_runs_and_writes_json(capsys, tmp_path):
     (row,) = json.loads(out.read_text())
     assert row["grouped_matmul"] == gmm
     for key in ("block numba ms", "block jax ms", "router ms", "dispatch+combine ms", "dispatch+combine numba ms",
-                "grouped GEMMs ms", "grouped GEMM TFLOP/s"):
+                "grouped GEMMs ms", "grouped GEMM TFLOP/s", "dense GEMMs ms", "dense GEMMs fwd ms",
+                "dense GEMM TFLOP/s", "grouped / dense", "grouped / dense fwd"):
         assert row[key] > 0, key
+    # the ceiling beside the grouped rows: the ratio is the two times'
+    assert row["grouped / dense"] == pytest.approx(row["dense GEMMs ms"] / row["grouped GEMMs ms"])
     assert "block jax / numba=" in capsys.readouterr().out
 
 
@@ -156,7 +160,7 @@ def test_bench_commit_is_this_checkouts_or_unknown(tmp_path):
     import os
     import shutil
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(bench.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(bench.__file__))))
     top = subprocess.run(["git", "-C", root, "rev-parse", "--show-toplevel"], capture_output=True, text=True)
     if top.returncode == 0 and os.path.realpath(top.stdout.strip()) == os.path.realpath(root):
         head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -165,19 +169,19 @@ def test_bench_commit_is_this_checkouts_or_unknown(tmp_path):
         assert bench._git_commit() == "unknown"
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     shutil.copytree(os.path.join(root, "gpurouter"), tmp_path / "copy" / "gpurouter")
-    out = subprocess.run([sys.executable, "-c", "from gpurouter import bench; print(bench._git_commit())"],
+    out = subprocess.run([sys.executable, "-c", "from gpurouter.bench import router; print(router._git_commit())"],
                          cwd=tmp_path / "copy", capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "unknown"
 
 
 @pytest.mark.cuda
 def test_sanitize_workload_checks_the_z_loss_and_moe_kernels():
-    """tools/sanitize.py (compute-sanitizer's workload): its z-loss and MoE
+    """tools/ci/sanitize.py (compute-sanitizer's workload): its z-loss and MoE
     cases pass against their float64 oracles, and a wrong result fails them."""
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).parent.parent / "tools" / "sanitize.py"
+    path = pathlib.Path(__file__).parent.parent / "tools" / "ci" / "sanitize.py"
     spec = importlib.util.spec_from_file_location("sanitize_workload", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -192,7 +196,7 @@ def test_steps_loops_grow_until_they_take_the_minimum_time():
     import jax
     import jax.numpy as jnp
 
-    from gpurouter import bench_steps
+    from gpurouter.bench import steps as bench_steps
 
     x = jnp.ones((1 << 16,), jnp.float32)
 
@@ -207,7 +211,7 @@ def test_steps_loops_grow_until_they_take_the_minimum_time():
 
 def test_steps_rows_time_a_configs_paths_in_turns(monkeypatch):
     """One row per config with every path's marginal time and loop length."""
-    from gpurouter import bench_steps
+    from gpurouter.bench import steps as bench_steps
 
     order = []
     real = bench_steps._diff_us

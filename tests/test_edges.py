@@ -1,5 +1,5 @@
 """The edges of docs/contract.md sections 2 and 3 (issue 40's W1-W5), on every
-backend, each against the float64 NumPy oracle (tests/oracles.py): the z-loss
+backend, each against the float64 NumPy oracle (gpurouter/testing/oracle.py): the z-loss
 at any logit magnitude and at overflow, replay indices with repeats and
 out-of-range entries, NaN logits off the routing map, subnormal scores and
 logits. Tiny shapes: the numba cases run on the CUDA simulator in CI and on
@@ -13,13 +13,13 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import oracles
 import pytest
 from test_public import BACKENDS, _backend_kw
-from tolerances import assert_close
 
 import gpurouter as gr
 from gpurouter.reference.topk import sqrtsoftplus
+from gpurouter.testing import oracle as oracles
+from gpurouter.testing.tolerances import assert_close
 
 TOPK_BACKENDS = BACKENDS[:2]  # jax and numba (the auto transport): the edges are not per transport
 

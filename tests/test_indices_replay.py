@@ -8,7 +8,6 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import oracles
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -16,6 +15,7 @@ from test_public import BACKENDS, CONFIGS, _backend_kw, _call, _tie_free_logits
 
 import gpurouter as gr
 from gpurouter import reference as ref
+from gpurouter.testing import oracle as oracles
 
 TOPK = "fused_topk_with_score_function"
 

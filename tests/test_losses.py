@@ -11,15 +11,15 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import oracles
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from test_public import BACKENDS, _backend_kw, _tie_free_logits
-from tolerances import assert_close
 
 import gpurouter as gr
 from gpurouter import reference as ref
+from gpurouter.testing import oracle as oracles
+from gpurouter.testing.tolerances import assert_close
 
 
 def _logits(seed, shape, dtype="float32", masked=True):

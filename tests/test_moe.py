@@ -4,6 +4,7 @@ parallelism on CPU devices (the ragged_all_to_all stand-in) against one device."
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -86,10 +87,15 @@ def test_block_matches_the_dense_oracle(name):
                                        err_msg=k)
 
 
-@pytest.mark.parametrize("name", ["softmax-late", "pre-softmax-aligned", "k1-linear-early"])
-def test_block_on_batched_ragged_dot_matches_the_dense_oracle(name):
-    """``grouped_matmul=batched_ragged_dot``: the same block, values and every gradient."""
-    kw = dict(CASES[name], grouped_matmul=gmoe.batched_ragged_dot)
+@pytest.mark.parametrize("name,gmm", [("softmax-late", "batched"), ("pre-softmax-aligned", "batched"),
+                                      ("k1-linear-early", "batched"), ("softmax-early", "tiled")])
+def test_block_on_batched_ragged_dot_matches_the_dense_oracle(name, gmm):
+    """``grouped_matmul=batched_ragged_dot`` (or ``tiled_ragged_dot``, with
+    2-row tiles so that its slots and tiles both run): the same block, values
+    and every gradient."""
+    fn = (gmoe.batched_ragged_dot if gmm == "batched"
+          else functools.partial(gmoe.tiled_ragged_dot, tile=2, chunk=2))
+    kw = dict(CASES[name], grouped_matmul=fn)
     with jax.enable_x64(True):
         p = _params(seed=5, dtype=jnp.float64)
         out, _ = jax.jit(lambda p: _call(gmoe.moe, p, kw))(p)

@@ -10,7 +10,6 @@ import re
 import hypothesis.strategies as hps
 import jax
 import jax.numpy as jnp
-import moe_oracles as orc
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -18,6 +17,7 @@ from hypothesis import given, settings
 from gpurouter import moe_ops as mo
 from gpurouter.reference import moe_ops as ref
 from gpurouter.reference.routing_map import pack_routing_map
+from gpurouter.testing import moe_oracle as orc
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Each example compiles its shapes once (~0.3 s): a third of the profile's

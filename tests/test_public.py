@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tolerances import assert_close
 
 import gpurouter as gr
 from gpurouter import _backend
 from gpurouter import reference as ref
+from gpurouter.testing.tolerances import assert_close
 
 _NUMBA_MARKS = [
     pytest.mark.cuda,

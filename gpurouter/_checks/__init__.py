@@ -54,6 +54,7 @@ from .moe import GROUPED_DBIAS_DSCALES_OP as GROUPED_DBIAS_DSCALES_OP
 from .moe import GROUPED_DBIAS_OP as GROUPED_DBIAS_OP
 from .moe import MOE_KERNEL_OPS as MOE_KERNEL_OPS
 from .moe import SCALED_BIAS_ADD_OP as SCALED_BIAS_ADD_OP
+from .moe import TILED_RAGGED_DOT_OP as TILED_RAGGED_DOT_OP
 from .moe import TOKEN_COMBINE_OP as TOKEN_COMBINE_OP
 from .moe import TOKEN_DISPATCH_OP as TOKEN_DISPATCH_OP
 from .moe import DispatchConfig as DispatchConfig
@@ -64,6 +65,7 @@ from .moe import check_moe_backend as check_moe_backend
 from .moe import check_moe_kernel_backend as check_moe_kernel_backend
 from .moe import check_moe_kernel_limit as check_moe_kernel_limit
 from .moe import check_scaled_bias_add_args as check_scaled_bias_add_args
+from .moe import check_tiled_ragged_dot_args as check_tiled_ragged_dot_args
 from .moe import check_token_combine_args as check_token_combine_args
 from .moe import check_token_dispatch_args as check_token_dispatch_args
 from .moe import moe_no_kernel_error as moe_no_kernel_error

@@ -206,6 +206,25 @@ def check_batched_ragged_dot_args(lhs, rhs, group_sizes, capacity, precision=Non
     return n, k, g, r_shape[2]
 
 
+TILED_RAGGED_DOT_OP = "tiled_ragged_dot"
+
+
+def check_tiled_ragged_dot_args(lhs, rhs, group_sizes, capacity, tile, chunk, precision=None,
+                                preferred_element_type=None,
+                                op: str = TILED_RAGGED_DOT_OP) -> tuple[int, int, int, int]:
+    """Checks ``tiled_ragged_dot`` (``jax.lax.ragged_dot``'s operands, as
+    ``batched_ragged_dot``'s with ``precision`` and ``preferred_element_type``,
+    and ``capacity >= 0`` or None, ``tile >= 1``, ``chunk >= 1``); returns
+    ``(N, K, G, M)``."""
+    dims = check_batched_ragged_dot_args(lhs, rhs, group_sizes, None, precision, preferred_element_type, op=op)
+    if capacity is not None and _as_int(op, "capacity", capacity) < 0:
+        raise ValueError(f"{op}: capacity ({capacity}) must be >= 0 (0: every row in tiles) or None.")
+    for name, value in (("tile", tile), ("chunk", chunk)):
+        if _as_int(op, name, value) < 1:
+            raise ValueError(f"{op}: {name} ({value}) must be >= 1.")
+    return dims
+
+
 @dataclass(frozen=True)
 class DispatchConfig:
     """Validated static configuration of one ``token_dispatch`` call."""

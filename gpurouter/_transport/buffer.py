@@ -5,7 +5,7 @@ of XLA's own device buffers, on XLA's stream, inside ``jit`` (one
 ``cuLaunchKernel`` per step from Python, parameters prepared once per plan and
 GPU: ``kernels._pointer.PointerLaunch``). Nothing crosses to the host, nothing
 is allocated: scratch arrays are extra XLA outputs. The per-call Python inside
-XLA is this transport's cost (docs/benchmarks.md); ``"ffi"`` has none.
+XLA is this transport's cost (lab/journal/benchmarks.md); ``"ffi"`` has none.
 """
 
 from __future__ import annotations

@@ -47,16 +47,18 @@ from .ffi_record import (
     MAX_ARRAYS,
     MAX_DEVICES,
     MAX_PARAMS,
+    MSG_ATTR,
     MSG_CALL,
     MSG_CONTEXT,
     MSG_DEVICE,
+    MSG_FRAME,
     MSG_LAUNCH,
+    MSG_MAJOR,
     MSG_SIZES,
     N_INS,
     N_RETS,
     POP_FN,
     PUSH_FN,
-    STATIC_MESSAGES,
     _record,
 )
 
@@ -71,14 +73,23 @@ TRAITS = 0
 
 @functools.cache
 def _handler():
-    """The cfunc (compiled once per process; about two seconds)."""
+    """The handler's entry point (``.address``): compiled once per process
+    (about two seconds) or loaded from the kernel cache (``ffi_cache``)."""
+    from . import ffi_cache
+
+    return ffi_cache.cached_cfunc(_compile_handler)
+
+
+def _compile_handler():
+    """The cfunc. Its code holds no address of this process (its static
+    messages are written on its stack), so its machine code can be cached."""
     from numba import cfunc, njit, types
 
     ld8, ld32, ld64, st8, st32, st64, scratch, caller = abi.intrinsics()
     call_api = caller(("i64", "i64"))  # XLA_FFI_Error* fn(Args*)
     call1 = caller(("i32", "i64"))  # CUresult fn(void*)
     launch = caller(("i32", "i64", "i32", "i32", "i32", "i32", "i32", "i32", "i32", "i64", "i64", "i64"))
-    frame_msg, attr_msg, major_msg = (int(STATIC_MESSAGES[k].ctypes.data) for k in ("frame", "attr", "major"))
+    frame_msg, attr_msg, major_msg = (tuple(m.rstrip(b"\0")) for m in (MSG_FRAME, MSG_ATTR, MSG_MAJOR))
     plan_name = int.from_bytes(b"plan", "little")
 
     @njit(inline="always")
@@ -89,6 +100,16 @@ def _handler():
         st64(args + abi.ERR_MESSAGE, message)
         st32(args + abi.ERR_ERRC, code)
         return call_api(ld64(api + abi.API_ERROR_CREATE), (args,))
+
+    @njit(inline="always")
+    def fail_static(api, codes, code):
+        """``fail`` with a message given as its bytes (a constant tuple), copied
+        to a stack buffer: XLA copies the message when it creates the error."""
+        buf = scratch(32)  # 256 bytes: the messages are under 100
+        for i in range(len(codes)):
+            st8(buf + i, codes[i])
+        st8(buf + len(codes), 0)
+        return fail(api, buf, code)
 
     @njit(inline="always")
     def ask(api, function, args, size, ctx):
@@ -139,9 +160,9 @@ def _handler():
         api = ld64(frame + abi.CF_API)
         api_size = ld64(api + abi.API_STRUCT_SIZE)
         if ld64(frame + abi.CF_STRUCT_SIZE) < abi.CF_MIN_SIZE or api_size < abi.API_STREAM_GET + 8:
-            return fail(api, frame_msg, abi.ERROR_FAILED_PRECONDITION)
+            return fail_static(api, frame_msg, abi.ERROR_FAILED_PRECONDITION)
         if ld32(api + abi.API_MAJOR) != abi.ABI_MAJOR:
-            return fail(api, major_msg, abi.ERROR_FAILED_PRECONDITION)
+            return fail_static(api, major_msg, abi.ERROR_FAILED_PRECONDITION)
         rec = 0
         for i in range(ld64(frame + abi.CF_ATTRS_SIZE)):
             name = ld64(ld64(frame + abi.CF_ATTRS_NAMES) + 8 * i)
@@ -151,7 +172,7 @@ def _handler():
                     and ld32(attr + abi.SCALAR_DTYPE) == abi.DTYPE_S64):
                 rec = ld64(ld64(attr + abi.SCALAR_VALUE))
         if rec == 0 or ld64(rec) != MAGIC:
-            return fail(api, attr_msg, abi.ERROR_INVALID_ARGUMENT)
+            return fail_static(api, attr_msg, abi.ERROR_INVALID_ARGUMENT)
         n_ins, n_rets = ld64(rec + 8 * N_INS), ld64(rec + 8 * N_RETS)
         if ld64(frame + abi.CF_ARGS_SIZE) != n_ins or ld64(frame + abi.CF_RETS_SIZE) != n_rets:
             return fail(api, ld64(rec + 8 * MSG_CALL), abi.ERROR_INVALID_ARGUMENT)

@@ -44,10 +44,6 @@ def _message(text: str) -> np.ndarray:
     return np.frombuffer(text.encode() + b"\0", np.uint8).copy()
 
 
-STATIC_MESSAGES = {name: np.frombuffer(m, np.uint8).copy() for name, m in
-           (("frame", MSG_FRAME), ("attr", MSG_ATTR), ("major", MSG_MAJOR))}
-
-
 @functools.cache
 def _driver() -> tuple[int, int, int, int]:
     """Addresses of cuLaunchKernel, cuCtxGetCurrent, cuCtxPushCurrent_v2, cuCtxPopCurrent_v2."""

@@ -1,7 +1,7 @@
 """Transport ``"callback"``: ``jax.pure_callback`` on host copies of the arrays.
 
 The CPU path (JAX on the CPU with numba on a GPU or on the CUDA simulator) and
-the mission's explicit host callbacks: two host round trips per call. Inputs
+an explicit host callback: two host round trips per call. Inputs
 are copied out of JAX's read-only host buffers (``np.array``) before a
 launcher sees them (numba and the simulator write back into their arguments).
 """
@@ -22,7 +22,7 @@ Launcher = Callable[..., Sequence[np.ndarray]]
 # once. The CUDA simulator is not thread-safe (its thread indices live in
 # per-launch globals): host-callback launches are serialised here. (Zero-copy
 # launches need no lock: cuLaunchKernel is thread-safe; only their one-time
-# compilation is serialised, by _COMPILE_LOCK.)
+# compilation is serialised, by _shared.COMPILE_LOCK.)
 _LAUNCH_LOCK = threading.Lock()
 
 

@@ -3,7 +3,7 @@ result, without XLA's dense rewrite of a ragged dot.
 
 On a GPU, XLA (jax 0.11) rewrites ``ragged_dot`` and its transposes into
 dense dots over every group, masked: about ``G`` times the work and memory
-of the grouped GEMM (docs/benchmarks.md measured 2.7 TFLOP/s on an H200 for
+of the grouped GEMM (lab/journal/benchmarks.md measured 2.7 TFLOP/s on an H200 for
 the MoE block's GEMMs, and out-of-memory at a DeepSeek-V3-like slice).
 :func:`batched_ragged_dot` computes the same product as one batched GEMM,
 ``[G, C, K] @ [G, K, M]``, the weights used in place (never gathered): the
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._checks import check_batched_ragged_dot_args
+from .._checks import check_batched_ragged_dot_args, check_tiled_ragged_dot_args
 
 
 def batched_ragged_dot(
@@ -135,14 +135,17 @@ def _over_rounds(sizes, first: int, tail: int, num_rows: int, step, state):
                          state)
 
 
-def _read_back(slots, sizes, width: int, num_rows: int):
+def _read_back(slots, sizes, width: int, num_rows: int, capped: bool = False):
     """Rows ``[num_rows, D]`` from a round's ``slots [G * width, D]``: row ``i``
-    of group ``g`` from slot ``g * width + (i - s_g)``; 0 past the groups."""
+    of group ``g`` from slot ``g * width + (i - s_g)``; 0 past the groups
+    (``capped``: also 0 for a group's rows past its ``width`` slots)."""
     i = jnp.arange(num_rows, dtype=jnp.int32)
     ends = jnp.cumsum(sizes)
     g = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
     last = sizes.shape[0] - 1
-    slot = jnp.where(g <= last, g * width + i - (ends - sizes)[jnp.minimum(g, last)], slots.shape[0])
+    local = i - (ends - sizes)[jnp.minimum(g, last)]
+    inside = (g <= last) & (local < width) if capped else g <= last
+    slot = jnp.where(inside, g * width + local, slots.shape[0])
     return jnp.take(slots, slot, axis=0, mode="fill", fill_value=0)
 
 
@@ -210,4 +213,192 @@ def _batched_bwd(first, out_dtype, precision, res, dy):
 
 _batched.defvjp(_batched_fwd, _batched_bwd)
 
-__all__ = ["batched_ragged_dot"]
+
+# --- tiled_ragged_dot: slots up to a capped capacity, the rest in tiles ---------------------------
+
+#: the base slots' largest capacity, as a multiple of the mean group size; a
+#: group's rows past its slots go to tiles (no cliff: a skewed routing costs
+#: its extra tiles, not ``G`` times its largest group)
+TILED_MAX_FACTOR = 1.5
+#: the cost of one row in a tile against one row in the base slots, in the
+#: rule that picks the base capacity: a tile's GEMM reads a gathered copy of
+#: its expert's weights, which the base's batched GEMM reads in place (an
+#: estimate, from bytes and FLOPs at the DeepSeek-V3-like shape; not measured)
+TILE_ROW_COST = 4
+
+
+def tiled_ragged_dot(
+    lhs: jax.typing.ArrayLike,
+    rhs: jax.typing.ArrayLike,
+    group_sizes: jax.typing.ArrayLike,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    capacity: int | None = None,
+    tile: int = 128,
+    chunk: int = 8,
+) -> jax.Array:
+    """``jax.lax.ragged_dot(lhs, rhs, group_sizes)``: every group's first
+    ``C`` rows in slots of one batched GEMM (the weights in place, as
+    :func:`batched_ragged_dot`), the rows past them padded per group to
+    ``tile`` rows, each tile multiplied by its own group's weights.
+
+    ``C`` is one of :func:`batched_ragged_dot`'s capacities up to
+    ``TILED_MAX_FACTOR`` (1.5) times the mean group size (``capacity``, default
+    ``ceil(N / G)``), the one of least estimated cost ``G C + TILE_ROW_COST
+    * tile * (tiles past C)`` (``lax.switch``: one branch runs). Balanced
+    routing is :func:`batched_ragged_dot`'s batched GEMM; a skewed one adds
+    the few tiles of its largest groups instead of slots of the largest
+    group for every group. The tiles run ``chunk`` at a time (one batched
+    GEMM on the chunk's ``chunk`` gathered weight matrices) in a loop over
+    the chunks that have rows. ``capacity=0``: no slots, every row in tiles
+    (rows sorted by group, each group padded to a multiple of ``tile``).
+
+    Memory: the slots (at most ``1.5 N + 8 G`` rows of ``lhs`` and of the
+    output), one chunk (``chunk * tile`` rows and ``chunk`` weight matrices)
+    and ``ceil(N / tile) + G`` tile indices: bounded whatever the routing.
+
+    Backward (its own): ``d lhs`` and ``d rhs`` from the same slots and tiles;
+    a group's ``d rhs`` is its slots' part plus each of its tiles' parts, each
+    added in ``rhs``'s dtype (in bf16 a few roundings where a group has tiles).
+
+    Args and result: as :func:`batched_ragged_dot`, with ``capacity >= 0``,
+    ``tile >= 1`` and ``chunk >= 1``.
+
+    >>> import jax.numpy as jnp
+    >>> lhs = jnp.arange(8.0).reshape(4, 2)
+    >>> rhs = jnp.stack([jnp.eye(2), 2 * jnp.eye(2)])
+    >>> tiled_ragged_dot(lhs, rhs, jnp.array([1, 2]), tile=1).tolist()
+    [[0.0, 1.0], [4.0, 6.0], [8.0, 10.0], [0.0, 0.0]]
+    """
+    n, _, g, m = check_tiled_ragged_dot_args(lhs, rhs, group_sizes, capacity, tile, chunk,
+                                             precision, preferred_element_type)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+    if n == 0:
+        return jnp.zeros((0, m), out_dtype)
+    first = int(capacity) if capacity is not None else max(1, -(-n // g))
+    return _tiled(lhs, rhs, jnp.asarray(group_sizes).astype(jnp.int32), (first, int(tile), int(chunk)),
+                  out_dtype, precision)
+
+
+def _tiled_capacities(first: int) -> tuple[int, ...]:
+    """The base capacities: :func:`_capacities` up to ``TILED_MAX_FACTOR``
+    times ``first``; ``(0,)`` for ``first == 0`` (every row in tiles)."""
+    if first == 0:
+        return (0,)
+    top = -(-math.ceil(first * TILED_MAX_FACTOR) // 8) * 8
+    return tuple(c for c in _capacities(first) if c <= top)
+
+
+def _tile_counts(sizes, base, tile: int):
+    """Tiles of each group past its first ``base`` rows: ``[G]``."""
+    return (jnp.maximum(sizes - base, 0) + tile - 1) // tile
+
+
+def _pick_base(sizes, caps, tile: int):
+    """``lax.switch`` index of the base capacity of least estimated cost."""
+    c = jnp.asarray(caps, jnp.int32)
+    tiles = jnp.sum(_tile_counts(sizes[None, :], c[:, None], tile), axis=1, dtype=jnp.int32)
+    cost = sizes.shape[0] * c + TILE_ROW_COST * tile * tiles
+    return jnp.argmin(cost).astype(jnp.int32)
+
+
+def _tile_plan(sizes, base, tile: int, chunk: int, num_rows: int):
+    """The tiles past the first ``base`` rows of every group: a function of a
+    chunk number giving ``(groups [chunk], rows [chunk, tile])`` (``num_rows``,
+    out of range, for no row), and the number of chunks with tiles."""
+    num_groups = sizes.shape[0]
+    max_tiles = -(-num_rows // tile) + num_groups  # >= sum ceil(over_g / tile)
+    per = _tile_counts(sizes, base, tile)
+    ends = jnp.cumsum(per, dtype=jnp.int32)
+    num = ends[-1]
+    j = jnp.arange(max_tiles, dtype=jnp.int32)
+    grp = jnp.minimum(jnp.searchsorted(ends, j, side="right"), num_groups - 1).astype(jnp.int32)
+    starts = jnp.cumsum(sizes, dtype=jnp.int32) - sizes
+    first_row = starts[grp] + base + (j - (ends - per)[grp]) * tile
+    last_row = starts[grp] + sizes[grp]
+
+    def chunk_of(c):
+        jj = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        k = jnp.minimum(jj, max_tiles - 1)
+        rows = first_row[k][:, None] + jnp.arange(tile, dtype=jnp.int32)[None, :]
+        valid = (jj < num)[:, None] & (rows < last_row[k][:, None])
+        return grp[k], jnp.where(valid, rows, num_rows)
+
+    return chunk_of, (num + chunk - 1) // chunk
+
+
+def _tiled_product(lhs, rhs, sizes, plan, out_dtype, precision):
+    first, tile, chunk = plan
+    n, m = lhs.shape[0], rhs.shape[2]
+    caps = _tiled_capacities(first)
+
+    def base(width):
+        if width == 0:
+            return jnp.zeros((n, m), out_dtype)
+        slots = jnp.einsum("gck,gkm->gcm", _take_rows(lhs, _round_rows(sizes, 0, width, n)), rhs,
+                           precision=precision, preferred_element_type=out_dtype).reshape(-1, m)
+        return _read_back(slots, sizes, width, n, capped=True)
+
+    branch = _pick_base(sizes, caps, tile)
+    out = lax.switch(branch, [functools.partial(base, c) for c in caps])
+    chunk_of, num_chunks = _tile_plan(sizes, jnp.asarray(caps, jnp.int32)[branch], tile, chunk, n)
+
+    def step(c, out):
+        groups, rows = chunk_of(c)
+        y = jnp.einsum("btk,bkm->btm", _take_rows(lhs, rows), jnp.take(rhs, groups, axis=0), precision=precision,
+                       preferred_element_type=out_dtype)
+        return out.at[rows.reshape(-1)].set(y.reshape(-1, m), mode="drop")
+
+    return lax.fori_loop(0, num_chunks, step, out)
+
+
+def _tiled_grads(lhs, rhs, sizes, dy, plan, precision):
+    first, tile, chunk = plan
+    n, k = lhs.shape
+    caps = _tiled_capacities(first)
+    acc = _accumulation(lhs.dtype, rhs.dtype, dy.dtype)
+
+    def base(width):
+        if width == 0:
+            return jnp.zeros((n, k), lhs.dtype), jnp.zeros(rhs.shape, rhs.dtype)
+        rows = _round_rows(sizes, 0, width, n)
+        x, d = _take_rows(lhs, rows), _take_rows(dy, rows)
+        d_x = jnp.einsum("gcm,gkm->gck", d, rhs, precision=precision, preferred_element_type=lhs.dtype)
+        d_w = jnp.einsum("gck,gcm->gkm", x, d, precision=precision, preferred_element_type=rhs.dtype)
+        return _read_back(d_x.reshape(-1, k), sizes, width, n, capped=True), d_w
+
+    branch = _pick_base(sizes, caps, tile)
+    d_lhs, d_rhs = lax.switch(branch, [functools.partial(base, c) for c in caps])
+    chunk_of, num_chunks = _tile_plan(sizes, jnp.asarray(caps, jnp.int32)[branch], tile, chunk, n)
+
+    def step(c, state):
+        d_lhs, d_rhs = state
+        groups, rows = chunk_of(c)
+        x, d, w = _take_rows(lhs, rows), _take_rows(dy, rows), jnp.take(rhs, groups, axis=0)
+        d_x = jnp.einsum("btm,bkm->btk", d, w, precision=precision, preferred_element_type=lhs.dtype)
+        d_w = jnp.einsum("btk,btm->bkm", x, d, precision=precision, preferred_element_type=acc)
+        return (d_lhs.at[rows.reshape(-1)].set(d_x.reshape(-1, k), mode="drop"),
+                d_rhs.at[groups].add(d_w.astype(rhs.dtype)))
+
+    return lax.fori_loop(0, num_chunks, step, (d_lhs, d_rhs))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _tiled(lhs, rhs, sizes, plan, out_dtype, precision):
+    return _tiled_product(lhs, rhs, sizes, plan, out_dtype, precision)
+
+
+def _tiled_fwd(lhs, rhs, sizes, plan, out_dtype, precision):
+    return _tiled_product(lhs, rhs, sizes, plan, out_dtype, precision), (lhs, rhs, sizes)
+
+
+def _tiled_bwd(plan, out_dtype, precision, res, dy):
+    lhs, rhs, sizes = res
+    return (*_tiled_grads(lhs, rhs, sizes, dy, plan, precision), None)
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+__all__ = ["batched_ragged_dot", "tiled_ragged_dot"]

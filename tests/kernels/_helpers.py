@@ -4,10 +4,10 @@ the same inputs and compare them with the contract tolerances."""
 from __future__ import annotations
 
 import numpy as np
-from strategies import np_dtype
-from tolerances import assert_close, assert_dtype
 
 from gpurouter import reference as ref
+from gpurouter.testing.strategies import np_dtype
+from gpurouter.testing.tolerances import assert_close, assert_dtype
 
 FWD_MODES = (  # (score_function, use_pre_softmax)
     ("softmax", False),

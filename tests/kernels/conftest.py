@@ -1,92 +1,98 @@
-"""Fixtures shared by the kernel tests: the tiling knobs of ``gpurouter/kernels/_tiling.py``
-forced for a test (plans forgotten around it)."""
+"""Fixtures shared by the kernel tests: tilings other than the library's, passed to
+the launchers as their ``tiling`` argument (it is part of the plans' cache key:
+no plan outlives its test's tiling, nothing is patched).
+
+Each fixture gives a ``Tiled``: ``gpurouter.kernels`` with the top-k and
+aux-score launchers' ``tiling`` bound, which a test uses where it would use the
+module (``K = tiling(4, 8)``, then ``K.topk_with_score_function_fwd(...)`` or
+``check_topk_fwd(K, ...)``)."""
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import pytest
 
 
-def _clear_row_plans():
-    """Forget the cached plans of the row forward kernels (their layouts depend on the tiling knobs)."""
-    from gpurouter.kernels.topk import aux_plans as aux_scores
-    from gpurouter.kernels.topk import plans as topk
+class Tiled:
+    """``gpurouter.kernels`` with ``tiling`` (a ``TopkTiling``) bound to its top-k and
+    aux-score launchers and plans; every other name is the module's."""
 
-    for f in (topk.topk_with_score_function_fwd_plan, aux_scores.score_for_aux_loss_fwd_plan):
-        f.cache_clear()
+    LAUNCHERS = tuple(f"{op}_{d}{plan}" for op in ("topk_with_score_function", "score_for_aux_loss")
+                      for d in ("fwd", "bwd") for plan in ("", "_plan"))
+
+    def __init__(self, tiling):
+        self.tiling = tiling
+
+    def __getattr__(self, name):
+        from gpurouter import kernels
+
+        value = getattr(kernels, name)
+        return functools.partial(value, tiling=self.tiling) if name in self.LAUNCHERS else value
+
+    def replace(self, **parts):
+        """This ``Tiled`` with some parts of its ``TopkTiling`` replaced (``dataclasses.replace``)."""
+        return Tiled(dataclasses.replace(self.tiling, **parts))
 
 
 @pytest.fixture
-def tiling(monkeypatch):
-    """``tiling(lanes, threads=None)`` forces W = ``lanes`` threads per token (and
-    ``threads`` per block, hence ``threads // lanes`` tokens per tile) on the
-    W-lane row forward kernels for the test (the thread-per-token kernels are
-    switched off; the backwards stream: ``stream_tiling``)."""
-    pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
-    from gpurouter.kernels import _tiling
+def tiling():
+    """``tiling(lanes, threads=None)``: a ``Tiled`` whose W-lane row forwards take W = ``lanes``
+    threads per token (and ``threads`` per block, hence ``threads // lanes`` tokens per
+    tile; None: the library's), the thread-per-token kernels switched off
+    (``TokenTiling.max_topk = 0``)."""
+    K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
     def force(lanes, threads=None):
-        monkeypatch.setattr(_tiling, "TOKEN_MAX_TOPK", 0)  # the W-lane kernels, not the token ones
-        monkeypatch.setattr(_tiling, "row_lanes", lambda num_experts: lanes)
-        if threads is not None:
-            monkeypatch.setattr(_tiling, "ROW_THREADS", threads)
-        _clear_row_plans()
+        row = K.RowTiling(lanes=lanes) if threads is None else K.RowTiling(lanes=lanes, threads=threads)
+        return Tiled(K.TopkTiling(token=K.TokenTiling(max_topk=0), row=row))
 
-    yield force
-    monkeypatch.undo()
-    _clear_row_plans()
+    return force
 
 
 @pytest.fixture
-def token_tiling(monkeypatch):
-    """``token_tiling(tokens, threads=32, lanes=None)`` caps the thread-per-token kernels'
-    tokens per block (and their minimum threads) for the test: small caps give
-    several blocks and a partial last tile on tiny inputs. The chunk lanes'
-    tiles keep that size (``TOKEN_LANES_MIN_BLOCKS`` off: on tiny inputs it
-    would shrink them to one token a block, the tile the test means to avoid).
-    ``lanes`` picks the selection that the library picks by T (``_tiling.token_lanes``):
-    None the library's rule (on tiny inputs the chunk lanes), ``"group"`` no chunk
-    lanes (grouped: the grouped lanes, mode 1), ``"row"`` no lanes at all (mode 0, the
-    token's thread scans its row: every T above the lanes' caps on a GPU)."""
-    pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
-    from gpurouter.kernels import _tiling
+def token_tiling():
+    """``token_tiling(tokens, threads=32, lanes=None, **knobs)``: a ``Tiled`` whose thread-per-token
+    kernels take at most ``tokens`` tokens a block (and at least ``threads`` threads): small
+    caps give several blocks and a partial last tile on tiny inputs. The chunk lanes' tiles
+    keep that size (``lanes_min_blocks = 0``: on tiny inputs the library's would shrink them
+    to one token a block, the tile the test means to avoid). ``lanes`` picks the selection
+    that the library picks by T (``topk/token/tiling.token_lanes``): None the library's
+    rule (on tiny inputs the chunk lanes), ``"group"`` no chunk lanes (grouped: the grouped
+    lanes, mode 1), ``"row"`` no lanes at all (mode 0, the token's thread scans its row:
+    every T above the lanes' caps on a GPU). ``knobs``: other ``TokenTiling`` fields."""
+    K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-    def force(tokens, threads=32, lanes=None):
+    def force(tokens, threads=32, lanes=None, **knobs):
         assert lanes in (None, "chunk", "group", "row"), lanes
-        monkeypatch.setattr(_tiling, "TOKEN_MAX_TOKENS", tokens)
-        monkeypatch.setattr(_tiling, "TOKEN_MIN_THREADS", threads)
-        monkeypatch.setattr(_tiling, "TOKEN_LANES_MIN_BLOCKS", 0)
+        off = dict(knobs)
         if lanes in ("group", "row"):
-            monkeypatch.setattr(_tiling, "TOKEN_CHUNK_LANES_MAX_TOKENS", (-1, -1))
+            off["chunk_lanes_max_tokens"] = (-1, -1)
         if lanes == "row":
-            monkeypatch.setattr(_tiling, "TOKEN_GROUP_LANES_MAX_TOKENS", -1)
-        _clear_row_plans()
+            off["group_lanes_max_tokens"] = -1
+        token = K.TokenTiling(max_tokens=tokens, min_threads=threads, lanes_min_blocks=0, **off)
+        return Tiled(K.TopkTiling(token=token))
 
-    yield force
-    monkeypatch.undo()
-    _clear_row_plans()
+    return force
 
 
 @pytest.fixture(params=[1, 4], ids=["hold1", "hold4"])
-def quad_lanes(monkeypatch, request):
-    """Forces the quad backwards to W = 2 lanes per token and 4 tokens per block
-    (several quads per lane, a partial last block), a lane holding 1 of its
-    quads in registers (the others loaded again in pass 2) or all of them,
-    plans forgotten around it."""
-    pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
-    from gpurouter.kernels import _tiling
-    from gpurouter.kernels.topk import aux_plans as aux_scores
-    from gpurouter.kernels.topk import plans as topk
+def quad_lanes(request):
+    """A ``Tiled`` whose quad backwards take W = 2 lanes per token and 4 tokens per block
+    (several quads per lane, a partial last block), a lane holding 1 of its quads in
+    registers (the others loaded again in pass 2) or all of them."""
+    K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+    bwd = K.BwdTiling(quad_lanes_sparse=2, quad_lanes_sparse_small_t=2, quad_lanes_dense=2, quad_threads=8,
+                      quad_hold=request.param)
+    return Tiled(K.TopkTiling(bwd=bwd))
 
-    def clear():
-        topk.topk_with_score_function_bwd_plan.cache_clear()
-        aux_scores.score_for_aux_loss_bwd_plan.cache_clear()
 
-    monkeypatch.setattr(_tiling, "QUAD_LANES_SPARSE", 2)
-    monkeypatch.setattr(_tiling, "QUAD_LANES_SPARSE_SMALL_T", 2)
-    monkeypatch.setattr(_tiling, "QUAD_LANES_DENSE", 2)
-    monkeypatch.setattr(_tiling, "QUAD_THREADS", 8)
-    monkeypatch.setattr(_tiling, "QUAD_HOLD", request.param)
-    clear()
-    yield
-    monkeypatch.undo()
-    clear()
+@pytest.fixture
+def library_lane_blocks():
+    """A ``Tiled`` with a GPU's ``lanes_min_blocks`` (``GPU_LANES_MIN_BLOCKS``; the library's
+    default under the simulator is ``SIM_LANES_MIN_BLOCKS``)."""
+    K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+    from gpurouter.kernels.topk.token.tiling import GPU_LANES_MIN_BLOCKS
+
+    return Tiled(K.TopkTiling(token=K.TokenTiling(lanes_min_blocks=GPU_LANES_MIN_BLOCKS)))

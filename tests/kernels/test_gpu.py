@@ -17,10 +17,9 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from strategies import np_dtype, random_cotangent  # noqa: E402
-from tolerances import assert_close  # noqa: E402
-
 from gpurouter import reference as ref  # noqa: E402
+from gpurouter.testing.strategies import np_dtype, random_cotangent  # noqa: E402
+from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
 from ._helpers import FWD_MODES, cast, check_topk_bwd, check_topk_fwd, host  # noqa: E402
 

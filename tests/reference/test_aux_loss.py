@@ -7,15 +7,15 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import oracles
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.test_util import check_grads
-from strategies import AuxLossConfig, as_jnp, aux_loss_configs, aux_loss_inputs, np_dtype
-from tolerances import assert_close, assert_dtype
 
 from gpurouter import reference as ref
+from gpurouter.testing import oracle as oracles
+from gpurouter.testing.strategies import AuxLossConfig, as_jnp, aux_loss_configs, aux_loss_inputs, np_dtype
+from gpurouter.testing.tolerances import assert_close, assert_dtype
 
 
 @functools.lru_cache(maxsize=256)

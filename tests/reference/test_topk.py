@@ -13,12 +13,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import oracles
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
-from strategies import (
+
+from gpurouter import reference as ref
+from gpurouter.testing import oracle as oracles
+from gpurouter.testing.strategies import (
     RouterConfig,
     arbitrary_logits,
     as_jnp,
@@ -29,9 +31,7 @@ from strategies import (
     tie_free_logits,
     tie_free_rows_np,
 )
-from tolerances import assert_close, assert_dtype, assert_topk_equivalent, spacing
-
-from gpurouter import reference as ref
+from gpurouter.testing.tolerances import assert_close, assert_dtype, assert_topk_equivalent, spacing
 
 
 def _bias(bias):

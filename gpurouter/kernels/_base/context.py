@@ -177,7 +177,7 @@ def stream_ordinal(stream: int) -> int:
 def function_of(kernel: int, ordinal: int) -> int:
     """GPU ``ordinal``'s ``CUfunction`` of numba's kernel handle (a ``CUkernel``,
     context-independent: ``cuLaunchKernel`` takes it but resolves it to the
-    context's function on every launch: host time, docs/benchmarks.md). Called
+    context's function on every launch: host time, lab/journal/benchmarks.md). Called
     inside ``on_gpu(ordinal)``; an error if another context is current (a
     function of another GPU's context fails its launches with CUresult 400).
     The handle as it is where the driver lacks ``cuKernelGetFunction`` or

@@ -1,6 +1,6 @@
 """Launch plumbing: the ONLY place that moves arrays between host and device,
 reinterprets bfloat16, allocates outputs and resolves streams (grids and tile
-sizes: ``_tiling.py``; plans and their executor: ``_plan.py``).  The launcher
+sizes: each family's ``tiling.py``; plans and their executor: ``plan.py``).  The launcher
 modules (``topk.py``, ``aux_scores.py``, ``aux_loss.py``, ``z_loss.py``) call
 the helpers below; they never call ``cuda.to_device`` themselves.
 
@@ -39,8 +39,6 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 #: the numba dtype a kernel sees for each kind of float.
 DEVICE_DTYPE = {F32: np.dtype(np.float32), BF16: np.dtype(np.uint16), F16: np.dtype(np.float16)}
-#: the host dtype the caller sees.
-HOST_DTYPE = {F32: np.dtype(np.float32), BF16: BFLOAT16, F16: np.dtype(np.float16)}
 
 
 # ----------------------------------------------------------------------------

@@ -40,3 +40,8 @@ def check_limits(op: str, num_experts: int, topk: int = 1, num_groups: int = 1) 
                 f"{op} (numba): {name} ({value}) exceeds the kernel limit of {limit}; "
                 'use backend="jax".'
             )
+
+
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= ``n`` (>= 1)."""
+    return 1 << max(0, n - 1).bit_length()

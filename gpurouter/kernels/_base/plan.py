@@ -4,8 +4,11 @@ A launcher validates its arguments, asks its op's ``*_plan`` function for a
 :class:`Plan` (a pure function of shapes, dtypes and static configuration:
 cacheable) and hands it to an executor:
 
-- :func:`execute` (here): numba device arrays through numba's dispatcher (GPU
-  or the CUDA simulator); allocates missing outputs and the scratch arrays;
+- :func:`execute` (here): numba device arrays; allocates missing outputs and
+  the scratch arrays; on a GPU it launches through ``pointer.PointerLaunch``
+  (the kernels' handles from ``kernel_cache``: compiled once, kept on disk)
+  whenever the arrays are the plan's (shapes, dtypes, C order), else, and on
+  the CUDA simulator, through numba's dispatcher;
 - ``_pointer.PointerLaunch``: raw device pointers (the zero-copy transport);
 - the FFI transport's launch table (``gpurouter/_transport/ffi.py``), which
   runs a plan from XLA with no Python at all.
@@ -33,21 +36,6 @@ from .launch import (
     outs_tuple,
     simulator_enabled,
 )
-
-# ----------------------------------------------------------------------------
-# Plans: what a launcher launches, decided once per shape and configuration
-#
-# A launcher validates its arguments, asks its op's ``*_plan`` function for a
-# Plan (cached: a pure function of shapes, dtypes and static configuration)
-# and hands it to one of two executors:
-#
-# - ``execute``: numba device arrays through numba's dispatcher (GPU or the
-#   CUDA simulator); allocates missing outputs and the scratch arrays;
-# - ``PointerLaunch``: raw device pointers (XLA's buffers, zero-copy), each
-#   step one ``cuLaunchKernel`` of a kernel compiled once per device, with its
-#   parameter list built once: a few microseconds of Python per step instead
-#   of numba's per-call typing and argument marshalling.
-# ----------------------------------------------------------------------------
 
 
 class Spec:
@@ -252,10 +240,18 @@ def execute(plan: Plan, ins, out, stream, to_host: bool):
                 for sp, o in zip(plan.outs, outs, strict=True)],
         "tmp": [cuda.device_array(sp.shape, dtype=sp.dtype, stream=stream) for sp in plan.tmps],
     }
-    for st in plan.steps:
-        launch(st.kernel, st.grid, st.block, stream, st.shared,
-               *(_resolve(a, arrays, plan.op, stream) for a in st.args))
+    if simulator_enabled() or not (GPU_EXECUTOR and GPU_EXECUTOR[0](plan, arrays, stream)):
+        for st in plan.steps:
+            launch(st.kernel, st.grid, st.block, stream, st.shared,
+                   *(_resolve(a, arrays, plan.op, stream) for a in st.args))
     return finish(arrays["out"], [sp.kind for sp in plan.outs], to_host, stream)
+
+
+#: the GPU executor: ``pointer.launch_plan``, which ``pointer`` registers here
+#: when it is imported (``gpurouter/kernels/__init__.py`` imports it; this
+#: module cannot import it: ``pointer`` imports this one). Empty: numba's
+#: dispatcher runs every plan.
+GPU_EXECUTOR: list = []
 
 
 def map_spec(num_tokens: int, num_experts: int, map_format: int) -> Spec:

@@ -9,9 +9,13 @@ launch table (``gpurouter/_transport/ffi.py``, no Python per call).
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
-from .context import function_of, libcuda, on_gpu, primary_context
+from . import plan as _plan
+from .context import libcuda, primary_context
+from .kernel_cache import function_handle
 from .plan import Counter, Plan, Ref, counter_array, counter_key, plan_counters
 
 
@@ -87,20 +91,18 @@ def _slots(arg, specs, slot_of, counters) -> tuple[list[bytes], list[tuple[int, 
 
 
 def compile_steps(plan: Plan, ordinal: int, counters: dict | None = None) -> list[CompiledStep]:
-    """Every step of ``plan`` compiled for GPU ``ordinal`` (numba caches the
-    compile per argument types and device), with its parameter block.
+    """Every step of ``plan`` compiled for GPU ``ordinal`` (``kernel_cache.
+    function_handle``: from the process's memo, the disk cache or numba's
+    compile), with its parameter block.
     ``counters`` (``id(Counter) -> device address``): the plan's counters
     written into the blocks; None: holes after the tmps (``_slots``)."""
     specs = {"in": plan.ins, "out": plan.outs, "tmp": plan.tmps}
     slot_of = {"in": 0, "out": len(plan.ins), "tmp": len(plan.ins) + len(plan.outs),
                "counter": len(plan.ins) + len(plan.outs) + len(plan.tmps),
                "counters": [id(c) for c in plan_counters(plan)]}
-    with on_gpu(ordinal):  # numba compiles and loads; it may leave another GPU current
-        kernels = [int(st.kernel.compile(tuple(_numba_type(a, specs) for a in st.args))
-                       ._codelibrary.get_cufunc().handle) for st in plan.steps]
+    handles = [function_handle(st.kernel, tuple(_numba_type(a, specs) for a in st.args), ordinal)
+               for st in plan.steps]
     steps = []
-    with on_gpu(ordinal):  # the handles resolved in this GPU's context, nothing else run
-        handles = [function_of(k, ordinal) for k in kernels]
     for st, handle in zip(plan.steps, handles, strict=True):
         params, holes = [], []
         for a in st.args:
@@ -123,7 +125,8 @@ class PointerLaunch:
     into it and launches (the driver copies the parameters at launch, so the
     storage is reused at once; a lock keeps two host threads from
     interleaving). The kernel handle is the context's CUfunction of numba's
-    CUkernel (``_context.function_of``); the launch runs in the device's primary context,
+    CUkernel (``_context.function_of``) or of a cubin loaded from the disk cache
+    (``kernel_cache``); the launch runs in the device's primary context,
     pushed only when another one is current.  The plan's counters
     (``_plan.Counter``): one per stream, appended to ``ptrs``.
     """
@@ -180,3 +183,78 @@ class PointerLaunch:
             finally:
                 if push:
                     lib.cuCtxPopCurrent_v2(ctypes.byref(self._current))
+
+
+_POINTER_PLANS: dict = {}
+
+
+def _c_contiguous(cai) -> bool:
+    strides = cai.get("strides")
+    if strides is None:
+        return True
+    itemsize = np.dtype(cai["typestr"]).itemsize
+    want = itemsize
+    for n, s in zip(reversed(cai["shape"]), reversed(strides), strict=True):
+        if n > 1 and s != want:
+            return False
+        want *= n
+    return True
+
+
+def launch_plan(plan: Plan, arrays: dict, stream) -> bool:
+    """``plan.execute``'s GPU path: runs ``plan`` on the arrays of ``execute``
+    (``{"in": ..., "out": ..., "tmp": ...}``) through :class:`PointerLaunch`
+    (the kernels' compiled handles: disk cache, no per-launch typing); False, launching
+    nothing, where an array is not the plan's: a shape or dtype other than its
+    Spec, strides not C-contiguous, or a reinterpreted view that is misaligned
+    (numba's dispatcher then runs the plan, and raises what it raises)."""
+    ptrs = []
+    for role, specs in (("in", plan.ins), ("out", plan.outs), ("tmp", plan.tmps)):
+        for a, sp in zip(arrays[role], specs, strict=False):
+            if a is None:
+                ptrs.append(0)
+                continue
+            cai = a.__cuda_array_interface__
+            shape = tuple(int(n) for n in cai["shape"])
+            if (shape not in (sp.shape, sp.shape or (1,)) or np.dtype(cai["typestr"]) != sp.dtype
+                    or not _c_contiguous(cai)):
+                return False
+            ptrs.append(int(cai["data"][0]))
+        if len(arrays[role]) < len(specs):
+            return False
+    starts = {"in": 0, "out": len(plan.ins), "tmp": len(plan.ins) + len(plan.outs)}
+    for st in plan.steps:
+        for a in st.args:
+            if isinstance(a, Ref) and a.view is not None and ptrs[starts[a.role] + a.index] % a.view.dtype.itemsize:
+                return False
+    ordinal = _plan._ordinal_now()
+    memo = (id(plan), ordinal)
+    hit = _POINTER_PLANS.get(memo)
+    if hit is None:
+        if len(_POINTER_PLANS) > 4096:  # one entry per plan used: bounded anyway
+            _POINTER_PLANS.clear()
+        try:
+            launcher = PointerLaunch(plan, ordinal)
+        except TypeError:  # an argument with no kernel parameter type (_numba_type): numba's dispatcher
+            launcher = None
+        hit = _POINTER_PLANS[memo] = (launcher, plan)  # plan kept: its id stays its own
+    if hit[0] is None:
+        return False
+    hit[0](ptrs, _stream_handle(stream))
+    return True
+
+
+def _stream_handle(stream) -> int:
+    """A numba stream (or 0) as the handle cuLaunchKernel takes; 0 is numba's
+    default stream: the per-thread one (2) where numba's config says so."""
+    if stream is None or (isinstance(stream, (int, np.integer)) and int(stream) == 0):
+        from numba import config
+
+        return 2 if config.CUDA_PER_THREAD_DEFAULT_STREAM else 0
+    handle = getattr(stream, "handle", stream)
+    if isinstance(handle, ctypes.c_void_p):
+        return int(handle.value or 0)
+    return int(handle)
+
+
+_plan.GPU_EXECUTOR[:] = [launch_plan]

@@ -4,7 +4,7 @@ Why: a warp whose 32 threads each own a quad and touch its four fp32
 elements one at a time issues four instructions, each hitting every sector
 of a 512-byte span with a quarter of its bytes.  Nsight Compute put the
 thread-per-token forwards at L2 throughput while DRAM sat at 16% of peak
-(docs/benchmarks.md): the ``saved`` and score rows, written element by
+(lab/journal/benchmarks.md): the ``saved`` and score rows, written element by
 element, were four times the L2 store requests their bytes need.  One
 16-byte access per quad is one request per sector.
 

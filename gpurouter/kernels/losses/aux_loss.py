@@ -4,7 +4,7 @@
 ``loss = C * sum_c (sum_r probs[r, c]) * tokens_per_expert[c]``.
 
 Deterministic by construction (≠TE, which uses float atomics): one kernel;
-each of its blocks (``_tiling.column_tiling``) writes one fp32 partial, the
+each of its blocks (``tiling.column_tiling``) writes one fp32 partial, the
 sum over its fixed row range of ``probs[r, c] * tokens_per_expert[c]`` (its
 threads are row lanes x column lanes, each summing its rows of a column, or
 of an fp32 column quad, with several loads in flight (``_column_sums.py``),
@@ -27,21 +27,21 @@ from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
 
 from ..._host import aux_loss_coeff
-from .. import _tiling
 from .._base.access import array_views, flat_io, loader_1d, storer_1d, storer_2d
 from .._base.device import ZERO, u64
 from .._base.launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
 from .._base.plan import Counter, In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
 from .column_sums import block_tree_sum, lane_column_sum, lane_quad_sum
 from .last_block import finish_pieces, load_l2
+from .tiling import AUX_LOSS_TILING, AuxLossTiling, column_tiling, fill_tiling
 
 OP = "moe_aux_loss"
 
 # The shared array's size must be a compile-time constant: numba freezes module
-# globals as constants, but types ``_tiling.COLUMN_THREADS`` (a module attribute)
+# globals as constants, but types ``AUX_LOSS_TILING.column_threads`` (an attribute)
 # as a plain int64, which cuda.shared.array rejects on the GPU (the
 # simulator accepts anything).
-_RED_WORDS = _tiling.COLUMN_THREADS
+_RED_WORDS = AUX_LOSS_TILING.column_threads
 
 
 @functools.cache
@@ -188,7 +188,7 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str):
         col_lanes,  # CL; blockDim.x == RL * CL
     ):
         # Thread (rl, cl) computes its column quads' values once and writes
-        # them down its rows, grid-strided (_tiling.fill_tiling; int32
+        # them down its rows, grid-strided (tiling.fill_tiling; int32
         # counters, unsigned indices: _device.u64).
         eq = np.int32(num_cols // 4)
         tid = np.int32(cuda.threadIdx.x)
@@ -216,7 +216,7 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str):
 
 
 def moe_aux_loss_fwd(probs, tokens_per_expert, topk, coeff, total_num_tokens=None,
-                     num_experts=None, *, out=None, stream=0):
+                     num_experts=None, *, tiling=None, out=None, stream=0):
     """Aux loss forward.
 
     Args:
@@ -227,6 +227,7 @@ def moe_aux_loss_fwd(probs, tokens_per_expert, topk, coeff, total_num_tokens=Non
       total_num_tokens: T of the formula (default ``probs.shape[0]``; the
         global count when token-sharded).
       num_experts: E of the formula (default C).
+      tiling: an ``AuxLossTiling`` (None: the library's).
       out: optional ``(loss, saved_coeff)`` device arrays of shape ().
       stream: numba stream or int CUDA stream handle.
 
@@ -253,18 +254,21 @@ def moe_aux_loss_fwd(probs, tokens_per_expert, topk, coeff, total_num_tokens=Non
     c_host = aux_loss_coeff(n_exp, coeff, int(topk), total)
     to_host = not any_on_device(probs, tokens_per_expert) and out is None
     plan = moe_aux_loss_fwd_plan(spec_of(d_probs.shape, kind), spec_for(d_tpe.shape, d_tpe.dtype),
-                                 c_host)
+                                 c_host, tiling)
     return execute(plan, [d_probs, d_tpe], out, s, to_host)
 
 
 @functools.cache
-def moe_aux_loss_fwd_plan(probs: Spec, tokens_per_expert: Spec, c: np.float32) -> Plan:
+def moe_aux_loss_fwd_plan(probs: Spec, tokens_per_expert: Spec, c: np.float32,
+                          tiling: AuxLossTiling | None = None) -> Plan:
     """The launches of the forward (inputs: probs, tokens_per_expert; outputs: loss,
-    saved_coeff; scratch: the per-block partials). ``c`` is the fp32 C."""
+    saved_coeff; scratch: the per-block partials). ``c`` is the fp32 C; ``tiling``:
+    an ``AuxLossTiling`` (None: the library's)."""
+    tiling = tiling or AUX_LOSS_TILING
     num_rows, num_cols = probs.shape
     outs = (spec_of((), probs.kind), spec_of((), F32))
     quads = probs.kind == F32 and num_cols % 4 == 0
-    grid, threads, cl, rows = _tiling.column_tiling(num_rows, num_cols // 4 if quads else num_cols)
+    grid, threads, cl, rows = column_tiling(num_rows, num_cols // 4 if quads else num_cols, tiling)
     tmps = (spec_of((grid,), F32),)
     src = In(0, array_views(F32, (num_rows, num_cols))[0]) if quads else In(0)
     steps = (Step(aux_loss_fwd_kernel(probs.kind, tokens_per_expert.kind, probs.kind, quads), grid, threads, 0,
@@ -273,7 +277,7 @@ def moe_aux_loss_fwd_plan(probs: Spec, tokens_per_expert: Spec, c: np.float32) -
     return Plan(OP + "_fwd", (probs, tokens_per_expert), outs, tmps, steps)
 
 
-def moe_aux_loss_bwd(saved_coeff, tokens_per_expert, grad_loss, num_rows, *, out=None, stream=0):
+def moe_aux_loss_bwd(saved_coeff, tokens_per_expert, grad_loss, num_rows, *, tiling=None, out=None, stream=0):
     """Aux loss backward: ``grad_probs[r, c] = C * f32(tpe[c]) * f32(grad_loss)``.
 
     Args:
@@ -281,6 +285,7 @@ def moe_aux_loss_bwd(saved_coeff, tokens_per_expert, grad_loss, num_rows, *, out
       tokens_per_expert: (C,) int32 | int64 | float32 | bfloat16.
       grad_loss: () float32 | bfloat16 | float16 (host scalar or device array).
       num_rows: R, the rows of probs.
+      tiling: an ``AuxLossTiling`` (None: the library's).
       out: optional device array for grad_probs.
       stream: numba stream or int CUDA stream handle.
 
@@ -296,14 +301,17 @@ def moe_aux_loss_bwd(saved_coeff, tokens_per_expert, grad_loss, num_rows, *, out
     d_tpe, tpe_kind = device_input(tokens_per_expert, "tokens_per_expert", op, s,
                                      allow_int=True, ndim=1)
     to_host = not any_on_device(saved_coeff, tokens_per_expert, grad_loss) and out is None
-    plan = moe_aux_loss_bwd_plan(spec_for(d_tpe.shape, d_tpe.dtype), spec_of((), kind), int(num_rows))
+    plan = moe_aux_loss_bwd_plan(spec_for(d_tpe.shape, d_tpe.dtype), spec_of((), kind), int(num_rows), tiling)
     return execute(plan, [d_coeff, d_tpe, d_grad], out, s, to_host)[0]
 
 
 @functools.cache
-def moe_aux_loss_bwd_plan(tokens_per_expert: Spec, grad_loss: Spec, num_rows: int) -> Plan:
+def moe_aux_loss_bwd_plan(tokens_per_expert: Spec, grad_loss: Spec, num_rows: int,
+                          tiling: AuxLossTiling | None = None) -> Plan:
     """The launches of the backward (inputs: saved_coeff, tokens_per_expert,
-    grad_loss; output: grad_probs [num_rows, C] in grad_loss's kind)."""
+    grad_loss; output: grad_probs [num_rows, C] in grad_loss's kind); ``tiling``:
+    an ``AuxLossTiling`` (None: the library's)."""
+    tiling = tiling or AUX_LOSS_TILING
     num_cols = tokens_per_expert.shape[0]
     kind = grad_loss.kind
     ins = (spec_of((), F32), tokens_per_expert, grad_loss)
@@ -311,13 +319,13 @@ def moe_aux_loss_bwd_plan(tokens_per_expert: Spec, grad_loss: Spec, num_rows: in
     if num_rows == 0 or num_cols == 0:
         return Plan(OP + "_bwd", ins, outs)
     if num_cols % 4 == 0:  # a quad of columns per store
-        grid, threads, cl = _tiling.fill_tiling(num_rows, num_cols // 4)
+        grid, threads, cl = fill_tiling(num_rows, num_cols // 4, tiling)
         words = array_views(kind, (num_rows, num_cols))[0]
         step = Step(aux_loss_bwd_quad_kernel(tokens_per_expert.kind, kind), grid, threads, 0,
                       (In(0, spec_of((1,), F32)), In(1), In(2, spec_of((1,), kind)),
                        Out(0, words), num_rows, num_cols, cl))
         return Plan(OP + "_bwd", ins, outs, (), (step,))
-    grid, threads, cl, rows = _tiling.column_tiling(num_rows, num_cols)
+    grid, threads, cl, rows = column_tiling(num_rows, num_cols, tiling)
     step = Step(aux_loss_bwd_kernel(tokens_per_expert.kind, kind), 2 * grid, threads, 0,
                   (In(0, spec_of((1,), F32)), In(1), In(2, spec_of((1,), kind)), Out(0),
                    -(-num_rows // (2 * grid)), cl))

@@ -1,6 +1,6 @@
 """The aux loss forward's column sums (``aux_loss.py``; device functions only).
 
-A block is RL row lanes x CL column lanes (``_tiling.column_tiling``).
+A block is RL row lanes x CL column lanes (``tiling.column_tiling``).
 Thread (rl, cl) owns columns (or, fp32 with C % 4 == 0, column quads) cl,
 cl + CL, ... and, of its block's rows, those congruent to rl mod RL, summed
 with independent accumulators so that several loads are in flight per

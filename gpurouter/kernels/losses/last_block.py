@@ -3,7 +3,7 @@ block's thread 0, its partial sum written, takes a ticket, an increment of a
 ``_plan.Counter`` (zero when the kernel starts) that wraps back to zero at the
 grid's last block; the block that gets the last ticket sums every partial in
 a fixed order and writes the loss.  One launch in all, instead of a second,
-one-block launch (docs/benchmarks.md has what each costs).
+one-block launch (lab/journal/benchmarks.md has what each costs).
 
 - ``load_l2(a, i)``: ``ld.global.cg.f32`` (the partials other blocks wrote,
   never through a stale L1 line);
@@ -27,17 +27,17 @@ import numpy as np
 from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
 
-from .. import _tiling
 from .._base.device import ZERO
 from .._base.launch import simulator_enabled
+from .tiling import Z_LOSS_TILING
 from .z_io import lane_reducers
 
 # Shared-array sizes must be compile-time constants (a module global is frozen as one)
-_FINAL_WORDS = _tiling.Z_FINAL_THREADS
+_FINAL_WORDS = Z_LOSS_TILING.final_threads
 
 #: the finish: "acq_rel" (one acquire-release ``atom.inc``), "fence" (``membar.gl``,
 #: ``atomic.inc``, ``membar.gl``), or "none" (no finish, the loss unwritten: only
-#: for timing the rows alone, ``tools/z_loss_probe.py``)
+#: for timing the rows alone, ``tools/probes/z_loss_probe.py``)
 FINISH = "acq_rel"
 
 

@@ -7,11 +7,11 @@ token count under sharding; default T).  The reference is
 ``gpurouter.reference.router_z_loss``.
 
 Rows of whole 16-byte vectors (bf16 ``E % 8 == 0``, fp32 ``E % 4 == 0``, up to
-``_tiling.Z_VEC_MAX_HOLD`` vectors a lane) take the kernels of ``z_loss_vec.py``;
-the others these *unit* kernels (``_tiling.z_loss_tiling``): a row's experts
+``ZLossTiling.vec_max_hold`` vectors a lane) take the kernels of ``z_loss_vec.py``;
+the others these *unit* kernels (``tiling.z_loss_tiling``): a row's experts
 cut into units of four (a quad seen flat through ``_access.array_views`` when
 ``E % 4 == 0``, else four masked element loads), W lanes a row, lane ``l``
-taking units ``l, l + W, ...``, ``Z_HOLD`` of them a step, all loads issued
+taking units ``l, l + W, ...``, ``ZLossTiling.hold`` of them a step, all loads issued
 before any use (indices clamped into the row, values past it ignored).
 
 Forward, kernel 1 (a block of TB rows x W lanes): each lane keeps an online
@@ -44,7 +44,6 @@ import numpy as np
 from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
 
-from .. import _tiling
 from .._base.access import array_views, flat_io, storer_2d
 from .._base.device import NEG_INF, ZERO, fmax_f32, u64
 from .._base.launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
@@ -63,6 +62,7 @@ from .logsumexp import (
     softmax_term,
     unit_fetchers,
 )
+from .tiling import Z_LOSS_TILING, ZLossTiling, pow2_at_least, z_loss_tiling, z_loss_vec_tiling
 from .z_loss_vec import word_view, z_loss_vec_bwd_kernel, z_loss_vec_rows_kernel
 
 OP = "router_z_loss"
@@ -279,7 +279,7 @@ def _logits_arg(logits: Spec, quads: bool) -> Ref:
     return In(0, array_views(logits.kind, logits.shape)[0]) if quads else In(0)
 
 
-def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, out=None, stream=0):
+def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, tiling=None, out=None, stream=0):
     """Router z-loss forward.
 
     Args:
@@ -287,6 +287,7 @@ def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, out=None, stream=
       coeff: the loss coefficient (finite).
       total_num_tokens: N of ``coeff * sum_t lse_t^2 / N`` (default T, 1 when
         T == 0; the global count when token-sharded).
+      tiling: a ``ZLossTiling`` (None: the library's).
       out: optional ``(loss (), saved (2T,))`` float32 device arrays.
       stream: numba stream or int CUDA stream handle.
 
@@ -300,42 +301,44 @@ def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, out=None, stream=
     d, kind = _logits_input(logits, op, s)
     c, total = _static_args(op, int(d.shape[0]), coeff, total_num_tokens)
     to_host = not any_on_device(logits) and out is None
-    plan = router_z_loss_fwd_plan(spec_of(d.shape, kind), c, total)
+    plan = router_z_loss_fwd_plan(spec_of(d.shape, kind), c, total, tiling)
     return tuple(execute(plan, [d], out, s, to_host))
 
 
 @functools.cache
-def router_z_loss_fwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: int) -> Plan:
+def router_z_loss_fwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: int,
+                           tiling: ZLossTiling | None = None) -> Plan:
     """The launches of the forward: input logits; outputs ``loss () f32``,
-    ``saved (2T,) f32``; scratch: the per-block partial sums of ``lse^2``."""
+    ``saved (2T,) f32``; scratch: the per-block partial sums of ``lse^2``; ``tiling``: a ``ZLossTiling``."""
+    tiling = tiling or Z_LOSS_TILING
     num_tokens, num_experts = logits.shape
     outs = (spec_of((), F32), spec_of((2 * num_tokens,), F32))
-    vec = logits.kind != F16 and _tiling.z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize)
-    grid, threads, lanes, units, quads = _tiling.z_loss_tiling(num_tokens, num_experts)
+    vec = logits.kind != F16 and z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize, False, tiling)
+    grid, threads, lanes, units, quads = z_loss_tiling(num_tokens, num_experts, tiling=tiling)
     steps = []
     if vec:  # one launch: the grid's last block sums the partials (a Counter tells it it is last)
         grid, threads, lanes, vecs, hold, iters = vec
-        kern = z_loss_vec_rows_kernel(logits.kind, hold, lanes, *_tiling.Z_VEC_FWD[3:], vecs == lanes * hold,
+        kern = z_loss_vec_rows_kernel(logits.kind, hold, lanes, *tiling.vec_fwd[3:], vecs == lanes * hold,
                                       threads % 32 == 0, _z_loss_finish.FINISH)  # exact rows, full warps
         steps.append(Step(kern, grid, threads, 4 * (threads + threads // lanes + 1),
                           (In(0, word_view(logits)), Out(1), Tmp(0), Out(0, spec_of((1,), F32)), Counter(),
                            num_tokens, vecs, iters, np.float32(coeff), np.float32(total_num_tokens))))
         return Plan(OP + "_fwd", (logits,), outs, (spec_of((grid,), F32),), steps)
     if grid:
-        steps.append(Step(z_loss_rows_kernel(logits.kind, quads, _tiling.Z_HOLD), grid, threads,
+        steps.append(Step(z_loss_rows_kernel(logits.kind, quads, tiling.hold), grid, threads,
                             4 * (2 * threads + threads // lanes),
                             (_logits_arg(logits, quads), Out(1), Tmp(0), num_tokens, num_experts,
                              units, lanes)))
     tmps = (spec_of((max(grid, 1),), F32),)
-    final = min(_tiling.Z_FINAL_THREADS, _tiling.pow2_at_least(max(grid, 1)))
+    final = min(tiling.final_threads, pow2_at_least(max(grid, 1)))
     steps.append(Step(z_loss_final_kernel, 1, final, 0,
                         (Tmp(0), Out(0, spec_of((1,), F32)), grid, np.float32(coeff),
                          np.float32(total_num_tokens))))
     return Plan(OP + "_fwd", (logits,), outs, tmps, steps)
 
 
-def router_z_loss_bwd(logits, saved_lse, grad_loss, coeff, total_num_tokens=None, *, out=None,
-                      stream=0):
+def router_z_loss_bwd(logits, saved_lse, grad_loss, coeff, total_num_tokens=None, *, tiling=None,
+                      out=None, stream=0):
     """Router z-loss backward:
     ``grad_logits[t, e] = grad_loss * 2 coeff / N * lse_t * exp(logits[t, e] - lse_t)``.
 
@@ -343,7 +346,7 @@ def router_z_loss_bwd(logits, saved_lse, grad_loss, coeff, total_num_tokens=None
       logits: (T, E) float32 | bfloat16 | float16, as given to the forward.
       saved_lse: (2T,) float32, the forward's second output (each row's max, then log2 of its sum).
       grad_loss: () float32 (host scalar, Python float or device array).
-      coeff, total_num_tokens: as given to the forward.
+      coeff, total_num_tokens, tiling: as given to the forward.
       out: optional device array for grad_logits.
       stream: numba stream or int CUDA stream handle.
 
@@ -363,31 +366,33 @@ def router_z_loss_bwd(logits, saved_lse, grad_loss, coeff, total_num_tokens=None
         raise TypeError(f"{op}: grad_loss must be float32, got {d_g.dtype}.")
     c, total = _static_args(op, num_tokens, coeff, total_num_tokens)
     to_host = not any_on_device(logits, saved_lse, grad_loss) and out is None
-    plan = router_z_loss_bwd_plan(spec_of(d.shape, kind), c, total)
+    plan = router_z_loss_bwd_plan(spec_of(d.shape, kind), c, total, tiling)
     return execute(plan, [d, d_lse, d_g], out, s, to_host)[0]
 
 
 @functools.cache
-def router_z_loss_bwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: int) -> Plan:
+def router_z_loss_bwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: int,
+                           tiling: ZLossTiling | None = None) -> Plan:
     """The launches of the backward: inputs logits, ``saved (2T,) f32``,
-    ``grad_loss () f32``; output ``grad_logits`` (logits' shape and kind)."""
+    ``grad_loss () f32``; output ``grad_logits`` (logits' shape and kind); ``tiling``: a ``ZLossTiling``."""
+    tiling = tiling or Z_LOSS_TILING
     num_tokens, num_experts = logits.shape
     ins = (logits, spec_of((2 * num_tokens,), F32), spec_of((), F32))
     outs = (spec_of(logits.shape, logits.kind),)
-    grid, threads, lanes, units, quads = _tiling.z_loss_tiling(num_tokens, num_experts, backward=True)
+    grid, threads, lanes, units, quads = z_loss_tiling(num_tokens, num_experts, backward=True, tiling=tiling)
     if not grid:
         return Plan(OP + "_bwd", ins, outs)
     # 2 coeff / N in fp32, in that order (the reference: coeff * (S / N), d/d lse_t: 2 lse_t)
     scale = np.float32(np.float32(np.float32(coeff) / np.float32(total_num_tokens)) * np.float32(2))
-    vec = logits.kind != F16 and _tiling.z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize, True)
+    vec = logits.kind != F16 and z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize, True, tiling)
     if vec:
         grid, threads, lanes, vecs, hold, iters = vec
-        kern = z_loss_vec_bwd_kernel(logits.kind, hold, lanes, *_tiling.Z_VEC_BWD[3:])
+        kern = z_loss_vec_bwd_kernel(logits.kind, hold, lanes, *tiling.vec_bwd[3:])
         step = Step(kern, grid, threads, 0, (In(0, word_view(logits)), In(1), In(2, spec_of((1,), F32)),
                                              Out(0, word_view(logits)), num_tokens, vecs, iters, scale))
         return Plan(OP + "_bwd", ins, outs, (), (step,))
     grad = Out(0, array_views(logits.kind, logits.shape)[0]) if quads else Out(0)
-    step = Step(z_loss_bwd_kernel(logits.kind, quads, _tiling.Z_BWD_HOLD), grid, threads, 0,
+    step = Step(z_loss_bwd_kernel(logits.kind, quads, tiling.bwd_hold), grid, threads, 0,
                   (_logits_arg(logits, quads), In(1), In(2, spec_of((1,), F32)), grad,
                    num_tokens, num_experts, units, lanes, scale))
     return Plan(OP + "_bwd", ins, outs, (), (step,))

@@ -1,6 +1,6 @@
 """Router z-loss row kernels on 16-byte vectors: the forward's rows and the
 backward when a row is a whole number of 16-byte vectors (bf16 with
-``E % 8 == 0``, fp32 with ``E % 4 == 0``; ``_tiling.z_loss_vec_tiling``).
+``E % 8 == 0``, fp32 with ``E % 4 == 0``; ``tiling.z_loss_vec_tiling``).
 ``z_loss.py`` picks these or its unit kernels, and holds the plans.
 
 Layout: the logits seen flat as uint32 words (bf16: two experts a word, fp32:
@@ -32,7 +32,7 @@ at the end thread 0 sums the block's TB running sums in slot order into
 at launch, wrapping back to zero at the grid's last block): the block that
 gets the last one sums every partial in a fixed order (``_z_loss_finish``) and
 writes the loss, one launch in all (a second one-block launch cost more:
-docs/benchmarks.md, "Router z-loss").  Every order is fixed: bit-identical
+lab/journal/benchmarks.md, "Router z-loss").  Every order is fixed: bit-identical
 run to run (the simulator's exchange goes through shared memory in the same
 order).
 

@@ -11,15 +11,15 @@ merging_probs [T, E]`` (all ones without)::
 
 Tiling (``combine_tiling``): one block per token, its W lanes over the
 row units (16 bytes: eight bf16 columns where H % 8 == 0, ``_moe_rows``) of
-the hidden row, lane ``l`` units ``l, l + W, ...`` (``CMB_LANE_UNITS`` or
+the hidden row, lane ``l`` units ``l, l + W, ...`` (``CombineTiling.lane_units`` or
 more each: fewer lanes per token, more tokens per SM).  First the token's routed experts are listed in
 ascending order in shared memory (``_lister``: a flag per expert, the flags
 packed into 32-bit words, each routed expert's rank the set bits before it:
 three barriers, no scan), with their rows and weights; then
 
-- forward: per unit, the listed rows ``CMB_HOLD`` at a time (their loads
+- forward: per unit, the listed rows ``CombineTiling.hold`` at a time (their loads
   issued before any is used), summed in list order, one store;
-- backward: per ``CMB_BWD_HOLD`` listed rows, each lane loads ``dy[t]``'s unit and
+- backward: per ``CombineTiling.bwd_hold`` listed rows, each lane loads ``dy[t]``'s unit and
   the rows' units, stores ``w dy`` into their ``d_z`` rows and keeps a partial
   dot per row; the lanes' partials are summed in a fixed tree
   (``_moe_rows.lane_tree_sums``: warp shuffles, then the warps in order; the
@@ -42,50 +42,66 @@ from .._base import compat as _compat  # noqa: F401  (first: patches NumPy befor
 
 # isort: split
 
+import dataclasses
 import functools
 
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from .._base import launch as L
-from .io import _ONE, _ZERO, moe_jit, popc32, pow2_at_least, scalar_io
+from .._base.limits import pow2_at_least
+from .io import _ONE, _ZERO, moe_jit, popc32, scalar_io
 from .rows import cols_io, lane_tree_sums, row_io, row_mode, row_units, row_width
 
 OP = "token_combine"
 
-#: lanes (threads) per block at most (H = 2048 bf16: 256 row units of 16 bytes, one per lane)
-CMB_THREADS = 256
-#: units per lane at least (a lane's units are taken in turn: more units per lane, fewer
-#: lanes per token, more tokens per SM, whose listing phases overlap: faster on an H200)
-CMB_LANE_UNITS = 2
-#: listed rows whose loads a lane issues at once: forward, backward (the backward's per-row
-#: dot tree comes after each batch: fewer rows a batch ran faster on an H200)
-CMB_HOLD = 8
-CMB_BWD_HOLD = 4
+@dataclasses.dataclass(frozen=True)
+class CombineTiling:
+    """The combine and dispatch kernels' knobs (the defaults are the library's, measured
+    with ``tools/probes/moe_sweep.py``; tests and the sweep pass others to the plans).
+
+    - ``threads``: lanes (threads) per block at most (H = 2048 bf16: 256 row units of
+      16 bytes, one per lane);
+    - ``lane_units``: units per lane at least (a lane's units are taken in turn: more
+      units per lane, fewer lanes per token, more tokens per SM, whose listing phases
+      overlap: faster on an H200);
+    - ``hold``, ``bwd_hold``: listed rows whose loads a lane issues at once, forward and
+      backward (the backward's per-row dot tree comes after each batch: fewer rows a
+      batch ran faster on an H200);
+    - ``max_regs``: register cap of the token kernels (0: the compiler's choice);
+    - ``fill_threads``, ``fill_blocks``: the d_z padding kernels' threads per block and
+      blocks at most (grid-strided flags);
+    - ``zero_rows``: rows per block of the zero-row kernel."""
+
+    threads: int = 256
+    lane_units: int = 2
+    hold: int = 8
+    bwd_hold: int = 4
+    max_regs: int = 0
+    fill_threads: int = 256
+    fill_blocks: int = 1024
+    zero_rows: int = 64
+
+
+#: the library's combine tiling
+COMBINE_TILING = CombineTiling()
 #: experts per token at most: the shared list holds every routed expert
 CMB_MAX_EXPERTS = 1024
-#: register cap of the token kernels (0: the compiler's choice): more resident blocks
-CMB_MAX_REGS = 0
-#: the d_z padding kernels: threads per block, blocks at most (grid-strided flags)
-CMB_FILL_THREADS = 256
-CMB_FILL_BLOCKS = 1024
-#: rows per block of the zero-row kernel
-CMB_ZERO_ROWS = 64
 
 
-def combine_tiling(hidden: int, kind: str = L.F32):
-    """``(lanes, units, mode)``: W lanes per block (``CMB_LANE_UNITS`` units per
-    lane where ``CMB_THREADS`` lanes allow it, else more; as few lanes as give
+def combine_tiling(hidden: int, kind: str = L.F32, tiling: CombineTiling = COMBINE_TILING):
+    """``(lanes, units, mode)``: W lanes per block (``tiling.lane_units`` units per
+    lane where ``tiling.threads`` lanes allow it, else more; as few lanes as give
     each the same count: a power of two up to 32, else a multiple of 32), row
     units per row and their mode
-    (``_moe_rows.row_mode``: 16-byte units of eight bf16 columns where H % 8 == 0)."""
+    (``rows.row_mode``: 16-byte units of eight bf16 columns where H % 8 == 0)."""
     mode = row_mode(kind, int(hidden))
     units = row_units(mode, hidden)
-    want = max(1, -(-units // CMB_LANE_UNITS))  # lanes for CMB_LANE_UNITS units each
-    per = max(1, -(-units // min(CMB_THREADS, want)))  # units per lane: every lane the same count (or one less)
+    want = max(1, -(-units // tiling.lane_units))  # lanes for lane_units units each
+    per = max(1, -(-units // min(tiling.threads, want)))  # units per lane: every lane the same count (or one less)
     need = max(1, -(-units // per))
     lanes = pow2_at_least(need) if need <= 32 else -(-need // 32) * 32
-    return min(CMB_THREADS, lanes), units, mode
+    return min(tiling.threads, lanes), units, mode
 
 
 def expert_cap(num_experts: int) -> int:
@@ -303,7 +319,7 @@ def moe_mark_routed_rows_kernel(rid, owned, pairs, r_count):  # rid [T * E] int3
 
 @functools.cache
 def _zero_rows_kernel(kind, mode, rows_per_block):
-    """Block ``b`` owns rows ``b rows_per_block ..`` (``CMB_ZERO_ROWS``): their flags into shared
+    """Block ``b`` owns rows ``b rows_per_block ..`` (``CombineTiling.zero_rows``): their flags into shared
     memory once, then the block's lanes write zero units into the unflagged
     rows only (a block-uniform branch per row: the rows that are held cost a
     shared read, not a global one per unit)."""

@@ -9,14 +9,14 @@ Row ``i`` belongs to group ``g`` iff ``offsets[g] <= i < offsets[g + 1]``
 
 Rows no group owns are never loaded (NaN there reaches nothing).
 
-Tiling (``dbias_tiling``; the knobs are the ``DB_*`` constants below): the
-rows are cut into chunks of ``DB_CHUNK_ROWS``, the columns into row units
+Tiling (``dbias_tiling``; the knobs: ``DbiasTiling`` below): the
+rows are cut into chunks of ``chunk_rows``, the columns into row units
 (``_moe_rows``: 16 bytes, eight bf16 columns, where H % 8 == 0; else four
 columns); block ``(c, cb)`` owns chunk ``c`` and column block ``cb``, lane
-``l`` of its ``W`` lanes the units ``cb W Q + l + k W`` (``k < Q = DB_QUADS``:
+``l`` of its ``W`` lanes the units ``cb W Q + l + k W`` (``k < Q = quads``:
 consecutive lanes read consecutive units, every warp load is coalesced).
-A lane walks the chunk's rows in order, ``DB_HOLD_ROWS`` rows at a time (all
-their loads issued before any is used: ``Q * DB_HOLD_ROWS`` loads in flight per
+A lane walks the chunk's rows in order, ``hold_rows`` rows at a time (all
+their loads issued before any is used: ``Q * hold_rows`` loads in flight per
 thread, kept as raw words in registers; the next batch's loads go out before
 this batch's dscales barriers), takes the held rows in runs of one group,
 keeps ``s[i] dy[i]`` summed in fp32 registers for the current group and
@@ -36,9 +36,9 @@ register cap (``rows_knobs``): more threads with fewer loads each ran faster.
 ``dscales``: each lane's partial dot over its units (fixed order), then per
 held row a fixed tree over the lanes (``_moe_rows.lane_tree_sums``: a warp
 butterfly of shuffles, then the warps in order; one barrier per
-``DB_HOLD_ROWS`` rows; it replaced a two-barrier shared-memory sum,
-docs/benchmarks.md).  With one column block that is ``dscales``; with several
-(more units than Q DB_MAX_LANES) each writes a partial row ``dsp[cb]`` and
+``hold_rows`` rows; it replaced a two-barrier shared-memory sum,
+lab/journal/benchmarks.md).  With one column block that is ``dscales``; with several
+(more units than Q max_lanes) each writes a partial row ``dsp[cb]`` and
 kernel 3 sums them in column-block order.  Every order is fixed by the
 shapes: the results are bit-identical run to run.
 
@@ -53,64 +53,79 @@ from .._base import compat as _compat  # noqa: F401  (first: patches NumPy befor
 
 # isort: split
 
+import dataclasses
 import functools
 
 import numpy as np
 from numba import cuda, float32, int32
 
 from .._base import launch as L
-from .io import _ONE, _ZERO, moe_jit, pow2_at_least, scalar_io, unit_io
+from .._base.limits import pow2_at_least
+from .io import _ONE, _ZERO, moe_jit, scalar_io, unit_io
 from .rows import cols_io, lane_tree_sums, row_io, row_mode, row_units, row_width
 
 OP = "compute_grouped_dbias_dscales"
 OP_DBIAS = "compute_grouped_dbias"
 
-#: row units (``moe_io``: 16 bytes of a bf16 row) per lane per row: its dbias sums are Q units of fp32
-DB_QUADS = 1
-#: rows a lane loads at once (Q * hold loads in flight per thread); the next batch's
-#: loads go out before this batch's dscales reduction (its barrier)
-DB_HOLD_ROWS = 4
-#: rows per chunk (a block's rows): larger chunks, fewer partial rows
-DB_CHUNK_ROWS = 256
-#: without scales (``compute_grouped_dbias``: no dots, no barriers): rows per batch, rows per
-#: chunk and register cap (fewer loads in flight per thread, more threads: faster on an H200)
-DB_HOLD_ROWS_DBIAS = 4
-DB_CHUNK_ROWS_DBIAS = 128
-DB_MAX_REGS_DBIAS = 64
-#: lanes (threads) per block at most; wider rows take several column blocks (512: the DeepSeek-V3-like
-#: H = 7168 in 2 column blocks, not 4; docs/benchmarks.md, "Op 1 at the DeepSeek-V3-like shape")
-DB_MAX_LANES = 512
-#: kernel 1's register cap with scales (0: the compiler's choice)
-DB_MAX_REGS = 0
-#: kernel 2 (groups spanning chunks): threads per block, partial rows loaded at once
-DB_GROUP_THREADS = 128
-DB_GROUP_HOLD = 8
-#: kernel 3 (dscales of several column blocks): threads per block
-DB_FINAL_THREADS = 256
+@dataclasses.dataclass(frozen=True)
+class DbiasTiling:
+    """The grouped dbias / dscales kernels' knobs (the defaults are the library's, measured
+    with ``tools/probes/moe_sweep.py``; tests and the sweep pass others to the plans).
+
+    - ``quads``: Q, row units (``io``: 16 bytes of a bf16 row) per lane per row: its dbias
+      sums are Q units of fp32;
+    - ``hold_rows``: rows a lane loads at once (Q * hold loads in flight per thread); the
+      next batch's loads go out before this batch's dscales reduction (its barrier);
+    - ``chunk_rows``: rows per chunk (a block's rows): larger chunks, fewer partial rows;
+    - ``max_regs``: kernel 1's register cap with scales (0: the compiler's choice);
+    - ``hold_rows_dbias``, ``chunk_rows_dbias``, ``max_regs_dbias``: the same without scales
+      (``compute_grouped_dbias``: no dots, no barriers; fewer loads in flight per thread,
+      more threads: faster on an H200);
+    - ``max_lanes``: lanes (threads) per block at most; wider rows take several column blocks
+      (512: the DeepSeek-V3-like H = 7168 in 2 column blocks, not 4);
+    - ``group_threads``, ``group_hold``: kernel 2 (groups spanning chunks): threads per block,
+      partial rows loaded at once;
+    - ``final_threads``: kernel 3 (dscales of several column blocks): threads per block."""
+
+    quads: int = 1
+    hold_rows: int = 4
+    chunk_rows: int = 256
+    max_regs: int = 0
+    hold_rows_dbias: int = 4
+    chunk_rows_dbias: int = 128
+    max_regs_dbias: int = 64
+    max_lanes: int = 512
+    group_threads: int = 128
+    group_hold: int = 8
+    final_threads: int = 256
 
 
-def rows_knobs(has_scales: bool) -> tuple[int, int, int]:
-    """Kernel 1's ``(hold, chunk, max_regs)`` with or without scales (the ``DB_*`` knobs)."""
+#: the library's dbias tiling
+DBIAS_TILING = DbiasTiling()
+
+
+def rows_knobs(has_scales: bool, tiling: DbiasTiling = DBIAS_TILING) -> tuple[int, int, int]:
+    """Kernel 1's ``(hold, chunk, max_regs)`` with or without scales."""
     if has_scales:
-        return DB_HOLD_ROWS, DB_CHUNK_ROWS, DB_MAX_REGS
-    return DB_HOLD_ROWS_DBIAS, DB_CHUNK_ROWS_DBIAS, DB_MAX_REGS_DBIAS
+        return tiling.hold_rows, tiling.chunk_rows, tiling.max_regs
+    return tiling.hold_rows_dbias, tiling.chunk_rows_dbias, tiling.max_regs_dbias
 
 
-def dbias_tiling(num_rows: int, hidden: int, dy_kind: str = L.F32, has_scales: bool = True):
+def dbias_tiling(num_rows: int, hidden: int, dy_kind: str = L.F32, has_scales: bool = True,
+                 tiling: DbiasTiling = DBIAS_TILING):
     """``(lanes, ncb, nchunks, units, mode)``: W lanes per block, column blocks,
-    row chunks, row units per row and their mode (``_moe_rows.row_mode``).
-    ``ncb = ceil(units / (DB_MAX_LANES Q))``; W the lanes that cover a column
+    row chunks, row units per row and their mode (``rows.row_mode``).
+    ``ncb = ceil(units / (max_lanes Q))``; W the lanes that cover a column
     block (a multiple of 32 above 32, a power of two below)."""
     mode = row_mode(dy_kind, int(hidden))
     units = row_units(mode, hidden)
-    ncb = max(1, -(-units // (DB_MAX_LANES * DB_QUADS)))
-    need = max(1, -(-units // (ncb * DB_QUADS)))
+    ncb = max(1, -(-units // (tiling.max_lanes * tiling.quads)))
+    need = max(1, -(-units // (ncb * tiling.quads)))
     lanes = pow2_at_least(need) if need <= 32 else -(-need // 32) * 32
-    nchunks = -(-int(num_rows) // rows_knobs(has_scales)[1])
-    return min(lanes, DB_MAX_LANES), ncb, nchunks, units, mode
+    nchunks = -(-int(num_rows) // rows_knobs(has_scales, tiling)[1])
+    return min(lanes, tiling.max_lanes), ncb, nchunks, units, mode
 
 
-@cuda.jit(device=True)
 def _clip(o, n):
     return min(max(np.int64(o), np.int64(0)), n)
 
@@ -137,7 +152,7 @@ def _rows_kernel(dy_kind, s_kind, b_kind, mode, has_scales, has_db_in, has_ds_in
                  q, hold, chunk, max_regs, lanes):
     """Kernel 1 (module docstring), specialised on the kinds, the flags and the tile constants, the
     block's ``lanes`` included (a constant: the lane sums' loops unrolled, their divisions shifts;
-    ptxas sm_90 at the Qwen3-like shape: 90 registers instead of 124, 64 at DB_HOLD_ROWS = 4
+    ptxas sm_90 at the Qwen3-like shape: 90 registers instead of 124, 64 at hold_rows = 4
     with no spill)."""
     load_dy, unpack, _ = row_io(dy_kind, mode)
     load_b = cols_io(b_kind, mode)[0]

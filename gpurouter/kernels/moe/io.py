@@ -48,14 +48,6 @@ def moe_jit(max_registers: int = 0):
     return cuda.jit
 
 
-def pow2_at_least(n: int) -> int:
-    """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
-    p = 1
-    while p < n:
-        p *= 2
-    return p
-
-
 def flat_view(kind: str, shape) -> Spec:
     """The flat Spec a quads kernel takes for a ``[N, H]`` array of ``kind``
     (``H % 4 == 0``): bf16 as ``uint64`` words, other kinds as elements."""

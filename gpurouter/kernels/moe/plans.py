@@ -2,8 +2,9 @@
 (``moe_grouped_dbias.py``) and ``token_combine`` (``moe_combine.py``).
 
 A plan is a pure function of the arrays' Specs (cached): the kernels, their
-grids and blocks (the tiling functions and knobs of the kernel modules, read
-when a plan is made), the scratch arrays; a launcher checks its arrays, moves
+grids and blocks (the tiling functions of the kernel modules, with the
+plan's ``tiling`` argument: a ``combine.CombineTiling`` or a
+``grouped_dbias.DbiasTiling``, None for the library's), the scratch arrays; a launcher checks its arrays, moves
 host ones to the device (``_launch.device_input``) and executes the plan.
 """
 
@@ -18,10 +19,10 @@ import functools
 import numpy as np
 
 from .._base import launch as L
+from .._base.limits import pow2_at_least
 from .._base.plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
 from . import combine as C
 from . import grouped_dbias as G
-from .io import pow2_at_least
 from .rows import row_view
 
 # ----------------------------------------------------------------------------
@@ -33,13 +34,15 @@ _ONE_F32 = Spec((1,), np.float32)
 
 @functools.cache
 def grouped_dbias_dscales_plan(dy: Spec, scales: Spec | None, bias: Spec | None, offsets: Spec,
-                               dbias: Spec | None = None, dscales: Spec | None = None) -> Plan:
+                               dbias: Spec | None = None, dscales: Spec | None = None,
+                               tiling: G.DbiasTiling | None = None) -> Plan:
     """The launches of ``compute_grouped_dbias_dscales`` (``scales`` and ``bias``
     None: ``compute_grouped_dbias``).  Inputs in this order, the absent ones
     left out: ``dy [N, H]``, ``scales [N]``, ``bias [G, H]``, ``offsets [G + 1]
     int32``, ``dbias [G, H] f32``, ``dscales [N] f32``; outputs ``dbias [G, H]
     f32`` and, with scales, ``dscales [N] f32``; scratch: the chunks' A/B rows
-    and the dscales partials."""
+    and the dscales partials.  ``tiling``: a ``DbiasTiling`` (None: the library's)."""
+    tiling = tiling or G.DBIAS_TILING
     n, h = dy.shape
     g = offsets.shape[0] - 1
     has_scales = scales is not None
@@ -48,7 +51,7 @@ def grouped_dbias_dscales_plan(dy: Spec, scales: Spec | None, bias: Spec | None,
         nm for nm, x in zip(("dy", "scales", "bias", "offsets", "dbias", "dscales"),
                             (dy, scales, bias, offsets, dbias, dscales), strict=True) if x is not None)}
     outs = [spec_of((g, h), L.F32)] + ([spec_of((n,), L.F32)] if has_scales else [])
-    lanes, ncb, nchunks, units, mode = G.dbias_tiling(n, h, dy.kind, has_scales)
+    lanes, ncb, nchunks, units, mode = G.dbias_tiling(n, h, dy.kind, has_scales, tiling)
     final_ds = ncb == 1
     quads = h % 4 == 0 and h > 0  # kernel 2's fp32 rows, flat
     tmps = (spec_of((2 * max(nchunks, 1), h), L.F32),
@@ -71,19 +74,19 @@ def grouped_dbias_dscales_plan(dy: Spec, scales: Spec | None, bias: Spec | None,
     if n:
         kern = G._rows_kernel(dy.kind, scales.kind if has_scales else L.F32, bias.kind if has_scales else L.F32,
                               mode, has_scales, dbias is not None, dscales is not None, final_ds,
-                              G.DB_QUADS, *G.rows_knobs(has_scales), lanes)
+                              tiling.quads, *G.rows_knobs(has_scales, tiling), lanes)
         steps.append(Step(kern, nchunks * ncb, lanes, 0,
                           (a_dy, a_s, a_b, In(idx["offsets"]), a_dbi, a_dsi, out_db, a_ds, a_part, Tmp(1),
                            n, h, units, g, ncb)))
     units4 = -(-h // 4)  # kernel 2: fp32 units of four columns
     if units4:
-        gt = min(G.DB_GROUP_THREADS, pow2_at_least(units4))
+        gt = min(tiling.group_threads, pow2_at_least(units4))
         nub = -(-units4 // gt)
-        chunk = G.rows_knobs(has_scales)[1]
-        steps.append(Step(G._groups_kernel(quads, dbias is not None, chunk, G.DB_GROUP_HOLD), g * nub, gt, 0,
+        chunk = G.rows_knobs(has_scales, tiling)[1]
+        steps.append(Step(G._groups_kernel(quads, dbias is not None, chunk, tiling.group_hold), g * nub, gt, 0,
                           (a_part, a_dbi, out_db, In(idx["offsets"]), n, h, units4, nub)))
     if has_scales and n and not final_ds:
-        ft = min(G.DB_FINAL_THREADS, pow2_at_least(n))
+        ft = min(tiling.final_threads, pow2_at_least(n))
         steps.append(Step(G._dscales_kernel(dscales is not None), -(-n // ft), ft, 0,
                           (Tmp(1), a_dsi, Out(1), n, ncb)))
     return Plan(G.OP if has_scales else G.OP_DBIAS, ins, outs, tmps, steps)
@@ -118,7 +121,7 @@ def _f32_input(x, name, op, stream, shape):
     return d
 
 
-def _run(op, dy, scales, bias, offsets, dbias, dscales, out, stream):
+def _run(op, dy, scales, bias, offsets, dbias, dscales, out, stream, tiling=None):
     s = L.resolve_stream(stream)
     d_dy, _ = L.device_input(dy, "dy", op, s, ndim=2)
     n, h = (int(v) for v in d_dy.shape)
@@ -136,12 +139,14 @@ def _run(op, dy, scales, bias, offsets, dbias, dscales, out, stream):
     d_dbi = None if dbias is None else _f32_input(dbias, "dbias", op, s, (g, h))
     d_dsi = None if dscales is None else _f32_input(dscales, "dscales", op, s, (n,))
     arrays = [d_dy, d_s, d_b, d_o, d_dbi, d_dsi]
-    plan = grouped_dbias_dscales_plan(*(None if a is None else spec_for(a.shape, a.dtype) for a in arrays))
+    plan = grouped_dbias_dscales_plan(*(None if a is None else spec_for(a.shape, a.dtype) for a in arrays),
+                                      tiling=tiling)
     to_host = not L.any_on_device(dy, scales, bias, offsets, dbias, dscales) and out is None
     return execute(plan, [a for a in arrays if a is not None], out, s, to_host)
 
 
-def grouped_dbias_dscales(dy, scales, bias, offsets, dbias=None, dscales=None, *, out=None, stream=0):
+def grouped_dbias_dscales(dy, scales, bias, offsets, dbias=None, dscales=None, *, tiling=None, out=None,
+                          stream=0):
     """``(dbias [G, H] float32, dscales [N] float32)`` (module docstring), deterministic.
 
     Args:
@@ -149,15 +154,16 @@ def grouped_dbias_dscales(dy, scales, bias, offsets, dbias=None, dscales=None, *
       scales: (N,) float; bias: (G, H) float.
       offsets: (G + 1,) integers (device: int32), non-decreasing.
       dbias, dscales: optional float32 (G, H) / (N,) added to.
+      tiling: a ``DbiasTiling`` (None: the library's).
       out: optional device arrays ``(dbias, dscales)``.
       stream: numba stream or int CUDA stream handle.
     """
-    return tuple(_run(G.OP, dy, scales, bias, offsets, dbias, dscales, out, stream))
+    return tuple(_run(G.OP, dy, scales, bias, offsets, dbias, dscales, out, stream, tiling))
 
 
-def grouped_dbias(dy, offsets, dbias=None, *, out=None, stream=0):
+def grouped_dbias(dy, offsets, dbias=None, *, tiling=None, out=None, stream=0):
     """``dbias [G, H] float32``: ``dy`` summed per group of rows (``G = len(offsets) - 1``)."""
-    return _run(G.OP_DBIAS, dy, None, None, offsets, dbias, None, out, stream)[0]
+    return _run(G.OP_DBIAS, dy, None, None, offsets, dbias, None, out, stream, tiling)[0]
 
 
 # ----------------------------------------------------------------------------
@@ -171,44 +177,50 @@ def _rows(ref_fn, i, spec: Spec, mode: str):
     return ref_fn(i) if view is None else ref_fn(i, view)
 
 
-def _fill_grid(n: int) -> int:
-    return max(1, min(C.CMB_FILL_BLOCKS, -(-n // C.CMB_FILL_THREADS)))
+def _fill_grid(n: int, tiling: C.CombineTiling) -> int:
+    return max(1, min(tiling.fill_blocks, -(-n // tiling.fill_threads)))
 
 
 @functools.cache
-def token_combine_fwd_plan(inp: Spec, row_id_map: Spec, merging_probs: Spec | None = None) -> Plan:
+def token_combine_fwd_plan(inp: Spec, row_id_map: Spec, merging_probs: Spec | None = None,
+                           tiling: C.CombineTiling | None = None) -> Plan:
     """The launches of the forward: inputs ``inp [R, H]``, ``row_id_map [T, E] int32``
-    and, maybe, ``merging_probs [T, E]``; output ``[T, H]`` of inp's kind."""
+    and, maybe, ``merging_probs [T, E]``; output ``[T, H]`` of inp's kind.
+    ``tiling``: a ``CombineTiling`` (None: the library's)."""
+    tiling = tiling or C.COMBINE_TILING
     r, h = inp.shape
     t, e = row_id_map.shape
-    lanes, units, mode = C.combine_tiling(h, inp.kind)
+    lanes, units, mode = C.combine_tiling(h, inp.kind, tiling)
     has_w = merging_probs is not None
     outs = (spec_of((t, h), inp.kind),)
     rid = In(1, Spec((max(t * e, 1),), np.int32))
     w = In(2, Spec((max(t * e, 1),), merging_probs.dtype)) if has_w else rid
     steps = []
     if t and units:
-        kern = C._combine_fwd_kernel(inp.kind, merging_probs.kind if has_w else L.F32, mode, has_w, C.CMB_HOLD,
-                                     C.expert_cap(e), C.CMB_MAX_REGS)
+        kern = C._combine_fwd_kernel(inp.kind, merging_probs.kind if has_w else L.F32, mode, has_w, tiling.hold,
+                                     C.expert_cap(e), tiling.max_regs)
         steps.append(Step(kern, t, lanes, 0, (_rows(In, 0, inp, mode), rid, w, _rows(Out, 0, outs[0], mode),
                                               e, r, h, units)))
     return Plan(C.OP + "_fwd", (inp, row_id_map) + ((merging_probs,) if has_w else ()), outs, (), steps)
 
 
-def _bwd_kernel(grad_kind, inp_kind, w_kind, mode, has_w, e, lanes):
-    return C._combine_bwd_kernel(grad_kind, inp_kind, w_kind, mode, has_w, C.CMB_BWD_HOLD, C.expert_cap(e), lanes,
-                                 C.CMB_MAX_REGS)
+def _bwd_kernel(grad_kind, inp_kind, w_kind, mode, has_w, e, lanes, tiling):
+    return C._combine_bwd_kernel(grad_kind, inp_kind, w_kind, mode, has_w, tiling.bwd_hold, C.expert_cap(e), lanes,
+                                 tiling.max_regs)
 
 
 @functools.cache
-def token_combine_bwd_plan(grad: Spec, inp: Spec, row_id_map: Spec, merging_probs: Spec | None = None) -> Plan:
+def token_combine_bwd_plan(grad: Spec, inp: Spec, row_id_map: Spec, merging_probs: Spec | None = None,
+                           tiling: C.CombineTiling | None = None) -> Plan:
     """The launches of the backward: inputs ``grad [T, H]`` (d out), ``inp [R, H]``,
     ``row_id_map [T, E] int32`` and, maybe, ``merging_probs [T, E]``; outputs
     ``d_inp [R, H]`` (inp's kind) and, with probs, ``d_merging_probs [T, E]``
-    (their kind); scratch: a flag per row of ``inp``."""
+    (their kind); scratch: a flag per row of ``inp``.  ``tiling``: a ``CombineTiling``
+    (None: the library's)."""
+    tiling = tiling or C.COMBINE_TILING
     r, h = inp.shape
     t, e = row_id_map.shape
-    lanes, units, mode = C.combine_tiling(h, inp.kind)
+    lanes, units, mode = C.combine_tiling(h, inp.kind, tiling)
     has_w = merging_probs is not None
     outs = (spec_of((r, h), inp.kind),) + ((spec_of((t, e), merging_probs.kind),) if has_w else ())
     tmps = (Spec((max(r, 1),), np.int32),)
@@ -217,55 +229,57 @@ def token_combine_bwd_plan(grad: Spec, inp: Spec, row_id_map: Spec, merging_prob
     w = In(3, Spec((max(t * e, 1),), merging_probs.dtype)) if has_w else rid
     d_w = Out(1, Spec((max(t * e, 1),), merging_probs.dtype)) if has_w else rid
     d_z = _rows(Out, 0, outs[0], mode)
-    steps = _zero_unreferenced_rows(d_z, rid, inp.kind, mode, t * e, r, h, units)
+    steps = _zero_unreferenced_rows(d_z, rid, inp.kind, mode, t * e, r, h, units, tiling)
     if t and (units or has_w):
-        kern = _bwd_kernel(grad.kind, inp.kind, merging_probs.kind if has_w else L.F32, mode, has_w, e, lanes)
+        kern = _bwd_kernel(grad.kind, inp.kind, merging_probs.kind if has_w else L.F32, mode, has_w, e, lanes, tiling)
         steps.append(Step(kern, t, lanes, 0, (_rows(In, 0, grad, mode), _rows(In, 1, inp, mode), rid, w, d_z,
                                               d_w, e, r, h, units)))
     ins = (grad, inp, row_id_map) + ((merging_probs,) if has_w else ())
     return Plan(C.OP + "_bwd", ins, outs, tmps, steps)
 
 
-def _zero_unreferenced_rows(rows, rid, kind, mode, pairs, r, h, units) -> list:
+def _zero_unreferenced_rows(rows, rid, kind, mode, pairs, r, h, units, tiling) -> list:
     """The steps that write zeros into the rows of ``rows [R, H]`` no pair of
     ``rid`` points to: a flag per row (``Tmp(0)``) cleared, marked, read."""
     if not (r and units):
         return []
-    steps = [Step(C.moe_clear_row_flags_kernel, _fill_grid(r), C.CMB_FILL_THREADS, 0, (Tmp(0), r))]
+    steps = [Step(C.moe_clear_row_flags_kernel, _fill_grid(r, tiling), tiling.fill_threads, 0, (Tmp(0), r))]
     if pairs:
-        steps.append(Step(C.moe_mark_routed_rows_kernel, _fill_grid(pairs), C.CMB_FILL_THREADS, 0,
+        steps.append(Step(C.moe_mark_routed_rows_kernel, _fill_grid(pairs, tiling), tiling.fill_threads, 0,
                           (rid, Tmp(0), pairs, r)))
-    steps.append(Step(C._zero_rows_kernel(kind, mode, C.CMB_ZERO_ROWS), -(-r // C.CMB_ZERO_ROWS),
-                      min(C.CMB_FILL_THREADS, pow2_at_least(units)), 0, (rows, Tmp(0), r, h, units)))
+    steps.append(Step(C._zero_rows_kernel(kind, mode, tiling.zero_rows), -(-r // tiling.zero_rows),
+                      min(tiling.fill_threads, pow2_at_least(units)), 0, (rows, Tmp(0), r, h, units)))
     return steps
 
 
 @functools.cache
-def token_dispatch_fwd_plan(inp: Spec, row_id_map: Spec, num_rows: int) -> Plan:
+def token_dispatch_fwd_plan(inp: Spec, row_id_map: Spec, num_rows: int,
+                            tiling: C.CombineTiling | None = None) -> Plan:
     """The row copy of ``token_dispatch``: inputs ``inp [T, H]``, ``row_id_map
     [T, E] int32``; output ``[R, H]`` (inp's kind), ``out[row(t, e)] = inp[t]``,
     every other row exactly 0; scratch: a flag per row.  It is the unweighted
     ``token_combine`` backward (the same kernels: a block per token, its routed
     rows listed, ``inp[t]`` loaded once and stored into each); the dispatch's
     backward is the unweighted ``token_combine`` forward (the K copies summed
-    in fp32, ascending expert order)."""
+    in fp32, ascending expert order).  ``tiling``: a ``CombineTiling`` (None: the library's)."""
+    tiling = tiling or C.COMBINE_TILING
     t, h = inp.shape
     e = row_id_map.shape[1]
     r = int(num_rows)
-    lanes, units, mode = C.combine_tiling(h, inp.kind)
+    lanes, units, mode = C.combine_tiling(h, inp.kind, tiling)
     outs = (spec_of((r, h), inp.kind),)
     tmps = (Spec((max(r, 1),), np.int32),)
     rid = In(1, Spec((max(t * e, 1),), np.int32))
     out = _rows(Out, 0, outs[0], mode)
-    steps = _zero_unreferenced_rows(out, rid, inp.kind, mode, t * e, r, h, units)
+    steps = _zero_unreferenced_rows(out, rid, inp.kind, mode, t * e, r, h, units, tiling)
     if t and units and r:
-        kern = _bwd_kernel(inp.kind, inp.kind, L.F32, mode, False, e, lanes)
+        kern = _bwd_kernel(inp.kind, inp.kind, L.F32, mode, False, e, lanes, tiling)
         # z and the weights are never read without weights: the output and the map stand in
         steps.append(Step(kern, t, lanes, 0, (_rows(In, 0, inp, mode), out, rid, rid, out, rid, e, r, h, units)))
     return Plan("token_dispatch_fwd", (inp, row_id_map), outs, tmps, steps)
 
 
-def token_dispatch_fwd(inp, row_id_map, num_rows, *, out=None, stream=0):
+def token_dispatch_fwd(inp, row_id_map, num_rows, *, tiling=None, out=None, stream=0):
     """``[R, H]`` (inp's dtype): ``out[row_id_map[t, e]] = inp[t]`` for every
     routed pair, every other row 0 (``token_dispatch_fwd_plan``)."""
     op = "token_dispatch_fwd"
@@ -274,7 +288,8 @@ def token_dispatch_fwd(inp, row_id_map, num_rows, *, out=None, stream=0):
     d_rid = _int32_input(row_id_map, "row_id_map", "[T, E]", 2, op, s)
     if int(d_rid.shape[0]) != int(d_x.shape[0]):
         raise ValueError(f"{op}: row_id_map shape {tuple(d_rid.shape)} must have inp's {int(d_x.shape[0])} rows.")
-    plan = token_dispatch_fwd_plan(spec_for(d_x.shape, d_x.dtype), spec_for(d_rid.shape, d_rid.dtype), int(num_rows))
+    plan = token_dispatch_fwd_plan(spec_for(d_x.shape, d_x.dtype), spec_for(d_rid.shape, d_rid.dtype), int(num_rows),
+                                   tiling)
     to_host = not L.any_on_device(inp, row_id_map) and out is None
     return execute(plan, [d_x, d_rid], out, s, to_host)[0]
 
@@ -294,19 +309,19 @@ def _inputs(op, inp, row_id_map, merging_probs, stream):
     return d_z, d_rid, d_w
 
 
-def token_combine_fwd(inp, row_id_map, merging_probs=None, *, out=None, stream=0):
+def token_combine_fwd(inp, row_id_map, merging_probs=None, *, tiling=None, out=None, stream=0):
     """``out [T, H]`` (inp's dtype): the routed rows of ``inp [R, H]`` summed per
     token in ascending expert order, weighted by ``merging_probs [T, E]`` if given."""
     op = C.OP + "_fwd"
     s = L.resolve_stream(stream)
     d_z, d_rid, d_w = _inputs(op, inp, row_id_map, merging_probs, s)
     arrays = [a for a in (d_z, d_rid, d_w) if a is not None]
-    plan = token_combine_fwd_plan(*(spec_for(a.shape, a.dtype) for a in arrays))
+    plan = token_combine_fwd_plan(*(spec_for(a.shape, a.dtype) for a in arrays), tiling=tiling)
     to_host = not L.any_on_device(inp, row_id_map, merging_probs) and out is None
     return execute(plan, arrays, out, s, to_host)[0]
 
 
-def token_combine_bwd(grad, inp, row_id_map, merging_probs=None, *, out=None, stream=0):
+def token_combine_bwd(grad, inp, row_id_map, merging_probs=None, *, tiling=None, out=None, stream=0):
     """``(d_inp [R, H], d_merging_probs [T, E] or None)`` in one pass (module docstring)."""
     op = C.OP + "_bwd"
     s = L.resolve_stream(stream)
@@ -316,7 +331,7 @@ def token_combine_bwd(grad, inp, row_id_map, merging_probs=None, *, out=None, st
         raise ValueError(f"{op}: grad shape {tuple(d_g.shape)} must be (num_tokens, hidden) = "
                          f"({int(d_rid.shape[0])}, {int(d_z.shape[1])}).")
     arrays = [a for a in (d_g, d_z, d_rid, d_w) if a is not None]
-    plan = token_combine_bwd_plan(*(spec_for(a.shape, a.dtype) for a in arrays))
+    plan = token_combine_bwd_plan(*(spec_for(a.shape, a.dtype) for a in arrays), tiling=tiling)
     to_host = not L.any_on_device(grad, inp, row_id_map, merging_probs) and out is None
     res = execute(plan, arrays, out, s, to_host)
     return (res[0], res[1] if merging_probs is not None else None)

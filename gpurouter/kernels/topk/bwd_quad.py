@@ -86,11 +86,11 @@ def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, score_fn: int,
     written), which is most quads.  ``score_fn`` and ``dense`` (softmax-pre, where
     ``p (m g - D)`` needs every p) are compile-time constants.
 
-    W lanes per token (``_tiling.quad_tiling``), lane ``l`` quads ``l, l + W,
+    W lanes per token (``bwd_tiling.quad_tiling``), lane ``l`` quads ``l, l + W,
     ...``; pass 1 sums S and D over the selected experts, ``tree_reduce``
     combines the lanes in a fixed order, pass 2 writes every quad, loading
     it again (mostly from L1).  Without a map (aux scores), a lane's first
-    ``hold`` quads (a compile-time count, ``_tiling.quad_hold``) are loaded
+    ``hold`` quads (a compile-time count, ``bwd_tiling.quad_hold``) are loaded
     all at once, before any is used (their loads in flight together), and
     stay in registers for pass 2.  Loop counters are int32 and indices
     unsigned: numba's int64 ``range`` and wrapped signed indices cost several

@@ -6,7 +6,7 @@ The forward plan picks the kernel: the warp-per-token kernel
 sqrtsoftplus or softmax after the top-k, E a multiple of 128 up to 512, K <= 31, no groups or
 ``warp_groups``'s; under "auto" on a GPU: ``warp_auto``),
 else the thread-per-token kernel (``token_topk_fwd.py``) when
-``_tiling.token_path`` takes it (K <= 64, E a multiple of 4), else the
+``token.tiling.token_path`` takes it (K <= 64, E a multiple of 4), else the
 W-lane kernel (``lane_topk_fwd.py``).  The backward plan picks the
 warp-per-token kernel (``warp_topk_bwd.py``) when ``use_warp_bwd`` takes the
 shape (a map outside softmax-pre, E a multiple of 128 up to 512; under
@@ -25,7 +25,6 @@ import functools
 import numpy as np
 
 from ..._checks import check_topk_args
-from .. import _tiling
 from .._base.access import array_views, map_view
 from .._base.launch import (
     BITMAP_U8,
@@ -40,13 +39,17 @@ from .._base.launch import (
     resolve_stream,
     score_function_code,
 )
-from .._base.limits import check_limits
+from .._base.limits import check_limits, pow2_at_least
 from .._base.plan import In, Out, Plan, Spec, Step, execute, map_spec, spec_of
 from .bwd_quad import quad_bwd_kernel
 from .bwd_stream import stream_bwd_kernel
+from .bwd_tiling import quad_tiling, stream_tiling
 from .lane.fwd import lane_topk_fwd_kernel
 from .lane.lists import topk_capacity
+from .lane.tiling import select_layout
+from .tiling import TOPK_TILING, TopkTiling
 from .token.fwd import token_topk_fwd_kernel
+from .token.tiling import token_lanes, token_layout, use_token_path
 from .warp.bwd import WARP_BWD_MAX_EXPERTS, warp_bwd_launch, warp_bwd_path, warp_topk_bwd_kernel
 from .warp.fwd import warp_launch, warp_path, warp_topk_fwd_kernel
 from .warp.lanes import warp_auto
@@ -79,6 +82,7 @@ def topk_with_score_function_fwd(
     return_indices=False,
     forced_indices=None,
     path="auto",
+    tiling=None,
     out=None,
     stream=0,
 ):
@@ -110,7 +114,8 @@ def topk_with_score_function_fwd(
         ``return_indices``.
       path: the kernel family: "auto" (warp-per-token, else thread-per-token,
         else W-lane: the first that takes the shape), "warp", "token" or
-        "lane" (``use_warp_path``, ``_tiling.use_token_path``).
+        "lane" (``use_warp_path``, ``token.tiling.use_token_path``).
+      tiling: a ``TopkTiling`` (None: the library's).
       out: optional ``(probs, routing_map, saved_scores[, indices])`` device arrays to write.
       stream: numba stream or int CUDA stream handle (0: default).
 
@@ -145,18 +150,12 @@ def topk_with_score_function_fwd(
                              f"got {tuple(d_bias.shape)} {d_bias.dtype}.")
     plan = topk_with_score_function_fwd_plan(
         spec_of(d_logits.shape, kind), d_bias is not None, topk, bool(use_pre_softmax),
-        num_groups, group_topk, np.float32(scaling_factor), score_fn, fmt, bool(return_indices), forced, path)
+        num_groups, group_topk, np.float32(scaling_factor), score_fn, fmt, bool(return_indices), forced, path, tiling)
     if forced:
         d_forced = index_input(forced_indices, "forced_indices", op, s, (num_tokens, topk))
         return execute(plan, [d_logits, d_forced], out, s, to_host)
     return execute(plan, [d_logits] if d_bias is None else [d_logits, d_bias], out, s, to_host)
 
-
-#: how the thread-per-token top-k forward writes its indices where E <= 256
-#: and K <= 8 (``token_topk_fwd_kernel``'s ``indices``): 2, the hits packed in
-#: a register by the selecting thread; 1, the hit lists in local memory (the
-#: only way elsewhere).  Figures: docs/benchmarks.md
-TOKEN_INDICES_WAY = 2
 
 #: an SM of the GPUs the kernels are tuned on (sm_90: H100, H200): shared
 #: memory (of which 1 KiB is reserved per block), 32-bit registers, threads
@@ -206,7 +205,8 @@ def _register_cap(lay) -> int:
 def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, pre_softmax: bool,
                                       num_groups, group_topk, scale: np.float32, score_fn: int,
                                       map_format: int = 0, return_indices: bool = False,
-                                      forced: bool = False, path: str = "auto") -> Plan:
+                                      forced: bool = False, path: str = "auto",
+                                      tiling: TopkTiling | None = None) -> Plan:
     """The launches of the forward (inputs: logits, bias; outputs: probs, map, saved).
 
     Arguments are validated (by the launcher or, under JAX, at trace time);
@@ -217,7 +217,10 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     ``(logits, forced int32 [T, K])``, never a bias; ``has_bias`` then says
     whether the replayed call had one (the order of the weights' sum), and
     the groups choose only the kernel path the replayed call took.
+    ``tiling``: a ``TopkTiling`` (None: the library's).
     """
+    tiling = tiling or TOPK_TILING
+    tok = tiling.token
     fmt = map_format_code(map_format, OP + "_fwd_plan", "map_format")
     bitmap = fmt == BITMAP_U8
     indices = bool(return_indices) and not forced
@@ -250,27 +253,27 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
                      num_tokens, np.float32(scale), 0))
         return Plan(OP + "_fwd", ins, outs, (), (step,))
     # (the replay takes the kernel path of the call it replays: the same sums)
-    token_path = _tiling.use_token_path("token" if path == "warp" else path, OP + "_fwd_plan", num_experts,
-                                        int(topk), G if grouped else 0, bool(has_bias))
+    token_path = use_token_path("token" if path == "warp" else path, OP + "_fwd_plan", num_experts,
+                                int(topk), G if grouped else 0, bool(has_bias), tok)
     if token_path:
         post = score_fn == SOFTMAX and not pre_softmax
         if forced:  # no groups, no bias: the bits say which experts
-            lay = _tiling.token_layout(num_tokens, num_experts)
+            lay = token_layout(num_tokens, num_experts, tiling=tok)
             kern = token_topk_fwd_kernel(logits.kind, int(topk), 0, int(score_fn), False,
                                          bool(pre_softmax) and score_fn == SOFTMAX,
                                    bitmap, False, True, bool(has_bias) and not post)
             G, Kg = 1, -1
         else:
-            group_cap = _tiling.pow2_at_least(int(topk) // int(group_topk)) if grouped else 0
-            mode, slot = _tiling.token_lanes(num_tokens, num_experts, int(topk), G if grouped else 0,
-                                             bool(has_bias))
-            lay = _tiling.token_layout(num_tokens, num_experts, G if grouped else 0, bool(has_bias), slot,
-                                       _tiling.TOKEN_LANES_MIN_BLOCKS if mode == 2 else 0)
-            way = TOKEN_INDICES_WAY if num_experts <= 256 and int(topk) <= 8 else 1
+            group_cap = pow2_at_least(int(topk) // int(group_topk)) if grouped else 0
+            mode, slot = token_lanes(num_tokens, num_experts, int(topk), G if grouped else 0,
+                                     bool(has_bias), tok)
+            lay = token_layout(num_tokens, num_experts, G if grouped else 0, bool(has_bias), slot,
+                               tok.lanes_min_blocks if mode == 2 else 0, tok)
+            way = tok.indices_way if num_experts <= 256 and int(topk) <= 8 else 1
             kern = token_topk_fwd_kernel(logits.kind, int(topk), group_cap, int(score_fn), bool(has_bias),
                                          bool(pre_softmax) and score_fn == SOFTMAX, bitmap, way if indices else 0,
                                          False, False, _register_cap(lay) if indices else 0,
-                                         mode + (mode == 2 and _tiling.TOKEN_LANES_TREE))
+                                         mode + (mode == 2 and tok.lanes_tree))
             Kg = int(group_topk) if grouped else -1
         words, quads, flat = array_views(logits.kind, shape)
         step = Step(kern, lay.grid, lay.threads, lay.shared,
@@ -281,11 +284,11 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
                        lay.o_thr, lay.o_bias, xarr, lay.o_lists))
         return Plan(OP + "_fwd", ins, outs, (), (step,))
     if forced:
-        lay = _tiling.select_layout(num_tokens, num_experts, int(topk))
+        lay = select_layout(num_tokens, num_experts, int(topk), tiling=tiling.row)
         kern = lane_topk_fwd_kernel(logits.kind, topk_capacity(topk), bitmap, False, True)
         has_bias, G, Kg = False, 1, -1
     else:
-        lay = _tiling.select_layout(num_tokens, num_experts, int(topk), G if grouped else 0)
+        lay = select_layout(num_tokens, num_experts, int(topk), G if grouped else 0, tiling.row)
         kern = lane_topk_fwd_kernel(logits.kind, topk_capacity(topk), bitmap, *((True,) if indices else ()))
         Kg = int(group_topk) if grouped else -1
     xarr2 = In(1) if forced else Out(3) if indices else Out(2, Spec((1, 1), np.int32))
@@ -307,6 +310,7 @@ def topk_with_score_function_bwd(
     score_function="softmax",
     *,
     path="auto",
+    tiling=None,
     out=None,
     stream=0,
 ):
@@ -323,6 +327,7 @@ def topk_with_score_function_bwd(
         ValueError) or ``"quad"`` (the quad kernel; the streaming one where
         E % 4 != 0).  Every path gives the contract's gradients; the bits of
         the token's sums may differ between paths in the last place.
+      tiling: a ``TopkTiling`` (None: the library's; its ``bwd`` is read).
       out: optional device array for grad_logits.
       stream: numba stream or int CUDA stream handle.
 
@@ -342,17 +347,19 @@ def topk_with_score_function_bwd(
         raise ValueError(f"{op}: grad_probs shape {tuple(d_grad.shape)} != saved_scores {shape}.")
     d_map, fmt = map_input(routing_map, "routing_map", op, s, shape)
     plan = topk_with_score_function_bwd_plan(spec_of(shape, kind), int(topk), bool(use_pre_softmax),
-                                             np.float32(scaling_factor), score_fn, fmt, path)
+                                             np.float32(scaling_factor), score_fn, fmt, path, tiling)
     return execute(plan, [d_map, d_saved, d_grad], out, s, to_host)[0]
 
 
 
 @functools.cache
 def topk_with_score_function_bwd_plan(grad_probs: Spec, topk: int, pre_softmax: bool, scale: np.float32,
-                                      score_fn: int, map_format: int = 0, path: str = "auto") -> Plan:
+                                      score_fn: int, map_format: int = 0, path: str = "auto",
+                                      tiling: TopkTiling | None = None) -> Plan:
     """The launches of the backward (inputs: map, saved, grad_probs; output:
     grad_logits).  The map's Spec: ``bool [T, E]`` (``map_format`` 0) or
-    ``uint8 [T, ceil(E/8)]`` (1, BITMAP_U8).  ``path``: the launcher's."""
+    ``uint8 [T, ceil(E/8)]`` (1, BITMAP_U8).  ``path``, ``tiling``: the launcher's."""
+    bwd = (tiling or TOPK_TILING).bwd
     fmt = map_format_code(map_format, OP + "_bwd_plan", "map_format")
     bitmap = fmt == BITMAP_U8
     shape = grad_probs.shape
@@ -364,22 +371,22 @@ def topk_with_score_function_bwd_plan(grad_probs: Spec, topk: int, pre_softmax: 
     if warp:
         words, quads, flat = array_views(grad_probs.kind, shape)
         step = Step(warp_topk_bwd_kernel(grad_probs.kind, shape[1], int(score_fn), bitmap),
-                    *warp_bwd_launch(shape[0]), 0,
+                    *warp_bwd_launch(shape[0], bwd), 0,
                     (In(0, map_view(ins[0], quads)), In(1, flat), In(2, words), Out(0, words),
                      shape[0], int(topk), np.float32(scale)))
         return Plan(OP + "_bwd", ins, outs, (), (step,))
     if shape[1] % 4 == 0:
         dense = bool(pre_softmax) and score_fn == SOFTMAX
-        grid, threads, lanes = _tiling.quad_tiling(shape[0], shape[1], dense=dense)
+        grid, threads, lanes = quad_tiling(shape[0], shape[1], dense, bwd)
         words, quads, flat = array_views(grad_probs.kind, shape)
-        listed = _tiling.QUAD_LIST if score_fn == SQRTSOFTPLUS else 0  # quad_bwd_kernel's docstring
+        listed = bwd.quad_list if score_fn == SQRTSOFTPLUS else 0  # quad_bwd_kernel's docstring
         step = Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True, int(score_fn), dense, 0, bitmap,
                                     listed),
                       grid, threads, (8 + 8 * listed) * threads,
                       (In(0, map_view(ins[0], quads)), In(1, flat), In(2, words), Out(0, words),
                        shape[0], shape[1], int(topk), np.float32(scale), lanes))
         return Plan(OP + "_bwd", ins, outs, (), (step,))
-    grid, threads, lanes = _tiling.stream_tiling(shape[0], shape[1])
+    grid, threads, lanes = stream_tiling(shape[0], shape[1], bwd)
     step = Step(stream_bwd_kernel(grad_probs.kind, grad_probs.kind, True, bitmap), grid, threads, 8 * threads,
                   (In(0), In(1), In(2), Out(0), int(topk), int(score_fn), bool(pre_softmax),
                    np.float32(scale), lanes))

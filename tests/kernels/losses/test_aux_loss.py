@@ -8,9 +8,8 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from tolerances import assert_close  # noqa: E402
-
 from gpurouter import reference as ref  # noqa: E402
+from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
 from .._helpers import host  # noqa: E402
 
@@ -113,20 +112,14 @@ def test_empty_rows():
     assert K.moe_aux_loss_bwd(np.float32(0.5), tpe, 1.0, 0).shape == (0, 4)
 
 
-def test_bwd_grid_strided_rows(monkeypatch):
+def test_bwd_grid_strided_rows():
     """The backward's fill with fewer blocks than its rows need: each row lane
-    writes several rows, ``grid * RL`` apart (``_tiling.fill_tiling``)."""
-    from gpurouter.kernels import _tiling as L
-    from gpurouter.kernels.losses import aux_loss
+    writes several rows, ``grid * RL`` apart (``losses/tiling.fill_tiling``)."""
+    from gpurouter.kernels.losses.tiling import fill_tiling
 
-    monkeypatch.setattr(L, "FILL_BLOCKS", 2)
-    aux_loss.moe_aux_loss_bwd_plan.cache_clear()
-    try:
-        assert L.fill_tiling(37, 2) == (2, L.FILL_THREADS, 32)
-        tpe = np.arange(8, dtype=np.int32)
-        gp = K.moe_aux_loss_bwd(np.float32(0.25), tpe, np.float32(2.0), 37)
-        want = np.broadcast_to(np.float32(0.5) * tpe.astype(np.float32), (37, 8))
-        np.testing.assert_array_equal(gp, want)
-    finally:
-        monkeypatch.undo()
-        aux_loss.moe_aux_loss_bwd_plan.cache_clear()
+    tiling = K.AuxLossTiling(fill_blocks=2)
+    assert fill_tiling(37, 2, tiling) == (2, tiling.fill_threads, 32)
+    tpe = np.arange(8, dtype=np.int32)
+    gp = K.moe_aux_loss_bwd(np.float32(0.25), tpe, np.float32(2.0), 37, tiling=tiling)
+    want = np.broadcast_to(np.float32(0.5) * tpe.astype(np.float32), (37, 8))
+    np.testing.assert_array_equal(gp, want)

@@ -15,14 +15,12 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from tolerances import assert_close  # noqa: E402
-
 from gpurouter import reference as ref  # noqa: E402
-from gpurouter.kernels import _tiling  # noqa: E402
 from gpurouter.kernels._base import launch as L  # noqa: E402
 from gpurouter.kernels._base import plan as _plan  # noqa: E402
 from gpurouter.kernels._base import pointer as _pointer  # noqa: E402
-from gpurouter.kernels.losses import z_loss as Z  # noqa: E402
+from gpurouter.kernels.losses.tiling import ZLossTiling, z_loss_tiling, z_loss_vec_tiling  # noqa: E402
+from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -75,16 +73,16 @@ def _reference(x, coeff, total, g):
     return np.asarray(loss), np.asarray(grad)
 
 
-def _check(x, total=None, g=1.5, coeff=COEFF):
+def _check(x, total=None, g=1.5, coeff=COEFF, tiling=None):
     T, E = x.shape
     n = max(T, 1) if total is None else total
-    loss, saved = K.router_z_loss_fwd(x, coeff, total)
+    loss, saved = K.router_z_loss_fwd(x, coeff, total, tiling=tiling)
     assert loss.shape == () and loss.dtype == np.float32
     assert saved.shape == (2 * T,) and saved.dtype == np.float32
     rloss, rgrad = _reference(x, coeff, n, g)
     assert_close(loss, rloss, "aux_loss", np.float32, err_msg="z-loss")  # fp32 from the same inputs
     assert_close(_lse_of(saved), _lse64(x).astype(np.float32), "probs", np.float32, err_msg="lse")
-    grad = K.router_z_loss_bwd(x, saved, g, coeff, total)
+    grad = K.router_z_loss_bwd(x, saved, g, coeff, total, tiling=tiling)
     assert grad.shape == x.shape and grad.dtype == x.dtype
     assert_close(grad, rgrad.astype(x.dtype), "grads", x.dtype, E=E, err_msg="z-loss grad")
     return loss, saved, grad
@@ -150,25 +148,11 @@ def test_special_rows(dtype, E):
     assert np.isnan(lse[0]) and lse[1] == 0.0
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """``small_tiles(threads, hold, lanes)``: the z-loss tiling knobs for the test,
-    so that tiny inputs take several blocks, partial tiles, several steps per
-    lane and many lanes."""
-
-    def clear():
-        Z.router_z_loss_fwd_plan.cache_clear()
-        Z.router_z_loss_bwd_plan.cache_clear()
-
-    def force(threads, hold, lanes):
-        for name, value in (("Z_THREADS", threads), ("Z_BWD_THREADS", threads), ("Z_HOLD", hold),
-                            ("Z_BWD_HOLD", hold), ("Z_MAX_LANES", lanes)):
-            monkeypatch.setattr(_tiling, name, value)
-        clear()
-
-    yield force
-    monkeypatch.undo()
-    clear()
+def small_tiles(threads, hold, lanes):
+    """A ``ZLossTiling`` whose unit kernels (both ways) take ``threads``, ``hold`` and
+    at most ``lanes``, so that tiny inputs take several blocks, partial tiles, several
+    steps per lane and many lanes."""
+    return ZLossTiling(threads=threads, bwd_threads=threads, hold=hold, bwd_hold=hold, max_lanes=lanes)
 
 
 @pytest.mark.parametrize("dtype,T,E,knobs,want", [
@@ -179,20 +163,20 @@ def small_tiles(monkeypatch):
     # E=8, one lane per row x 2 held units: 8 rows per block, a partial last tile
     (np.float16, 13, 8, (8, 2, 32), (2, 8, 1)),
 ])
-def test_small_tiles(small_tiles, dtype, T, E, knobs, want):
-    small_tiles(*knobs)
-    assert _tiling.z_loss_tiling(T, E)[:3] == want == _tiling.z_loss_tiling(T, E, backward=True)[:3]
-    _check(_logits(T, E, dtype, seed=3), total=T + 3)
+def test_small_tiles(dtype, T, E, knobs, want):
+    tiling = small_tiles(*knobs)
+    assert z_loss_tiling(T, E, tiling=tiling)[:3] == want == z_loss_tiling(T, E, True, tiling)[:3]
+    _check(_logits(T, E, dtype, seed=3), total=T + 3, tiling=tiling)
 
 
-def test_deterministic(small_tiles):
-    small_tiles(16, 1, 4)  # 4 rows per block: 18 partials
+def test_deterministic():
+    tiling = small_tiles(16, 1, 4)  # 4 rows per block: 18 partials
     x = _logits(70, 12, np.float32, seed=5)
-    first = K.router_z_loss_fwd(x, 1.0)
-    again = K.router_z_loss_fwd(x, 1.0)
+    first = K.router_z_loss_fwd(x, 1.0, tiling=tiling)
+    again = K.router_z_loss_fwd(x, 1.0, tiling=tiling)
     assert first[0].tobytes() == again[0].tobytes() and first[1].tobytes() == again[1].tobytes()
-    g1 = K.router_z_loss_bwd(x, first[1], 0.5, 1.0)
-    assert g1.tobytes() == K.router_z_loss_bwd(x, first[1], 0.5, 1.0).tobytes()
+    g1 = K.router_z_loss_bwd(x, first[1], 0.5, 1.0, tiling=tiling)
+    assert g1.tobytes() == K.router_z_loss_bwd(x, first[1], 0.5, 1.0, tiling=tiling).tobytes()
 
 
 def test_plans():
@@ -201,7 +185,7 @@ def test_plans():
     assert fwd is K.router_z_loss_fwd_plan(spec, np.float32(COEFF), 100)  # cached
     assert fwd.ins == (spec,)
     assert fwd.outs == (_plan.Spec((), np.float32, L.F32), _plan.Spec((140,), np.float32, L.F32))  # (m, log2 s) pairs
-    grid = _tiling.z_loss_vec_tiling(70, 256, 2)[0]  # bf16 E = 256: the vector kernels
+    grid = z_loss_vec_tiling(70, 256, 2)[0]  # bf16 E = 256: the vector kernels
     assert fwd.tmps == (_plan.Spec((grid,), np.float32, L.F32),) and len(fwd.steps) == 1  # the finish inside
     unit = K.router_z_loss_fwd_plan(_plan.spec_of((70, 256), L.F16), np.float32(COEFF), 100)
     assert len(unit.steps) == 2 and not _plan.plan_counters(unit)  # unit kernels: rows, then the final block
@@ -306,7 +290,7 @@ def _large_logits(T, E, dtype, scale, seed):
 def _check_large(x, coeff=1e-3):
     """The backward against the float64 oracle at the contract's rtol, its atol
     scaled by the gradient's size (which grows with lse); the loss's lse too."""
-    import oracles
+    from gpurouter.testing import oracle as oracles
 
     loss, saved = K.router_z_loss_fwd(x, coeff)
     x32 = np.asarray(x, np.float32)

@@ -17,12 +17,11 @@ K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed
 from numba import cuda  # noqa: E402
 from numba import float32 as nb_f32  # noqa: E402
 
-from gpurouter.kernels import _tiling  # noqa: E402
 from gpurouter.kernels._base import launch as L  # noqa: E402
 from gpurouter.kernels._base import plan as _plan  # noqa: E402
 from gpurouter.kernels.losses import z_io as io  # noqa: E402
-from gpurouter.kernels.losses import z_loss as Z  # noqa: E402
 from gpurouter.kernels.losses import z_loss_vec as V  # noqa: E402
+from gpurouter.kernels.losses.tiling import Z_LOSS_TILING, ZLossTiling, z_loss_vec_tiling  # noqa: E402
 
 from .test_z_loss import _check, _logits, _lse_of  # noqa: E402
 
@@ -31,37 +30,24 @@ pytestmark = pytest.mark.cuda
 BF16 = ml_dtypes.bfloat16
 
 
-@pytest.fixture
-def vec_knobs(monkeypatch):
-    """``vec_knobs(threads, hold, blocks, prefetch, hints)``: the vector kernels' knobs,
-    both ways, for the test (tiny inputs, several groups a block)."""
-
-    def clear():
-        Z.router_z_loss_fwd_plan.cache_clear()
-        Z.router_z_loss_bwd_plan.cache_clear()
-
-    def force(threads, hold, blocks, prefetch, hints=False):
-        knobs = (threads, hold, blocks, prefetch, hints)
-        monkeypatch.setattr(_tiling, "Z_VEC_FWD", knobs)
-        monkeypatch.setattr(_tiling, "Z_VEC_BWD", knobs)
-        clear()
-
-    yield force
-    monkeypatch.undo()
-    clear()
+def vec_knobs(threads, hold, blocks, prefetch, hints=False):
+    """A ``ZLossTiling`` whose vector kernels, both ways, take these knobs (tiny inputs,
+    several groups a block)."""
+    knobs = (threads, hold, blocks, prefetch, hints)
+    return ZLossTiling(vec_fwd=knobs, vec_bwd=knobs)
 
 
 def test_vec_tiling():
     # the issue's shape: E = 256 bf16 is 32 vectors, W = 8 lanes of 4, TB = 32 rows a group
-    threads, hold, blocks = _tiling.Z_VEC_FWD[:3]
-    grid, block, lanes, vecs, held, iters = _tiling.z_loss_vec_tiling(65536, 256, 2)
+    threads, hold, blocks = Z_LOSS_TILING.vec_fwd[:3]
+    grid, block, lanes, vecs, held, iters = z_loss_vec_tiling(65536, 256, 2)
     assert (vecs, lanes * held, block) == (32, 32, threads) and held <= hold
     assert grid <= blocks and grid * (block // lanes) * iters >= 65536 > (grid - 1) * (block // lanes) * iters
-    assert _tiling.z_loss_vec_tiling(5, 12, 4) == (1, 5, 1, 3, 3, 1)  # T < TB: 5 rows, one lane of 3
-    assert _tiling.z_loss_vec_tiling(5, 12, 2) is None  # 24 bytes: not whole vectors
-    assert _tiling.z_loss_vec_tiling(0, 256, 2) is None
-    too_long = 32 * _tiling.Z_VEC_MAX_HOLD * 16 // 2 + 8  # bf16 experts past 32 lanes x Z_VEC_MAX_HOLD
-    assert _tiling.z_loss_vec_tiling(4, too_long, 2) is None
+    assert z_loss_vec_tiling(5, 12, 4) == (1, 5, 1, 3, 3, 1)  # T < TB: 5 rows, one lane of 3
+    assert z_loss_vec_tiling(5, 12, 2) is None  # 24 bytes: not whole vectors
+    assert z_loss_vec_tiling(0, 256, 2) is None
+    too_long = 32 * Z_LOSS_TILING.vec_max_hold * 16 // 2 + 8  # bf16 experts past 32 lanes x vec_max_hold
+    assert z_loss_vec_tiling(4, too_long, 2) is None
 
 
 def test_vec_plans_pick_the_vector_kernels():
@@ -97,29 +83,29 @@ def test_vec_plans_pick_the_vector_kernels():
     # fp32 E=32: 8 vectors, exactly W=8 lanes of 1, two warps a block, 2 groups a block (even)
     (np.float32, 30, 32, (64, 1, 2, True), (2, 64, 8, 8, 1, 2)),
 ])
-def test_vec_groups(vec_knobs, dtype, T, E, knobs, want):
-    vec_knobs(*knobs)
+def test_vec_groups(dtype, T, E, knobs, want):
+    tiling = vec_knobs(*knobs)
     itemsize = np.dtype(dtype).itemsize
-    assert _tiling.z_loss_vec_tiling(T, E, itemsize) == want == _tiling.z_loss_vec_tiling(T, E, itemsize, True)
+    assert z_loss_vec_tiling(T, E, itemsize, False, tiling) == want == z_loss_vec_tiling(T, E, itemsize, True, tiling)
     x = _logits(T, E, dtype, seed=T + E, masked=0.2)
     x[T // 2] = -np.inf  # a dead row mid-walk: lse 0, no gradient
     x[T - 1, : E // 2] = -np.inf  # half a row -inf, in the last (partial) group
-    _, saved, grad = _check(x, total=T + 2)
+    _, saved, grad = _check(x, total=T + 2, tiling=tiling)
     assert _lse_of(saved)[T // 2] == 0.0 and not np.asarray(grad[T // 2], np.float32).any()
 
 
 @pytest.mark.parametrize("T,E,threads,hold", [(19, 16, 8, 1), (74, 64, 32, 2)])
-def test_vec_same_bits_with_and_without_prefetch(vec_knobs, T, E, threads, hold):
+def test_vec_same_bits_with_and_without_prefetch(T, E, threads, hold):
     x = _logits(T, E, BF16, seed=4)
-    vec_knobs(threads, hold, 2, True)
-    first = K.router_z_loss_fwd(x, 1.0)
-    again = K.router_z_loss_fwd(x, 1.0)
-    grad = K.router_z_loss_bwd(x, first[1], 0.5, 1.0)
-    vec_knobs(threads, hold, 2, False)
-    other = K.router_z_loss_fwd(x, 1.0)
+    tiling = vec_knobs(threads, hold, 2, True)
+    first = K.router_z_loss_fwd(x, 1.0, tiling=tiling)
+    again = K.router_z_loss_fwd(x, 1.0, tiling=tiling)
+    grad = K.router_z_loss_bwd(x, first[1], 0.5, 1.0, tiling=tiling)
+    tiling = vec_knobs(threads, hold, 2, False)
+    other = K.router_z_loss_fwd(x, 1.0, tiling=tiling)
     for a, b in ((first, again), (first, other)):
         assert a[0].tobytes() == b[0].tobytes() and a[1].tobytes() == b[1].tobytes()
-    assert grad.tobytes() == K.router_z_loss_bwd(x, other[1], 0.5, 1.0).tobytes()
+    assert grad.tobytes() == K.router_z_loss_bwd(x, other[1], 0.5, 1.0, tiling=tiling).tobytes()
 
 
 def _fixed_order_sum(partial, threads):
@@ -148,14 +134,14 @@ def _fixed_order_sum(partial, threads):
 
 @pytest.mark.parametrize("T,E,knobs", [(74, 64, (32, 2, 2, True)), (19, 16, (8, 1, 3, False)),
                                        (40, 16, (4, 1, 16, False))])  # 10 blocks of 4 threads: 2-3 partials a thread
-def test_vec_single_kernel_finish(vec_knobs, T, E, knobs):
+def test_vec_single_kernel_finish(T, E, knobs):
     """The forward's one launch: the loss is the partials summed in the fixed
     order (whatever block is last), the counter is zero again after every
     launch, and launches repeat bit for bit."""
-    vec_knobs(*knobs)
+    tiling = vec_knobs(*knobs)
     x = _logits(T, E, BF16, seed=T, masked=0.1)
     c, total = np.float32(0.37), T + 3
-    plan = K.router_z_loss_fwd_plan(_plan.spec_of((T, E), L.BF16), c, total)
+    plan = K.router_z_loss_fwd_plan(_plan.spec_of((T, E), L.BF16), c, total, tiling)
     (step,) = plan.steps
     counter = step.args[4]
     assert isinstance(counter, _plan.Counter) and step.grid == plan.tmps[0].shape[0] > 1
@@ -175,7 +161,7 @@ def test_vec_single_kernel_finish(vec_knobs, T, E, knobs):
     assert seen[0] == np.asarray(want, np.float32).tobytes()
     lse = _lse_of(outs[1].copy_to_host()).astype(np.float64)
     assert abs(float(want) - float(c) * np.sum(lse ** 2) / total) <= 1e-5 * abs(float(want))
-    assert K.router_z_loss_fwd(x, float(c), total)[0].tobytes() == seen[0]  # the launcher: the same bits
+    assert K.router_z_loss_fwd(x, float(c), total, tiling=tiling)[0].tobytes() == seen[0]  # the launcher: same bits
 
 
 def test_word_view():

@@ -6,9 +6,10 @@ a bit word, rows outside the output) and on a GPU at a real shape (``gpu``)."""
 from __future__ import annotations
 
 import ml_dtypes
-import moe_oracles as orc
 import numpy as np
 import pytest
+
+from gpurouter.testing import moe_oracle as orc
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
@@ -20,25 +21,11 @@ pytestmark = pytest.mark.cuda
 BF16 = ml_dtypes.bfloat16
 
 
-@pytest.fixture
-def lanes(monkeypatch):
-    """At most ``n`` lanes per token and ``hold`` rows per load batch, three rows
-    per block of the zero-row kernel (plans re-made)."""
-
-    def force(n, hold=None):
-        monkeypatch.setattr(C, "CMB_THREADS", n)
-        monkeypatch.setattr(C, "CMB_LANE_UNITS", 1)  # n lanes wherever the row has n units
-        monkeypatch.setattr(C, "CMB_ZERO_ROWS", 3)
-        if hold is not None:
-            monkeypatch.setattr(C, "CMB_HOLD", hold)
-            monkeypatch.setattr(C, "CMB_BWD_HOLD", hold)
-        P.token_combine_fwd_plan.cache_clear()
-        P.token_combine_bwd_plan.cache_clear()
-
-    yield force
-    monkeypatch.undo()
-    P.token_combine_fwd_plan.cache_clear()
-    P.token_combine_bwd_plan.cache_clear()
+def lanes(n, hold=None):
+    """A ``CombineTiling`` of at most ``n`` lanes per token (one unit each) and ``hold`` rows
+    per load batch, three rows per block of the zero-row kernel."""
+    knobs = {} if hold is None else dict(hold=hold, bwd_hold=hold)
+    return K.CombineTiling(threads=n, lane_units=1, zero_rows=3, **knobs)
 
 
 def _f32(a):
@@ -71,17 +58,17 @@ def _tol(dtype, n):
     (3, 33, 16, 1.0, None, 4, None),  # every expert routed (K = E), four lanes
     (4, 70, 24, 0.2, 2, 2, 3),   # bf16: 3 units of 8 columns over 2 lanes; E = 70: a 128-expert list
 ])
-def test_fwd_bwd_vs_oracle(lanes, dtype, t, e, h, density, align, nl, hold):
-    lanes(nl, hold)
+def test_fwd_bwd_vs_oracle(dtype, t, e, h, density, align, nl, hold):
+    tiling = lanes(nl, hold)
     rng = np.random.default_rng(t * e + h)
     z, rid, w, dy = _case(rng, t, e, h, density, align, dtype)
     zc = np.nan_to_num(_f32(z))
     for ww in (w, None):
         wf = None if ww is None else _f32(ww)
-        y = K.token_combine_fwd(z, rid, ww)
+        y = K.token_combine_fwd(z, rid, ww, tiling=tiling)
         assert y.dtype == z.dtype and y.shape == (t, h)
         np.testing.assert_allclose(_f32(y), orc.combine(zc, rid, wf), **_tol(dtype, e))
-        d_z, d_w = K.token_combine_bwd(dy, z, rid, ww)
+        d_z, d_w = K.token_combine_bwd(dy, z, rid, ww, tiling=tiling)
         want_dz, want_dw = orc.combine_bwd(_f32(dy), zc, rid, wf)
         assert d_z.dtype == z.dtype and not np.isnan(_f32(d_z)).any()
         np.testing.assert_allclose(_f32(d_z), want_dz, **_tol(dtype, 1))
@@ -93,43 +80,43 @@ def test_fwd_bwd_vs_oracle(lanes, dtype, t, e, h, density, align, nl, hold):
             assert not _f32(d_w)[rid < 0].any()  # not routed: exactly 0
 
 
-def test_rows_outside_the_output_are_not_routed_and_results_repeat(lanes):
-    lanes(2)
+def test_rows_outside_the_output_are_not_routed_and_results_repeat():
+    tiling = lanes(2)
     rng = np.random.default_rng(7)
     z = rng.standard_normal((5, 4)).astype(np.float32)
     rid = np.array([[0, 9, -1], [1, -3, 4], [2, 3, 5]], np.int32)  # 9, 5: past R = 5; -3: none
     w = rng.random((3, 3)).astype(np.float32)
-    y = K.token_combine_fwd(z, rid, w)
+    y = K.token_combine_fwd(z, rid, w, tiling=tiling)
     ok = np.where((rid >= 0) & (rid < 5), rid, -1)
     np.testing.assert_allclose(y, orc.combine(z, ok, w), rtol=1e-6)
-    d_z, d_w = K.token_combine_bwd(y, z, rid, w)
+    d_z, d_w = K.token_combine_bwd(y, z, rid, w, tiling=tiling)
     want_dz, want_dw = orc.combine_bwd(y, z, ok, w)
     np.testing.assert_allclose(d_z, want_dz, rtol=1e-6)
     np.testing.assert_allclose(d_w, want_dw, rtol=1e-6, atol=1e-6)
-    for a, f in zip(K.token_combine_bwd(y, z, rid, w), (d_z, d_w), strict=True):
+    for a, f in zip(K.token_combine_bwd(y, z, rid, w, tiling=tiling), (d_z, d_w), strict=True):
         np.testing.assert_array_equal(a, f)
-    np.testing.assert_array_equal(K.token_combine_fwd(z, rid, w), y)
+    np.testing.assert_array_equal(K.token_combine_fwd(z, rid, w, tiling=tiling), y)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
 @pytest.mark.parametrize("h", [6, 16])  # 16: bf16 in 16-byte units of eight columns
-def test_dispatch_row_copy_vs_oracle(lanes, dtype, h):
+def test_dispatch_row_copy_vs_oracle(dtype, h):
     """``token_dispatch_fwd``: the unweighted combine backward's kernels copying
     each token into its rows; padding rows exactly 0."""
-    lanes(2, 2)
+    tiling = lanes(2, 2)
     rng = np.random.default_rng(3)
     t, e, align = 7, 35, 4
     m = rng.random((t, e)) < 0.3
     x = rng.standard_normal((t, h)).astype(dtype)
     num_out = max(int(m.sum()), 1)
     w_out, _, rid, _, _ = orc.dispatch(_f32(x), m, num_out, None, align)
-    out = K.token_dispatch_fwd(x, rid.astype(np.int32), w_out.shape[0])
+    out = K.token_dispatch_fwd(x, rid.astype(np.int32), w_out.shape[0], tiling=tiling)
     assert out.dtype == x.dtype
     np.testing.assert_array_equal(_f32(out), w_out)  # a copy: exact
     # its backward is the unweighted combine forward: the K copies summed
     g = rng.standard_normal(w_out.shape).astype(np.float32)
-    np.testing.assert_allclose(K.token_combine_fwd(g, rid.astype(np.int32)), orc.dispatch_bwd(g, None, rid)[0],
-                               rtol=1e-5, atol=1e-5 * np.sqrt(e))
+    np.testing.assert_allclose(K.token_combine_fwd(g, rid.astype(np.int32), tiling=tiling),
+                               orc.dispatch_bwd(g, None, rid)[0], rtol=1e-5, atol=1e-5 * np.sqrt(e))
 
 
 def test_plan_layout():

@@ -6,9 +6,10 @@ chunks, several column blocks), and on a GPU at a real shape (``gpu``)."""
 from __future__ import annotations
 
 import ml_dtypes
-import moe_oracles as orc
 import numpy as np
 import pytest
+
+from gpurouter.testing import moe_oracle as orc
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
@@ -16,7 +17,6 @@ from numba import cuda, float32  # noqa: E402  (module level: the simulator swap
 
 from gpurouter.kernels._base.launch import launch  # noqa: E402
 from gpurouter.kernels.moe import grouped_dbias as M  # noqa: E402
-from gpurouter.kernels.moe import plans as P  # noqa: E402
 from gpurouter.kernels.moe.rows import lane_tree_sums  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -24,24 +24,12 @@ pytestmark = pytest.mark.cuda
 BF16 = ml_dtypes.bfloat16
 
 
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """Chunks of ``rows``, at most ``lanes`` lanes per block and ``hold``
-    partial rows per load batch of kernel 2 (plans re-made for the test)."""
-
-    def force(rows=4, lanes=2, hold=2, batch=None):
-        for name in ("DB_CHUNK_ROWS", "DB_CHUNK_ROWS_DBIAS"):  # with and without scales
-            monkeypatch.setattr(M, name, rows)
-        monkeypatch.setattr(M, "DB_MAX_LANES", lanes)
-        monkeypatch.setattr(M, "DB_GROUP_HOLD", hold)
-        if batch is not None:  # rows per load batch of kernel 1
-            monkeypatch.setattr(M, "DB_HOLD_ROWS", batch)
-            monkeypatch.setattr(M, "DB_HOLD_ROWS_DBIAS", batch)
-        P.grouped_dbias_dscales_plan.cache_clear()
-
-    yield force
-    monkeypatch.undo()
-    P.grouped_dbias_dscales_plan.cache_clear()
+def small_tiles(rows=4, lanes=2, hold=2, batch=None):
+    """A ``DbiasTiling`` of chunks of ``rows`` (with and without scales), at most ``lanes``
+    lanes per block, ``hold`` partial rows per load batch of kernel 2 and, if given,
+    ``batch`` rows per load batch of kernel 1."""
+    knobs = {} if batch is None else dict(hold_rows=batch, hold_rows_dbias=batch)
+    return M.DbiasTiling(chunk_rows=rows, chunk_rows_dbias=rows, max_lanes=lanes, group_hold=hold, **knobs)
 
 
 def _case(rng, n, h, offsets, dtype):
@@ -65,14 +53,14 @@ def _f32(a):
     (9, 20, [0, 0, 0, 9]),        # empty groups first; H = 20: 5 units, 2 column blocks
     (5, 3, [0, 5, 5, 5]),         # one chunk... and empty groups after
 ])
-def test_launchers_vs_oracle(small_tiles, dtype, n, h, offsets):
-    small_tiles()
+def test_launchers_vs_oracle(dtype, n, h, offsets):
+    tiling = small_tiles()
     rng = np.random.default_rng(n * h)
     dy, s, b, o = _case(rng, n, h, offsets, dtype)
     db_in = rng.standard_normal(b.shape).astype(np.float32)
     ds_in = rng.standard_normal(n).astype(np.float32)
     want_db, want_ds = orc.grouped_dbias_dscales(np.nan_to_num(_f32(dy)), _f32(s), _f32(b), o)
-    db, ds = K.grouped_dbias_dscales(dy, s, b, o)
+    db, ds = K.grouped_dbias_dscales(dy, s, b, o, tiling=tiling)
     assert db.dtype == np.float32 and ds.dtype == np.float32
     np.testing.assert_allclose(db, want_db, rtol=1e-5, atol=1e-5 * np.sqrt(n))
     np.testing.assert_allclose(ds, want_ds, rtol=1e-5, atol=1e-5 * np.sqrt(h))
@@ -82,13 +70,15 @@ def test_launchers_vs_oracle(small_tiles, dtype, n, h, offsets):
         if o[g] == o[g + 1]:
             assert not db[g].any()  # an empty group: exactly 0
     # accumulators: added to, one fp32 add (the reference's order)
-    db2, ds2 = K.grouped_dbias_dscales(dy, s, b, o, db_in, ds_in)
+    db2, ds2 = K.grouped_dbias_dscales(dy, s, b, o, db_in, ds_in, tiling=tiling)
     np.testing.assert_array_equal(db2, db + db_in)
     np.testing.assert_array_equal(ds2, ds + ds_in)
     # without scales: the same kernels
-    np.testing.assert_allclose(K.grouped_dbias(dy, o), orc.grouped_dbias(np.nan_to_num(_f32(dy)), o, len(o) - 1),
+    np.testing.assert_allclose(K.grouped_dbias(dy, o, tiling=tiling),
+                               orc.grouped_dbias(np.nan_to_num(_f32(dy)), o, len(o) - 1),
                                rtol=1e-5, atol=1e-5 * np.sqrt(n))
-    np.testing.assert_array_equal(K.grouped_dbias(dy, o, db_in), K.grouped_dbias(dy, o) + db_in)
+    np.testing.assert_array_equal(K.grouped_dbias(dy, o, db_in, tiling=tiling),
+                                  K.grouped_dbias(dy, o, tiling=tiling) + db_in)
 
 
 @pytest.mark.parametrize("rows,lanes,batch,n,h,offsets", [
@@ -100,23 +90,24 @@ def test_launchers_vs_oracle(small_tiles, dtype, n, h, offsets):
     (6, 64, 4, 15, 320, [0, 5, 6, 14]),       # 40 units over 64 lanes: two warps (the second part idle),
                                               # each summing its lanes' dots, then the warps in order
 ])
-def test_row_units_batches_and_column_blocks(small_tiles, rows, lanes, batch, n, h, offsets):
+def test_row_units_batches_and_column_blocks(rows, lanes, batch, n, h, offsets):
     """Kernel 1's tiling edges at bf16 (16-byte units of eight columns): load
     batches that cross group and chunk ends, a chunk not a multiple of the batch,
     lanes past the row's units, several column blocks."""
-    small_tiles(rows=rows, lanes=lanes, hold=2, batch=batch)
+    tiling = small_tiles(rows=rows, lanes=lanes, hold=2, batch=batch)
     rng = np.random.default_rng(n + h)
     dy, s, b, o = _case(rng, n, h, offsets, BF16)
     want_db, want_ds = orc.grouped_dbias_dscales(np.nan_to_num(_f32(dy)), _f32(s), _f32(b), o)
-    db, ds = K.grouped_dbias_dscales(dy, s, b, o)
+    db, ds = K.grouped_dbias_dscales(dy, s, b, o, tiling=tiling)
     np.testing.assert_allclose(db, want_db, rtol=1e-5, atol=1e-5 * np.sqrt(n))
     np.testing.assert_allclose(ds, want_ds, rtol=1e-5, atol=1e-5 * np.sqrt(h))
     assert all(ds[i] == 0 for i in range(n) if not o[0] <= i < o[-1])
     # an fp32 bias with a bf16 dy: the bias read as two fp32 quads per unit
-    db32, ds32 = K.grouped_dbias_dscales(dy, s, _f32(b), o)
+    db32, ds32 = K.grouped_dbias_dscales(dy, s, _f32(b), o, tiling=tiling)
     np.testing.assert_array_equal(db32, db)
     np.testing.assert_array_equal(ds32, ds)
-    np.testing.assert_allclose(K.grouped_dbias(dy, o), orc.grouped_dbias(np.nan_to_num(_f32(dy)), o, len(o) - 1),
+    np.testing.assert_allclose(K.grouped_dbias(dy, o, tiling=tiling),
+                               orc.grouped_dbias(np.nan_to_num(_f32(dy)), o, len(o) - 1),
                                rtol=1e-5, atol=1e-5 * np.sqrt(n))  # the no-scales kernel, same tiles
 
 
@@ -166,16 +157,16 @@ def test_lane_tree_sums_fixed_order(hold, lanes):
         np.testing.assert_array_equal(got[call], _tree_order(parts[call]))
 
 
-def test_bit_identical_and_independent_of_device_placement(small_tiles):
-    small_tiles(rows=8, lanes=4, hold=3)
+def test_bit_identical_and_independent_of_device_placement():
+    tiling = small_tiles(rows=8, lanes=4, hold=3)
     rng = np.random.default_rng(1)
     dy, s, b, o = _case(rng, 40, 24, [0, 1, 30, 31, 40], np.float32)
     dy = dy * np.float32(1e3)
-    first = K.grouped_dbias_dscales(dy, s, b, o)
+    first = K.grouped_dbias_dscales(dy, s, b, o, tiling=tiling)
     for _ in range(2):
-        for a, f in zip(K.grouped_dbias_dscales(dy, s, b, o), first, strict=True):
+        for a, f in zip(K.grouped_dbias_dscales(dy, s, b, o, tiling=tiling), first, strict=True):
             np.testing.assert_array_equal(a, f)
-    dev = K.grouped_dbias_dscales(*(cuda.to_device(a) for a in (dy, s, b, o)))
+    dev = K.grouped_dbias_dscales(*(cuda.to_device(a) for a in (dy, s, b, o)), tiling=tiling)
     for a, f in zip(dev, first, strict=True):
         np.testing.assert_array_equal(a.copy_to_host(), f)
 
@@ -186,14 +177,14 @@ def test_plan_layout():
     dy = spec_for((65536, 2048), np.uint16)
     plan = K.grouped_dbias_dscales_plan(dy, spec_for((65536,), np.float32), spec_for((128, 2048), np.float32),
                                         spec_for((129,), np.int32))
-    chunks = 65536 // M.DB_CHUNK_ROWS
+    chunks = 65536 // M.DBIAS_TILING.chunk_rows
     assert [st.grid for st in plan.steps] == [chunks, 128 * 4]  # 4 blocks of kernel 2 per group
     assert plan.steps[0].block == 256  # 256 units of eight bf16 columns (16 bytes), one per lane
     assert plan.tmps[0].shape == (2 * chunks, 2048)  # two partial rows per chunk
     wide = K.grouped_dbias_dscales_plan(spec_for((32768, 7168), np.uint16), spec_for((32768,), np.float32),
                                         spec_for((256, 7168), np.float32), spec_for((257,), np.int32))
-    # 896 units a row in 2 column blocks of 448 lanes (DB_MAX_LANES = 512)
-    assert wide.steps[0].grid == (32768 // M.DB_CHUNK_ROWS) * 2 and wide.steps[0].block == 448
+    # 896 units a row in 2 column blocks of 448 lanes (DbiasTiling.max_lanes = 512)
+    assert wide.steps[0].grid == (32768 // M.DBIAS_TILING.chunk_rows) * 2 and wide.steps[0].block == 448
     assert len(wide.steps) == 3  # + the dscales of the column blocks summed in order
 
 

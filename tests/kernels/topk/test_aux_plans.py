@@ -7,10 +7,9 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from strategies import np_dtype, random_cotangent  # noqa: E402
-from tolerances import assert_close  # noqa: E402
-
 from gpurouter import reference as ref  # noqa: E402
+from gpurouter.testing.strategies import np_dtype, random_cotangent  # noqa: E402
+from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
 from .._helpers import cast, host  # noqa: E402
 
@@ -40,11 +39,12 @@ def test_fwd_bwd(sf, dtype, E, k):
     assert_close(dx, rdx, "grads", np_dtype(dtype), E=E, err_msg="aux grad")
 
 
-def _check_specials(x, k, first_row_selected):
+def _check_specials(x, k, first_row_selected, kern=K):
     """Ties, -inf, NaN and all -inf rows: map, NaN pattern and scores equal the
-    reference's, exactly K per row, ties of row 0 to the lower indices."""
+    reference's, exactly K per row, ties of row 0 to the lower indices (``kern``:
+    ``gpurouter.kernels`` or a tiling fixture's ``Tiled``)."""
     for sf in ("softmax", "sigmoid"):
-        sc, m, _ = K.score_for_aux_loss_fwd(x, k, sf)
+        sc, m, _ = kern.score_for_aux_loss_fwd(x, k, sf)
         rsc, rm, _ = (host(a) for a in ref.score_for_aux_loss_fwd(x, k, sf))
         assert (m.sum(-1) == k).all()
         np.testing.assert_array_equal(m, rm)

@@ -10,10 +10,9 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from strategies import random_cotangent, tie_free_rows_np  # noqa: E402
-from tolerances import assert_close  # noqa: E402
-
 from gpurouter import reference as ref  # noqa: E402
+from gpurouter.testing.strategies import random_cotangent, tie_free_rows_np  # noqa: E402
+from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
 from .._helpers import FWD_MODES, check_topk_bwd, check_topk_fwd, host  # noqa: E402
 from .test_plans import _cfg  # noqa: E402
@@ -27,9 +26,9 @@ def test_streaming_bwd_lanes_and_partial_blocks(sf, pre, T, E, k):
     """The streaming backwards: E=40 -> a warp per token, lanes wrapping past
     E, 8 tokens per block (a partial second block); E=6 -> 8 lanes per token,
     two of them idle, 32 tokens per block (a partial second block)."""
-    from gpurouter.kernels import _tiling as L
+    from gpurouter.kernels.topk.bwd_tiling import stream_tiling
 
-    grid, threads, lanes = L.stream_tiling(T, E)
+    grid, threads, lanes = stream_tiling(T, E)
     assert grid == 2 and threads % lanes == 0
     cfg = _cfg(T, E, k, sf, pre)
     x = tie_free_rows_np(8, cfg)

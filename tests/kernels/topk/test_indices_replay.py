@@ -20,10 +20,10 @@ import pytest
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
 from numba import cuda  # noqa: E402
-from strategies import np_dtype  # noqa: E402
-from tolerances import assert_close  # noqa: E402
 
 from gpurouter import reference as ref  # noqa: E402
+from gpurouter.testing.strategies import np_dtype  # noqa: E402
+from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -51,10 +51,10 @@ def _same_bits(a, b, what):
 
 
 def _path(plan):
-    return "token" if plan.steps[0].kernel.py_func.__module__.startswith("gpurouter.kernels.token_") else "lanes"
+    return "token" if plan.steps[0].kernel.py_func.__module__.startswith("gpurouter.kernels.topk.token.") else "lanes"
 
 
-def _plan(x, k, kw, fmt, **extra):
+def _plan(K, x, k, kw, fmt, **extra):
     from gpurouter.kernels._base import launch as L
     from gpurouter.kernels._base import plan as _plan
 
@@ -102,40 +102,41 @@ LANE_CASES = [c + (lanes,) for c in CASES for lanes in ((None, "row") if c[5] ==
                               f"{'-bias' if 'expert_bias' in c[3] else ''}-{c[4]}-{c[5]}-fmt{c[6]}"
                               f"{'-' + c[7] if c[7] else ''}" for c in LANE_CASES])
 def test_indices_and_replay(token_tiling, tiling, T, E, k, kw, dtype, path, fmt, lanes):
+    kern = K  # (E % 4 != 0: the W-lane path, the library's tiling)
     if path == "token":
-        token_tiling(2, lanes=lanes)  # several blocks, a partial last tile
+        kern = token_tiling(2, lanes=lanes)  # several blocks, a partial last tile
     elif E % 4 == 0:
-        tiling(2, 4)  # the W-lane path: 2 lanes, 2 tokens per block
+        kern = tiling(2, 4)  # the W-lane path: 2 lanes, 2 tokens per block
     x = _logits(T, E, 31 * E + k, dtype)
-    assert _path(_plan(x, k, kw, fmt, return_indices=True)) == path
-    assert _path(_plan(x, k, kw, fmt, forced=True)) == path
-    p, m, s, idx = K.topk_with_score_function_fwd(x, k, **kw, routing_map_format=fmt, return_indices=True)
+    assert _path(_plan(kern, x, k, kw, fmt, return_indices=True)) == path
+    assert _path(_plan(kern, x, k, kw, fmt, forced=True)) == path
+    p, m, s, idx = kern.topk_with_score_function_fwd(x, k, **kw, routing_map_format=fmt, return_indices=True)
     assert idx.dtype == np.int32 and idx.shape == (T, k)
     np.testing.assert_array_equal(idx, _ref_indices(x, k, dict(kw, routing_map_format=fmt)))
     # the plain call: the same outputs
-    p0, m0, s0 = K.topk_with_score_function_fwd(x, k, **kw, routing_map_format=fmt)
+    p0, m0, s0 = kern.topk_with_score_function_fwd(x, k, **kw, routing_map_format=fmt)
     _same_bits(p, p0, "probs")
     _same_bits(m, m0, "routing_map")
     _same_bits(s, s0, "saved")
     # the replay: the same call, bit for bit (the bias only says the order of the sums)
-    p2, m2, s2 = K.topk_with_score_function_fwd(x, k, **kw, routing_map_format=fmt, forced_indices=idx)
+    p2, m2, s2 = kern.topk_with_score_function_fwd(x, k, **kw, routing_map_format=fmt, forced_indices=idx)
     _same_bits(p2, p, "replayed probs")
     _same_bits(m2, m, "replayed routing_map")
     _same_bits(s2, s, "replayed saved")
     g = np.random.default_rng(E).standard_normal((T, E)).astype(x.dtype)
     bk = dict(use_pre_softmax=kw.get("use_pre_softmax", False), scaling_factor=kw.get("scaling_factor", 1.0),
               score_function=kw.get("score_function", "softmax"))
-    _same_bits(K.topk_with_score_function_bwd(m2, s2, g, k, **bk), K.topk_with_score_function_bwd(m, s, g, k, **bk),
-               "grad_logits")
+    _same_bits(kern.topk_with_score_function_bwd(m2, s2, g, k, **bk),
+               kern.topk_with_score_function_bwd(m, s, g, k, **bk), "grad_logits")
 
 
 @pytest.mark.parametrize("path", ["token", "lanes"])
 def test_out_of_range_and_repeated_forced_entries(token_tiling, tiling, path):
     if path == "token":
-        token_tiling(2)
+        K = token_tiling(2)
         E = 12
     else:
-        tiling(2, 4)
+        K = tiling(2, 4)
         E = 10
     x = _logits(5, E, 5)
     x[0] = np.linspace(-1, 1, E)  # finite rows: the reference's softmax is defined
@@ -153,7 +154,7 @@ def test_out_of_range_and_repeated_forced_entries(token_tiling, tiling, path):
 
 
 def test_replay_ignores_bias_values_and_groups(token_tiling):
-    token_tiling(4)
+    K = token_tiling(4)
     x = _logits(5, 16, 9)
     forced = np.array([[0, 5, 9, 15]] * 5, np.int32)
     kw = dict(score_function="sigmoid", scaling_factor=2.0)
@@ -172,7 +173,7 @@ def test_replay_ignores_bias_values_and_groups(token_tiling):
                                               (12, 5, "sqrtsoftplus", "float16", 0), (10, 3, "sigmoid", "float32", 1),
                                               (10, 17, "softmax", "float32", 0)])
 def test_aux_score_indices(token_tiling, E, k, sf, dtype, fmt):
-    token_tiling(2)
+    K = token_tiling(2)
     if E < k:
         E = 20
     x = _logits(5, E, E * k, dtype)
@@ -186,7 +187,7 @@ def test_aux_score_indices(token_tiling, E, k, sf, dtype, fmt):
 
 
 def test_device_arrays_and_plans(token_tiling):
-    token_tiling(2)
+    K = token_tiling(2)
     from gpurouter.kernels._base import launch as L
     from gpurouter.kernels._base import plan as plans  # (``_plan`` is this module's plan helper)
 
@@ -195,10 +196,10 @@ def test_device_arrays_and_plans(token_tiling):
     assert idx.dtype == np.int32 and tuple(idx.shape) == (3, 2)
     p2, _, _ = K.topk_with_score_function_fwd(cuda.to_device(x), 2, forced_indices=idx)
     _same_bits(p2.copy_to_host(), p.copy_to_host(), "probs")
-    plan = _plan(x, 2, dict(expert_bias=_bias(8), score_function="sigmoid"), 0, forced=True)
+    plan = _plan(K, x, 2, dict(expert_bias=_bias(8), score_function="sigmoid"), 0, forced=True)
     assert plan.ins == (plans.spec_of((3, 8), L.F32), plans.Spec((3, 2), np.int32))
-    assert _plan(x, 2, {}, 1, return_indices=True).outs[3] == plans.Spec((3, 2), np.int32)
-    assert len(_plan(x, 2, {}, 0).outs) == 3
+    assert _plan(K, x, 2, {}, 1, return_indices=True).outs[3] == plans.Spec((3, 2), np.int32)
+    assert len(_plan(K, x, 2, {}, 0).outs) == 3
     with pytest.raises(ValueError, match="return_indices with forced_indices"):
         K.topk_with_score_function_fwd(x, 2, return_indices=True, forced_indices=np.zeros((3, 2), np.int32))
     with pytest.raises(ValueError, match="shape"):
@@ -210,19 +211,17 @@ def test_device_arrays_and_plans(token_tiling):
 @pytest.mark.parametrize("lanes", ["group", "row"])
 @pytest.mark.parametrize("way", [1, 2])
 @pytest.mark.parametrize("fmt", [0, 1])
-def test_token_indices_ways(token_tiling, monkeypatch, way, fmt, lanes):
+def test_token_indices_ways(token_tiling, way, fmt, lanes):
     """Every way the thread-per-token forward writes its indices (hit lists in
     local memory, packed in a register) gives the
     reference's indices and the plain call's outputs, on ties, -inf fillers
     and NaN rows, with groups and a bias. The ways belong to the token thread's
     selection (the grouped lanes' and the row scan's; the chunk lanes write
     their indices from their masks), so those two are forced."""
-    from gpurouter.kernels import _tiling
-    from gpurouter.kernels.topk import plans as T
+    from gpurouter.kernels.topk.token.tiling import token_lanes
 
-    monkeypatch.setattr(T, "TOKEN_INDICES_WAY", way)
-    token_tiling(2, lanes=lanes)  # clears the cached plans
-    assert _tiling.token_lanes(5, 16, 4, 4, True)[0] == {"group": 1, "row": 0}[lanes]
+    K = token_tiling(2, lanes=lanes, indices_way=way)
+    assert token_lanes(5, 16, 4, 4, True, K.tiling.token)[0] == {"group": 1, "row": 0}[lanes]
     kw = dict(score_function="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.5, expert_bias=_bias(16))
     x = _logits(5, 16, 7 + way, "bfloat16")
     p, m, s, idx = K.topk_with_score_function_fwd(x, 4, **kw, routing_map_format=fmt, return_indices=True)
@@ -230,4 +229,3 @@ def test_token_indices_ways(token_tiling, monkeypatch, way, fmt, lanes):
     for a, b, what in zip((p, m, s), K.topk_with_score_function_fwd(x, 4, **kw, routing_map_format=fmt),
                           ("probs", "routing_map", "saved"), strict=True):
         _same_bits(a, b, what)
-    T.topk_with_score_function_fwd_plan.cache_clear()

@@ -16,7 +16,8 @@ import pytest
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
 from numba import cuda  # noqa: E402
-from strategies import np_dtype  # noqa: E402
+
+from gpurouter.testing.strategies import np_dtype  # noqa: E402
 
 from .._helpers import FWD_MODES  # noqa: E402
 
@@ -50,11 +51,11 @@ def _logits(T, E, seed, dtype="float32", specials=True):
 
 def _path(plan):
     mod = plan.steps[0].kernel.py_func.__module__
-    return "token" if mod.startswith("gpurouter.kernels.token_") else "warp" if mod.endswith(".warp_topk_fwd") \
+    return "token" if mod.startswith("gpurouter.kernels.topk.token.") else "warp" if mod.endswith(".warp.fwd") \
         else "lanes"
 
 
-def _check_topk(x, k, path, **kw):
+def _check_topk(K, x, k, path, **kw):
     """Both formats' forwards and backwards: bitmap = packed bool map, the
     rest bit-identical; ``path``: the forward kernel the plan must take."""
     from gpurouter.kernels._base import launch as L
@@ -114,8 +115,8 @@ TOPK_CASES = [
                               f"{'-pre' if c[3].get('use_pre_softmax') else ''}"
                               f"{'-groups' if 'num_groups' in c[3] else ''}-{c[4]}-{c[5]}" for c in TOPK_CASES])
 def test_topk_bitmap_is_the_packed_bytemap(token_tiling, T, E, k, kw, dtype, path):
-    token_tiling(2)  # several blocks, a partial last tile
-    _check_topk(_logits(T, E, E + k, dtype), k, path, **kw)
+    K = token_tiling(2)  # several blocks, a partial last tile
+    _check_topk(K, _logits(T, E, E + k, dtype), k, path, **kw)
 
 
 @pytest.mark.parametrize("E,dtype", [(44, "bfloat16"), (40, "bfloat16"), (40, "float32")])
@@ -124,10 +125,10 @@ def test_octet_walk_groups_and_chunks(token_tiling, E, dtype):
     tokens per block and 2 warps: two token groups, two octet chunks (the
     second partial), a partial last tile (21 rows), idle lanes; E % 8 == 4
     and 0 (bf16: paired 16-byte probs stores)."""
-    token_tiling(16, 64)
+    K = token_tiling(16, 64)
     x = _logits(21, E, E)
-    _check_topk(x, 4, "token", score_function="sigmoid", num_groups=4, group_topk=2, expert_bias=_bias(E))
-    _check_topk(x, 5, "token", use_pre_softmax=False)
+    _check_topk(K, x, 4, "token", score_function="sigmoid", num_groups=4, group_topk=2, expert_bias=_bias(E))
+    _check_topk(K, x, 5, "token", use_pre_softmax=False)
     sc0, m0, sv0 = K.score_for_aux_loss_fwd(x, 5, "sqrtsoftplus")
     sc1, m1, sv1 = K.score_for_aux_loss_fwd(x, 5, "sqrtsoftplus", routing_map_format=1)
     np.testing.assert_array_equal(m1, _packed(m0))
@@ -137,8 +138,8 @@ def test_octet_walk_groups_and_chunks(token_tiling, E, dtype):
 def test_topk_bitmap_lanes_partial_tile(tiling):
     """W-lane forward with 4 lanes and 2 tokens per block (a partial last tile),
     groups and a bias: the bytes of every block's tokens."""
-    tiling(4, 8)
-    _check_topk(_logits(5, 20, 3), 4, "lanes", score_function="sigmoid", num_groups=4, group_topk=2,
+    K = tiling(4, 8)
+    _check_topk(K, _logits(5, 20, 3), 4, "lanes", score_function="sigmoid", num_groups=4, group_topk=2,
                 expert_bias=_bias(20))
 
 
@@ -146,7 +147,7 @@ def test_topk_bitmap_lanes_partial_tile(tiling):
 def test_quad_bwd_bitmap_several_quads_per_lane(quad_lanes, sf, pre):
     """The quad backward with 2 lanes per token, 4 tokens per block (a partial
     last block), each lane several quads: a token's nibbles from its own bytes."""
-    _check_topk(_logits(5, 20, 6), 3, "token", use_pre_softmax=pre, score_function=sf)
+    _check_topk(quad_lanes, _logits(5, 20, 6), 3, "token", use_pre_softmax=pre, score_function=sf)
 
 
 def test_topk_bitmap_bit_order():
@@ -164,7 +165,7 @@ def test_aux_scores_bitmap_is_the_packed_bytemap(token_tiling, sf, E, path):
     from gpurouter.kernels._base import launch as L
     from gpurouter.kernels._base import plan as _plan
 
-    token_tiling(2)
+    K = token_tiling(2)
     x = _logits(5, E, 3 * E)
     if sf != "softmax":
         x = np.where(np.isneginf(x), np.float32(-30.0), x)
@@ -278,7 +279,7 @@ def test_bwd_ignores_padding_bits():
     (2048, 130, 6, dict(score_function="sqrtsoftplus"), "float16", "lanes"),
 ], ids=["deepseek_v3", "E132-pre", "qwen3", "nemotron", "E130"])
 def test_gpu_shapes(T, E, k, kw, dtype, path):
-    m = _check_topk(_logits(T, E, 1, dtype), k, path, **kw)
+    m = _check_topk(K, _logits(T, E, 1, dtype), k, path, **kw)
     assert (np.unpackbits(m, axis=-1, count=E, bitorder="little").sum(-1) == k).all()
 
 

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from strategies import (  # noqa: E402
+from gpurouter import reference as ref  # noqa: E402
+from gpurouter.testing.strategies import (  # noqa: E402
     RouterConfig,
     arbitrary_logits,
     biases,
@@ -25,8 +26,6 @@ from strategies import (  # noqa: E402
     tie_free_logits,
     tie_free_rows_np,
 )
-
-from gpurouter import reference as ref  # noqa: E402
 
 from .._helpers import FWD_MODES, check_special_rows, check_topk_bwd, check_topk_fwd, host  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The W-lane aux-score forward kernel (``compute_aux_scores=True``): K >
-``_tiling.TOKEN_MAX_TOPK`` or E not a multiple of 4 (the other shapes take
+``TokenTiling.max_topk`` or E not a multiple of 4 (the other shapes take
 ``token_aux_scores_fwd.py``); launched by
 ``aux_scores.score_for_aux_loss_fwd_plan``.  The tiling and the row phases of
 ``lane_topk_fwd.py`` (``_lane_rows``, ``_lane_lists``): a block owns TB
@@ -46,7 +46,7 @@ def lane_aux_scores_fwd_kernel(kind: str, list_cap: int, bitmap: bool = False, i
         lanes,  # W, threads per token
         stride,  # P, tile row stride (words)
         lstride,  # LS, per-lane list stride (words)
-        o_list,  # word offsets of the layout (_tiling.select_layout, no groups)
+        o_list,  # word offsets of the layout (tiling.select_layout, no groups)
         o_idx,
         o_cnt,
         o_flag,  # byte offset of the flags

@@ -1,10 +1,10 @@
-"""The W-lane top-k forward kernel: K > ``_tiling.TOKEN_MAX_TOPK`` or E not a
+"""The W-lane top-k forward kernel: K > ``TokenTiling.max_topk`` or E not a
 multiple of 4 (the other shapes take ``token_topk_fwd.py``); launched by
 ``topk.topk_with_score_function_fwd_plan``.
 
 Decomposition (see docs/kernels.md): a token is owned by W lanes (threads),
 a block by ``TB`` consecutive tokens, its shared memory a padded fp32 copy of
-their scores ``[TB, P]`` plus a top-K list per lane (``_tiling.RowLayout``).
+their scores ``[TB, P]`` plus a top-K list per lane (``tiling.RowLayout``).
 
 1. All threads, coalesced: load logits (four per thread in flight), convert
    to fp32, apply the score function, write ``saved_scores``; clear the flags.
@@ -117,7 +117,7 @@ def lane_topk_fwd_kernel(kind: str, list_cap: int, bitmap: bool = False, indices
         stride,  # P, tile row stride (words)
         lstride,  # LS, per-lane list stride (words)
         group_lanes,  # lanes per group in the group-score pass
-        o_list,  # word offsets of the layout (_tiling.select_layout)
+        o_list,  # word offsets of the layout (tiling.select_layout)
         o_idx,
         o_cnt,
         o_grp,

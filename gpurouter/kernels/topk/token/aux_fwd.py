@@ -1,5 +1,5 @@
 """The thread-per-token aux-score forward kernel (``compute_aux_scores=True``):
-K <= ``_tiling.TOKEN_MAX_TOPK`` and E a multiple of 4 (the other shapes take
+K <= ``TokenTiling.max_topk`` and E a multiple of 4 (the other shapes take
 ``lane_aux_scores_fwd.py``); launched by
 ``aux_scores.score_for_aux_loss_fwd_plan``.  The same tile, selection and
 phases as ``token_topk_fwd.py`` with no groups, no bias, no scaling: the
@@ -84,7 +84,7 @@ def token_aux_scores_fwd_kernel(kind: str, topk: int, score_fn: int, bitmap: boo
         num_experts,
         tile_tokens,  # TB
         stride,  # P
-        o_flag,  # word offsets (_tiling.token_layout, no groups)
+        o_flag,  # word offsets (tiling.token_layout, no groups)
         o_red,
         o_thr,
         xarr,  # [T*K] int32, out (``indices``; else unused)
@@ -98,7 +98,7 @@ def token_aux_scores_fwd_kernel(kind: str, topk: int, score_fn: int, bitmap: boo
         valid = tid < nt
         row = np.int32(tid * stride)
         eq = np.int32(num_experts // 4)
-        fstride = np.int32(((num_experts + 31) >> 5) | 1)  # _tiling.token_flag_stride
+        fstride = np.int32(((num_experts + 31) >> 5) | 1)  # tiling.token_flag_stride
         wb = t0 * eq
 
         # 1. All threads: x -> activation (x for softmax) into the tile, saved.

@@ -1,11 +1,11 @@
 """The chunk lanes of the thread-per-token top-k forward (``token_topk_fwd.py``,
-``lanes``; small T: ``_tiling.token_lanes``): a token's experts split into
-chunks (its groups; ungrouped, runs of ``_tiling.LANE_CHUNK`` experts), a lane
+``lanes``; small T: ``tiling.token_lanes``): a token's experts split into
+chunks (its groups; ungrouped, runs of ``tiling.LANE_CHUNK`` experts), a lane
 (thread) per chunk, so that the token's own thread never scans its row; it
 merges the chunks' lists and reads the chunks' selection masks.
 
 A (token, chunk) slot at ``o_lists + (t * C + c) * S`` words,
-``S``, ``_tiling.lane_chunks(E, G, K)``::
+``S``, ``tiling.lane_chunks(E, G, K)``::
 
     [0, K + 1)        fp32 the chunk's K + 1 largest scores (NaN as -inf), descending
     K + 1             uint32 kept flag (grouped: the group's rank < Kg; else 1)
@@ -49,9 +49,9 @@ from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
 
 from ..._base.device import NAN, NEG_INF, ONE, ZERO, exp_f32, nan_as_neg_inf, u32
-from ..._tiling import LANE_CHUNK
 from .rows import register_pusher
 from .scans import token_scans
+from .tiling import LANE_CHUNK
 
 
 @functools.cache
@@ -75,7 +75,7 @@ def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices
 
     @cuda.jit(device=True)
     def chunking(num_experts, num_groups):
-        # (C, chunk size, slot words S): _tiling.lane_chunks
+        # (C, chunk size, slot words S): tiling.lane_chunks
         if ranked:
             cs = np.int32(num_experts // num_groups)
             nc = np.int32(num_groups)

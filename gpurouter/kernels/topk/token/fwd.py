@@ -1,9 +1,9 @@
-"""The thread-per-token top-k forward kernel: K <= ``_tiling.TOKEN_MAX_TOPK``
+"""The thread-per-token top-k forward kernel: K <= ``TokenTiling.max_topk``
 and E a multiple of 4 (every model preset, Nemotron's K=22 included; the other
 shapes take ``lane_topk_fwd.py``); launched by
-``topk.topk_with_score_function_fwd_plan`` when ``_tiling.token_path`` says so.
+``topk.topk_with_score_function_fwd_plan`` when ``tiling.token_path`` says so.
 
-Why one thread per token (docs/benchmarks.md): the W-lane kernels spend
+Why one thread per token (lab/journal/benchmarks.md): the W-lane kernels spend
 their time in the selection, a few thousand warp instructions per token
 (shared-memory lists, tree merges, a barrier per merge level).  Here a
 token's whole selection is one thread's serial scan of its tile row, its
@@ -14,7 +14,7 @@ Decomposition: a block owns TB tokens and ``threads >= TB`` threads; its
 shared memory holds the fp32 tile of the tokens' scores (row stride
 ``P = E | 1``: odd, so the per-thread row scans hit 32 distinct banks), a
 selection bit per expert (written by the bit way only), the group scores,
-per-row statistics and thresholds, and the expert bias (``_tiling.TokenLayout``).
+per-row statistics and thresholds, and the expert bias (``tiling.TokenLayout``).
 Global arrays are seen flat (``_access.array_views``); fp32 rows are read and
 written a quad (16 bytes) at a time (``_vec``).
 
@@ -95,7 +95,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
     ``xarr`` is never read.  ``max_registers`` (0: the compiler's choice;
     ignored on the simulator): a register cap, so that the indices' live
     values do not cost resident blocks.  ``group_lanes`` (not ``forced``;
-    ``_tiling.token_lanes``): the chunk lanes select, a lane per group (or
+    ``tiling.token_lanes``): the chunk lanes select, a lane per group (or
     chunk of experts) of a token, its thread merging their lists (1) or the
     lanes merging them in a tree (2) (``_token_lanes.py``)."""
     stage = token_stager(kind, score_fn, has_bias, int(group_lanes) >= 2)
@@ -269,7 +269,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         scale,  # fp32 scaling_factor
         tile_tokens,  # TB
         stride,  # P
-        o_flag,  # word offsets (_tiling.token_layout)
+        o_flag,  # word offsets (tiling.token_layout)
         o_gs,
         o_red,
         o_thr,
@@ -286,7 +286,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
         valid = tid < nt  # thread t owns tile row t
         row = np.int32(tid * stride)
         eq = np.int32(num_experts // 4)
-        fstride = np.int32(((num_experts + 31) >> 5) | 1)  # _tiling.token_flag_stride
+        fstride = np.int32(((num_experts + 31) >> 5) | 1)  # tiling.token_flag_stride
         wb = t0 * eq  # the tile's first quad (int64)
 
         # 1. All threads: s (the bias into shared memory), saved.

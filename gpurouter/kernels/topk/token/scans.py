@@ -77,7 +77,7 @@ def token_scans(topk: int, has_bias: bool, scaled: bool, indices: int):
     @cuda.jit(device=True)
     def scan(smem, row, o_bias, lo, hi, keys, scale):
         # (Two lists on alternate experts, merged at the end, measured slower:
-        # docs/benchmarks.md.)
+        # lab/journal/benchmarks.md.)
         j = np.int32(lo)
         while j < hi:
             push_k(keys, nan_as_neg_inf(score_at(smem, row, o_bias, j, scale)))

@@ -47,12 +47,13 @@ from ..._base.access import flat_io
 from ..._base.device import B0, B1, B2, B3, EPS, ONE, SQRTSOFTPLUS, ZERO, activation_grad, sqrtsoftplus, u64
 from ..._base.launch import F32, SOFTMAX, simulator_enabled
 from ..bwd_quad import quad_dx
+from ..bwd_tiling import BWD_TILING, BwdTiling
 from .lanes import exchanges, warp_grid, warp_scans
 
-#: warps (tokens) a block; blocks at most (a grid-strided token loop): 16 an
-#: SM of an H200's 132 (1584 or unlimited blocks, or 8 warps a block, were no
-#: better everywhere: docs/benchmarks.md, "A warp a token, backward")
-WARP_BWD_TOKENS, WARP_BWD_MAX_BLOCKS = 4, 2112
+#: warps (tokens) a block (blocks at most: ``BwdTiling.warp_max_blocks``, 16 an
+#: SM of an H200's 132; 1584 or unlimited blocks, or 8 warps a block, were no
+#: better everywhere: lab/journal/benchmarks.md, "A warp a token, backward")
+WARP_BWD_TOKENS = 4
 #: the shapes it takes: E a multiple of 128 up to this
 WARP_BWD_MAX_EXPERTS = 512
 
@@ -63,9 +64,9 @@ def warp_bwd_path(num_experts: int, score_fn: int, pre_softmax: bool) -> bool:
             and 128 <= num_experts <= WARP_BWD_MAX_EXPERTS)
 
 
-def warp_bwd_launch(num_tokens: int) -> tuple[int, int]:
-    """``(grid, threads)``: ``_warp_lanes.warp_grid`` with this kernel's sizes."""
-    return warp_grid(num_tokens, WARP_BWD_TOKENS, WARP_BWD_MAX_BLOCKS)
+def warp_bwd_launch(num_tokens: int, tiling: BwdTiling = BWD_TILING) -> tuple[int, int]:
+    """``(grid, threads)``: ``lanes.warp_grid`` with this kernel's sizes."""
+    return warp_grid(num_tokens, WARP_BWD_TOKENS, tiling.warp_max_blocks)
 
 
 @functools.cache

@@ -67,7 +67,7 @@ from .lanes import NO_EXPERT, ahead, exchanges, warp_grid, warp_ranks, warp_scan
 
 #: warps (tokens) a block; blocks at most (a grid-strided token loop): 64 an
 #: SM of an H200's 132, several rounds of what is resident at 64-90 registers (fewer
-#: blocks left a partial last round; docs/benchmarks.md, "The warp forward's grid")
+#: blocks left a partial last round; lab/journal/benchmarks.md, "The warp forward's grid")
 WARP_TOKENS, WARP_MAX_BLOCKS = 4, 8448
 #: the shapes the warp path takes: E a multiple of 128 up to this, K up to
 #: 31 (the candidates' sort holds 32: K of them and the bound's)
@@ -75,7 +75,7 @@ WARP_MAX_EXPERTS, WARP_MAX_TOPK = 512, 31
 #: K up to this: the bound from the lanes' maxima (a sort of 32, not 64)
 WARP_ONE_A_LANE_TOPK = 12
 #: K up to these: the candidates placed by counting their ranks, not sorted (``by_rank``):
-#: E >= 256 K = 1, slower from K = 6 on (more registers; docs/benchmarks.md, "A warp a token,
+#: E >= 256 K = 1, slower from K = 6 on (more registers; lab/journal/benchmarks.md, "A warp a token,
 #: backward"); E = 128 (a quad a lane, 48-56 registers) faster at K = 1-12 ("Softmax after the top-k")
 WARP_RANK_MAX_TOPK, WARP_RANK_E128_MAX_TOPK = 1, 12
 

@@ -35,7 +35,7 @@ NO_EXPERT = np.int32(0x7FFFFFFF)  # a key after every expert's
 def warp_auto(simulator: bool | None = None) -> bool:
     """Whether ``path="auto"`` takes a warp-per-token kernel (forward or
     backward) for a shape it fits: on a GPU always (timed faster than the
-    other kernels at every preset and T = 1024 - 65536: docs/benchmarks.md,
+    other kernels at every preset and T = 1024 - 65536: lab/journal/benchmarks.md,
     "Softmax after the top-k" and "A warp a token, backward"); never on the
     CUDA simulator (``simulator`` None: whether it is on), where the
     exchanges are block barriers and the other kernels, the same bits or the
@@ -137,7 +137,7 @@ def warp_sorts():
 
     The stages are written out, one call each with constant ``(k, j)``: numba
     does not unroll a loop that holds shuffles, and a loop's stage cost about 30
-    more instructions on an H200 (``tools/warp_select_probe.py``).  Each stage
+    more instructions on an H200 (a warp-select probe since removed; figures in the lab journal).  Each stage
     calls the exchange once a value: a stage that called the next one on two
     branches would double the inlined code at every level."""
     xor, _, _, _, _ = exchanges()

@@ -9,10 +9,9 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from strategies import random_cotangent  # noqa: E402
-from tolerances import assert_close  # noqa: E402
-
 from gpurouter import reference as ref  # noqa: E402
+from gpurouter.testing.strategies import random_cotangent  # noqa: E402
+from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
 from ..._helpers import host  # noqa: E402
 from ..test_aux_plans import _check_specials, _tie_free  # noqa: E402
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.cuda
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
 @pytest.mark.parametrize("lanes,threads,E,k", [(4, 8, 13, 3), (32, 32, 12, 12), (8, 16, 16, 1)])
 def test_lanes(tiling, sf, lanes, threads, E, k):
-    tiling(lanes, threads)  # partial last tile (3 tokens), E not a multiple of W
+    K = tiling(lanes, threads)  # partial last tile (3 tokens), E not a multiple of W
     x = _tie_free(3, E, E + 1)
     sc, m, sv = K.score_for_aux_loss_fwd(x, k, sf)
     rsc, rm, rsv = (host(a) for a in ref.score_for_aux_loss_fwd(x, k, sf))
@@ -37,8 +36,8 @@ def test_lanes(tiling, sf, lanes, threads, E, k):
 
 
 def test_lanes_ties_and_specials(tiling):
-    tiling(4, 8)
+    K = tiling(4, 8)
     x = np.array([[1.0, 2.0, 2.0, 2.0, 0.0, 2.0, 1.0],
                   [-np.inf, 0.5, -np.inf, 0.5, np.nan, 0.5, 0.5],
                   [-np.inf] * 7], np.float32)
-    _check_specials(x, 3, [1, 2, 3])
+    _check_specials(x, 3, [1, 2, 3], K)

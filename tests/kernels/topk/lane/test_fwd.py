@@ -12,9 +12,8 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from strategies import random_cotangent, tie_free_rows_np  # noqa: E402
-
 from gpurouter import reference as ref  # noqa: E402
+from gpurouter.testing.strategies import random_cotangent, tie_free_rows_np  # noqa: E402
 
 from ..._helpers import FWD_MODES, check_special_rows, check_topk_bwd, check_topk_fwd, host  # noqa: E402
 from ..test_plans import _bias, _cfg, _sel  # noqa: E402
@@ -22,7 +21,7 @@ from ..test_plans import _bias, _cfg, _sel  # noqa: E402
 pytestmark = pytest.mark.cuda
 
 
-def _both(x, k, **kw):
+def _both(K, x, k, **kw):
     """Kernel and reference forward on the same logits: (kernel map, probs; ref map, probs)."""
     p, m, s = K.topk_with_score_function_fwd(x, k, **kw)
     rp, rm, rs = (host(a) for a in ref.topk_with_score_function_fwd(x, k, **kw))
@@ -32,12 +31,12 @@ def _both(x, k, **kw):
 @pytest.mark.parametrize("lanes", [4, 32])
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid"])
 def test_lanes_ties_across_lanes(tiling, lanes, sf):
-    tiling(lanes)
+    K = tiling(lanes)
     # E = 13 (not a multiple of W); equal values owned by different lanes
     x = np.zeros((3, 13), np.float32)
     x[1] = [1, 2, 2, 0, 2, 2, 1, 0, 2, 2, 1, 2, 0]
     x[2] = [-0.0, 0.0, 0.0, -0.0, -1, -0.0, 3, 3, 0.0, -2, 3, -0.0, 0.0]
-    (p, m, _), (rp, rm, _) = _both(x, 5, score_function=sf)
+    (p, m, _), (rp, rm, _) = _both(K, x, 5, score_function=sf)
     assert _sel(m) == [[0, 1, 2, 3, 4], [1, 2, 4, 5, 8], [0, 1, 6, 7, 10]]
     np.testing.assert_array_equal(m, rm)
     np.testing.assert_allclose(p, rp, atol=1e-6, rtol=1e-5)
@@ -47,7 +46,7 @@ def test_lanes_ties_across_lanes(tiling, lanes, sf):
 @pytest.mark.parametrize("sf,pre", FWD_MODES)
 def test_lanes_specials_fillers_partial_tile(tiling, lanes, threads, sf, pre):
     # threads // lanes tokens per tile: 5 rows leave a partial last tile
-    tiling(lanes, threads)
+    K = tiling(lanes, threads)
     ninf, nan = -np.inf, np.nan
     x = np.array([
         [ninf] * 10,                                               # all -inf
@@ -85,7 +84,7 @@ LANE_SHAPES = [
 @pytest.mark.parametrize("sf", ["sigmoid", "softmax"])
 def test_lanes_groups_and_extremes(tiling, shape, sf):
     lanes, threads, T, E, k, G, Kg = shape
-    tiling(lanes, threads)
+    K = tiling(lanes, threads)
     cfg = _cfg(T, E, k, sf, False, G, Kg, 2.5, sf != "softmax")
     bias = _bias(E, 7) if cfg.has_bias else None
     x = tie_free_rows_np(11, cfg, bias)
@@ -94,10 +93,10 @@ def test_lanes_groups_and_extremes(tiling, shape, sf):
 
 
 def test_lanes_group_ties_and_dropped_fillers(tiling):
-    tiling(8, 16)
+    K = tiling(8, 16)
     # all equal: the lower groups and experts win
     x = np.zeros((2, 16), np.float32)
-    (_, m, _), (_, rm, _) = _both(x, 4, num_groups=4, group_topk=2, score_function="sigmoid")
+    (_, m, _), (_, rm, _) = _both(K, x, 4, num_groups=4, group_topk=2, score_function="sigmoid")
     assert _sel(m) == [[0, 1, 2, 3]] * 2
     np.testing.assert_array_equal(m, rm)
     # group 2 holds the only finite values; groups 0, 1, 3 tie at -inf (row 1:
@@ -106,14 +105,14 @@ def test_lanes_group_ties_and_dropped_fillers(tiling):
     x = np.full((2, 16), -np.inf, np.float32)
     x[:, 8:10] = [1.0, 2.0]
     x[1, 0] = np.nan
-    (p, m, _), (rp, rm, _) = _both(x, 4, num_groups=4, group_topk=2)
+    (p, m, _), (rp, rm, _) = _both(K, x, 4, num_groups=4, group_topk=2)
     assert _sel(m) == [[0, 1, 8, 9]] * 2
     np.testing.assert_array_equal(m, rm)
 
 
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
 def test_lanes_half(tiling, dtype):
-    tiling(4, 8)
+    K = tiling(4, 8)
     cfg = _cfg(3, 16, 4, "sqrtsoftplus", False, 4, 2, 2.5, True, dtype)
     bias = _bias(16, 5)
     x = tie_free_rows_np(6, cfg, bias)

@@ -23,7 +23,7 @@ def test_aux_scores_infinite_rows(token_tiling, sf):
     """+inf logits: sqrtsoftplus makes the row's sum inf, so every score is 0
     or NaN (inf / inf); softmax gives NaN at the infs; the map is the
     reference's (NaN as -inf, ties to the lower index)."""
-    token_tiling(2)
+    K = token_tiling(2)
     x = np.zeros((4, 8), np.float32)
     x[0] = [np.inf, np.inf, np.inf, np.inf, np.inf, np.inf, 1.0, 2.0]  # more infs than K
     x[1] = [0.5, np.inf, -1.0, 3.0, 0.25, np.inf, 2.0, -2.0]
@@ -39,7 +39,7 @@ def test_aux_scores_infinite_rows(token_tiling, sf):
 
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
 def test_aux_scores_ties_across_the_threshold(token_tiling, sf):
-    token_tiling(4)
+    K = token_tiling(4)
     rng = np.random.default_rng(22)
     x = (rng.integers(-4, 5, (9, 16)) / 4).astype(np.float32)
     x[2] = rng.permutation(16) / 8
@@ -54,7 +54,7 @@ def test_aux_scores_ties_across_the_threshold(token_tiling, sf):
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid", "sqrtsoftplus"])
 @pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
 def test_aux_scores(token_tiling, sf, dtype):
-    token_tiling(2)
+    K = token_tiling(2)
     ninf, nan = -np.inf, np.nan
     x = np.array([
         [1.0, 2.0, 2.0, 2.0, 0.0, -1.0, 0.5, 2.0],  # ties: the lower indices

@@ -13,9 +13,9 @@ import pytest
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
 from numba import cuda  # noqa: E402
-from strategies import random_cotangent, tie_free_rows_np  # noqa: E402
 
 from gpurouter import reference as ref  # noqa: E402
+from gpurouter.testing.strategies import random_cotangent, tie_free_rows_np  # noqa: E402
 
 from ..._helpers import FWD_MODES, check_special_rows, check_topk_bwd, check_topk_fwd, host  # noqa: E402
 from ..test_plans import _bias, _cfg, _sel  # noqa: E402
@@ -26,19 +26,19 @@ pytestmark = pytest.mark.cuda
 def _kernel_of(plan):
     """True when the plan's kernel is a thread-per-token one (``token_topk_fwd.py``,
     ``token_aux_scores_fwd.py``)."""
-    return plan.steps[0].kernel.py_func.__module__.startswith("gpurouter.kernels.token_")
+    return plan.steps[0].kernel.py_func.__module__.startswith("gpurouter.kernels.topk.token.")
 
 
-#: the selections of the token forward (``token_tiling``'s ``lanes``; ``_tiling.token_lanes``'s mode)
+#: the selections of the token forward (``token_tiling``'s ``lanes``; ``token_lanes``'s mode)
 FLAT_LANES, GROUP_LANES = ["chunk", "row"], ["chunk", "group", "row"]
 _MODE = {"chunk": 2, "group": 1, "row": 0}
 
 
-def _assert_lanes(lanes, T, E, k, G=0, has_bias=False):
-    """The forced selection is the one the plan takes for this shape."""
-    from gpurouter.kernels import _tiling
+def _assert_lanes(K, lanes, T, E, k, G=0, has_bias=False):
+    """The forced selection is the one the plan of ``K`` (a ``Tiled``) takes for this shape."""
+    from gpurouter.kernels.topk.token.tiling import token_lanes
 
-    assert _tiling.token_lanes(T, E, k, max(G, 0), has_bias)[0] == _MODE[lanes]
+    assert token_lanes(T, E, k, max(G, 0), has_bias, K.tiling.token)[0] == _MODE[lanes]
 
 
 def test_dispatch():
@@ -64,8 +64,8 @@ def test_dispatch():
 @pytest.mark.parametrize("sf,pre", FWD_MODES)
 def test_specials_fillers_partial_tile(token_tiling, sf, pre, lanes):
     # 2 tokens per block: 5 rows give 3 blocks, the last one partial
-    token_tiling(2, lanes=lanes)
-    _assert_lanes(lanes, 5, 12, 4)
+    K = token_tiling(2, lanes=lanes)
+    _assert_lanes(K, lanes, 5, 12, 4)
     ninf, nan = -np.inf, np.nan
     x = np.array([
         [ninf] * 12,                                                       # all -inf
@@ -80,8 +80,8 @@ def test_specials_fillers_partial_tile(token_tiling, sf, pre, lanes):
 @pytest.mark.parametrize("lanes", FLAT_LANES)
 @pytest.mark.parametrize("sf", ["softmax", "sigmoid"])
 def test_ties_and_signed_zeros(token_tiling, sf, lanes):
-    token_tiling(2, lanes=lanes)
-    _assert_lanes(lanes, 3, 12, 5)
+    K = token_tiling(2, lanes=lanes)
+    _assert_lanes(K, lanes, 3, 12, 5)
     x = np.zeros((3, 12), np.float32)
     x[1] = [1, 2, 2, 0, 2, 2, 1, 0, 2, 2, 1, 2]
     x[2] = [-0.0, 0.0, 0.0, -0.0, -1, -0.0, 3, 3, 0.0, -2, 3, -0.0]
@@ -94,8 +94,8 @@ def test_ties_and_signed_zeros(token_tiling, sf, lanes):
 
 @pytest.mark.parametrize("lanes", GROUP_LANES)
 def test_group_ties_and_dropped_fillers(token_tiling, lanes):
-    token_tiling(1, lanes=lanes)
-    _assert_lanes(lanes, 2, 16, 4, 4)
+    K = token_tiling(1, lanes=lanes)
+    _assert_lanes(K, lanes, 2, 16, 4, 4)
     x = np.zeros((2, 16), np.float32)
     p, m, _ = K.topk_with_score_function_fwd(x, 4, num_groups=4, group_topk=2,
                                              score_function="sigmoid")
@@ -119,8 +119,8 @@ def test_ties_across_the_threshold(token_tiling, sf, pre, grouped, lanes):
     repeated values, rows with fewer than K finite scores, all in one block
     with tie-free rows: the threshold way with and without a tie cutoff and
     the bit way side by side, maps exact against the reference."""
-    token_tiling(8, lanes=lanes)
-    _assert_lanes(lanes, 12, 32, 6, 4 if grouped else 0, sf != "softmax")
+    K = token_tiling(8, lanes=lanes)
+    _assert_lanes(K, lanes, 12, 32, 6, 4 if grouped else 0, sf != "softmax")
     rng = np.random.default_rng(21)
     T, E, k = 12, 32, 6
     x = (rng.integers(-6, 7, (T, E)) / 4).astype(np.float32)
@@ -152,8 +152,8 @@ def test_large_k_ties_and_fillers(token_tiling, sf, lanes):
     """K = 20 of E = 32 (a 21-slot register list): bf16-like ties across the
     threshold, a row of one value, fewer than K finite scores; maps exact
     against the reference."""
-    token_tiling(4, lanes=lanes)
-    _assert_lanes(lanes, 6, 32, 20, 0, sf != "softmax")
+    K = token_tiling(4, lanes=lanes)
+    _assert_lanes(K, lanes, 6, 32, 20, 0, sf != "softmax")
     rng = np.random.default_rng(5)
     T, E, k = 6, 32, 20
     x = (rng.integers(-4, 5, (T, E)) / 4).astype(np.float32)
@@ -192,7 +192,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}E{}K{}G{}Kg{}".format(*s))
 @pytest.mark.parametrize("sf", ["sigmoid", "softmax", "sqrtsoftplus"])
 def test_shapes_fwd_bwd(token_tiling, shape, sf, lanes):
-    token_tiling(2, lanes=lanes)
+    K = token_tiling(2, lanes=lanes)
     T, E, k, G, Kg = shape
     cfg = _cfg(T, E, k, sf, False, G, Kg, 2.5, sf != "softmax")
     bias = _bias(E, 7) if cfg.has_bias else None
@@ -204,16 +204,17 @@ def test_shapes_fwd_bwd(token_tiling, shape, sf, lanes):
 @pytest.mark.parametrize("shape,sf", [((6, 64, 6, -1, -1), "softmax"), ((6, 64, 8, 8, 4), "sigmoid")],
                          ids=["flat", "groups"])
 def test_chunk_lanes_at_the_library_min_blocks(library_lane_blocks, shape, sf):
-    """The library's ``TOKEN_LANES_MIN_BLOCKS`` (the simulator suite runs with a smaller one:
-    tests/conftest.py): on a tiny T the chunk lanes' tile shrinks to one token a block; the
-    forward (and the backward on its saved scores) against the reference."""
-    from gpurouter.kernels import _tiling
+    """A GPU's ``lanes_min_blocks`` (the library's default under the simulator is smaller:
+    ``topk/token/tiling.py``): on a tiny T the chunk lanes' tile shrinks to one token a block;
+    the forward (and the backward on its saved scores) against the reference."""
     from gpurouter.kernels._base import launch as L
     from gpurouter.kernels._base import plan as _plan
+    from gpurouter.kernels.topk.token.tiling import token_lanes
 
+    K = library_lane_blocks
     T, E, k, G, Kg = shape
     cfg = _cfg(T, E, k, sf, False, G, Kg, 2.5, sf != "softmax")
-    assert _tiling.token_lanes(T, E, k, max(G, 0), cfg.has_bias)[0] == 2  # the chunk lanes
+    assert token_lanes(T, E, k, max(G, 0), cfg.has_bias, K.tiling.token)[0] == 2  # the chunk lanes
     plan = K.topk_with_score_function_fwd_plan(_plan.spec_of((T, E), L.F32), cfg.has_bias, k, False, G, Kg,
                                                np.float32(2.5), L.score_function_code(sf, "test"))
     assert _kernel_of(plan) and (plan.steps[0].grid, plan.steps[0].args[10]) == (T, 1)  # T blocks of 1 token
@@ -227,7 +228,7 @@ def test_chunk_lanes_at_the_library_min_blocks(library_lane_blocks, shape, sf):
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
 def test_half_quads(token_tiling, sf, pre, dtype):
     """bf16 rows travel as uint64 quads, fp16 element by element: both against the reference."""
-    token_tiling(2)
+    K = token_tiling(2)
     cfg = _cfg(5, 16, 4, sf, pre, 4, 2, 2.5, sf != "softmax", dtype)
     bias = _bias(16, 5) if cfg.has_bias else None
     x = tie_free_rows_np(6, cfg, bias)

@@ -13,14 +13,13 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from strategies import np_dtype  # noqa: E402
-from tolerances import assert_close  # noqa: E402
-
 from gpurouter.kernels._base import launch as L  # noqa: E402
 from gpurouter.kernels._base import plan as _plan  # noqa: E402
 from gpurouter.kernels.topk import plans as topk  # noqa: E402
 from gpurouter.kernels.topk.warp import bwd as warp_topk_bwd  # noqa: E402
 from gpurouter.kernels.topk.warp.lanes import warp_auto  # noqa: E402
+from gpurouter.testing.strategies import np_dtype  # noqa: E402
+from gpurouter.testing.tolerances import assert_close  # noqa: E402
 
 from ..._helpers import cast, check_topk_bwd, host  # noqa: E402
 
@@ -30,11 +29,12 @@ SF = ("sigmoid", "sqrtsoftplus", "softmax")
 
 
 def _module_of(plan):
-    return plan.steps[0].kernel.py_func.__module__.rsplit(".", 1)[-1]
+    return plan.steps[0].kernel.py_func.__module__.removeprefix("gpurouter.kernels.topk.")  # e.g. "warp.fwd"
 
 
-def _bwd(m, s, g, k, sf, path="warp", scale=1.0):
-    return host(K.topk_with_score_function_bwd(m, s, g, k, scaling_factor=scale, score_function=sf, path=path))
+def _bwd(m, s, g, k, sf, path="warp", scale=1.0, tiling=None):
+    return host(K.topk_with_score_function_bwd(m, s, g, k, scaling_factor=scale, score_function=sf, path=path,
+                                               tiling=tiling))
 
 
 def _oracle(m, s, g, k, sf, scale):
@@ -67,18 +67,18 @@ def test_dispatch():
         return topk.topk_with_score_function_bwd_plan(_plan.spec_of((T, E), L.BF16), 8, pre, np.float32(1), fn,
                                                       0, path)
 
-    auto = "quad_bwd" if L.simulator_enabled() else "warp_topk_bwd"  # (never on the simulator)
+    auto = "bwd_quad" if L.simulator_enabled() else "warp.bwd"  # (never on the simulator)
     for E, fn in ((128, L.SIGMOID), (256, L.SQRTSOFTPLUS), (384, L.SOFTMAX), (512, L.SIGMOID)):
         assert _module_of(plan(E, fn)) == auto
-        assert _module_of(plan(E, fn, path="warp")) == "warp_topk_bwd"
-        assert _module_of(plan(E, fn, path="quad")) == "quad_bwd"
+        assert _module_of(plan(E, fn, path="warp")) == "warp.bwd"
+        assert _module_of(plan(E, fn, path="quad")) == "bwd_quad"
     assert warp_auto(simulator=False) and not warp_auto(simulator=True)  # the forward's rule too
     for E, fn, pre in ((256, L.SOFTMAX, True), (640, L.SIGMOID, False), (260, L.SIGMOID, False),
                        (64, L.SIGMOID, False)):
-        assert _module_of(plan(E, fn, pre)) in ("quad_bwd", "stream_bwd")
+        assert _module_of(plan(E, fn, pre)) in ("bwd_quad", "bwd_stream")
         with pytest.raises(ValueError, match="topk_with_score_function_bwd: path='warp' needs"):
             plan(E, fn, pre, path="warp")
-    assert _module_of(plan(130, path="quad")) == "stream_bwd"
+    assert _module_of(plan(130, path="quad")) == "bwd_stream"
     with pytest.raises(ValueError, match="topk_with_score_function_bwd: path must be"):
         plan(256, path="token")
     with pytest.raises(ValueError, match="path must be"):  # an empty batch too
@@ -152,24 +152,20 @@ def test_special_values(sf):
     assert_close(dx[ok], want[ok], "grads", np.float32, E=E, err_msg=sf)
 
 
-def test_grid_strided_tokens(monkeypatch):
+def test_grid_strided_tokens():
     """Fewer blocks than tokens: each block walks the token loop (a partial last trip;
     two blocks of four warps on a GPU, of one on the simulator), each token's map words
     loaded the trip before."""
-    monkeypatch.setattr(warp_topk_bwd, "WARP_BWD_MAX_BLOCKS", 2)
-    topk.topk_with_score_function_bwd_plan.cache_clear()
-    try:
-        rng = np.random.default_rng(5)
-        x = rng.standard_normal((13, 256)).astype(np.float32)
-        _, m, s = K.topk_with_score_function_fwd(x, 6, score_function="sqrtsoftplus")
-        g = rng.standard_normal(x.shape).astype(np.float32)
-        assert topk.topk_with_score_function_bwd_plan(_plan.spec_of(x.shape, L.F32), 6, False, np.float32(1),
-                                                      L.SQRTSOFTPLUS, 0, "warp").steps[0].grid == 2
-        dx = _bwd(m, s, g, 6, "sqrtsoftplus")
-        assert_close(dx, _oracle(m, s, g, 6, "sqrtsoftplus", 1.0), "grads", np.float32, E=256,
-                     check_dtype=False, err_msg="strided")
-    finally:
-        topk.topk_with_score_function_bwd_plan.cache_clear()
+    tiling = K.TopkTiling(bwd=K.BwdTiling(warp_max_blocks=2))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((13, 256)).astype(np.float32)
+    _, m, s = K.topk_with_score_function_fwd(x, 6, score_function="sqrtsoftplus")
+    g = rng.standard_normal(x.shape).astype(np.float32)
+    assert topk.topk_with_score_function_bwd_plan(_plan.spec_of(x.shape, L.F32), 6, False, np.float32(1),
+                                                  L.SQRTSOFTPLUS, 0, "warp", tiling).steps[0].grid == 2
+    dx = _bwd(m, s, g, 6, "sqrtsoftplus", tiling=tiling)
+    assert_close(dx, _oracle(m, s, g, 6, "sqrtsoftplus", 1.0), "grads", np.float32, E=256,
+                 check_dtype=False, err_msg="strided")
 
 
 def test_kernel_takes_only_its_shapes():

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.cuda
 
 
 def _module_of(plan):
-    return plan.steps[0].kernel.py_func.__module__.rsplit(".", 1)[-1]
+    return plan.steps[0].kernel.py_func.__module__.removeprefix("gpurouter.kernels.topk.")  # e.g. "warp.fwd"
 
 
 def _fwd(x, k, path, **kw):
@@ -54,21 +54,21 @@ def test_dispatch():
                                                       G, Kg, np.float32(1), fn, 0, False, forced, path)
 
     big = 1 << 16
-    auto = "token_topk_fwd" if L.simulator_enabled() else "warp_topk_fwd"  # (never on the simulator)
+    auto = "token.fwd" if L.simulator_enabled() else "warp.fwd"  # (never on the simulator)
     assert _module_of(fwd(512, 22)) == auto and _module_of(fwd(384, 31)) == auto
     assert _module_of(fwd(256, 6, L.SQRTSOFTPLUS, T=big)) == auto
     assert _module_of(fwd(128, 1)) == auto and _module_of(fwd(128, 8, L.SOFTMAX, T=big)) == auto
-    assert _module_of(fwd(128, 1, L.SQRTSOFTPLUS, path="warp", T=big)) == "warp_topk_fwd"
-    assert _module_of(fwd(256, 8, L.SIGMOID, 8, 4, path="warp")) == "warp_topk_fwd"  # DeepSeek-V3
-    assert _module_of(fwd(128, 4, L.SIGMOID, 32, 2, path="warp")) == "warp_topk_fwd"  # groups of one quad
+    assert _module_of(fwd(128, 1, L.SQRTSOFTPLUS, path="warp", T=big)) == "warp.fwd"
+    assert _module_of(fwd(256, 8, L.SIGMOID, 8, 4, path="warp")) == "warp.fwd"  # DeepSeek-V3
+    assert _module_of(fwd(128, 4, L.SIGMOID, 32, 2, path="warp")) == "warp.fwd"  # groups of one quad
     assert _module_of(fwd(256, 8, L.SOFTMAX)) == auto  # softmax after the top-k
-    assert _module_of(fwd(128, 8, L.SOFTMAX, path="warp")) == "warp_topk_fwd"
+    assert _module_of(fwd(128, 8, L.SOFTMAX, path="warp")) == "warp.fwd"
     # the GPU's rule
     assert warp_auto(simulator=False) and not warp_auto(simulator=True)  # (the backward's rule too)
     for plan in (fwd(512, 32), fwd(640, 8), fwd(260, 8), fwd(256, 8, L.SOFTMAX, pre=True), fwd(256, 8, L.SIGMOID, 8, 2),
                  fwd(256, 8, L.SIGMOID, 1, 1), fwd(512, 8, L.SIGMOID, 64, 8), fwd(384, 8, L.SIGMOID, 3, 2),
                  fwd(512, 22, forced=True), fwd(512, 22, forced=True, path="warp")):
-        assert _module_of(plan) == "token_topk_fwd"
+        assert _module_of(plan) == "token.fwd"
 
 
 @pytest.mark.parametrize("bad", [dict(k=32), dict(E=132), dict(pre=True), dict(groups=(8, 1)),

@@ -1,0 +1,46 @@
+"""``python -m gpurouter cache info|clear``: the persistent kernel cache
+(``gpurouter/kernels/_base/disk_cache.py``; docs/cache.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+USAGE = "python -m gpurouter cache {info,clear} [--json]"
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m gpurouter cache", usage=USAGE,
+        description="The compiled kernels gpurouter keeps on disk: GPUROUTER_CACHE_DIR, else "
+                    "$XDG_CACHE_HOME/gpurouter, else ~/.cache/gpurouter (GPUROUTER_CACHE=0: off; "
+                    "GPUROUTER_CACHE_MAX_MB: the size bound).")
+    parser.add_argument("action", choices=["info", "clear"],
+                        help="info: where the cache is, its entries and size; clear: delete every entry")
+    parser.add_argument("--json", action="store_true", help="print info as one JSON object")
+    args = parser.parse_args(argv)
+    from .kernels._base import disk_cache
+
+    cache = disk_cache.DiskCache(disk_cache.cache_dir())
+    if args.action == "clear":
+        gone = cache.clear()
+        print(f"gpurouter kernel cache: deleted {gone} entries from {cache.folder}")
+        return 0
+    info = cache.info()
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    state = "on" if info["enabled"] else "off (GPUROUTER_CACHE=0)"
+    print(f"gpurouter kernel cache: {state}\n"
+          f"  dir      {info['dir']}\n"
+          f"  entries  {info['entries']}\n"
+          f"  size     {_human(info['bytes'])} of at most {_human(info['max_bytes'])}")
+    return 0

@@ -1,0 +1,90 @@
+"""``python -m gpurouter check MODULE:FUNCTION --op topk|aux-scores|aux-loss|z-loss``.
+
+Runs one conformance check of :mod:`gpurouter.testing.checks` on a function
+named by its import path, prints the table of properties (passed, or failed
+with hypothesis's smallest counterexample) and exits 0 when every property
+passed, 1 on a violation, and 2 on a usage error (a bad target or option).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .._cli import positive_int
+
+OPS = ("topk", "aux-scores", "aux-loss", "z-loss")
+DTYPES = ("float32", "bfloat16", "float16")
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+USAGE = ("python -m gpurouter check MODULE:FUNCTION --op topk|aux-scores|aux-loss|z-loss "
+         "[--examples N] [--profile ci|dev|fuzz] [--dtypes ...] [--score-functions ...] [--no-grads] [--seed S]")
+
+
+def _resolve(parser: argparse.ArgumentParser, target: str):
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        parser.error(f"target {target!r} must be MODULE:FUNCTION (e.g. mypkg.router:topk)")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is a bad target
+        parser.error(f"cannot import module {module_name!r} of target {target!r}: {type(e).__name__}: {e}")
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            parser.error(f"module {module_name!r} has no attribute {attr!r} (target {target!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        parser.error(f"target {target!r} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def main(argv: list[str]) -> int:
+    from .._cli import comma_list
+
+    parser = argparse.ArgumentParser(prog="python -m gpurouter check", usage=USAGE, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", help="MODULE:FUNCTION, the function to check (importable from here)")
+    parser.add_argument("--op", required=True, choices=OPS,
+                        help="which contract fn keeps: topk (fused_topk_with_score_function), aux-scores "
+                             "(compute_aux_scores=True), aux-loss (fused_moe_aux_loss), z-loss (router_z_loss)")
+    parser.add_argument("--examples", type=positive_int, default=None,
+                        help="hypothesis examples per property (default 100, or the profile's)")
+    parser.add_argument("--profile", choices=("ci", "dev", "fuzz"), default=None,
+                        help="a hypothesis profile of gpurouter.testing.profiles (fuzz: 3000 random examples)")
+    parser.add_argument("--dtypes", type=comma_list(DTYPES, "dtype"), default=list(DTYPES),
+                        help="comma-separated logits/probs dtypes (default all three)")
+    parser.add_argument("--score-functions", type=comma_list(SCORE_FUNCTIONS, "score function"),
+                        default=list(SCORE_FUNCTIONS), help="comma-separated (topk and aux-scores only)")
+    parser.add_argument("--no-grads", action="store_true", help="skip the gradient properties")
+    parser.add_argument("--seed", type=int, default=None, help="hypothesis seed (reproducible runs)")
+    args = parser.parse_args(argv)
+    try:
+        from . import checks, profiles
+    except ImportError as e:
+        parser.error(str(e))
+    fn = _resolve(parser, args.target)
+    examples = args.examples
+    if args.profile is not None:
+        profiles.load(args.profile)
+        if examples is None:
+            examples = profiles.PROFILES[args.profile].max_examples
+    examples = 100 if examples is None else examples
+    kw = dict(max_examples=examples, dtypes=tuple(args.dtypes), grads=not args.no_grads, seed=args.seed)
+    if args.op in ("topk", "aux-scores"):
+        kw["score_functions"] = tuple(args.score_functions)
+    check = {"topk": checks.check_topk, "aux-scores": checks.check_aux_scores,
+             "aux-loss": checks.check_aux_loss, "z-loss": checks.check_router_z_loss}[args.op]
+    print(f"checking {args.target} (--op {args.op}), {examples} examples per property", flush=True)
+    try:
+        report = check(fn, **kw)
+    except checks.CheckFailure as failure:
+        print(failure.report.table())
+        print()
+        print(f"FAILED: {failure}")
+        return 1
+    print(report.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
