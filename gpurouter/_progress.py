@@ -13,13 +13,20 @@ T = TypeVar("T")
 def progress(items: Iterable[T], total: int, label: str, enabled: bool = True,
              describe: Callable[[T], str] = str) -> Iterator[T]:
     """Yields ``items`` while drawing ``label [#####.....] i/total elapsed item`` on
-    stderr, each item named by ``describe``."""
+    stderr, each item named by ``describe``: one line redrawn with ``\\r`` on a
+    terminal, else (a log file, a pipe) one plain line per item."""
     start = time.perf_counter()
     out = sys.stderr
     width = 24
 
+    tty = bool(getattr(out, "isatty", lambda: False)())
+
     def draw(i: int, what: str) -> None:
         if not enabled:
+            return
+        if not tty:  # a log file or a pipe: one plain line per item, no carriage returns
+            out.write(f"{label} {i}/{total} {time.perf_counter() - start:6.1f}s {what}\n")
+            out.flush()
             return
         filled = width * i // max(total, 1)
         bar = "#" * filled + "." * (width - filled)
@@ -30,6 +37,6 @@ def progress(items: Iterable[T], total: int, label: str, enabled: bool = True,
         draw(i, describe(item))
         yield item
     draw(total, "done")
-    if enabled:
+    if enabled and tty:
         out.write("\n")
         out.flush()

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _backend, reference
 from ._auto import moe_kernels_faster, moe_kernels_take
-from ._checks import TOKEN_COMBINE_OP, check_backend
+from ._checks import MOE_OP, TOKEN_COMBINE_OP, check_backend, check_transport
 from ._ops.aux_loss import fused_moe_aux_loss
 from ._ops.topk import fused_topk_with_score_function
 from .moe_ops import compute_grouped_dbias as compute_grouped_dbias
@@ -56,9 +56,11 @@ def moe(
     align_size: int = 0,
     grouped_matmul: Callable = jax.lax.ragged_dot,
     backend: str = "auto",
+    transport: str = "auto",
 ) -> tuple[jax.Array, jax.Array | None]:
     """A dropless MoE block; the arguments of :func:`gpurouter.reference.moe.moe`
-    plus ``backend`` (``"auto"``, ``"jax"``, ``"numba"``), the backend of its
+    plus ``backend`` (``"auto"``, ``"jax"``, ``"numba"``) and ``transport``
+    (as for :func:`gpurouter.fused_topk_with_score_function`), the backend and transport of its
     router and aux-loss ops (see :func:`gpurouter.fused_topk_with_score_function`)
     and of its token dispatch and combine: on ``"numba"`` these are
     :func:`token_dispatch` and :func:`token_combine` on their kernels (the
@@ -79,7 +81,8 @@ def moe(
     Returns:
       ``(output [..., H] in x's dtype, aux_loss float32 scalar or None)``.
     """
-    check_backend("moe", backend)
+    check_backend(MOE_OP, backend)
+    check_transport(MOE_OP, transport)
     return reference.moe.moe(
         x, gate_kernel, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, expert_bias,
         num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, activation_type=activation_type,
@@ -87,9 +90,10 @@ def moe(
         group_topk=group_topk, scaling_factor=scaling_factor, aux_loss_coeff=aux_loss_coeff,
         apply_topk_weights_early=apply_topk_weights_early, ep_axis=ep_axis, align_size=align_size,
         grouped_matmul=grouped_matmul,
-        router=functools.partial(fused_topk_with_score_function, backend=backend),
-        aux_loss=functools.partial(fused_moe_aux_loss, backend=backend),
-        permute=_kernel_permute() if _permute_on_kernels(x, num_experts, num_experts_per_tok, backend) else None,
+        router=functools.partial(fused_topk_with_score_function, backend=backend, transport=transport),
+        aux_loss=functools.partial(fused_moe_aux_loss, backend=backend, transport=transport),
+        permute=(_kernel_permute(transport) if _permute_on_kernels(x, num_experts, num_experts_per_tok, backend)
+                 else None),
     )
 
 
@@ -99,6 +103,8 @@ def _permute_on_kernels(x, num_experts: int, topk: int, backend: str) -> bool:
     measured rule (``gpurouter/_auto.py``) picks them for the ``T K x H`` rows."""
     if not isinstance(x, jax.Array | np.ndarray) or x.ndim < 1 or not isinstance(num_experts, int):
         return False  # the block's checks say what is wrong
+    if math.prod(x.shape[:-1]) == 0:
+        return False  # no tokens: the argsort form's empty rows (a dispatch of 0 rows has no kernel launch)
     if backend == "numba":
         return moe_kernels_take([x.dtype], num_experts)
     rows = math.prod(x.shape[:-1]) * topk * x.shape[-1]
@@ -106,7 +112,7 @@ def _permute_on_kernels(x, num_experts: int, topk: int, backend: str) -> bool:
         TOKEN_COMBINE_OP, "auto", rows, [x.dtype], num_experts)) == "numba"
 
 
-def _kernel_permute():
+def _kernel_permute(transport: str = "auto"):
     """``(dispatch, combine)`` for :func:`gpurouter.reference.moe.moe` on the
     token dispatch / combine kernels, with the argsort pair's signatures
     (:func:`gpurouter.reference.moe.argsort_dispatch`). The rows come out in
@@ -116,13 +122,14 @@ def _kernel_permute():
 
     def dispatch(xf, probs, routing_map, idx, num_experts: int):
         rows = idx.shape[0] * idx.shape[1]
-        xs, w_rows, row_id_map, _, sizes = token_dispatch(xf, routing_map, rows, probs=probs, backend="numba")
+        xs, w_rows, row_id_map, _, sizes = token_dispatch(xf, routing_map, rows, probs=probs, backend="numba",
+                                                          transport=transport)
         return (xs, reference.moe.rows_of_groups(sizes, rows), sizes.astype(np.int32),
                 w_rows.astype(np.float32), (row_id_map, probs))
 
     def combine(z, state, weighted: bool):
         row_id_map, probs = state
-        return token_combine(z, row_id_map, probs if weighted else None, backend="numba")
+        return token_combine(z, row_id_map, probs if weighted else None, backend="numba", transport=transport)
 
     return dispatch, combine
 

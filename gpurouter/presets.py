@@ -60,5 +60,5 @@ PRESETS: dict[str, Preset] = {
     ]
 }
 
-# The presets the demo routes (the list; Nemotron is in the benchmark).
-DEMO_PRESETS = ("deepseek-v3", "deepseek-v4", "qwen3", "mixtral", "llama-4", "kimi-k2")
+# The presets the demo routes: every one ("make demo routes every model preset").
+DEMO_PRESETS = tuple(PRESETS)

@@ -116,7 +116,12 @@ def test_demo_runs_as_a_newcomer_types_it():
     assert r.returncode == 0, r.stderr
     assert "Warning" not in r.stderr and "warn" not in r.stderr.lower(), r.stderr
     assert "deepseek-v3 (jax)" in r.stderr and "('" not in r.stderr  # the progress label, not a tuple
+    assert "\r" not in r.stderr  # stderr is a pipe here: plain lines, no carriage returns
     lines = r.stdout.splitlines()
+    from gpurouter.presets import PRESETS
+
+    for name in PRESETS:  # "every model preset": all of them, each a row
+        assert any(ln.startswith(name + " ") for ln in lines), name
     head = next(ln for ln in lines if ln.startswith("preset"))
     rows = [ln for ln in lines if ln.split() and ln.split()[0] in ("deepseek-v3", "mixtral", "qwen3")]
     assert rows
@@ -215,3 +220,46 @@ def test_steps_rows_time_a_configs_paths_in_turns(monkeypatch):
     assert row["jax"] > 0 and row["auto"] > 0 and set(row["loop steps"]) == {"jax", "auto"}
     assert len(order) == 6 and order[0::2] == [row["loop steps"]["jax"]] * 3  # jax, auto, jax, auto, ...
     assert "ratio" not in row  # no numba:ffi path asked
+
+
+def test_progress_redraws_on_a_terminal_only(monkeypatch, capsys):
+    from gpurouter import _progress
+
+    list(_progress.progress(range(3), 3, "work"))
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.splitlines()[-1].startswith("work 3/3") and len(err.splitlines()) == 4
+
+    class Tty:
+        text = ""
+
+        def isatty(self):
+            return True
+
+        def write(self, s):
+            Tty.text += s
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(_progress.sys, "stderr", Tty())
+    list(_progress.progress(range(3), 3, "work"))
+    assert Tty.text.count("\r") == 4 and Tty.text.endswith("\n")
+
+
+def test_steps_help_says_it_needs_a_gpu(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["steps", "--help"])
+    assert e.value.code == 0
+    assert "Needs JAX on a CUDA GPU" in capsys.readouterr().out
+
+
+def test_moe_bench_tiny_without_numba_runs_the_jax_rows(capsys, tmp_path, monkeypatch):
+    """After `make demo` on a machine without a GPU (no numba-cuda): --tiny still runs, jax rows alone."""
+    import json
+
+    monkeypatch.setattr(_backend, "numba_usable", lambda: False)
+    out = tmp_path / "moe.json"
+    assert cli.main(["moe-bench", "--tiny", "--repeats", "1", "--no-progress", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["block jax ms"] > 0 and "block numba ms" not in row
+    assert "numba rows skipped" in capsys.readouterr().out

@@ -123,15 +123,37 @@ def test_group_checks_ignored_when_grouping_is_off():
     assert probs.shape == (4, 8) and int(rmap.sum()) == 8
 
 
-def test_aux_scores_ignore_bias_and_groups():
-    # compute_aux_scores=True ignores the bias, groups and scaling (TE's JAX
-    # wrapper); the group config is then not checked, the bias still is.
-    scores, _ = gr.fused_topk_with_score_function(
-        X8, 2, num_groups=3, group_topk=2, score_function="sigmoid",
-        expert_bias=B8 + 5.0, compute_aux_scores=True)
-    want, _ = gr.fused_topk_with_score_function(X8, 2, score_function="sigmoid", compute_aux_scores=True)
-    assert scores.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(scores), np.asarray(want))
+@pytest.mark.parametrize("kw,name", [
+    (dict(num_groups=4, group_topk=2), "group_topk (2) does nothing with compute_aux_scores=True"),
+    (dict(expert_bias=B8), "expert_bias (shape (8,)) does nothing with compute_aux_scores=True"),
+    (dict(scaling_factor=2.5), "scaling_factor (2.5) does nothing with compute_aux_scores=True"),
+    (dict(use_pre_softmax=True), "use_pre_softmax (True) does nothing with compute_aux_scores=True"),
+])
+def test_aux_scores_refuse_arguments_that_do_nothing(kw, name):
+    # one rule for every op (contract section 6): an argument that does nothing is an error
+    for backend in ("jax", "numba"):
+        with pytest.raises(ValueError, match=re.escape(f"fused_topk_with_score_function: {name}")):
+            gr.fused_topk_with_score_function(X8, 2, score_function="sigmoid", compute_aux_scores=True,
+                                              backend=backend, **kw)
+
+
+@pytest.mark.parametrize("sf", ["sigmoid", "sqrtsoftplus"])
+def test_pre_softmax_without_softmax_is_an_error(sf):
+    with pytest.raises(ValueError, match=re.escape(
+            f"fused_topk_with_score_function: use_pre_softmax (True) does nothing with score_function ('{sf}')")):
+        gr.fused_topk_with_score_function(X8, 2, use_pre_softmax=True, score_function=sf, backend="jax")
+
+
+@pytest.mark.parametrize("name", ["use_pre_softmax", "compute_aux_scores", "return_indices"])
+@pytest.mark.parametrize("value", ["no", 0, 1, None])
+def test_flags_must_be_bools(name, value):
+    # "no" would be truthy: a flag takes True or False only (contract section 6)
+    for backend in ("jax", "numba"):
+        with pytest.raises(TypeError, match=re.escape(
+                f"fused_topk_with_score_function: {name} ({value!r}) must be a bool")):
+            gr.fused_topk_with_score_function(X8, 2, backend=backend, **{name: value})
+    with pytest.raises(TypeError, match=re.escape(f"fused_topk_with_score_function: {name} ({value!r})")):
+        ref.fused_topk_with_score_function(X8, 2, **{name: value})
 
 
 def test_aux_loss_of_no_tokens_is_zero():
@@ -139,6 +161,25 @@ def test_aux_loss_of_no_tokens_is_zero():
     assert loss.shape == () and float(loss) == 0.0
     grad = jax.grad(lambda p: gr.fused_moe_aux_loss(p, TPE, 2, 0.1))(jnp.zeros((0, 8)))
     assert grad.shape == (0, 8)
+    # an explicit count of 0 with no tokens is the same empty sum (contract section 6)
+    for fn in (gr.fused_moe_aux_loss, ref.fused_moe_aux_loss):
+        assert float(fn(jnp.zeros((0, 8)), TPE, 2, 0.1, total_num_tokens=0)) == 0.0
+    for fn in (gr.router_z_loss, ref.router_z_loss):
+        assert float(fn(jnp.zeros((0, 8)), 0.1, total_num_tokens=0)) == 0.0
+
+
+@pytest.mark.parametrize("call", ["topk", "aux", "z"])
+def test_numpy_float64_refused_by_the_kernels(call):
+    # a NumPy float64 array is not cast to float32 silently by jnp.asarray first
+    x64 = np.zeros((4, 8), np.float64)
+    msg = 'dtype (float64) must be float32, bfloat16 or float16 with backend="numba"'
+    with pytest.raises(TypeError, match=re.escape(msg)):
+        if call == "topk":
+            gr.fused_topk_with_score_function(x64, 2, backend="numba")
+        elif call == "aux":
+            gr.fused_moe_aux_loss(x64, TPE, 2, 0.1, backend="numba")
+        else:
+            gr.router_z_loss(x64, 0.1, backend="numba")
 
 
 P = jnp.zeros((4, 8), jnp.float32)
@@ -165,9 +206,11 @@ AUX_CASES = [
      f"{AUX}: num_cols (probs.shape[1] = 8) must be a multiple of num_experts (3)."),
     ((P, TPE, 2, 0.1), dict(num_experts=0), ValueError, f"{AUX}: num_experts (0) must be >= 1."),
     ((P, TPE, 2, 0.1), dict(total_num_tokens=0), ValueError,
-     f"{AUX}: total_num_tokens (0) must be > 0."),
+     f"{AUX}: total_num_tokens (0) must be > 0 (or 0 with no tokens; there are 4)."),
     ((P, TPE, 2, 0.1), dict(total_num_tokens=-5), ValueError,
-     f"{AUX}: total_num_tokens (-5) must be > 0."),
+     f"{AUX}: total_num_tokens (-5) must be > 0 (or 0 with no tokens; there are 4)."),
+    ((P, TPE, 2, float("nan")), {}, ValueError, f"{AUX}: coeff (nan) must be finite."),
+    ((P, TPE, 2, float("-inf")), {}, ValueError, f"{AUX}: coeff (-inf) must be finite."),
     ((jnp.zeros((4, 0)), jnp.zeros((0,), jnp.int32), 2, 0.1), {}, ValueError,
      f"{AUX}: num_cols (probs.shape[1] = 0) must be >= 1."),
     ((P, TPE, 2, "0.1"), {}, TypeError, f"{AUX}: coeff ('0.1') must be a Python int or float, got str."),
@@ -383,3 +426,74 @@ QB_UPDATE_CASES = [
 def test_qb_update_errors(args, exc, msg):
     with pytest.raises(exc, match=re.escape(msg)):
         gr.qb_update_expert_bias(*args)
+# The MoE block in its own terms, and the token ops' concrete values (issue 40's U6-U10)
+# ----------------------------------------------------------------------------
+
+MOE = "moe"
+MX = jnp.ones((4, 8), jnp.float32)
+MG = jnp.ones((8, 4), jnp.float32) * 0.1
+MW = dict(wi_0=jnp.ones((4, 8, 6)) * 0.1, wi_1=jnp.ones((4, 8, 6)) * 0.1, wo=jnp.ones((4, 6, 8)) * 0.1)
+
+
+def _moe(x=MX, gate=MG, **kw):
+    from gpurouter.moe import moe
+
+    return moe(x, gate, MW["wi_0"], MW["wi_1"], MW["wo"], num_experts=4, num_experts_per_tok=2,
+               **{"backend": "jax", **kw})
+
+
+MOE_CASES = [
+    (dict(grouped_matmul=None), TypeError, f"{MOE}: grouped_matmul (None) must be a function"),
+    (dict(x=[[1.0] * 8] * 4), TypeError, f"{MOE}: x must be an array (jax.Array or numpy.ndarray), got list"),
+    (dict(gate=MG.astype(jnp.int32)), TypeError, f"{MOE}: gate_kernel must be float32, bfloat16 or float16"),
+    (dict(aux_loss_coeff=-0.1), ValueError, f"{MOE}: aux_loss_coeff (-0.1) must be >= 0 (0: no aux loss)."),
+    (dict(aux_loss_coeff=float("nan")), ValueError, f"{MOE}: aux_loss_coeff (nan) must be finite."),
+    (dict(group_topk=1), ValueError, f"{MOE}: num_groups (None) must be given (>= 1) when group_topk (1) > 0."),
+    (dict(transport="fast"), ValueError, f"{MOE}: transport ('fast') must be one of"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,msg", MOE_CASES, ids=[c[2].split(": ", 1)[1][:40] for c in MOE_CASES])
+def test_moe_errors_in_its_own_terms(kw, exc, msg):
+    with pytest.raises(exc, match="^" + re.escape(msg)):
+        _moe(**kw)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["jax", "numba"])
+def test_moe_of_no_tokens_is_empty(backend):
+    if backend == "numba":
+        from gpurouter import _backend
+
+        if not _backend.numba_usable():
+            pytest.skip("backend='numba' needs numba-cuda and a GPU or NUMBA_ENABLE_CUDASIM=1")
+    out, loss = _moe(x=jnp.zeros((0, 8)), backend=backend, aux_loss_coeff=0.1)
+    assert out.shape == (0, 8) and float(loss) == 0.0
+
+
+TOKEN_CASES = [
+    ("compute_grouped_dbias_dscales", (jnp.zeros((4, 3)), jnp.zeros((4,)), jnp.zeros((2, 3)),
+                                       jnp.asarray([0, 2, 9])), ValueError,
+     "compute_grouped_dbias_dscales: offsets ([0, 2, 9]) must lie in [0, dy.shape[0]] = [0, 4]."),
+    ("compute_grouped_dbias", (jnp.zeros((4, 3)), jnp.asarray([-1, 2, 4]), 2), ValueError,
+     "compute_grouped_dbias: offsets ([-1, 2, 4]) must lie in [0, dy.shape[0]] = [0, 4]."),
+    ("grouped_scaled_bias_add", (jnp.zeros((4, 3)), jnp.zeros((2, 3)), jnp.zeros((4,)), jnp.asarray([3, 3])),
+     ValueError, "grouped_scaled_bias_add: group_sizes ([3, 3]) must be >= 0 and sum to at most y.shape[0] (4)."),
+    ("token_combine", (jnp.zeros((4, 3)), jnp.asarray([[0, -1], [7, 1]])), ValueError,
+     "token_combine: row_id_map entries must be -1 (not routed) or a row of inp in [0, inp.shape[0]) = [0, 4), "
+     "got 7."),
+    ("token_combine", (jnp.zeros((4, 3)), jnp.asarray([[0, 1], [1, 2]])), ValueError,
+     "token_combine: row_id_map must name each row of inp at most once, got row 1 twice."),
+    ("token_combine", (jnp.zeros((4, 3)), jnp.asarray([[0, 1], [2, 3]]), None, jnp.asarray([0, -2])), ValueError,
+     "token_combine: pad_offsets ([0, -2]) must be >= 0."),
+]
+
+
+@pytest.mark.parametrize("name,args,exc,msg", TOKEN_CASES, ids=[c[3][:60] for c in TOKEN_CASES])
+def test_token_ops_refuse_concrete_values_out_of_range(name, args, exc, msg):
+    from gpurouter import moe as mo
+    from gpurouter.reference import moe_ops as ref_mo
+
+    for module in (mo, ref_mo):
+        with pytest.raises(exc, match="^" + re.escape(msg)):
+            getattr(module, name)(*args)

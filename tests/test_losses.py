@@ -181,7 +181,7 @@ def test_update_expert_bias_errors(args, exc, msg):
     ((jnp.zeros((4, 2), jnp.int32), 0.1), {}, TypeError, "router_z_loss: logits must be float32, bfloat16"),
     ((jnp.zeros((4, 2)), float("inf")), {}, ValueError, "router_z_loss: coeff (inf) must be finite."),
     ((jnp.zeros((4, 2)), 0.1), dict(total_num_tokens=0), ValueError,
-     "router_z_loss: total_num_tokens (0) must be > 0."),
+     "router_z_loss: total_num_tokens (0) must be > 0 (or 0 with no tokens; there are 4)."),
     (([[0.0, 1.0]], 0.1), {}, TypeError, "router_z_loss: logits must be an array"),
 ])
 def test_z_loss_errors(args, kwargs, exc, msg):

@@ -19,7 +19,8 @@ here (``from gpurouter._checks import check_topk_args``):
   environment's messages;
 - ``topk``: the router top-k, forced indices, routing maps;
 - ``losses``: the aux loss, the z-loss, the expert-bias update;
-- ``moe``: the token-level MoE ops, their kernels' limits, the MoE block.
+- ``moe``: the token-level MoE ops and their kernels' limits;
+- ``moe_block``: the MoE block.
 
 NumPy only: no jax, no numba.
 """
@@ -29,6 +30,9 @@ from .common import TRANSPORTS as TRANSPORTS
 from .common import RoutingMapFormat as RoutingMapFormat
 from .common import ScoreFunction as ScoreFunction
 from .common import array_meta as array_meta
+from .common import as_bool as as_bool
+from .common import as_finite_float as as_finite_float
+from .common import check_array_rank as check_array_rank
 from .common import check_backend as check_backend
 from .common import check_float_dtype as check_float_dtype
 from .common import check_kernel_dtype as check_kernel_dtype
@@ -37,6 +41,7 @@ from .common import routing_map_format_of as routing_map_format_of
 from .common import score_function_of as score_function_of
 from .common import simulator_collectives_warning as simulator_collectives_warning
 from .common import unbound_axis_error as unbound_axis_error
+from .common import unused_argument_error as unused_argument_error
 from .losses import AUX_LOSS_OP as AUX_LOSS_OP
 from .losses import BIAS_UPDATE_OP as BIAS_UPDATE_OP
 from .losses import Z_LOSS_OP as Z_LOSS_OP
@@ -47,9 +52,7 @@ from .losses import check_z_loss_args as check_z_loss_args
 from .moe import BATCHED_RAGGED_DOT_OP as BATCHED_RAGGED_DOT_OP
 from .moe import GROUPED_DBIAS_DSCALES_OP as GROUPED_DBIAS_DSCALES_OP
 from .moe import GROUPED_DBIAS_OP as GROUPED_DBIAS_OP
-from .moe import MOE_ACTIVATIONS as MOE_ACTIVATIONS
 from .moe import MOE_KERNEL_OPS as MOE_KERNEL_OPS
-from .moe import MOE_OP as MOE_OP
 from .moe import SCALED_BIAS_ADD_OP as SCALED_BIAS_ADD_OP
 from .moe import TILED_RAGGED_DOT_OP as TILED_RAGGED_DOT_OP
 from .moe import TOKEN_COMBINE_OP as TOKEN_COMBINE_OP
@@ -58,7 +61,6 @@ from .moe import DispatchConfig as DispatchConfig
 from .moe import check_batched_ragged_dot_args as check_batched_ragged_dot_args
 from .moe import check_grouped_dbias_args as check_grouped_dbias_args
 from .moe import check_grouped_dbias_dscales_args as check_grouped_dbias_dscales_args
-from .moe import check_moe_args as check_moe_args
 from .moe import check_moe_backend as check_moe_backend
 from .moe import check_moe_kernel_backend as check_moe_kernel_backend
 from .moe import check_moe_kernel_limit as check_moe_kernel_limit
@@ -67,6 +69,10 @@ from .moe import check_tiled_ragged_dot_args as check_tiled_ragged_dot_args
 from .moe import check_token_combine_args as check_token_combine_args
 from .moe import check_token_dispatch_args as check_token_dispatch_args
 from .moe import moe_no_kernel_error as moe_no_kernel_error
+from .moe_block import MOE_ACTIVATIONS as MOE_ACTIVATIONS
+from .moe_block import MOE_OP as MOE_OP
+from .moe_block import check_moe_args as check_moe_args
+from .moe_block import check_moe_inputs as check_moe_inputs
 from .topk import TOPK_OP as TOPK_OP
 from .topk import TopkConfig as TopkConfig
 from .topk import check_forced_indices as check_forced_indices

@@ -89,6 +89,26 @@ def _as_int(op: str, name: str, value) -> int:
         raise TypeError(f"{op}: {name} ({value!r}) must be an int, got {type(value).__name__}.") from None
 
 
+def _as_bool(op: str, name: str, value) -> bool:
+    """A flag: ``True``/``False`` (or ``numpy.bool_``) only; truthiness would
+    turn ``"no"`` on (docs/contract.md section 6)."""
+    if _is_traced(value):
+        raise _static_error(op, name, "bool")
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}: {name} ({value!r}) must be a bool (True or False), got {type(value).__name__}.")
+    return bool(value)
+
+
+as_bool = _as_bool  # the public names of the package (gpurouter/_checks/__init__.py)
+
+
+def unused_argument_error(op: str, name: str, value, why: str) -> ValueError:
+    """An argument that does nothing in the chosen mode (docs/contract.md section 6);
+    ``value`` is shown by its repr, or as given when it is already a description (a str)."""
+    shown = value if isinstance(value, str) else repr(value)
+    return ValueError(f"{op}: {name} ({shown}) does nothing {why}; leave it at its default.")
+
+
 def _as_float(op: str, name: str, value) -> float:
     if _is_traced(value):
         raise _static_error(op, name, "int or float")
@@ -176,6 +196,15 @@ def check_transport(op: str, transport: str) -> str:
             f"{op}: transport ({transport!r}) must be one of {', '.join(map(repr, TRANSPORTS))}."
         )
     return transport
+
+
+as_finite_float = _as_finite_float
+
+
+def check_array_rank(op: str, name: str, shape, rank: int, what: str) -> None:
+    """``name`` must have rank ``rank`` (``what``: its dims, e.g. ``[num_experts]``)."""
+    if len(shape) != rank:
+        raise ValueError(f"{op}: {name} shape {tuple(shape)} must have rank {rank} ({what}).")
 
 
 def check_kernel_dtype(op: str, name: str, dtype) -> None:

@@ -10,7 +10,6 @@ import numpy as np
 from .common import (
     _TPE_NAMES,
     _as_finite_float,
-    _as_float,
     _as_int,
     _dtype_name,
     _is_traced,
@@ -31,6 +30,19 @@ class AuxLossConfig:
     coeff: float
     total_num_tokens: int
     num_experts: int
+
+
+def _total_tokens(op: str, total_num_tokens, rows: int) -> int:
+    """An explicit ``total_num_tokens``: > 0, or 0 with no rows (the loss of no
+    tokens is the empty sum, 0.0, with or without the count: T = 1 keeps the
+    coefficient finite)."""
+    total_num_tokens = _as_int(op, "total_num_tokens", total_num_tokens)
+    if total_num_tokens == 0 and rows == 0:
+        return 1
+    if total_num_tokens <= 0:
+        raise ValueError(f"{op}: total_num_tokens ({total_num_tokens}) must be > 0 "
+                         f"(or 0 with no tokens; there are {rows}).")
+    return total_num_tokens
 
 
 def check_aux_loss_args(
@@ -65,7 +77,7 @@ def check_aux_loss_args(
     topk = _as_int(op, "topk", topk)
     if topk < 1:
         raise ValueError(f"{op}: topk ({topk}) must be >= 1.")
-    coeff = _as_float(op, "coeff", coeff)
+    coeff = _as_finite_float(op, "coeff", coeff)
     if num_experts is None:
         num_experts = cols
     num_experts = _as_int(op, "num_experts", num_experts)
@@ -85,9 +97,7 @@ def check_aux_loss_args(
     if _is_traced(total_num_tokens):  # a device scalar (contract section 10): used as it is
         return AuxLossConfig(topk=topk, coeff=coeff, num_experts=num_experts,
                              total_num_tokens=check_traced_token_count(op, total_num_tokens))
-    total_num_tokens = _as_int(op, "total_num_tokens", total_num_tokens)
-    if total_num_tokens <= 0:
-        raise ValueError(f"{op}: total_num_tokens ({total_num_tokens}) must be > 0.")
+    total_num_tokens = _total_tokens(op, total_num_tokens, rows)
     return AuxLossConfig(
         topk=topk, coeff=coeff, total_num_tokens=total_num_tokens, num_experts=num_experts
     )
@@ -108,10 +118,7 @@ def check_z_loss_args(logits_shape, logits_dtype, coeff, total_num_tokens, shard
         return coeff, max(int(np.prod(logits_shape[:-1])) * shards, 1)
     if _is_traced(total_num_tokens):  # a device scalar (contract section 10): used as it is
         return coeff, check_traced_token_count(op, total_num_tokens)
-    total_num_tokens = _as_int(op, "total_num_tokens", total_num_tokens)
-    if total_num_tokens <= 0:
-        raise ValueError(f"{op}: total_num_tokens ({total_num_tokens}) must be > 0.")
-    return coeff, total_num_tokens
+    return coeff, _total_tokens(op, total_num_tokens, int(np.prod(logits_shape[:-1])))
 
 
 def check_bias_update_args(bias_shape, bias_dtype, tpe_shape, tpe_dtype, rate,

@@ -56,8 +56,9 @@ def _check_int_dtype(op: str, name: str, dtype) -> None:
         raise TypeError(f"{op}: {name} must be integers, got {_dtype_name(dtype)}.")
 
 
-def _check_offsets(op: str, offsets, num_groups: int) -> None:
-    """``offsets [G + 1]`` integers; where concrete, non-decreasing."""
+def _check_offsets(op: str, offsets, num_groups: int, num_rows: int, rows_name: str) -> None:
+    """``offsets [G + 1]`` integers; where concrete, non-decreasing and within
+    ``[0, num_rows]`` (a group past the rows would be truncated silently)."""
     shape, dtype = array_meta(op, "offsets", offsets)
     if tuple(shape) != (num_groups + 1,):
         raise ValueError(f"{op}: offsets shape {shape} must be (num_groups + 1,) = ({num_groups + 1},).")
@@ -67,6 +68,8 @@ def _check_offsets(op: str, offsets, num_groups: int) -> None:
     o = np.asarray(offsets)
     if (np.diff(o) < 0).any():
         raise ValueError(f"{op}: offsets ({o.tolist()}) must be non-decreasing.")
+    if o.size and (o[0] < 0 or o[-1] > num_rows):
+        raise ValueError(f"{op}: offsets ({o.tolist()}) must lie in [0, {rows_name}] = [0, {num_rows}].")
 
 
 def _check_group_sizes(op: str, group_sizes, num_groups: int, total: tuple[int, str] | None = None) -> None:
@@ -121,7 +124,7 @@ def check_grouped_dbias_dscales_args(dy, scales, bias, offsets, dbias, dscales,
     check_float_dtype(op, "dy", dy_dtype)
     _check_scales(op, scales, n)
     g = _check_grouped_bias(op, bias, h, "dy")
-    _check_offsets(op, offsets, g)
+    _check_offsets(op, offsets, g, n, "dy.shape[0]")
     _check_accumulator(op, "dbias", dbias, (g, h))
     _check_accumulator(op, "dscales", dscales, (n,))
     return n, h, g
@@ -135,7 +138,7 @@ def check_grouped_dbias_args(dy, offsets, num_groups, dbias,
     g = _as_int(op, "num_groups", num_groups)
     if g < 1:
         raise ValueError(f"{op}: num_groups ({g}) must be >= 1.")
-    _check_offsets(op, offsets, g)
+    _check_offsets(op, offsets, g, n, "dy.shape[0]")
     _check_accumulator(op, "dbias", dbias, (g, h))
     return n, h, g
 
@@ -147,17 +150,48 @@ def check_scaled_bias_add_args(y, bias, scales, group_sizes,
     check_float_dtype(op, "y", y_dtype)
     g = _check_grouped_bias(op, bias, h, "y")
     _check_scales(op, scales, n)
-    _check_group_sizes(op, group_sizes, g)
+    _check_group_sizes(op, group_sizes, g, (n, "y.shape[0]"))
     return n, h, g
 
 
 BATCHED_RAGGED_DOT_OP = "batched_ragged_dot"
 
 
-def check_batched_ragged_dot_args(lhs, rhs, group_sizes, capacity,
+#: jax.lax's precision names (jax.lax.Precision and the dot algorithm presets it takes as strings)
+_PRECISION_NAMES = ("default", "high", "highest", "fastest", "float32", "tensorfloat32", "bfloat16",
+                    "bfloat16_3x")
+
+
+def _check_precision(op: str, precision) -> None:
+    """``precision`` as ``jax.lax.dot_general`` takes it: None, a name, or a
+    ``jax.lax.Precision`` / dot algorithm object or a pair (passed through)."""
+    if precision is None:
+        return
+    if isinstance(precision, (bool, int, float)):
+        raise TypeError(f"{op}: precision ({precision!r}) must be None, a jax.lax.Precision or one of "
+                        f"{', '.join(map(repr, _PRECISION_NAMES))}, got {type(precision).__name__}.")
+    if isinstance(precision, str) and precision.lower() not in _PRECISION_NAMES:
+        raise ValueError(f"{op}: precision ({precision!r}) must be one of {', '.join(map(repr, _PRECISION_NAMES))} "
+                         "(or None, or a jax.lax.Precision).")
+
+
+def _check_preferred_type(op: str, preferred_element_type) -> None:
+    if preferred_element_type is None:
+        return
+    try:
+        dtype = np.dtype(preferred_element_type)
+    except TypeError:
+        raise TypeError(f"{op}: preferred_element_type ({preferred_element_type!r}) must be None or a "
+                        "float dtype.") from None
+    check_float_dtype(op, "preferred_element_type", dtype)
+
+
+def check_batched_ragged_dot_args(lhs, rhs, group_sizes, capacity, precision=None, preferred_element_type=None,
                                   op: str = BATCHED_RAGGED_DOT_OP) -> tuple[int, int, int, int]:
     """Checks ``batched_ragged_dot`` (``jax.lax.ragged_dot``'s operands);
     returns ``(N, K, G, M)``."""
+    _check_precision(op, precision)
+    _check_preferred_type(op, preferred_element_type)
     (n, k), l_dtype = _rank2(op, "lhs", lhs, "num_rows, contracting")
     check_float_dtype(op, "lhs", l_dtype)
     r_shape, r_dtype = array_meta(op, "rhs", rhs)
@@ -175,12 +209,14 @@ def check_batched_ragged_dot_args(lhs, rhs, group_sizes, capacity,
 TILED_RAGGED_DOT_OP = "tiled_ragged_dot"
 
 
-def check_tiled_ragged_dot_args(lhs, rhs, group_sizes, capacity, tile, chunk,
+def check_tiled_ragged_dot_args(lhs, rhs, group_sizes, capacity, tile, chunk, precision=None,
+                                preferred_element_type=None,
                                 op: str = TILED_RAGGED_DOT_OP) -> tuple[int, int, int, int]:
-    """Checks ``tiled_ragged_dot`` (``jax.lax.ragged_dot``'s operands, and
-    ``capacity >= 0`` or None, ``tile >= 1``, ``chunk >= 1``); returns
+    """Checks ``tiled_ragged_dot`` (``jax.lax.ragged_dot``'s operands, as
+    ``batched_ragged_dot``'s with ``precision`` and ``preferred_element_type``,
+    and ``capacity >= 0`` or None, ``tile >= 1``, ``chunk >= 1``); returns
     ``(N, K, G, M)``."""
-    dims = check_batched_ragged_dot_args(lhs, rhs, group_sizes, None, op)
+    dims = check_batched_ragged_dot_args(lhs, rhs, group_sizes, None, precision, preferred_element_type, op=op)
     if capacity is not None and _as_int(op, "capacity", capacity) < 0:
         raise ValueError(f"{op}: capacity ({capacity}) must be >= 0 (0: every row in tiles) or None.")
     for name, value in (("tile", tile), ("chunk", chunk)):
@@ -269,6 +305,20 @@ def check_token_combine_args(inp, row_id_map, merging_probs, pad_offsets,
         if tuple(o_shape) != (e,):
             raise ValueError(f"{op}: pad_offsets shape {o_shape} must be (num_experts,) = ({e},).")
         _check_int_dtype(op, "pad_offsets", o_dtype)
+        if not _is_traced(pad_offsets) and (np.asarray(pad_offsets) < 0).any():
+            raise ValueError(f"{op}: pad_offsets ({np.asarray(pad_offsets).tolist()}) must be >= 0.")
+    if not _is_traced(row_id_map):
+        # concrete: each entry -1 (not routed) or a row of inp, no row twice
+        # (out of range would read zeros; a shared row, a token's rows twice)
+        rid = np.asarray(row_id_map).reshape(-1)
+        bad = (rid < -1) | (rid >= r)
+        if bad.any():
+            raise ValueError(f"{op}: row_id_map entries must be -1 (not routed) or a row of inp in "
+                             f"[0, inp.shape[0]) = [0, {r}), got {int(rid[np.argmax(bad)])}.")
+        used = np.sort(rid[rid >= 0])
+        if used.size > 1 and (used[1:] == used[:-1]).any():
+            dup = int(used[1:][used[1:] == used[:-1]][0])
+            raise ValueError(f"{op}: row_id_map must name each row of inp at most once, got row {dup} twice.")
     return r, h, t, e
 
 
@@ -299,50 +349,3 @@ def check_moe_kernel_limit(op: str, name: str, value: int, limit: int) -> None:
         raise NotImplementedError(
             f"{op} (numba): {name} ({value}) exceeds the kernel limit of {limit}; use backend=\"jax\"."
         )
-
-
-# ----------------------------------------------------------------------------
-# The MoE block (gpurouter/moe.py, gpurouter/reference/moe.py)
-# ----------------------------------------------------------------------------
-
-MOE_OP = "moe"
-MOE_ACTIVATIONS = ("silu", "gelu", "relu", "linear")
-
-
-def check_moe_args(x_shape, gate_shape, wi_0_shape, wi_1_shape, wo_shape, b0_shape, b1_shape, bo_shape,
-                   num_experts, num_experts_per_tok, activation_type, align_size, ep_shards: int = 1,
-                   op: str = MOE_OP) -> None:
-    """Checks the MoE block's shapes and config (TE's weight layouts; with
-    expert parallelism over ``ep_shards`` devices the expert weights are this
-    device's ``num_experts / ep_shards``)."""
-    e = _as_int(op, "num_experts", num_experts)
-    k = _as_int(op, "num_experts_per_tok", num_experts_per_tok)
-    align_size = _as_int(op, "align_size", align_size)
-    if align_size < 0:
-        raise ValueError(f"{op}: align_size ({align_size}) must be >= 0 (0: no padding).")
-    if e < 1:
-        raise ValueError(f"{op}: num_experts ({e}) must be >= 1.")
-    if e % ep_shards:
-        raise ValueError(f"{op}: num_experts ({e}) must be divisible by the ep_axis size ({ep_shards}).")
-    if not 1 <= k <= e:
-        raise ValueError(f"{op}: num_experts_per_tok ({k}) must be in [1, num_experts ({e})].")
-    if len(x_shape) < 1:
-        raise ValueError(f"{op}: x rank (0) must be >= 1 (x is [..., hidden]).")
-    h = x_shape[-1]
-    if tuple(gate_shape) != (h, e):
-        raise ValueError(f"{op}: gate_kernel shape {tuple(gate_shape)} must be (hidden, num_experts) = {(h, e)}.")
-    e = e // ep_shards  # the experts whose weights this device holds
-    if len(wi_0_shape) != 3 or tuple(wi_0_shape[:2]) != (e, h):
-        raise ValueError(f"{op}: wi_0 shape {tuple(wi_0_shape)} must be (local experts, hidden, M) = ({e}, {h}, M).")
-    m = wi_0_shape[2]
-    if tuple(wi_1_shape) != (e, h, m):
-        raise ValueError(f"{op}: wi_1 shape {tuple(wi_1_shape)} must be wi_0's, {(e, h, m)}.")
-    if tuple(wo_shape) != (e, m, h):
-        raise ValueError(f"{op}: wo shape {tuple(wo_shape)} must be (num_experts, M, hidden) = {(e, m, h)}.")
-    for name, got, want in (("wi_0_bias", b0_shape, (e, m)), ("wi_1_bias", b1_shape, (e, m)),
-                            ("wo_bias", bo_shape, (e, h))):
-        if got is not None and tuple(got) != want:
-            raise ValueError(f"{op}: {name} shape {tuple(got)} must be {want}.")
-    if activation_type not in MOE_ACTIVATIONS:
-        raise ValueError(f"{op}: activation_type ({activation_type!r}) must be one of "
-                         f"{', '.join(map(repr, MOE_ACTIVATIONS))}.")

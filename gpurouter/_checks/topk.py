@@ -10,6 +10,7 @@ import numpy as np
 from .common import (
     RoutingMapFormat,
     ScoreFunction,
+    _as_bool,
     _as_finite_float,
     _as_int,
     _dtype_name,
@@ -18,6 +19,7 @@ from .common import (
     check_float_dtype,
     routing_map_format_of,
     score_function_of,
+    unused_argument_error,
 )
 
 TOPK_OP = "fused_topk_with_score_function"
@@ -78,7 +80,22 @@ def check_topk_args(
     map_format = routing_map_format_of(op, routing_map_format)
     num_groups = _as_int(op, "num_groups", num_groups)
     group_topk = _as_int(op, "group_topk", group_topk)
-    compute_aux_scores = bool(compute_aux_scores)
+    compute_aux_scores = _as_bool(op, "compute_aux_scores", compute_aux_scores)
+    use_pre_softmax = _as_bool(op, "use_pre_softmax", use_pre_softmax)
+    # One rule for every op: an argument that does nothing here is an error.
+    if compute_aux_scores:
+        for name, value, default in (("use_pre_softmax", use_pre_softmax, False),
+                                     ("group_topk", group_topk, None),
+                                     ("scaling_factor", scaling_factor, 1.0),
+                                     ("expert_bias", expert_bias_shape, None)):
+            unused = value > 0 if name == "group_topk" else value != default
+            if unused:
+                shown = f"shape {tuple(value)}" if name == "expert_bias" else value
+                raise unused_argument_error(op, name, shown, "with compute_aux_scores=True (the aux "
+                                            "scores are over all experts: no bias, groups, scaling or pre-softmax)")
+    elif use_pre_softmax and sf != ScoreFunction.SOFTMAX:
+        raise unused_argument_error(op, "use_pre_softmax", True,
+                                    f"with score_function ({sf.name.lower()!r}); it is for softmax only")
     if group_topk > 0 and not compute_aux_scores:
         if num_groups <= 0:
             raise ValueError(
@@ -115,7 +132,7 @@ def check_topk_args(
         check_float_dtype(op, "expert_bias", expert_bias_dtype)
     return TopkConfig(
         topk=topk,
-        use_pre_softmax=bool(use_pre_softmax),
+        use_pre_softmax=use_pre_softmax,
         num_groups=num_groups,
         group_topk=group_topk,
         scaling_factor=scaling_factor,

@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import _backend, reference
 from .._auto import kernels_faster as kernels_faster_here
@@ -66,8 +67,9 @@ def fused_moe_aux_loss(
     probs, total_num_tokens = reference.mask_rows(AUX_LOSS_OP, probs, token_mask, total_num_tokens, axis_name, 0)
     tokens_per_expert, total_num_tokens = reference.global_counts(
         AUX_LOSS_OP, probs, tokens_per_expert, total_num_tokens, axis_name)
+    probs_meta = array_meta(AUX_LOSS_OP, "probs", probs)
     cfg = check_aux_loss_args(
-        *array_meta(AUX_LOSS_OP, "probs", probs),
+        *probs_meta,
         *array_meta(AUX_LOSS_OP, "tokens_per_expert", tokens_per_expert),
         topk, coeff, total_num_tokens, num_experts,
     )
@@ -76,7 +78,7 @@ def fused_moe_aux_loss(
     tokens_per_expert = jnp.asarray(tokens_per_expert)
     traced = not isinstance(cfg.total_num_tokens, int)  # a device scalar: an argument, not config
     def kernels_faster() -> bool:  # "auto": the measured rule (gpurouter/_auto.py)
-        return probs.dtype != jnp.float64 and not traced and kernels_faster_here(
+        return probs_meta[1] != np.float64 and not traced and kernels_faster_here(
             AUX_LOSS_OP, transport, probs.shape[0], probs.shape[1])
 
     if _backend.resolve(AUX_LOSS_OP, backend, faster=kernels_faster) == "jax":
@@ -85,7 +87,7 @@ def fused_moe_aux_loss(
                 p, t, topk, coeff, total_num_tokens=total, num_experts=cfg.num_experts)
     else:
         transport = resolve_transport(AUX_LOSS_OP, transport)
-        check_kernel_dtype(AUX_LOSS_OP, "probs", probs.dtype)
+        check_kernel_dtype(AUX_LOSS_OP, "probs", probs_meta[1])  # the caller's dtype, before jnp's cast
 
         def loss(p, t, total=None):
             if total is None:

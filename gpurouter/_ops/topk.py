@@ -17,6 +17,7 @@ from .._checks import (
     ScoreFunction,
     TopkConfig,
     array_meta,
+    as_bool,
     check_forced_indices,
     check_kernel_dtype,
     check_topk_args,
@@ -93,14 +94,16 @@ def fused_topk_with_score_function(
     """
     bias_shape, bias_dtype = (None, None) if expert_bias is None else array_meta(
         TOPK_OP, "expert_bias", expert_bias)
+    logits_meta = array_meta(TOPK_OP, "logits", logits)
     cfg = check_topk_args(
-        *array_meta(TOPK_OP, "logits", logits), topk, use_pre_softmax, num_groups,
+        *logits_meta, topk, use_pre_softmax, num_groups,
         group_topk, scaling_factor, score_function, bias_shape, bias_dtype,
         compute_aux_scores, routing_map_format,
     )
     forced = forced_indices is not None
     if forced:
         check_forced_indices(TOPK_OP, forced_indices, jnp.shape(logits), cfg.topk, cfg.compute_aux_scores)
+    return_indices = as_bool(TOPK_OP, "return_indices", return_indices)
     var = check_topk_variants(
         TOPK_OP, cfg, jnp.shape(logits), return_indices=return_indices, group_score=group_score,
         compact=compact, indices_dtype=indices_dtype, expert_bias=expert_bias, forced=forced,
@@ -117,7 +120,7 @@ def fused_topk_with_score_function(
         # kernels take the call at all; indices, replays and the composed
         # variants stay on jax.
         if (return_indices or forced or var.qb or var.group_score != "sum_topk"
-                or logits.dtype == jnp.float64):
+                or logits_meta[1] == np.float64):
             return False
         try:
             from ..kernels._base.limits import check_limits
@@ -144,13 +147,13 @@ def fused_topk_with_score_function(
                 return_indices=write_indices, forced_indices=f, group_score=var.group_score)
     else:
         transport = resolve_transport(TOPK_OP, transport)
-        check_kernel_dtype(TOPK_OP, "logits", logits.dtype)
+        check_kernel_dtype(TOPK_OP, "logits", logits_meta[1])  # the caller's dtype, before jnp's cast
         from ..kernels._base.limits import check_limits
 
         check_limits(TOPK_OP, num_experts, cfg.topk, cfg.num_groups if cfg.grouped else 1)
         if bias is not None:
             # The kernels read an fp32 bias; a half bias is upcast here (exactly).
-            check_kernel_dtype(TOPK_OP, "expert_bias", bias.dtype)
+            check_kernel_dtype(TOPK_OP, "expert_bias", bias_dtype)
             bias = bias.astype(jnp.float32)
 
         def route(x, *rest):
@@ -189,12 +192,15 @@ def fused_topk_with_score_function(
     # Token-sharded logits: each device routes its own tokens (_sharding.py).
     n_out = 3 if write_indices else 2
     out = per_token_shard(route, tokens, [] if bias is None else [bias], n_out)
-    if forced:
-        idx_rows = jnp.asarray(forced_indices).reshape(-1, cfg.topk).astype(jnp.int32)
+    if forced:  # the map's experts: -1 for an entry that selects nothing (contract section 2)
+        from ..reference._select import replay_indices
+
+        idx_rows = replay_indices(jnp.asarray(forced_indices).reshape(-1, cfg.topk), num_experts)
     elif return_indices:
         idx_rows = out[2]
     if var.compact:
-        weights = jnp.take_along_axis(out[0], idx_rows, axis=-1)
+        weights = jnp.take_along_axis(out[0], jnp.maximum(idx_rows, 0), axis=-1)
+        weights = jnp.where(idx_rows >= 0, weights, jnp.zeros((), weights.dtype))
         return (weights.reshape(idx_shape), idx_rows.astype(var.indices_dtype).reshape(idx_shape), *qb)
     probs, routing_map = out[0].reshape(shape), out[1].reshape(map_shape)
     if not return_indices:

@@ -25,7 +25,9 @@ blocks and of the GEMM stage is ``--grouped-matmul``: ``ragged_dot``
 (:func:`gpurouter.moe.tiled_ragged_dot`).
 
 Results: a table on stdout, ``--json`` for the numbers. GPU for real figures;
-``--tiny`` runs a toy shape anywhere (the tests use it).
+``--tiny`` runs a toy shape anywhere (the tests use it): without numba-cuda
+(``make demo`` on a machine with no GPU) the jax rows alone, and on the CUDA
+simulator each numba path once.
 """
 
 from __future__ import annotations
@@ -142,7 +144,11 @@ def _dense_steps():
     return jax.jit(jax.value_and_grad(gemms, argnums=(0, 1, 2, 3))), jax.jit(gemms)
 
 
-def run_shape(name, shape, repeats: int, grouped_matmul: str = "ragged_dot") -> dict:
+def run_shape(name, shape, repeats: int, grouped_matmul: str = "ragged_dot", numba: bool = True,
+              numba_repeats: int | None = None) -> dict:
+    """One shape's row. ``numba=False``: the jax block and the jnp stages only
+    (no numba-cuda here); ``numba_repeats``: the numba paths' repeats (1 on
+    the simulator, whose times only show that the paths run)."""
     import jax
     import jax.numpy as jnp
 
@@ -150,9 +156,13 @@ def run_shape(name, shape, repeats: int, grouped_matmul: str = "ragged_dot") -> 
     x, g, w0, w1, wo = _inputs(t, h, e, m, jnp.bfloat16)
     gmm = grouped_matmul_of(grouped_matmul)
     row = {"shape": name, "T": t, "H": h, "E": e, "K": k, "M": m, "grouped_matmul": grouped_matmul}
-    for backend in ("numba", "jax"):
-        row[f"block {backend} ms"] = median_ms(_block_step(e, k, router, backend, gmm), (x, g, w0, w1, wo), repeats)
-    row["block jax / numba"] = row["block jax ms"] / row["block numba ms"]
+    backends = ("numba", "jax") if numba else ("jax",)
+    nrep = repeats if numba_repeats is None else numba_repeats
+    for backend in backends:
+        row[f"block {backend} ms"] = median_ms(_block_step(e, k, router, backend, gmm), (x, g, w0, w1, wo),
+                                               nrep if backend == "numba" else repeats)
+    if numba:
+        row["block jax / numba"] = row["block jax ms"] / row["block numba ms"]
     route, permute, permute_numba, gemms, gemms_fwd = _stage_steps(e, k, router, gmm)
     idx = jnp.argsort(-(x @ g).astype(jnp.float32), axis=-1)[:, :k].astype(jnp.int32)
     sizes = jnp.bincount(idx.reshape(-1), length=e).astype(jnp.int32)
@@ -163,7 +173,8 @@ def run_shape(name, shape, repeats: int, grouped_matmul: str = "ragged_dot") -> 
     row["dispatch+combine ms"] = median_ms(permute, (x, idx, weights), repeats)
     routing_map = jnp.zeros((t, e), bool).at[jnp.arange(t)[:, None], idx].set(True)
     probs = jnp.where(routing_map, 1.0 / k, 0.0).astype(x.dtype)
-    row["dispatch+combine numba ms"] = median_ms(permute_numba, (x, routing_map, probs), repeats)
+    if numba:
+        row["dispatch+combine numba ms"] = median_ms(permute_numba, (x, routing_map, probs), nrep)
     row["grouped GEMMs ms"] = median_ms(gemms, (xs, sizes, w0, w1, wo), repeats)
     row["grouped GEMMs fwd ms"] = median_ms(gemms_fwd, (xs, sizes, w0, w1, wo), repeats)
     flops = 18.0 * t * k * h * m
@@ -176,7 +187,7 @@ def run_shape(name, shape, repeats: int, grouped_matmul: str = "ragged_dot") -> 
     row["dense GEMM fwd TFLOP/s"] = flops / 3 / (row["dense GEMMs fwd ms"] * 1e-3) / 1e12
     row["grouped / dense"] = row["dense GEMMs ms"] / row["grouped GEMMs ms"]
     row["grouped / dense fwd"] = row["dense GEMMs fwd ms"] / row["grouped GEMMs fwd ms"]
-    for backend in ("jax", "numba"):
+    for backend in backends:
         row[f"GEMM share of the {backend} block"] = row["grouped GEMMs ms"] / row[f"block {backend} ms"]
     row["device"] = jax.devices()[0].device_kind
     return row
@@ -188,7 +199,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies T and M (default 1)")
     parser.add_argument("--grouped-matmul", choices=GROUPED_MATMULS, default="ragged_dot",
                         help="the grouped GEMM of the blocks and the GEMM stage (default ragged_dot)")
-    parser.add_argument("--tiny", action="store_true", help="a toy shape instead (any machine; for tests)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a toy shape instead (any machine: jax rows alone without numba-cuda; for tests)")
     parser.add_argument("--repeats", type=positive_int, default=10, help="timed repeats, median (default 10)")
     parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -201,16 +213,24 @@ def main(argv: list[str]) -> int:
         parser.error(f"unknown shape {', '.join(map(repr, bad))}; choose from {', '.join(SHAPES)}")
     from .. import _backend
 
-    if not _backend.numba_usable():
+    numba = _backend.numba_usable()
+    if not numba and not args.tiny:
         parser.error("the MoE bench times backend=\"numba\": it needs numba-cuda and a GPU "
-                     "(or NUMBA_ENABLE_CUDASIM=1 with --tiny)")
+                     "(--tiny runs anywhere: the jax rows alone without numba-cuda)")
+    if not numba:
+        print("moe-bench --tiny: numba rows skipped (numba-cuda is not installed, or sees no GPU and "
+              "NUMBA_ENABLE_CUDASIM is not set); the jax block and stages only")
+    # on the simulator the numba paths run once: their times are the simulator's, not a GPU's
+    numba_repeats = 1 if _backend.simulator_enabled() else None
+    if numba and numba_repeats:
+        print("moe-bench: the CUDA simulator: each numba path runs once (its time is the simulator's)")
     shapes = {"tiny": TINY} if args.tiny else {}
     for n in ([] if args.tiny else names):
         t, h, e, k, m, router = SHAPES[n]
         shapes[n] = (max(e, int(t * args.scale)), h, e, k, max(8, int(m * args.scale)), router)
     shape_list = progress(list(shapes.items()), len(shapes), "moe-bench", not args.no_progress,
                           describe=lambda i: i[0])
-    rows = [run_shape(n, s, args.repeats, args.grouped_matmul) for n, s in shape_list]
+    rows = [run_shape(n, s, args.repeats, args.grouped_matmul, numba, numba_repeats) for n, s in shape_list]
     for r in rows:
         print(", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     if args.json:

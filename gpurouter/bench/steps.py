@@ -240,7 +240,10 @@ def _sizes(text: str) -> list[int]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpurouter steps", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m gpurouter steps",
+        description=__doc__.split("\n\n")[0] + " Needs JAX on a CUDA GPU and numba-cuda (pip install "
+        "'gpurouter[cuda13]'); it refuses to run on a CPU.")
     parser.add_argument("--configs", type=comma_list(tuple(CONFIGS), "config"), default=list(CONFIGS),
                         help=f"comma-separated configs (default: all: {', '.join(CONFIGS)})")
     parser.add_argument("--paths", type=comma_list(PATHS, "path"), default=list(PATHS),

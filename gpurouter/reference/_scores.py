@@ -26,15 +26,20 @@ def sigmoid(x: jax.Array) -> jax.Array:
 
 @jax.custom_jvp
 def sqrtsoftplus(x: jax.Array) -> jax.Array:
-    """``sqrt(softplus(x))``, softplus taking ``x`` itself above 20.
+    """``sqrt(softplus(x))``, softplus taking ``x`` itself above 20, and
+    ``exp(x / 2)`` below -20.
 
     Its derivative is docs/contract.md section 3's: ``sigmoid(x) / (2 v + eps)`` for
     ``x <= 20`` and ``1 / (2 v + eps)`` above (the ``eps`` keeps it finite
     where ``v`` underflows to 0).
     """
     big = x > SOFTPLUS_THRESHOLD
+    tiny = x < -SOFTPLUS_THRESHOLD
     safe = jnp.where(big, jnp.zeros_like(x), x)  # keeps exp() finite in the unused branch
-    return jnp.sqrt(jnp.where(big, x, jnp.log1p(jnp.exp(safe))))
+    # below -20 softplus(x) = exp(x) to fp32 rounding, and sqrt(exp(x)) = exp(x / 2)
+    # stays a normal number down to x = -174.6 where exp(x) is subnormal below
+    # -87.3 (flushed to 0 by XLA:CPU): docs/contract.md section 2
+    return jnp.where(tiny, jnp.exp(x * 0.5), jnp.sqrt(jnp.where(big, x, jnp.log1p(jnp.exp(safe)))))
 
 
 @sqrtsoftplus.defjvp
@@ -92,12 +97,13 @@ def _activation_and_grad(saved: jax.Array, sf: ScoreFunction):
 
 def _normalised_grad(a, da, g, m, normalise: bool):
     """Backward of ``t = m a / (sum_m a + eps)`` (or ``t = m a``), times ``da``."""
+    # masked after the product: an expert off the map gets exactly 0, even
+    # where its logit (so da) is NaN (docs/contract.md section 2, "Edges")
     if not normalise:
-        return jnp.where(m, g, 0) * da
+        return jnp.where(m, g * da, 0)
     am = jnp.where(m, a, 0)
     s = jnp.sum(am, axis=-1, keepdims=True) + EPS
     d = jnp.sum(jnp.where(m, g, 0) * am, axis=-1, keepdims=True)
     # (g - d / s) / s, not g / s - d / s^2: s^2 underflows to 0 when every a
     # is 0 (s = eps), and d / 0 would be NaN (see _normalise_rows)
-    gp = jnp.where(m, (g - d / s) / s, 0)
-    return gp * da
+    return jnp.where(m, (g - d / s) / s * da, 0)

@@ -23,13 +23,17 @@ def _order_key(values: jax.Array) -> jax.Array:
 
     Non-negative floats keep their bits; negative floats flip their magnitude
     bits, so the int32 order equals the float order. ``-0.0`` is first folded
-    into ``+0.0`` (they compare equal as floats), and NaN becomes ``-inf``.
+    into ``+0.0`` (they compare equal as floats) on the bits, so subnormals keep
+    their order even where the arithmetic flushes them, and NaN becomes ``-inf``.
     The key of ``-inf`` is ``-2**31 + 2**23 - 1``, above ``_INELIGIBLE``.
     """
     v = values.astype(jnp.float32)
     v = jnp.where(jnp.isnan(v), -jnp.inf, v)
-    v = jnp.where(v == 0, jnp.float32(0), v)
     bits = lax.bitcast_convert_type(v, jnp.int32)
+    # -0.0 folded into +0.0 on the bits: a float ``v == 0`` would also fold the
+    # subnormals where the arithmetic flushes them (XLA:CPU), and 3e-40 must
+    # stay above 2e-40 (docs/contract.md section 2)
+    bits = jnp.where(bits == jnp.int32(-(2**31)), jnp.int32(0), bits)
     return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
 
 
@@ -91,3 +95,18 @@ def mask_of_indices(indices: jax.Array, num_experts: int) -> jax.Array:
     idx = indices.astype(jnp.int32)[..., :, None]  # [..., K, 1]
     experts = lax.broadcasted_iota(jnp.int32, (1,) * (idx.ndim - 1) + (num_experts,), idx.ndim - 1)
     return jnp.any(idx == experts, axis=-2)
+
+
+def replay_indices(indices: jax.Array, num_experts: int) -> jax.Array:
+    """The ``indices`` a replay returns: the forced ``[..., K]`` entries as
+    int32, with -1 for each entry that selects nothing (out of ``[0, E)``, or
+    a repeat of an expert already forced earlier in the row), so that they are
+    exactly the experts of :func:`mask_of_indices` (docs/contract.md section 2)."""
+    idx = indices.astype(jnp.int32)
+    k = idx.shape[-1]
+    valid = (idx >= 0) & (idx < num_experts)
+    # earlier[i, j]: slot j comes before slot i and holds the same expert
+    before = jnp.tril(jnp.ones((k, k), bool), -1).reshape((1,) * (idx.ndim - 1) + (k, k))
+    earlier = (idx[..., :, None] == idx[..., None, :]) & before
+    first = ~jnp.any(earlier, axis=-1)
+    return jnp.where(valid & first, idx, -1)

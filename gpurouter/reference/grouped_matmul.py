@@ -1,9 +1,7 @@
 """A grouped GEMM built from batched dense GEMMs: ``jax.lax.ragged_dot``'s
-result, without XLA's dense rewrite of a ragged dot.
-
-On a GPU, XLA (jax 0.11) rewrites ``ragged_dot`` and its transposes into
-dense dots over every group, masked: about ``G`` times the work and memory
-of the grouped GEMM (lab/journal/benchmarks.md measured 2.7 TFLOP/s on an H200 for
+result, without XLA's dense rewrite of a ragged dot. On a GPU, XLA (jax
+0.11) rewrites ``ragged_dot`` and its transposes into dense dots over every
+group, masked: about ``G`` times the work and memory of the grouped GEMM (lab/journal/benchmarks.md measured 2.7 TFLOP/s on an H200 for
 the MoE block's GEMMs, and out-of-memory at a DeepSeek-V3-like slice).
 :func:`batched_ragged_dot` computes the same product as one batched GEMM,
 ``[G, C, K] @ [G, K, M]``, the weights used in place (never gathered): the
@@ -11,21 +9,18 @@ rows of every group are gathered into ``C`` slots (a group's missing rows
 read as 0) and each output row is read back from its slot. ``C`` is the
 smallest of a few static capacities (the mean group size ``N / G`` times
 ``FACTORS``: 1/8 to 3/4, then 1 to 1.5 in steps of 1/16, 1.75, 2, 3, 4;
-rounded up to 8) that holds the largest group; a
-``lax.switch`` on the group sizes runs that one branch. When even the
-largest does not hold a group, rounds follow: the largest capacity, then
-the mean while any group has rows left (a ``while`` loop; each round
-reads every group's weights again, so all rows in one group costs about
-``4 G`` rounds, as slow as the dense rewrite, but in bounded memory).
+rounded up to 8) that holds the largest group; a ``lax.switch`` on the group
+sizes runs that one branch. When none holds a group, rounds follow (the
+largest capacity, then the mean while rows are left; each round reads every
+weight again: all rows in one group cost about ``4 G`` rounds, bounded memory).
 
 The backward is its own, on the same slots of ``lhs`` and ``dy``:
 ``d lhs = dy @ rhs^T`` (read back like the output) and
 ``d rhs[g] = lhs_g^T dy_g``, one batched GEMM each (``d rhs`` summed over
 rounds in fp32 when there are rounds).
 
-Cost: ``G * C`` rows multiplied instead of ``N``; with the default mean
-and balanced groups ``C`` is 1.0-1.5 times the mean. Every GEMM reads all
-``G`` weight matrices once, which is also a grouped GEMM's floor.
+Cost: ``G * C`` rows multiplied instead of ``N`` (``C``: 1.0-1.5 times the mean
+for balanced groups); every GEMM reads all ``G`` weights once, a grouped GEMM's floor.
 """
 
 from __future__ import annotations
@@ -75,7 +70,7 @@ def batched_ragged_dot(
     >>> batched_ragged_dot(lhs, rhs, jnp.array([1, 2])).tolist()
     [[0.0, 1.0], [4.0, 6.0], [8.0, 10.0], [0.0, 0.0]]
     """
-    n, _, g, m = check_batched_ragged_dot_args(lhs, rhs, group_sizes, capacity)
+    n, _, g, m = check_batched_ragged_dot_args(lhs, rhs, group_sizes, capacity, precision, preferred_element_type)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     if n == 0:
@@ -271,7 +266,8 @@ def tiled_ragged_dot(
     >>> tiled_ragged_dot(lhs, rhs, jnp.array([1, 2]), tile=1).tolist()
     [[0.0, 1.0], [4.0, 6.0], [8.0, 10.0], [0.0, 0.0]]
     """
-    n, _, g, m = check_tiled_ragged_dot_args(lhs, rhs, group_sizes, capacity, tile, chunk)
+    n, _, g, m = check_tiled_ragged_dot_args(lhs, rhs, group_sizes, capacity, tile, chunk,
+                                             precision, preferred_element_type)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     if n == 0:

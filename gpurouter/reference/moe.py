@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _ep
-from .._checks import MOE_OP, check_moe_args
+from .._checks import MOE_OP, check_moe_args, check_moe_inputs
 from .._sharding import axis_size
 from .aux_loss import fused_moe_aux_loss
 from .routing_map import tokens_per_expert
@@ -100,6 +100,11 @@ def moe(
     Returns:
       ``(output [..., H] in x's dtype, aux_loss float32 scalar or None)``.
     """
+    check_moe_inputs(x, gate_kernel, dict(wi_0=wi_0, wi_1=wi_1, wo=wo, wi_0_bias=wi_0_bias, wi_1_bias=wi_1_bias,
+                                          wo_bias=wo_bias), expert_bias, num_groups, group_topk, aux_loss_coeff,
+                     grouped_matmul, num_experts,
+                     dict(use_pre_softmax=use_pre_softmax, apply_topk_weights_early=apply_topk_weights_early,
+                          scaling_factor=scaling_factor, score_function=score_function))
     check_moe_args(jnp.shape(x), jnp.shape(gate_kernel), jnp.shape(wi_0), jnp.shape(wi_1), jnp.shape(wo),
                    None if wi_0_bias is None else jnp.shape(wi_0_bias),
                    None if wi_1_bias is None else jnp.shape(wi_1_bias),

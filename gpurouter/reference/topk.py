@@ -20,6 +20,7 @@ from .._checks import (
     ScoreFunction,
     TopkConfig,
     array_meta,
+    as_bool,
     check_forced_indices,
     check_topk_args,
     check_topk_variants,
@@ -35,7 +36,7 @@ from ._scores import _sqrtsoftplus_jvp as _sqrtsoftplus_jvp
 from ._scores import sigmoid as sigmoid
 from ._scores import sqrtsoftplus as sqrtsoftplus
 from ._scores import sqrtsoftplus_grad as sqrtsoftplus_grad
-from ._select import mask_of_indices, selected_indices, topk_mask
+from ._select import mask_of_indices, replay_indices, selected_indices, topk_mask
 from .routing_map import map_of_format, unpack_routing_map
 from .variants import flat_token_mask
 
@@ -62,7 +63,10 @@ def _topk_forward(logits, expert_bias, cfg: TopkConfig, forced=None, group_score
     elif sf == ScoreFunction.SOFTMAX:
         t, saved = s, s
     else:
-        t = _normalise(s, mask) if cfg.topk > 1 else s
+        # the weights from the selected logits only: an expert off the map then
+        # gets gradient 0, not 0 * NaN, whatever its logit (contract section 2)
+        sw = _activation(jnp.where(mask, x, 0), sf)
+        t = _normalise(sw, mask) if cfg.topk > 1 else sw
         saved = s if sf == ScoreFunction.SIGMOID else x
     probs = jnp.where(mask, cfg.scaling_factor * t, 0)
     return probs, mask, saved, r
@@ -176,9 +180,10 @@ def fused_topk_with_score_function(
       byte ``e // 8`` set for expert ``e`` and padding bits 0 (BITMAP_U8).
       With ``return_indices``: ``(probs, routing_map, indices)``; with
       ``forced_indices`` too, ``indices`` are the forced ones (in
-      ``indices_dtype``). With ``compact``: ``(weights, indices)``,
-      ``weights[..., j] = probs[..., indices[..., j]]``. With QB the updated
-      histogram follows, last.
+      ``indices_dtype``), -1 where an entry selects nothing (out of range, or a
+      repeat). With ``compact``: ``(weights, indices)``,
+      ``weights[..., j] = probs[..., indices[..., j]]`` (0 at an index -1). With
+      QB the updated histogram follows, last.
 
     Algorithm (per token, in float32):
       1. score ``s``: softmax (pre), raw logits (softmax post), sigmoid or
@@ -210,6 +215,7 @@ def fused_topk_with_score_function(
     op = TOPK_OP
     cfg = _config(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
                   score_function, expert_bias, compute_aux_scores, routing_map_format, op)
+    return_indices = as_bool(op, "return_indices", return_indices)
     if forced_indices is not None:
         check_forced_indices(op, forced_indices, jnp.shape(logits), cfg.topk, cfg.compute_aux_scores)
     from .._sharding import axis_size
@@ -235,11 +241,12 @@ def fused_topk_with_score_function(
         out = out.astype(logits.dtype)
     if var.return_indices or var.compact:
         if forced_indices is not None:
-            indices = jnp.asarray(forced_indices).reshape(-1, cfg.topk).astype(jnp.int32)
+            indices = replay_indices(jnp.asarray(forced_indices).reshape(-1, cfg.topk), shape[-1])
         else:
             indices = selected_indices(r, mask, cfg.topk)
     if var.compact:
-        weights = jnp.take_along_axis(out, indices, axis=-1)
+        weights = jnp.take_along_axis(out, jnp.maximum(indices, 0), axis=-1)
+        weights = jnp.where(indices >= 0, weights, jnp.zeros((), weights.dtype))
         result = (weights.reshape(idx_shape), indices.astype(var.indices_dtype).reshape(idx_shape))
     else:
         result = (out.reshape(shape), map_of_format(mask.reshape(shape), cfg.routing_map_format))

@@ -375,7 +375,11 @@ def z_loss_grad(logits, coeff, total_num_tokens=None) -> np.ndarray:
         lse = _row_lse(list(row))
         if max(row) == -math.inf:
             continue
-        out[t] = [float(coeff) / max(total, 1) * 2 * lse * math.exp(v - lse) for v in row]
+        # softmax as exp(v - m) / sum: exp(v - lse) loses lse's rounding,
+        # which grows with the logits (lse = 1e30 + 2.8 rounds to 1e30 in float64)
+        m = max(row)
+        total_exp = sum(math.exp(v - m) for v in row)
+        out[t] = [float(coeff) / max(total, 1) * 2 * lse * (math.exp(v - m) / total_exp) for v in row]
     return out.reshape(shape)
 
 

@@ -135,7 +135,7 @@ def test_aux_scores_match_oracle(data):
     np.testing.assert_array_equal(np.asarray(rmap), e_map)
     assert_close(scores, e_scores, "probs", "float32")
     assert_close(saved, e_saved, "probs", "float32")
-    # compute_aux_scores=True (pre/scaling/groups ignored) returns the same.
+    # compute_aux_scores=True returns the same.
     assert_dtype(p_scores, np.float32, "public aux scores")
     np.testing.assert_array_equal(np.asarray(p_scores), np.asarray(scores))
     np.testing.assert_array_equal(np.asarray(p_map), np.asarray(rmap))
@@ -152,8 +152,7 @@ def _aux_bundle(topk: int, sf: str):
     def run(x, g):
         scores, rmap, saved = ref.score_for_aux_loss_fwd(x, topk, sf)
         p_scores, p_map = ref.fused_topk_with_score_function(
-            x, topk, use_pre_softmax=True, scaling_factor=3.0, score_function=sf,
-            compute_aux_scores=True)
+            x, topk, score_function=sf, compute_aux_scores=True)
         dx = ref.score_for_aux_loss_bwd(saved, g, sf, out_dtype=x.dtype)
         _, pullback = jax.vjp(lambda a: ref.fused_topk_with_score_function(
             a, topk, score_function=sf, compute_aux_scores=True)[0], x)
@@ -173,7 +172,8 @@ def test_exactly_k_distinct_and_zero_off_map(data):
     cfg = data.draw(router_configs(), label="cfg")
     bias = data.draw(biases(cfg), label="bias")
     x = data.draw(arbitrary_logits(cfg), label="logits")
-    _, aux_map = _public(as_jnp(x, cfg.dtype), cfg, bias, compute_aux_scores=True)
+    _, aux_map = ref.fused_topk_with_score_function(as_jnp(x, cfg.dtype), cfg.topk, score_function=cfg.score_function,
+                                                    compute_aux_scores=True)
     np.testing.assert_array_equal(np.asarray(aux_map).sum(-1), np.full(cfg.num_tokens, cfg.topk))
     probs, rmap = _public(as_jnp(x, cfg.dtype), cfg, bias)
     rmap, probs = np.asarray(rmap), np.asarray(probs, np.float32)

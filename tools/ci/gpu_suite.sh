@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite on a GPU (kernels for real, NUMBA_ENABLE_CUDASIM=0),
-# in parallel groups of test files (16 groups; on one H200 at f480be6 all
-# ran at once in 410 s, the longest group 381 s: docs/testing.md): one GPU is
+# in parallel groups of test files (16 groups at f480be6, when all
+# ran at once on one H200 in 410 s, the longest group 381 s: docs/testing.md): one GPU is
 # shared, and most of a group's time is compiling and tracing on the CPU
 # (nine larger groups timed out on one GPU). One log per group, then each
 # group's summary line; the exit status is non-zero when any group failed.
@@ -33,6 +33,12 @@ groups=(  # (a -k expression without spaces: a group is split on them)
   "tests/test_moe_ops.py tests/test_moe.py"
   "tests/test_sharding.py tests/test_partition.py tests/test_multi_gpu.py"
   "tests/reference tests/test_api.py tests/test_cli.py tests/test_docs.py tests/test_layering.py"
+  "$k/losses/test_last_block.py tests/test_edges.py"
+  "tests/test_arg_table.py tests/tools/test_probes.py tests/testing/test_package.py"
+  "tests/test_router_variants.py tests/test_token_masks.py"
+  "tests/test_router_variants_numba.py tests/test_grouped_matmul_gpu.py"
+  "tests/testing/test_dogfood.py tests/testing/test_mutants.py -m not(slow)"
+  "tests/test_ep_processes.py"
 )
 # shellcheck disable=SC2086,SC2116  # the groups' globs expand here
 listed=" $(echo ${groups[*]}) "

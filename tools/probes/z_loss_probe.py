@@ -9,9 +9,9 @@ on raw pointers of numba device arrays), inputs rotated over three sets (more
 bytes than L2 holds).  Time: CUDA events around each launch, the launches
 queued behind a sleeping kernel (so the host's launch rate is not what is
 timed), the median of ``--repeats`` (as ``gpurouter.bench.router._kernel_times``).
-Byte floors at ``--peak`` TB/s: the forward reads T*E*s bytes and writes T*4
-(s = 2 for bf16 / fp16, 4 for fp32); the backward reads T*E*s + T*4 and
-writes T*E*s.  ``--sweep`` also times other tilings (``SWEEP``: the vector
+Byte floors at ``--peak`` TB/s: the forward reads T*E*s bytes and writes T*8
+(each row's saved max and log2 sum; s = 2 for bf16 / fp16, 4 for fp32); the
+backward reads T*E*s + T*8 and writes T*E*s.  ``--sweep`` also times other tilings (``SWEEP``: the vector
 kernels' ``ZLossTiling.vec_fwd`` or ``vec_bwd``, passed to the plans) and the other dtypes.
 """
 
@@ -76,7 +76,7 @@ def run(tokens, experts, dtype, repeats, peak, label="", data=None, tiling=Z.Z_L
     rows_only = _plan.Plan("rows", fplan.ins, fplan.outs, fplan.tmps, fplan.steps[:1])
     fwd, rows, bwd = (_pointer.PointerLaunch(p, 0) for p in (fplan, rows_only, bplan))
     loss = cuda.device_array((), np.float32)
-    lses = [cuda.device_array((tokens,), np.float32) for _ in xs]
+    lses = [cuda.device_array((2 * tokens,), np.float32) for _ in xs]  # the saved (m, log2 s) pairs
     part = cuda.device_array(fplan.tmps[0].shape, np.float32)
     g = cuda.to_device(np.asarray(1.0, np.float32))
     grad = cuda.device_array((tokens, experts), words[0].dtype)
@@ -88,7 +88,8 @@ def run(tokens, experts, dtype, repeats, peak, label="", data=None, tiling=Z.Z_L
     fwd([_ptr(dxs[0]), _ptr(loss), _ptr(lses[0]), _ptr(part)], 0)
     cuda.synchronize()
     want_lse = _lse64(xs[0])
-    got_lse = lses[0].copy_to_host()
+    pairs = lses[0].copy_to_host()
+    got_lse = pairs[:tokens] + pairs[tokens:] * np.float32(np.log(2.0))  # no dead rows in these inputs
     want_loss = float(coeff) * float(np.sum(want_lse ** 2)) / total
     lse_err = float(np.max(np.abs(got_lse - want_lse) / np.maximum(1, np.abs(want_lse))))
     loss_rel = abs(float(loss.copy_to_host()) - want_loss) / want_loss
@@ -112,8 +113,8 @@ def run(tokens, experts, dtype, repeats, peak, label="", data=None, tiling=Z.Z_L
     regs = st.kernel.compile(tuple(_pointer._numba_type(a, specs) for a in st.args)).regs_per_thread
     counters_zero = all(not _plan.counter_array(c, 0, _plan.counter_key(0)).copy_to_host().any()
                         for c in _plan.plan_counters(fplan))  # left zero by every launch
-    fbytes = tokens * experts * size + tokens * 4
-    bbytes = 2 * tokens * experts * size + tokens * 4
+    fbytes = tokens * experts * size + tokens * 8  # the saved (m, log2 s) pairs
+    bbytes = 2 * tokens * experts * size + tokens * 8
     ffloor, bfloor = fbytes / (peak * 1e12) * 1e6, bbytes / (peak * 1e12) * 1e6
     vec = None if kind == L.F16 else Z.z_loss_vec_tiling(tokens, experts, size, False, tiling)
     knobs = dict(vec_fwd=tiling.vec_fwd, vec_bwd=tiling.vec_bwd, vec=bool(vec), final_threads=tiling.final_threads) \

@@ -124,9 +124,14 @@ def sigmoid(x):
 
 @cuda.jit(device=True)
 def sqrtsoftplus(x):
-    """``sqrt(softplus(x))``, softplus taking ``x`` itself above 20 (PyTorch's threshold)."""
+    """``sqrt(softplus(x))``, softplus taking ``x`` itself above 20 (PyTorch's threshold),
+    and ``exp(x / 2)`` below -20 (``softplus(x) = exp(x)`` there to fp32 rounding;
+    ``exp(x)`` is subnormal below -87.3, ``exp(x / 2)`` normal down to -174.6:
+    docs/contract.md section 2)."""
     if x > SOFTPLUS_THRESHOLD:
         return np.float32(math.sqrt(x))
+    if x < -SOFTPLUS_THRESHOLD:
+        return exp_f32(np.float32(x * np.float32(0.5)))
     return np.float32(math.sqrt(np.float32(math.log1p(exp_f32(x)))))
 
 

@@ -8,7 +8,8 @@ one-block launch (lab/journal/benchmarks.md has what each costs).
 - ``load_l2(a, i)``: ``ld.global.cg.f32`` (the partials other blocks wrote,
   never through a stale L1 line);
 - ``ticket_inc(count, last)``: ``atom.acq_rel.gpu.global.inc.u32``;
-- ``finish_pieces(mode, full)``: the ticket and the fixed-order sum.
+- ``finish_pieces(mode, full)``: the ticket and the fixed-order sum;
+- ``z_loss_final_kernel``: the unit kernels' second launch, one block.
 
 On the simulator plain loads and ``cuda.atomic.inc`` (blocks run one at a time
 there, the last block last).
@@ -24,10 +25,15 @@ import functools
 
 import numpy as np
 from numba import cuda
+from numba import float32 as nb_f32  # array declarations take numba types
 
 from .._base.device import ZERO
 from .._base.launch import simulator_enabled
+from .tiling import Z_LOSS_TILING
 from .z_io import lane_reducers
+
+# Shared-array sizes must be compile-time constants (a module global is frozen as one)
+_FINAL_WORDS = Z_LOSS_TILING.final_threads
 
 #: the finish: "acq_rel" (one acquire-release ``atom.inc``), "fence" (``membar.gl``,
 #: ``atomic.inc``, ``membar.gl``), or "none" (no finish, the loss unwritten: only
@@ -169,3 +175,28 @@ def finish_pieces(mode: str, full: bool):
             loss[0] = np.float32(coeff * np.float32(red[0] / total))
 
     return ticket, finish
+
+
+# The unit kernels' (``z_loss.py``) second launch: one block sums the partials.
+
+
+@cuda.jit
+def z_loss_final_kernel(partial, loss, nparts, coeff, total):  # [>= nparts], [1] out, ., fp32, fp32 N
+    """One block (a power of two of threads): thread i sums partials i, i + n,
+    ... in order, a halving tree combines the threads; ``coeff * (S / N)``."""
+    red = cuda.shared.array(_FINAL_WORDS, nb_f32)
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    acc = ZERO
+    for i in range(tid, nparts, nthreads):
+        acc = np.float32(acc + partial[i])
+    red[tid] = acc
+    half = nthreads // 2
+    while half > 0:
+        # Barrier: this level reads the previous level's sums.
+        cuda.syncthreads()
+        if tid < half:
+            red[tid] = np.float32(red[tid] + red[tid + half])
+        half //= 2
+    if tid == 0:
+        loss[0] = np.float32(coeff * np.float32(red[0] / total))

@@ -3,12 +3,16 @@ logsumexp in base 2, online (a running ``(max, sum)`` rescaled when the max
 moves) and combined pairwise in a fixed order, and the loads of a row's
 *units* (four experts each) held in registers.
 
-Exponentials in base 2: exp(x - m) = 2^(x log2(e) - m log2(e)), one fma and
-one ex2.approx per element (``_device.exp_f32`` is a mul and an ex2 after the
-subtraction).  The row's shift is kept as ``sh2 = f32(m * log2(e))`` (0 for
-m = -inf), so every term of a sum is ``2^(fma(x, log2 e, -sh2))`` and
-``lse = (sh2 + log2(s)) ln 2`` is consistent with the terms whatever the
-rounding of ``sh2``.
+Exponentials in base 2: exp(x - m) = 2^((x - m) log2(e)), a subtraction, a
+multiply and one ex2.approx per element.  The shift is the row maximum ``m``
+itself (0 for m = -inf: ``shift_of``), subtracted before the multiply: the
+older ``fma(x, log2 e, -f32(m log2 e))`` form overflowed to NaN for logits
+above 2.4e38 (``m log2 e`` is inf) and its rounding of ``m log2 e`` grew with
+``m``.  ``lse = m + ln(s)`` in fp32 (``lse_of``), and the forward saves
+``(m, log2 s)`` per row, not ``lse``: the backward's softmax is
+``2^((x - m) log2 e - log2 s)``, accurate at any logit magnitude, where
+``exp(x - f32(lse))`` carried lse's rounding (up to ulp(1e8) = 8 at 1e8:
+docs/contract.md section 3).
 """
 
 from __future__ import annotations
@@ -51,27 +55,27 @@ else:
 
 
 @cuda.jit(device=True)
-def shift2(m):
-    """The base-2 shift of a row maximum ``m``: ``f32(m log2 e)``, 0 for -inf."""
-    return np.float32(m * LOG2E) if m != NEG_INF else ZERO
+def shift_of(m):
+    """The shift of a row maximum ``m``: ``m``, 0 for -inf (every term then 2^-inf = 0)."""
+    return m if m != NEG_INF else ZERO
 
 
 @cuda.jit(device=True)
-def exp2_term(x, sh2):
-    """``2^(x log2 e - sh2)``: exp(x - m) for the row's shift (0 for x = -inf)."""
-    return exp2_f32(cuda.fma(x, LOG2E, -sh2))
+def exp2_term(x, sh):
+    """``2^((x - sh) log2 e)``: exp(x - m) for the row's shift (0 for x = -inf)."""
+    return exp2_f32(np.float32(np.float32(x - sh) * LOG2E))
 
 
 @cuda.jit(device=True)
 def rescale_sum(s, m_old, m_new):
     """A sum of terms shifted by ``m_old``, shifted by ``m_new >= m_old`` instead:
     unchanged when the max did not move; 0 (NaN stays NaN) when the old max
-    was -inf (every old term 0); else times ``2^(sh2(m_old) - sh2(m_new)) <= 1``."""
+    was -inf (every old term 0); else times ``2^((m_old - m_new) log2 e) <= 1``."""
     if m_old == m_new:
         return s
     if m_old == NEG_INF:
         return np.float32(s * ZERO)
-    return np.float32(s * exp2_f32(np.float32(shift2(m_old) - shift2(m_new))))
+    return np.float32(s * exp2_f32(np.float32(np.float32(m_old - m_new) * LOG2E)))
 
 
 @cuda.jit(device=True)
@@ -84,13 +88,47 @@ def merge_max_sum(ma, sa, mb, sb):
 
 
 @cuda.jit(device=True)
-def lse_of(m, s):
-    """``lse`` from the row's ``(max, sum)``: ``(sh2 + log2(s)) ln 2``; an all -inf
-    row (m is -inf) gives its sum, 0, or NaN where a NaN entered it (fmaxf
-    drops NaN from the max but not from the sum)."""
+def saved_pair(m, s, lg2s):
+    """What the forward saves of a row, ``(m, l)``: ``l = log2(s)`` (``lg2s``, computed
+    by the caller); for an all -inf row (m is -inf) ``l`` is its sum, 0 (or NaN
+    where a NaN entered it: fmaxf drops NaN from the max but not from the sum)."""
     if m == NEG_INF:
-        return s
-    return np.float32(np.float32(shift2(m) + np.float32(math.log2(s))) * LN2)
+        return m, s
+    return m, lg2s
+
+
+@cuda.jit(device=True)
+def lse_of_saved(m, lg):
+    """``lse`` from a saved ``(m, lg)``: ``f32(m + f32(lg ln 2))``; ``lg`` (0 or NaN)
+    for an all -inf row.  The forward's loss and the backward use this one
+    expression: the same ``lse`` bit for bit."""
+    if m == NEG_INF:
+        return lg
+    return np.float32(m + np.float32(lg * LN2))
+
+
+@cuda.jit(device=True)
+def backward_row(m, lg):
+    """A row's backward constants from its saved ``(m, lg)``: ``(lse, sh, l2)``
+    with ``exp(x - lse) = softmax_term(x, sh, l2)``; an all -inf row gives
+    ``(lg, 0, 0)`` (its terms 2^-inf = 0, its lse 0 or NaN)."""
+    if m == NEG_INF:
+        return lg, ZERO, ZERO
+    return lse_of_saved(m, lg), m, lg
+
+
+@cuda.jit(device=True)
+def softmax_term(x, sh, l2):
+    """``exp(x - lse) = 2^((x - m) log2 e - log2 s)``: one subtraction, one fma and
+    one exp2 an element, as the forward's terms (``backward_row`` gives the constants)."""
+    return exp2_f32(cuda.fma(np.float32(x - sh), LOG2E, -l2))
+
+
+@cuda.jit(device=True)
+def lse_of(m, s):
+    """``lse`` from the row's ``(max, sum)`` (see ``lse_of_saved``)."""
+    mm, ll = saved_pair(m, s, np.float32(math.log2(s)) if m != NEG_INF else ZERO)
+    return lse_of_saved(mm, ll)
 
 
 @functools.cache

@@ -22,10 +22,13 @@ block's TB squares in a fixed tree into ``partial[b]`` (plan scratch).  Kernel
 (the vector forward: its last block does it, ``z_loss_vec.py``).  Every order
 fixed: bit-identical run to run.
 
-Backward: elementwise, ``grad[t, e] = (g * 2 coeff / N) lse_t exp(x - lse_t)``
-(0 on a dead row: the saved ``lse_t`` is 0), the same lanes and units.
-No warp intrinsics (the simulator runs the same kernels).  ``exp(x - m)`` is
-``2^(fma(x, log2 e, -m log2 e))``, one ``ex2.approx`` (``_logsumexp``).
+The forward saves ``(m_t, log2 s_t)`` per row (``[2T]``: the maxima, then the
+log sums), not ``lse_t``.  Backward: elementwise, ``grad[t, e] = (g * 2 coeff
+/ N) lse_t exp(x - lse_t)`` with ``lse_t = m_t + ln s_t`` and ``exp(x -
+lse_t) = 2^((x - m_t) log2 e - log2 s_t)`` (accurate at any logit magnitude;
+0 on a dead row), the same lanes and units.  No warp intrinsics (the
+simulator runs the same kernels).  ``exp(x - m)`` is ``2^((x - m) log2 e)``,
+one ``ex2.approx`` (``logsumexp``).
 """
 
 from __future__ import annotations
@@ -46,13 +49,24 @@ from .._base.device import NEG_INF, ZERO, fmax_f32, u64
 from .._base.launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
 from .._base.plan import Counter, In, Out, Plan, Ref, Spec, Step, Tmp, execute, spec_of
 from . import last_block as _z_loss_finish
-from .logsumexp import LOG2E, exp2_term, held_unit_loader, lse_of, merge_max_sum, rescale_sum, shift2, unit_fetchers
+from .last_block import z_loss_final_kernel
+from .logsumexp import (
+    backward_row,
+    exp2_term,
+    held_unit_loader,
+    lse_of_saved,
+    merge_max_sum,
+    rescale_sum,
+    saved_pair,
+    shift_of,
+    softmax_term,
+    unit_fetchers,
+)
 from .tiling import Z_LOSS_TILING, ZLossTiling, pow2_at_least, z_loss_tiling, z_loss_vec_tiling
 from .z_loss_vec import word_view, z_loss_vec_bwd_kernel, z_loss_vec_rows_kernel
 
 OP = "router_z_loss"
 
-_FINAL_WORDS = Z_LOSS_TILING.final_threads  # a shared array's size: a compile-time constant (a frozen global)
 
 
 # ----------------------------------------------------------------------------
@@ -72,7 +86,7 @@ def z_loss_rows_kernel(kind: str, quads: bool, hold: int):
     @cuda.jit
     def z_loss_rows(
         logits,  # quads: [T*E] (bf16: [T*E/4] uint64) flat; else [T, E]; kind
-        lse,  # [T] fp32, out
+        lse,  # [2T] fp32, out: each row's max m_t, then log2 s_t (logsumexp.saved_pair)
         partial,  # [>= grid] fp32, out: the block's sum of lse^2 (rows in order)
         num_tokens,
         num_experts,
@@ -109,7 +123,7 @@ def z_loss_rows_kernel(kind: str, quads: bool, hold: int):
             if cm > m:  # a new max: rescale the sum
                 s = rescale_sum(s, m, cm)
                 m = cm
-            sh2 = shift2(m)  # an all -inf step so far: 2^(-inf - 0) = 0
+            sh2 = shift_of(m)  # an all -inf step so far: 2^(-inf - 0) = 0
             for h in range(hold):
                 if u0 + h * w < nu:
                     e01 = np.float32(exp2_term(held[4 * h], sh2) + exp2_term(held[4 * h + 1], sh2))
@@ -133,10 +147,14 @@ def z_loss_rows_kernel(kind: str, quads: bool, hold: int):
         # Barrier: lane 0 reads the last level's pair.
         cuda.syncthreads()
         if lane == 0:
-            v = lse_of(red[tid], red[nthreads + tid])
+            rm = red[tid]
+            rs = red[nthreads + tid]
+            sm, sl = saved_pair(rm, rs, np.float32(math.log2(rs)) if rm != NEG_INF else ZERO)
+            v = lse_of_saved(sm, sl)
             sq = ZERO
             if live:
-                lse[u64(token)] = v
+                lse[u64(token)] = sm  # the saved (m, log2 s): stats [2T]
+                lse[u64(num_tokens + token)] = sl
                 sq = np.float32(v * v)
             red[2 * nthreads + tok] = sq
         # The TB squares in a fixed-shape tree (pairs r, r + ceil(n/2)).
@@ -153,28 +171,6 @@ def z_loss_rows_kernel(kind: str, quads: bool, hold: int):
             partial[cuda.blockIdx.x] = red[o]
 
     return z_loss_rows
-
-
-@cuda.jit
-def z_loss_final_kernel(partial, loss, nparts, coeff, total):  # [>= nparts], [1] out, ., fp32, fp32 N
-    """One block (a power of two of threads): thread i sums partials i, i + n,
-    ... in order, a halving tree combines the threads; ``coeff * (S / N)``."""
-    red = cuda.shared.array(_FINAL_WORDS, nb_f32)
-    tid = cuda.threadIdx.x
-    nthreads = cuda.blockDim.x
-    acc = ZERO
-    for i in range(tid, nparts, nthreads):
-        acc = np.float32(acc + partial[i])
-    red[tid] = acc
-    half = nthreads // 2
-    while half > 0:
-        # Barrier: this level reads the previous level's sums.
-        cuda.syncthreads()
-        if tid < half:
-            red[tid] = np.float32(red[tid] + red[tid + half])
-        half //= 2
-    if tid == 0:
-        loss[0] = np.float32(coeff * np.float32(red[0] / total))
 
 
 # ----------------------------------------------------------------------------
@@ -214,7 +210,7 @@ def z_loss_bwd_kernel(kind: str, quads: bool, hold: int):
     @cuda.jit
     def z_loss_bwd(
         logits,  # as in the forward
-        lse,  # [T] fp32: the forward's saved lse
+        lse,  # [2T] fp32: the forward's saved (m, log2 s)
         grad_loss,  # [1] fp32
         grad_logits,  # as logits (bf16 quads: [T*E/4] uint64), out
         num_tokens,
@@ -234,9 +230,8 @@ def z_loss_bwd_kernel(kind: str, quads: bool, hold: int):
         nu = np.int32(units)
         n = np.int32(num_experts)
         fast = aligned(logits)
-        v = lse[u64(token)]
+        v, sh, l2 = backward_row(lse[u64(token)], lse[u64(num_tokens + token)])
         a = np.float32(np.float32(grad_loss[0] * scale) * v)  # 0 on a dead row (v = 0)
-        v2 = np.float32(v * LOG2E)  # exp(x - v) = 2^(fma(x, log2 e, -v2))
         u0 = lane
         while u0 < nu:
             if fast:
@@ -247,8 +242,10 @@ def z_loss_bwd_kernel(kind: str, quads: bool, hold: int):
                 u = np.int32(u0 + h * w)
                 if u < nu:
                     put(grad_logits, token, u, nu, n,
-                        np.float32(a * exp2_term(held[4 * h], v2)), np.float32(a * exp2_term(held[4 * h + 1], v2)),
-                        np.float32(a * exp2_term(held[4 * h + 2], v2)), np.float32(a * exp2_term(held[4 * h + 3], v2)))
+                        np.float32(a * softmax_term(held[4 * h], sh, l2)),
+                        np.float32(a * softmax_term(held[4 * h + 1], sh, l2)),
+                        np.float32(a * softmax_term(held[4 * h + 2], sh, l2)),
+                        np.float32(a * softmax_term(held[4 * h + 3], sh, l2)))
             u0 = np.int32(u0 + hold * w)
 
     return z_loss_bwd
@@ -291,12 +288,13 @@ def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, tiling=None, out=
       total_num_tokens: N of ``coeff * sum_t lse_t^2 / N`` (default T, 1 when
         T == 0; the global count when token-sharded).
       tiling: a ``ZLossTiling`` (None: the library's).
-      out: optional ``(loss (), lse (T,))`` float32 device arrays.
+      out: optional ``(loss (), saved (2T,))`` float32 device arrays.
       stream: numba stream or int CUDA stream handle.
 
     Returns:
-      ``(loss () float32, saved_lse (T,) float32)``; the loss bit-identical
-      run to run.
+      ``(loss () float32, saved (2T,) float32)``: ``saved`` is each row's max
+      ``m_t`` then its ``log2 s_t`` (``s_t = sum_e exp(x - m_t)``), what the
+      backward reads; the loss bit-identical run to run.
     """
     op = OP + "_fwd"
     s = resolve_stream(stream)
@@ -311,10 +309,10 @@ def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, tiling=None, out=
 def router_z_loss_fwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: int,
                            tiling: ZLossTiling | None = None) -> Plan:
     """The launches of the forward: input logits; outputs ``loss () f32``,
-    ``lse (T,) f32``; scratch: the per-block partial sums of ``lse^2``; ``tiling``: a ``ZLossTiling``."""
+    ``saved (2T,) f32``; scratch: the per-block partial sums of ``lse^2``; ``tiling``: a ``ZLossTiling``."""
     tiling = tiling or Z_LOSS_TILING
     num_tokens, num_experts = logits.shape
-    outs = (spec_of((), F32), spec_of((num_tokens,), F32))
+    outs = (spec_of((), F32), spec_of((2 * num_tokens,), F32))
     vec = logits.kind != F16 and z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize, False, tiling)
     grid, threads, lanes, units, quads = z_loss_tiling(num_tokens, num_experts, tiling=tiling)
     steps = []
@@ -346,7 +344,7 @@ def router_z_loss_bwd(logits, saved_lse, grad_loss, coeff, total_num_tokens=None
 
     Args:
       logits: (T, E) float32 | bfloat16 | float16, as given to the forward.
-      saved_lse: (T,) float32, the forward's second output.
+      saved_lse: (2T,) float32, the forward's second output (each row's max, then log2 of its sum).
       grad_loss: () float32 (host scalar, Python float or device array).
       coeff, total_num_tokens, tiling: as given to the forward.
       out: optional device array for grad_logits.
@@ -360,9 +358,9 @@ def router_z_loss_bwd(logits, saved_lse, grad_loss, coeff, total_num_tokens=None
     d, kind = _logits_input(logits, op, s)
     num_tokens = int(d.shape[0])
     d_lse, lse_kind = device_input(saved_lse, "saved_lse", op, s, ndim=1)
-    if lse_kind != F32 or tuple(d_lse.shape) != (num_tokens,):
-        raise ValueError(f"{op}: saved_lse must be float32 of shape ({num_tokens},), got "
-                         f"{tuple(d_lse.shape)} {d_lse.dtype}.")
+    if lse_kind != F32 or tuple(d_lse.shape) != (2 * num_tokens,):
+        raise ValueError(f"{op}: saved_lse must be float32 of shape (2 * num_tokens,) = ({2 * num_tokens},), "
+                         f"the forward's second output, got {tuple(d_lse.shape)} {d_lse.dtype}.")
     d_g, gkind = scalar_input(grad_loss, "grad_loss", op, s)
     if gkind != F32:
         raise TypeError(f"{op}: grad_loss must be float32, got {d_g.dtype}.")
@@ -375,11 +373,11 @@ def router_z_loss_bwd(logits, saved_lse, grad_loss, coeff, total_num_tokens=None
 @functools.cache
 def router_z_loss_bwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: int,
                            tiling: ZLossTiling | None = None) -> Plan:
-    """The launches of the backward: inputs logits, ``lse (T,) f32``,
+    """The launches of the backward: inputs logits, ``saved (2T,) f32``,
     ``grad_loss () f32``; output ``grad_logits`` (logits' shape and kind); ``tiling``: a ``ZLossTiling``."""
     tiling = tiling or Z_LOSS_TILING
     num_tokens, num_experts = logits.shape
-    ins = (logits, spec_of((num_tokens,), F32), spec_of((), F32))
+    ins = (logits, spec_of((2 * num_tokens,), F32), spec_of((), F32))
     outs = (spec_of(logits.shape, logits.kind),)
     grid, threads, lanes, units, quads = z_loss_tiling(num_tokens, num_experts, backward=True, tiling=tiling)
     if not grid:

@@ -15,7 +15,7 @@ copies between them).  The forward is compiled for rows of exactly
 ``W * hold`` vectors (no clamps or masks) and for blocks of whole warps
 (a constant shuffle mask) where the tiling gives them.  The unit kernels
 were instruction-bound (about 18 instructions an element, fp32 logits as
-slow as bf16): here an element costs about four (unpack, fma,
+slow as bf16): here an element costs about five (unpack, sub, mul or fma,
 ``ex2.approx.ftz``, add or multiply; ``_z_loss_io``), the max
 of a bf16 row is taken two experts an instruction, the gradient packed two
 a ``cvt``.
@@ -23,9 +23,9 @@ a ``cvt``.
 Forward: a lane takes the max of its vectors (fmaxf drops NaN; the sum keeps
 it), the W lanes' maxima give the row's ``M`` (``_z_loss_io.lane_reducers``:
 a butterfly of warp shuffles, log2 W steps, every lane gets ``M``), then each
-lane ``s_l = sum 2^(fma(x, log2 e, -sh2(M)))`` (one exp an element, no
+lane ``s_l = sum 2^((x - M) log2 e)`` (one exp an element, no
 rescale at all), and the W sums in a fixed pairwise tree in lane order give
-``S``; lane 0 writes ``lse = (sh2(M) + lg2.approx(S)) ln 2`` and adds
+``S``; lane 0 saves ``(M, lg2.approx(S))``, takes ``lse = M + lg2(S) ln 2`` and adds
 ``lse^2`` to its own running sum in row order.  No barrier inside the walk (the lane exchange is within a warp);
 at the end thread 0 sums the block's TB running sums in slot order into
 ``partial[b]`` and takes a ticket (``atomic.inc`` on a ``_plan.Counter``, zero
@@ -36,8 +36,8 @@ lab/journal/benchmarks.md, "Router z-loss").  Every order is fixed: bit-identica
 run to run (the simulator's exchange goes through shared memory in the same
 order).
 
-Backward: ``grad = (g * 2 coeff / N) lse_t 2^(fma(x, log2 e, -lse_t log2 e))``,
-as the unit kernel, one 16-byte store per vector; no barrier.
+Backward: ``grad = (g * 2 coeff / N) lse_t 2^((x - M_t) log2 e - lg2(S_t))``
+from the saved pair, as the unit kernel, one 16-byte store per vector; no barrier.
 
 On the simulator the vector accesses are four word accesses (same code).
 """
@@ -59,7 +59,7 @@ from .._base.device import NEG_INF, ZERO, fmax_f32, u64
 from .._base.launch import BF16
 from .._base.plan import Spec
 from .last_block import finish_pieces
-from .logsumexp import LN2, LOG2E, shift2
+from .logsumexp import LOG2E, backward_row, lse_of_saved, saved_pair, shift_of
 from .z_io import lane_reducers, load_words, log2_approx, single_ops, store_words, vector_io, warp_mask
 
 
@@ -114,8 +114,12 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool, exact: bool = Fal
         return np.uint32(w & hi_mask).view(np.float32)
 
     @cuda.jit(device=True)
-    def term(x, sh2):  # exp(x - m) = 2^(fma(x, log2 e, -sh2))
-        return exp2(cuda.fma(x, LOG2E, -sh2))
+    def term(x, sh):  # exp(x - m) = 2^((x - m) log2 e) (the forward: sh = m, l2 = 0)
+        return exp2(np.float32(np.float32(x - sh) * LOG2E))
+
+    @cuda.jit(device=True)
+    def bterm(x, sh, l2):  # exp(x - lse) = 2^((x - m) log2 e - log2 s) (logsumexp.softmax_term)
+        return exp2(cuda.fma(np.float32(x - sh), LOG2E, -l2))
 
     if pair and max2 is not None:
 
@@ -151,8 +155,8 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool, exact: bool = Fal
             return np.float32(term(lo(w), sh2) + term(hi(w), sh2))
 
         @cuda.jit(device=True)
-        def grad_word(w, a, v2):
-            return pack2(np.float32(a * term(lo(w), v2)), np.float32(a * term(hi(w), v2)))
+        def grad_word(w, a, sh, l2):
+            return pack2(np.float32(a * bterm(lo(w), sh, l2)), np.float32(a * bterm(hi(w), sh, l2)))
 
     else:
 
@@ -161,8 +165,8 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool, exact: bool = Fal
             return term(np.uint32(w).view(np.float32), sh2)
 
         @cuda.jit(device=True)
-        def grad_word(w, a, v2):
-            return np.float32(a * term(np.uint32(w).view(np.float32), v2)).view(np.uint32)
+        def grad_word(w, a, sh, l2):
+            return np.float32(a * bterm(np.uint32(w).view(np.float32), sh, l2)).view(np.uint32)
 
     @cuda.jit(device=True)
     def row_sum(held, lane, vecs, sh2):
@@ -191,28 +195,25 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
     w = np.int32(lanes)
 
     @cuda.jit(device=True)
-    def lse_fast(m, s):  # _logsumexp.lse_of with one lg2.approx (s >= 1 or NaN when m > -inf)
-        if m == NEG_INF:
-            return s
-        return np.float32(np.float32(shift2(m) + lg2(s)) * LN2)
-
-    @cuda.jit(device=True)
     def group(held, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc):
         """One row group on the held vectors: the row's max over its W lanes, then
         each lane's sum against it (no rescale), the W sums in the fixed pairwise
-        order; lane 0 writes ``lse`` and returns ``acc + lse^2``."""
+        order; lane 0 writes the saved ``(m, log2 s)`` (one lg2.approx; s >= 1 or
+        NaN when m > -inf) and returns ``acc + lse^2``."""
         m = all_max(row_max(held), red, tid, first, mask)
-        s = all_sum(row_sum(held, lane, vecs, shift2(m)), red, tid, first, mask)
+        s = all_sum(row_sum(held, lane, vecs, shift_of(m)), red, tid, first, mask)
         if lane == 0 and row < num_tokens:
-            v = lse_fast(m, s)
-            lse[u64(row)] = v
+            sm, sl = saved_pair(m, s, lg2(s) if m != NEG_INF else ZERO)
+            v = lse_of_saved(sm, sl)
+            lse[u64(row)] = sm
+            lse[u64(num_tokens + row)] = sl
             acc = np.float32(acc + np.float32(v * v))
         return acc
 
     @cuda.jit
     def z_loss_vec_rows(
         logits,  # [T * E * size / 4] uint32 words, flat
-        lse,  # [T] fp32, out
+        lse,  # [2T] fp32, out: each row's max, then log2 of its sum (logsumexp.saved_pair)
         partial,  # [>= grid] fp32, out: the block's sum of lse^2 (rows in order)
         loss,  # [1] fp32, out: coeff * (S / N)
         count,  # [1] uint32: 0 at launch, left 0 (a _plan.Counter)
@@ -284,7 +285,7 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
     @cuda.jit
     def z_loss_vec_bwd(
         logits,  # [T * E * size / 4] uint32 words, flat
-        lse,  # [T] fp32: the forward's saved lse
+        lse,  # [2T] fp32: the forward's saved (m, log2 s)
         grad_loss,  # [1] fp32
         grad_logits,  # as logits, out
         num_tokens,
@@ -303,24 +304,27 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
         fast = aligned(logits) and aligned(grad_logits)
         g = np.float32(grad_loss[0] * scale)
         fetch(cur, logits, fast, min(row, last), lane, vecs)
-        v = lse[u64(min(row, last))]
-        nv = v
+        vm = lse[u64(min(row, last))]
+        vl = lse[u64(num_tokens + min(row, last))]
+        nm = vm
+        nl = vl
         for k in range(iters):
             more = k + 1 < iters
             if prefetch and more:
                 fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
-                nv = lse[u64(min(row + tb, last))]
+                nm = lse[u64(min(row + tb, last))]
+                nl = lse[u64(num_tokens + min(row + tb, last))]
             if row < num_tokens:
+                v, sh, l2 = backward_row(vm, vl)
                 a = np.float32(g * v)  # 0 on a dead row (v = 0)
-                v2 = np.float32(v * LOG2E)
                 base = row * vecs
                 for h in range(hold):
                     u = np.int32(lane + h * w)
                     if u < vecs:
-                        o0 = grad_word(cur[4 * h], a, v2)
-                        o1 = grad_word(cur[4 * h + 1], a, v2)
-                        o2 = grad_word(cur[4 * h + 2], a, v2)
-                        o3 = grad_word(cur[4 * h + 3], a, v2)
+                        o0 = grad_word(cur[4 * h], a, sh, l2)
+                        o1 = grad_word(cur[4 * h + 1], a, sh, l2)
+                        o2 = grad_word(cur[4 * h + 2], a, sh, l2)
+                        o3 = grad_word(cur[4 * h + 3], a, sh, l2)
                         if fast:
                             store_v(grad_logits, base + u, o0, o1, o2, o3)
                         else:
@@ -328,10 +332,12 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
             if prefetch:
                 for i in range(words):
                     cur[i] = nxt[i]
-                v = nv
+                vm = nm
+                vl = nl
             elif more:
                 fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
-                v = lse[u64(min(row + tb, last))]
+                vm = lse[u64(min(row + tb, last))]
+                vl = lse[u64(num_tokens + min(row + tb, last))]
             row += tb
 
     return z_loss_vec_bwd

@@ -47,6 +47,16 @@ def _lse64(x):
     return np.where(np.isneginf(m[..., 0]), 0.0, lse)
 
 
+def _lse_of(saved):
+    """The lse of the forward's saved ``(m, log2 s)`` pairs (``[2T]``: the maxima,
+    then the log sums), in fp32 as the kernels take it (``logsumexp.lse_of_saved``)."""
+    saved = np.asarray(saved, np.float32)
+    t = saved.shape[0] // 2
+    m, lg = saved[:t], saved[t:]
+    with np.errstate(invalid="ignore"):
+        return np.where(np.isneginf(m), lg, m + lg * np.float32(np.log(2.0))).astype(np.float32)
+
+
 def _reference(x, coeff, total, g):
     """(loss, grad_logits) of the reference with N = ``total``: the reference
     divides by its own T, so it is scaled by T / N (exact in the gradient's
@@ -66,16 +76,16 @@ def _reference(x, coeff, total, g):
 def _check(x, total=None, g=1.5, coeff=COEFF, tiling=None):
     T, E = x.shape
     n = max(T, 1) if total is None else total
-    loss, lse = K.router_z_loss_fwd(x, coeff, total, tiling=tiling)
+    loss, saved = K.router_z_loss_fwd(x, coeff, total, tiling=tiling)
     assert loss.shape == () and loss.dtype == np.float32
-    assert lse.shape == (T,) and lse.dtype == np.float32
+    assert saved.shape == (2 * T,) and saved.dtype == np.float32
     rloss, rgrad = _reference(x, coeff, n, g)
     assert_close(loss, rloss, "aux_loss", np.float32, err_msg="z-loss")  # fp32 from the same inputs
-    assert_close(lse, _lse64(x).astype(np.float32), "probs", np.float32, err_msg="lse")  # a saved fp32 value
-    grad = K.router_z_loss_bwd(x, lse, g, coeff, total, tiling=tiling)
+    assert_close(_lse_of(saved), _lse64(x).astype(np.float32), "probs", np.float32, err_msg="lse")
+    grad = K.router_z_loss_bwd(x, saved, g, coeff, total, tiling=tiling)
     assert grad.shape == x.shape and grad.dtype == x.dtype
     assert_close(grad, rgrad.astype(x.dtype), "grads", x.dtype, E=E, err_msg="z-loss grad")
-    return loss, lse, grad
+    return loss, saved, grad
 
 
 @pytest.mark.parametrize("dtype,T,E,total", [
@@ -110,20 +120,22 @@ def test_special_rows(dtype, E):
     x[2, :] = -np.inf
     x[2, E - 1] = 0.0  # lse exactly 0: a zero gradient too
     x = x.astype(dtype)
-    loss, lse = K.router_z_loss_fwd(x, COEFF)
+    loss, saved = K.router_z_loss_fwd(x, COEFF)
+    lse = _lse_of(saved)
     assert lse[1] == 0.0 and lse[2] == 0.0
     rloss, rgrad = _reference(x, COEFF, 6, 2.0)
     assert_close(loss, rloss, "aux_loss", np.float32)
     assert_close(lse, _lse64(x).astype(np.float32), "probs", np.float32, err_msg="lse")
-    grad = K.router_z_loss_bwd(x, lse, 2.0, COEFF)
+    grad = K.router_z_loss_bwd(x, saved, 2.0, COEFF)
     assert (np.asarray(grad[1:3], np.float32) == 0).all()
     assert_close(grad, rgrad.astype(dtype), "grads", dtype, E=E)
 
     xn = np.array(x)
     xn[4, E // 2] = np.nan
-    loss, lse = K.router_z_loss_fwd(xn, COEFF)
+    loss, saved = K.router_z_loss_fwd(xn, COEFF)
+    lse = _lse_of(saved)
     assert np.isnan(loss) and np.isnan(lse[4]) and not np.isnan(np.delete(lse, 4)).any()
-    grad = np.asarray(K.router_z_loss_bwd(xn, lse, 2.0, COEFF), np.float32)
+    grad = np.asarray(K.router_z_loss_bwd(xn, saved, 2.0, COEFF), np.float32)
     assert np.isnan(grad[4]).all() and not np.isnan(np.delete(grad, 4, 0)).any()
     _, rgrad = _reference(xn, COEFF, 6, 2.0)
     assert np.isnan(rgrad[4]).all()
@@ -132,7 +144,7 @@ def test_special_rows(dtype, E):
 
     xnan_dead = np.full((2, E), -np.inf, np.float32)
     xnan_dead[0, 0] = np.nan  # NaN among -inf only: still NaN, not a dead row
-    lse = K.router_z_loss_fwd(xnan_dead.astype(dtype), COEFF)[1]
+    lse = _lse_of(K.router_z_loss_fwd(xnan_dead.astype(dtype), COEFF)[1])
     assert np.isnan(lse[0]) and lse[1] == 0.0
 
 
@@ -172,13 +184,13 @@ def test_plans():
     fwd = K.router_z_loss_fwd_plan(spec, np.float32(COEFF), 100)
     assert fwd is K.router_z_loss_fwd_plan(spec, np.float32(COEFF), 100)  # cached
     assert fwd.ins == (spec,)
-    assert fwd.outs == (_plan.Spec((), np.float32, L.F32), _plan.Spec((70,), np.float32, L.F32))
+    assert fwd.outs == (_plan.Spec((), np.float32, L.F32), _plan.Spec((140,), np.float32, L.F32))  # (m, log2 s) pairs
     grid = z_loss_vec_tiling(70, 256, 2)[0]  # bf16 E = 256: the vector kernels
     assert fwd.tmps == (_plan.Spec((grid,), np.float32, L.F32),) and len(fwd.steps) == 1  # the finish inside
     unit = K.router_z_loss_fwd_plan(_plan.spec_of((70, 256), L.F16), np.float32(COEFF), 100)
     assert len(unit.steps) == 2 and not _plan.plan_counters(unit)  # unit kernels: rows, then the final block
     bwd = K.router_z_loss_bwd_plan(spec, np.float32(COEFF), 100)
-    assert bwd.ins == (spec, _plan.spec_of((70,), L.F32), _plan.spec_of((), L.F32))
+    assert bwd.ins == (spec, _plan.spec_of((140,), L.F32), _plan.spec_of((), L.F32))
     assert bwd.outs == (spec,) and bwd.tmps == () and len(bwd.steps) == 1
     empty = _plan.spec_of((0, 3), L.F32)
     assert len(K.router_z_loss_fwd_plan(empty, np.float32(1), 1).steps) == 1  # the final block only
@@ -193,7 +205,7 @@ def test_device_arrays_out_and_stream():
     s = cuda.stream()
     h = getattr(s, "handle", None)  # the simulator's streams have none
     handle = 12345 if h is None else int(getattr(h, "value", h))
-    outs = (cuda.device_array((), np.float32), cuda.device_array((5,), np.float32))
+    outs = (cuda.device_array((), np.float32), cuda.device_array((10,), np.float32))  # the (m, log2 s) pairs
     dx = cuda.to_device(x)
     loss, lse = K.router_z_loss_fwd(dx, COEFF, out=outs, stream=handle)
     assert loss is outs[0] and lse is outs[1]
@@ -222,9 +234,9 @@ def test_bad_input():
     with pytest.raises(ValueError, match="num_experts"):
         K.router_z_loss_fwd(np.zeros((3, 0), np.float32), 1.0)
     with pytest.raises(ValueError, match="saved_lse"):
-        K.router_z_loss_bwd(x, np.zeros(4, np.float32), 1.0, 1.0)
+        K.router_z_loss_bwd(x, np.zeros(3, np.float32), 1.0, 1.0)  # the pairs: 2T
     with pytest.raises(TypeError, match="grad_loss"):
-        K.router_z_loss_bwd(x, np.zeros(3, np.float32), np.asarray(1.0, BF16), 1.0)
+        K.router_z_loss_bwd(x, np.zeros(6, np.float32), np.asarray(1.0, BF16), 1.0)
 
 
 @pytest.mark.gpu
@@ -244,7 +256,7 @@ def test_gpu_pointer_launch(dtype, T, E):
     bwd = _pointer.PointerLaunch(K.router_z_loss_bwd_plan(spec, c, 2 * T), 0)
     words = x.view(np.uint16) if dtype == BF16 else x
     dx = cuda.to_device(words)
-    dloss, dlse = cuda.device_array((), np.float32), cuda.device_array((T,), np.float32)
+    dloss, dlse = cuda.device_array((), np.float32), cuda.device_array((2 * T,), np.float32)
     part = cuda.device_array(K.router_z_loss_fwd_plan(spec, c, 2 * T).tmps[0].shape, np.float32)
     g = cuda.to_device(np.asarray(1.5, np.float32))
     dgrad = cuda.device_array((T, E), words.dtype)
@@ -262,3 +274,73 @@ def test_gpu_pointer_launch(dtype, T, E):
     bwd([ptr(dx), ptr(dlse), ptr(g), ptr(dgrad)], 0)
     cuda.synchronize()
     assert dgrad.copy_to_host().tobytes() == np.asarray(grad).view(words.dtype).tobytes()
+
+
+def _large_logits(T, E, dtype, scale, seed):
+    """Logits within a few units of ``scale`` (multiples of its spacing in
+    ``dtype``), a row of ties and a half-masked row: a spread softmax."""
+    rng = np.random.default_rng(seed)
+    ulp = float(np.spacing(np.asarray(scale, dtype).astype(np.float32)))
+    x = (np.float64(scale) + max(ulp, 1.0) * rng.integers(-2, 3, (T, E))).astype(np.float32)
+    x[0] = scale
+    x[1, : E // 2] = -np.inf
+    return x.astype(dtype)
+
+
+def _check_large(x, coeff=1e-3):
+    """The backward against the float64 oracle at the contract's rtol, its atol
+    scaled by the gradient's size (which grows with lse); the loss's lse too."""
+    from gpurouter.testing import oracle as oracles
+
+    loss, saved = K.router_z_loss_fwd(x, coeff)
+    x32 = np.asarray(x, np.float32)
+    np.testing.assert_allclose(_lse_of(saved), _lse64(x32), rtol=1e-6)
+    grad = np.asarray(K.router_z_loss_bwd(x, saved, 1.0, coeff), np.float64)
+    want = oracles.z_loss_grad(x32, coeff)
+    rtol = 1e-4 if x.dtype == np.float32 else 1e-2
+    np.testing.assert_allclose(grad, want, rtol=rtol, atol=1e-5 * np.sqrt(x.shape[1]) * np.abs(want).max())
+    return loss, grad
+
+
+@pytest.mark.parametrize("dtype,E", [(np.float32, 16), (np.float32, 13), (BF16, 16), (BF16, 12)])
+@pytest.mark.parametrize("scale", [1e4, 1e8, 1e30])
+def test_large_logits(dtype, E, scale):
+    """Issue 40's W1 on the simulator, unit and vector kernels: the backward's
+    softmax from the saved (max, log2 sum), accurate at any magnitude."""
+    _check_large(_large_logits(5, E, dtype, scale, seed=E))
+
+
+@pytest.mark.parametrize("dtype,E", [(BF16, 16), (BF16, 12), (np.float32, 16)])
+def test_max_logits_give_inf_loss_and_finite_gradient(dtype, E):
+    """Issue 40's W2: every logit the dtype's max (bf16 3.39e38): lse^2
+    overflows fp32 (loss inf, as jnp), the gradient is finite."""
+    big = np.asarray(ml_dtypes.finfo(BF16).max if dtype == BF16 else np.finfo(np.float32).max / 2, np.float32)
+    x = np.full((2, E), big, np.float32).astype(dtype)
+    loss, saved = K.router_z_loss_fwd(x, 1e-3)
+    assert np.isinf(loss) and loss > 0
+    grad = np.asarray(K.router_z_loss_bwd(x, saved, 1.0, 1e-3), np.float64)
+    assert np.isfinite(grad).all()
+    want = 2e-3 / 2 * float(big) / E  # 2 coeff / T * lse * (1 / E), lse ~ big
+    np.testing.assert_allclose(grad, want, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,T,E", [(BF16, 4096, 256), (np.float32, 2048, 128), (BF16, 333, 8192),
+                                       (np.float32, 1031, 130)])
+@pytest.mark.parametrize("scale", [1e2, 1e4, 1e8, 1e30])
+def test_gpu_large_logits(dtype, T, E, scale):
+    """W1 at model shapes on the GPU (the vector kernels and the unit kernels)."""
+    _check_large(_large_logits(T, E, dtype, scale, seed=T))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,T,E", [(BF16, 4096, 256), (BF16, 1031, 130)])
+def test_gpu_max_logits(dtype, T, E):
+    """W2 on the GPU: loss inf, gradient finite and 2 coeff / T * lse / E."""
+    big = np.asarray(ml_dtypes.finfo(BF16).max, np.float32)
+    x = np.full((T, E), big, np.float32).astype(dtype)
+    loss, saved = K.router_z_loss_fwd(x, 1e-3)
+    assert np.isinf(loss) and loss > 0
+    grad = np.asarray(K.router_z_loss_bwd(x, saved, 1.0, 1e-3), np.float64)
+    assert np.isfinite(grad).all()
+    np.testing.assert_allclose(grad, 2e-3 / T * float(big) / E, rtol=1e-2)

@@ -1,6 +1,6 @@
 """Per-check wall times of gpurouter's conformance suite (gpurouter.testing) on a backend.
 
-    python tools/conformance_times.py --backend numba [--examples 100]
+    python tools/probes/conformance_times.py --backend numba [--examples 100]
 
 Prints each check's table (properties, examples, seconds).
 """
