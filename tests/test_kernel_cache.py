@@ -320,6 +320,57 @@ def test_real_kernels_in_fresh_processes():
     assert new_t == {name: [] for name in NEW_T_PRESETS}, "token counts that need other kernels"
 
 
+KEYS_CHILD = textwrap.dedent("""
+    import json, os
+    if os.environ.get("REDIRECT") == "1":  # what a numba compile does mid-process: numba.types becomes
+        import numba.types  # noqa: F401  # numba's redirect module (_RedirectSubpackage), not numba.core.types
+    import numpy as np
+    from gpurouter._checks import score_function_of
+    from gpurouter.kernels._base.kernel_cache import kernel_key
+    from gpurouter.kernels._base.launch import BF16, F32
+    from gpurouter.kernels._base.plan import Spec, spec_of
+    from gpurouter.kernels._base.pointer import _numba_type
+    from gpurouter.kernels.losses.z_loss import router_z_loss_bwd_plan, router_z_loss_fwd_plan
+    from gpurouter.kernels.topk.plans import topk_with_score_function_bwd_plan, topk_with_score_function_fwd_plan
+    sf, scale, x = int(score_function_of("t", "sigmoid")), np.float32(2.5), spec_of((300, 256), BF16)
+    plans = {"topk_fwd": topk_with_score_function_fwd_plan(x, True, 8, False, 8, 4, scale, sf),
+             "topk_bwd": topk_with_score_function_bwd_plan(x, 8, False, scale, sf),
+             "z_fwd": router_z_loss_fwd_plan(x, np.float32(1e-3), 300),
+             "z_bwd": router_z_loss_bwd_plan(x, np.float32(1e-3), 300)}
+    keys = {}
+    for name, plan in plans.items():
+        specs = {"in": plan.ins, "out": plan.outs, "tmp": plan.tmps}
+        for i, st in enumerate(plan.steps):
+            keys[f"{name}.{i}"] = kernel_key(st.kernel, [_numba_type(a, specs) for a in st.args], (9, 0), 12080)
+    print(json.dumps(keys))
+""")
+
+
+def test_keys_of_the_gpu_childs_kernels_are_the_same_in_two_processes():
+    """The keys of the kernels the GPU test's child runs (top-k forward and
+    backward, z-loss, at its shapes; real dispatchers, nothing compiled) are
+    the same in two fresh processes with different string hashes
+    (PYTHONHASHSEED), one of them with ``numba.types`` imported first: a numba
+    compile imports it, so in a cold process the factories called after the
+    first compile (the z-loss's ``from numba import types``) got numba's
+    redirect module ``numba.types`` and a warm one (nothing compiled)
+    ``numba.core.types``; the key named the module by ``__name__`` and the
+    z-loss kernel was compiled again in every warm process (found on an H200)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = str(ROOT)
+    procs = [subprocess.Popen([sys.executable, "-c", KEYS_CHILD],
+                              env={**env, "PYTHONHASHSEED": seed, "REDIRECT": redirect},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for seed, redirect in (("1", "0"), ("2", "1"))]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert outs[0] and None not in outs[0].values(), outs[0]
+    assert outs[0] == outs[1]
+
+
 class FakeGpu:
     """The GPU steps of ``kernel_cache.resolve``: a compile makes a "cubin"
     from the key's kernel; a load gives a handle unless told to refuse."""

@@ -128,7 +128,7 @@ def _describe(obj, seen: dict, depth: int = 0) -> str:
         items = sorted(f"{_describe(k, seen, depth + 1)}:{_describe(v, seen, depth + 1)}" for k, v in obj.items())
         return "dict(" + ",".join(items) + ")"
     if isinstance(obj, pytypes.ModuleType):
-        return f"module:{obj.__name__}"
+        return f"module:{_module_name(obj)}"
     inner = getattr(obj, "py_func", None) or getattr(obj, "_defn", None)
     if inner is not None and isinstance(inner, pytypes.FunctionType):
         opts = getattr(obj, "targetoptions", None)
@@ -145,6 +145,18 @@ def _describe(obj, seen: dict, depth: int = 0) -> str:
             raise Uncacheable(f"{type(obj).__qualname__} has no address-free text")
         return f"{mod}.{type(obj).__qualname__}:{text}"
     raise Uncacheable(f"a closure or global of type {type(obj).__qualname__}")
+
+
+def _module_name(mod) -> str:
+    """A module's name, the same all through a process: numba's redirect modules
+    (``numba.types``, a ``numba.core.utils._RedirectSubpackage``) by the module
+    they stand for. ``from numba import types`` gives ``numba.core.types`` until
+    something imports ``numba.types`` (a numba compile does), then the redirect
+    module named ``numba.types``: a factory run after the first compile of a
+    process closed over the other module, and its kernel's key differed
+    between a cold process and a warm one (which compiles nothing)."""
+    target = vars(mod).get("_RedirectSubpackage__new_module")
+    return target if isinstance(target, str) else mod.__name__
 
 
 def _plain_options(opts: dict) -> dict:
