@@ -76,6 +76,11 @@ def bad_choice():
     return [("unknown", "bogus", ValueError), ("int", 7, ValueError), ("None", None, ValueError)]
 
 
+def bad_mask():
+    return [("list", [True] * 4, TypeError), ("float dtype", jnp.ones((4,)), TypeError),
+            ("shape", jnp.ones((3,), bool), ValueError), ("str", "x", TypeError)]
+
+
 def bad_axis():
     return [("unbound", "nope", ValueError), ("unbound tuple", ("a", "b"), ValueError)]
 
@@ -102,6 +107,14 @@ TABLE = [
          "return_indices": bad_bool(),
          "forced_indices": bad_int_array(jnp.zeros((4, 2), jnp.int32), empty=jnp.zeros((4, 0), jnp.int32))
          + [("out of range", jnp.full((4, 2), 9, jnp.int32), ValueError)],
+         "group_score": [("unknown", "top3", ValueError), ("int", 2, TypeError),
+                         ("without groups", "max", ValueError)],
+         "compact": bad_bool(),
+         "indices_dtype": [("float", jnp.float32, TypeError), ("without indices", jnp.int16, ValueError)],
+         "qb_histogram": [("without a bias", jnp.zeros((8, 5), jnp.int32), ValueError)],
+         "qb_bin_bounds": [("without a histogram", jnp.asarray([-1.0, 1.0]), ValueError)],
+         "token_mask": [("without QB", jnp.ones((4,), bool), ValueError)],
+         "axis_name": [("without QB", "nope", ValueError)],
          "backend": bad_choice(),
          "transport": bad_choice(),
      }),
@@ -116,6 +129,7 @@ TABLE = [
          "total_num_tokens": bad_int(low=-1),
          "num_experts": bad_int(low=0),
          "axis_name": bad_axis(),
+         "token_mask": bad_mask(),
          "backend": bad_choice(),
          "transport": bad_choice(),
      }),
@@ -124,6 +138,7 @@ TABLE = [
         "coeff": bad_float(),
         "total_num_tokens": bad_int(low=-1),
         "axis_name": bad_axis(),
+        "token_mask": bad_mask(),
         "backend": bad_choice(),
         "transport": bad_choice(),
     }),
@@ -136,6 +151,7 @@ TABLE = [
          "rate": [("str", "0.1", TypeError), ("bool", True, TypeError), ("nan", NAN, ValueError),
                   ("inf", INF, ValueError), ("rank", jnp.ones((2,)), ValueError)],
          "axis_name": bad_axis(),
+         "token_mask": [("with counts, not a map", jnp.ones((4,), bool), ValueError)],
      }),
     (gr.pack_routing_map, "pack_routing_map", dict(routing_map=BMAP), {
         "routing_map": [("list", np.asarray(BMAP).tolist(), TypeError), ("str", "x", TypeError),
@@ -153,7 +169,18 @@ TABLE = [
                         ("float dtype", BMAP.astype(jnp.float32), TypeError),
                         ("rank", jnp.bool_(True), ValueError), ("empty", jnp.zeros((4, 0), bool), ValueError)],
         "num_experts": bad_int(low=0),
+        "token_mask": bad_mask(),
     }),
+    (gr.qb_update_expert_bias, "qb_update_expert_bias",
+     dict(histogram=jnp.ones((8, 5), jnp.int32), bin_bounds=jnp.asarray([-1.0, 1.0]), topk=2), {
+         "histogram": [("list", [[1] * 5] * 8, TypeError), ("str", "x", TypeError),
+                       ("float dtype", jnp.ones((8, 5)), TypeError), ("rank", jnp.ones((8,), jnp.int32), ValueError),
+                       ("empty", jnp.zeros((8, 0), jnp.int32), ValueError)],
+         "bin_bounds": [("str", "x", TypeError), ("shape", jnp.asarray([-1.0, 0.0, 1.0]), ValueError),
+                        ("inverted", jnp.asarray([1.0, -1.0]), ValueError),
+                        ("nan", jnp.asarray([NAN, 1.0]), ValueError)],
+         "topk": bad_int(low=0),
+     }),
 ]
 
 D, S, B = jnp.ones((4, 3)), jnp.ones((4,)), jnp.ones((2, 3))

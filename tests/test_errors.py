@@ -350,8 +350,8 @@ VARIANT_CASES = [
     ((X8, 2), dict(qb_histogram=H8, qb_bin_bounds=BOUNDS), ValueError,
      f"{TOPK}: qb_histogram needs score_function 'sigmoid' (or 'sqrtsoftplus'), got 'softmax'."),
     ((X8, 8), QB, ValueError, f"{TOPK}: topk (8) must be < num_experts (8) with qb_histogram"),
-    ((X8, 2), dict(QB, compute_aux_scores=True), ValueError,
-     f"{TOPK}: qb_histogram must be None with compute_aux_scores=True."),
+    ((X8, 2), dict(QB, compute_aux_scores=True), ValueError,  # QB's bias does nothing there (one rule)
+     f"{TOPK}: expert_bias (shape (8,)) does nothing with compute_aux_scores=True"),
     ((X8, 2), dict(QB, forced_indices=jnp.tile(jnp.arange(2, dtype=jnp.int32), (4, 1))), ValueError,
      f"{TOPK}: qb_histogram must be None with forced_indices"),
     ((X8, 4), dict(QB, num_groups=4, group_topk=2), ValueError,
@@ -407,7 +407,8 @@ def test_traced_total_num_tokens_errors():
     with pytest.raises(TypeError, match=re.escape("router_z_loss: total_num_tokens must be an int or float scalar, "
                                                   "got bool.")):
         jax.jit(lambda t: gr.router_z_loss(X8, 1.0, total_num_tokens=t))(jnp.bool_(True))
-    with pytest.raises(ValueError, match=re.escape("fused_moe_aux_loss: total_num_tokens (0) must be > 0.")):
+    with pytest.raises(ValueError, match=re.escape(
+            "fused_moe_aux_loss: total_num_tokens (0) must be > 0 (or 0 with no tokens; there are 4).")):
         gr.fused_moe_aux_loss(probs, tpe, 2, 1.0, total_num_tokens=0)
 
 

@@ -1,8 +1,9 @@
 """A grouped GEMM built from batched dense GEMMs: ``jax.lax.ragged_dot``'s
 result, without XLA's dense rewrite of a ragged dot. On a GPU, XLA (jax
 0.11) rewrites ``ragged_dot`` and its transposes into dense dots over every
-group, masked: about ``G`` times the work and memory of the grouped GEMM (lab/journal/benchmarks.md measured 2.7 TFLOP/s on an H200 for
-the MoE block's GEMMs, and out-of-memory at a DeepSeek-V3-like slice).
+group, masked: about ``G`` times the work and memory of the grouped GEMM
+(2.7 TFLOP/s on an H200 for the MoE block's GEMMs, and out of memory at a
+DeepSeek-V3-like slice: lab/journal/benchmarks.md).
 :func:`batched_ragged_dot` computes the same product as one batched GEMM,
 ``[G, C, K] @ [G, K, M]``, the weights used in place (never gathered): the
 rows of every group are gathered into ``C`` slots (a group's missing rows

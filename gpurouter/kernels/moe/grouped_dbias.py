@@ -126,6 +126,7 @@ def dbias_tiling(num_rows: int, hidden: int, dy_kind: str = L.F32, has_scales: b
     return min(lanes, tiling.max_lanes), ncb, nchunks, units, mode
 
 
+@cuda.jit(device=True)
 def _clip(o, n):
     return min(max(np.int64(o), np.int64(0)), n)
 
