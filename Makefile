@@ -12,12 +12,15 @@ TEST_EXTRAS ?= [test,$(if $(GPU_EXTRAS),cuda13,sim)]
 PYTEST_ARGS ?=
 # The tests, and the reference's docstring examples (doctests: they cannot drift from the code).
 TEST_PATHS ?= tests --doctest-modules gpurouter/reference
+# Tests marked slow (the conformance battery's mutant list, its full dogfood runs) are
+# left out here; `make test-slow` runs them (minutes each on a CPU).
+TEST_MARKERS ?= not slow
 # pytest-xdist workers: one per core up to 4 on the simulator (its tests are
 # single-threaded Python; 2 workers halve CI's 2-core run), none with a GPU
 # (the GPU suite has its own groups: make test-gpu). 0 runs in one process.
 PYTEST_WORKERS ?= $(if $(GPU_EXTRAS),0,$(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n))
 
-.PHONY: demo test test-gpu lint clean
+.PHONY: demo test test-slow test-gpu lint clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +40,11 @@ demo: $(VENV)/.demo
 
 # Kernel tests run on the CUDA simulator here unless a GPU is present.
 test: $(VENV)/.test
-	NUMBA_ENABLE_CUDASIM=$${NUMBA_ENABLE_CUDASIM-$(if $(GPU_EXTRAS),0,1)} $(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS) $(TEST_PATHS)
+	NUMBA_ENABLE_CUDASIM=$${NUMBA_ENABLE_CUDASIM-$(if $(GPU_EXTRAS),0,1)} $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "$(TEST_MARKERS)" $(PYTEST_ARGS) $(TEST_PATHS)
+
+# Only the slow tests (the mutant list of gpurouter.testing, the full dogfood runs).
+test-slow: $(VENV)/.test
+	$(MAKE) test TEST_MARKERS=slow
 
 # The whole suite on a GPU, in parallel groups (tools/ci/gpu_suite.sh; logs in gpu-logs/).
 test-gpu: $(VENV)/.test
