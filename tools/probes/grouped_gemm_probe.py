@@ -48,7 +48,6 @@ import json
 import os
 import pathlib
 import re
-import statistics
 import sys
 import time
 import traceback
@@ -57,20 +56,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gpurouter.bench.moe import SHAPES
+from gpurouter.bench.moe import SHAPES, median_ms
 from gpurouter.reference import grouped_matmul as gm
 
 TINY = (64, 32, 8, 2, 16)
-
-
-def median_ms(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def routing_sizes(t: int, e: int, k: int, skewed: bool, seed: int = 0) -> np.ndarray:
