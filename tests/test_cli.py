@@ -132,6 +132,8 @@ def test_demo_runs_as_a_newcomer_types_it():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not _backend.numba_usable(), reason="the MoE bench times backend='numba'")
+@pytest.mark.slow  # its numba rows take ~100 s on the CUDA simulator: the GPU suite runs it;
+# make test keeps test_moe_bench_tiny_without_numba_runs_the_jax_rows for the CLI
 def test_moe_bench_tiny_runs_and_writes_json(capsys, tmp_path):
     """``python -m gpurouter moe-bench --tiny``: both blocks and every stage
     timed, on the grouped GEMM asked for (``ragged_dot``, the default, is

@@ -79,7 +79,7 @@ def test_matches_the_float64_oracle(sizes, n, capacity):
     _check(sizes, n, capacity)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)  # each example compiles (2.5 s on the CI CPU); the cases above pin the edges
 @given(st.lists(st.integers(0, 12), min_size=1, max_size=5), st.integers(0, 4), st.sampled_from([None, 1, 2, 5]))
 def test_any_group_sizes_match_the_oracle(sizes, tail, capacity):
     _check(sizes, sum(sizes) + tail, capacity, k=3, m=2)
