@@ -22,7 +22,7 @@ from .aux_loss import fused_moe_aux_loss
 from .routing_map import tokens_per_expert
 from .topk import fused_topk_with_score_function
 
-# the names _checks.MOE_ACTIVATIONS accepts (tests/test_moe.py holds them equal)
+# the names _checks.MOE_ACTIVATIONS accepts (tests/ops/test_moe.py holds them equal)
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
     "gelu": jax.nn.gelu,
