@@ -80,7 +80,7 @@ def moe_kernels_take(dtypes, num_experts: int | None = None) -> bool:
     experts involved; -1: not known here, so no)."""
     import jax.numpy as jnp
 
-    from .kernels.moe.combine import CMB_MAX_EXPERTS
+    from .kernels.moe.permute import CMB_MAX_EXPERTS
 
     if any(jnp.dtype(d) not in (jnp.float32, jnp.bfloat16, jnp.float16) for d in dtypes):
         return False

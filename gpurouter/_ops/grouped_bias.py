@@ -1,6 +1,6 @@
 """The grouped bias ops (public in :mod:`gpurouter.moe`, docs/ops/moe_ops.md):
 the backend choice and, for ``backend="numba"``, ``jax.custom_vjp`` around the
-kernels of ``gpurouter/kernels/moe/grouped_dbias.py`` (launched through
+kernels of ``gpurouter/kernels/moe/grouped_bias.py`` (launched through
 ``gpurouter/kernels/moe/plans.py``).
 
 - ``compute_grouped_dbias_dscales`` / ``compute_grouped_dbias``: one kernel call;

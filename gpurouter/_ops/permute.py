@@ -1,6 +1,6 @@
 """Token dispatch and combine (public in :mod:`gpurouter.moe`,
 docs/ops/moe_ops.md): the backend choice and, for ``backend="numba"``,
-``jax.custom_vjp`` around the kernels of ``gpurouter/kernels/moe/combine.py``
+``jax.custom_vjp`` around the kernels of ``gpurouter/kernels/moe/permute.py``
 (launched through ``gpurouter/kernels/moe/plans.py``).
 
 - ``token_combine``: forward one kernel call, backward one kernel call that
@@ -129,7 +129,7 @@ _combine_plain.defvjp(_combine_plain_fwd, _combine_plain_bwd)
 
 def _kernel_token_combine(inp, row_id_map, merging_probs, transport: str):
     """``[T, H]`` in ``inp.dtype`` by the kernels (arguments checked)."""
-    from ..kernels.moe.combine import CMB_MAX_EXPERTS
+    from ..kernels.moe.permute import CMB_MAX_EXPERTS
 
     op = TOKEN_COMBINE_OP
     transport = resolve_transport(op, transport)
@@ -209,7 +209,7 @@ _dispatch_apply.defvjp(_dispatch_apply_fwd, _dispatch_apply_bwd)
 def _kernel_token_dispatch(inp, routing_map, probs, cfg, transport: str):
     """``(output, permuted_probs, row_id_map, pad_offsets, tokens_per_expert)``
     with the row copy on the kernels (``cfg``: the checked DispatchConfig)."""
-    from ..kernels.moe.combine import CMB_MAX_EXPERTS
+    from ..kernels.moe.permute import CMB_MAX_EXPERTS
     from ..reference.routing_map import unpack_routing_map
 
     op = TOKEN_DISPATCH_OP

@@ -594,7 +594,7 @@ def test_auto_runs_the_kernels_where_they_measured_faster(monkeypatch):
     AUTO_DISPATCH_MIN_ELEMENTS output row elements), never float64, never an
     unknown or too large E, never the host callback."""
     from gpurouter import _auto, _backend, _transport
-    from gpurouter.kernels.moe.combine import CMB_MAX_EXPERTS
+    from gpurouter.kernels.moe.permute import CMB_MAX_EXPERTS
 
     f32, f64, bf16 = jnp.float32, jnp.float64, jnp.bfloat16
     n = _auto.AUTO_MOE_MIN_ELEMENTS

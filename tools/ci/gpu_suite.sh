@@ -21,7 +21,7 @@ groups=(  # (a -k expression without spaces: a group is split on them)
   "$k/test_gpu.py"
   "$k/topk/test_indices_replay.py"
   "$k/topk/lane/test_aux_fwd.py $k/topk/lane/test_fwd.py"
-  "$k/topk/test_map_format.py $k/moe/test_combine.py $k/moe/test_grouped_dbias.py"
+  "$k/topk/test_map_format.py $k/moe/test_permute.py $k/moe/test_grouped_bias.py"
   "$k/topk/test_bwd_quad.py $k/topk/test_bwd_stream.py $k/test_tiling.py"
   "$k/topk/token/test_aux_fwd.py $k/topk/test_plans.py"
   "$k/topk/token/test_fwd.py -k test_shapes_fwd_bwd"
