@@ -21,8 +21,8 @@ import numpy as np
 from .._base import launch as L
 from .._base.limits import pow2_at_least
 from .._base.plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
-from . import permute as C
 from . import grouped_bias as G
+from . import permute as C
 from .rows import row_view
 
 # ----------------------------------------------------------------------------
