@@ -666,3 +666,45 @@ def test_moe_ops_is_the_moe_modules_ops_under_the_older_path():
     for op in OPS:
         assert getattr(old, op) is getattr(mo, op), op
         assert getattr(mo, op).__module__ in ("gpurouter._ops.grouped_bias", "gpurouter._ops.permute"), op
+
+
+def test_a_token_is_followed_by_name_from_moe_to_the_dispatch_kernels():
+    """The static walk of issue 39 (review change 3): from ``gpurouter.moe.moe``
+    the tokens go by direct calls of imported names (no module handles such as
+    the old ``_kernels()``) to ``_ops/permute.py``'s dispatch, whose functions
+    reach the functions that import ``gpurouter/kernels/moe/`` (the plans and
+    the kernel module) by name."""
+    import ast
+    import pathlib
+
+    import gpurouter
+
+    pkg = pathlib.Path(gpurouter.__file__).parent
+
+    def functions(path):
+        tree = ast.parse((pkg / path).read_text())
+        return {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+
+    def called(fn):  # names called, or passed as arguments (the transport's launcher/planner)
+        names = {c.func.id for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+        return names | {a.id for c in ast.walk(fn) if isinstance(c, ast.Call) for a in c.args
+                        if isinstance(a, ast.Name)}
+
+    def imports_kernels(fn):
+        return {a.name for n in ast.walk(fn) if isinstance(n, ast.ImportFrom) and (n.module or "") in
+                ("kernels.moe", "kernels.moe.permute", "kernels.moe.plans") for a in n.names}
+
+    moe_fns, permute_fns = functions("moe.py"), functions("_ops/permute.py")
+    assert "block_dispatch" in called(moe_fns["moe"])
+    assert "_kernels" not in permute_fns and "_kernels" not in functions("_ops/grouped_bias.py")
+    seen, todo, reached = set(), ["block_dispatch"], set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in permute_fns:
+            continue
+        seen.add(name)
+        reached |= imports_kernels(permute_fns[name])
+        todo += sorted(called(permute_fns[name]))
+    for fn in ("token_dispatch", "_kernel_token_dispatch", "_dispatch_apply", "_dispatch_apply_fwd"):
+        assert fn in seen, fn
+    assert {"plans", "CMB_MAX_EXPERTS"} <= reached, reached
