@@ -324,7 +324,7 @@ def check_token_combine_args(inp, row_id_map, merging_probs, pad_offsets,
 
 # ----------------------------------------------------------------------------
 # The numba backend of the token-level MoE ops (gpurouter/_ops/grouped_bias.py, gpurouter/_ops/permute.py,
-# kernels in gpurouter/kernels/moe_*.py)
+# kernels in gpurouter/kernels/moe/)
 # ----------------------------------------------------------------------------
 
 #: the token-level MoE ops with kernels (grouped_scaled_bias_add: its backward;
