@@ -99,9 +99,10 @@ def moe(
     if not moe_block_on_kernels(x, num_experts, num_experts_per_tok, backend):  # gpurouter/_auto.py
         return reference.moe.moe(x, gate_kernel, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, expert_bias,
                                  **block, **route, router=router, aux_loss=aux_loss)
-    # The kernel path, step by step (the reference block's steps; the tokens
-    # reach the dispatch kernels by direct calls: block_dispatch ->
-    # token_dispatch -> gpurouter/kernels/moe/plans.py).
+    # The kernel path, step by step (the reference block's steps). The tokens go
+    # by direct calls to block_dispatch -> token_dispatch -> its kernel binding
+    # (gpurouter/_ops/permute.py), whose launcher and planner, handed to the
+    # transport's kernel_call, call gpurouter/kernels/moe/plans.py by name.
     routed = reference.moe.route_tokens(x, gate_kernel, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, expert_bias,
                                         **block, **route, router=router)
     tokens = jnp.asarray(x).reshape(-1, jnp.shape(x)[-1])  # routed.xf
