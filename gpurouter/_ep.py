@@ -59,7 +59,7 @@ def ragged_all_to_all(operand, num_rows: int, input_offsets, send_sizes, output_
     second ragged all-to-all with the offsets mirrored. (JAX's own transpose
     of the collective gave wrong gradients on two H200s with jax 0.11.2,
     while the forward was right; the CPU stand-in differentiated by JAX was
-    right: tests/test_moe.py, docs/moe.md.)"""
+    right: tests/ops/test_moe.py, docs/moe.md.)"""
     params = (input_offsets, send_sizes, output_offsets, recv_sizes)
     return _exchange(operand, params, axis_name, num_shards, (operand.shape, int(num_rows)))
 

@@ -6,27 +6,32 @@ layouts): gpurouter's router on ``x @ gate_kernel``, a dropless dispatch, a
 gated FFN on grouped GEMMs, the weighted combine, and (``ep_axis``) the rows
 sent to their experts' devices with ``ragged_all_to_all``. docs/moe.md has the
 data flow and the math.
+
+This module is the one public home of the MoE layer: the block, the grouped
+GEMMs and the five token-level MoE ops (docs/ops/moe_ops.md), whose bodies
+live in ``gpurouter/_ops/grouped_bias.py`` and ``gpurouter/_ops/permute.py``
+(``gpurouter.moe_ops`` re-exports the five ops for older imports).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
-from . import _backend, reference
-from ._auto import moe_kernels_faster, moe_kernels_take
-from ._checks import MOE_OP, TOKEN_COMBINE_OP, check_backend, check_transport
+from . import reference
+from ._auto import moe_block_on_kernels
+from ._checks import MOE_OP, check_backend, check_transport
 from ._ops.aux_loss import fused_moe_aux_loss
+from ._ops.grouped_bias import compute_grouped_dbias as compute_grouped_dbias
+from ._ops.grouped_bias import compute_grouped_dbias_dscales as compute_grouped_dbias_dscales
+from ._ops.grouped_bias import grouped_scaled_bias_add as grouped_scaled_bias_add
+from ._ops.permute import block_combine, block_dispatch
+from ._ops.permute import token_combine as token_combine
+from ._ops.permute import token_dispatch as token_dispatch
 from ._ops.topk import fused_topk_with_score_function
-from .moe_ops import compute_grouped_dbias as compute_grouped_dbias
-from .moe_ops import compute_grouped_dbias_dscales as compute_grouped_dbias_dscales
-from .moe_ops import grouped_scaled_bias_add as grouped_scaled_bias_add
-from .moe_ops import token_combine as token_combine
-from .moe_ops import token_dispatch as token_dispatch
 from .reference.grouped_matmul import batched_ragged_dot as batched_ragged_dot
 from .reference.grouped_matmul import tiled_ragged_dot as tiled_ragged_dot
 
@@ -83,55 +88,28 @@ def moe(
     """
     check_backend(MOE_OP, backend)
     check_transport(MOE_OP, transport)
-    return reference.moe.moe(
-        x, gate_kernel, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, expert_bias,
-        num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, activation_type=activation_type,
-        score_function=score_function, use_pre_softmax=use_pre_softmax, num_groups=num_groups,
-        group_topk=group_topk, scaling_factor=scaling_factor, aux_loss_coeff=aux_loss_coeff,
-        apply_topk_weights_early=apply_topk_weights_early, ep_axis=ep_axis, align_size=align_size,
-        grouped_matmul=grouped_matmul,
-        router=functools.partial(fused_topk_with_score_function, backend=backend, transport=transport),
-        aux_loss=functools.partial(fused_moe_aux_loss, backend=backend, transport=transport),
-        permute=(_kernel_permute(transport) if _permute_on_kernels(x, num_experts, num_experts_per_tok, backend)
-                 else None),
-    )
-
-
-def _permute_on_kernels(x, num_experts: int, topk: int, backend: str) -> bool:
-    """True when the block's dispatch and combine run on the kernels:
-    ``"numba"`` where they take the rows, ``"auto"`` where the combine's
-    measured rule (``gpurouter/_auto.py``) picks them for the ``T K x H`` rows."""
-    if not isinstance(x, jax.Array | np.ndarray) or x.ndim < 1 or not isinstance(num_experts, int):
-        return False  # the block's checks say what is wrong
-    if math.prod(x.shape[:-1]) == 0:
-        return False  # no tokens: the argsort form's empty rows (a dispatch of 0 rows has no kernel launch)
-    if backend == "numba":
-        return moe_kernels_take([x.dtype], num_experts)
-    rows = math.prod(x.shape[:-1]) * topk * x.shape[-1]
-    return backend == "auto" and _backend.resolve(TOKEN_COMBINE_OP, "auto", faster=lambda: moe_kernels_faster(
-        TOKEN_COMBINE_OP, "auto", rows, [x.dtype], num_experts)) == "numba"
-
-
-def _kernel_permute(transport: str = "auto"):
-    """``(dispatch, combine)`` for :func:`gpurouter.reference.moe.moe` on the
-    token dispatch / combine kernels, with the argsort pair's signatures
-    (:func:`gpurouter.reference.moe.argsort_dispatch`). The rows come out in
-    the same order (expert-major, ascending token inside an expert); the
-    combine sums a token's rows in ascending expert order, the argsort form
-    in selection order (fp32 either way)."""
-
-    def dispatch(xf, probs, routing_map, idx, num_experts: int):
-        rows = idx.shape[0] * idx.shape[1]
-        xs, w_rows, row_id_map, _, sizes = token_dispatch(xf, routing_map, rows, probs=probs, backend="numba",
-                                                          transport=transport)
-        return (xs, reference.moe.rows_of_groups(sizes, rows), sizes.astype(np.int32),
-                w_rows.astype(np.float32), (row_id_map, probs))
-
-    def combine(z, state, weighted: bool):
-        row_id_map, probs = state
-        return token_combine(z, row_id_map, probs if weighted else None, backend="numba", transport=transport)
-
-    return dispatch, combine
+    router = functools.partial(fused_topk_with_score_function, backend=backend, transport=transport)
+    aux_loss = functools.partial(fused_moe_aux_loss, backend=backend, transport=transport)
+    block = dict(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, activation_type=activation_type,
+                 score_function=score_function, aux_loss_coeff=aux_loss_coeff,
+                 apply_topk_weights_early=apply_topk_weights_early, ep_axis=ep_axis, align_size=align_size,
+                 grouped_matmul=grouped_matmul)
+    route = dict(use_pre_softmax=use_pre_softmax, num_groups=num_groups, group_topk=group_topk,
+                 scaling_factor=scaling_factor)
+    if not moe_block_on_kernels(x, num_experts, num_experts_per_tok, backend):  # gpurouter/_auto.py
+        return reference.moe.moe(x, gate_kernel, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, expert_bias,
+                                 **block, **route, router=router, aux_loss=aux_loss)
+    # The kernel path, step by step (the reference block's steps). The tokens go
+    # by direct calls to block_dispatch -> token_dispatch -> its kernel binding
+    # (gpurouter/_ops/permute.py), whose launcher and planner, handed to the
+    # transport's kernel_call, call gpurouter/kernels/moe/plans.py by name.
+    routed = reference.moe.route_tokens(x, gate_kernel, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, expert_bias,
+                                        **block, **route, router=router)
+    tokens = jnp.asarray(x).reshape(-1, jnp.shape(x)[-1])  # routed.xf
+    dispatched = block_dispatch(tokens, routed.probs, routed.routing_map, routed.idx, num_experts, transport)
+    return reference.moe.experts_and_combine(routed, dispatched, functools.partial(block_combine, transport=transport),
+                                             wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, **block, router=router,
+                                             aux_loss=aux_loss)
 
 
 __all__ = [

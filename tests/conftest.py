@@ -23,7 +23,7 @@ import functools
 import os
 import sys
 
-# Eight host devices for the sharding tests (tests/test_sharding.py); must be
+# Eight host devices for the sharding tests (tests/sharding/test_sharding.py); must be
 # set before JAX initialises. It only affects the CPU platform: on a GPU host
 # the sharding tests use the GPUs (and skip with fewer than two).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):

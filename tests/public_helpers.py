@@ -1,5 +1,6 @@
-"""The backends, configs and inputs the public-op tests share (test_public.py,
-test_losses.py, test_indices_replay.py, test_routing_map_format.py): one home,
+"""The backends, configs and inputs the public-op tests share (tests/ops/:
+test_public.py, test_losses.py, test_topk_indices.py, test_routing_map_format.py,
+test_edges.py): one home,
 so that no test file imports another."""
 
 from __future__ import annotations

@@ -184,7 +184,7 @@ def test_kernel_modules_never_move_arrays():
 #: twin in shared memory), with the test (file::name) that runs them on a GPU
 WARP_INTRINSICS = {
     "losses/z_io.py": "tests/kernels/losses/test_z_loss_vec.py::test_lane_reducers_fixed_tree",
-    "moe/rows.py": "tests/kernels/moe/test_grouped_dbias.py::test_lane_tree_sums_fixed_order",
+    "moe/rows.py": "tests/kernels/moe/test_grouped_bias.py::test_lane_tree_sums_fixed_order",
     "topk/warp/lanes.py": "tests/kernels/topk/warp/test_fwd.py::test_warp_sorts_and_scans",
 }
 

@@ -20,7 +20,7 @@ from .common import (
 from .topk import check_routing_map
 
 # ----------------------------------------------------------------------------
-# Token-level MoE ops (gpurouter/moe_ops.py, gpurouter/reference/moe_ops.py):
+# Token-level MoE ops (gpurouter/_ops/grouped_bias.py and permute.py, gpurouter/reference/moe_ops.py):
 # grouped dbias / dscales, the grouped scaled bias add, token dispatch and combine.
 # ----------------------------------------------------------------------------
 
@@ -323,8 +323,8 @@ def check_token_combine_args(inp, row_id_map, merging_probs, pad_offsets,
 
 
 # ----------------------------------------------------------------------------
-# The numba backend of the token-level MoE ops (gpurouter/_ops/moe_ops.py,
-# kernels in gpurouter/kernels/moe_*.py)
+# The numba backend of the token-level MoE ops (gpurouter/_ops/grouped_bias.py, gpurouter/_ops/permute.py,
+# kernels in gpurouter/kernels/moe/)
 # ----------------------------------------------------------------------------
 
 #: the token-level MoE ops with kernels (grouped_scaled_bias_add: its backward;

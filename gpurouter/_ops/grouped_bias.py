@@ -1,9 +1,16 @@
-"""The numba backend of the grouped bias ops: ``jax.custom_vjp`` around the
-kernels of ``gpurouter/kernels/moe/grouped_dbias.py`` (docs/ops/moe_ops.md).
+"""The grouped bias ops (public in :mod:`gpurouter.moe`, docs/ops/moe_ops.md):
+the backend choice and, for ``backend="numba"``, ``jax.custom_vjp`` around the
+kernels of ``gpurouter/kernels/moe/grouped_bias.py`` (launched through
+``gpurouter/kernels/moe/plans.py``).
 
 - ``compute_grouped_dbias_dscales`` / ``compute_grouped_dbias``: one kernel call;
 - ``grouped_scaled_bias_add``: the forward is elementwise jnp (XLA fuses it),
   the backward the grouped dbias/dscales kernels.
+
+Each public function takes the arguments of its pure-jnp reference in
+:mod:`gpurouter.reference.grouped_bias` (same name, same signature) plus the
+keyword-only ``backend`` and ``transport``; the choice between them is
+``gpurouter/_auto.py``'s ``moe_op_on_kernels``.
 
 Every array is a per-call argument (``vmap`` runs one launch per batch
 element); every launch goes through :func:`gpurouter._transport.kernel_call`.
@@ -16,14 +23,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .._auto import moe_op_on_kernels
 from .._checks import (
     GROUPED_DBIAS_DSCALES_OP,
     GROUPED_DBIAS_OP,
     SCALED_BIAS_ADD_OP,
+    check_grouped_dbias_args,
+    check_grouped_dbias_dscales_args,
     check_kernel_dtype,
+    check_scaled_bias_add_args,
 )
 from .._transport import kernel_call, resolve_transport
-from ..reference import moe_ops as _ref
+from ..reference import grouped_bias as _ref
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -42,28 +53,28 @@ def _dbs_specs(has_db: bool, has_ds: bool, specs):
 
 
 def _dbs_plan(has_db, has_ds, *specs):
-    from ..kernels.moe.plans import grouped_dbias_dscales_plan
+    from ..kernels.moe import plans
 
-    return grouped_dbias_dscales_plan(*_dbs_specs(has_db, has_ds, specs))
+    return plans.grouped_dbias_dscales_plan(*_dbs_specs(has_db, has_ds, specs))
 
 
 def _dbs_launch(has_db, has_ds, *arrays, **kw):
-    from ..kernels.moe.plans import grouped_dbias_dscales
+    from ..kernels.moe import plans
 
     dy, scales, bias, offsets, db, ds = _dbs_specs(has_db, has_ds, arrays)
-    return grouped_dbias_dscales(dy, scales, bias, offsets, db, ds, **kw)
+    return plans.grouped_dbias_dscales(dy, scales, bias, offsets, db, ds, **kw)
 
 
 def _db_plan(has_db, dy, offsets, *acc):
-    from ..kernels.moe.plans import grouped_dbias_dscales_plan
+    from ..kernels.moe import plans
 
-    return grouped_dbias_dscales_plan(dy, None, None, offsets, acc[0] if has_db else None)
+    return plans.grouped_dbias_dscales_plan(dy, None, None, offsets, acc[0] if has_db else None)
 
 
 def _db_launch(has_db, dy, offsets, *acc, **kw):
-    from ..kernels.moe.plans import grouped_dbias
+    from ..kernels.moe import plans
 
-    return (grouped_dbias(dy, offsets, acc[0] if has_db else None, **kw),)
+    return (plans.grouped_dbias(dy, offsets, acc[0] if has_db else None, **kw),)
 
 
 def _dbs_call(dy, scales, bias, offsets, dbias, dscales, transport):
@@ -143,7 +154,7 @@ def _dbias_bwd(num_groups, transport, res, ddb):
 _dbias.defvjp(_dbias_fwd, _dbias_bwd)
 
 
-def grouped_dbias_dscales(dy, scales, bias, offsets, dbias, dscales, transport: str):
+def _kernel_dbias_dscales(dy, scales, bias, offsets, dbias, dscales, transport: str):
     """``(dbias [G, H] f32, dscales [N] f32)`` by the kernels (arguments checked)."""
     op = GROUPED_DBIAS_DSCALES_OP
     transport = resolve_transport(op, transport)
@@ -156,7 +167,7 @@ def grouped_dbias_dscales(dy, scales, bias, offsets, dbias, dscales, transport: 
     return _dbias_dscales(dy, scales, bias, jnp.asarray(offsets).astype(I32), *acc, transport)
 
 
-def grouped_dbias(dy, offsets, num_groups: int, dbias, transport: str):
+def _kernel_dbias(dy, offsets, num_groups: int, dbias, transport: str):
     """``dbias [G, H] f32`` by the kernels (arguments checked)."""
     op = GROUPED_DBIAS_OP
     transport = resolve_transport(op, transport)
@@ -185,14 +196,14 @@ def _scaled_bias_add_fwd(y, bias, scales, offsets, transport):
 def _scaled_bias_add_bwd(transport, res, dy):
     bias, scales, offsets = res
     # d_y = dy on every row (the tail too); d_bias, d_scales: op 1 on dy.
-    db, ds = grouped_dbias_dscales(dy, scales, bias, offsets, None, None, transport)
+    db, ds = _kernel_dbias_dscales(dy, scales, bias, offsets, None, None, transport)
     return dy, db.astype(bias.dtype), ds.astype(scales.dtype), None
 
 
 _scaled_bias_add.defvjp(_scaled_bias_add_fwd, _scaled_bias_add_bwd)
 
 
-def grouped_scaled_bias_add(y, bias, scales, group_sizes, transport: str):
+def _kernel_scaled_bias_add(y, bias, scales, group_sizes, transport: str):
     """``y + bias[g(i)] * scales[i]``; its backward on the kernels (arguments checked)."""
     op = SCALED_BIAS_ADD_OP
     transport = resolve_transport(op, transport)
@@ -203,3 +214,92 @@ def grouped_scaled_bias_add(y, bias, scales, group_sizes, transport: str):
         return _ref.grouped_scaled_bias_add(y, bias, scales, group_sizes)
     offsets = _ref._group_offsets(jnp.asarray(group_sizes))
     return _scaled_bias_add(y, jnp.asarray(bias), jnp.asarray(scales), offsets, transport)
+
+
+# ----------------------------------------------------------------------------
+# The public functions (gpurouter.moe): the backend choice, then the
+# reference or the kernels above
+# ----------------------------------------------------------------------------
+
+
+def compute_grouped_dbias_dscales(
+    dy: jax.typing.ArrayLike,
+    scales: jax.typing.ArrayLike,
+    bias: jax.typing.ArrayLike,
+    offsets: jax.typing.ArrayLike,
+    dbias: jax.typing.ArrayLike | None = None,
+    dscales: jax.typing.ArrayLike | None = None,
+    *,
+    backend: str = "auto",
+    transport: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """``(dbias [G, H] float32, dscales [N] float32)`` of a per-row-scaled grouped bias.
+
+    TE PR #2864's ``compute_grouped_dbias_dscales``, deterministic: see
+    :func:`gpurouter.reference.grouped_bias.compute_grouped_dbias_dscales` for
+    the arguments, the algorithm and the differences from TE.
+
+    Args:
+      backend: ``"jax"`` (the reference), ``"numba"`` (the kernels: row chunks
+        with per-group fp32 sums, no atomics, bit-identical run to run) or
+        ``"auto"`` (the kernels where they measured faster, ``gpurouter/_auto.py``).
+      transport: how the kernels reach JAX (``"auto"``, ``"callback"``,
+        ``"zero-copy"``, ``"ffi"``), as for the router ops.
+    """
+    if not moe_op_on_kernels(GROUPED_DBIAS_DSCALES_OP, backend, transport, None,
+                             *[a for a in (scales, bias, dbias, dscales) if a is not None], dy):
+        return _ref.compute_grouped_dbias_dscales(dy, scales, bias, offsets, dbias, dscales)
+    check_grouped_dbias_dscales_args(dy, scales, bias, offsets, dbias, dscales)
+    return _kernel_dbias_dscales(dy, scales, bias, offsets, dbias, dscales, transport)
+
+
+def compute_grouped_dbias(
+    dy: jax.typing.ArrayLike,
+    offsets: jax.typing.ArrayLike,
+    num_groups: int,
+    dbias: jax.typing.ArrayLike | None = None,
+    *,
+    backend: str = "auto",
+    transport: str = "auto",
+) -> jax.Array:
+    """``dbias [G, H] float32``: ``dy`` summed per group of rows, deterministic.
+
+    See :func:`gpurouter.reference.grouped_bias.compute_grouped_dbias`.
+
+    Args:
+      backend: ``"jax"``, ``"numba"`` (the dbias/dscales kernels without scales)
+        or ``"auto"`` (the measured rule, ``gpurouter/_auto.py``).
+      transport: as for :func:`compute_grouped_dbias_dscales`.
+    """
+    if not moe_op_on_kernels(GROUPED_DBIAS_OP, backend, transport, None, *([] if dbias is None else [dbias]), dy):
+        return _ref.compute_grouped_dbias(dy, offsets, num_groups, dbias)
+    _, _, g = check_grouped_dbias_args(dy, offsets, num_groups, dbias)
+    return _kernel_dbias(dy, offsets, g, dbias, transport)
+
+
+def grouped_scaled_bias_add(
+    y: jax.typing.ArrayLike,
+    bias: jax.typing.ArrayLike,
+    scales: jax.typing.ArrayLike,
+    group_sizes: jax.typing.ArrayLike,
+    *,
+    backend: str = "auto",
+    transport: str = "auto",
+) -> jax.Array:
+    """``y + bias[g(i)] * scales[i]`` (fp32 math, ``y.dtype`` out), differentiable.
+
+    See :func:`gpurouter.reference.grouped_bias.grouped_scaled_bias_add`; the
+    backward is :func:`compute_grouped_dbias_dscales`.
+
+    Args:
+      backend: ``"jax"``, ``"numba"`` (jnp forward, the backward on the
+        :func:`compute_grouped_dbias_dscales` kernels) or ``"auto"`` (the measured rule, ``gpurouter/_auto.py``).
+      transport: as for :func:`compute_grouped_dbias_dscales`.
+    """
+    if not moe_op_on_kernels(SCALED_BIAS_ADD_OP, backend, transport, None, bias, scales, y):
+        return _ref.grouped_scaled_bias_add(y, bias, scales, group_sizes)
+    check_scaled_bias_add_args(y, bias, scales, group_sizes)
+    return _kernel_scaled_bias_add(y, bias, scales, group_sizes, transport)
+
+
+__all__ = ["compute_grouped_dbias", "compute_grouped_dbias_dscales", "grouped_scaled_bias_add"]

@@ -1,5 +1,7 @@
-"""The numba backend of token dispatch and combine: ``jax.custom_vjp`` around
-the kernels of ``gpurouter/kernels/moe/combine.py`` (docs/ops/moe_ops.md).
+"""Token dispatch and combine (public in :mod:`gpurouter.moe`,
+docs/ops/moe_ops.md): the backend choice and, for ``backend="numba"``,
+``jax.custom_vjp`` around the kernels of ``gpurouter/kernels/moe/permute.py``
+(launched through ``gpurouter/kernels/moe/plans.py``).
 
 - ``token_combine``: forward one kernel call, backward one kernel call that
   computes ``d_inp`` and ``d_merging_probs`` together;
@@ -10,6 +12,13 @@ the kernels of ``gpurouter/kernels/moe/combine.py`` (docs/ops/moe_ops.md).
 
 Every array is a per-call argument (``vmap`` runs one launch per batch
 element); every launch goes through :func:`gpurouter._transport.kernel_call`.
+
+Each public function takes the arguments of its pure-jnp reference in
+:mod:`gpurouter.reference.permute` (same name, same signature) plus the
+keyword-only ``backend`` and ``transport``; the choice between them is
+``gpurouter/_auto.py``'s ``moe_op_on_kernels``. ``block_dispatch`` and
+``block_combine`` are the MoE block's pair on the kernels
+(:func:`gpurouter.moe.moe` calls them by name).
 """
 
 from __future__ import annotations
@@ -18,15 +27,20 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from .._auto import moe_op_on_kernels
 from .._checks import (
     TOKEN_COMBINE_OP,
     TOKEN_DISPATCH_OP,
     check_kernel_dtype,
     check_moe_kernel_limit,
+    check_token_combine_args,
+    check_token_dispatch_args,
 )
 from .._transport import kernel_call, resolve_transport
-from ..reference import moe_ops as _ref
+from ..reference import permute as _ref
+from ..reference.moe import rows_of_groups
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -37,27 +51,27 @@ I32 = jnp.int32
 
 
 def _cf_plan(*specs):
-    from ..kernels.moe.plans import token_combine_fwd_plan
+    from ..kernels.moe import plans
 
-    return token_combine_fwd_plan(*specs)
+    return plans.token_combine_fwd_plan(*specs)
 
 
 def _cf_launch(*arrays, **kw):
-    from ..kernels.moe.plans import token_combine_fwd
+    from ..kernels.moe import plans
 
-    return (token_combine_fwd(*arrays, **kw),)
+    return (plans.token_combine_fwd(*arrays, **kw),)
 
 
 def _cb_plan(*specs):
-    from ..kernels.moe.plans import token_combine_bwd_plan
+    from ..kernels.moe import plans
 
-    return token_combine_bwd_plan(*specs)
+    return plans.token_combine_bwd_plan(*specs)
 
 
 def _cb_launch(*arrays, **kw):
-    from ..kernels.moe.plans import token_combine_bwd
+    from ..kernels.moe import plans
 
-    d_z, d_w = token_combine_bwd(*arrays, **kw)
+    d_z, d_w = plans.token_combine_bwd(*arrays, **kw)
     return (d_z,) if d_w is None else (d_z, d_w)
 
 
@@ -113,9 +127,9 @@ def _combine_plain_bwd(transport, res, dy):
 _combine_plain.defvjp(_combine_plain_fwd, _combine_plain_bwd)
 
 
-def token_combine(inp, row_id_map, merging_probs, transport: str):
+def _kernel_token_combine(inp, row_id_map, merging_probs, transport: str):
     """``[T, H]`` in ``inp.dtype`` by the kernels (arguments checked)."""
-    from ..kernels.moe.combine import CMB_MAX_EXPERTS
+    from ..kernels.moe.permute import CMB_MAX_EXPERTS
 
     op = TOKEN_COMBINE_OP
     transport = resolve_transport(op, transport)
@@ -139,15 +153,15 @@ def token_combine(inp, row_id_map, merging_probs, transport: str):
 
 
 def _df_plan(num_rows, *specs):
-    from ..kernels.moe.plans import token_dispatch_fwd_plan
+    from ..kernels.moe import plans
 
-    return token_dispatch_fwd_plan(*specs, num_rows)
+    return plans.token_dispatch_fwd_plan(*specs, num_rows)
 
 
 def _df_launch(num_rows, *arrays, **kw):
-    from ..kernels.moe.plans import token_dispatch_fwd
+    from ..kernels.moe import plans
 
-    return (token_dispatch_fwd(*arrays, num_rows, **kw),)
+    return (plans.token_dispatch_fwd(*arrays, num_rows, **kw),)
 
 
 _dispatch_maps = jax.jit(_ref._dispatch_maps, static_argnums=(1,))  # integer maps, one program eagerly
@@ -192,10 +206,10 @@ def _dispatch_apply_bwd(num_rows, transport, res, cts):
 _dispatch_apply.defvjp(_dispatch_apply_fwd, _dispatch_apply_bwd)
 
 
-def token_dispatch(inp, routing_map, probs, cfg, transport: str):
+def _kernel_token_dispatch(inp, routing_map, probs, cfg, transport: str):
     """``(output, permuted_probs, row_id_map, pad_offsets, tokens_per_expert)``
     with the row copy on the kernels (``cfg``: the checked DispatchConfig)."""
-    from ..kernels.moe.combine import CMB_MAX_EXPERTS
+    from ..kernels.moe.permute import CMB_MAX_EXPERTS
     from ..reference.routing_map import unpack_routing_map
 
     op = TOKEN_DISPATCH_OP
@@ -213,3 +227,92 @@ def token_dispatch(inp, routing_map, probs, cfg, transport: str):
     rid, pad_offsets, tpe = _dispatch_maps(m, cfg)
     out, pp = _dispatch_apply(inp, probs, rid, cfg.num_rows, transport)
     return out, pp, rid, (None if cfg.align_size is None else pad_offsets), tpe
+
+
+# ----------------------------------------------------------------------------
+# The public functions (gpurouter.moe): the backend choice, then the
+# reference or the kernels above; the MoE block's pair on the kernels
+# ----------------------------------------------------------------------------
+
+
+def token_dispatch(
+    inp: jax.typing.ArrayLike,
+    routing_map: jax.typing.ArrayLike,
+    num_out_tokens: int,
+    probs: jax.typing.ArrayLike | None = None,
+    align_size: int | None = None,
+    *,
+    num_experts: int | None = None,
+    backend: str = "auto",
+    transport: str = "auto",
+) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array | None, jax.Array]:
+    """Tokens to expert-major rows; drop-in for TE's ``permutation.token_dispatch``.
+
+    Returns ``(output, permuted_probs, row_id_map, pad_offsets,
+    tokens_per_expert)``; see :func:`gpurouter.reference.permute.token_dispatch`
+    (``row_id_map`` is ``int32 [T, E]``, the padded output row or -1).
+
+    Args:
+      num_experts: ``E`` for a BITMAP_U8 ``routing_map`` without ``probs``.
+      backend: ``"jax"``, ``"numba"`` (the index maps in jnp, the row copy on
+        the kernels, the backward's K copies summed by the combine kernel) or
+        ``"auto"`` (the measured rule, ``gpurouter/_auto.py``: from 2^27 output row elements).
+      transport: as for :func:`gpurouter.moe.compute_grouped_dbias_dscales`.
+    """
+    if not moe_op_on_kernels(TOKEN_DISPATCH_OP, backend, transport, num_out_tokens,
+                             *([] if probs is None else [probs]), inp, maps=(routing_map, probs)):
+        return _ref.token_dispatch(inp, routing_map, num_out_tokens, probs, align_size,
+                                   num_experts=num_experts)
+    cfg = check_token_dispatch_args(inp, routing_map, num_out_tokens, probs, align_size, num_experts)
+    return _kernel_token_dispatch(inp, routing_map, probs, cfg, transport)
+
+
+def token_combine(
+    inp: jax.typing.ArrayLike,
+    row_id_map: jax.typing.ArrayLike,
+    merging_probs: jax.typing.ArrayLike | None = None,
+    pad_offsets: jax.typing.ArrayLike | None = None,
+    *,
+    backend: str = "auto",
+    transport: str = "auto",
+) -> jax.Array:
+    """Expert rows back to ``[T, H]`` tokens, prob-weighted; drop-in for TE's ``token_combine``.
+
+    See :func:`gpurouter.reference.permute.token_combine`.
+
+    Args:
+      backend: ``"jax"``, ``"numba"`` (a block per token; the backward gives
+        ``d_inp`` and ``d_merging_probs`` in one pass) or ``"auto"`` (the measured rule, ``gpurouter/_auto.py``).
+      transport: as for :func:`gpurouter.moe.compute_grouped_dbias_dscales`.
+    """
+    if not moe_op_on_kernels(TOKEN_COMBINE_OP, backend, transport, None,
+                             *([] if merging_probs is None else [merging_probs]), inp, maps=(row_id_map, None)):
+        return _ref.token_combine(inp, row_id_map, merging_probs, pad_offsets)
+    check_token_combine_args(inp, row_id_map, merging_probs, pad_offsets)
+    return _kernel_token_combine(inp, row_id_map, merging_probs, transport)
+
+
+def block_dispatch(xf, probs, routing_map, idx, num_experts: int, transport: str = "auto"):
+    """The MoE block's dispatch on the kernels (:func:`token_dispatch` with
+    ``backend="numba"``), with :func:`gpurouter.reference.moe.argsort_dispatch`'s
+    signature and results: ``(xs, rows_e, group_sizes, w_rows, state)``. The
+    rows come out in the same order (expert-major, ascending token inside an
+    expert); ``state`` is what :func:`block_combine` needs."""
+    del num_experts  # the map's
+    rows = idx.shape[0] * idx.shape[1]
+    xs, w_rows, row_id_map, _, sizes = token_dispatch(xf, routing_map, rows, probs=probs, backend="numba",
+                                                      transport=transport)
+    return (xs, rows_of_groups(sizes, rows), sizes.astype(np.int32), w_rows.astype(np.float32),
+            (row_id_map, probs))
+
+
+def block_combine(z, state, weighted: bool, transport: str = "auto"):
+    """The MoE block's combine on the kernels (:func:`token_combine` with
+    ``backend="numba"``), :func:`gpurouter.reference.moe.argsort_combine`'s
+    signature plus ``transport``: it sums a token's rows in ascending expert
+    order, the argsort form in selection order (fp32 either way)."""
+    row_id_map, probs = state
+    return token_combine(z, row_id_map, probs if weighted else None, backend="numba", transport=transport)
+
+
+__all__ = ["block_combine", "block_dispatch", "token_combine", "token_dispatch"]

@@ -6,7 +6,7 @@ and the API table by byte offset. The offsets are not written by hand: they
 are computed here by ``ctypes`` from the struct declarations below, which
 copy ``xla/ffi/api/c_api.h`` field for field (only the structs and fields the
 handler touches, each struct up to the last field read). A CPU test
-(tests/test_ffi_abi.py) parses the ``c_api.h`` that the installed jaxlib ships
+(tests/transport/test_ffi_abi.py) parses the ``c_api.h`` that the installed jaxlib ships
 and checks every declaration against it.
 
 ABI rules relied on (c_api.h's own versioning notes): fields are only ever
@@ -45,7 +45,7 @@ ERROR_INTERNAL = 13
 _sz, _vp, _i32, _i64 = ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
 
 
-# -- struct declarations, in c_api.h's order (checked by tests/test_ffi_abi.py) --
+# -- struct declarations, in c_api.h's order (checked by tests/transport/test_ffi_abi.py) --
 
 
 class ExtensionBase(ctypes.Structure):  # XLA_FFI_Extension_Base
@@ -204,7 +204,7 @@ ORDINAL_SIZE = DeviceOrdinalGetArgs.device_ordinal.offset + ctypes.sizeof(_i32)
 ORDINAL_CTX = _at(DeviceOrdinalGetArgs, "ctx")
 ORDINAL_OUT = _at(DeviceOrdinalGetArgs, "device_ordinal")
 #: the two context queries' Args share their layout up to the out field
-#: (ctx, then the out field at the same offsets; tests/test_ffi_abi.py)
+#: (ctx, then the out field at the same offsets; tests/transport/test_ffi_abi.py)
 QUERY_CTX, QUERY_OUT = STREAM_CTX, STREAM_OUT
 
 

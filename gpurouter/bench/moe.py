@@ -117,7 +117,7 @@ def _stage_steps(e, k, router, gmm):
         return jnp.sum((z.astype(jnp.float32) * w[:, :, None]).sum(1) ** 2)
 
     def permute_numba(x, routing_map, probs):
-        from ..moe_ops import token_combine, token_dispatch
+        from ..moe import token_combine, token_dispatch
 
         xs, _, rid, _, _ = token_dispatch(x, routing_map, x.shape[0] * k, probs=probs, backend="numba")
         return jnp.sum(token_combine(xs, rid, probs, backend="numba").astype(jnp.float32) ** 2)

@@ -27,9 +27,9 @@ from .losses.z_loss import router_z_loss_bwd as router_z_loss_bwd
 from .losses.z_loss import router_z_loss_bwd_plan as router_z_loss_bwd_plan
 from .losses.z_loss import router_z_loss_fwd as router_z_loss_fwd
 from .losses.z_loss import router_z_loss_fwd_plan as router_z_loss_fwd_plan
-from .moe.combine import CMB_MAX_EXPERTS as CMB_MAX_EXPERTS
-from .moe.combine import CombineTiling as CombineTiling
-from .moe.grouped_dbias import DbiasTiling as DbiasTiling
+from .moe.grouped_bias import DbiasTiling as DbiasTiling
+from .moe.permute import CMB_MAX_EXPERTS as CMB_MAX_EXPERTS
+from .moe.permute import CombineTiling as CombineTiling
 from .moe.plans import grouped_dbias as grouped_dbias
 from .moe.plans import grouped_dbias_dscales as grouped_dbias_dscales
 from .moe.plans import grouped_dbias_dscales_plan as grouped_dbias_dscales_plan

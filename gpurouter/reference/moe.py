@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from .aux_loss import fused_moe_aux_loss
 from .routing_map import tokens_per_expert
 from .topk import fused_topk_with_score_function
 
-# the names _checks.MOE_ACTIVATIONS accepts (tests/test_moe.py holds them equal)
+# the names _checks.MOE_ACTIVATIONS accepts (tests/ops/test_moe.py holds them equal)
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
     "gelu": jax.nn.gelu,
@@ -100,6 +101,48 @@ def moe(
     Returns:
       ``(output [..., H] in x's dtype, aux_loss float32 scalar or None)``.
     """
+    routed = route_tokens(
+        x, gate_kernel, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, expert_bias,
+        num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, activation_type=activation_type,
+        score_function=score_function, use_pre_softmax=use_pre_softmax, num_groups=num_groups,
+        group_topk=group_topk, scaling_factor=scaling_factor, aux_loss_coeff=aux_loss_coeff,
+        apply_topk_weights_early=apply_topk_weights_early, ep_axis=ep_axis, align_size=align_size,
+        grouped_matmul=grouped_matmul, router=router)
+    dispatch, combine = permute or (argsort_dispatch, argsort_combine)
+    dispatched = dispatch(routed.xf, routed.probs, routed.routing_map, routed.idx, num_experts)
+    return experts_and_combine(
+        routed, dispatched, combine, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias,
+        num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, activation_type=activation_type,
+        score_function=score_function, aux_loss_coeff=aux_loss_coeff,
+        apply_topk_weights_early=apply_topk_weights_early, ep_axis=ep_axis, align_size=align_size,
+        grouped_matmul=grouped_matmul, router=router, aux_loss=aux_loss)
+
+
+class Routed(NamedTuple):
+    """The block's tokens after :func:`route_tokens`: ``xf [T, H]`` (``x``
+    flattened), ``logits [T, E]``, the router's ``probs``, ``routing_map``
+    and ``idx [T, K]``, ``x``'s ``shape`` and ``dtype``, and the number of
+    expert-parallel ``shards``."""
+
+    xf: jax.Array
+    logits: jax.Array
+    probs: jax.Array
+    routing_map: jax.Array
+    idx: jax.Array
+    shape: tuple
+    dtype: object
+    shards: int
+
+
+def route_tokens(
+    x, gate_kernel, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, expert_bias, *, num_experts: int,
+    num_experts_per_tok: int, activation_type: str, score_function: str, use_pre_softmax: bool,
+    num_groups: int | None, group_topk: int | None, scaling_factor: float, aux_loss_coeff: float,
+    apply_topk_weights_early: bool, ep_axis: str | None, align_size: int, grouped_matmul: Callable,
+    router: Callable | None = None,
+) -> Routed:
+    """The block's first step (:func:`moe`'s arguments): every argument
+    checked, then the router on ``x @ gate_kernel``."""
     check_moe_inputs(x, gate_kernel, dict(wi_0=wi_0, wi_1=wi_1, wo=wo, wi_0_bias=wi_0_bias, wi_1_bias=wi_1_bias,
                                           wo_bias=wo_bias), expert_bias, num_groups, group_topk, aux_loss_coeff,
                      grouped_matmul, num_experts,
@@ -112,22 +155,37 @@ def moe(
                    num_experts, num_experts_per_tok, activation_type, align_size,
                    shards := axis_size(MOE_OP, ep_axis))
     router = router or fused_topk_with_score_function
-    aux_loss = aux_loss or fused_moe_aux_loss
     x = jnp.asarray(x)
     shape, hidden = x.shape, x.shape[-1]
     xf = x.reshape(-1, hidden)
-    k, e = num_experts_per_tok, num_experts
+    k = num_experts_per_tok
     logits = xf @ jnp.asarray(gate_kernel).astype(x.dtype)
     route_kw = dict(use_pre_softmax=use_pre_softmax, num_groups=-1 if num_groups is None else num_groups,
                     group_topk=-1 if group_topk is None else group_topk, scaling_factor=scaling_factor,
                     score_function=score_function)
     probs, routing_map, idx = router(logits, k, expert_bias=expert_bias, return_indices=True, **route_kw)
-    dispatch, combine = permute or (argsort_dispatch, argsort_combine)
-    xs, rows_e, group_sizes, w_rows, state = dispatch(xf, probs, routing_map, idx, e)
+    return Routed(xf, logits, probs, routing_map, idx, shape, x.dtype, shards)
+
+
+def experts_and_combine(
+    routed: Routed, dispatched, combine: Callable, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, *,
+    num_experts: int, num_experts_per_tok: int, activation_type: str, score_function: str,
+    aux_loss_coeff: float, apply_topk_weights_early: bool, ep_axis: str | None, align_size: int,
+    grouped_matmul: Callable, router: Callable | None = None, aux_loss: Callable | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """The block's last steps (:func:`moe`'s arguments): the experts on the
+    ``dispatched`` rows (:func:`argsort_dispatch`'s results; over the
+    ``ep_axis`` devices when set), ``combine`` back to tokens, and the aux
+    loss."""
+    router = router or fused_topk_with_score_function
+    aux_loss = aux_loss or fused_moe_aux_loss
+    xs, rows_e, group_sizes, w_rows, state = dispatched
+    shape, dtype, logits, shards = routed.shape, routed.dtype, routed.logits, routed.shards
+    k, e = num_experts_per_tok, num_experts
     weights_ = dict(wi_0=wi_0, wi_1=wi_1, wo=wo, wi_0_bias=wi_0_bias, wi_1_bias=wi_1_bias, wo_bias=wo_bias)
     ffn = functools.partial(_expert_ffn, **weights_, activation=ACTIVATIONS[activation_type],
                             early=apply_topk_weights_early, align_size=align_size,
-                            grouped_matmul=grouped_matmul, dtype=x.dtype)
+                            grouped_matmul=grouped_matmul, dtype=dtype)
     if ep_axis is None:
         z = ffn(xs, rows_e, group_sizes, w_rows)
     else:  # rows to their experts' devices and back (gpurouter/_ep.py)
@@ -136,7 +194,7 @@ def moe(
         recv_w, _, _ = _ep.dispatch(w_rows[:, None], rows_e, group_sizes, num_experts=e, **ep)
         z = _ep.combine(ffn(recv, rows_of_groups(local_sizes, recv.shape[0]), local_sizes, recv_w[:, 0]),
                         ep_state, **ep)
-    out = combine(z, state, not apply_topk_weights_early).astype(x.dtype).reshape(shape)
+    out = combine(z, state, not apply_topk_weights_early).astype(dtype).reshape(shape)
 
     loss = None
     if aux_loss_coeff > 0:
@@ -228,4 +286,12 @@ def _expert_ffn(xs, rows_e, group_sizes, w_rows, *, wi_0, wi_1, wo, wi_0_bias, w
     return z if dest is None else z[dest]
 
 
-__all__ = ["argsort_combine", "argsort_dispatch", "moe", "rows_of_groups"]
+__all__ = [
+    "Routed",
+    "argsort_combine",
+    "argsort_dispatch",
+    "experts_and_combine",
+    "moe",
+    "route_tokens",
+    "rows_of_groups",
+]

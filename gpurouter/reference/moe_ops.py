@@ -11,18 +11,14 @@ This module is their public home; the code lives by job in
 :mod:`gpurouter.reference.grouped_bias` (the grouped bias ops and the
 fixed-order segment sums; its docstring says why every op here is
 bit-identical from run to run and how padding rows are kept out) and
-:mod:`gpurouter.reference.permute` (dispatch and combine). The private helpers
-that the numba bindings reuse (``gpurouter/_ops/moe_ops.py``) are re-exported
-here too.
+:mod:`gpurouter.reference.permute` (dispatch and combine). The numba bindings (``gpurouter/_ops/grouped_bias.py``,
+``gpurouter/_ops/permute.py``) import their private helpers from those two
+modules; nothing private is re-exported here.
 """
 
-from .grouped_bias import _group_offsets as _group_offsets
-from .grouped_bias import _scaled_bias_add as _scaled_bias_add
-from .grouped_bias import _segments as _segments
 from .grouped_bias import compute_grouped_dbias as compute_grouped_dbias
 from .grouped_bias import compute_grouped_dbias_dscales as compute_grouped_dbias_dscales
 from .grouped_bias import grouped_scaled_bias_add as grouped_scaled_bias_add
-from .permute import _dispatch_maps as _dispatch_maps
 from .permute import token_combine as token_combine
 from .permute import token_dispatch as token_dispatch
 

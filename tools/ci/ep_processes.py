@@ -9,7 +9,7 @@ inside ``jax.shard_map``: loss ``sum(out^2) + aux``, the gradients of the
 tokens, the router kernel, the three expert weights and their biases.
 Process 0 writes the inputs, the output, the loss and the gradients,
 gathered from every process, to ``--out`` (``.npz``), so that they can be
-checked against the block on one process (tests/test_ep_processes.py does).
+checked against the block on one process (tests/sharding/test_ep_processes.py does).
 
 Two processes on this machine, CPU devices and the gloo collectives (what CI
 runs; ``XLA:CPU`` has no ``ragged_all_to_all``, so the block's exact stand-in

@@ -11,7 +11,7 @@
 #                                             a float32 check at each shape; 150 s on 2 x H200)
 #
 # 1. expert parallelism with the real ragged_all_to_all against one device
-#    (tests/test_moe.py -k expert_parallel);
+#    (tests/ops/test_moe.py -k expert_parallel);
 # 2. the ffi launch records on each GPU, a jitted step on all at once, the
 #    sharding suite on Auto and explicit meshes (test_multi_gpu, test_sharding,
 #    test_partition), run beside part 1 (most of each is compiling on the CPU);
@@ -34,18 +34,18 @@ ep_bench_limit=${TWO_GPU_EP_BENCH_TIMEOUT:-300}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/gpus.txt" 2>&1
 date -u >>"$out/gpus.txt"
 start=$(date +%s)
-timeout "$limit" "$py" -m pytest -q -p no:cacheprovider tests/test_moe.py -k expert_parallel \
+timeout "$limit" "$py" -m pytest -q -p no:cacheprovider tests/ops/test_moe.py -k expert_parallel \
   >"$out/ep-tests.log" 2>&1 &
 p1=$!
-timeout "$limit" "$py" -m pytest -q -p no:cacheprovider tests/test_multi_gpu.py tests/test_sharding.py \
-  tests/test_partition.py >"$out/multi-gpu-tests.log" 2>&1 &
+timeout "$limit" "$py" -m pytest -q -p no:cacheprovider tests/sharding/test_multi_gpu.py tests/sharding/test_sharding.py \
+  tests/transport/test_partition.py >"$out/multi-gpu-tests.log" 2>&1 &
 p2=$!
 last=$(( $(nvidia-smi -L | wc -l) - 1 ))
-GPUROUTER_TEST_DEVICE=$last timeout "$public_limit" "$py" -m pytest -q -p no:cacheprovider tests/test_public.py \
+GPUROUTER_TEST_DEVICE=$last timeout "$public_limit" "$py" -m pytest -q -p no:cacheprovider tests/ops/test_public.py \
   >"$out/public-last-gpu.log" 2>&1 &
 p3=$!
-GPUROUTER_TEST_DEVICE=$last timeout "$public_limit" "$py" -m pytest -q -p no:cacheprovider tests/test_ffi.py \
-  tests/test_losses.py tests/test_callback.py >"$out/ffi-losses-last-gpu.log" 2>&1 &
+GPUROUTER_TEST_DEVICE=$last timeout "$public_limit" "$py" -m pytest -q -p no:cacheprovider tests/transport/test_ffi.py \
+  tests/ops/test_losses.py tests/transport/test_buffer.py >"$out/ffi-losses-last-gpu.log" 2>&1 &
 p4=$!
 status=0
 wait $p1 || status=1
@@ -55,7 +55,7 @@ wait $p4 || status=1
 timeout "$ep_bench_limit" "$py" tools/probes/ep_bench.py --repeats 5 --json "$out/ep-bench.json" >"$out/ep-bench.log" 2>&1 || status=1
 if command -v compute-sanitizer >/dev/null 2>&1; then
   timeout "$limit" compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 --target-processes all \
-    "$py" -m pytest -q -p no:cacheprovider tests/test_multi_gpu.py -k one_jitted_step \
+    "$py" -m pytest -q -p no:cacheprovider tests/sharding/test_multi_gpu.py -k one_jitted_step \
     >"$out/memcheck.log" 2>&1 || status=1
 else
   echo "compute-sanitizer not on PATH" >"$out/memcheck.log"

@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from gpurouter import kernels as K  # noqa: E402
-from gpurouter import moe_ops as mo  # noqa: E402
+from gpurouter import moe as mo  # noqa: E402
 from gpurouter.bench.timing import median_us, ptr, spin_kernel  # noqa: E402
 from gpurouter.kernels._base import pointer as _pointer  # noqa: E402
 from gpurouter.kernels._base.plan import spec_for  # noqa: E402

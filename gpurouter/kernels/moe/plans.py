@@ -1,10 +1,10 @@
 """Plans and launchers of the token-level MoE kernels: grouped dbias / dscales
-(``moe_grouped_dbias.py``) and ``token_combine`` (``moe_combine.py``).
+(``grouped_bias.py``) and token dispatch / combine (``permute.py``).
 
 A plan is a pure function of the arrays' Specs (cached): the kernels, their
 grids and blocks (the tiling functions of the kernel modules, with the
-plan's ``tiling`` argument: a ``combine.CombineTiling`` or a
-``grouped_dbias.DbiasTiling``, None for the library's), the scratch arrays; a launcher checks its arrays, moves
+plan's ``tiling`` argument: a ``permute.CombineTiling`` or a
+``grouped_bias.DbiasTiling``, None for the library's), the scratch arrays; a launcher checks its arrays, moves
 host ones to the device (``_launch.device_input``) and executes the plan.
 """
 
@@ -21,8 +21,8 @@ import numpy as np
 from .._base import launch as L
 from .._base.limits import pow2_at_least
 from .._base.plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
-from . import combine as C
-from . import grouped_dbias as G
+from . import grouped_bias as G
+from . import permute as C
 from .rows import row_view
 
 # ----------------------------------------------------------------------------

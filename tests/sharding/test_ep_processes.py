@@ -20,7 +20,7 @@ import numpy as np
 from gpurouter import moe as gmoe
 from gpurouter import reference as ref
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "ci" / "ep_processes.py"
 TIMEOUT = 240  # seconds for both processes, start to finish (25 s on 2 busy cores, 80 s on 2 overloaded ones)
 
@@ -72,7 +72,7 @@ def test_ep_over_two_processes_equals_one_process(tmp_path):
     """Late weighting, ``ragged_dot``, biases and the aux loss; the gradients of
     every input, the router kernel's included (an ``early`` / ``batched``
     pair more than doubles the time: the one-process EP tests in
-    tests/test_moe.py cover those on 8 CPU devices)."""
+    tests/ops/test_moe.py cover those on 8 CPU devices)."""
     mod = _script()
     got = dict(np.load(_run_processes(tmp_path, [])))
     p = {n[3:]: jnp.asarray(v) for n, v in got.items() if n.startswith("in_")}

@@ -301,9 +301,9 @@ def test_auto_block_permutes_on_the_kernels_where_the_rule_says(monkeypatch):
     h, k = 256, 8
     t = _auto.AUTO_MOE_MIN_ELEMENTS // (h * k)
     x = jnp.zeros((t, h), jnp.bfloat16)
-    assert gmoe._permute_on_kernels(x, 64, k, "auto")
-    assert not gmoe._permute_on_kernels(x[:-1], 64, k, "auto")
-    assert not gmoe._permute_on_kernels(x, 64, k, "jax")
-    assert not gmoe._permute_on_kernels(x.astype(jnp.float32)[None], 2048, k, "auto")  # E past the kernels'
+    assert _auto.moe_block_on_kernels(x, 64, k, "auto")
+    assert not _auto.moe_block_on_kernels(x[:-1], 64, k, "auto")
+    assert not _auto.moe_block_on_kernels(x, 64, k, "jax")
+    assert not _auto.moe_block_on_kernels(x.astype(jnp.float32)[None], 2048, k, "auto")  # E past the kernels'
     monkeypatch.setattr(_backend, "zero_copy_available", lambda: False)  # JAX not on a GPU
-    assert not gmoe._permute_on_kernels(x, 64, k, "auto")
+    assert not _auto.moe_block_on_kernels(x, 64, k, "auto")

@@ -1,4 +1,4 @@
-"""Token-level MoE ops (gpurouter.moe_ops) against the float64 loop oracles of
+"""Token-level MoE ops (their public home gpurouter.moe) against the float64 loop oracles of
 tests/moe_oracles.py: forward, backward, padding/NaN safety, determinism,
 jit / checkpoint / scan, and every error message pinned with ``match=``."""
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from gpurouter import moe_ops as mo
+from gpurouter import moe as mo
 from gpurouter.reference import moe_ops as ref
 from gpurouter.reference.routing_map import pack_routing_map
 from gpurouter.testing import moe_oracle as orc
@@ -594,7 +594,7 @@ def test_auto_runs_the_kernels_where_they_measured_faster(monkeypatch):
     AUTO_DISPATCH_MIN_ELEMENTS output row elements), never float64, never an
     unknown or too large E, never the host callback."""
     from gpurouter import _auto, _backend, _transport
-    from gpurouter.kernels.moe.combine import CMB_MAX_EXPERTS
+    from gpurouter.kernels.moe.permute import CMB_MAX_EXPERTS
 
     f32, f64, bf16 = jnp.float32, jnp.float64, jnp.bfloat16
     n = _auto.AUTO_MOE_MIN_ELEMENTS
@@ -613,9 +613,7 @@ def test_auto_runs_the_kernels_where_they_measured_faster(monkeypatch):
     # what each public op asks: its rows times hidden, its arrays' dtypes, its E
     monkeypatch.setattr(_transport, "resolve_transport", lambda op, t: "ffi")
     asked = []
-    import gpurouter.moe_ops as mo_module
-
-    monkeypatch.setattr(mo_module, "moe_kernels_faster", lambda *a: asked.append(a) or False)
+    monkeypatch.setattr(_auto, "moe_kernels_faster", lambda *a: asked.append(a) or False)
     monkeypatch.setattr(_backend, "resolve", lambda op, b, faster=None: faster() and "numba" or "jax")
     for op in OPS:
         getattr(mo, op)(*_valid_args(op))
@@ -643,11 +641,11 @@ def test_auto_leaves_a_wrong_accumulator_to_the_references_check(monkeypatch):
     """A float64 dbias to add to is an array the kernels do not take: "auto"
     sees its dtype, stays on the reference, and the reference's check says
     what is wrong (JAX on a GPU faked)."""
-    from gpurouter import _backend, _transport
+    from gpurouter import _auto, _backend, _transport
 
     seen = []
     monkeypatch.setattr(_transport, "resolve_transport", lambda op, t: "ffi")
-    monkeypatch.setattr(mo, "moe_kernels_faster", lambda op, t, n, dtypes, e=None: seen.append(dtypes) or False)
+    monkeypatch.setattr(_auto, "moe_kernels_faster", lambda op, t, n, dtypes, e=None: seen.append(dtypes) or False)
     monkeypatch.setattr(_backend, "resolve", lambda op, b, faster=None: faster() and "numba" or "jax")
     with jax.enable_x64(True):
         acc = jnp.zeros((2, 3), jnp.float64)
@@ -656,3 +654,57 @@ def test_auto_leaves_a_wrong_accumulator_to_the_references_check(monkeypatch):
         with pytest.raises(TypeError, match="dbias must be float32 .it is accumulated into., got float64"):
             mo.compute_grouped_dbias(D, OFF, 2, acc)
     assert jnp.float64 in seen[0] and jnp.float64 in seen[1]
+
+
+def test_moe_ops_is_the_moe_modules_ops_under_the_older_path():
+    """``gpurouter.moe_ops`` re-exports the five ops of ``gpurouter.moe`` (the
+    same function objects), and ``gpurouter.moe`` is their one home: the
+    bodies live in gpurouter/_ops/ (no module handles in between)."""
+    import gpurouter.moe_ops as old
+
+    assert sorted(old.__all__) == sorted(OPS)
+    for op in OPS:
+        assert getattr(old, op) is getattr(mo, op), op
+        assert getattr(mo, op).__module__ in ("gpurouter._ops.grouped_bias", "gpurouter._ops.permute"), op
+
+
+def test_a_token_is_followed_by_name_from_moe_to_the_dispatch_kernels():
+    """The static walk of issue 39 (review change 3): from ``gpurouter.moe.moe``
+    the tokens go by direct calls of imported names (no module handles such as
+    the old ``_kernels()``) to ``_ops/permute.py``'s dispatch, whose functions
+    reach the functions that import ``gpurouter/kernels/moe/`` (the plans and
+    the kernel module) by name."""
+    import ast
+    import pathlib
+
+    import gpurouter
+
+    pkg = pathlib.Path(gpurouter.__file__).parent
+
+    def functions(path):
+        tree = ast.parse((pkg / path).read_text())
+        return {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+
+    def called(fn):  # names called, or passed as arguments (the transport's launcher/planner)
+        names = {c.func.id for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+        return names | {a.id for c in ast.walk(fn) if isinstance(c, ast.Call) for a in c.args
+                        if isinstance(a, ast.Name)}
+
+    def imports_kernels(fn):
+        return {a.name for n in ast.walk(fn) if isinstance(n, ast.ImportFrom) and (n.module or "") in
+                ("kernels.moe", "kernels.moe.permute", "kernels.moe.plans") for a in n.names}
+
+    moe_fns, permute_fns = functions("moe.py"), functions("_ops/permute.py")
+    assert "block_dispatch" in called(moe_fns["moe"])
+    assert "_kernels" not in permute_fns and "_kernels" not in functions("_ops/grouped_bias.py")
+    seen, todo, reached = set(), ["block_dispatch"], set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in permute_fns:
+            continue
+        seen.add(name)
+        reached |= imports_kernels(permute_fns[name])
+        todo += sorted(called(permute_fns[name]))
+    for fn in ("token_dispatch", "_kernel_token_dispatch", "_dispatch_apply", "_dispatch_apply_fwd"):
+        assert fn in seen, fn
+    assert {"plans", "CMB_MAX_EXPERTS"} <= reached, reached

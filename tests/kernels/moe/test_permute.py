@@ -1,5 +1,5 @@
 """Kernel vs float64 oracle: the token_combine launchers
-(``gpurouter/kernels/moe/combine.py``), forward and the one-pass backward, on
+(``gpurouter/kernels/moe/permute.py``), forward and the one-pass backward, on
 the CUDA simulator at tiny shapes (several lanes per token, more experts than
 a bit word, rows outside the output) and on a GPU at a real shape (``gpu``)."""
 
@@ -13,7 +13,7 @@ from gpurouter.testing import moe_oracle as orc
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from gpurouter.kernels.moe import combine as C  # noqa: E402
+from gpurouter.kernels.moe import permute as C  # noqa: E402
 from gpurouter.kernels.moe import plans as P  # noqa: E402
 
 pytestmark = pytest.mark.cuda

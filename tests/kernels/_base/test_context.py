@@ -3,7 +3,7 @@ thread, two GPUs): ``on_gpu`` gives the caller its context back whatever the
 block did to the stack (numba-cuda did that on 2 x H200, issue #19),
 ``function_of`` refuses to resolve a kernel in another GPU's context, and a
 zero-copy call's GPU is its stream's. No GPU needed: the real driver's side
-runs in tests/test_multi_gpu.py."""
+runs in tests/sharding/test_multi_gpu.py."""
 
 from __future__ import annotations
 

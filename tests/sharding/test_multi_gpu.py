@@ -1,8 +1,8 @@
 """Two or more GPUs in one process (issue #19 runs these on 2 x H200): the ffi
 transport's launch records hold one entry per GPU, so the same op runs on
 each GPU, and one jitted step runs on all of them at once; the aux path too.
-Sharded routing and expert parallelism over the GPUs: tests/test_sharding.py
-and tests/test_moe.py (they use every device JAX has)."""
+Sharded routing and expert parallelism over the GPUs: tests/sharding/test_sharding.py
+and tests/ops/test_moe.py (they use every device JAX has)."""
 
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def test_a_process_that_used_every_gpu_exits_cleanly():
     """Both transports on every GPU, then the interpreter's exit: numba's module
     unloads ran twice on one library (one per GPU) and ended such processes in
     a glibc abort (exit status 134) before ``_context.hold_numba_frees_at_exit``."""
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
                PYTHONFAULTHANDLER="1")
     run = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], cwd=root, env=env, capture_output=True,

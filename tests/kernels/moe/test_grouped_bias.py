@@ -1,5 +1,5 @@
 """Kernel vs float64 oracle: the grouped dbias / dscales launchers
-(``gpurouter/kernels/moe/grouped_dbias.py``), on the CUDA simulator at tiny
+(``gpurouter/kernels/moe/grouped_bias.py``), on the CUDA simulator at tiny
 shapes with the tiling forced small (several chunks, groups spanning many
 chunks, several column blocks), and on a GPU at a real shape (``gpu``)."""
 
@@ -16,7 +16,7 @@ K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed
 from numba import cuda, float32  # noqa: E402  (module level: the simulator swaps a kernel's globals)
 
 from gpurouter.kernels._base.launch import launch  # noqa: E402
-from gpurouter.kernels.moe import grouped_dbias as M  # noqa: E402
+from gpurouter.kernels.moe import grouped_bias as M  # noqa: E402
 from gpurouter.kernels.moe.rows import lane_tree_sums  # noqa: E402
 
 pytestmark = pytest.mark.cuda

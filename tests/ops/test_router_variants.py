@@ -2,7 +2,7 @@
 compact outputs, Quantile Balancing, token masks, traced token counts):
 the reference and the public op on the jax backend, against the NumPy
 oracles of tests/variant_oracles.py. The numba backend's composition is in
-tests/test_router_variants_numba.py."""
+tests/ops/test_router_variants_numba.py."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_public import BACKENDS, _backend_kw
+from public_helpers import BACKENDS
+from public_helpers import backend_kw as _backend_kw
 
 import gpurouter as gr
 from gpurouter.reference.topk import sqrtsoftplus

@@ -2,7 +2,7 @@
 
 One table: for each public function (``gpurouter.__all__`` and
 ``gpurouter.moe.__all__``; the two enum classes are tested in
-tests/test_errors.py) a valid call and, for each of its parameters, the
+tests/ops/test_errors.py) a valid call and, for each of its parameters, the
 bad values of its kind: wrong type, wrong dtype, wrong rank, a non-finite
 scalar, an empty array where one is not allowed. Each must raise a
 ``TypeError`` or ``ValueError`` whose message starts with the function's
@@ -12,7 +12,7 @@ jax or numba) and names the argument; none may be accepted silently.
 A parameter missing from the table fails ``test_table_covers_every_argument``
 (the signatures are introspected): a new public argument needs its row.
 All cases run on ``backend="jax"``: every check is shared by the backends
-and runs before dispatch (tests/test_errors.py pins the kernel-only ones,
+and runs before dispatch (tests/ops/test_errors.py pins the kernel-only ones,
 float64 to numba).
 """
 
@@ -299,7 +299,7 @@ def test_table_covers_every_argument():
     listed = {fn: params for fn, _, _, params in TABLE}
     public = [getattr(gr, n) for n in gr.__all__] + [getattr(gmoe, n) for n in gmoe.__all__]
     for fn in public:
-        if inspect.isclass(fn):  # the enums: ScoreFunction, RoutingMapFormat (tests/test_errors.py)
+        if inspect.isclass(fn):  # the enums: ScoreFunction, RoutingMapFormat (tests/ops/test_errors.py)
             continue
         assert fn in listed, f"{fn.__name__} is public but not in the table"
         missing = set(inspect.signature(fn).parameters) - set(listed[fn])
