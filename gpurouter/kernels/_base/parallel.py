@@ -150,10 +150,8 @@ def precompile(requests, ordinal: int, cache=None, *, cc=None, driver=None, comp
     cache = cache if cache is not None else disk_cache.default_cache()
     if cache is None or (_simulator() and compile_fn is None):
         return 0
-    if not _writable(cache):
-        return 0
     jobs = pending(requests, ordinal, cache, cc=cc, driver=driver)
-    if len(jobs) < 2:
+    if len(jobs) < 2 or not _writable(cache):
         return 0
     n = workers_wanted(len(jobs))
     if n == 0:
