@@ -87,7 +87,7 @@ def test_workers_store_every_key_and_the_parent_loads_them(tmp_path, fresh):
         assert cache.path_of(key(k)).exists()
     compiled, payloads = load_all(cache, reqs)
     assert compiled == [reqs[3][0]]  # only the kernel without a recipe compiled in the parent
-    for (k, _), (entry, cubin) in zip(reqs, payloads, strict=True):
+    for (k, _), (_entry, cubin) in zip(reqs, payloads, strict=True):
         assert cubin == fakes.cubin_of(k)
     assert all(int(e.split("_")[1]) != os.getpid() for e, _ in payloads[:3])  # by the workers
     # nothing missing: no pool, nothing submitted again

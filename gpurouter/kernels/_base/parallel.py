@@ -61,6 +61,9 @@ def recipe(factory):
             pass
         return kernel
 
+    for name in ("cache_clear", "cache_info"):  # the functools.cache's, as before
+        if hasattr(factory, name):
+            setattr(make, name, getattr(factory, name))
     return make
 
 
