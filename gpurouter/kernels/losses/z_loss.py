@@ -34,7 +34,6 @@ one ``ex2.approx`` (``logsumexp``).
 from __future__ import annotations
 
 from .._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
-from .._base.parallel import recipe
 
 # isort: split
 
@@ -75,7 +74,6 @@ OP = "router_z_loss"
 # ----------------------------------------------------------------------------
 
 
-@recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def z_loss_rows_kernel(kind: str, quads: bool, hold: int):
     """Kernel 1 of the forward: ``lse`` of every row and a partial sum of
@@ -180,7 +178,6 @@ def z_loss_rows_kernel(kind: str, quads: bool, hold: int):
 # ----------------------------------------------------------------------------
 
 
-@recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def z_loss_bwd_kernel(kind: str, quads: bool, hold: int):
     aligned, fetch_fast, fetch = unit_fetchers(kind, quads)
