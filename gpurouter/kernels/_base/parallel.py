@@ -4,7 +4,9 @@ numba compiles one kernel at a time in a process (its global compiler lock;
 typing and lowering are Python), so a cold DeepSeek-V3 step pays the sum of
 its kernels' compiles (docs/cache.md). :func:`precompile` takes the kernels a
 plan needs, finds those in neither the process's memo nor the disk cache, and
-compiles them in ``spawn`` worker processes at once (not ``fork``: CUDA).
+compiles them in worker processes at once: fresh ``python -m`` processes
+(not ``fork``, which CUDA forbids, nor multiprocessing's spawn, which
+reruns the caller's ``__main__``).
 Each worker rebuilds its kernel from a picklable recipe, computes the kernel's
 key (:func:`kernel_cache.kernel_key`), checks it is the key the parent
 computed, compiles for the same GPU and stores the cubin in the disk cache;
@@ -32,8 +34,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import importlib
-import multiprocessing
 import os
+import pickle
+import subprocess
+import sys
 
 from . import disk_cache, kernel_cache
 
@@ -120,6 +124,41 @@ def _worker(rec, argtypes, ordinal, root, key, cc, driver, compile_fn):
     return disk_cache.DiskCache(root).store(key, kernel_cache.pack_payload(entry, cubin))
 
 
+def _run_batch(batch, ordinal, root, cc, driver, compile_fn) -> list:
+    """One worker: a fresh ``python -m gpurouter.kernels._base.parallel`` (a spawn:
+    no fork of a process holding CUDA, and no rerun of the caller's ``__main__``
+    as multiprocessing's spawn would do) compiling ``batch`` one after the other;
+    each job's True, False, or the text of what went wrong."""
+    jobs = [(rec, argtypes, ordinal, root, key, cc, driver, compile_fn) for rec, argtypes, key in batch]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        proc = subprocess.run([sys.executable, "-m", __name__], input=pickle.dumps(jobs), env=env,
+                              capture_output=True, timeout=600, check=False)
+    except (OSError, subprocess.SubprocessError) as e:
+        return [f"{type(e).__name__}: {e}"] * len(batch)
+    if proc.returncode != 0:
+        tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
+        return [f"a worker exited with {proc.returncode}: {tail[0]}"] * len(batch)
+    try:
+        out = pickle.loads(proc.stdout)
+    except Exception as e:  # noqa: BLE001  (garbage on the worker's stdout)
+        return [f"unreadable worker output ({type(e).__name__})"] * len(batch)
+    return out if isinstance(out, list) and len(out) == len(batch) else ["bad worker output"] * len(batch)
+
+
+def _serve() -> None:
+    """A worker's main: the pickled jobs from stdin, their results to stdout."""
+    jobs = pickle.loads(sys.stdin.buffer.read())
+    results = []
+    for job in jobs:
+        try:
+            results.append(bool(_worker(*job)))
+        except Exception as e:  # noqa: BLE001  (reported to the parent, which compiles it)
+            results.append(f"{type(e).__name__}: {e}")
+    sys.stdout.buffer.write(pickle.dumps(results))
+    sys.stdout.buffer.flush()
+
+
 def pending(requests, ordinal, cache, *, cc=None, driver=None) -> list:
     """``(recipe, argtypes, key)`` of every request ``(kernel, argtypes)`` that a
     worker could compile: not in the process's memo, with a recipe and a key,
@@ -167,21 +206,16 @@ def precompile(requests, ordinal: int, cache=None, *, cc=None, driver=None, comp
     STATS["submitted"] += len(jobs)
     stored = 0
     problem = None
-    try:
-        with cf.ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_worker, rec, argtypes, ordinal, str(cache.root), key, cc, driver,
-                                   compile_fn) for rec, argtypes, key in jobs]
-            for fut in futures:
-                try:
-                    ok = fut.result()
-                except Exception as e:  # a worker's exception, or the pool broken by a crash
-                    ok, problem = False, problem or f"{type(e).__name__}: {e}"
-                if ok:
-                    stored += 1
-                else:
-                    problem = problem or "a worker stored nothing (its kernel's key differed)"
-    except Exception as e:  # the pool did not start
-        problem = problem or f"{type(e).__name__}: {e}"
+    batches = [jobs[i::n] for i in range(n)]
+    with cf.ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(lambda b: _run_batch(b, ordinal, str(cache.root), cc, driver, compile_fn),
+                                batches))
+    for batch_results in results:
+        for ok in batch_results:
+            if ok is True:
+                stored += 1
+            else:
+                problem = problem or (ok or "a worker stored nothing (its kernel's key differed)")
     STATS["stored"] += stored
     STATS["failed"] += len(jobs) - stored
     if problem is not None:
@@ -189,3 +223,7 @@ def precompile(requests, ordinal: int, cache=None, *, cc=None, driver=None, comp
                              f"by the worker processes ({problem}); they compile in this process "
                              "(GPUROUTER_COMPILE_WORKERS=0 skips the workers).")
     return stored
+
+
+if __name__ == "__main__":
+    _serve()
