@@ -12,7 +12,10 @@ scores and the aux loss; bf16 logits, ``--tokens`` tokens), then again:
 
 Each numba row also gives the first call for a new token count in the same
 process (``--tokens // 2 + 8``: a new shape of a family already used), and
-what the process compiled and loaded (``kernel_cache.STATS``). The FFI
+what the process compiled and loaded (``kernel_cache.STATS``: with compile
+workers, the parent loads what the workers compiled), the compile worker
+processes it started (``workers``: 0 for none, ``GPUROUTER_COMPILE_WORKERS``)
+and the kernels they stored (``by wk``: ``kernels/_base/parallel.py``). The FFI
 handler (``transport="ffi"``, one ``numba.cfunc`` a process, cached too:
 ``_transport/ffi_cache.py``) is compiled or loaded before the timed call and
 its time is its own column; the first-call column includes it.
@@ -82,6 +85,9 @@ def _child(preset: str, backend: str, tokens: int) -> dict:
     out["second_ms"] = (time.perf_counter() - t0) * 1e3
     if stats is not None:
         out["compiled"], out["loaded"], out["uncacheable"] = stats["compiled"], stats["loaded"], stats["uncacheable"]
+        from gpurouter.kernels._base import parallel
+
+        out["workers"], out["by_workers"] = parallel.STATS["workers"], parallel.STATS["stored"]
         before = stats["compiled"]
         x2 = jax.block_until_ready(logits(tokens // 2 + 8))
         t0 = time.perf_counter()
@@ -160,7 +166,8 @@ def main(argv: list[str]) -> int:
                     rows.append({**row, "cache": cache})
                     print(_line(rows[-1]), file=sys.stderr, flush=True)
     header = (f"{'preset':<18}{'backend':<8}{'cache':<6}{'first s':>9}{'handler s':>10}{'second ms':>11}"
-              f"{'compiled':>9}{'loaded':>7}{'new T s':>9}{'new T compiled':>15}{'process s':>10}")
+              f"{'compiled':>9}{'loaded':>7}{'workers':>8}{'by wk':>6}"
+              f"{'new T s':>9}{'new T compiled':>15}{'process s':>10}")
     print(f"coldstart: {args.tokens} tokens, bf16 logits, jit(value_and_grad) of topk + aux scores + aux loss")
     print(header)
     print("-" * len(header))
@@ -178,7 +185,8 @@ def _line(r: dict) -> str:
 
     return (f"{r['preset']:<18}{r['backend']:<8}{r.get('cache', '-'):<6}{r['first_s']:>9.2f}"
             f"{opt('handler_s', '.2f'):>10}{r['second_ms']:>11.3f}{opt('compiled', 'd'):>9}"
-            f"{opt('loaded', 'd'):>7}{opt('new_shape_s', '.3f'):>9}{opt('new_shape_compiled', 'd'):>15}"
+            f"{opt('loaded', 'd'):>7}{opt('workers', 'd'):>8}{opt('by_workers', 'd'):>6}"
+            f"{opt('new_shape_s', '.3f'):>9}{opt('new_shape_compiled', 'd'):>15}"
             f"{r['process_s']:>10.1f}")
 
 

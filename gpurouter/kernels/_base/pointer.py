@@ -13,6 +13,7 @@ import ctypes
 
 import numpy as np
 
+from . import parallel
 from . import plan as _plan
 from .context import libcuda, primary_context
 from .kernel_cache import function_handle
@@ -100,8 +101,9 @@ def compile_steps(plan: Plan, ordinal: int, counters: dict | None = None) -> lis
     slot_of = {"in": 0, "out": len(plan.ins), "tmp": len(plan.ins) + len(plan.outs),
                "counter": len(plan.ins) + len(plan.outs) + len(plan.tmps),
                "counters": [id(c) for c in plan_counters(plan)]}
-    handles = [function_handle(st.kernel, tuple(_numba_type(a, specs) for a in st.args), ordinal)
-               for st in plan.steps]
+    requests = [(st.kernel, tuple(_numba_type(a, specs) for a in st.args)) for st in plan.steps]
+    parallel.precompile(requests, ordinal)  # the missing ones compiled at once in workers (parallel.py)
+    handles = [function_handle(kernel, argtypes, ordinal) for kernel, argtypes in requests]
     steps = []
     for st, handle in zip(plan.steps, handles, strict=True):
         params, holes = [], []

@@ -17,6 +17,7 @@ in a fixed order and a tree, times C.  No float atomics; every order fixed.
 from __future__ import annotations
 
 from .._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+from .._base.parallel import recipe
 
 # isort: split
 
@@ -44,6 +45,7 @@ OP = "moe_aux_loss"
 _RED_WORDS = AUX_LOSS_TILING.column_threads
 
 
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = False):
     """The forward; ``quads``: fp32 probs with C % 4 == 0, seen flat, a column quad
@@ -126,6 +128,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
 # ----------------------------------------------------------------------------
 
 
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def aux_loss_bwd_kernel(tpe_kind: str, out_kind: str):
     load_tpe = loader_1d(tpe_kind)
@@ -161,6 +164,7 @@ def aux_loss_bwd_kernel(tpe_kind: str, out_kind: str):
     return aux_loss_bwd
 
 
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str):
     """The backward for C a multiple of 4, a quad of columns per store, grad_probs

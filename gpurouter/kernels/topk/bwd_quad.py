@@ -9,6 +9,7 @@ The VJP: ``stream_bwd.py``'s docstring.
 from __future__ import annotations
 
 from .._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+from .._base.parallel import recipe
 
 # isort: split
 
@@ -75,6 +76,7 @@ def quad_dx(score_fn: int, dense: bool):
     return dx
 
 
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def quad_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, score_fn: int, dense: bool, hold: int,
                     bitmap: bool = False, listed: int = 0):

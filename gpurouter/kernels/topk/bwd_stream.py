@@ -18,6 +18,7 @@ Per token: the sums (W lanes, tree-combined), then elementwise.
 from __future__ import annotations
 
 from .._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+from .._base.parallel import recipe
 
 # isort: split
 
@@ -102,6 +103,7 @@ def mask_reader(has_map: bool, bitmap: bool = False):
 
 
 
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def stream_bwd_kernel(grad_kind: str, out_kind: str, has_map: bool, bitmap: bool = False):
     """The backwards (top-k; aux scores: no map, every expert selected, scale 1,

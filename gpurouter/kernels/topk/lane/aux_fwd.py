@@ -11,6 +11,7 @@ coalesced loads and stores.
 from __future__ import annotations
 
 from ..._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+from ..._base.parallel import recipe
 
 # isort: split
 
@@ -26,6 +27,7 @@ from .lists import lane_select
 from .rows import flat_next, flat_walk, lane_stager, normalise_rows, pack_flags, row_stats
 
 
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def lane_aux_scores_fwd_kernel(kind: str, list_cap: int, bitmap: bool = False, indices: bool = False):
     """The W-lane aux-score forward; ``bitmap`` (compile-time): the routing map

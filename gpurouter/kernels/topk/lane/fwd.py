@@ -21,6 +21,7 @@ same kernel runs on the GPU and on the CUDA simulator.
 from __future__ import annotations
 
 from ..._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+from ..._base.parallel import recipe
 
 # isort: split
 
@@ -83,6 +84,7 @@ def topk_normaliser(smem, lead, cnt, topk, score_fn, post_softmax):
     return m, total
 
 
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def lane_topk_fwd_kernel(kind: str, list_cap: int, bitmap: bool = False, indices: bool = False,
                      forced: bool = False):

@@ -10,6 +10,7 @@ row's sum) and the plain top-K of them as the routing map.
 from __future__ import annotations
 
 from ..._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+from ..._base.parallel import recipe
 
 # isort: split
 
@@ -26,6 +27,7 @@ from .rows import flat_next_i32, flat_walk_i32, octet_walk, quad_flags, quad_nib
 from .select import token_selector
 
 
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def token_aux_scores_fwd_kernel(kind: str, topk: int, score_fn: int, bitmap: bool = False, indices: bool = False):
     """The aux-score forward for logits of ``kind``; K (``topk``), the score

@@ -39,6 +39,7 @@ No warp intrinsics: the kernel runs on the CUDA simulator too.
 from __future__ import annotations
 
 from ..._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+from ..._base.parallel import recipe
 
 # isort: split
 
@@ -77,6 +78,7 @@ def kernel_jit(max_registers: int):
     return cuda.jit
 
 
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, has_bias: bool, use_pre_softmax: bool,
                     bitmap: bool = False, indices: int = 0, forced: bool = False, asc: bool = False,

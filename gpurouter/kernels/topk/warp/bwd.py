@@ -32,6 +32,7 @@ in the last place.
 from __future__ import annotations
 
 from ..._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+from ..._base.parallel import recipe
 
 # isort: split
 
@@ -69,6 +70,7 @@ def warp_bwd_launch(num_tokens: int, tiling: BwdTiling = BWD_TILING) -> tuple[in
     return warp_grid(num_tokens, WARP_BWD_TOKENS, tiling.warp_max_blocks)
 
 
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def warp_topk_bwd_kernel(kind: str, num_experts: int, score_fn: int, bitmap: bool = False):
     """The kernel for gradients of ``kind`` (in and out), the map a bool

@@ -48,6 +48,7 @@ compares, two shuffles for one).
 from __future__ import annotations
 
 from ..._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+from ..._base.parallel import recipe
 
 # isort: split
 
@@ -93,6 +94,7 @@ def warp_launch(num_tokens: int) -> tuple[int, int]:
     return warp_grid(num_tokens, WARP_TOKENS, WARP_MAX_BLOCKS)
 
 
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, has_bias: bool,
                          bitmap: bool = False, indices: bool = False, num_groups: int = 0, group_topk: int = 0):
