@@ -11,6 +11,7 @@ parent, and the warm runs of both compile nothing. About 40-60 s on an H200.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -31,7 +32,8 @@ def run(workers: str | None) -> list[dict]:
             return json.load(f)["rows"]
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     off, on = run("0"), run(None)
     cold_off, warm_off = off
     cold_on, warm_on = on
