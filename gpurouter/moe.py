@@ -22,6 +22,7 @@ from ._auto import moe_kernels_faster, moe_kernels_take
 from ._checks import MOE_OP, TOKEN_COMBINE_OP, check_backend, check_transport
 from ._ops.aux_loss import fused_moe_aux_loss
 from ._ops.topk import fused_topk_with_score_function
+from .grouped_gemm import pallas_ragged_dot as pallas_ragged_dot
 from .moe_ops import compute_grouped_dbias as compute_grouped_dbias
 from .moe_ops import compute_grouped_dbias_dscales as compute_grouped_dbias_dscales
 from .moe_ops import grouped_scaled_bias_add as grouped_scaled_bias_add
@@ -140,6 +141,7 @@ __all__ = [
     "compute_grouped_dbias_dscales",
     "grouped_scaled_bias_add",
     "moe",
+    "pallas_ragged_dot",
     "tiled_ragged_dot",
     "token_combine",
     "token_dispatch",

@@ -361,6 +361,8 @@ def check_pallas_ragged_dot_args(lhs, rhs, group_sizes, block_m, block_n, block_
     ``batched_ragged_dot``'s, and the tile sizes ``block_m``, ``block_n``,
     ``block_k`` powers of two >= 16, ``num_warps``, ``num_stages`` >= 1);
     returns ``(N, K, G, M)``."""
+    if group_offset is not None:
+        raise NotImplementedError(f"{op}: group_offset must be None (every group of rhs is local).")
     dims = check_batched_ragged_dot_args(lhs, rhs, group_sizes, None, precision, preferred_element_type, op=op)
     for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         v = _as_int(op, name, value)

@@ -279,3 +279,30 @@ def pallas_ragged_dot(
     if group_sizes.shape[0] == 0 or lhs.shape[0] == 0:
         return jnp.zeros((lhs.shape[0], rhs.shape[2]), out_dtype)
     return _ragged(cfg, out_dtype, lhs.astype(dtype), rhs.astype(dtype), group_sizes)
+
+
+def pallas_ragged_dot_rhs_grad(
+    lhs: jax.typing.ArrayLike,
+    dy: jax.typing.ArrayLike,
+    group_sizes: jax.typing.ArrayLike,
+    *,
+    block_m: int = 128,
+    block_n: int = 128,
+    block_k: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 3,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """``d rhs`` of :func:`pallas_ragged_dot` alone: ``[G, K, M]``,
+    ``out[g] = lhs_g^T dy_g`` (the transposed grouped GEMM of its backward;
+    an empty group gives zeros), in ``lhs``'s dtype; for the probes."""
+    lhs = jnp.asarray(lhs)
+    dy = jnp.asarray(dy)
+    group_sizes = jnp.asarray(group_sizes)
+    g = group_sizes.shape[0]
+    rhs_shape = jax.ShapeDtypeStruct((g, lhs.shape[1], dy.shape[1]), lhs.dtype)
+    check_pallas_ragged_dot_args(lhs, rhs_shape, group_sizes, block_m, block_n, block_k, num_warps, num_stages)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    cfg = _Config(block_m, block_n, block_k, num_warps, num_stages, bool(interpret), None)
+    return _tgmm(cfg, lhs, dy.astype(lhs.dtype), group_sizes, lhs.dtype)
