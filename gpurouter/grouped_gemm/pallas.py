@@ -267,7 +267,7 @@ def pallas_ragged_dot(
       same kernels).
     """
     check_pallas_ragged_dot_args(lhs, rhs, group_sizes, block_m, block_n, block_k, num_warps, num_stages,
-                                 precision, preferred_element_type, group_offset)
+                                 precision, preferred_element_type, group_offset, interpret)
     lhs = jnp.asarray(lhs)
     rhs = jnp.asarray(rhs)
     group_sizes = jnp.asarray(group_sizes)
@@ -301,7 +301,8 @@ def pallas_ragged_dot_rhs_grad(
     group_sizes = jnp.asarray(group_sizes)
     g = group_sizes.shape[0]
     rhs_shape = jax.ShapeDtypeStruct((g, lhs.shape[1], dy.shape[1]), lhs.dtype)
-    check_pallas_ragged_dot_args(lhs, rhs_shape, group_sizes, block_m, block_n, block_k, num_warps, num_stages)
+    check_pallas_ragged_dot_args(lhs, rhs_shape, group_sizes, block_m, block_n, block_k, num_warps, num_stages,
+                                 interpret=interpret)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     cfg = _Config(block_m, block_n, block_k, num_warps, num_stages, bool(interpret), None)

@@ -81,7 +81,8 @@ def test_tile_schedule_covers_every_row_once(sizes):
     (dict(block_m=24), ValueError, "pallas_ragged_dot: block_m (24) must be a power of two >= 16"),
     (dict(block_k=8), ValueError, "pallas_ragged_dot: block_k (8) must be a power of two >= 16"),
     (dict(num_warps=0), ValueError, "pallas_ragged_dot: num_warps (0) must be >= 1"),
-    (dict(group_offset=jnp.zeros((1,), jnp.int32)), NotImplementedError, "pallas_ragged_dot: group_offset"),
+    (dict(group_offset=jnp.zeros((1,), jnp.int32)), ValueError, "pallas_ragged_dot: group_offset must be None"),
+    (dict(interpret=1), TypeError, "pallas_ragged_dot: interpret (1) must be None or a bool"),
 ])
 def test_errors_name_the_op_and_argument(kw, exc, msg):
     lhs, rhs, sizes, _ = _operands(jnp.float32)
