@@ -16,7 +16,8 @@ zeros without a K loop. The grid is (visits, ``M / block_n``), the visits a
 static ``ceil(N / block_m) + G`` (unused ones store nothing).
 
 The backward is a custom VJP: ``d lhs`` is the same kernel on ``dy`` and
-``rhs`` transposed to ``[G, M, K]``; ``d rhs[g] = lhs_g^T dy_g`` is a transposed
+``rhs`` read transposed in place (its tiles ``[block_n, block_k]`` of
+``rhs[g]``, a transposed dot; no copy of the weights); ``d rhs[g] = lhs_g^T dy_g`` is a transposed
 grouped GEMM: a grid over (groups, ``K / block_k``, ``M / block_n``), each
 program looping over its group's row tiles (rows outside the group masked to
 0), fp32 accumulation; an empty group gives zeros.
@@ -116,15 +117,21 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int):
     return tile, group_c.astype(jnp.int32), lo, hi
 
 
-def _gmm(cfg: _Config, lhs, rhs, group_sizes, out_dtype):
-    """``[N, K] x [G, K, M] -> [N, M]`` by groups (the forward kernel)."""
+def _gmm(cfg: _Config, lhs, rhs, group_sizes, out_dtype, transpose_rhs: bool = False):
+    """``[N, K] x [G, K, M] -> [N, M]`` by groups (the forward kernel);
+    ``transpose_rhs``: ``rhs`` is ``[G, M, K]``, read transposed in place
+    (``d lhs = dy rhs_g^T`` without a copy of the weights)."""
     n, k = lhs.shape
-    g, _, m = rhs.shape
+    g = rhs.shape[0]
+    m = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     lhs_p = _pad_to(_pad_to(lhs, 0, bm), 1, bk)
-    rhs_p = _pad_to(_pad_to(rhs, 1, bk), 2, bn)
+    if transpose_rhs:
+        rhs_p = _pad_to(_pad_to(rhs, 1, bn), 2, bk)
+    else:
+        rhs_p = _pad_to(_pad_to(rhs, 1, bk), 2, bn)
     np_, kp = lhs_p.shape
-    mp = rhs_p.shape[2]
+    mp = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
     tile, group, lo, hi = tile_schedule(group_sizes, np_, bm)
     acc_dtype = _acc_dtype(lhs.dtype)
     num_k = kp // bk
@@ -141,6 +148,10 @@ def _gmm(cfg: _Config, lhs, rhs, group_sizes, out_dtype):
         def body(i, acc):
             k0 = pl.multiple_of(i * bk, bk)
             a = lhs_ref[pl.ds(r0, bm), pl.ds(k0, bk)]
+            if transpose_rhs:
+                b = rhs_ref[gw, pl.ds(n0, bn), pl.ds(k0, bk)]
+                return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=cfg.precision,
+                                             preferred_element_type=acc_dtype)
             b = rhs_ref[gw, pl.ds(k0, bk), pl.ds(n0, bn)]
             return acc + lax.dot(a, b, precision=cfg.precision, preferred_element_type=acc_dtype)
 
@@ -221,7 +232,7 @@ def _ragged_fwd(cfg, out_dtype, lhs, rhs, group_sizes):
 def _ragged_bwd(cfg, out_dtype, res, dy):
     lhs, rhs, group_sizes = res
     dy = dy.astype(lhs.dtype)
-    d_lhs = _gmm(cfg, dy, jnp.swapaxes(rhs, 1, 2), group_sizes, lhs.dtype)
+    d_lhs = _gmm(cfg, dy, rhs, group_sizes, lhs.dtype, transpose_rhs=True)
     d_rhs = _tgmm(cfg, lhs, dy, group_sizes, rhs.dtype)
     return d_lhs, d_rhs, None
 
@@ -307,3 +318,30 @@ def pallas_ragged_dot_rhs_grad(
         interpret = jax.default_backend() == "cpu"
     cfg = _Config(block_m, block_n, block_k, num_warps, num_stages, bool(interpret), None)
     return _tgmm(cfg, lhs, dy.astype(lhs.dtype), group_sizes, lhs.dtype)
+
+
+def pallas_ragged_dot_lhs_grad(
+    dy: jax.typing.ArrayLike,
+    rhs: jax.typing.ArrayLike,
+    group_sizes: jax.typing.ArrayLike,
+    *,
+    block_m: int = 128,
+    block_n: int = 128,
+    block_k: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 3,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """``d lhs`` of :func:`pallas_ragged_dot` alone: ``[N, K]``, row ``r`` of
+    group ``g`` is ``dy[r] @ rhs[g]^T`` (the forward kernel reading ``rhs``
+    transposed in place), in ``dy``'s dtype; for the probes."""
+    dy = jnp.asarray(dy)
+    rhs = jnp.asarray(rhs)
+    group_sizes = jnp.asarray(group_sizes)
+    rhs_t = jax.ShapeDtypeStruct((rhs.shape[0], rhs.shape[2], rhs.shape[1]), rhs.dtype)
+    check_pallas_ragged_dot_args(dy, rhs_t, group_sizes, block_m, block_n, block_k, num_warps, num_stages,
+                                 interpret=interpret)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    cfg = _Config(block_m, block_n, block_k, num_warps, num_stages, bool(interpret), None)
+    return _gmm(cfg, dy, rhs.astype(dy.dtype), group_sizes, dy.dtype, transpose_rhs=True)

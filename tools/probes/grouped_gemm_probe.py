@@ -33,8 +33,8 @@ same with the largest expert at 4x the mean load (``skewed``: the issue's
 - ``pallas fwd`` / ``pallas d_lhs`` / ``pallas d_rhs`` / ``pallas fwd+bwd``:
   ``gpurouter.grouped_gemm.pallas_ragged_dot`` (the Pallas grouped GEMM on
   the sorted rows, no slots) at its default tiles: its forward, its two
-  backward kernels alone (``d_lhs``: the same kernel on ``dy`` and ``rhs``
-  transposed, the transpose included; ``d_rhs``: the transposed grouped GEMM),
+  backward kernels alone (``d_lhs``: the same kernel on ``dy``, ``rhs``
+  read transposed in place; ``d_rhs``: the transposed grouped GEMM),
   and forward + backward; ``--only pallas`` runs the dense rows and these;
 - ``weights floor``: the bytes of ``rhs`` (``E H M`` bf16, read once by any
   grouped GEMM) at the measured copy rate, as ms and as the TFLOP/s it caps
@@ -217,7 +217,7 @@ def pallas_rows(row, routing, lhs, rhs, sizes, dy, dense, flops, repeats) -> Non
     forward + backward), each beside the dense GEMM."""
     fn = pallas_gemm.pallas_ragged_dot
     row(routing, "pallas fwd", median_ms(jax.jit(fn), (lhs, rhs, sizes), repeats), dense["fwd"])
-    d_lhs = jax.jit(lambda d, b, s: fn(d, jnp.swapaxes(b, 1, 2), s))
+    d_lhs = jax.jit(pallas_gemm.pallas_ragged_dot_lhs_grad)
     row(routing, "pallas d_lhs", median_ms(d_lhs, (dy, rhs, sizes), repeats), dense["d_lhs"])
     d_rhs = jax.jit(pallas_gemm.pallas_ragged_dot_rhs_grad)
     row(routing, "pallas d_rhs", median_ms(d_rhs, (lhs, dy, sizes), repeats), dense["d_rhs"])

@@ -1,6 +1,6 @@
 """Tile configurations of ``pallas_ragged_dot`` (issue #38) at the MoE
 issue's two full shapes, balanced routing: its forward, ``d_lhs`` (the same
-kernel on ``dy`` and ``rhs`` transposed, the transpose included) and ``d_rhs``
+kernel on ``dy``, ``rhs`` read transposed in place) and ``d_rhs``
 (the transposed grouped GEMM) kernels, ms and TFLOP/s over the useful FLOPs
 ``2 N H M``, beside the dense GEMM of the same FLOPs (one cuBLAS GEMM).
 
@@ -78,7 +78,7 @@ def main(argv) -> int:
             kw = dict(zip(("block_m", "block_n", "block_k", "num_warps", "num_stages"), cfg, strict=True))
             fns = {
                 "fwd": (jax.jit(lambda a, b, s, kw=kw: pg.pallas_ragged_dot(a, b, s, **kw)), (lhs, rhs, sizes)),
-                "d_lhs": (jax.jit(lambda d, b, s, kw=kw: pg.pallas_ragged_dot(d, jnp.swapaxes(b, 1, 2), s, **kw)),
+                "d_lhs": (jax.jit(lambda d, b, s, kw=kw: pg.pallas_ragged_dot_lhs_grad(d, b, s, **kw)),
                           (dy, rhs, sizes)),
                 "d_rhs": (jax.jit(lambda a, d, s, kw=kw: pg.pallas_ragged_dot_rhs_grad(a, d, s, **kw)),
                           (lhs, dy, sizes)),
