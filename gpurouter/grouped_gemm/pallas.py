@@ -56,8 +56,10 @@ def _compiler_params(num_warps: int, num_stages: int):
 
 
 def _masked_store(ref, value, mask):
-    """``ref[...] = value`` where ``mask`` (Triton's masked store)."""
-    _triton().store(ref, value, mask=mask)
+    """``ref[...] = value`` where ``mask`` (Triton's masked store:
+    ``plgpu.store`` in jax 0.10 and 0.11, ``pl.store`` before)."""
+    store = getattr(_triton(), "store", None) or pl.store
+    store(ref, value, mask=mask)
 
 
 class _Config(NamedTuple):
