@@ -1,4 +1,4 @@
-"""``pallas_ragged_dot`` in Pallas' interpreter (CPU) at tiny shapes: the
+"""``pallas_ragged_dot`` in Pallas' interpreter (``interpret=True``) at tiny shapes: the
 values and both gradients of ``jax.lax.ragged_dot``, with 16-row tiles so that
 an empty group, a group over several tiles, groups and ``N``, ``K``, ``M`` off
 the tiles and rows past ``sum(group_sizes)`` all occur; its tile schedule; its
@@ -17,7 +17,7 @@ from gpurouter import moe as gmoe
 from gpurouter.grouped_gemm import pallas_ragged_dot
 from gpurouter.grouped_gemm.pallas import tile_schedule
 
-TILES = dict(block_m=16, block_n=16, block_k=16)
+TILES = dict(block_m=16, block_n=16, block_k=16, interpret=True)  # the interpreter on any machine
 N, K, G, M = 70, 40, 4, 24
 SIZES = (20, 0, 33, 10)  # an empty group, one over 3 tiles, 7 rows past the sum
 
@@ -38,10 +38,11 @@ def _fwd_bwd(fn, lhs, rhs, sizes, dy):
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 def test_values_and_grads_equal_ragged_dot(dtype, tol):
     lhs, rhs, sizes, dy = _operands(dtype)
-    got = _fwd_bwd(functools.partial(pallas_ragged_dot, **TILES), lhs, rhs, sizes, dy)
-    # the oracle in float32 on the same (rounded) operands
-    f32 = [x.astype(jnp.float32) for x in (lhs, rhs, dy)]
-    want = _fwd_bwd(jax.lax.ragged_dot, f32[0], f32[1], sizes, f32[2])
+    with jax.default_matmul_precision("float32"):  # not TF32 on a GPU (the gpu_suite runs this file too)
+        got = _fwd_bwd(functools.partial(pallas_ragged_dot, **TILES), lhs, rhs, sizes, dy)
+        # the oracle in float32 on the same (rounded) operands
+        f32 = [x.astype(jnp.float32) for x in (lhs, rhs, dy)]
+        want = _fwd_bwd(jax.lax.ragged_dot, f32[0], f32[1], sizes, f32[2])
     for what, a, b in zip(("out", "d_lhs", "d_rhs"), got, want, strict=True):
         assert a.dtype == dtype, what
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -53,9 +54,10 @@ def test_values_and_grads_equal_ragged_dot(dtype, tol):
 
 def test_preferred_element_type():
     lhs, rhs, sizes, _ = _operands(jnp.bfloat16, seed=1)
-    out = pallas_ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32, **TILES)
+    with jax.default_matmul_precision("float32"):
+        out = pallas_ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32, **TILES)
+        want = jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes)
     assert out.dtype == jnp.float32
-    want = jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 

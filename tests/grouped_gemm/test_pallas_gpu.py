@@ -88,3 +88,25 @@ def test_pallas_equals_batched_at_the_full_shapes(name, routing):
     ms = {label: _median_ms(_fwd_bwd(fn), args) for label, fn in (("pallas", pallas_ragged_dot),
                                                                   ("batched", batched_ragged_dot))}
     print(f"{name} {routing} fwd+bwd ms: {ms} ({jax.devices()[0].device_kind})")
+
+
+@pytest.mark.parametrize("tiles", [dict(block_m=16, block_n=16, block_k=16), {}], ids=["16-tiles", "default-tiles"])
+def test_pallas_edges_compiled(tiles):
+    """Triton's kernels at the interpreter tests' edges: an empty group, a
+    group over several tiles, N, K, M off the tiles (padded), rows past the
+    groups (zeros), in bf16 against ``jax.lax.ragged_dot`` in fp32."""
+    rng = np.random.default_rng(0)
+    n, kk, g, m = 70, 40, 4, 24
+    sizes = jnp.asarray([20, 0, 33, 10], jnp.int32)
+    lhs = jnp.asarray(rng.normal(size=(n, kk)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.normal(size=(g, kk, m)) / np.sqrt(kk), jnp.bfloat16)
+    dy = jnp.asarray(rng.normal(size=(n, m)), jnp.bfloat16)
+    got = _fwd_bwd(functools.partial(pallas_ragged_dot, interpret=False, **tiles))(lhs, rhs, sizes, dy)
+    with jax.default_matmul_precision("float32"):
+        want = _fwd_bwd(jax.lax.ragged_dot)(*(x.astype(jnp.float32) for x in (lhs, rhs)), sizes,
+                                            dy.astype(jnp.float32))
+    for what, a, b in zip(("out", "d_lhs", "d_rhs"), got, want, strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.max(np.abs(b)), err_msg=what)
+    assert np.all(np.asarray(got[0], np.float32)[63:] == 0)
+    assert np.all(np.asarray(got[2], np.float32)[1] == 0)
