@@ -53,6 +53,7 @@ from .moe import BATCHED_RAGGED_DOT_OP as BATCHED_RAGGED_DOT_OP
 from .moe import GROUPED_DBIAS_DSCALES_OP as GROUPED_DBIAS_DSCALES_OP
 from .moe import GROUPED_DBIAS_OP as GROUPED_DBIAS_OP
 from .moe import MOE_KERNEL_OPS as MOE_KERNEL_OPS
+from .moe import PALLAS_RAGGED_DOT_OP as PALLAS_RAGGED_DOT_OP
 from .moe import SCALED_BIAS_ADD_OP as SCALED_BIAS_ADD_OP
 from .moe import TILED_RAGGED_DOT_OP as TILED_RAGGED_DOT_OP
 from .moe import TOKEN_COMBINE_OP as TOKEN_COMBINE_OP
@@ -64,6 +65,7 @@ from .moe import check_grouped_dbias_dscales_args as check_grouped_dbias_dscales
 from .moe import check_moe_backend as check_moe_backend
 from .moe import check_moe_kernel_backend as check_moe_kernel_backend
 from .moe import check_moe_kernel_limit as check_moe_kernel_limit
+from .moe import check_pallas_ragged_dot_args as check_pallas_ragged_dot_args
 from .moe import check_scaled_bias_add_args as check_scaled_bias_add_args
 from .moe import check_tiled_ragged_dot_args as check_tiled_ragged_dot_args
 from .moe import check_token_combine_args as check_token_combine_args

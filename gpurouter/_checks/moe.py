@@ -349,3 +349,29 @@ def check_moe_kernel_limit(op: str, name: str, value: int, limit: int) -> None:
         raise NotImplementedError(
             f"{op} (numba): {name} ({value}) exceeds the kernel limit of {limit}; use backend=\"jax\"."
         )
+
+
+PALLAS_RAGGED_DOT_OP = "pallas_ragged_dot"
+
+
+def check_pallas_ragged_dot_args(lhs, rhs, group_sizes, block_m, block_n, block_k, num_warps, num_stages,
+                                 precision=None, preferred_element_type=None, group_offset=None, interpret=None,
+                                 op: str = PALLAS_RAGGED_DOT_OP) -> tuple[int, int, int, int]:
+    """Checks ``pallas_ragged_dot`` (``jax.lax.ragged_dot``'s operands, as
+    ``batched_ragged_dot``'s, and the tile sizes ``block_m``, ``block_n``,
+    ``block_k`` powers of two >= 16, ``num_warps``, ``num_stages`` >= 1);
+    returns ``(N, K, G, M)``."""
+    if group_offset is not None:
+        raise ValueError(f"{op}: group_offset must be None (every group of rhs is local; sharded groups are "
+                         "not implemented).")
+    if interpret is not None and not isinstance(interpret, bool):
+        raise TypeError(f"{op}: interpret ({interpret!r}) must be None or a bool.")
+    dims = check_batched_ragged_dot_args(lhs, rhs, group_sizes, None, precision, preferred_element_type, op=op)
+    for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        v = _as_int(op, name, value)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{op}: {name} ({value}) must be a power of two >= 16 (a Triton dot's tile).")
+    for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if _as_int(op, name, value) < 1:
+            raise ValueError(f"{op}: {name} ({value}) must be >= 1.")
+    return dims

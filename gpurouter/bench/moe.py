@@ -48,16 +48,18 @@ SHAPES = {
                                                         scaling_factor=2.5)),
 }
 TINY = (64, 32, 8, 2, 16, dict(score_function="softmax"))
-GROUPED_MATMULS = ("ragged_dot", "batched", "tiled")
+GROUPED_MATMULS = ("ragged_dot", "batched", "tiled", "pallas")
 
 
 def grouped_matmul_of(name: str):
     """The grouped GEMM named by ``--grouped-matmul``."""
     import jax
 
+    from ..grouped_gemm import pallas_ragged_dot
     from ..reference.grouped_matmul import batched_ragged_dot, tiled_ragged_dot
 
-    return {"ragged_dot": jax.lax.ragged_dot, "batched": batched_ragged_dot, "tiled": tiled_ragged_dot}[name]
+    return {"ragged_dot": jax.lax.ragged_dot, "batched": batched_ragged_dot, "tiled": tiled_ragged_dot,
+            "pallas": pallas_ragged_dot}[name]
 
 
 def median_ms(fn, args, repeats: int) -> float:

@@ -36,7 +36,7 @@ groups=(  # (a -k expression without spaces: a group is split on them)
   "$k/losses/test_last_block.py tests/ops/test_edges.py"
   "tests/ops/test_arg_table.py tests/tools/test_probes.py tests/testing/test_package.py"
   "tests/ops/test_router_variants.py tests/ops/test_token_masks.py"
-  "tests/ops/test_router_variants_numba.py tests/test_grouped_matmul_gpu.py"
+  "tests/ops/test_router_variants_numba.py tests/test_grouped_matmul_gpu.py tests/grouped_gemm/test_pallas.py tests/grouped_gemm/test_pallas_gpu.py"
   "tests/testing/test_dogfood.py tests/testing/test_mutants.py -m not(slow)"
   "tests/sharding/test_ep_processes.py"
 )

@@ -5,6 +5,7 @@ dense GEMM of the same FLOPs, and ``tiled_ragged_dot`` and XLA's
 
     python tools/probes/grouped_gemm_probe.py --json out.json [--hlo-dir DIR] [--shapes qwen3-like,deepseek-v3-like]
     python tools/probes/grouped_gemm_probe.py --tiny      # a toy shape, any machine (checks the script)
+    python tools/probes/grouped_gemm_probe.py --only pallas --repeats 5   # the dense and pallas rows alone
 
 One expert GEMM of each shape ``(T, H, E, K, M)``: ``lhs [N, H]`` (``N = T K``
 rows sorted by expert), ``rhs [E, H, M]``, bf16, FLOPs ``2 N H M`` (useful
@@ -29,6 +30,12 @@ same with the largest expert at 4x the mean load (``skewed``: the issue's
 - ``tiled fwd`` / ``tiled fwd+bwd``: ``tiled_ragged_dot`` (slots up to 1.5x
   the mean, per-expert tiles past them); ``tiles only fwd``: the same with
   ``capacity=0`` (every row in 128-row tiles);
+- ``pallas fwd`` / ``pallas d_lhs`` / ``pallas d_rhs`` / ``pallas fwd+bwd``:
+  ``gpurouter.grouped_gemm.pallas_ragged_dot`` (the Pallas grouped GEMM on
+  the sorted rows, no slots) at its default tiles: its forward, its two
+  backward kernels alone (``d_lhs``: the same kernel on ``dy``, ``rhs``
+  read transposed in place; ``d_rhs``: the transposed grouped GEMM),
+  and forward + backward; ``--only pallas`` runs the dense rows and these;
 - ``weights floor``: the bytes of ``rhs`` (``E H M`` bf16, read once by any
   grouped GEMM) at the measured copy rate, as ms and as the TFLOP/s it caps
   the forward at (every expert's weights must come from memory; the dense
@@ -57,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gpurouter.bench.moe import SHAPES, median_ms
+from gpurouter.grouped_gemm import pallas as pallas_gemm
 from gpurouter.reference import grouped_matmul as gm
 
 TINY = (64, 32, 8, 2, 16)
@@ -100,7 +108,7 @@ def gemm_layouts(hlo: str) -> list[str]:
     return out
 
 
-def probe_shape(name, shape, repeats: int, hlo_dir, save=lambda rows: None) -> list[dict]:
+def probe_shape(name, shape, repeats: int, hlo_dir, save=lambda rows: None, only: str | None = None) -> list[dict]:
     t, h, e, k, m = shape
     n = t * k
     flops = 2.0 * n * h * m
@@ -136,9 +144,13 @@ def probe_shape(name, shape, repeats: int, hlo_dir, save=lambda rows: None) -> l
     row("-", "weights floor", floor_ms, gemm=False, weights_gb=e * h * m * 2 / 1e9,
         fwd_cap_tflops=flops / (floor_ms * 1e-3) / 1e12)
 
+    fwd_bwd_dense = sum(dense.values())
     for routing in ("balanced", "skewed"):
         sizes_np = routing_sizes(t, e, k, routing == "skewed")
         sizes = jnp.asarray(sizes_np)
+        pallas_rows(row, routing, lhs, rhs, sizes, dy, dense, flops, repeats)
+        if only == "pallas":
+            continue
         mean = -(-n // e)
         caps = gm._capacities(mean)
         fits = [c for c in caps if c >= sizes_np.max()]
@@ -166,7 +178,6 @@ def probe_shape(name, shape, repeats: int, hlo_dir, save=lambda rows: None) -> l
             return gm._read_back(y.reshape(-1, m), s, cap, n)
 
         row(routing, "one capacity fwd", median_ms(jax.jit(one_capacity), (lhs, rhs, sizes), repeats), dense["fwd"])
-        fwd_bwd_dense = sum(dense.values())
         for label, fn in (("batched", gm.batched_ragged_dot), ("tiled", gm.tiled_ragged_dot)):
             f = jax.jit(fn)
             row(routing, f"{label} fwd", median_ms(f, (lhs, rhs, sizes), repeats), dense["fwd"])
@@ -186,6 +197,8 @@ def probe_shape(name, shape, repeats: int, hlo_dir, save=lambda rows: None) -> l
         tiles_only = jax.jit(lambda a, b, s: gm.tiled_ragged_dot(a, b, s, capacity=0))
         row(routing, "tiles only fwd", median_ms(tiles_only, (lhs, rhs, sizes), repeats), dense["fwd"])
 
+    if only == "pallas":
+        return rows
     # XLA's own grouped GEMM: the time, or the error it raises
     sizes = jnp.asarray(routing_sizes(t, e, k, False))
     try:
@@ -199,12 +212,31 @@ def probe_shape(name, shape, repeats: int, hlo_dir, save=lambda rows: None) -> l
     return rows
 
 
+def pallas_rows(row, routing, lhs, rhs, sizes, dy, dense, flops, repeats) -> None:
+    """The ``pallas`` rows of one routing (forward, each backward kernel,
+    forward + backward), each beside the dense GEMM."""
+    fn = pallas_gemm.pallas_ragged_dot
+    row(routing, "pallas fwd", median_ms(jax.jit(fn), (lhs, rhs, sizes), repeats), dense["fwd"])
+    d_lhs = jax.jit(pallas_gemm.pallas_ragged_dot_lhs_grad)
+    row(routing, "pallas d_lhs", median_ms(d_lhs, (dy, rhs, sizes), repeats), dense["d_lhs"])
+    d_rhs = jax.jit(pallas_gemm.pallas_ragged_dot_rhs_grad)
+    row(routing, "pallas d_rhs", median_ms(d_rhs, (lhs, dy, sizes), repeats), dense["d_rhs"])
+
+    def fwd_bwd(a, b, s, d):
+        out, vjp = jax.vjp(lambda x, y: fn(x, y, s), a, b)
+        return out, vjp(d)
+
+    ms = median_ms(jax.jit(fwd_bwd), (lhs, rhs, sizes, dy), repeats)
+    row(routing, "pallas fwd+bwd", ms, sum(dense.values()), **{"TFLOP/s fwd+bwd": 3 * flops / (ms * 1e-3) / 1e12})
+
+
 def main(argv) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated (default {','.join(SHAPES)})")
     p.add_argument("--tiny", action="store_true", help="a toy shape (any machine)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", help="write every row here")
+    p.add_argument("--only", choices=["pallas"], help="only the dense and pallas rows")
     p.add_argument("--hlo-dir", help="write batched_ragged_dot's optimized HLO here")
     args = p.parse_args(argv)
     hlo_dir = None
@@ -223,7 +255,7 @@ def main(argv) -> int:
                 json.dump(dict(head, rows=done + rows), f, indent=1)
 
     for name, shape in shapes.items():
-        done += probe_shape(name, shape, args.repeats, hlo_dir, save)
+        done += probe_shape(name, shape, args.repeats, hlo_dir, save, args.only)
     save([])
     return 0
 

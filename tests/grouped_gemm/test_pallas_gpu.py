@@ -1,0 +1,112 @@
+"""``pallas_ragged_dot`` compiled by Triton on a GPU at the MoE issue's two
+full shapes (issue #38): the values and both gradients of
+``batched_ragged_dot`` in bf16, balanced and skewed routing (the largest
+expert at 4x the mean load), and the forward + backward times of both printed
+(``-s``); tools/probes/pallas_gemm_sweep.py times the kernels alone."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gpurouter.bench.moe import SHAPES
+from gpurouter.grouped_gemm import pallas_ragged_dot
+from gpurouter.reference.grouped_matmul import batched_ragged_dot
+
+pytestmark = pytest.mark.gpu
+
+
+def _sizes(t, e, k, skewed: bool, seed=0):
+    """Loads of T tokens routed to K distinct random experts; ``skewed``:
+    expert 0 takes rows from the largest others until it has 4x the mean."""
+    rng = np.random.default_rng(seed)
+    sizes = np.bincount(np.argsort(rng.random((t, e)), axis=1)[:, :k].reshape(-1), minlength=e)
+    if skewed:
+        need = 4 * (t * k // e) - sizes[0]
+        for g in np.argsort(-sizes):
+            if need <= 0:
+                break
+            if g:
+                take = min(need, sizes[g] // 2)
+                sizes[g] -= take
+                sizes[0] += take
+                need -= take
+        assert sizes[0] == 4 * (t * k // e)
+    return jnp.asarray(sizes, jnp.int32)
+
+
+@functools.cache  # one set per shape (bf16; 7.5 GB of weights at DeepSeek-V3-like)
+def _operands(name):
+    t, h, e, k, m = SHAPES[name][:5]
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    n = t * k
+    lhs = jax.random.normal(ks[0], (n, h)).astype(jnp.bfloat16)
+    rhs = (jax.random.normal(ks[1], (e, h, m)) / np.sqrt(h)).astype(jnp.bfloat16)
+    dy = jax.random.normal(ks[2], (n, m)).astype(jnp.bfloat16)
+    return (t, e, k), lhs, rhs, dy
+
+
+@functools.cache  # one compile per function and shape across the tests
+def _fwd_bwd(fn):
+    def f(a, b, s, d):
+        out, vjp = jax.vjp(lambda x, y: fn(x, y, s), a, b)
+        return (out, *vjp(d))
+    return jax.jit(f)
+
+
+def _median_ms(f, args, repeats=5):
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+@pytest.mark.parametrize("routing", ["balanced", "skewed"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_pallas_equals_batched_at_the_full_shapes(name, routing):
+    (t, e, k), lhs, rhs, dy = _operands(name)
+    sizes = _sizes(t, e, k, routing == "skewed")
+    args = (lhs, rhs, sizes, dy)
+    got = _fwd_bwd(pallas_ragged_dot)(*args)
+    want = _fwd_bwd(batched_ragged_dot)(*args)
+    for what, a, b in zip(("out", "d_lhs", "d_rhs"), got, want, strict=True):
+        assert a.dtype == b.dtype == jnp.bfloat16
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.all(np.isfinite(a)), what
+        err = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+        print(f"{name} {routing} {what}: max error {err:.2e} of the largest value")
+        assert err < 2e-2, (what, err)
+    ms = {label: _median_ms(_fwd_bwd(fn), args) for label, fn in (("pallas", pallas_ragged_dot),
+                                                                  ("batched", batched_ragged_dot))}
+    print(f"{name} {routing} fwd+bwd ms: {ms} ({jax.devices()[0].device_kind})")
+
+
+@pytest.mark.parametrize("tiles", [dict(block_m=16, block_n=16, block_k=16), {}], ids=["16-tiles", "default-tiles"])
+def test_pallas_edges_compiled(tiles):
+    """Triton's kernels at the interpreter tests' edges: an empty group, a
+    group over several tiles, N, K, M off the tiles (padded), rows past the
+    groups (zeros), in bf16 against ``jax.lax.ragged_dot`` in fp32."""
+    rng = np.random.default_rng(0)
+    n, kk, g, m = 70, 40, 4, 24
+    sizes = jnp.asarray([20, 0, 33, 10], jnp.int32)
+    lhs = jnp.asarray(rng.normal(size=(n, kk)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.normal(size=(g, kk, m)) / np.sqrt(kk), jnp.bfloat16)
+    dy = jnp.asarray(rng.normal(size=(n, m)), jnp.bfloat16)
+    got = _fwd_bwd(functools.partial(pallas_ragged_dot, interpret=False, **tiles))(lhs, rhs, sizes, dy)
+    with jax.default_matmul_precision("float32"):
+        want = _fwd_bwd(jax.lax.ragged_dot)(*(x.astype(jnp.float32) for x in (lhs, rhs)), sizes,
+                                            dy.astype(jnp.float32))
+    for what, a, b in zip(("out", "d_lhs", "d_rhs"), got, want, strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2 * np.max(np.abs(b)), err_msg=what)
+    assert np.all(np.asarray(got[0], np.float32)[63:] == 0)
+    assert np.all(np.asarray(got[2], np.float32)[1] == 0)
