@@ -119,7 +119,8 @@ def fused_topk_with_score_function(
         # "auto": the measured rule (gpurouter/_auto.py), only where the
         # kernels take the call at all; indices, replays and the composed
         # variants stay on jax.
-        if (return_indices or forced or var.qb or var.group_score != "sum_topk"
+        rule_composed = var.group_score != "sum_topk" and not (cfg.grouped and _warp_rule(cfg, num_experts))
+        if (return_indices or forced or var.qb or rule_composed
                 or logits_meta[1] == np.float64):
             return False
         try:
@@ -159,9 +160,13 @@ def fused_topk_with_score_function(
         def route(x, *rest):
             if cfg.compute_aux_scores:
                 return _aux_scores(x, cfg, logits.dtype, transport, write_indices)
+            if var.group_score != "sum_topk" and not forced and cfg.grouped and _warp_rule(cfg, num_experts):
+                # the warp kernel scores the groups by the rule itself
+                return _topk(x, rest[0] if rest else None, cfg,
+                             _KernelCall(transport, False, write_indices, False, var.group_score))
             if var.group_score != "sum_topk" and not forced:
-                # the kernels score groups by sum_topk only: select in jnp,
-                # then replay that selection (the same probs and gradients)
+                # the token and lane kernels score groups by sum_topk only: select
+                # in jnp, then replay that selection (the same probs and gradients)
                 b = rest[0] if rest else None
                 idx = _ref_route.selection(x, b, cfg, var.group_score)
                 out = _topk(x, idx, cfg, _KernelCall(transport, True, False, b is not None))
@@ -241,11 +246,24 @@ class _KernelCall(NamedTuple):
     # a replay of a call with an expert bias: the bias is never read, but the
     # kernels then sum the weights' normaliser in that call's order (bit-exact)
     replay_bias: bool = False
+    group_score: str = "sum_topk"  # the group-score rule (the warp kernel's, _warp_rule)
+
+
+def _warp_rule(cfg: TopkConfig, num_experts: int) -> bool:
+    """Whether the forward's kernel (path "auto") is the warp kernel, which
+    computes every group-score rule (the token and lane kernels: sum_topk only)."""
+    from ..kernels.topk.plans import use_warp_path
+
+    return use_warp_path("auto", TOPK_OP, num_experts, cfg.topk, cfg.num_groups, cfg.group_topk,
+                         int(cfg.score_function), cfg.use_pre_softmax, False)
 
 
 def _indices_kw(call: _KernelCall) -> dict:
     # only when asked: kernel launchers without these options stay callable
-    return {"return_indices": True} if call.write_indices else {}
+    kw = {"return_indices": True} if call.write_indices else {}
+    if call.group_score != "sum_topk":
+        kw["group_score"] = call.group_score
+    return kw
 
 
 def _topk_launch(cfg: TopkConfig, call: _KernelCall, logits, *extra, **kw):

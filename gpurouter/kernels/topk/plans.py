@@ -52,6 +52,7 @@ from .token.fwd import token_topk_fwd_kernel
 from .token.tiling import token_lanes, token_layout, use_token_path
 from .warp.bwd import WARP_BWD_MAX_EXPERTS, warp_bwd_launch, warp_bwd_path, warp_topk_bwd_kernel
 from .warp.fwd import warp_launch, warp_path, warp_topk_fwd_kernel
+from .warp.groups import WARP_GROUP_SCORES
 from .warp.lanes import warp_auto
 
 OP = "topk_with_score_function"
@@ -81,6 +82,7 @@ def topk_with_score_function_fwd(
     *,
     return_indices=False,
     forced_indices=None,
+    group_score="sum_topk",
     path="auto",
     tiling=None,
     out=None,
@@ -112,6 +114,10 @@ def topk_with_score_function_fwd(
         (the weights' normaliser is then summed in that call's order, so a
         replay of returned indices is bit for bit the call).  Not with
         ``return_indices``.
+      group_score: the group-score rule (docs/contract.md section 9):
+        "sum_topk", "top2_sum" or "max"; a rule other than "sum_topk" with
+        groups runs on the warp-per-token kernel only (``path`` "warp", or
+        "auto" where it takes the warp path; else a ValueError naming the op).
       path: the kernel family: "auto" (warp-per-token, else thread-per-token,
         else W-lane: the first that takes the shape), "warp", "token" or
         "lane" (``use_warp_path``, ``token.tiling.use_token_path``).
@@ -150,7 +156,8 @@ def topk_with_score_function_fwd(
                              f"got {tuple(d_bias.shape)} {d_bias.dtype}.")
     plan = topk_with_score_function_fwd_plan(
         spec_of(d_logits.shape, kind), d_bias is not None, topk, bool(use_pre_softmax),
-        num_groups, group_topk, np.float32(scaling_factor), score_fn, fmt, bool(return_indices), forced, path, tiling)
+        num_groups, group_topk, np.float32(scaling_factor), score_fn, fmt, bool(return_indices), forced, path, tiling,
+        str(group_score))
     if forced:
         d_forced = index_input(forced_indices, "forced_indices", op, s, (num_tokens, topk))
         return execute(plan, [d_logits, d_forced], out, s, to_host)
@@ -206,7 +213,7 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
                                       num_groups, group_topk, scale: np.float32, score_fn: int,
                                       map_format: int = 0, return_indices: bool = False,
                                       forced: bool = False, path: str = "auto",
-                                      tiling: TopkTiling | None = None) -> Plan:
+                                      tiling: TopkTiling | None = None, group_score: str = "sum_topk") -> Plan:
     """The launches of the forward (inputs: logits, bias; outputs: probs, map, saved).
 
     Arguments are validated (by the launcher or, under JAX, at trace time);
@@ -217,7 +224,9 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     ``(logits, forced int32 [T, K])``, never a bias; ``has_bias`` then says
     whether the replayed call had one (the order of the weights' sum), and
     the groups choose only the kernel path the replayed call took.
-    ``tiling``: a ``TopkTiling`` (None: the library's).
+    ``tiling``: a ``TopkTiling`` (None: the library's).  ``group_score``: the
+    group-score rule; other than ``"sum_topk"`` (with groups, not a replay)
+    only the warp kernel computes it (``use_warp_path``; else a ValueError).
     """
     tiling = tiling or TOPK_TILING
     tok = tiling.token
@@ -243,10 +252,18 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     flat_idx = Spec((num_tokens * int(topk),), np.int32)
     # indices out, forced in, or (never read) any int32 array: saved's first words
     xarr = In(1, flat_idx) if forced else Out(3, flat_idx) if indices else Out(2, Spec((1,), np.int32))
-    if use_warp_path(path, OP + "_fwd_plan", num_experts, int(topk), G if grouped else 0,
-                     int(group_topk) if grouped else 0, int(score_fn), bool(pre_softmax), forced):
+    if group_score not in WARP_GROUP_SCORES:
+        raise ValueError(f"{OP}_fwd_plan: group_score must be one of {WARP_GROUP_SCORES}, got {group_score!r}.")
+    rule = group_score if grouped and not forced else "sum_topk"  # (no groups: every rule selects alike)
+    warp = use_warp_path(path, OP + "_fwd_plan", num_experts, int(topk), G if grouped else 0,
+                         int(group_topk) if grouped else 0, int(score_fn), bool(pre_softmax), forced)
+    if rule != "sum_topk" and not warp:
+        raise ValueError(f"{OP}_fwd_plan: group_score={rule!r} runs on the warp kernel only (path='warp', "
+                         f"or 'auto' on a GPU, where it takes the shape; E={num_experts}, K={topk}, "
+                         f"num_groups={num_groups}, group_topk={group_topk}, path={path!r}).")
+    if warp:
         kern = warp_topk_fwd_kernel(logits.kind, num_experts, int(topk), int(score_fn), bool(has_bias), bitmap,
-                                    indices, G if grouped else 0, int(group_topk) if grouped else 0)
+                                    indices, G if grouped else 0, int(group_topk) if grouped else 0, rule)
         words, quads, flat = array_views(logits.kind, shape)
         step = Step(kern, *warp_launch(num_tokens), 0,
                     (In(0, words), bias, Out(0, words), Out(1, map_view(outs[1], quads)), Out(2, flat), xarr,

@@ -95,9 +95,11 @@ def warp_launch(num_tokens: int) -> tuple[int, int]:
 
 @functools.cache
 def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, has_bias: bool,
-                         bitmap: bool = False, indices: bool = False, num_groups: int = 0, group_topk: int = 0):
+                         bitmap: bool = False, indices: bool = False, num_groups: int = 0, group_topk: int = 0,
+                         group_score: str = "sum_topk"):
     """The kernel for logits of ``kind``; everything but the token count is a
-    compile-time constant (``num_groups`` 0: no groups).  Launch:
+    compile-time constant (``num_groups`` 0: no groups; ``group_score``: the
+    group-score rule, ``groups.WARP_GROUP_SCORES``).  Launch:
     ``warp_launch(T)``, no dynamic shared memory."""
     Q = num_experts // 128  # quads a lane
     N = 4 * Q
@@ -154,7 +156,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         of the selection order's tie-break (so a kept -inf precedes a dropped one)."""
         return np.int32(expert_of(lane, n) | (DROPPED if (drop >> np.uint32(n)) & np.uint32(1) else np.int32(0)))
 
-    dropped = group_dropper(num_experts, topk, num_groups, group_topk)
+    dropped = group_dropper(num_experts, topk, num_groups, group_topk, group_score)
 
     @cuda.jit(device=True)
     def pick(r, n, e, thr, cut):
