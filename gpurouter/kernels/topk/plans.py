@@ -83,6 +83,7 @@ def topk_with_score_function_fwd(
     return_indices=False,
     forced_indices=None,
     group_score="sum_topk",
+    compact=False,
     path="auto",
     tiling=None,
     out=None,
@@ -118,6 +119,11 @@ def topk_with_score_function_fwd(
         "sum_topk", "top2_sum" or "max"; a rule other than "sum_topk" with
         groups runs on the warp-per-token kernel only (``path`` "warp", or
         "auto" where it takes the warp path; else a ValueError naming the op).
+      compact: write only ``(weights (T, K) logits dtype, indices (T, K)
+        int32)``: the selected experts in the selection order and the
+        values the probs hold there (bit for bit), no probs, map or saved
+        scores; the warp-per-token kernel only (else a ValueError naming
+        the op); not with ``forced_indices``.
       path: the kernel family: "auto" (warp-per-token, else thread-per-token,
         else W-lane: the first that takes the shape), "warp", "token" or
         "lane" (``use_warp_path``, ``token.tiling.use_token_path``).
@@ -157,7 +163,7 @@ def topk_with_score_function_fwd(
     plan = topk_with_score_function_fwd_plan(
         spec_of(d_logits.shape, kind), d_bias is not None, topk, bool(use_pre_softmax),
         num_groups, group_topk, np.float32(scaling_factor), score_fn, fmt, bool(return_indices), forced, path, tiling,
-        str(group_score))
+        str(group_score), bool(compact))
     if forced:
         d_forced = index_input(forced_indices, "forced_indices", op, s, (num_tokens, topk))
         return execute(plan, [d_logits, d_forced], out, s, to_host)
@@ -213,7 +219,8 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
                                       num_groups, group_topk, scale: np.float32, score_fn: int,
                                       map_format: int = 0, return_indices: bool = False,
                                       forced: bool = False, path: str = "auto",
-                                      tiling: TopkTiling | None = None, group_score: str = "sum_topk") -> Plan:
+                                      tiling: TopkTiling | None = None, group_score: str = "sum_topk",
+                                      compact: bool = False) -> Plan:
     """The launches of the forward (inputs: logits, bias; outputs: probs, map, saved).
 
     Arguments are validated (by the launcher or, under JAX, at trace time);
@@ -228,6 +235,9 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     group-score rule; other than ``"sum_topk"`` (with groups, not a replay)
     only the warp kernel computes it (``use_warp_path``; else a ValueError).
     """
+    if compact:
+        return _compact_plan(logits, has_bias, topk, pre_softmax, num_groups, group_topk, scale, score_fn,
+                             forced, path, group_score)
     tiling = tiling or TOPK_TILING
     tok = tiling.token
     fmt = map_format_code(map_format, OP + "_fwd_plan", "map_format")
@@ -314,6 +324,40 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
                    bool(has_bias), G, Kg, np.float32(scale),
                    lay.tb, lay.lanes, lay.stride, lay.list_stride, lay.group_lanes, lay.o_list,
                    lay.o_idx, lay.o_cnt, lay.o_grp, lay.o_keep, lay.o_flag, xarr2))
+    return Plan(OP + "_fwd", ins, outs, (), (step,))
+
+
+def _compact_plan(logits: Spec, has_bias: bool, topk: int, pre_softmax: bool, num_groups, group_topk,
+                  scale: np.float32, score_fn: int, forced: bool, path: str, group_score: str) -> Plan:
+    """The compact forward (inputs: logits, bias; outputs: weights ``[T, K]`` of
+    the logits' kind and indices ``[T, K]`` int32): the warp kernel's compact mode."""
+    op = OP + "_fwd_plan"
+    if forced:
+        raise ValueError(f"{op}: compact with forced indices: a replay's compact output is its dense "
+                         "probs gathered at the forced indices.")
+    if group_score not in WARP_GROUP_SCORES:
+        raise ValueError(f"{op}: group_score must be one of {WARP_GROUP_SCORES}, got {group_score!r}.")
+    num_tokens, num_experts = logits.shape
+    grouped = group_topk is not None and group_topk > 0
+    G, Kg = (int(num_groups), int(group_topk)) if grouped else (0, 0)
+    if not use_warp_path(path, op, num_experts, int(topk), G, Kg, int(score_fn), bool(pre_softmax), False):
+        raise ValueError(f"{op}: compact runs on the warp kernel only (path='warp', or 'auto' on a GPU, where "
+                         f"it takes the shape; E={num_experts}, K={topk}, num_groups={num_groups}, "
+                         f"group_topk={group_topk}, path={path!r}).")
+    k = int(topk)
+    outs = (spec_of((num_tokens, k), logits.kind), Spec((num_tokens, k), np.int32))
+    ins = (logits, spec_of((num_experts,), F32)) if has_bias else (logits,)
+    if num_tokens == 0:
+        return Plan(OP + "_fwd", ins, outs)
+    # the map and saved arguments are never written: views of the indices' first word
+    bias = In(1) if has_bias else Out(1, Spec((1,), np.float32))
+    kern = warp_topk_fwd_kernel(logits.kind, num_experts, k, int(score_fn), bool(has_bias), False, True, G, Kg,
+                                group_score if grouped else "sum_topk", True)
+    words = array_views(logits.kind, (num_tokens, num_experts))[0]
+    flat_w = spec_of((num_tokens * k,), logits.kind)
+    step = Step(kern, *warp_launch(num_tokens), 0,
+                (In(0, words), bias, Out(0, flat_w), Out(1, Spec((1,), np.uint32)), Out(1, Spec((1,), np.float32)),
+                 Out(1, Spec((num_tokens * k,), np.int32)), num_tokens, np.float32(scale), 0))
     return Plan(OP + "_fwd", ins, outs, (), (step,))
 
 
