@@ -120,8 +120,10 @@ def fused_topk_with_score_function(
         # kernels take the call at all; indices, replays and the composed
         # variants stay on jax.
         rule_composed = var.group_score != "sum_topk" and not (cfg.grouped and _warp_rule(cfg, num_experts))
-        if (return_indices or forced or var.qb or rule_composed
-                or logits_meta[1] == np.float64):
+        # compact on the warp kernel writes its indices itself
+        warp_compact = var.compact and not var.return_indices and not cfg.compute_aux_scores and not forced
+        indices_composed = return_indices and not (warp_compact and _warp_rule(cfg, num_experts))
+        if indices_composed or forced or var.qb or rule_composed or logits_meta[1] == np.float64:
             return False
         try:
             from ..kernels._base.limits import check_limits
@@ -138,6 +140,9 @@ def fused_topk_with_score_function(
     bias = jnp.asarray(expert_bias) if use_bias else None
     # Indices the op computes (a replay returns its forced indices instead).
     write_indices = return_indices and not forced
+    # compact on the warp kernel: it writes only the weights and indices [T, K]
+    compact_kernel = (backend != "jax" and var.compact and not forced and not cfg.compute_aux_scores
+                      and _warp_rule(cfg, num_experts))
     if backend == "jax":
         def route(x, *rest):
             b = rest[0] if bias is not None else None
@@ -158,6 +163,9 @@ def fused_topk_with_score_function(
             bias = bias.astype(jnp.float32)
 
         def route(x, *rest):
+            if compact_kernel:
+                return _compact(x, rest[0] if rest else None, cfg,
+                                _KernelCall(transport, False, True, False, var.group_score))
             if cfg.compute_aux_scores:
                 return _aux_scores(x, cfg, logits.dtype, transport, write_indices)
             if var.group_score != "sum_topk" and not forced and cfg.grouped and _warp_rule(cfg, num_experts):
@@ -195,8 +203,10 @@ def fused_topk_with_score_function(
     if forced:
         tokens.append(jnp.asarray(forced_indices).reshape(-1, cfg.topk).astype(jnp.int32))
     # Token-sharded logits: each device routes its own tokens (_sharding.py).
-    n_out = 3 if write_indices else 2
+    n_out = 3 if write_indices and not compact_kernel else 2
     out = per_token_shard(route, tokens, [] if bias is None else [bias], n_out)
+    if compact_kernel:
+        return (out[0].reshape(idx_shape), out[1].astype(var.indices_dtype).reshape(idx_shape), *qb)
     if forced:  # the map's experts: -1 for an entry that selects nothing (contract section 2)
         from ..reference._select import replay_indices
 
@@ -310,6 +320,57 @@ def _topk_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
     )
     probs, routing_map, saved = out[:3]
     return (probs, routing_map, *out[3:]), (routing_map, saved)
+
+
+def _compact_launch(cfg: TopkConfig, call: _KernelCall, logits, *extra, **kw):
+    from ..kernels.topk.plans import topk_with_score_function_fwd
+
+    return topk_with_score_function_fwd(
+        logits, cfg.topk, cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk,
+        cfg.scaling_factor, int(cfg.score_function), extra[0] if extra else None, int(cfg.routing_map_format),
+        group_score=call.group_score, compact=True, **kw,
+    )
+
+
+def _compact_plan(cfg: TopkConfig, call: _KernelCall, logits, *extra):
+    from ..kernels.topk.plans import topk_with_score_function_fwd_plan
+
+    return topk_with_score_function_fwd_plan(
+        logits, bool(extra), cfg.topk, cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk,
+        np.float32(cfg.scaling_factor), int(cfg.score_function), int(cfg.routing_map_format),
+        group_score=call.group_score, compact=True,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _compact(x, bias, cfg: TopkConfig, call: _KernelCall):
+    """The compact outputs ``(weights [T, K] x.dtype, indices [T, K] int32)``: the
+    primal launches only the warp kernel's compact mode."""
+    t = x.shape[0]
+    specs = (jax.ShapeDtypeStruct((t, cfg.topk), x.dtype), jax.ShapeDtypeStruct((t, cfg.topk), jnp.int32))
+    out = kernel_call(
+        functools.partial(_compact_launch, cfg, call), functools.partial(_compact_plan, cfg, call),
+        specs, [x], [] if bias is None else [bias], call.transport,
+    )
+    return out[0], out[1]
+
+
+def _compact_fwd(x, bias, cfg: TopkConfig, call: _KernelCall):
+    # under a gradient: the dense forward (its map and saved scores are what the
+    # backward reads), gathered at its indices: the compact kernel's bits
+    (probs, _, idx), res = _topk_fwd(x, bias, cfg, call)
+    return (jnp.take_along_axis(probs, idx, axis=-1), idx), (res, idx)
+
+
+def _compact_bwd(cfg: TopkConfig, call: _KernelCall, res, cts):
+    dense_res, idx = res
+    g = cts[0]
+    rows = jnp.arange(g.shape[0])[:, None]
+    dense = jnp.zeros((g.shape[0], dense_res[1].shape[-1]), g.dtype).at[rows, idx].add(g)
+    return _topk_bwd(cfg, call, dense_res, (dense,))
+
+
+_compact.defvjp(_compact_fwd, _compact_bwd)
 
 
 def _topk_bwd_launch(cfg: TopkConfig, routing_map, saved, grad_probs, **kw):
