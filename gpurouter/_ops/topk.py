@@ -261,8 +261,12 @@ class _KernelCall(NamedTuple):
 
 def _warp_rule(cfg: TopkConfig, num_experts: int) -> bool:
     """Whether the forward's kernel (path "auto") is the warp kernel, which
-    computes every group-score rule (the token and lane kernels: sum_topk only)."""
-    from ..kernels.topk.plans import use_warp_path
+    computes every group-score rule and the compact outputs (the token and lane
+    kernels: sum_topk only, dense outputs); False without numba-cuda."""
+    try:
+        from ..kernels.topk.plans import use_warp_path
+    except ImportError:
+        return False
 
     return use_warp_path("auto", TOPK_OP, num_experts, cfg.topk, cfg.num_groups, cfg.group_topk,
                          int(cfg.score_function), cfg.use_pre_softmax, False)
