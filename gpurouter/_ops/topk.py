@@ -268,7 +268,8 @@ def _warp_rule(cfg: TopkConfig, num_experts: int) -> bool:
     except ImportError:
         return False
 
-    return use_warp_path("auto", TOPK_OP, num_experts, cfg.topk, cfg.num_groups, cfg.group_topk,
+    g, kg = (cfg.num_groups, cfg.group_topk) if cfg.grouped else (0, 0)
+    return use_warp_path("auto", TOPK_OP, num_experts, cfg.topk, g, kg,
                          int(cfg.score_function), cfg.use_pre_softmax, False)
 
 
