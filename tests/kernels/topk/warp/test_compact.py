@@ -18,8 +18,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import gpurouter  # noqa: E402
 from gpurouter import _backend  # noqa: E402
-from gpurouter._ops import topk as op_topk  # noqa: E402
-from gpurouter.kernels.topk import plans  # noqa: E402
+from gpurouter._ops import topk_kernels as op_topk  # noqa: E402
+from gpurouter.kernels.topk import warp_paths  # noqa: E402
 
 from ..._helpers import host  # noqa: E402
 
@@ -61,7 +61,7 @@ def test_compact_needs_the_warp_kernel():
 def test_op_compact_on_the_warp_kernel(monkeypatch):
     """The op with the warp kernel forced for path "auto" (the simulator's "auto" never takes it):
     the primal never runs the dense forward; values, indices and gradients as the jax backend's."""
-    monkeypatch.setattr(plans, "warp_auto", lambda *a, **k: True)
+    monkeypatch.setattr(warp_paths, "warp_auto", lambda *a, **k: True)
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((2, 128)), jnp.float32)
     bias = jnp.asarray(rng.standard_normal(128) * 0.05, jnp.float32)
