@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +27,7 @@ from .._sharding import axis_size, per_token_shard
 from .._transport import kernel_call, resolve_transport
 from ..reference import _route as _ref_route
 from .qb import histogram_after
+from .topk_kernels import _compact, _KernelCall, _map_spec, _specs, _topk, _warp_rule
 
 
 def fused_topk_with_score_function(
@@ -119,8 +119,11 @@ def fused_topk_with_score_function(
         # "auto": the measured rule (gpurouter/_auto.py), only where the
         # kernels take the call at all; indices, replays and the composed
         # variants stay on jax.
-        if (return_indices or forced or var.qb or var.group_score != "sum_topk"
-                or logits_meta[1] == np.float64):
+        rule_composed = var.group_score != "sum_topk" and not (cfg.grouped and _warp_rule(cfg, num_experts))
+        # compact on the warp kernel writes its indices itself
+        warp_compact = var.compact and not var.return_indices and not cfg.compute_aux_scores and not forced
+        indices_composed = return_indices and not (warp_compact and _warp_rule(cfg, num_experts))
+        if indices_composed or forced or var.qb or rule_composed or logits_meta[1] == np.float64:
             return False
         try:
             from ..kernels._base.limits import check_limits
@@ -137,6 +140,9 @@ def fused_topk_with_score_function(
     bias = jnp.asarray(expert_bias) if use_bias else None
     # Indices the op computes (a replay returns its forced indices instead).
     write_indices = return_indices and not forced
+    # compact on the warp kernel: it writes only the weights and indices [T, K]
+    compact_kernel = (backend != "jax" and var.compact and not forced and not cfg.compute_aux_scores
+                      and _warp_rule(cfg, num_experts))
     if backend == "jax":
         def route(x, *rest):
             b = rest[0] if bias is not None else None
@@ -157,11 +163,18 @@ def fused_topk_with_score_function(
             bias = bias.astype(jnp.float32)
 
         def route(x, *rest):
+            if compact_kernel:
+                return _compact(x, rest[0] if rest else None, cfg,
+                                _KernelCall(transport, False, True, False, var.group_score))
             if cfg.compute_aux_scores:
                 return _aux_scores(x, cfg, logits.dtype, transport, write_indices)
+            if var.group_score != "sum_topk" and not forced and cfg.grouped and _warp_rule(cfg, num_experts):
+                # the warp kernel scores the groups by the rule itself
+                return _topk(x, rest[0] if rest else None, cfg,
+                             _KernelCall(transport, False, write_indices, False, var.group_score))
             if var.group_score != "sum_topk" and not forced:
-                # the kernels score groups by sum_topk only: select in jnp,
-                # then replay that selection (the same probs and gradients)
+                # the token and lane kernels score groups by sum_topk only: select
+                # in jnp, then replay that selection (the same probs and gradients)
                 b = rest[0] if rest else None
                 idx = _ref_route.selection(x, b, cfg, var.group_score)
                 out = _topk(x, idx, cfg, _KernelCall(transport, True, False, b is not None))
@@ -190,8 +203,10 @@ def fused_topk_with_score_function(
     if forced:
         tokens.append(jnp.asarray(forced_indices).reshape(-1, cfg.topk).astype(jnp.int32))
     # Token-sharded logits: each device routes its own tokens (_sharding.py).
-    n_out = 3 if write_indices else 2
+    n_out = 3 if write_indices and not compact_kernel else 2
     out = per_token_shard(route, tokens, [] if bias is None else [bias], n_out)
+    if compact_kernel:
+        return (out[0].reshape(idx_shape), out[1].astype(var.indices_dtype).reshape(idx_shape), *qb)
     if forced:  # the map's experts: -1 for an entry that selects nothing (contract section 2)
         from ..reference._select import replay_indices
 
@@ -208,124 +223,6 @@ def fused_topk_with_score_function(
     return (probs, routing_map, idx_rows.astype(var.indices_dtype).reshape(idx_shape), *qb)
 
 
-# ----------------------------------------------------------------------------
-# custom_vjp wiring: forward and backward each call the kernels through
-# kernel_call, nothing else.
-# ----------------------------------------------------------------------------
-
-
-def _map_spec(shape: tuple[int, int], cfg: TopkConfig) -> jax.ShapeDtypeStruct:
-    """The routing map of ``[T, E]`` logits: ``[T, E]`` bool, or ``[T, ceil(E/8)]`` uint8."""
-    t, e = shape
-    if cfg.bitmap:
-        return jax.ShapeDtypeStruct((t, -(-e // 8)), jnp.uint8)
-    return jax.ShapeDtypeStruct((t, e), jnp.bool_)
-
-
-def _specs(x: jax.Array, probs_dtype, cfg: TopkConfig, write_indices: bool = False):
-    t, e = x.shape
-    specs = (
-        jax.ShapeDtypeStruct((t, e), probs_dtype),
-        _map_spec((t, e), cfg),
-        jax.ShapeDtypeStruct((t, e), jnp.float32),
-    )
-    return specs + ((jax.ShapeDtypeStruct((t, cfg.topk), jnp.int32),) if write_indices else ())
-
-
-class _KernelCall(NamedTuple):
-    """How one top-k call reaches the kernels (static, hashable)."""
-
-    transport: str
-    forced: bool  # routing replay: the second per-token input is [T, K] int32 indices
-    write_indices: bool  # a fourth output, [T, K] int32 indices in selection order
-    # a replay of a call with an expert bias: the bias is never read, but the
-    # kernels then sum the weights' normaliser in that call's order (bit-exact)
-    replay_bias: bool = False
-
-
-def _indices_kw(call: _KernelCall) -> dict:
-    # only when asked: kernel launchers without these options stay callable
-    return {"return_indices": True} if call.write_indices else {}
-
-
-def _topk_launch(cfg: TopkConfig, call: _KernelCall, logits, *extra, **kw):
-    from ..kernels.topk.plans import topk_with_score_function_fwd
-
-    bias = extra[0] if extra and not call.forced else None
-    if call.forced:
-        kw["forced_indices"] = extra[0]
-        if call.replay_bias:  # any [E] fp32 array: its values are not read
-            bias = np.zeros((logits.shape[-1],), np.float32)
-    return topk_with_score_function_fwd(
-        logits, cfg.topk, cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk,
-        cfg.scaling_factor, int(cfg.score_function), bias, int(cfg.routing_map_format),
-        **_indices_kw(call), **kw,
-    )
-
-
-def _topk_plan(cfg: TopkConfig, call: _KernelCall, logits, *extra):
-    from ..kernels.topk.plans import topk_with_score_function_fwd_plan
-
-    kw = _indices_kw(call)
-    if call.forced:
-        kw["forced"] = True
-    return topk_with_score_function_fwd_plan(
-        logits, (bool(extra) and not call.forced) or call.replay_bias, cfg.topk, cfg.use_pre_softmax, cfg.num_groups,
-        cfg.group_topk, np.float32(cfg.scaling_factor), int(cfg.score_function),
-        int(cfg.routing_map_format), **kw,
-    )
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _topk(x, extra, cfg: TopkConfig, call: _KernelCall):
-    """``extra``: the fp32 bias, the forced indices (``call.forced``) or None."""
-    return _topk_fwd(x, extra, cfg, call)[0]
-
-
-def _topk_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
-    tokens, per_call = [x], []
-    if extra is not None:
-        (tokens if call.forced else per_call).append(extra)
-    out = kernel_call(
-        functools.partial(_topk_launch, cfg, call), functools.partial(_topk_plan, cfg, call),
-        _specs(x, x.dtype, cfg, call.write_indices), tokens, per_call, call.transport,
-    )
-    probs, routing_map, saved = out[:3]
-    return (probs, routing_map, *out[3:]), (routing_map, saved)
-
-
-def _topk_bwd_launch(cfg: TopkConfig, routing_map, saved, grad_probs, **kw):
-    from ..kernels.topk.plans import topk_with_score_function_bwd
-
-    out = topk_with_score_function_bwd(
-        routing_map, saved, grad_probs, cfg.topk, cfg.use_pre_softmax,
-        cfg.scaling_factor, int(cfg.score_function), **kw,
-    )
-    return (out,)
-
-
-def _topk_bwd_plan(cfg: TopkConfig, routing_map, saved, grad_probs):
-    from ..kernels.topk.plans import topk_with_score_function_bwd_plan
-
-    return topk_with_score_function_bwd_plan(
-        grad_probs, cfg.topk, cfg.use_pre_softmax, np.float32(cfg.scaling_factor),
-        int(cfg.score_function), int(cfg.routing_map_format),
-    )
-
-
-def _topk_bwd(cfg: TopkConfig, call: _KernelCall, res, cts):
-    routing_map, saved = res
-    grad_probs = cts[0]
-    (grad_logits,) = kernel_call(
-        functools.partial(_topk_bwd_launch, cfg), functools.partial(_topk_bwd_plan, cfg),
-        [jax.ShapeDtypeStruct(grad_probs.shape, grad_probs.dtype)],
-        [routing_map, saved, grad_probs], (), call.transport,
-    )
-    # the bias only selects and the forced indices are integers: no gradient (None = zero)
-    return grad_logits, None
-
-
-_topk.defvjp(_topk_fwd, _topk_bwd)
 
 
 def _aux_launch(cfg: TopkConfig, write_indices: bool, logits, **kw):

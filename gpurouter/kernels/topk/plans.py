@@ -50,9 +50,10 @@ from .lane.tiling import select_layout
 from .tiling import TOPK_TILING, TopkTiling
 from .token.fwd import token_topk_fwd_kernel
 from .token.tiling import token_lanes, token_layout, use_token_path
-from .warp.bwd import WARP_BWD_MAX_EXPERTS, warp_bwd_launch, warp_bwd_path, warp_topk_bwd_kernel
-from .warp.fwd import warp_launch, warp_path, warp_topk_fwd_kernel
-from .warp.lanes import warp_auto
+from .warp.bwd import warp_bwd_launch, warp_topk_bwd_kernel
+from .warp.fwd import warp_launch, warp_topk_fwd_kernel
+from .warp.groups import WARP_GROUP_SCORES
+from .warp_paths import compact_plan, use_warp_bwd, use_warp_path
 
 OP = "topk_with_score_function"
 
@@ -81,6 +82,8 @@ def topk_with_score_function_fwd(
     *,
     return_indices=False,
     forced_indices=None,
+    group_score="sum_topk",
+    compact=False,
     path="auto",
     tiling=None,
     out=None,
@@ -112,6 +115,15 @@ def topk_with_score_function_fwd(
         (the weights' normaliser is then summed in that call's order, so a
         replay of returned indices is bit for bit the call).  Not with
         ``return_indices``.
+      group_score: the group-score rule (docs/contract.md section 9):
+        "sum_topk", "top2_sum" or "max"; a rule other than "sum_topk" with
+        groups runs on the warp-per-token kernel only (``path`` "warp", or
+        "auto" where it takes the warp path; else a ValueError naming the op).
+      compact: write only ``(weights (T, K) logits dtype, indices (T, K)
+        int32)``: the selected experts in the selection order and the
+        values the probs hold there (bit for bit), no probs, map or saved
+        scores; the warp-per-token kernel only (else a ValueError naming
+        the op); not with ``forced_indices``.
       path: the kernel family: "auto" (warp-per-token, else thread-per-token,
         else W-lane: the first that takes the shape), "warp", "token" or
         "lane" (``use_warp_path``, ``token.tiling.use_token_path``).
@@ -150,7 +162,8 @@ def topk_with_score_function_fwd(
                              f"got {tuple(d_bias.shape)} {d_bias.dtype}.")
     plan = topk_with_score_function_fwd_plan(
         spec_of(d_logits.shape, kind), d_bias is not None, topk, bool(use_pre_softmax),
-        num_groups, group_topk, np.float32(scaling_factor), score_fn, fmt, bool(return_indices), forced, path, tiling)
+        num_groups, group_topk, np.float32(scaling_factor), score_fn, fmt, bool(return_indices), forced, path, tiling,
+        str(group_score), bool(compact))
     if forced:
         d_forced = index_input(forced_indices, "forced_indices", op, s, (num_tokens, topk))
         return execute(plan, [d_logits, d_forced], out, s, to_host)
@@ -160,37 +173,6 @@ def topk_with_score_function_fwd(
 #: an SM of the GPUs the kernels are tuned on (sm_90: H100, H200): shared
 #: memory (of which 1 KiB is reserved per block), 32-bit registers, threads
 SM_SHARED, BLOCK_RESERVED, SM_REGISTERS, SM_THREADS = 233472, 1024, 65536, 2048
-
-
-def use_warp_path(path: str, op: str, num_experts: int, topk: int, num_groups: int, group_topk: int,
-                  score_fn: int, pre_softmax: bool, forced: bool) -> bool:
-    """Whether the forward takes the warp-per-token kernel: ``"auto"`` where
-    ``warp_path`` takes the shape and ``warp_auto`` says so (on a GPU),
-    ``"warp"`` wherever ``warp_path`` takes it, else a ValueError naming
-    ``op``.  Never for the replay: it takes the thread-per-token kernel, which
-    sums a token's weights in the warp kernel's order (the same bits)."""
-    fits = warp_path(num_experts, topk, num_groups, score_fn, pre_softmax, group_topk)
-    if path == "warp" and not fits:
-        raise ValueError(f"{op}: path='warp' needs sigmoid, sqrtsoftplus or softmax after the top-k "
-                         "(use_pre_softmax=False), E a multiple of 128 up to 512, K <= 31 "
-                         "and, with groups, at most 32 groups of 4 to 128 experts (a divisor of 128), "
-                         "K // group_topk <= 2 and K <= group_topk * E / num_groups "
-                         f"(E={num_experts}, K={topk}, num_groups={num_groups}, group_topk={group_topk}).")
-    auto = path == "auto" and warp_auto()
-    return fits and (auto or path == "warp") and not forced
-
-
-def use_warp_bwd(path: str, op: str, num_experts: int, score_fn: int, pre_softmax: bool) -> bool:
-    """Whether the backward takes the warp-per-token kernel: ``"auto"`` where
-    ``warp_bwd_path`` takes the shape on a GPU (``warp_auto``), ``"warp"``
-    wherever it takes it (else a ValueError naming ``op``), never ``"quad"``."""
-    if path not in ("auto", "warp", "quad"):
-        raise ValueError(f"{op}: path must be 'auto', 'warp' or 'quad', got {path!r}.")
-    fits = warp_bwd_path(num_experts, score_fn, pre_softmax)
-    if path == "warp" and not fits:
-        raise ValueError(f"{op}: path='warp' needs a routing map outside softmax-pre and E a multiple of 128 "
-                         f"up to {WARP_BWD_MAX_EXPERTS} (E={num_experts}, use_pre_softmax={pre_softmax}).")
-    return fits and (path == "warp" or (path == "auto" and warp_auto()))
 
 
 def _register_cap(lay) -> int:
@@ -206,7 +188,8 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
                                       num_groups, group_topk, scale: np.float32, score_fn: int,
                                       map_format: int = 0, return_indices: bool = False,
                                       forced: bool = False, path: str = "auto",
-                                      tiling: TopkTiling | None = None) -> Plan:
+                                      tiling: TopkTiling | None = None, group_score: str = "sum_topk",
+                                      compact: bool = False) -> Plan:
     """The launches of the forward (inputs: logits, bias; outputs: probs, map, saved).
 
     Arguments are validated (by the launcher or, under JAX, at trace time);
@@ -217,8 +200,13 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     ``(logits, forced int32 [T, K])``, never a bias; ``has_bias`` then says
     whether the replayed call had one (the order of the weights' sum), and
     the groups choose only the kernel path the replayed call took.
-    ``tiling``: a ``TopkTiling`` (None: the library's).
+    ``tiling``: a ``TopkTiling`` (None: the library's).  ``group_score``: the
+    group-score rule; other than ``"sum_topk"`` (with groups, not a replay)
+    only the warp kernel computes it (``use_warp_path``; else a ValueError).
     """
+    if compact:
+        return compact_plan(logits, has_bias, topk, pre_softmax, num_groups, group_topk, scale, score_fn,
+                             forced, path, group_score)
     tiling = tiling or TOPK_TILING
     tok = tiling.token
     fmt = map_format_code(map_format, OP + "_fwd_plan", "map_format")
@@ -243,10 +231,18 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     flat_idx = Spec((num_tokens * int(topk),), np.int32)
     # indices out, forced in, or (never read) any int32 array: saved's first words
     xarr = In(1, flat_idx) if forced else Out(3, flat_idx) if indices else Out(2, Spec((1,), np.int32))
-    if use_warp_path(path, OP + "_fwd_plan", num_experts, int(topk), G if grouped else 0,
-                     int(group_topk) if grouped else 0, int(score_fn), bool(pre_softmax), forced):
+    if group_score not in WARP_GROUP_SCORES:
+        raise ValueError(f"{OP}_fwd_plan: group_score must be one of {WARP_GROUP_SCORES}, got {group_score!r}.")
+    rule = group_score if grouped and not forced else "sum_topk"  # (no groups: every rule selects alike)
+    warp = use_warp_path(path, OP + "_fwd_plan", num_experts, int(topk), G if grouped else 0,
+                         int(group_topk) if grouped else 0, int(score_fn), bool(pre_softmax), forced)
+    if rule != "sum_topk" and not warp:
+        raise ValueError(f"{OP}_fwd_plan: group_score={rule!r} runs on the warp kernel only (path='warp', "
+                         f"or 'auto' on a GPU, where it takes the shape; E={num_experts}, K={topk}, "
+                         f"num_groups={num_groups}, group_topk={group_topk}, path={path!r}).")
+    if warp:
         kern = warp_topk_fwd_kernel(logits.kind, num_experts, int(topk), int(score_fn), bool(has_bias), bitmap,
-                                    indices, G if grouped else 0, int(group_topk) if grouped else 0)
+                                    indices, G if grouped else 0, int(group_topk) if grouped else 0, rule)
         words, quads, flat = array_views(logits.kind, shape)
         step = Step(kern, *warp_launch(num_tokens), 0,
                     (In(0, words), bias, Out(0, words), Out(1, map_view(outs[1], quads)), Out(2, flat), xarr,

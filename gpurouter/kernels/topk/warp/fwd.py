@@ -59,7 +59,7 @@ from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
 from numba import int32 as nb_i32
 
-from ..._base.access import flat_io
+from ..._base.access import flat_io, storer_1d
 from ..._base.device import EPS, NAN, NEG_INF, ONE, SIGMOID, ZERO, activation, exp_f32, nan_as_neg_inf, u64
 from ..._base.launch import SOFTMAX, simulator_enabled
 from ..._base.vec import quad_f32
@@ -97,9 +97,14 @@ def warp_launch(num_tokens: int) -> tuple[int, int]:
 @recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, has_bias: bool,
-                         bitmap: bool = False, indices: bool = False, num_groups: int = 0, group_topk: int = 0):
+                         bitmap: bool = False, indices: bool = False, num_groups: int = 0, group_topk: int = 0,
+                         group_score: str = "sum_topk", compact: bool = False):
     """The kernel for logits of ``kind``; everything but the token count is a
-    compile-time constant (``num_groups`` 0: no groups).  Launch:
+    compile-time constant (``num_groups`` 0: no groups; ``group_score``: the
+    group-score rule, ``groups.WARP_GROUP_SCORES``).  ``compact``: the forward
+    writes only the weights ``[T, K]`` (``probs``, flat, logits kind, in the
+    selection order: the values the dense probs hold at those experts) and the
+    experts ``[T, K]`` int32 (``xarr``); ``rmap`` and ``saved`` are not written.  Launch:
     ``warp_launch(T)``, no dynamic shared memory."""
     Q = num_experts // 128  # quads a lane
     N = 4 * Q
@@ -121,6 +126,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     post = score_fn == SOFTMAX  # softmax after the top-k (the kernel never takes softmax-pre)
     norm = topk > 1 and not post
     load4, store4, _ = flat_io(kind)
+    store1 = storer_1d(kind)
     store_f32 = quad_f32()[1]
     xor, _, idx, uniform_any, warp_sync = exchanges()
     sort64, sort32, sort32v = warp_sorts()
@@ -156,7 +162,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         of the selection order's tie-break (so a kept -inf precedes a dropped one)."""
         return np.int32(expert_of(lane, n) | (DROPPED if (drop >> np.uint32(n)) & np.uint32(1) else np.int32(0)))
 
-    dropped = group_dropper(num_experts, topk, num_groups, group_topk)
+    dropped = group_dropper(num_experts, topk, num_groups, group_topk, group_score)
 
     @cuda.jit(device=True)
     def pick(r, n, e, thr, cut):
@@ -200,7 +206,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                 w = row + u64(lane + 32 * q)
                 for i in range(4):
                     score(xs[4 * q + i], b, s, r, 4 * q + i)
-                if live and not post:  # (after the top-k: saved is the weights, stored with them)
+                if live and not post and not compact:  # (after the top-k: saved is the weights, stored with them)
                     if score_fn == SIGMOID:
                         store_f32(saved, w, s[4 * q], s[4 * q + 1], s[4 * q + 2], s[4 * q + 3])
                     else:
@@ -261,7 +267,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
             thr = idx(cv, KL, red, tid)
             cut = np.int32(idx(ce, KL, redi, tid) >> np.int32(5))
             expert = np.int32(ce >> np.int32(5))
-            if indices and live and lane < topk:
+            if (indices or compact) and live and lane < topk:
                 xarr[u64(t) * u64(topk) + u64(lane)] = expert
             sel = np.uint32(0)  # bit n: expert slot n is selected
             for n in range(N):
@@ -292,6 +298,13 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                     acc = np.float32(acc + wv[k])
                 warp_sync()
                 inv = np.float32(ONE / (np.float32(acc + EPS) if norm else acc))
+            if compact:  # lane k < K: the k-th selected expert's weight, as the dense probs hold it
+                warp_sync()  # (the fallback's scores written)
+                if live and lane < topk:
+                    sv = ws[np.uint32(ce & np.int32(31))]
+                    store1(probs, u64(t) * u64(topk) + u64(lane), np.float32(scale * weight(sv, m, inv, True)))
+                tok += np.int64(cuda.gridDim.x) * WARPS
+                continue
             for q in range(Q):
                 n = 4 * q
                 w = row + u64(lane + 32 * q)

@@ -9,6 +9,10 @@ its ``K // group_topk`` (1 or 2) largest ranking scores, in descending order (th
 thread-per-token kernel's); groups rank by (larger score, NaN as -inf, then lower
 group); a dropped group's experts get the ranking score -inf and a key after every
 kept expert's (``DROPPED``: they are never selected, not even as -inf fillers).
+
+The group-score rule (docs/contract.md section 9) is a compile-time constant of the
+kernel: ``"sum_topk"`` sums ``K // group_topk`` values as above, ``"top2_sum"`` the
+2 largest, ``"max"`` takes the largest (1): the same top-2 merge, one add or none.
 """
 
 from __future__ import annotations
@@ -39,17 +43,33 @@ def warp_groups(num_experts: int, topk: int, num_groups: int, group_topk: int) -
             and 1 <= group_topk <= num_groups and 1 <= topk // group_topk <= 2 and group_topk * size >= topk)
 
 
-def group_dropper(num_experts: int, topk: int, num_groups: int, group_topk: int):
+#: the group-score rules the warp kernel computes (docs/contract.md section 9)
+WARP_GROUP_SCORES = ("sum_topk", "top2_sum", "max")
+
+
+def group_per(topk: int, group_topk: int, group_score: str = "sum_topk") -> int:
+    """The values a group's score sums under ``group_score`` (1 or 2 here)."""
+    if group_score == "top2_sum":
+        return 2
+    if group_score == "max":
+        return 1
+    return topk // group_topk
+
+
+def group_dropper(num_experts: int, topk: int, num_groups: int, group_topk: int, group_score: str = "sum_topk"):
     """``dropped(r, lane, wg, gsc, red, tid) -> uint32``: bit n set where a lane's
     slot n (expert ``4 (lane + 32 (n // 4)) + n % 4``) is in a dropped group, whose
     ranking scores ``r[n]`` it sets to -inf.  ``wg``: the warp's 64 shared words;
-    ``gsc``: a local array of 4; ``num_groups`` 0: no groups (nothing dropped)."""
+    ``gsc``: a local array of 4; ``num_groups`` 0: no groups (nothing dropped);
+    ``group_score``: one of ``WARP_GROUP_SCORES``."""
+    if group_score not in WARP_GROUP_SCORES:
+        raise ValueError(f"group_dropper: group_score must be one of {WARP_GROUP_SCORES}, got {group_score!r}.")
     Q = num_experts // 128  # quads a lane
     N = 4 * Q
     G = max(0, num_groups)
     LG = num_experts // G // 4 if G else 32  # lanes a group spans in a quad row
     GQ = 32 // LG  # groups a quad row
-    PER = topk // group_topk if G else 1  # the experts a group's score sums
+    PER = group_per(topk, group_topk, group_score) if G else 1  # the experts a group's score sums
     KG = np.int32(group_topk if G else 0)
     xor, _, _, _, warp_sync = exchanges()
 
