@@ -157,8 +157,9 @@ def _gmm(cfg: _Config, lhs, rhs, group_sizes, out_dtype, transpose_rhs: bool = F
             b = rhs_ref[gw, pl.ds(k0, bk), pl.ds(n0, bn)]
             return acc + lax.dot(a, b, precision=cfg.precision, preferred_element_type=acc_dtype)
 
-        steps = jnp.where(phantom, 0, num_k)
-        acc = lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), acc_dtype))
+        # both bounds int32 values: Triton's loop wants one type for its bounds
+        steps = jnp.where(phantom, jnp.int32(0), jnp.int32(num_k))
+        acc = lax.fori_loop(jnp.int32(0), steps, body, jnp.zeros((bm, bn), acc_dtype))
         rows = r0 + lax.broadcasted_iota(jnp.int32, (bm, bn), 0)
         mask = (rows >= lo_ref[v]) & (rows < hi_ref[v])
         _masked_store(out_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], acc.astype(out_dtype), mask)

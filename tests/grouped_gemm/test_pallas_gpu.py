@@ -19,7 +19,9 @@ from gpurouter.bench.moe import SHAPES
 from gpurouter.grouped_gemm import pallas_ragged_dot
 from gpurouter.reference.grouped_matmul import batched_ragged_dot
 
-pytestmark = pytest.mark.gpu
+# jax 0.11 deprecates Pallas' Triton backend (a DeprecationWarning; pyproject makes warnings errors)
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")]
 
 
 def _sizes(t, e, k, skewed: bool, seed=0):
