@@ -23,7 +23,7 @@ from gpurouter.kernels.losses import z_io as io  # noqa: E402
 from gpurouter.kernels.losses import z_loss_vec as V  # noqa: E402
 from gpurouter.kernels.losses.tiling import Z_LOSS_TILING, ZLossTiling, z_loss_vec_tiling  # noqa: E402
 
-from .test_z_loss import _check, _logits, _lse_of  # noqa: E402
+from ._z_helpers import _check, _logits, _lse_of  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
