@@ -7,67 +7,19 @@ has the breakdown."""
 
 from __future__ import annotations
 
-import functools
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gemm_gpu_helpers import SHAPES
+from gemm_gpu_helpers import fwd_bwd as _fwd_bwd
+from gemm_gpu_helpers import median_ms as _median_ms
+from gemm_gpu_helpers import operands as _operands
+from gemm_gpu_helpers import sizes as _sizes
 
-from gpurouter.bench.moe import SHAPES
 from gpurouter.reference.grouped_matmul import batched_ragged_dot, tiled_ragged_dot
 
 pytestmark = pytest.mark.gpu
-
-
-def _sizes(t, e, k, skewed: bool, seed=0):
-    """Loads of T tokens routed to K distinct random experts; ``skewed``:
-    expert 0 takes rows from the largest others until it has 4x the mean."""
-    rng = np.random.default_rng(seed)
-    sizes = np.bincount(np.argsort(rng.random((t, e)), axis=1)[:, :k].reshape(-1), minlength=e)
-    if skewed:
-        need = 4 * (t * k // e) - sizes[0]
-        for g in np.argsort(-sizes):
-            if need <= 0:
-                break
-            if g:
-                take = min(need, sizes[g] // 2)
-                sizes[g] -= take
-                sizes[0] += take
-                need -= take
-        assert sizes[0] == 4 * (t * k // e)
-    return jnp.asarray(sizes, jnp.int32)
-
-
-@functools.cache  # one set per shape for every test (bf16; 7.5 GB of weights at DeepSeek-V3-like)
-def _operands(name):
-    t, h, e, k, m = SHAPES[name][:5]
-    ks = jax.random.split(jax.random.PRNGKey(0), 3)
-    n = t * k
-    lhs = jax.random.normal(ks[0], (n, h)).astype(jnp.bfloat16)
-    rhs = (jax.random.normal(ks[1], (e, h, m)) / np.sqrt(h)).astype(jnp.bfloat16)
-    dy = jax.random.normal(ks[2], (n, m)).astype(jnp.bfloat16)
-    return (t, e, k), lhs, rhs, dy
-
-
-@functools.cache  # one compile per function and shape across the tests
-def _fwd_bwd(fn):
-    def f(a, b, s, d):
-        out, vjp = jax.vjp(lambda x, y: fn(x, y, s), a, b)
-        return (out, *vjp(d))
-    return jax.jit(f)
-
-
-def _median_ms(f, args, repeats=5):
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])

@@ -1,0 +1,66 @@
+"""Operands and timing shared by the grouped-GEMM GPU tests
+(tests/test_grouped_matmul_gpu.py, tests/grouped_gemm/test_pallas_gpu.py):
+the MoE issue's full shapes, balanced or skewed group sizes, one jitted
+forward + backward per function, median wall milliseconds."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gpurouter.bench.moe import SHAPES
+
+__all__ = ["SHAPES", "fwd_bwd", "median_ms", "operands", "sizes"]
+
+
+def sizes(t, e, k, skewed: bool, seed=0):
+    """Loads of T tokens routed to K distinct random experts; ``skewed``:
+    expert 0 takes rows from the largest others until it has 4x the mean."""
+    rng = np.random.default_rng(seed)
+    sizes = np.bincount(np.argsort(rng.random((t, e)), axis=1)[:, :k].reshape(-1), minlength=e)
+    if skewed:
+        need = 4 * (t * k // e) - sizes[0]
+        for g in np.argsort(-sizes):
+            if need <= 0:
+                break
+            if g:
+                take = min(need, sizes[g] // 2)
+                sizes[g] -= take
+                sizes[0] += take
+                need -= take
+        assert sizes[0] == 4 * (t * k // e)
+    return jnp.asarray(sizes, jnp.int32)
+
+
+@functools.cache  # one set per shape for every test (bf16; 7.5 GB of weights at DeepSeek-V3-like)
+def operands(name):
+    t, h, e, k, m = SHAPES[name][:5]
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    n = t * k
+    lhs = jax.random.normal(ks[0], (n, h)).astype(jnp.bfloat16)
+    rhs = (jax.random.normal(ks[1], (e, h, m)) / np.sqrt(h)).astype(jnp.bfloat16)
+    dy = jax.random.normal(ks[2], (n, m)).astype(jnp.bfloat16)
+    return (t, e, k), lhs, rhs, dy
+
+
+@functools.cache  # one compile per function and shape across the tests
+def fwd_bwd(fn):
+    def f(a, b, s, d):
+        out, vjp = jax.vjp(lambda x, y: fn(x, y, s), a, b)
+        return (out, *vjp(d))
+    return jax.jit(f)
+
+
+def median_ms(f, args, repeats=5):
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
