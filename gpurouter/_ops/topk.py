@@ -225,16 +225,6 @@ def fused_topk_with_score_function(
 
 
 
-def _aux_launch(cfg: TopkConfig, write_indices: bool, logits, **kw):
-    from ..kernels.topk.aux_plans import score_for_aux_loss_fwd
-
-    if write_indices:
-        kw["return_indices"] = True
-    return score_for_aux_loss_fwd(
-        logits, cfg.topk, int(cfg.score_function), int(cfg.routing_map_format), **kw
-    )
-
-
 def _aux_plan(cfg: TopkConfig, write_indices: bool, logits):
     from ..kernels.topk.aux_plans import score_for_aux_loss_fwd_plan
 
@@ -249,21 +239,11 @@ def _aux_scores(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
 
 
 def _aux_scores_fwd(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
-    out = kernel_call(
-        functools.partial(_aux_launch, cfg, write_indices), functools.partial(_aux_plan, cfg, write_indices),
+    out = kernel_call(functools.partial(_aux_plan, cfg, write_indices),
         _specs(x, jnp.float32, cfg, write_indices), [x], (), transport,
     )
     scores, routing_map, saved = out[:3]
     return (scores, routing_map, *out[3:]), saved
-
-
-def _aux_bwd_launch(cfg: TopkConfig, out_dtype, saved, grad_scores, **kw):
-    from ..kernels.topk.aux_plans import score_for_aux_loss_bwd
-
-    out = score_for_aux_loss_bwd(
-        saved, grad_scores, int(cfg.score_function), out_dtype, **kw
-    )
-    return (out,)
 
 
 def _aux_bwd_plan(cfg: TopkConfig, out_dtype, saved, grad_scores):
@@ -276,8 +256,7 @@ def _aux_bwd_plan(cfg: TopkConfig, out_dtype, saved, grad_scores):
 
 def _aux_scores_bwd(cfg: TopkConfig, dtype, transport: str, write_indices: bool, saved, cts):
     grad_scores = cts[0].astype(jnp.float32)
-    (grad_logits,) = kernel_call(
-        functools.partial(_aux_bwd_launch, cfg, dtype), functools.partial(_aux_bwd_plan, cfg, dtype),
+    (grad_logits,) = kernel_call(functools.partial(_aux_bwd_plan, cfg, dtype),
         [jax.ShapeDtypeStruct(saved.shape, dtype)],
         [saved, grad_scores], (), transport,
     )
