@@ -139,10 +139,12 @@ def _kernel_token_combine(inp, row_id_map, merging_probs, transport: str):
 # ----------------------------------------------------------------------------
 
 
-def _df_plan(num_rows, *specs):
+def _df_plan(num_rows, inp, *rest):
+    """The dispatch's plan for arrays (or Specs) of these shapes and dtypes."""
+    from ..kernels._base.plan import as_spec
     from ..kernels.moe import plans
 
-    return plans.token_dispatch_fwd_plan(*specs, num_rows)
+    return plans.token_dispatch_fwd_plan(as_spec(inp), *(as_spec(a) for a in rest), num_rows)
 
 
 _dispatch_maps = jax.jit(_ref._dispatch_maps, static_argnums=(1,))  # integer maps, one program eagerly
@@ -158,6 +160,10 @@ def _dispatch_apply(inp, probs, rid, num_rows, transport):
 
 
 def _dispatch_apply_fwd(inp, probs, rid, num_rows, transport):
+    # The plan of this call's shapes, built at trace time (and cached): a plan's
+    # error raises here, never inside a host callback, and its kernels compile
+    # before the first launch on every transport.
+    _df_plan(num_rows, inp, rid)
     (out,) = kernel_call(functools.partial(_df_plan, num_rows),
                          [jax.ShapeDtypeStruct((num_rows, inp.shape[1]), inp.dtype)], [], [inp, rid], transport)
     pp = None

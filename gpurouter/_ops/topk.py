@@ -77,11 +77,13 @@ def fused_topk_with_score_function(
     ``compact``, ``indices_dtype``, Quantile Balancing (``qb_histogram``,
     ``qb_bin_bounds``, ``token_mask``, ``axis_name``).
 
-    With ``backend="numba"`` the kernels compute the routes and probs; the
-    variants they do not implement are composed around them, exactly: a
-    ``group_score`` other than ``"sum_topk"`` selects in jnp and the
-    kernels replay that selection (``forced_indices``: the same probs and
-    gradients); the compact weights are gathered from the kernels' probs
+    With ``backend="numba"`` the kernels compute the routes and probs. The
+    warp-per-token kernel (the one that takes most shapes) scores groups by
+    every ``group_score`` rule and writes the compact outputs itself; on the
+    other kernel families the variants are composed around the kernels,
+    exactly: a ``group_score`` other than ``"sum_topk"`` selects in jnp and
+    the kernels replay that selection (``forced_indices``: the same probs and
+    gradients), and the compact weights are gathered from the kernels' probs
     at the indices they write; the QB counts are computed in jnp from the
     logits (integer counts: the same histogram bit for bit).
 
@@ -162,25 +164,25 @@ def fused_topk_with_score_function(
             check_kernel_dtype(TOPK_OP, "expert_bias", bias_dtype)
             bias = bias.astype(jnp.float32)
 
-        def route(x, *rest):
+        def route(logits, *rest):  # the rows [T, E] of one token shard
             if compact_kernel:
-                return _compact(x, rest[0] if rest else None, cfg,
+                return _compact(logits, rest[0] if rest else None, cfg,
                                 _KernelCall(transport, False, True, False, var.group_score))
             if cfg.compute_aux_scores:
-                return _aux_scores(x, cfg, logits.dtype, transport, write_indices)
+                return _aux_scores(logits, cfg, logits.dtype, transport, write_indices)
             if var.group_score != "sum_topk" and not forced and cfg.grouped and _warp_rule(cfg, num_experts):
                 # the warp kernel scores the groups by the rule itself
-                return _topk(x, rest[0] if rest else None, cfg,
+                return _topk(logits, rest[0] if rest else None, cfg,
                              _KernelCall(transport, False, write_indices, False, var.group_score))
             if var.group_score != "sum_topk" and not forced:
                 # the token and lane kernels score groups by sum_topk only: select
                 # in jnp, then replay that selection (the same probs and gradients)
                 b = rest[0] if rest else None
-                idx = _ref_route.selection(x, b, cfg, var.group_score)
-                out = _topk(x, idx, cfg, _KernelCall(transport, True, False, b is not None))
+                idx = _ref_route.selection(logits, b, cfg, var.group_score)
+                out = _topk(logits, idx, cfg, _KernelCall(transport, True, False, b is not None))
                 return (*out, idx) if write_indices else out
             replay_bias = forced and expert_bias is not None and cfg.score_function != ScoreFunction.SOFTMAX
-            return _topk(x, rest[0] if rest else None, cfg,
+            return _topk(logits, rest[0] if rest else None, cfg,
                          _KernelCall(transport, forced, write_indices, replay_bias))
 
     x = logits.reshape(-1, num_experts)

@@ -74,14 +74,16 @@ def _indices_kw(call: _KernelCall) -> dict:
 
 
 def _topk_plan(cfg: TopkConfig, call: _KernelCall, logits, *extra):
+    """The forward's plan for arrays (or Specs) of these shapes and dtypes."""
+    from ..kernels._base.plan import as_spec
     from ..kernels.topk.plans import topk_with_score_function_fwd_plan
 
     kw = _indices_kw(call)
     if call.forced:
         kw["forced"] = True
     return topk_with_score_function_fwd_plan(
-        logits, (bool(extra) and not call.forced) or call.replay_bias, cfg.topk, cfg.use_pre_softmax, cfg.num_groups,
-        cfg.group_topk, np.float32(cfg.scaling_factor), int(cfg.score_function),
+        as_spec(logits), (bool(extra) and not call.forced) or call.replay_bias, cfg.topk,
+        cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk, np.float32(cfg.scaling_factor), int(cfg.score_function),
         int(cfg.routing_map_format), **kw,
     )
 
@@ -96,6 +98,10 @@ def _topk_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
     tokens, per_call = [x], []
     if extra is not None:
         (tokens if call.forced else per_call).append(extra)
+    # The plan of this call's shapes, built at trace time (and cached): a plan's
+    # error raises here, never inside a host callback, and its kernels compile
+    # before the first launch on every transport.
+    _topk_plan(cfg, call, x, *tokens[1:], *per_call)
     out = kernel_call(functools.partial(_topk_plan, cfg, call),
         _specs(x, x.dtype, cfg, call.write_indices), tokens, per_call, call.transport,
     )

@@ -78,6 +78,12 @@ def spec_for(shape, dtype) -> Spec:
     return Spec(shape, DEVICE_DTYPE.get(kind, dtype), kind)
 
 
+def as_spec(a) -> Spec:
+    """``a`` itself when it is a Spec, else the Spec of an array (anything with
+    ``shape`` and ``dtype``: NumPy, JAX, a device array or a raw pointer)."""
+    return a if isinstance(a, Spec) else spec_for(a.shape, a.dtype)
+
+
 class Ref:
     """A step argument that names an array of the plan: ``role`` is "in", "out"
     or "tmp", ``index`` its position there; ``view`` (a Spec) reinterprets its
