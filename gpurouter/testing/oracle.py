@@ -20,6 +20,15 @@ import math
 
 import numpy as np
 
+# the losses' oracles live in loss_oracle.py; their names are part of this module too
+from .loss_oracle import aux_loss_bwd as aux_loss_bwd
+from .loss_oracle import aux_loss_coeff as aux_loss_coeff
+from .loss_oracle import aux_loss_fwd as aux_loss_fwd
+from .loss_oracle import deepseek_sequence_balance_loss as deepseek_sequence_balance_loss
+from .loss_oracle import update_expert_bias as update_expert_bias
+from .loss_oracle import z_loss as z_loss
+from .loss_oracle import z_loss_grad as z_loss_grad
+
 EPS = 1e-20
 SOFTPLUS_THRESHOLD = 20.0
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -303,13 +312,3 @@ def aux_scores_bwd(saved, grad_scores, score_function="softmax") -> np.ndarray:
             a, da = _act_and_grad_from_saved(sv, sf)
             dx[t] = _normalised_bwd_row(a, da, g, [True] * n, normalise=True)
     return dx
-
-
-# The losses' oracles live in loss_oracle.py; their names stay here too.
-from .loss_oracle import aux_loss_bwd as aux_loss_bwd  # noqa: E402
-from .loss_oracle import aux_loss_coeff as aux_loss_coeff  # noqa: E402
-from .loss_oracle import aux_loss_fwd as aux_loss_fwd  # noqa: E402
-from .loss_oracle import deepseek_sequence_balance_loss as deepseek_sequence_balance_loss  # noqa: E402
-from .loss_oracle import update_expert_bias as update_expert_bias  # noqa: E402
-from .loss_oracle import z_loss as z_loss  # noqa: E402
-from .loss_oracle import z_loss_grad as z_loss_grad  # noqa: E402

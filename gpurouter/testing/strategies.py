@@ -14,7 +14,13 @@ Logits:
   k-th and (k+1)-th candidate is clear of float32 rounding at both the group
   stage and the expert stage (gaps computed by the float64 oracle);
 - :func:`arbitrary_logits` for properties that do not compare indices:
-  ties, ``-inf``, NaN, ``+-0.0`` allowed.
+  ties, ``-inf``, NaN, ``+-0.0`` allowed;
+- :func:`tied_logits`, :func:`group_tied_logits`, :func:`masked_logits` and
+  :func:`forced_indices` for the tie rule, ``-inf``/NaN masks and routing replay.
+
+The loss strategies (:class:`AuxLossConfig`, :func:`aux_loss_configs`,
+:func:`aux_loss_inputs`, :func:`z_loss_logits`) live in
+:mod:`gpurouter.testing.loss_strategies` and are importable from here too.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""The runner of the conformance checks: reports, failures, hypothesis settings.
-"""
+"""The runner of the conformance checks: reports, failures, hypothesis settings."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-""":func:`check_aux_loss`: the MoE aux loss (contract section 4) and its gradient.
-"""
+""":func:`check_aux_loss`: the MoE aux loss (contract section 4) and its gradient."""
 
 from __future__ import annotations
 
@@ -22,7 +21,9 @@ from ._compare import (
     _call,
     _close,
     _scalar,
+    _scalar_vjp,
 )
+from ._draws import draw_loss_cotangent
 from ._report import CheckReport, _run, _Skip, _Violation
 
 # ----------------------------------------------------------------------------
@@ -69,6 +70,9 @@ def check_aux_loss(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPE
     if not dtypes or any(d not in DTYPES for d in dtypes):
         raise ValueError(f"check_aux_loss: dtypes must be among {DTYPES}; got {dtypes}")
 
+    def draw_case(data):
+        return data.draw(_aux_loss_case(dtypes), label="inputs")
+
     def args_of(case):
         probs, tpe, topk, coeff, dtype, tpe_dtype = case
         return as_jnp(probs, dtype), jnp.asarray(tpe.astype(tpe_dtype)), topk, coeff
@@ -83,7 +87,7 @@ def check_aux_loss(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPE
 
     def values():
         def body(data):
-            case = data.draw(_aux_loss_case(dtypes), label="inputs")
+            case = draw_case(data)
             ctx = _aux_loss_ctx(*case)
             value_check(case, _call(fn, args_of(case), ctx), ctx)
         return body
@@ -93,21 +97,12 @@ def check_aux_loss(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPE
             raise _Skip("grads=False")
 
         def body(data):
-            case = data.draw(_aux_loss_case(dtypes), label="inputs")
+            case = draw_case(data)
             probs, tpe, topk, coeff, dtype, _ = case
-            g = data.draw(st.sampled_from([1.0, -0.5, 3.0]), label="cotangent")
+            g = draw_loss_cotangent(data)
             ctx = _aux_loss_ctx(*case, extra=f"  cotangent of the loss = {g}")
             a, n, k, c = args_of(case)
-            try:
-                out, pullback = jax.vjp(lambda p: fn(p, n, k, c), a)
-                _scalar(out, np_dtype(dtype), ctx)
-                (dp,) = pullback(jnp.asarray(g, out.dtype))
-            except _Violation:
-                raise
-            except Exception as e:  # noqa: BLE001
-                raise _Violation(f"{ctx}\njax.vjp of fn raised {type(e).__name__}: {e}") from None
-            if np.dtype(dp.dtype) != np.dtype(np_dtype(dtype)):
-                raise _Violation(f"{ctx}\ngrad_probs must have the dtype of probs ({dtype}); got {dp.dtype}")
+            dp = _scalar_vjp(lambda p: fn(p, n, k, c), a, np_dtype(dtype), g, ctx, "grad_probs", dtype)
             _, cc = oracle.aux_loss_fwd(probs, tpe, topk, coeff)
             want = oracle.aux_loss_bwd(cc, tpe, g, probs.shape[0])
             msg = _close(dp, want, "grads", dtype, E=probs.shape[1], what="grad_probs")
@@ -117,7 +112,7 @@ def check_aux_loss(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPE
 
     def jitted():
         def body(data):
-            case = data.draw(_aux_loss_case(dtypes), label="inputs")
+            case = draw_case(data)
             ctx = _aux_loss_ctx(*case, extra="  under jax.jit")
             a, n, k, c = args_of(case)
             value_check(case, _call(jax.jit(lambda p, q: fn(p, q, k, c)), (a, n), ctx), ctx)

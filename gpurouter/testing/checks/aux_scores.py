@@ -1,11 +1,9 @@
-""":func:`check_aux_scores`: the aux-loss scores (TE's ``compute_aux_scores=True``).
-"""
+""":func:`check_aux_scores`: the aux-loss scores (TE's ``compute_aux_scores=True``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,21 +17,17 @@ from ..strategies import (
     masked_logits,
     min_selection_gap,
     np_dtype,
-    random_cotangent,
-    router_configs,
     tie_free_logits,
     tied_logits,
 )
 from ._compare import (
-    MAX_EXPERTS,
-    MAX_TOKENS,
     _arr,
     _call,
     _close,
     _map_diff,
     _pair,
-    _robust,
 )
+from ._draws import MAX_EXPERTS, MAX_TIE_EXPERTS, assume_robust, draw_config, draw_cotangent
 from ._report import CheckReport, _run, _Skip, _Violation
 
 # ----------------------------------------------------------------------------
@@ -90,9 +84,8 @@ def check_aux_scores(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTY
         raise ValueError(f"check_aux_scores: dtypes must be among {DTYPES} and score_functions among "
                          f"{SCORE_FUNCTIONS}; got {dtypes}, {sfs}")
 
-    def cfgs(data, max_experts=MAX_EXPERTS):
-        return data.draw(router_configs(max_tokens=MAX_TOKENS, max_experts=max_experts, dtypes=dtypes,
-                                        score_functions=sfs, grouped=False, bias=False), label="config")
+    def cfgs(data, max_experts=MAX_EXPERTS):  # TE's aux scores: no groups, no bias
+        return draw_config(data, dtypes, sfs, max_experts=max_experts, grouped=False, bias=False)
 
     def scores_of(x, cfg):
         return oracle.aux_scores_fwd(x, cfg.topk, cfg.score_function)[0]
@@ -100,7 +93,13 @@ def check_aux_scores(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTY
     def tie_free(data):
         cfg = cfgs(data)
         x = data.draw(tie_free_logits(cfg), label="logits")
-        assume(min_selection_gap(scores_of(x, cfg), cfg) > 0)
+        assume(min_selection_gap(scores_of(x, cfg), cfg) > 0)  # tie-free in the scores over all E
+        return cfg, x
+
+    def tied(data, logits):
+        cfg = cfgs(data, MAX_TIE_EXPERTS)
+        x = data.draw(logits(cfg), label="logits")
+        assume_robust(cfg, x, r=scores_of(x, cfg))
         return cfg, x
 
     def values():
@@ -111,22 +110,16 @@ def check_aux_scores(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTY
 
     def ties():
         def body(data):
-            cfg = cfgs(data, 16)
-            x = data.draw(tied_logits(cfg), label="logits")
-            assume(_robust(x, scores_of(x, cfg), (0, 0)))
-            _aux_forward_check(fn, cfg, x)
+            _aux_forward_check(fn, *tied(data, tied_logits))
         return body
 
     def masking():
         def body(data):
-            cfg = cfgs(data, 16)
-            x = data.draw(masked_logits(cfg), label="logits")
-            assume(_robust(x, scores_of(x, cfg), (0, 0)))
-            _aux_forward_check(fn, cfg, x)
+            _aux_forward_check(fn, *tied(data, masked_logits))
         return body
 
     def _grad(data, cfg, x, under_jit=False):
-        g = random_cotangent(data.draw(st.integers(0, 2**16), label="cotangent seed"), cfg.shape)
+        g = draw_cotangent(data, cfg.shape)
         what = "jax.jit(jax.grad(sum(scores * g)))" if under_jit else "jax.vjp"
         ctx = _aux_case(cfg, x, f"  cotangent of scores = {_arr(g)}  (under {what})")
 

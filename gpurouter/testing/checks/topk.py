@@ -1,16 +1,13 @@
-""":func:`check_topk`: a router top-k against docs/contract.md sections 2-3.
-"""
+""":func:`check_topk`: a router top-k against docs/contract.md sections 2-3."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
 
-import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import assume
 
 from .. import oracle
 from ..strategies import (
@@ -18,29 +15,19 @@ from ..strategies import (
     SCORE_FUNCTIONS,
     RouterConfig,
     as_jnp,
-    biases,
     group_tied_logits,
     masked_logits,
     np_dtype,
-    random_cotangent,
-    router_configs,
-    selection_scores,
-    tie_biases,
-    tie_configs,
-    tie_free_logits,
     tied_logits,
 )
 from ._compare import (
-    MAX_EXPERTS,
-    MAX_TOKENS,
     _arr,
     _call,
     _close,
-    _groups_of,
     _map_diff,
     _pair,
-    _robust,
 )
+from ._draws import assume_robust, draw_cotangent, draw_tie_config, draw_tie_free
 from ._report import CheckReport, _run, _Skip, _Violation
 
 # ----------------------------------------------------------------------------
@@ -106,11 +93,6 @@ def _topk_forward_check(fn, cfg: RouterConfig, x, bias, *, nan_rows_values: bool
         raise _Violation(f"{ctx}\n{msg}")
 
 
-def _draw_cfg(data, dtypes, score_functions, **kw) -> RouterConfig:
-    return data.draw(router_configs(max_tokens=MAX_TOKENS, max_experts=MAX_EXPERTS, dtypes=dtypes,
-                                    score_functions=score_functions, **kw), label="config")
-
-
 def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
                score_functions: Sequence[str] = SCORE_FUNCTIONS, grads: bool = True, seed=None,
                properties: Sequence[str] | None = None) -> CheckReport:
@@ -138,19 +120,13 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
 
     def values():
         def body(data):
-            cfg = _draw_cfg(data, dtypes, sfs)
-            bias = data.draw(biases(cfg), label="expert_bias")
-            x = data.draw(tie_free_logits(cfg, bias), label="logits")
-            _topk_forward_check(fn, cfg, x, bias)
+            _topk_forward_check(fn, *draw_tie_free(data, dtypes, sfs))
         return body
 
     def groups():
         def body(data):
-            cfg = _draw_cfg(data, dtypes, sfs, grouped=True)
-            assume(cfg.group_topk < cfg.num_groups)  # some group is excluded
-            bias = data.draw(biases(cfg), label="expert_bias")
-            x = data.draw(tie_free_logits(cfg, bias), label="logits")
-            _topk_forward_check(fn, cfg, x, bias)
+            # some group is always excluded
+            _topk_forward_check(fn, *draw_tie_free(data, dtypes, sfs, grouped=True, exclude_a_group=True))
         return body
 
     def bias_only_chooses():
@@ -158,47 +134,36 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
             raise _Skip("no sigmoid/sqrtsoftplus in score_functions")
 
         def body(data):
-            cfg = _draw_cfg(data, dtypes, biased, bias=True)
-            bias = data.draw(biases(cfg), label="expert_bias")
-            x = data.draw(tie_free_logits(cfg, bias), label="logits")
-            _topk_forward_check(fn, cfg, x, bias)
+            _topk_forward_check(fn, *draw_tie_free(data, dtypes, biased, bias=True))
         return body
 
     def ties():
         def body(data):
-            cfg = data.draw(tie_configs(max_tokens=MAX_TOKENS, max_experts=16, dtypes=dtypes,
-                                        score_functions=sfs), label="config")
-            bias = data.draw(tie_biases(cfg), label="expert_bias")
+            cfg, bias = draw_tie_config(data, dtypes, sfs)
             x = data.draw(tied_logits(cfg), label="logits")
-            assume(_robust(x, selection_scores(x, cfg, bias), _groups_of(cfg), bias))
+            assume_robust(cfg, x, bias)
             _topk_forward_check(fn, cfg, x, bias)
         return body
 
     def group_ties():
         def body(data):
-            cfg = data.draw(tie_configs(max_tokens=MAX_TOKENS, max_experts=16, dtypes=dtypes,
-                                        score_functions=sfs, grouped=True, bias=False), label="config")
-            assume(cfg.group_topk < cfg.num_groups)
+            cfg, _ = draw_tie_config(data, dtypes, sfs, grouped=True, bias=False, exclude_a_group=True)
             x = data.draw(group_tied_logits(cfg), label="logits")
-            assume(_robust(x, selection_scores(x, cfg), _groups_of(cfg)))
+            assume_robust(cfg, x)
             _topk_forward_check(fn, cfg, x, None)
         return body
 
     def masking():
         def body(data):
-            cfg = data.draw(tie_configs(max_tokens=MAX_TOKENS, max_experts=16, dtypes=dtypes,
-                                        score_functions=sfs), label="config")
-            bias = data.draw(tie_biases(cfg), label="expert_bias")
+            cfg, bias = draw_tie_config(data, dtypes, sfs)
             x = data.draw(masked_logits(cfg), label="logits")
-            r = selection_scores(x, cfg, bias)
-            assume(_robust(x, r, _groups_of(cfg), bias))
+            assume_robust(cfg, x, bias)
             _topk_forward_check(fn, cfg, x, bias)
         return body
 
     def _grad_check(data, cfg, x, bias):
         ctx0 = _case(cfg, x, bias)
-        seed_ = data.draw(st.integers(0, 2**16), label="cotangent seed")
-        g = random_cotangent(seed_, cfg.shape, cfg.dtype)
+        g = draw_cotangent(data, cfg.shape, cfg.dtype)
         args = _topk_args(cfg, x, bias)
 
         def f(a):
@@ -224,9 +189,7 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
             raise _Skip("grads=False")
 
         def body(data):
-            cfg = _draw_cfg(data, dtypes, sfs)
-            bias = data.draw(biases(cfg), label="expert_bias")
-            x = data.draw(tie_free_logits(cfg, bias), label="logits")
+            cfg, x, bias = draw_tie_free(data, dtypes, sfs)
             _grad_check(data, cfg, x, bias)
         return body
 
@@ -235,22 +198,18 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
             raise _Skip("grads=False")
 
         def body(data):
-            cfg = data.draw(tie_configs(max_tokens=MAX_TOKENS, max_experts=16, dtypes=dtypes,
-                                        score_functions=sfs), label="config")
-            bias = data.draw(tie_biases(cfg), label="expert_bias")
+            cfg, bias = draw_tie_config(data, dtypes, sfs)
             x = data.draw(masked_logits(cfg, allow_nan=False,
                                         all_masked_rows=cfg.score_function != "softmax"), label="logits")
             if cfg.score_function == "softmax":  # an all -inf row is NaN for softmax (contract section 2)
                 x[np.isinf(x).all(-1), 0] = 0.0
-            assume(_robust(x, selection_scores(x, cfg, bias), _groups_of(cfg), bias))
+            assume_robust(cfg, x, bias)
             _grad_check(data, cfg, x, bias)
         return body
 
     def transforms():
         def body(data):
-            cfg = _draw_cfg(data, dtypes, sfs)
-            bias = data.draw(biases(cfg), label="expert_bias")
-            x = data.draw(tie_free_logits(cfg, bias), label="logits")
+            cfg, x, bias = draw_tie_free(data, dtypes, sfs)
             args = _topk_args(cfg, x, bias)
             statics, bj, dt = args[1:7], args[7], np_dtype(cfg.dtype)
             T, E = cfg.shape
@@ -287,7 +246,7 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
                 _pair(run(f"T = 0 {empty}", _jit_topk(fn), jnp.zeros(empty, dt), *statics, bj), empty, dt, empty,
                       ctx)
             if grads:
-                g = random_cotangent(data.draw(st.integers(0, 2**16), label="cotangent seed"), cfg.shape, cfg.dtype)
+                g = draw_cotangent(data, cfg.shape, cfg.dtype)
                 gj = as_jnp(g, cfg.dtype).astype(jnp.float32)
 
                 def loss(a):

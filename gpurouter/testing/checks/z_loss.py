@@ -1,29 +1,26 @@
-""":func:`check_router_z_loss`: the router z-loss of ST-MoE.
-"""
+""":func:`check_router_z_loss`: the router z-loss of ST-MoE."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import hypothesis.strategies as st
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .. import oracle
 from ..strategies import (
     DTYPES,
     as_jnp,
-    np_dtype,
     z_loss_logits,
 )
 from ._compare import (
-    MAX_EXPERTS,
     _arr,
     _call,
     _close,
     _scalar,
+    _scalar_vjp,
 )
+from ._draws import MAX_EXPERTS, draw_loss_cotangent
 from ._report import CheckReport, _run, _Skip, _Violation
 
 # ----------------------------------------------------------------------------
@@ -79,18 +76,9 @@ def check_router_z_loss(fn, *, max_examples: int = 100, dtypes: Sequence[str] = 
 
         def body(data):
             x, dtype, coeff = draw(data)
-            g = data.draw(st.sampled_from([1.0, -0.5, 3.0]), label="cotangent")
+            g = draw_loss_cotangent(data)
             ctx = _z_ctx(x, dtype, coeff, f"  cotangent of the loss = {g}")
-            try:
-                out, pullback = jax.vjp(lambda a: fn(a, coeff), as_jnp(x, dtype))
-                _scalar(out, np.float32, ctx)
-                (dx,) = pullback(jnp.float32(g))
-            except _Violation:
-                raise
-            except Exception as e:  # noqa: BLE001
-                raise _Violation(f"{ctx}\njax.vjp of fn raised {type(e).__name__}: {e}") from None
-            if np.dtype(dx.dtype) != np.dtype(np_dtype(dtype)):
-                raise _Violation(f"{ctx}\ngrad_logits must have the dtype of logits ({dtype}); got {dx.dtype}")
+            dx = _scalar_vjp(lambda a: fn(a, coeff), as_jnp(x, dtype), np.float32, g, ctx, "grad_logits", dtype)
             want = g * oracle.z_loss_grad(x, coeff)
             msg = _close(dx, want, "grads", dtype, E=x.shape[1], what="grad_logits")
             if msg:
