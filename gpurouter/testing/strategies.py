@@ -363,3 +363,28 @@ def forced_indices(draw, cfg: RouterConfig) -> np.ndarray:
     """
     rows = [draw(st.permutations(range(cfg.num_experts)))[: cfg.topk] for _ in range(cfg.num_tokens)]
     return np.asarray(rows, np.int32).reshape(cfg.num_tokens, cfg.topk)
+
+
+#: Scales of :func:`large_logits`: powers of two, so a scaled grid stays exact in every dtype.
+LARGE_SCALES = (64.0, 256.0, 1024.0)
+
+
+@st.composite
+def large_logits(draw, cfg: RouterConfig, bias=None) -> np.ndarray:
+    """``[T, E]`` float32 tie-free logits of large magnitude (from -64 up to about 6000).
+
+    Invariants: each :func:`tie_free_logits` row, less its minimum, times a
+    scale of :data:`LARGE_SCALES`, minus 64: the smallest logit of a row is
+    -64 (its score stays a normal float32: ``exp(-64)`` and ``exp(-32)``), the
+    largest is often far above 88.7, where ``exp`` overflows float32; exactly
+    representable in float32, bfloat16 and float16; the draw is rejected
+    unless the selection (with ``bias``) is tie-free at both stages. Meant for
+    softmax and sqrtsoftplus: sigmoid saturates to 1 in float64 at these
+    sizes, so its selections are ties.
+    """
+    scale = np.float32(draw(st.sampled_from(LARGE_SCALES), label="scale"))
+    x = draw(tie_free_logits(cfg), label="grid")
+    x = ((x - x.min(-1, keepdims=True)) * scale - np.float32(64)).astype(np.float32)
+    assert np.array_equal(x.astype(np_dtype(cfg.dtype)).astype(np.float32), x)
+    assume(min_selection_gap(selection_scores(x, cfg, bias), cfg) > 0)
+    return x

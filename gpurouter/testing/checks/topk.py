@@ -15,7 +15,9 @@ from ..strategies import (
     SCORE_FUNCTIONS,
     RouterConfig,
     as_jnp,
+    biases,
     group_tied_logits,
+    large_logits,
     masked_logits,
     np_dtype,
     tied_logits,
@@ -27,7 +29,7 @@ from ._compare import (
     _map_diff,
     _pair,
 )
-from ._draws import assume_robust, draw_cotangent, draw_tie_config, draw_tie_free
+from ._draws import assume_robust, draw_config, draw_cotangent, draw_tie_config, draw_tie_free
 from ._report import CheckReport, _run, _Skip, _Violation
 
 # ----------------------------------------------------------------------------
@@ -105,6 +107,7 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
     ``logits``, a bool map, both of the shape of ``logits`` (any leading dims).
 
     Properties (``max_examples`` each): values and maps on tie-free inputs;
+    the same on logits in the thousands (softmax and sqrtsoftplus: no overflow);
     group-limited selection; the bias chooses but never weighs; the tie rule;
     ties of groups; ``-inf``/NaN masking; gradients against the oracle's
     backward with random cotangents, on tie-free and on ``-inf``-masked rows
@@ -117,10 +120,21 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
         raise ValueError(f"check_topk: dtypes must be among {DTYPES} and score_functions among "
                          f"{SCORE_FUNCTIONS}; got {dtypes}, {sfs}")
     biased = tuple(s for s in sfs if s != "softmax")
+    unsaturated = tuple(s for s in sfs if s != "sigmoid")
 
     def values():
         def body(data):
             _topk_forward_check(fn, *draw_tie_free(data, dtypes, sfs))
+        return body
+
+    def large():
+        if not unsaturated:
+            raise _Skip("no softmax/sqrtsoftplus in score_functions")
+
+        def body(data):  # exp and softplus of logits in the thousands: no overflow to inf or NaN
+            cfg = draw_config(data, dtypes, unsaturated)
+            bias = data.draw(biases(cfg), label="expert_bias")
+            _topk_forward_check(fn, cfg, data.draw(large_logits(cfg, bias), label="logits"), bias)
         return body
 
     def groups():
@@ -259,7 +273,7 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
                     raise _Violation(f"{_case(cfg, x, bias, '  under jax.jit(jax.grad(sum(probs * g)))')}\n{msg}")
         return body
 
-    props = [("values (tie-free)", values), ("group-limited selection", groups),
+    props = [("values (tie-free)", values), ("large logits", large), ("group-limited selection", groups),
              ("bias chooses, never weighs", bias_only_chooses), ("tie rule", ties),
              ("ties of groups", group_ties), ("-inf and NaN masking", masking),
              ("gradients", gradients), ("gradients with -inf", masked_gradients),
