@@ -345,9 +345,11 @@ def masked_logits(draw, cfg: RouterConfig, *, allow_nan: bool = True, all_masked
     for t in range(cfg.num_tokens):
         row = np.asarray(draw(st.lists(st.sampled_from(TIE_VALUES), min_size=cfg.num_experts,
                                        max_size=cfg.num_experts)), np.float32)
-        n_masked = cfg.num_experts if (all_masked_rows and t == 0 and cfg.num_tokens > 1) else \
-            draw(st.integers(0, cfg.num_experts))
-        where = draw(st.permutations(range(cfg.num_experts)))[:n_masked]
+        if all_masked_rows and t == 0 and cfg.num_tokens > 1:
+            row[:] = -np.inf  # all -inf (no NaN: a row with a NaN only promises its selection)
+            rows.append(row)
+            continue
+        where = draw(st.permutations(range(cfg.num_experts)))[:draw(st.integers(0, cfg.num_experts))]
         for i in where:
             row[i] = draw(st.sampled_from(specials))
         rows.append(row)
