@@ -30,11 +30,6 @@ MAX_LINES = 400
 #: files allowed over MAX_LINES, with the reason
 LONG_FILES = {
     "gpurouter/bench/router.py": "the benchmark CLI's tables and plots; not a kernel or op module",
-    # issue #35, to split next (one module per check; the oracle's losses and the
-    # strategies' aux-loss part in modules of their own): moved in one piece first
-    "gpurouter/testing/checks.py": "the four conformance checks and their runner; split pending",
-    "gpurouter/testing/oracle.py": "the float64 oracle moved from tests/oracles.py; split pending",
-    "gpurouter/testing/strategies.py": "the strategies moved from tests/strategies.py plus ties/masks; split pending",
 }
 
 

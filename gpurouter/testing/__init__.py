@@ -9,13 +9,15 @@ the smallest input where it does not:
     >>> print(report)                           # doctest: +SKIP
 
 - :mod:`gpurouter.testing.checks`: :func:`check_topk`, :func:`check_aux_scores`,
-  :func:`check_aux_loss`, :func:`check_router_z_loss` (they raise
+  :func:`check_aux_loss`, :func:`check_router_z_loss`, one module each (they raise
   :class:`CheckFailure`, an ``AssertionError``, on a violation, and return a
   :class:`CheckReport` otherwise);
 - :mod:`gpurouter.testing.strategies`: hypothesis strategies of valid configs
-  and inputs (tie-free, tied, masked, biases, forced indices, aux-loss inputs);
+  and inputs (tie-free, tied, masked, biases, forced indices, aux-loss inputs;
+  the loss inputs from :mod:`gpurouter.testing.loss_strategies`);
 - :mod:`gpurouter.testing.oracle`: the NumPy float64 oracle of the router
-  ops, written from the contract (independent of ``gpurouter.reference``);
+  ops, written from the contract (independent of ``gpurouter.reference``),
+  with the losses' oracle of :mod:`gpurouter.testing.loss_oracle`;
   :mod:`gpurouter.testing.moe_oracle`: the same for the token-level MoE ops;
 - :mod:`gpurouter.testing.tolerances`: the contract's tolerance table and the
   comparators (``assert_close``, ``assert_topk_equivalent``);

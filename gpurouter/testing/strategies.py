@@ -14,39 +14,37 @@ Logits:
   k-th and (k+1)-th candidate is clear of float32 rounding at both the group
   stage and the expert stage (gaps computed by the float64 oracle);
 - :func:`arbitrary_logits` for properties that do not compare indices:
-  ties, ``-inf``, NaN, ``+-0.0`` allowed.
+  ties, ``-inf``, NaN, ``+-0.0`` allowed;
+- :func:`tied_logits`, :func:`group_tied_logits`, :func:`masked_logits` and
+  :func:`forced_indices` for the tie rule, ``-inf``/NaN masks and routing replay.
+
+The loss strategies (:class:`AuxLossConfig`, :func:`aux_loss_configs`,
+:func:`aux_loss_inputs`, :func:`z_loss_logits`) live in
+:mod:`gpurouter.testing.loss_strategies` and are importable from here too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import hypothesis.strategies as st
-import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from hypothesis import assume
 from hypothesis.extra import numpy as hnp
 
-from gpurouter._checks import check_aux_loss_args
 from gpurouter.config import RouterConfig
 
 from . import oracle as oracles
+from ._dtypes import DTYPES as DTYPES
+from ._dtypes import SCORE_FUNCTIONS as SCORE_FUNCTIONS
+from ._dtypes import as_jnp as as_jnp
+from ._dtypes import np_dtype as np_dtype
+from .loss_strategies import AuxLossConfig as AuxLossConfig
+from .loss_strategies import aux_loss_configs as aux_loss_configs
+from .loss_strategies import aux_loss_inputs as aux_loss_inputs
+from .loss_strategies import z_loss_logits as z_loss_logits
 
-DTYPES = ("float32", "bfloat16", "float16")
-SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 SCALINGS = (1.0, 2.5, 0.5, 5.0)
 GRID = 8  # tie-free logits are multiples of 1/GRID: exact in fp32, bf16 and fp16 for |x| < 16
 MAX_GRID_EXPERTS = 160  # GRID-step values with |x| < 16 (exact in bf16: 8 significant bits)
-
-
-def np_dtype(name: str):
-    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name).type
-
-
-def as_jnp(x: np.ndarray, dtype: str):
-    """A NumPy float array as a jax array of ``dtype`` (values assumed representable)."""
-    return jnp.asarray(np.asarray(x, np.float32).astype(np_dtype(dtype)))
 
 
 # ----------------------------------------------------------------------------
@@ -214,65 +212,6 @@ def tie_free_rows_np(seed: int, cfg: RouterConfig, bias=None, *, tries: int = 20
     raise AssertionError(f"no tie-free logits for {cfg} in {tries} tries")
 
 
-# ----------------------------------------------------------------------------
-# Aux loss
-# ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AuxLossConfig:
-    num_tokens: int
-    num_experts: int
-    seq_blocks: int  # C = seq_blocks * num_experts
-    topk: int
-    coeff: float
-    total_num_tokens: int | None
-    pass_num_experts: bool
-    dtype: str
-    tpe_dtype: str
-
-    @property
-    def num_cols(self) -> int:
-        return self.seq_blocks * self.num_experts
-
-    def kwargs(self) -> dict:
-        return dict(topk=self.topk, coeff=self.coeff, total_num_tokens=self.total_num_tokens,
-                    num_experts=self.num_experts if self.pass_num_experts else None)
-
-    def check(self):
-        return check_aux_loss_args(
-            (self.num_tokens, self.num_cols), np_dtype(self.dtype), (self.num_cols,),
-            np_dtype(self.tpe_dtype), self.topk, self.coeff, self.total_num_tokens,
-            self.num_experts if self.pass_num_experts else None)
-
-
-@st.composite
-def aux_loss_configs(draw, *, tpe_dtypes=("int32", "float32", "bfloat16")) -> AuxLossConfig:
-    """Valid aux-loss configs: T 1..8, E 1..16, C = B*E (B 1..3 only with num_experts)."""
-    num_tokens = draw(st.integers(1, 8))
-    num_experts = draw(st.integers(1, 16))
-    pass_num_experts = draw(st.booleans())
-    seq_blocks = draw(st.integers(1, 3)) if pass_num_experts else 1
-    cfg = AuxLossConfig(
-        num_tokens=num_tokens, num_experts=num_experts, seq_blocks=seq_blocks,
-        topk=draw(st.integers(1, num_experts)),
-        coeff=draw(st.sampled_from([1e-2, 1.0, 0.5])),
-        total_num_tokens=draw(st.one_of(st.none(), st.integers(1, 64))),
-        pass_num_experts=pass_num_experts,
-        dtype=draw(st.sampled_from(DTYPES)), tpe_dtype=draw(st.sampled_from(tpe_dtypes)))
-    cfg.check()
-    return cfg
-
-
-@st.composite
-def aux_loss_inputs(draw, cfg: AuxLossConfig):
-    """``(probs [T, C] float32 exact in cfg.dtype, tokens_per_expert [C] float32 counts)``."""
-    probs = draw(hnp.arrays(np.float32, (cfg.num_tokens, cfg.num_cols),
-                            elements=st.floats(0, 1, width=16, allow_subnormal=False)))
-    probs = probs.astype(np_dtype(cfg.dtype)).astype(np.float32)
-    tpe = draw(hnp.arrays(np.int32, (cfg.num_cols,), elements=st.integers(0, 64)))
-    return probs, tpe.astype(np.float32)
-
 
 # ----------------------------------------------------------------------------
 # Ties, masks and replay (the conformance checks, gpurouter.testing.checks)
@@ -364,9 +303,11 @@ def masked_logits(draw, cfg: RouterConfig, *, allow_nan: bool = True, all_masked
     for t in range(cfg.num_tokens):
         row = np.asarray(draw(st.lists(st.sampled_from(TIE_VALUES), min_size=cfg.num_experts,
                                        max_size=cfg.num_experts)), np.float32)
-        n_masked = cfg.num_experts if (all_masked_rows and t == 0 and cfg.num_tokens > 1) else \
-            draw(st.integers(0, cfg.num_experts))
-        where = draw(st.permutations(range(cfg.num_experts)))[:n_masked]
+        if all_masked_rows and t == 0 and cfg.num_tokens > 1:
+            row[:] = -np.inf  # all -inf (no NaN: a row with a NaN only promises its selection)
+            rows.append(row)
+            continue
+        where = draw(st.permutations(range(cfg.num_experts)))[:draw(st.integers(0, cfg.num_experts))]
         for i in where:
             row[i] = draw(st.sampled_from(specials))
         rows.append(row)
@@ -384,22 +325,26 @@ def forced_indices(draw, cfg: RouterConfig) -> np.ndarray:
     return np.asarray(rows, np.int32).reshape(cfg.num_tokens, cfg.topk)
 
 
-@st.composite
-def z_loss_logits(draw, *, max_tokens: int = 6, max_experts: int = 32, dtypes=DTYPES):
-    """``(logits [T, E] float32, dtype name, coeff)`` for the router z-loss.
+#: Scales of :func:`large_logits`: powers of two, so a scaled grid stays exact in every dtype.
+LARGE_SCALES = (64.0, 256.0, 1024.0)
 
-    Invariants: T in 1..max_tokens, E in 1..max_experts; values are float32
-    in [-20, 20] exactly representable in the drawn dtype, with ``-inf`` masks
-    (never NaN) and, whenever T > 1, one row of all ``-inf`` (it contributes 0
-    and gets no gradient); coeff in {1e-3, 0.1, 1.0}.
+
+@st.composite
+def large_logits(draw, cfg: RouterConfig, bias=None) -> np.ndarray:
+    """``[T, E]`` float32 tie-free logits of large magnitude (from -64 up to about 6000).
+
+    Invariants: each :func:`tie_free_logits` row, less its minimum, times a
+    scale of :data:`LARGE_SCALES`, minus 64: the smallest logit of a row is
+    -64 (its score stays a normal float32: ``exp(-64)`` and ``exp(-32)``), the
+    largest is often far above 88.7, where ``exp`` overflows float32; exactly
+    representable in float32, bfloat16 and float16; the draw is rejected
+    unless the selection (with ``bias``) is tie-free at both stages. Meant for
+    softmax and sqrtsoftplus: sigmoid saturates to 1 in float64 at these
+    sizes, so its selections are ties.
     """
-    num_tokens = draw(st.integers(1, max_tokens))
-    num_experts = draw(st.integers(1, max_experts))
-    dtype = draw(st.sampled_from(dtypes))
-    elements = st.one_of(st.floats(-20, 20, width=32, allow_nan=False, allow_subnormal=False),
-                         st.just(-np.inf))
-    x = draw(hnp.arrays(np.float32, (num_tokens, num_experts), elements=elements))
-    if num_tokens > 1:
-        x[draw(st.integers(0, num_tokens - 1))] = -np.inf
-    x = x.astype(np_dtype(dtype)).astype(np.float32)
-    return x, dtype, draw(st.sampled_from([1e-3, 0.1, 1.0]))
+    scale = np.float32(draw(st.sampled_from(LARGE_SCALES), label="scale"))
+    x = draw(tie_free_logits(cfg), label="grid")
+    x = ((x - x.min(-1, keepdims=True)) * scale - np.float32(64)).astype(np.float32)
+    assert np.array_equal(x.astype(np_dtype(cfg.dtype)).astype(np.float32), x)
+    assume(min_selection_gap(selection_scores(x, cfg, bias), cfg) > 0)
+    return x
