@@ -9,7 +9,9 @@ the smallest input where it does not:
     >>> print(report)                           # doctest: +SKIP
 
 - :mod:`gpurouter.testing.checks`: :func:`check_topk`, :func:`check_aux_scores`,
-  :func:`check_aux_loss`, :func:`check_router_z_loss`, one module each (they raise
+  :func:`check_aux_loss`, :func:`check_router_z_loss`, and the MoE token
+  permutation's :func:`check_token_dispatch` and :func:`check_token_combine`
+  (one module each; they raise
   :class:`CheckFailure`, an ``AssertionError``, on a violation, and return a
   :class:`CheckReport` otherwise);
 - :mod:`gpurouter.testing.strategies`: hypothesis strategies of valid configs
@@ -45,4 +47,6 @@ from .checks import PropertyResult as PropertyResult
 from .checks import check_aux_loss as check_aux_loss
 from .checks import check_aux_scores as check_aux_scores
 from .checks import check_router_z_loss as check_router_z_loss
+from .checks import check_token_combine as check_token_combine
+from .checks import check_token_dispatch as check_token_dispatch
 from .checks import check_topk as check_topk

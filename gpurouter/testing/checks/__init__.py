@@ -25,6 +25,8 @@ from ._report import CheckReport as CheckReport
 from ._report import PropertyResult as PropertyResult
 from .aux_loss import check_aux_loss as check_aux_loss
 from .aux_scores import check_aux_scores as check_aux_scores
+from .token_ops import check_token_combine as check_token_combine
+from .token_ops import check_token_dispatch as check_token_dispatch
 from .topk import check_topk as check_topk
 from .z_loss import check_router_z_loss as check_router_z_loss
 
@@ -35,5 +37,7 @@ __all__ = [
     "check_aux_loss",
     "check_aux_scores",
     "check_router_z_loss",
+    "check_token_combine",
+    "check_token_dispatch",
     "check_topk",
 ]
