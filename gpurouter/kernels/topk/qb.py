@@ -1,0 +1,545 @@
+"""Quantile Balancing (QB): this call's histogram counts as Numba-CUDA kernels.
+
+``qb_counts(logits, expert_bias, bin_bounds, num_bins, topk, ...)`` gives the
+int32 ``[E, B]`` counts of docs/contract.md section 12, step 3, bit for bit
+the counts of ``gpurouter.reference._route.qb_call_counts`` (sigmoid only;
+sqrtsoftplus stays in jnp, ``gpurouter/_ops/qb.py``):
+
+- ``s = 1 / (1 + exp(-x))`` in fp32 (the logits upcast), ``r = s + b``;
+- ``alpha_t``: the ``(K+1)``-th largest ``r`` of token ``t`` (NaN as ``-inf``),
+  among the experts of the kept groups with grouping on (each group scored by
+  ``group_score``, the top ``Kg`` kept, equal scores to the lower group);
+- for every expert ``e`` of every valid token: ``rb = alpha_t - s[t, e]``,
+  ``bin = floor(((rb - lower) * B) / (upper - lower))`` in fp32, clamped into
+  ``[0, B - 1]`` (NaN to bin 0), one count to ``counts[e, bin]``.
+
+Three launches (``qb_counts_plan``):
+
+1. ``qb_zero``: the counts zeroed (the output is XLA's uninitialised buffer).
+2. ``qb_cutoff`` (a thread per token): ``alpha [T]`` fp32 (plan scratch).
+3. ``qb_hist`` (a block per (expert chunk, token slab)): the chunk's ``EC x B``
+   counts in shared memory (int32 shared atomics; ``EC`` as many experts as
+   ``QbTiling.smem_bytes`` holds), then each nonzero bin added to global memory
+   with one ``atomicAdd``. A row of ``B`` bins larger than the shared budget:
+   global atomics directly. Counts are integers: any order of the additions
+   gives the same result.
+
+Overflow: one call adds at most one count per valid token to each bin, so a
+bin of this call's counts is at most ``T <= 2**31 - 1`` (the op checks ``T``;
+the caller's histogram is added to them saturating, in jnp).
+
+Bit-exactness (the sigmoid): XLA lowers ``jax.nn.sigmoid`` to
+``1 / (1 + exp(-x))``; division, subtraction and multiplication are IEEE in
+both, so only ``exp`` can differ. ``exp_mode``:
+
+- ``"libdevice"`` (the GPU default): numba's ``math.exp``, libdevice's
+  ``__nv_expf``, the function XLA:GPU calls for an fp32 ``exp``;
+- ``"cephes"``: the Cephes polynomial with FMAs, XLA:CPU's fp32 ``exp``
+  (measured bit for bit against jax 0.10's XLA:CPU on 4M values in
+  ``[-100, 100]``, with denormal results flushed to 0 as XLA:CPU does): the
+  CUDA simulator's only mode, so that the simulator tests compare bit for bit
+  against jnp on the CPU. On a GPU it runs with ``cuda.fma``.
+
+``qb_sigmoid_probe`` runs the chosen sigmoid on a vector (the GPU test and
+``gpurouter/_ops/qb.py``'s one-time check compare it with ``jax.nn.sigmoid``
+on the device).
+"""
+
+from __future__ import annotations
+
+from .._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+
+# isort: split
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+from numba import cuda
+from numba import float32 as nb_f32
+from numba import int32 as nb_i32
+
+from .._base.access import loader_1d, loader_2d
+from .._base.device import NEG_INF, ONE, ZERO, u64
+from .._base.launch import F32, any_on_device, device_input, is_device_array, resolve_stream, simulator_enabled
+from .._base.limits import MAX_GROUPS, MAX_TOPK
+from .._base.plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_of
+
+OP = "qb_counts"
+GROUP_SCORES = ("sum_topk", "top2_sum", "max")
+EXP_MODES = ("libdevice", "cephes")
+INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class QbTiling:
+    """The QB kernels' knobs (grids and blocks only: every tiling gives the same counts).
+
+    - ``cutoff_threads``: threads per block of the cutoff kernel (a thread a token);
+    - ``hist_threads``: threads per block of the histogram kernel;
+    - ``smem_bytes``: the histogram kernel's shared counts at most (48 KiB: no opt-in needed);
+    - ``slab_tokens``: tokens a histogram block takes at least;
+    - ``target_blocks``: histogram blocks wanted (chunks x slabs; 264: two on each of 132 SMs);
+    - ``zero_threads``, ``zero_blocks``: the zeroing kernel's grid.
+
+    Under the CUDA simulator the defaults are small blocks (Python threads)."""
+
+    cutoff_threads: int = 32 if simulator_enabled() else 128
+    hist_threads: int = 32 if simulator_enabled() else 1024
+    smem_bytes: int = 48 * 1024
+    slab_tokens: int = 256
+    target_blocks: int = 264
+    zero_threads: int = 32 if simulator_enabled() else 256
+    zero_blocks: int = 4 if simulator_enabled() else 528
+
+    def __post_init__(self):
+        for name in ("cutoff_threads", "hist_threads", "zero_threads"):
+            v = getattr(self, name)
+            if not 1 <= v <= 1024:
+                raise ValueError(f"QbTiling: {name} must be in [1, 1024], got {v}.")
+        if self.smem_bytes < 0 or self.slab_tokens < 1 or self.target_blocks < 1 or self.zero_blocks < 1:
+            raise ValueError(f"QbTiling: smem_bytes >= 0 and slab_tokens, target_blocks, zero_blocks >= 1, "
+                             f"got {self}.")
+
+
+QB_TILING = QbTiling()
+
+
+# ----------------------------------------------------------------------------
+# The sigmoid (bit for bit XLA's) and the bin
+# ----------------------------------------------------------------------------
+
+# Cephes' expf (XLA:CPU's fp32 exp): n = floor(x log2 e + 1/2), the reduction
+# by ln 2 in two parts, a degree-5 polynomial, then 2^n.
+_EXP_HI = np.float32(88.3762626647949)
+_EXP_LO = np.float32(-88.3762626647949)
+_LOG2E = np.float32(1.44269504088896341)
+_HALF = np.float32(0.5)
+_C1 = np.float32(-0.693359375)
+_C2 = np.float32(2.12194440e-4)
+_P0, _P1, _P2, _P3, _P4, _P5 = (np.float32(v) for v in (
+    1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1))
+_TINY = np.float32(np.finfo(np.float32).tiny)
+
+if simulator_enabled():
+
+    @cuda.jit(device=True)
+    def _fma(a, b, c):
+        # fp32 fma: the exact product and sum in double, rounded once more to
+        # fp32 (a double rounding: off by an ulp only in ties ~2^-29 apart)
+        return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+    @cuda.jit(device=True)
+    def _ldexp(y, n):
+        return np.float32(math.ldexp(float(y), int(n)))
+
+    @cuda.jit(device=True)
+    def _flush(v):
+        # XLA:CPU flushes denormal results to zero
+        return ZERO if abs(v) < _TINY else v
+
+    @cuda.jit(device=True)
+    def _floor(v):
+        return np.float32(math.floor(v))
+
+    @cuda.jit(device=True)
+    def _libdevice_exp(a):
+        return np.float32(math.exp(min(float(a), 88.8)))
+
+else:
+
+    @cuda.jit(device=True)
+    def _fma(a, b, c):
+        return cuda.fma(a, b, c)
+
+    @cuda.jit(device=True)
+    def _ldexp(y, n):
+        # y in [0.5, 2): 2^n in two halves (n in [-128, 128])
+        h = np.int32(n) // np.int32(2)
+        a = np.int32(np.int32(h + np.int32(127)) << np.int32(23)).view(np.float32)
+        b = np.int32(np.int32(np.int32(n - h) + np.int32(127)) << np.int32(23)).view(np.float32)
+        return np.float32(np.float32(y * a) * b)
+
+    @cuda.jit(device=True)
+    def _flush(v):
+        return v
+
+    @cuda.jit(device=True)
+    def _floor(v):
+        return np.float32(math.floor(v))
+
+    @cuda.jit(device=True)
+    def _libdevice_exp(a):
+        return math.exp(a)  # fp32 in, fp32 out: libdevice's __nv_expf
+
+
+@cuda.jit(device=True)
+def _cephes_exp(a):
+    if a != a:
+        return a
+    x = a
+    if x > _EXP_HI:
+        x = _EXP_HI
+    if x < _EXP_LO:
+        x = _EXP_LO
+    m = _floor(np.float32(np.float32(x * _LOG2E) + _HALF))
+    r = _fma(m, _C1, x)
+    r = _fma(m, _C2, r)
+    y = _P0
+    y = _fma(y, r, _P1)
+    y = _fma(y, r, _P2)
+    y = _fma(y, r, _P3)
+    y = _fma(y, r, _P4)
+    y = _fma(y, r, _P5)
+    y = _fma(y, np.float32(r * r), r)
+    y = np.float32(y + ONE)
+    return _flush(_ldexp(y, m))
+
+
+@functools.cache
+def qb_sigmoid_fn(exp_mode: str):
+    """Device function ``sigmoid(x) = 1 / (1 + exp(-x))`` (fp32) with ``exp_mode``'s exp."""
+    if exp_mode not in EXP_MODES:
+        raise ValueError(f"{OP}: exp_mode must be one of {EXP_MODES}, got {exp_mode!r}.")
+    exp = _cephes_exp if exp_mode == "cephes" else _libdevice_exp
+
+    @cuda.jit(device=True)
+    def sigmoid(x):
+        return _flush(np.float32(ONE / np.float32(ONE + exp(np.float32(-x)))))
+
+    return sigmoid
+
+
+@cuda.jit(device=True)
+def qb_bin(rb, lower, nbins_f, top_f, width):
+    """``floor(((rb - lower) * B) / width)`` clamped into ``[0, B - 1]``, NaN to 0
+    (``nbins_f`` = fp32 B, ``top_f`` = fp32 (B - 1))."""
+    q = np.float32(np.float32(np.float32(rb - lower) * nbins_f) / width)
+    if not q >= ZERO:  # negative (floor < 0 or in [-1, 0): clamped to 0) or NaN
+        return np.int32(0)
+    if q >= top_f:  # floor(q) >= B - 1, +inf included
+        return np.int32(top_f)
+    return np.int32(q)  # q in [0, B - 1): truncation is floor
+
+
+@cuda.jit(device=True)
+def _insert(top, n, v):
+    """Inserts ``v`` into ``top[:n]`` (descending) if it beats the last."""
+    if v > top[n - 1]:
+        i = n - 1
+        while i > 0 and top[i - 1] < v:
+            top[i] = top[i - 1]
+            i -= 1
+        top[i] = v
+
+
+# ----------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------
+
+
+@cuda.jit
+def qb_zero_kernel(counts, n):
+    """``counts[:n] = 0`` (grid-strided)."""
+    i = np.int64(cuda.grid(1))
+    step = np.int64(cuda.gridsize(1))
+    while i < n:
+        counts[u64(i)] = np.int32(0)
+        i += step
+
+
+@functools.cache
+def qb_cutoff_kernel(kind: str, topk: int, num_groups: int, group_topk: int, group_score: str, masked: bool,
+                     exp_mode: str):
+    """``alpha[t]``, the ``(topk + 1)``-th largest ``r`` of token ``t`` (a thread a
+    token; ``num_groups`` 0: no groups). Masked tokens: not computed (not read)."""
+    load = loader_2d(kind)
+    sigmoid = qb_sigmoid_fn(exp_mode)
+    k1 = topk + 1
+    groups = num_groups if num_groups > 0 else 0
+    kg = group_topk
+    if groups:
+        per = {"sum_topk": topk // max(group_topk, 1), "top2_sum": 2, "max": 1}[group_score]
+    else:
+        per = 1
+    gw = max(groups, 1)
+
+    @cuda.jit(device=True)
+    def score(logits, bias, t, e):
+        r = np.float32(sigmoid(load(logits, t, e)) + bias[e])
+        return NEG_INF if r != r else r
+
+    @cuda.jit
+    def qb_cutoff(logits, bias, valid, cutoff, num_tokens, num_experts):
+        t = np.int64(cuda.blockIdx.x) * np.int64(cuda.blockDim.x) + np.int64(cuda.threadIdx.x)
+        if t >= num_tokens:
+            return
+        if masked and not valid[t]:
+            cutoff[t] = ZERO
+            return
+        top = cuda.local.array(k1, nb_f32)
+        for i in range(k1):
+            top[i] = NEG_INF
+        if groups:
+            gs = cuda.local.array(gw, nb_f32)
+            pg = cuda.local.array(per, nb_f32)
+            size = np.int32(num_experts // groups)
+            for g in range(groups):
+                for i in range(per):
+                    pg[i] = NEG_INF
+                for j in range(size):
+                    _insert(pg, per, score(logits, bias, t, g * size + j))
+                tot = pg[0]
+                for i in range(1, per):
+                    tot = np.float32(tot + pg[i])
+                gs[g] = tot
+            for g in range(groups):
+                rank = 0
+                for h in range(groups):
+                    if gs[h] > gs[g] or (gs[h] == gs[g] and h < g):
+                        rank += 1
+                if rank < kg:
+                    for j in range(size):
+                        _insert(top, k1, score(logits, bias, t, g * size + j))
+        else:
+            for e in range(num_experts):
+                _insert(top, k1, score(logits, bias, t, e))
+        cutoff[t] = top[k1 - 1]
+
+    return qb_cutoff
+
+
+@functools.cache
+def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str):
+    """The counts of the experts ``[c EC, (c + 1) EC)`` over the tokens of slab ``s``
+    (block ``b = s * chunks + c``): a thread a (token row, expert) pair, ``rows``
+    token rows a block; ``shared``: counted in shared memory, then flushed."""
+    load = loader_2d(kind)
+    sigmoid = qb_sigmoid_fn(exp_mode)
+
+    @cuda.jit
+    def qb_hist(logits, cutoff, valid, bounds, counts, num_tokens, num_experts, num_bins, chunk, chunks,
+                slab):
+        hist = cuda.shared.array(0, nb_i32)
+        tid = np.int32(cuda.threadIdx.x)
+        nth = np.int32(cuda.blockDim.x)
+        b = np.int32(cuda.blockIdx.x)
+        s_idx = b // np.int32(chunks)
+        c_idx = b - s_idx * np.int32(chunks)
+        e0 = c_idx * np.int32(chunk)
+        ec = min(np.int32(chunk), np.int32(num_experts) - e0)
+        t0 = np.int64(s_idx) * np.int64(slab)
+        t1 = min(np.int64(num_tokens), t0 + np.int64(slab))
+        nb = np.int32(num_bins)
+        words = ec * nb
+        if shared:
+            i = tid
+            while i < words:
+                hist[i] = np.int32(0)
+                i += nth
+            # Barrier: the counts are zero before any thread adds.
+            cuda.syncthreads()
+        lower = bounds[0]
+        width = np.float32(bounds[1] - lower)
+        nbins_f = np.float32(nb)
+        top_f = np.float32(nb - np.int32(1))
+        rows = nth // ec
+        row = tid // ec
+        el = tid - row * ec
+        if row < rows:
+            e = e0 + el
+            t = t0 + np.int64(row)
+            while t < t1:
+                if not masked or valid[t]:
+                    s = sigmoid(load(logits, t, e))
+                    k = qb_bin(np.float32(cutoff[t] - s), lower, nbins_f, top_f, width)
+                    if shared:
+                        cuda.atomic.add(hist, el * nb + k, np.int32(1))
+                    else:
+                        cuda.atomic.add(counts, u64(np.int64(e) * np.int64(nb) + np.int64(k)), np.int32(1))
+                t += np.int64(rows)
+        if shared:
+            # Barrier: every add of the block is in before the flush reads.
+            cuda.syncthreads()
+            base = np.int64(e0) * np.int64(nb)
+            i = tid
+            while i < words:
+                v = hist[i]
+                if v != 0:
+                    cuda.atomic.add(counts, u64(base + np.int64(i)), v)
+                i += nth
+
+    return qb_hist
+
+
+@functools.cache
+def qb_sigmoid_probe_kernel(exp_mode: str):
+    sigmoid = qb_sigmoid_fn(exp_mode)
+    load = loader_1d(F32)
+
+    @cuda.jit
+    def probe(x, out, n):
+        i = np.int64(cuda.grid(1))
+        if i < n:
+            out[i] = sigmoid(load(x, i))
+
+    return probe
+
+
+# ----------------------------------------------------------------------------
+# Launchers and plans
+# ----------------------------------------------------------------------------
+
+
+def default_exp_mode() -> str:
+    """The simulator's only mode is ``"cephes"`` (XLA:CPU's exp); a GPU's default is ``"libdevice"``."""
+    return "cephes" if simulator_enabled() else "libdevice"
+
+
+def check_qb_config(topk: int, num_experts: int, num_bins: int, num_groups: int, group_topk: int,
+                    group_score: str, exp_mode: str) -> tuple[int, int]:
+    """Validates the static configuration; returns ``(groups, group_topk)`` (0, 0 without grouping)."""
+    if not 1 <= topk < num_experts:
+        raise ValueError(f"{OP}: topk ({topk}) must satisfy 1 <= topk < num_experts ({num_experts}).")
+    if topk + 1 > MAX_TOPK + 1:
+        raise NotImplementedError(f"{OP}: topk ({topk}) must be at most {MAX_TOPK}.")
+    if num_bins < 1:
+        raise ValueError(f"{OP}: num_bins ({num_bins}) must be >= 1.")
+    if group_score not in GROUP_SCORES:
+        raise ValueError(f"{OP}: group_score must be one of {GROUP_SCORES}, got {group_score!r}.")
+    if exp_mode not in EXP_MODES:
+        raise ValueError(f"{OP}: exp_mode must be one of {EXP_MODES}, got {exp_mode!r}.")
+    if simulator_enabled() and exp_mode != "cephes":
+        raise ValueError(f"{OP}: the CUDA simulator computes exp_mode 'cephes' only, got {exp_mode!r}.")
+    grouped = num_groups > 0 and group_topk > 0
+    if not grouped:
+        return 0, 0
+    if num_groups > MAX_GROUPS or num_experts % num_groups or not 1 <= group_topk <= num_groups:
+        raise ValueError(f"{OP}: num_groups ({num_groups}) must divide num_experts ({num_experts}) and be at "
+                         f"most {MAX_GROUPS}, and 1 <= group_topk ({group_topk}) <= num_groups.")
+    size = num_experts // num_groups
+    if group_score == "sum_topk" and (topk % group_topk or topk // group_topk > size):
+        raise ValueError(f"{OP}: topk ({topk}) must be a multiple of group_topk ({group_topk}) with "
+                         f"topk / group_topk <= num_experts / num_groups ({size}).")
+    if group_score == "top2_sum" and size < 2:
+        raise ValueError(f"{OP}: group_score 'top2_sum' needs num_experts / num_groups >= 2, got {size}.")
+    if group_topk * size < topk + 1:
+        raise ValueError(f"{OP}: the kept groups hold group_topk * num_experts / num_groups = "
+                         f"{group_topk * size} experts, fewer than topk + 1 = {topk + 1}.")
+    return num_groups, group_topk
+
+
+def hist_tiling(num_tokens: int, num_experts: int, num_bins: int, tiling: QbTiling = QB_TILING):
+    """``(grid, threads, shared_bytes, chunk, chunks, slab)`` of the histogram kernel."""
+    fit = tiling.smem_bytes // (4 * num_bins)
+    shared = fit >= 1
+    chunk = max(1, min(num_experts, fit if shared else tiling.hist_threads, tiling.hist_threads))
+    chunks = -(-num_experts // chunk)
+    slabs = max(1, min(-(-num_tokens // tiling.slab_tokens), -(-tiling.target_blocks // chunks)))
+    slab = -(-max(num_tokens, 1) // slabs)
+    slabs = -(-max(num_tokens, 1) // slab)
+    threads = max(chunk, (tiling.hist_threads // chunk) * chunk)
+    return chunks * slabs, threads, (4 * chunk * num_bins if shared else 0), chunk, chunks, slab
+
+
+@functools.cache
+def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_groups: int = 0,
+                   group_topk: int = 0, group_score: str = "sum_topk", exp_mode: str | None = None,
+                   tiling: QbTiling | None = None) -> Plan:
+    """The launches of :func:`qb_counts`: inputs ``logits [T, E]`` (f32/bf16/f16),
+    ``expert_bias [E] f32``, ``bin_bounds [2] f32`` and, with ``masked``, ``valid [T]``
+    bool; output ``counts [E, B] int32``; scratch ``alpha [T] f32``."""
+    tiling = tiling or QB_TILING
+    exp_mode = exp_mode or default_exp_mode()
+    num_tokens, num_experts = logits.shape
+    groups, kg = check_qb_config(topk, num_experts, num_bins, num_groups, group_topk, group_score, exp_mode)
+    ins = [logits, spec_of((num_experts,), F32), spec_of((2,), F32)]
+    if masked:
+        ins.append(Spec((num_tokens,), np.bool_))
+    outs = (Spec((num_experts, num_bins), np.int32),)
+    tmps = (spec_of((max(num_tokens, 1),), F32),)
+    valid = In(3) if masked else Tmp(0)  # unmasked kernels never read it
+    n = num_experts * num_bins
+    steps = [Step(qb_zero_kernel, max(1, min(tiling.zero_blocks, -(-n // tiling.zero_threads))),
+                  tiling.zero_threads, 0, (Out(0, Spec((n,), np.int32)), n))]
+    if num_tokens:
+        ct = tiling.cutoff_threads
+        steps.append(Step(qb_cutoff_kernel(logits.kind, topk, groups, kg, group_score, masked, exp_mode),
+                          -(-num_tokens // ct), ct, 0, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
+        grid, threads, shared, chunk, chunks, slab = hist_tiling(num_tokens, num_experts, num_bins, tiling)
+        steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode), grid, threads, shared,
+                          (In(0), Tmp(0), valid, In(2), Out(0, Spec((n,), np.int32)), num_tokens, num_experts,
+                           num_bins, chunk, chunks, slab)))
+    return Plan(OP, ins, outs, tmps, steps)
+
+
+def qb_counts(logits, expert_bias, bin_bounds, num_bins: int, topk: int, *, token_mask=None, num_groups: int = -1,
+              group_topk: int = -1, group_score: str = "sum_topk", exp_mode: str | None = None,
+              tiling: QbTiling | None = None, out=None, stream=0):
+    """This call's QB counts (the module docstring).
+
+    Args:
+      logits: (T, E) float32 | bfloat16 | float16; sigmoid scores.
+      expert_bias: (E,) float32.
+      bin_bounds: (2,) float32 ``[lower, upper]`` (read on the device, not checked here).
+      num_bins: B >= 1.
+      topk: K, ``1 <= K < E``.
+      token_mask: optional (T,) bool, the valid tokens (masked ones add nothing).
+      num_groups, group_topk, group_score: group-limited QB (-1: no groups).
+      exp_mode: ``"libdevice"`` or ``"cephes"`` (None: ``default_exp_mode()``).
+      tiling: a ``QbTiling`` (None: the library's).
+      out: optional ``counts`` (E, B) int32 device array.
+      stream: numba stream or int CUDA stream handle.
+
+    Returns:
+      ``counts (E, B) int32``; each row sums to the number of valid tokens.
+    """
+    s = resolve_stream(stream)
+    d, kind = device_input(logits, "logits", OP, s, ndim=2)
+    num_tokens, num_experts = (int(v) for v in d.shape)
+    if num_tokens > INT32_MAX:
+        raise ValueError(f"{OP}: more than 2**31 - 1 tokens ({num_tokens}) could overflow a bin.")
+    d_b, bkind = device_input(expert_bias, "expert_bias", OP, s, ndim=1)
+    if bkind != F32 or tuple(d_b.shape) != (num_experts,):
+        raise ValueError(f"{OP}: expert_bias must be float32 of shape ({num_experts},), got "
+                         f"{tuple(d_b.shape)} {d_b.dtype}.")
+    d_lu, lkind = device_input(bin_bounds, "bin_bounds", OP, s, ndim=1)
+    if lkind != F32 or tuple(d_lu.shape) != (2,):
+        raise ValueError(f"{OP}: bin_bounds must be float32 of shape (2,), got {tuple(d_lu.shape)} {d_lu.dtype}.")
+    ins = [d, d_b, d_lu]
+    masked = token_mask is not None
+    if masked:
+        if is_device_array(token_mask):
+            m = token_mask if hasattr(token_mask, "copy_to_host") else cuda.as_cuda_array(token_mask)
+        else:
+            h = np.asarray(token_mask)
+            if h.dtype != np.bool_:
+                raise TypeError(f"{OP}: token_mask must be bool, got {h.dtype}.")
+            m = cuda.to_device(np.ascontiguousarray(h), stream=s)
+        if np.dtype(m.dtype) != np.bool_ or tuple(m.shape) != (num_tokens,):
+            raise ValueError(f"{OP}: token_mask must be bool of shape ({num_tokens},), got "
+                             f"{tuple(m.shape)} {m.dtype}.")
+        ins.append(m)
+    to_host = not any_on_device(logits, expert_bias, bin_bounds, token_mask) and out is None
+    plan = qb_counts_plan(Spec(d.shape, d.dtype, kind), masked, int(topk), int(num_bins),
+                          max(int(num_groups), 0), max(int(group_topk), 0), group_score, exp_mode, tiling)
+    return execute(plan, ins, None if out is None else (out,), s, to_host)[0]
+
+
+def qb_sigmoid_probe(x, exp_mode: str | None = None, stream=0):
+    """``1 / (1 + exp(-x))`` of float32 ``x`` (1-D) by the QB kernels' sigmoid (NumPy in and out)."""
+    exp_mode = exp_mode or default_exp_mode()
+    h = np.ascontiguousarray(np.asarray(x, np.float32).reshape(-1))
+    s = resolve_stream(stream)
+    d = cuda.to_device(h, stream=s)
+    o = cuda.device_array(h.shape, np.float32, stream=s)
+    n = h.size
+    if n:
+        kern = qb_sigmoid_probe_kernel(exp_mode)
+        threads = 32 if simulator_enabled() else 256
+        kern[-(-n // threads), threads, s](d, o, n)
+    return o.copy_to_host(stream=s)
+
+
+__all__ = ["QB_TILING", "QbTiling", "qb_counts", "qb_counts_plan", "qb_sigmoid_probe"]
