@@ -188,10 +188,11 @@ def fused_topk_with_score_function(
     map_shape = shape[:-1] + map_spec.shape[-1:]
     idx_shape = shape[:-1] + (cfg.topk,)
     qb = ()
-    if var.qb:  # this call's QB counts, in jnp on every backend (integers: exact)
+    if var.qb:  # this call's QB counts: the QB kernels on numba (sigmoid), else jnp (integers: exact)
         qb_bias = jnp.asarray(expert_bias)
         valid = None if token_mask is None else jnp.asarray(token_mask).reshape(x.shape[0])
-        qb = (histogram_after(x, qb_bias, cfg, var.group_score, qb_histogram, qb_bin_bounds, valid, axis_name),)
+        qb = (histogram_after(x, qb_bias, cfg, var.group_score, qb_histogram, qb_bin_bounds, valid, axis_name,
+                              transport if backend != "jax" else None),)
     if x.shape[0] == 0:
         out_dtype = jnp.float32 if cfg.compute_aux_scores else logits.dtype
         idx = jnp.zeros(idx_shape, var.indices_dtype)
