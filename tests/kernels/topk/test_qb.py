@@ -1,0 +1,212 @@
+"""The QB kernels (gpurouter/kernels/topk/qb.py): this call's counts bit for bit
+``reference._route.qb_call_counts`` (docs/contract.md section 12), on the CUDA
+simulator with tiny shapes; the public op's numba histogram equal to jax's; a
+``gpu`` test at the Kimi-K2-like shape (T = 65536, E = 384, K = 8, B = 1000)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+
+import gpurouter  # noqa: E402
+from gpurouter._checks import ScoreFunction, TopkConfig  # noqa: E402
+from gpurouter._ops import qb as op_qb  # noqa: E402
+from gpurouter.kernels._base.launch import simulator_enabled  # noqa: E402
+from gpurouter.kernels.topk import qb as kqb  # noqa: E402
+from gpurouter.reference._route import qb_call_counts  # noqa: E402
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def _ref(x, bias, bounds, num_bins, topk, mask=None, num_groups=-1, group_topk=-1, rule="sum_topk"):
+    cfg = TopkConfig(topk, False, num_groups, group_topk, 1.0, ScoreFunction.SIGMOID, False)
+    valid = None if mask is None else jnp.asarray(mask)
+    return np.asarray(qb_call_counts(jnp.asarray(x), jnp.asarray(bias), cfg, rule, num_bins,
+                                     jnp.asarray(bounds, jnp.float32), valid))
+
+
+def _check(x, bias, bounds, num_bins, topk, mask=None, num_groups=-1, group_topk=-1, rule="sum_topk",
+           tiling=None):
+    got = kqb.qb_counts(x, np.asarray(bias, np.float32), np.asarray(bounds, np.float32), num_bins, topk,
+                        token_mask=mask, num_groups=num_groups, group_topk=group_topk, group_score=rule,
+                        tiling=tiling)
+    want = _ref(x, bias, bounds, num_bins, topk, mask, num_groups, group_topk, rule)
+    assert got.dtype == np.int32 and got.shape == (x.shape[1], num_bins)
+    np.testing.assert_array_equal(got, want)
+    valid = x.shape[0] if mask is None else int(np.sum(mask))
+    assert (got.sum(axis=1) == valid).all(), "one count per valid token in every expert row"
+    return got
+
+
+def test_sigmoid_is_jax_bit_for_bit():
+    """The kernels' sigmoid (this platform's exp mode) is jax.nn.sigmoid's bits on the
+    one-time check's probe values (edges, +-inf, the flush to 0 below -87)."""
+    x = op_qb._probe_values(simulator_enabled())
+    got = kqb.qb_sigmoid_probe(x)
+    want = np.asarray(jax.nn.sigmoid(jnp.asarray(x)))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert op_qb.kernel_exp_mode() == kqb.default_exp_mode()
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_counts_match_reference(dtype):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((24, 16)) * 2).astype(DTYPES[dtype])
+    bias = rng.standard_normal(16) * 0.1
+    _check(x, bias, [-1.0, 1.0], 8, 3)
+    mask = rng.random(24) > 0.3
+    _check(x, bias, [-0.5, 0.75], 5, 2, mask=mask)
+
+
+def test_tie_at_cutoff():
+    """Equal biased scores at the cutoff: the cutoff is their value whichever drops
+    (TE's three equal logits with k = 2), so their own rb is 0."""
+    x = np.full((2, 6), -3.0, np.float32)
+    x[:, :3] = 1.0  # three tied experts, k = 2: the third of them is the cutoff
+    got = _check(x, np.zeros(6), [-1.0, 1.0], 4, 2)
+    # rb = 0 for the tied ones: bin floor((0 + 1) * 4 / 2) = 2
+    assert (got[:3, 2] == 2).all()
+
+
+def test_bin_edges_exact():
+    """rb exactly on bin edges (s in {0, 0.5, 1} from logits -100, 0, 100; biases on a
+    1/8 grid): floor puts an edge in the bin above it; every edge checked by hand."""
+    num_bins, lower, upper = 16, -1.0, 1.0
+    bias = np.arange(8, dtype=np.float32) / 8 - 0.5  # -0.5 .. 0.375, exact
+    rows = []
+    for pattern in ([0.0] * 8, [100.0] * 4 + [0.0] * 4, [-100.0, 0.0, 100.0, 0.0, -100.0, 100.0, 0.0, 0.0]):
+        rows.append(pattern)
+    x = np.asarray(rows, np.float32)
+    got = _check(x, bias, [lower, upper], num_bins, 3)
+    s = np.where(x > 50, 1.0, np.where(x < -50, 0.0, 0.5))
+    r = s + bias
+    alpha = -np.sort(-r, axis=1)[:, 3]
+    rb = alpha[:, None] - s
+    want_bins = np.clip(np.floor((rb - lower) * num_bins / (upper - lower)), 0, num_bins - 1).astype(int)
+    want = np.zeros((8, num_bins), np.int32)
+    for t in range(x.shape[0]):
+        for e in range(8):
+            want[e, want_bins[t, e]] += 1
+    np.testing.assert_array_equal(got, want)
+
+
+def test_end_bins_nan_and_inf():
+    """Bounds narrower than the scores clamp into the end bins; a NaN logit's rb is NaN
+    (bin 0) and its r -inf at the cutoff; +-inf logits are exact 1 and 0."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((12, 8)).astype(np.float32) * 3
+    x[0, 1] = np.nan
+    x[1, :] = np.nan
+    x[2, 3], x[2, 4] = np.inf, -np.inf
+    got = _check(x, rng.standard_normal(8) * 0.1, [-0.01, 0.01], 6, 2)
+    assert got[:, 0].sum() + got[:, -1].sum() > 0.8 * got.sum(), "most counts in the end bins"
+    assert got[1, 0] >= 1, "the NaN logit counts in bin 0"
+
+
+def test_mask():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((16, 8)).astype(ml_dtypes.bfloat16)
+    bias = rng.standard_normal(8) * 0.2
+    assert _check(x, bias, [-1, 1], 4, 2, mask=np.zeros(16, bool)).sum() == 0
+    _check(x, bias, [-1, 1], 4, 2, mask=np.arange(16) % 3 != 0)
+
+
+@pytest.mark.parametrize("rule", ["sum_topk", "top2_sum", "max"])
+def test_groups(rule):
+    """Group-limited QB: the cutoff among the kept groups' experts, each rule."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((16, 16)).astype(np.float32)
+    x[:4] = np.round(x[:4] * 2) / 2  # equal group scores: the lower group stays
+    bias = rng.standard_normal(16) * 0.1
+    _check(x, bias, [-1, 1], 8, 4, num_groups=4, group_topk=2, rule=rule)
+    _check(x, bias, [-1, 1], 8, 4, mask=rng.random(16) > 0.5, num_groups=4, group_topk=2, rule=rule)
+
+
+def test_tilings_same_counts():
+    """Several slabs and chunks, one expert a block, and global atomics (no shared
+    budget) count the same."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((20, 12)).astype(np.float16)
+    bias = rng.standard_normal(12) * 0.1
+    base = _check(x, bias, [-1, 1], 7, 3)
+    for t in (kqb.QbTiling(slab_tokens=4, target_blocks=64, smem_bytes=4 * 7 * 5),
+              kqb.QbTiling(smem_bytes=4 * 7, hist_threads=8, cutoff_threads=8),
+              kqb.QbTiling(smem_bytes=0, slab_tokens=8, target_blocks=4)):
+        np.testing.assert_array_equal(_check(x, bias, [-1, 1], 7, 3, tiling=t), base)
+    grid, threads, shared, chunk, chunks, slab = kqb.hist_tiling(20, 12, 7, kqb.QbTiling(smem_bytes=0))
+    assert shared == 0 and chunk == 12
+
+
+def test_plan_launches_few_blocks_on_tiny_shapes():
+    plan = kqb.qb_counts_plan(K._base.plan.spec_for((64, 16), np.float32), False, 4, 8)
+    assert [st.grid for st in plan.steps][1:] == [2 if simulator_enabled() else 1, 1]
+
+
+def test_bad_config():
+    x = np.zeros((4, 8), np.float32)
+    with pytest.raises(ValueError, match="topk"):
+        kqb.qb_counts(x, np.zeros(8, np.float32), np.array([-1, 1], np.float32), 4, 8)
+    with pytest.raises(ValueError, match="num_bins"):
+        kqb.qb_counts(x, np.zeros(8, np.float32), np.array([-1, 1], np.float32), 0, 2)
+    with pytest.raises(ValueError, match="expert_bias"):
+        kqb.qb_counts(x, np.zeros(7, np.float32), np.array([-1, 1], np.float32), 4, 2)
+    with pytest.raises(ValueError, match="token_mask"):
+        kqb.qb_counts(x, np.zeros(8, np.float32), np.array([-1, 1], np.float32), 4, 2, token_mask=np.ones(3, bool))
+    with pytest.raises(ValueError, match="kept groups"):
+        kqb.qb_counts(x, np.zeros(8, np.float32), np.array([-1, 1], np.float32), 4, 2, num_groups=4, group_topk=1,
+                      group_score="max")
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"compact": True, "token_mask": "mask"},
+    {"num_groups": 4, "group_topk": 2, "group_score": "top2_sum"},
+])
+def test_public_op_numba_equals_jax(kw):
+    """The histogram ``gr.fused_topk_with_score_function(..., backend="numba")`` returns
+    is jax's, bit for bit (and the kernels counted it: the exp check passed)."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((2, 6, 16)).astype(np.float32)).astype(jnp.bfloat16)
+    kw = dict(kw)
+    if kw.get("token_mask") == "mask":
+        kw["token_mask"] = jnp.asarray(rng.random((2, 6)) > 0.4)
+    args = dict(score_function="sigmoid", expert_bias=jnp.asarray(rng.standard_normal(16) * 0.1, jnp.float32),
+                qb_histogram=jnp.asarray(rng.integers(0, 9, (16, 10)), jnp.int32),
+                qb_bin_bounds=jnp.array([-0.8, 0.9], jnp.float32), **kw)
+    want = gpurouter.fused_topk_with_score_function(x, 4, backend="jax", **args)[-1]
+    got = jax.jit(lambda v: gpurouter.fused_topk_with_score_function(v, 4, backend="numba", **args)[-1])(x)
+    assert op_qb.use_kernels(TopkConfig(4, False, -1, -1, 1.0, ScoreFunction.SIGMOID, False), "callback")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.gpu
+def test_kimi_shape_on_gpu():
+    """T = 65536, E = 384, K = 8, B = 1000, bf16 (and 10% of the tokens masked): the
+    public op's numba histogram (the kernels, through XLA) equals the jnp counts
+    bit for bit; the kernels' sigmoid is jax's on the device."""
+    assert op_qb.kernel_exp_mode() is not None, "no exp mode matches jax.nn.sigmoid on this GPU"
+    for mode in kqb.EXP_MODES:  # which modes match (printed for the record)
+        x = op_qb._probe_values(False)
+        same = np.array_equal(kqb.qb_sigmoid_probe(x, mode).view(np.uint32),
+                              np.asarray(jax.nn.sigmoid(jnp.asarray(x))).view(np.uint32))
+        print(f"qb exp_mode {mode}: sigmoid bit-equal to jax on the GPU: {same}")
+    rng = np.random.default_rng(37)
+    x = jnp.asarray(rng.standard_normal((65536, 384)).astype(np.float32)).astype(jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal(384) * 0.05, jnp.float32)
+    bounds = jnp.array([-1.1, 1.05], jnp.float32)
+    hist = jnp.zeros((384, 1000), jnp.int32)
+    mask = jnp.asarray(np.arange(65536) % 10 != 0)
+    for kw in ({}, {"token_mask": mask}):
+        f = jax.jit(lambda v, h, kw=kw: gpurouter.fused_topk_with_score_function(
+            v, 8, score_function="sigmoid", expert_bias=bias, qb_histogram=h, qb_bin_bounds=bounds,
+            backend="numba", **kw)[-1])
+        got = np.asarray(f(x, hist))
+        want = _ref(x, bias, bounds, 1000, 8, None if not kw else kw["token_mask"])
+        np.testing.assert_array_equal(got, want)
+        assert got.sum() == 384 * (65536 if not kw else int(np.sum(mask)))
