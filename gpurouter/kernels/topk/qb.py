@@ -357,7 +357,7 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str):
                     if shared:
                         cuda.atomic.add(hist, el * nb + k, np.int32(1))
                     else:
-                        cuda.atomic.add(counts, u64(np.int64(e) * np.int64(nb) + np.int64(k)), np.int32(1))
+                        cuda.atomic.add(counts, np.int64(e) * np.int64(nb) + np.int64(k), np.int32(1))
                 t += np.int64(rows)
         if shared:
             # Barrier: every add of the block is in before the flush reads.
@@ -367,7 +367,7 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str):
             while i < words:
                 v = hist[i]
                 if v != 0:
-                    cuda.atomic.add(counts, u64(base + np.int64(i)), v)
+                    cuda.atomic.add(counts, base + np.int64(i), v)
                 i += nth
 
     return qb_hist
@@ -436,7 +436,8 @@ def hist_tiling(num_tokens: int, num_experts: int, num_bins: int, tiling: QbTili
     shared = fit >= 1
     chunk = max(1, min(num_experts, fit if shared else tiling.hist_threads, tiling.hist_threads))
     chunks = -(-num_experts // chunk)
-    slabs = max(1, min(-(-num_tokens // tiling.slab_tokens), -(-tiling.target_blocks // chunks)))
+    # at most target_blocks (one wave of the grid, not a wave and a sliver)
+    slabs = max(1, min(-(-num_tokens // tiling.slab_tokens), tiling.target_blocks // chunks))
     slab = -(-max(num_tokens, 1) // slabs)
     slabs = -(-max(num_tokens, 1) // slab)
     threads = max(chunk, (tiling.hist_threads // chunk) * chunk)
