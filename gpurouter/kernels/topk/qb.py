@@ -16,7 +16,9 @@ sqrtsoftplus stays in jnp, ``gpurouter/_ops/qb.py``):
 Three launches (``qb_counts_plan``):
 
 1. ``qb_zero``: the counts zeroed (the output is XLA's uninitialised buffer).
-2. ``qb_cutoff`` (a thread per token): ``alpha [T]`` fp32 (plan scratch).
+2. ``qb_cutoff_lanes`` (``QbTiling.cutoff_lanes`` threads a token, their
+   top-(K+1) lists merged through shared memory; with grouping ``qb_cutoff``,
+   a thread a token): ``alpha [T]`` fp32 (plan scratch).
 3. ``qb_hist`` (a block per (expert chunk, token slab)): the chunk's ``EC x B``
    counts in shared memory (int32 shared atomics; ``EC`` as many experts as
    ``QbTiling.smem_bytes`` holds), then each nonzero bin added to global memory
@@ -76,7 +78,8 @@ INT32_MAX = 2**31 - 1
 class QbTiling:
     """The QB kernels' knobs (grids and blocks only: every tiling gives the same counts).
 
-    - ``cutoff_threads``: threads per block of the cutoff kernel (a thread a token);
+    - ``cutoff_threads``, ``cutoff_lanes``: threads per block of the cutoff kernel and threads a token
+      (1 or grouping: a thread a token; a power of two dividing ``cutoff_threads``);
     - ``hist_threads``: threads per block of the histogram kernel;
     - ``smem_bytes``: the histogram kernel's shared counts at most (48 KiB: no opt-in needed);
     - ``slab_tokens``: tokens a histogram block takes at least;
@@ -86,6 +89,7 @@ class QbTiling:
     Under the CUDA simulator the defaults are small blocks (Python threads)."""
 
     cutoff_threads: int = 32 if simulator_enabled() else 128
+    cutoff_lanes: int = 4 if simulator_enabled() else 8
     hist_threads: int = 32 if simulator_enabled() else 1024
     smem_bytes: int = 48 * 1024
     slab_tokens: int = 256
@@ -98,6 +102,9 @@ class QbTiling:
             v = getattr(self, name)
             if not 1 <= v <= 1024:
                 raise ValueError(f"QbTiling: {name} must be in [1, 1024], got {v}.")
+        if self.cutoff_lanes < 1 or self.cutoff_threads % self.cutoff_lanes:
+            raise ValueError(f"QbTiling: cutoff_lanes ({self.cutoff_lanes}) must divide cutoff_threads "
+                             f"({self.cutoff_threads}).")
         if self.smem_bytes < 0 or self.slab_tokens < 1 or self.target_blocks < 1 or self.zero_blocks < 1:
             raise ValueError(f"QbTiling: smem_bytes >= 0 and slab_tokens, target_blocks, zero_blocks >= 1, "
                              f"got {self}.")
@@ -310,6 +317,58 @@ def qb_cutoff_kernel(kind: str, topk: int, num_groups: int, group_topk: int, gro
     return qb_cutoff
 
 
+
+@functools.cache
+def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_mode: str):
+    """``alpha[t]`` without grouping, ``lanes`` threads a token: lane ``l`` keeps the
+    top ``topk + 1`` of experts ``l, l + lanes, ...`` (neighbouring lanes read
+    neighbouring experts), the lists go through shared memory (``blockDim * (topk +
+    1)`` fp32) and lane 0 merges them (each sorted: it stops at the first value
+    that does not enter)."""
+    load = loader_2d(kind)
+    sigmoid = qb_sigmoid_fn(exp_mode)
+    k1 = topk + 1
+    w = lanes
+
+    @cuda.jit
+    def qb_cutoff_lanes(logits, bias, valid, cutoff, num_tokens, num_experts):
+        lists = cuda.shared.array(0, nb_f32)
+        tid = np.int32(cuda.threadIdx.x)
+        tok = tid // np.int32(w)
+        lane = tid - tok * np.int32(w)
+        t = np.int64(cuda.blockIdx.x) * np.int64(cuda.blockDim.x // w) + np.int64(tok)
+        live = t < num_tokens
+        if live and masked:
+            live = valid[t]
+        top = cuda.local.array(k1, nb_f32)
+        for i in range(k1):
+            top[i] = NEG_INF
+        if live:
+            e = np.int64(lane)
+            while e < num_experts:
+                r = np.float32(sigmoid(load(logits, t, e)) + bias[e])
+                _insert(top, k1, NEG_INF if r != r else r)
+                e += np.int64(w)
+        for i in range(k1):
+            lists[tid * k1 + i] = top[i]
+        # Barrier: every lane's list is in shared memory before lane 0 merges.
+        cuda.syncthreads()
+        if lane == 0 and t < num_tokens:
+            if live:
+                for other in range(1, w):
+                    base = (tid + other) * k1
+                    for i in range(k1):
+                        v = lists[base + i]
+                        if not v > top[k1 - 1]:
+                            break
+                        _insert(top, k1, v)
+                cutoff[t] = top[k1 - 1]
+            else:
+                cutoff[t] = ZERO
+
+    return qb_cutoff_lanes
+
+
 @functools.cache
 def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str):
     """The counts of the experts ``[c EC, (c + 1) EC)`` over the tokens of slab ``s``
@@ -465,9 +524,14 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
     steps = [Step(qb_zero_kernel, max(1, min(tiling.zero_blocks, -(-n // tiling.zero_threads))),
                   tiling.zero_threads, 0, (Out(0, Spec((n,), np.int32)), n))]
     if num_tokens:
-        ct = tiling.cutoff_threads
-        steps.append(Step(qb_cutoff_kernel(logits.kind, topk, groups, kg, group_score, masked, exp_mode),
-                          -(-num_tokens // ct), ct, 0, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
+        ct, lanes = tiling.cutoff_threads, tiling.cutoff_lanes
+        if groups or lanes == 1:  # a thread a token
+            kern, grid, shared = (qb_cutoff_kernel(logits.kind, topk, groups, kg, group_score, masked, exp_mode),
+                                  -(-num_tokens // ct), 0)
+        else:
+            kern, grid, shared = (qb_cutoff_lanes_kernel(logits.kind, topk, lanes, masked, exp_mode),
+                                  -(-num_tokens // (ct // lanes)), 4 * ct * (topk + 1))
+        steps.append(Step(kern, grid, ct, shared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
         grid, threads, shared, chunk, chunks, slab = hist_tiling(num_tokens, num_experts, num_bins, tiling)
         steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode), grid, threads, shared,
                           (In(0), Tmp(0), valid, In(2), Out(0, Spec((n,), np.int32)), num_tokens, num_experts,

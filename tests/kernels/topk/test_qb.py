@@ -129,14 +129,14 @@ def test_groups(rule):
 
 
 def test_tilings_same_counts():
-    """Several slabs and chunks, one expert a block, and global atomics (no shared
-    budget) count the same."""
+    """Several slabs and chunks, one expert a block, global atomics (no shared
+    budget), a thread a token and 8 lanes a token at the cutoff count the same."""
     rng = np.random.default_rng(6)
     x = rng.standard_normal((20, 12)).astype(np.float16)
     bias = rng.standard_normal(12) * 0.1
     base = _check(x, bias, [-1, 1], 7, 3)
-    for t in (kqb.QbTiling(slab_tokens=4, target_blocks=64, smem_bytes=4 * 7 * 5),
-              kqb.QbTiling(smem_bytes=4 * 7, hist_threads=8, cutoff_threads=8),
+    for t in (kqb.QbTiling(slab_tokens=4, target_blocks=64, smem_bytes=4 * 7 * 5, cutoff_lanes=1),
+              kqb.QbTiling(smem_bytes=4 * 7, hist_threads=8, cutoff_threads=8, cutoff_lanes=8),
               kqb.QbTiling(smem_bytes=0, slab_tokens=8, target_blocks=4)):
         np.testing.assert_array_equal(_check(x, bias, [-1, 1], 7, 3, tiling=t), base)
     grid, threads, shared, chunk, chunks, slab = kqb.hist_tiling(20, 12, 7, kqb.QbTiling(smem_bytes=0))
@@ -144,8 +144,11 @@ def test_tilings_same_counts():
 
 
 def test_plan_launches_few_blocks_on_tiny_shapes():
+    t = kqb.QB_TILING
     plan = kqb.qb_counts_plan(K._base.plan.spec_for((64, 16), np.float32), False, 4, 8)
-    assert [st.grid for st in plan.steps][1:] == [2 if simulator_enabled() else 1, 1]
+    assert [st.grid for st in plan.steps][1:] == [-(-64 // (t.cutoff_threads // t.cutoff_lanes)), 1]
+    grouped = kqb.qb_counts_plan(K._base.plan.spec_for((64, 16), np.float32), False, 4, 8, 4, 2)
+    assert grouped.steps[1].grid == -(-64 // t.cutoff_threads)  # a thread a token
 
 
 def test_bad_config():
