@@ -56,7 +56,7 @@ def kernel_exp_mode() -> str | None:
     bit for bit on the probe values (checked once a process, on the default
     device), or None (then the histogram is counted in jnp, with a warning)."""
     from ..kernels._base.launch import simulator_enabled
-    from ..kernels.topk.qb import EXP_MODES, default_exp_mode, qb_sigmoid_probe
+    from ..kernels.topk.qb_math import EXP_MODES, default_exp_mode, qb_sigmoid_probe
 
     sim = simulator_enabled()
     x = _probe_values(sim)

@@ -30,21 +30,8 @@ Overflow: one call adds at most one count per valid token to each bin, so a
 bin of this call's counts is at most ``T <= 2**31 - 1`` (the op checks ``T``;
 the caller's histogram is added to them saturating, in jnp).
 
-Bit-exactness (the sigmoid): XLA lowers ``jax.nn.sigmoid`` to
-``1 / (1 + exp(-x))``; division, subtraction and multiplication are IEEE in
-both, so only ``exp`` can differ. ``exp_mode``:
-
-- ``"libdevice"`` (the GPU default): numba's ``math.exp``, libdevice's
-  ``__nv_expf``, the function XLA:GPU calls for an fp32 ``exp``;
-- ``"cephes"``: the Cephes polynomial with FMAs, XLA:CPU's fp32 ``exp``
-  (measured bit for bit against jax 0.10's XLA:CPU on 4M values in
-  ``[-100, 100]``, with denormal results flushed to 0 as XLA:CPU does): the
-  CUDA simulator's only mode, so that the simulator tests compare bit for bit
-  against jnp on the CPU. On a GPU it runs with ``cuda.fma``.
-
-``qb_sigmoid_probe`` runs the chosen sigmoid on a vector (the GPU test and
-``gpurouter/_ops/qb.py``'s one-time check compare it with ``jax.nn.sigmoid``
-on the device).
+The sigmoid is ``jax.nn.sigmoid``'s bits on the platform (``exp_mode``,
+``qb_math.py``).
 """
 
 from __future__ import annotations
@@ -53,181 +40,21 @@ from .._base import compat as _compat  # noqa: F401  (first: patches NumPy befor
 
 # isort: split
 
-import dataclasses
 import functools
-import math
 
 import numpy as np
 from numba import cuda
 from numba import float32 as nb_f32
 from numba import int32 as nb_i32
 
-from .._base.access import loader_1d, loader_2d
-from .._base.device import NEG_INF, ONE, ZERO, u64
-from .._base.launch import F32, any_on_device, device_input, is_device_array, resolve_stream, simulator_enabled
-from .._base.limits import MAX_GROUPS, MAX_TOPK
+from .._base.access import loader_2d
+from .._base.device import NEG_INF, ZERO, u64
+from .._base.launch import F32, any_on_device, device_input, is_device_array, map_input, resolve_stream
 from .._base.plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_of
+from .qb_math import default_exp_mode, qb_bin, qb_sigmoid_fn
+from .qb_tiling import OP, QB_TILING, QbTiling, check_qb_config, hist_tiling
 
-OP = "qb_counts"
-GROUP_SCORES = ("sum_topk", "top2_sum", "max")
-EXP_MODES = ("libdevice", "cephes")
 INT32_MAX = 2**31 - 1
-
-
-@dataclasses.dataclass(frozen=True)
-class QbTiling:
-    """The QB kernels' knobs (grids and blocks only: every tiling gives the same counts).
-
-    - ``cutoff_threads``, ``cutoff_lanes``: threads per block of the cutoff kernel and threads a token
-      (1 or grouping: a thread a token; a power of two dividing ``cutoff_threads``);
-    - ``hist_threads``: threads per block of the histogram kernel;
-    - ``smem_bytes``: the histogram kernel's shared counts at most (48 KiB: no opt-in needed);
-    - ``slab_tokens``: tokens a histogram block takes at least;
-    - ``target_blocks``: histogram blocks wanted (chunks x slabs; 264: two on each of 132 SMs);
-    - ``zero_threads``, ``zero_blocks``: the zeroing kernel's grid.
-
-    Under the CUDA simulator the defaults are small blocks (Python threads)."""
-
-    cutoff_threads: int = 32 if simulator_enabled() else 128
-    cutoff_lanes: int = 4 if simulator_enabled() else 8
-    hist_threads: int = 32 if simulator_enabled() else 1024
-    smem_bytes: int = 48 * 1024
-    slab_tokens: int = 256
-    target_blocks: int = 264
-    zero_threads: int = 32 if simulator_enabled() else 256
-    zero_blocks: int = 4 if simulator_enabled() else 528
-
-    def __post_init__(self):
-        for name in ("cutoff_threads", "hist_threads", "zero_threads"):
-            v = getattr(self, name)
-            if not 1 <= v <= 1024:
-                raise ValueError(f"QbTiling: {name} must be in [1, 1024], got {v}.")
-        if self.cutoff_lanes < 1 or self.cutoff_threads % self.cutoff_lanes:
-            raise ValueError(f"QbTiling: cutoff_lanes ({self.cutoff_lanes}) must divide cutoff_threads "
-                             f"({self.cutoff_threads}).")
-        if self.smem_bytes < 0 or self.slab_tokens < 1 or self.target_blocks < 1 or self.zero_blocks < 1:
-            raise ValueError(f"QbTiling: smem_bytes >= 0 and slab_tokens, target_blocks, zero_blocks >= 1, "
-                             f"got {self}.")
-
-
-QB_TILING = QbTiling()
-
-
-# ----------------------------------------------------------------------------
-# The sigmoid (bit for bit XLA's) and the bin
-# ----------------------------------------------------------------------------
-
-# Cephes' expf (XLA:CPU's fp32 exp): n = floor(x log2 e + 1/2), the reduction
-# by ln 2 in two parts, a degree-5 polynomial, then 2^n.
-_EXP_HI = np.float32(88.3762626647949)
-_EXP_LO = np.float32(-88.3762626647949)
-_LOG2E = np.float32(1.44269504088896341)
-_HALF = np.float32(0.5)
-_C1 = np.float32(-0.693359375)
-_C2 = np.float32(2.12194440e-4)
-_P0, _P1, _P2, _P3, _P4, _P5 = (np.float32(v) for v in (
-    1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1))
-_TINY = np.float32(np.finfo(np.float32).tiny)
-
-if simulator_enabled():
-
-    @cuda.jit(device=True)
-    def _fma(a, b, c):
-        # fp32 fma: the exact product and sum in double, rounded once more to
-        # fp32 (a double rounding: off by an ulp only in ties ~2^-29 apart)
-        return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
-
-    @cuda.jit(device=True)
-    def _ldexp(y, n):
-        return np.float32(math.ldexp(float(y), int(n)))
-
-    @cuda.jit(device=True)
-    def _flush(v):
-        # XLA:CPU flushes denormal results to zero
-        return ZERO if abs(v) < _TINY else v
-
-    @cuda.jit(device=True)
-    def _floor(v):
-        return np.float32(math.floor(v))
-
-    @cuda.jit(device=True)
-    def _libdevice_exp(a):
-        return np.float32(math.exp(min(float(a), 88.8)))
-
-else:
-
-    @cuda.jit(device=True)
-    def _fma(a, b, c):
-        return cuda.fma(a, b, c)
-
-    @cuda.jit(device=True)
-    def _ldexp(y, n):
-        # y in [0.5, 2): 2^n in two halves (n in [-128, 128])
-        h = np.int32(n) // np.int32(2)
-        a = np.int32(np.int32(h + np.int32(127)) << np.int32(23)).view(np.float32)
-        b = np.int32(np.int32(np.int32(n - h) + np.int32(127)) << np.int32(23)).view(np.float32)
-        return np.float32(np.float32(y * a) * b)
-
-    @cuda.jit(device=True)
-    def _flush(v):
-        return v
-
-    @cuda.jit(device=True)
-    def _floor(v):
-        return np.float32(math.floor(v))
-
-    @cuda.jit(device=True)
-    def _libdevice_exp(a):
-        return math.exp(a)  # fp32 in, fp32 out: libdevice's __nv_expf
-
-
-@cuda.jit(device=True)
-def _cephes_exp(a):
-    if a != a:
-        return a
-    x = a
-    if x > _EXP_HI:
-        x = _EXP_HI
-    if x < _EXP_LO:
-        x = _EXP_LO
-    m = _floor(np.float32(np.float32(x * _LOG2E) + _HALF))
-    r = _fma(m, _C1, x)
-    r = _fma(m, _C2, r)
-    y = _P0
-    y = _fma(y, r, _P1)
-    y = _fma(y, r, _P2)
-    y = _fma(y, r, _P3)
-    y = _fma(y, r, _P4)
-    y = _fma(y, r, _P5)
-    y = _fma(y, np.float32(r * r), r)
-    y = np.float32(y + ONE)
-    return _flush(_ldexp(y, m))
-
-
-@functools.cache
-def qb_sigmoid_fn(exp_mode: str):
-    """Device function ``sigmoid(x) = 1 / (1 + exp(-x))`` (fp32) with ``exp_mode``'s exp."""
-    if exp_mode not in EXP_MODES:
-        raise ValueError(f"{OP}: exp_mode must be one of {EXP_MODES}, got {exp_mode!r}.")
-    exp = _cephes_exp if exp_mode == "cephes" else _libdevice_exp
-
-    @cuda.jit(device=True)
-    def sigmoid(x):
-        return _flush(np.float32(ONE / np.float32(ONE + exp(np.float32(-x)))))
-
-    return sigmoid
-
-
-@cuda.jit(device=True)
-def qb_bin(rb, lower, nbins_f, top_f, width):
-    """``floor(((rb - lower) * B) / width)`` clamped into ``[0, B - 1]``, NaN to 0
-    (``nbins_f`` = fp32 B, ``top_f`` = fp32 (B - 1))."""
-    q = np.float32(np.float32(np.float32(rb - lower) * nbins_f) / width)
-    if not q >= ZERO:  # negative (floor < 0 or in [-1, 0): clamped to 0) or NaN
-        return np.int32(0)
-    if q >= top_f:  # floor(q) >= B - 1, +inf included
-        return np.int32(top_f)
-    return np.int32(q)  # q in [0, B - 1): truncation is floor
 
 
 @cuda.jit(device=True)
@@ -432,75 +259,9 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str):
     return qb_hist
 
 
-@functools.cache
-def qb_sigmoid_probe_kernel(exp_mode: str):
-    sigmoid = qb_sigmoid_fn(exp_mode)
-    load = loader_1d(F32)
-
-    @cuda.jit
-    def probe(x, out, n):
-        i = np.int64(cuda.grid(1))
-        if i < n:
-            out[i] = sigmoid(load(x, i))
-
-    return probe
-
-
 # ----------------------------------------------------------------------------
 # Launchers and plans
 # ----------------------------------------------------------------------------
-
-
-def default_exp_mode() -> str:
-    """The simulator's only mode is ``"cephes"`` (XLA:CPU's exp); a GPU's default is ``"libdevice"``."""
-    return "cephes" if simulator_enabled() else "libdevice"
-
-
-def check_qb_config(topk: int, num_experts: int, num_bins: int, num_groups: int, group_topk: int,
-                    group_score: str, exp_mode: str) -> tuple[int, int]:
-    """Validates the static configuration; returns ``(groups, group_topk)`` (0, 0 without grouping)."""
-    if not 1 <= topk < num_experts:
-        raise ValueError(f"{OP}: topk ({topk}) must satisfy 1 <= topk < num_experts ({num_experts}).")
-    if topk + 1 > MAX_TOPK + 1:
-        raise NotImplementedError(f"{OP}: topk ({topk}) must be at most {MAX_TOPK}.")
-    if num_bins < 1:
-        raise ValueError(f"{OP}: num_bins ({num_bins}) must be >= 1.")
-    if group_score not in GROUP_SCORES:
-        raise ValueError(f"{OP}: group_score must be one of {GROUP_SCORES}, got {group_score!r}.")
-    if exp_mode not in EXP_MODES:
-        raise ValueError(f"{OP}: exp_mode must be one of {EXP_MODES}, got {exp_mode!r}.")
-    if simulator_enabled() and exp_mode != "cephes":
-        raise ValueError(f"{OP}: the CUDA simulator computes exp_mode 'cephes' only, got {exp_mode!r}.")
-    grouped = num_groups > 0 and group_topk > 0
-    if not grouped:
-        return 0, 0
-    if num_groups > MAX_GROUPS or num_experts % num_groups or not 1 <= group_topk <= num_groups:
-        raise ValueError(f"{OP}: num_groups ({num_groups}) must divide num_experts ({num_experts}) and be at "
-                         f"most {MAX_GROUPS}, and 1 <= group_topk ({group_topk}) <= num_groups.")
-    size = num_experts // num_groups
-    if group_score == "sum_topk" and (topk % group_topk or topk // group_topk > size):
-        raise ValueError(f"{OP}: topk ({topk}) must be a multiple of group_topk ({group_topk}) with "
-                         f"topk / group_topk <= num_experts / num_groups ({size}).")
-    if group_score == "top2_sum" and size < 2:
-        raise ValueError(f"{OP}: group_score 'top2_sum' needs num_experts / num_groups >= 2, got {size}.")
-    if group_topk * size < topk + 1:
-        raise ValueError(f"{OP}: the kept groups hold group_topk * num_experts / num_groups = "
-                         f"{group_topk * size} experts, fewer than topk + 1 = {topk + 1}.")
-    return num_groups, group_topk
-
-
-def hist_tiling(num_tokens: int, num_experts: int, num_bins: int, tiling: QbTiling = QB_TILING):
-    """``(grid, threads, shared_bytes, chunk, chunks, slab)`` of the histogram kernel."""
-    fit = tiling.smem_bytes // (4 * num_bins)
-    shared = fit >= 1
-    chunk = max(1, min(num_experts, fit if shared else tiling.hist_threads, tiling.hist_threads))
-    chunks = -(-num_experts // chunk)
-    # at most target_blocks (one wave of the grid, not a wave and a sliver)
-    slabs = max(1, min(-(-num_tokens // tiling.slab_tokens), tiling.target_blocks // chunks))
-    slab = -(-max(num_tokens, 1) // slabs)
-    slabs = -(-max(num_tokens, 1) // slab)
-    threads = max(chunk, (tiling.hist_threads // chunk) * chunk)
-    return chunks * slabs, threads, (4 * chunk * num_bins if shared else 0), chunk, chunks, slab
 
 
 @functools.cache
@@ -539,6 +300,20 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
     return Plan(OP, ins, outs, tmps, steps)
 
 
+def _mask_input(token_mask, num_tokens: int, stream):
+    """The valid-token mask, bool ``(T,)`` host or device, as a device array."""
+    if is_device_array(token_mask):
+        m = token_mask if hasattr(token_mask, "copy_to_host") else cuda.as_cuda_array(token_mask)
+    else:
+        m = np.ascontiguousarray(np.asarray(token_mask))
+    if np.dtype(m.dtype) != np.bool_:
+        raise TypeError(f"{OP}: token_mask must be bool, got {m.dtype}.")
+    if tuple(m.shape) != (num_tokens,):
+        raise ValueError(f"{OP}: token_mask must be bool of shape ({num_tokens},), got {tuple(m.shape)}.")
+    # a [T, 1] bool "map" (launch.map_input moves it), viewed flat again
+    return map_input(m.reshape(num_tokens, 1), "token_mask", OP, stream, (num_tokens, 1))[0].reshape(num_tokens)
+
+
 def qb_counts(logits, expert_bias, bin_bounds, num_bins: int, topk: int, *, token_mask=None, num_groups: int = -1,
               group_topk: int = -1, group_score: str = "sum_topk", exp_mode: str | None = None,
               tiling: QbTiling | None = None, out=None, stream=0):
@@ -575,36 +350,11 @@ def qb_counts(logits, expert_bias, bin_bounds, num_bins: int, topk: int, *, toke
     ins = [d, d_b, d_lu]
     masked = token_mask is not None
     if masked:
-        if is_device_array(token_mask):
-            m = token_mask if hasattr(token_mask, "copy_to_host") else cuda.as_cuda_array(token_mask)
-        else:
-            h = np.asarray(token_mask)
-            if h.dtype != np.bool_:
-                raise TypeError(f"{OP}: token_mask must be bool, got {h.dtype}.")
-            m = cuda.to_device(np.ascontiguousarray(h), stream=s)
-        if np.dtype(m.dtype) != np.bool_ or tuple(m.shape) != (num_tokens,):
-            raise ValueError(f"{OP}: token_mask must be bool of shape ({num_tokens},), got "
-                             f"{tuple(m.shape)} {m.dtype}.")
-        ins.append(m)
+        ins.append(_mask_input(token_mask, num_tokens, s))
     to_host = not any_on_device(logits, expert_bias, bin_bounds, token_mask) and out is None
     plan = qb_counts_plan(Spec(d.shape, d.dtype, kind), masked, int(topk), int(num_bins),
                           max(int(num_groups), 0), max(int(group_topk), 0), group_score, exp_mode, tiling)
     return execute(plan, ins, None if out is None else (out,), s, to_host)[0]
 
 
-def qb_sigmoid_probe(x, exp_mode: str | None = None, stream=0):
-    """``1 / (1 + exp(-x))`` of float32 ``x`` (1-D) by the QB kernels' sigmoid (NumPy in and out)."""
-    exp_mode = exp_mode or default_exp_mode()
-    h = np.ascontiguousarray(np.asarray(x, np.float32).reshape(-1))
-    s = resolve_stream(stream)
-    d = cuda.to_device(h, stream=s)
-    o = cuda.device_array(h.shape, np.float32, stream=s)
-    n = h.size
-    if n:
-        kern = qb_sigmoid_probe_kernel(exp_mode)
-        threads = 32 if simulator_enabled() else 256
-        kern[-(-n // threads), threads, s](d, o, n)
-    return o.copy_to_host(stream=s)
-
-
-__all__ = ["QB_TILING", "QbTiling", "qb_counts", "qb_counts_plan", "qb_sigmoid_probe"]
+__all__ = ["QB_TILING", "QbTiling", "qb_counts", "qb_counts_plan"]
