@@ -178,3 +178,26 @@ def test_kimi_shape_on_gpu():
         want = _ref(x, bias, bounds, 1000, 8, None if not kw else kw["token_mask"])
         np.testing.assert_array_equal(got, want)
         assert got.sum() == 384 * (65536 if not kw else int(np.sum(mask)))
+
+
+def test_token_sharded_jit_counts_per_shard():
+    """Token-sharded logits under jit (explicit sharding): the kernels count each
+    shard's tokens and the counts are summed: jax's unsharded histogram."""
+    n = jax.device_count()
+    if n < 2:
+        pytest.skip(f"needs >= 2 devices of the default backend, have {n}")
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((2 * n, 8)), jnp.float32)
+    mask = jnp.asarray(np.arange(2 * n) % 3 != 1)
+    args = dict(score_function="sigmoid", expert_bias=jnp.asarray(rng.standard_normal(8) * 0.1, jnp.float32),
+                qb_histogram=jnp.zeros((8, 5), jnp.int32), qb_bin_bounds=jnp.array([-1.0, 1.0], jnp.float32),
+                token_mask=mask)
+    want = gpurouter.fused_topk_with_score_function(x, 2, backend="jax", **args)[-1]
+    mesh = jax.make_mesh((n,), ("data",))
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+        got = jax.jit(lambda v: gpurouter.fused_topk_with_score_function(v, 2, backend="numba", **args)[-1])(xs)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
