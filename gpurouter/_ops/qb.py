@@ -78,7 +78,8 @@ def _kernel_counts(x, bias, bounds, valid, cfg: TopkConfig, group_score: str, nu
     groups = cfg.num_groups if cfg.grouped else 0
     kg = cfg.group_topk if cfg.grouped else 0
     static = (cfg.topk, num_bins, groups, kg, group_score, exp_mode)
-    args = [x, bias.astype(jnp.float32), bounds.astype(jnp.float32)]
+    # counts have no gradient: the kernel call must not be differentiated
+    args = [lax.stop_gradient(a) for a in (x, bias.astype(jnp.float32), bounds.astype(jnp.float32))]
     if valid is not None:
         args.append(valid.astype(jnp.bool_))
     spec = [jax.ShapeDtypeStruct((x.shape[1], num_bins), jnp.int32)]

@@ -153,6 +153,19 @@ def test_public_op_numba_equals_jax(kw):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+
+def test_gradient_flows_past_the_counts():
+    """The kernels' counts take no gradient (the kernel call is never differentiated):
+    grad of the probs on numba is jax's (the sigmoid backward)."""
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((6, 16)), jnp.float32)
+    kw = dict(score_function="sigmoid", expert_bias=jnp.asarray(rng.standard_normal(16) * 0.1, jnp.float32),
+              qb_histogram=jnp.zeros((16, 4), jnp.int32), qb_bin_bounds=jnp.array([-1.0, 1.0], jnp.float32))
+    cot = jnp.asarray(rng.standard_normal((6, 16)), jnp.float32)
+    grads = [jax.grad(lambda v, b=b: jnp.sum(gpurouter.fused_topk_with_score_function(v, 4, backend=b, **kw)[0]
+                                             * cot))(x) for b in ("numba", "jax")]
+    np.testing.assert_allclose(np.asarray(grads[0]), np.asarray(grads[1]), rtol=1e-4, atol=1e-6)
+
 @pytest.mark.gpu
 def test_kimi_shape_on_gpu():
     """T = 65536, E = 384, K = 8, B = 1000, bf16 (and 10% of the tokens masked): the
@@ -201,3 +214,32 @@ def test_token_sharded_jit_counts_per_shard():
         xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
         got = jax.jit(lambda v: gpurouter.fused_topk_with_score_function(v, 2, backend="numba", **args)[-1])(xs)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_vmap_and_shard_map_axis_name():
+    """Under vmap the kernels run once per element; inside shard_map with
+    ``axis_name`` each shard's counts are summed once: jax's histograms."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(10)
+    kw = dict(score_function="sigmoid", expert_bias=jnp.asarray(rng.standard_normal(8) * 0.1, jnp.float32),
+              qb_bin_bounds=jnp.array([-1.0, 1.0], jnp.float32))
+    x = jnp.asarray(rng.standard_normal((3, 4, 8)), jnp.float32)
+    h = jnp.asarray(rng.integers(0, 3, (3, 8, 4)), jnp.int32)
+    got, want = (jax.vmap(lambda v, hh, b=b: gpurouter.fused_topk_with_score_function(
+        v, 2, backend=b, qb_histogram=hh, **kw)[-1])(x, h) for b in ("numba", "jax"))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    xs = jax.device_put(jnp.asarray(rng.standard_normal((2 * n, 8)), jnp.float32), NamedSharding(mesh, P("data", None)))
+
+    def run(backend):
+        def local(v):
+            return gpurouter.fused_topk_with_score_function(v, 2, backend=backend, axis_name="data",
+                                                            qb_histogram=jnp.zeros((8, 4), jnp.int32), **kw)[-1]
+        return np.asarray(jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("data", None), out_specs=P()))(xs))
+
+    got = run("numba")
+    np.testing.assert_array_equal(got, run("jax"))
+    assert got.sum() == 2 * n * 8
