@@ -20,17 +20,19 @@ class QbTiling:
 
     - ``cutoff_threads``, ``cutoff_lanes``: threads per block of the cutoff kernel and threads a token
       (1 or grouping: a thread a token; a power of two dividing ``cutoff_threads``);
-    - ``hist_threads``: threads per block of the histogram kernel;
+    - ``hist_threads``: threads per block of the histogram kernel (512: launchable at any register count
+      up to 128; rounded down to whole token rows of the chunk);
     - ``smem_bytes``: the histogram kernel's shared counts at most (48 KiB: no opt-in needed);
     - ``slab_tokens``: tokens a histogram block takes at least;
-    - ``target_blocks``: histogram blocks wanted (chunks x slabs; 264: two on each of 132 SMs);
+    - ``target_blocks``: histogram blocks at most (chunks x slabs, one wave: 264 = two on each of 132 SMs;
+      fewer slabs, fewer flushed bins);
     - ``zero_threads``, ``zero_blocks``: the zeroing kernel's grid.
 
     Under the CUDA simulator the defaults are small blocks (Python threads)."""
 
     cutoff_threads: int = 32 if simulator_enabled() else 128
     cutoff_lanes: int = 4 if simulator_enabled() else 8
-    hist_threads: int = 32 if simulator_enabled() else 1024
+    hist_threads: int = 32 if simulator_enabled() else 512
     smem_bytes: int = 48 * 1024
     slab_tokens: int = 256
     target_blocks: int = 264
