@@ -8,6 +8,8 @@ division is ``div.rn``, no fast-math flags), so only ``exp`` can differ.
 
 - ``"libdevice"`` (a GPU's default): numba's ``math.exp``, libdevice's
   ``__nv_expf``, the function XLA:GPU calls for an fp32 ``exp``;
+- ``"libdevice_ftz"``: the same, a denormal sigmoid flushed to 0 (XLA:GPU
+  run with ``--xla_gpu_ftz``: only ``x < -87.3`` differs);
 - ``"cephes"``: the Cephes polynomial with FMAs, XLA:CPU's fp32 ``exp``
   (measured bit for bit against jax 0.10's XLA:CPU on 4M values in
   ``[-100, 100]``, denormal results flushed to 0 as XLA:CPU does): the CUDA
@@ -36,7 +38,7 @@ from .._base.device import ONE, ZERO
 from .._base.launch import F32, device_input, resolve_stream, simulator_enabled
 from .._base.plan import In, Out, Plan, Step, execute, spec_of
 
-EXP_MODES = ("libdevice", "cephes")
+EXP_MODES = ("libdevice", "libdevice_ftz", "cephes")
 
 
 def default_exp_mode() -> str:
@@ -72,11 +74,6 @@ if simulator_enabled():
         return np.float32(math.ldexp(float(y), int(n)))
 
     @cuda.jit(device=True)
-    def _flush(v):
-        # XLA:CPU flushes denormal results to zero
-        return ZERO if abs(v) < _TINY else v
-
-    @cuda.jit(device=True)
     def _floor(v):
         return np.float32(math.floor(v))
 
@@ -99,16 +96,18 @@ else:
         return np.float32(np.float32(y * a) * b)
 
     @cuda.jit(device=True)
-    def _flush(v):
-        return v
-
-    @cuda.jit(device=True)
     def _floor(v):
         return np.float32(math.floor(v))
 
     @cuda.jit(device=True)
     def _libdevice_exp(a):
         return math.exp(a)  # fp32 in, fp32 out: libdevice's __nv_expf
+
+
+@cuda.jit(device=True)
+def _flush(v):
+    """``v``, a denormal flushed to 0 (as XLA:CPU, or XLA:GPU with ftz, computes)."""
+    return ZERO if abs(v) < _TINY else v
 
 
 @cuda.jit(device=True)
@@ -140,10 +139,12 @@ def qb_sigmoid_fn(exp_mode: str):
     if exp_mode not in EXP_MODES:
         raise ValueError(f"qb_counts: exp_mode must be one of {EXP_MODES}, got {exp_mode!r}.")
     exp = _cephes_exp if exp_mode == "cephes" else _libdevice_exp
+    flush = exp_mode != "libdevice"
 
     @cuda.jit(device=True)
     def sigmoid(x):
-        return _flush(np.float32(ONE / np.float32(ONE + exp(np.float32(-x)))))
+        s = np.float32(ONE / np.float32(ONE + exp(np.float32(-x))))
+        return _flush(s) if flush else s
 
     return sigmoid
 
