@@ -117,6 +117,16 @@ def test_groups(rule):
     _check(x, bias, [-1, 1], 8, 4, mask=np.arange(8) != 5, num_groups=4, group_topk=2, rule=rule)
 
 
+
+def test_group_tie_keeps_the_lower_group():
+    """Groups 0 and 1 tie on their max: group 0 stays (Kg = 1), so the cutoff is its
+    4th value (logit -2), not group 1's (0.3); counts as the reference's."""
+    x = np.array([[1.0, -2.0, -2.0, -2.0, 1.0, 0.5, 0.4, 0.3] + [-3.0] * 8], np.float32)
+    got = _check(x, np.zeros(16), [-1.0, 1.0], 8, 3, num_groups=4, group_topk=1, rule="max")
+    s = 1 / (1 + np.exp(-x[0].astype(np.float64)))
+    alpha = s[1]  # sigmoid(-2)
+    assert got[0, int(np.floor((alpha - s[0] + 1) * 8 / 2))] == 1  # well inside a bin
+
 def test_tilings_same_counts():
     """Several slabs and chunks, one expert a block, global atomics (no shared
     budget), a thread a token and 8 lanes a token at the cutoff count the same."""
