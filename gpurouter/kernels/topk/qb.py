@@ -101,7 +101,7 @@ def qb_cutoff_kernel(kind: str, topk: int, num_groups: int, group_topk: int, gro
 
     @cuda.jit(device=True)
     def score(logits, bias, t, e):
-        r = np.float32(sigmoid(load(logits, t, e)) + bias[e])
+        r = np.float32(sigmoid(load(logits, u64(t), u64(e))) + bias[u64(e)])
         return NEG_INF if r != r else r
 
     @cuda.jit
@@ -166,14 +166,14 @@ def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_m
         t = np.int64(cuda.blockIdx.x) * np.int64(cuda.blockDim.x // w) + np.int64(tok)
         live = t < num_tokens
         if live and masked:
-            live = valid[t]
+            live = valid[u64(t)]
         top = cuda.local.array(k1, nb_f32)
         for i in range(k1):
             top[i] = NEG_INF
         if live:
             e = np.int64(lane)
             while e < num_experts:
-                r = np.float32(sigmoid(load(logits, t, e)) + bias[e])
+                r = np.float32(sigmoid(load(logits, u64(t), u64(e))) + bias[u64(e)])
                 _insert(top, k1, NEG_INF if r != r else r)
                 e += np.int64(w)
         for i in range(k1):
@@ -237,9 +237,9 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str):
             e = e0 + el
             t = t0 + np.int64(row)
             while t < t1:
-                if not masked or valid[t]:
-                    s = sigmoid(load(logits, t, e))
-                    k = qb_bin(np.float32(cutoff[t] - s), lower, nbins_f, top_f, width)
+                if not masked or valid[u64(t)]:
+                    s = sigmoid(load(logits, u64(t), u64(e)))
+                    k = qb_bin(np.float32(cutoff[u64(t)] - s), lower, nbins_f, top_f, width)
                     if shared:
                         cuda.atomic.add(hist, el * nb + k, np.int32(1))
                     else:
