@@ -10,7 +10,7 @@ sqrtsoftplus stays in jnp, ``gpurouter/_ops/qb.py``):
   among the experts of the kept groups with grouping on (each group scored by
   ``group_score``, the top ``Kg`` kept, equal scores to the lower group);
 - for every expert ``e`` of every valid token: ``rb = alpha_t - s[t, e]``,
-  ``bin = floor(((rb - lower) * B) / (upper - lower))`` in fp32, clamped into
+  ``bin = floor((rb - lower) * (B / (upper - lower)))`` in fp32, clamped into
   ``[0, B - 1]`` (NaN to bin 0), one count to ``counts[e, bin]``.
 
 Three launches (``qb_counts_plan``):
@@ -227,8 +227,7 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str):
             # Barrier: the counts are zero before any thread adds.
             cuda.syncthreads()
         lower = bounds[0]
-        width = np.float32(bounds[1] - lower)
-        nbins_f = np.float32(nb)
+        scale = np.float32(np.float32(nb) / np.float32(bounds[1] - lower))
         top_f = np.float32(nb - np.int32(1))
         rows = nth // ec
         row = tid // ec
@@ -239,7 +238,7 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str):
             while t < t1:
                 if not masked or valid[u64(t)]:
                     s = sigmoid(load(logits, u64(t), u64(e)))
-                    k = qb_bin(np.float32(cutoff[u64(t)] - s), lower, nbins_f, top_f, width)
+                    k = qb_bin(np.float32(cutoff[u64(t)] - s), lower, scale, top_f)
                     if shared:
                         cuda.atomic.add(hist, el * nb + k, np.int32(1))
                     else:

@@ -150,10 +150,11 @@ def qb_sigmoid_fn(exp_mode: str):
 
 
 @cuda.jit(device=True)
-def qb_bin(rb, lower, nbins_f, top_f, width):
-    """``floor(((rb - lower) * B) / width)`` clamped into ``[0, B - 1]``, NaN to 0
-    (``nbins_f`` = fp32 B, ``top_f`` = fp32 (B - 1))."""
-    q = np.float32(np.float32(np.float32(rb - lower) * nbins_f) / width)
+def qb_bin(rb, lower, scale, top_f):
+    """``floor((rb - lower) * scale)`` clamped into ``[0, B - 1]``, NaN to 0
+    (``scale`` = fp32 ``B / (upper - lower)``, ``top_f`` = fp32 (B - 1)): the
+    reference's ``qb_bins`` (reference/variants.py), rounding for rounding."""
+    q = np.float32(np.float32(rb - lower) * scale)
     if not q >= ZERO:  # negative (floor < 0 or in [-1, 0): clamped to 0) or NaN
         return np.int32(0)
     if q >= top_f:  # floor(q) >= B - 1, +inf included

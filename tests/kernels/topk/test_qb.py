@@ -78,13 +78,29 @@ def test_bin_edges_exact():
     r = s + bias
     alpha = -np.sort(-r, axis=1)[:, 3]
     rb = alpha[:, None] - s
-    want_bins = np.clip(np.floor((rb - lower) * num_bins / (upper - lower)), 0, num_bins - 1).astype(int)
+    want_bins = np.clip(np.floor((rb - lower) * (num_bins / (upper - lower))), 0, num_bins - 1).astype(int)
     want = np.zeros((8, num_bins), np.int32)
     for t in range(x.shape[0]):
         for e in range(8):
             want[e, want_bins[t, e]] += 1
     np.testing.assert_array_equal(got, want)
 
+
+
+def test_reference_bins_are_one_formula_eager_and_under_jit():
+    """``qb_bins`` is ``floor((rb - lower) * (B / (upper - lower)))``, the scale rounded
+    once, eagerly and under jit (XLA rewrote the old ``(... * B) / width`` into a
+    reciprocal product, reassociated differently under jit): the kernels' formula."""
+    from gpurouter.reference.variants import qb_bins
+
+    rb = (np.random.default_rng(11).standard_normal(2_000_000) * 0.7).astype(np.float32)
+    bounds = np.array([-1.1, 1.05], np.float32)
+    scale = np.float32(np.float32(1000) / np.float32(bounds[1] - bounds[0]))
+    want = np.clip(np.floor(np.float32(1) * (rb - bounds[0]).astype(np.float32) * scale), 0, 999)
+    eager = np.asarray(qb_bins(jnp.asarray(rb), jnp.asarray(bounds), 1000))
+    jitted = np.asarray(jax.jit(lambda r, b: qb_bins(r, b, 1000))(rb, bounds))
+    np.testing.assert_array_equal(eager, want.astype(np.int32))
+    np.testing.assert_array_equal(jitted, eager)
 
 def test_end_bins_nan_and_inf():
     """Bounds narrower than the scores clamp into the end bins; a NaN logit's rb is NaN
