@@ -50,6 +50,7 @@ from numba import int32 as nb_i32
 from .._base.access import loader_2d
 from .._base.device import NEG_INF, ZERO, u64
 from .._base.launch import F32, any_on_device, device_input, is_device_array, map_input, resolve_stream
+from .._base.parallel import recipe
 from .._base.plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_of
 from .qb_math import default_exp_mode, qb_bin, qb_sigmoid_fn
 from .qb_tiling import OP, QB_TILING, QbTiling, check_qb_config, hist_tiling
@@ -83,6 +84,7 @@ def qb_zero_kernel(counts, n):
         i += step
 
 
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def qb_cutoff_kernel(kind: str, topk: int, num_groups: int, group_topk: int, group_score: str, masked: bool,
                      exp_mode: str):
@@ -145,6 +147,7 @@ def qb_cutoff_kernel(kind: str, topk: int, num_groups: int, group_topk: int, gro
 
 
 
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_mode: str):
     """``alpha[t]`` without grouping, ``lanes`` threads a token: lane ``l`` keeps the
@@ -196,6 +199,7 @@ def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_m
     return qb_cutoff_lanes
 
 
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str):
     """The counts of the experts ``[c EC, (c + 1) EC)`` over the tokens of slab ``s``
