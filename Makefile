@@ -10,8 +10,8 @@ GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda13,bench
 DEMO_EXTRAS ?= $(if $(GPU_EXTRAS),[$(GPU_EXTRAS)],)
 TEST_EXTRAS ?= [test,$(if $(GPU_EXTRAS),cuda13,sim)]
 PYTEST_ARGS ?=
-# The tests, and the reference's docstring examples (doctests: they cannot drift from the code).
-TEST_PATHS ?= tests --doctest-modules gpurouter/reference
+# The tests, and the docstring examples of the reference and of config.py (doctests: they cannot drift from the code).
+TEST_PATHS ?= tests --doctest-modules gpurouter/reference gpurouter/config.py
 # Tests marked slow (the conformance battery's mutant list, its full dogfood runs) are
 # left out here; `make test-slow` runs them (minutes each on a CPU).
 TEST_MARKERS ?= not slow

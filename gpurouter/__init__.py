@@ -12,6 +12,7 @@ from ._ops.aux_loss import fused_moe_aux_loss as fused_moe_aux_loss
 from ._ops.losses import router_z_loss as router_z_loss
 from ._ops.losses import update_expert_bias as update_expert_bias
 from ._ops.topk import fused_topk_with_score_function as fused_topk_with_score_function
+from .config import RouterConfig as RouterConfig
 from .reference.routing_map import pack_routing_map as pack_routing_map
 from .reference.routing_map import tokens_per_expert as tokens_per_expert
 from .reference.routing_map import unpack_routing_map as unpack_routing_map
@@ -22,6 +23,7 @@ _guard_simulator_collectives()  # only with NUMBA_ENABLE_CUDASIM set: see _backe
 __version__ = "0.1.0"
 
 __all__ = [
+    "RouterConfig",
     "RoutingMapFormat",
     "ScoreFunction",
     "fused_moe_aux_loss",

@@ -102,12 +102,12 @@ def moe(
                                  **block, **route, router=router, aux_loss=aux_loss)
     # The kernel path, step by step (the reference block's steps). The tokens go
     # by direct calls to block_dispatch -> token_dispatch -> its kernel binding
-    # (gpurouter/_ops/permute.py), whose launcher and planner, handed to the
-    # transport's kernel_call, call gpurouter/kernels/moe/plans.py by name.
+    # (gpurouter/_ops/permute.py), which builds the dispatch's plan
+    # (gpurouter/kernels/moe/plans.py) by name and hands it to kernel_call.
     routed = reference.moe.route_tokens(x, gate_kernel, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, expert_bias,
                                         **block, **route, router=router)
-    tokens = jnp.asarray(x).reshape(-1, jnp.shape(x)[-1])  # routed.xf
-    dispatched = block_dispatch(tokens, routed.probs, routed.routing_map, routed.idx, num_experts, transport)
+    x = jnp.asarray(x).reshape(-1, jnp.shape(x)[-1])  # the tokens [T, H] (routed.xf)
+    dispatched = block_dispatch(x, routed.probs, routed.routing_map, routed.idx, num_experts, transport)
     return reference.moe.experts_and_combine(routed, dispatched, functools.partial(block_combine, transport=transport),
                                              wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, **block, router=router,
                                              aux_loss=aux_loss)

@@ -27,7 +27,11 @@ TOPK_OP = "fused_topk_with_score_function"
 
 @dataclass(frozen=True)
 class TopkConfig:
-    """Validated, hashable static configuration of one top-k call."""
+    """The checked form of one top-k call's static arguments: a
+    ``gpurouter.config.RouterConfig``'s router fields with the score function as
+    an enum, plus the call's ``compute_aux_scores`` and routing-map format.
+    Hashable: the kernels and plans are cached by it. Only
+    :func:`check_topk_args` builds one."""
 
     topk: int
     use_pre_softmax: bool

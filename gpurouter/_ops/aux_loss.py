@@ -102,24 +102,6 @@ def fused_moe_aux_loss(
     return per_row_shard_sum(loss, probs, [tokens_per_expert, *extra])
 
 
-def _fwd_launch(cfg: AuxLossConfig, probs, tokens_per_expert, **kw):
-    from ..kernels.losses.aux_loss import moe_aux_loss_fwd
-
-    return moe_aux_loss_fwd(
-        probs, tokens_per_expert, cfg.topk, cfg.coeff, cfg.total_num_tokens, cfg.num_experts,
-        **kw,
-    )
-
-
-def _bwd_launch(num_rows: int, saved_coeff, tokens_per_expert, grad_loss, **kw):
-    from ..kernels.losses.aux_loss import moe_aux_loss_bwd
-
-    out = moe_aux_loss_bwd(
-        saved_coeff, tokens_per_expert, grad_loss, num_rows, **kw
-    )
-    return (out,)
-
-
 def _fwd_plan(cfg: AuxLossConfig, probs, tokens_per_expert):
     from ..kernels.losses.aux_loss import moe_aux_loss_fwd_plan
 
@@ -142,8 +124,7 @@ def _aux_loss(probs, tokens_per_expert, cfg: AuxLossConfig, transport: str):
 
 def _aux_loss_fwd(probs, tokens_per_expert, cfg: AuxLossConfig, transport: str):
     specs = (jax.ShapeDtypeStruct((), probs.dtype), jax.ShapeDtypeStruct((), jnp.float32))
-    loss, saved_coeff = kernel_call(
-        functools.partial(_fwd_launch, cfg), functools.partial(_fwd_plan, cfg), specs, [],
+    loss, saved_coeff = kernel_call(functools.partial(_fwd_plan, cfg), specs, [],
         [probs, tokens_per_expert], transport,
     )
     # An empty [T, 0] array carries the row count and dtype of probs into the
@@ -156,8 +137,7 @@ def _aux_loss_bwd(cfg: AuxLossConfig, transport: str, res, grad_loss):
     saved_coeff, tokens_per_expert, like = res
     num_rows, dtype = like.shape[0], like.dtype
     spec = jax.ShapeDtypeStruct((num_rows, tokens_per_expert.shape[0]), dtype)
-    (grad_probs,) = kernel_call(
-        functools.partial(_bwd_launch, num_rows), functools.partial(_bwd_plan, num_rows), [spec], [],
+    (grad_probs,) = kernel_call(functools.partial(_bwd_plan, num_rows), [spec], [],
         [saved_coeff, tokens_per_expert, grad_loss.astype(dtype)], transport,
     )
     return grad_probs, None

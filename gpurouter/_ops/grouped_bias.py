@@ -58,23 +58,10 @@ def _dbs_plan(has_db, has_ds, *specs):
     return plans.grouped_dbias_dscales_plan(*_dbs_specs(has_db, has_ds, specs))
 
 
-def _dbs_launch(has_db, has_ds, *arrays, **kw):
-    from ..kernels.moe import plans
-
-    dy, scales, bias, offsets, db, ds = _dbs_specs(has_db, has_ds, arrays)
-    return plans.grouped_dbias_dscales(dy, scales, bias, offsets, db, ds, **kw)
-
-
 def _db_plan(has_db, dy, offsets, *acc):
     from ..kernels.moe import plans
 
     return plans.grouped_dbias_dscales_plan(dy, None, None, offsets, acc[0] if has_db else None)
-
-
-def _db_launch(has_db, dy, offsets, *acc, **kw):
-    from ..kernels.moe import plans
-
-    return (plans.grouped_dbias(dy, offsets, acc[0] if has_db else None, **kw),)
 
 
 def _dbs_call(dy, scales, bias, offsets, dbias, dscales, transport):
@@ -82,14 +69,14 @@ def _dbs_call(dy, scales, bias, offsets, dbias, dscales, transport):
     args = [dy, scales, bias, offsets] + [a for a in (dbias, dscales) if a is not None]
     flags = (dbias is not None, dscales is not None)
     specs = [jax.ShapeDtypeStruct((g, h), F32), jax.ShapeDtypeStruct((n,), F32)]
-    return tuple(kernel_call(functools.partial(_dbs_launch, *flags), functools.partial(_dbs_plan, *flags), specs,
+    return tuple(kernel_call(functools.partial(_dbs_plan, *flags), specs,
                              [], args, transport))
 
 
 def _db_call(dy, offsets, num_groups, dbias, transport):
     args = [dy, offsets] + ([dbias] if dbias is not None else [])
     has_db = dbias is not None
-    (db,) = kernel_call(functools.partial(_db_launch, has_db), functools.partial(_db_plan, has_db),
+    (db,) = kernel_call(functools.partial(_db_plan, has_db),
                         [jax.ShapeDtypeStruct((num_groups, dy.shape[1]), F32)], [], args, transport)
     return db
 

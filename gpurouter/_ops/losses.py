@@ -72,22 +72,10 @@ def router_z_loss(
     return per_row_shard_sum(loss, x, [jnp.asarray(total)] if traced else [])
 
 
-def _fwd_launch(coeff, total, logits, **kw):
-    from ..kernels.losses.z_loss import router_z_loss_fwd
-
-    return router_z_loss_fwd(logits, coeff, total, **kw)
-
-
 def _fwd_plan(coeff, total, logits):
     from ..kernels.losses.z_loss import router_z_loss_fwd_plan
 
     return router_z_loss_fwd_plan(logits, coeff, total)
-
-
-def _bwd_launch(coeff, total, logits, lse, grad_loss, **kw):
-    from ..kernels.losses.z_loss import router_z_loss_bwd
-
-    return (router_z_loss_bwd(logits, lse, grad_loss, coeff, total, **kw),)
 
 
 def _bwd_plan(coeff, total, logits, lse, grad_loss):
@@ -104,15 +92,13 @@ def _z_loss(x, coeff: np.float32, total: int, transport: str):
 def _z_loss_fwd(x, coeff: np.float32, total: int, transport: str):
     # the saved pair of every row (its max, then log2 of its sum): kernels/losses/z_loss.py
     specs = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((2 * x.shape[0],), jnp.float32))
-    loss, lse = kernel_call(functools.partial(_fwd_launch, coeff, total),
-                            functools.partial(_fwd_plan, coeff, total), specs, [], [x], transport)
+    loss, lse = kernel_call(functools.partial(_fwd_plan, coeff, total), specs, [], [x], transport)
     return loss, (x, lse)
 
 
 def _z_loss_bwd(coeff: np.float32, total: int, transport: str, res, grad_loss):
     x, lse = res
-    (grad,) = kernel_call(functools.partial(_bwd_launch, coeff, total),
-                          functools.partial(_bwd_plan, coeff, total),
+    (grad,) = kernel_call(functools.partial(_bwd_plan, coeff, total),
                           [jax.ShapeDtypeStruct(x.shape, x.dtype)], [], [x, lse, grad_loss.astype(jnp.float32)],
                           transport)
     return (grad,)

@@ -56,29 +56,16 @@ def _cf_plan(*specs):
     return plans.token_combine_fwd_plan(*specs)
 
 
-def _cf_launch(*arrays, **kw):
-    from ..kernels.moe import plans
-
-    return (plans.token_combine_fwd(*arrays, **kw),)
-
-
 def _cb_plan(*specs):
     from ..kernels.moe import plans
 
     return plans.token_combine_bwd_plan(*specs)
 
 
-def _cb_launch(*arrays, **kw):
-    from ..kernels.moe import plans
-
-    d_z, d_w = plans.token_combine_bwd(*arrays, **kw)
-    return (d_z,) if d_w is None else (d_z, d_w)
-
-
 def _combine_call(inp, rid, w, transport):
     t = rid.shape[0]
     args = [inp, rid] + ([w] if w is not None else [])
-    (out,) = kernel_call(_cf_launch, _cf_plan, [jax.ShapeDtypeStruct((t, inp.shape[1]), inp.dtype)], [], args,
+    (out,) = kernel_call(_cf_plan, [jax.ShapeDtypeStruct((t, inp.shape[1]), inp.dtype)], [], args,
                          transport)
     return out
 
@@ -88,7 +75,7 @@ def _combine_bwd_call(dy, inp, rid, w, transport):
     if w is not None:
         specs.append(jax.ShapeDtypeStruct(w.shape, w.dtype))
     args = [dy.astype(inp.dtype), inp, rid] + ([w] if w is not None else [])
-    return kernel_call(_cb_launch, _cb_plan, specs, [], args, transport)
+    return kernel_call(_cb_plan, specs, [], args, transport)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -152,16 +139,12 @@ def _kernel_token_combine(inp, row_id_map, merging_probs, transport: str):
 # ----------------------------------------------------------------------------
 
 
-def _df_plan(num_rows, *specs):
+def _df_plan(num_rows, inp, *rest):
+    """The dispatch's plan for arrays (or Specs) of these shapes and dtypes."""
+    from ..kernels._base.plan import as_spec
     from ..kernels.moe import plans
 
-    return plans.token_dispatch_fwd_plan(*specs, num_rows)
-
-
-def _df_launch(num_rows, *arrays, **kw):
-    from ..kernels.moe import plans
-
-    return (plans.token_dispatch_fwd(*arrays, num_rows, **kw),)
+    return plans.token_dispatch_fwd_plan(as_spec(inp), *(as_spec(a) for a in rest), num_rows)
 
 
 _dispatch_maps = jax.jit(_ref._dispatch_maps, static_argnums=(1,))  # integer maps, one program eagerly
@@ -177,7 +160,11 @@ def _dispatch_apply(inp, probs, rid, num_rows, transport):
 
 
 def _dispatch_apply_fwd(inp, probs, rid, num_rows, transport):
-    (out,) = kernel_call(functools.partial(_df_launch, num_rows), functools.partial(_df_plan, num_rows),
+    # The plan of this call's shapes, built at trace time (and cached): a plan's
+    # error raises here, never inside a host callback, and its kernels compile
+    # before the first launch on every transport.
+    _df_plan(num_rows, inp, rid)
+    (out,) = kernel_call(functools.partial(_df_plan, num_rows),
                          [jax.ShapeDtypeStruct((num_rows, inp.shape[1]), inp.dtype)], [], [inp, rid], transport)
     pp = None
     if probs is not None:

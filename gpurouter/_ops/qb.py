@@ -83,17 +83,8 @@ def _kernel_counts(x, bias, bounds, valid, cfg: TopkConfig, group_score: str, nu
     if valid is not None:
         args.append(valid.astype(jnp.bool_))
     spec = [jax.ShapeDtypeStruct((x.shape[1], num_bins), jnp.int32)]
-    (counts,) = kernel_call(functools.partial(_launch, static), functools.partial(_plan, static), spec, [], args,
-                            transport)
+    (counts,) = kernel_call(functools.partial(_plan, static), spec, [], args, transport)
     return counts
-
-
-def _launch(static, x, bias, bounds, valid=None, **kw):
-    from ..kernels.topk.qb import qb_counts
-
-    topk, num_bins, groups, kg, rule, mode = static
-    return (qb_counts(x, bias, bounds, num_bins, topk, token_mask=valid, num_groups=groups, group_topk=kg,
-                      group_score=rule, exp_mode=mode, **kw),)
 
 
 def _plan(static, x, bias, bounds, valid=None):

@@ -77,13 +77,17 @@ def fused_topk_with_score_function(
     ``compact``, ``indices_dtype``, Quantile Balancing (``qb_histogram``,
     ``qb_bin_bounds``, ``token_mask``, ``axis_name``).
 
-    With ``backend="numba"`` the kernels compute the routes and probs; the
-    variants they do not implement are composed around them, exactly: a
-    ``group_score`` other than ``"sum_topk"`` selects in jnp and the
-    kernels replay that selection (``forced_indices``: the same probs and
-    gradients); the compact weights are gathered from the kernels' probs
-    at the indices they write; the QB counts are computed in jnp from the
-    logits (integer counts: the same histogram bit for bit).
+    With ``backend="numba"`` the kernels compute the routes and probs. The
+    warp-per-token kernel (the one that takes most shapes) scores groups by
+    every ``group_score`` rule and writes the compact outputs itself; on the
+    other kernel families the variants are composed around the kernels,
+    exactly: a ``group_score`` other than ``"sum_topk"`` selects in jnp and
+    the kernels replay that selection (``forced_indices``: the same probs and
+    gradients), and the compact weights are gathered from the kernels' probs
+    at the indices they write. With sigmoid the QB counts are counted by the
+    QB kernels (``kernels/topk/qb.py``; jnp with sqrtsoftplus, or where
+    their sigmoid is not XLA's on the device): integer counts, the same
+    histogram bit for bit.
 
     Raises:
       ValueError, TypeError: bad shapes, config or dtypes (at trace time).
@@ -162,25 +166,25 @@ def fused_topk_with_score_function(
             check_kernel_dtype(TOPK_OP, "expert_bias", bias_dtype)
             bias = bias.astype(jnp.float32)
 
-        def route(x, *rest):
+        def route(logits, *rest):  # the rows [T, E] of one token shard
             if compact_kernel:
-                return _compact(x, rest[0] if rest else None, cfg,
+                return _compact(logits, rest[0] if rest else None, cfg,
                                 _KernelCall(transport, False, True, False, var.group_score))
             if cfg.compute_aux_scores:
-                return _aux_scores(x, cfg, logits.dtype, transport, write_indices)
+                return _aux_scores(logits, cfg, logits.dtype, transport, write_indices)
             if var.group_score != "sum_topk" and not forced and cfg.grouped and _warp_rule(cfg, num_experts):
                 # the warp kernel scores the groups by the rule itself
-                return _topk(x, rest[0] if rest else None, cfg,
+                return _topk(logits, rest[0] if rest else None, cfg,
                              _KernelCall(transport, False, write_indices, False, var.group_score))
             if var.group_score != "sum_topk" and not forced:
                 # the token and lane kernels score groups by sum_topk only: select
                 # in jnp, then replay that selection (the same probs and gradients)
                 b = rest[0] if rest else None
-                idx = _ref_route.selection(x, b, cfg, var.group_score)
-                out = _topk(x, idx, cfg, _KernelCall(transport, True, False, b is not None))
+                idx = _ref_route.selection(logits, b, cfg, var.group_score)
+                out = _topk(logits, idx, cfg, _KernelCall(transport, True, False, b is not None))
                 return (*out, idx) if write_indices else out
             replay_bias = forced and expert_bias is not None and cfg.score_function != ScoreFunction.SOFTMAX
-            return _topk(x, rest[0] if rest else None, cfg,
+            return _topk(logits, rest[0] if rest else None, cfg,
                          _KernelCall(transport, forced, write_indices, replay_bias))
 
     x = logits.reshape(-1, num_experts)
@@ -226,16 +230,6 @@ def fused_topk_with_score_function(
 
 
 
-def _aux_launch(cfg: TopkConfig, write_indices: bool, logits, **kw):
-    from ..kernels.topk.aux_plans import score_for_aux_loss_fwd
-
-    if write_indices:
-        kw["return_indices"] = True
-    return score_for_aux_loss_fwd(
-        logits, cfg.topk, int(cfg.score_function), int(cfg.routing_map_format), **kw
-    )
-
-
 def _aux_plan(cfg: TopkConfig, write_indices: bool, logits):
     from ..kernels.topk.aux_plans import score_for_aux_loss_fwd_plan
 
@@ -250,21 +244,11 @@ def _aux_scores(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
 
 
 def _aux_scores_fwd(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
-    out = kernel_call(
-        functools.partial(_aux_launch, cfg, write_indices), functools.partial(_aux_plan, cfg, write_indices),
+    out = kernel_call(functools.partial(_aux_plan, cfg, write_indices),
         _specs(x, jnp.float32, cfg, write_indices), [x], (), transport,
     )
     scores, routing_map, saved = out[:3]
     return (scores, routing_map, *out[3:]), saved
-
-
-def _aux_bwd_launch(cfg: TopkConfig, out_dtype, saved, grad_scores, **kw):
-    from ..kernels.topk.aux_plans import score_for_aux_loss_bwd
-
-    out = score_for_aux_loss_bwd(
-        saved, grad_scores, int(cfg.score_function), out_dtype, **kw
-    )
-    return (out,)
 
 
 def _aux_bwd_plan(cfg: TopkConfig, out_dtype, saved, grad_scores):
@@ -277,8 +261,7 @@ def _aux_bwd_plan(cfg: TopkConfig, out_dtype, saved, grad_scores):
 
 def _aux_scores_bwd(cfg: TopkConfig, dtype, transport: str, write_indices: bool, saved, cts):
     grad_scores = cts[0].astype(jnp.float32)
-    (grad_logits,) = kernel_call(
-        functools.partial(_aux_bwd_launch, cfg, dtype), functools.partial(_aux_bwd_plan, cfg, dtype),
+    (grad_logits,) = kernel_call(functools.partial(_aux_bwd_plan, cfg, dtype),
         [jax.ShapeDtypeStruct(saved.shape, dtype)],
         [saved, grad_scores], (), transport,
     )

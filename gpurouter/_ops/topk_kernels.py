@@ -73,30 +73,17 @@ def _indices_kw(call: _KernelCall) -> dict:
     return kw
 
 
-def _topk_launch(cfg: TopkConfig, call: _KernelCall, logits, *extra, **kw):
-    from ..kernels.topk.plans import topk_with_score_function_fwd
-
-    bias = extra[0] if extra and not call.forced else None
-    if call.forced:
-        kw["forced_indices"] = extra[0]
-        if call.replay_bias:  # any [E] fp32 array: its values are not read
-            bias = np.zeros((logits.shape[-1],), np.float32)
-    return topk_with_score_function_fwd(
-        logits, cfg.topk, cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk,
-        cfg.scaling_factor, int(cfg.score_function), bias, int(cfg.routing_map_format),
-        **_indices_kw(call), **kw,
-    )
-
-
 def _topk_plan(cfg: TopkConfig, call: _KernelCall, logits, *extra):
+    """The forward's plan for arrays (or Specs) of these shapes and dtypes."""
+    from ..kernels._base.plan import as_spec
     from ..kernels.topk.plans import topk_with_score_function_fwd_plan
 
     kw = _indices_kw(call)
     if call.forced:
         kw["forced"] = True
     return topk_with_score_function_fwd_plan(
-        logits, (bool(extra) and not call.forced) or call.replay_bias, cfg.topk, cfg.use_pre_softmax, cfg.num_groups,
-        cfg.group_topk, np.float32(cfg.scaling_factor), int(cfg.score_function),
+        as_spec(logits), (bool(extra) and not call.forced) or call.replay_bias, cfg.topk,
+        cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk, np.float32(cfg.scaling_factor), int(cfg.score_function),
         int(cfg.routing_map_format), **kw,
     )
 
@@ -111,22 +98,15 @@ def _topk_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
     tokens, per_call = [x], []
     if extra is not None:
         (tokens if call.forced else per_call).append(extra)
-    out = kernel_call(
-        functools.partial(_topk_launch, cfg, call), functools.partial(_topk_plan, cfg, call),
+    # The plan of this call's shapes, built at trace time (and cached): a plan's
+    # error raises here, never inside a host callback, and its kernels compile
+    # before the first launch on every transport.
+    _topk_plan(cfg, call, x, *tokens[1:], *per_call)
+    out = kernel_call(functools.partial(_topk_plan, cfg, call),
         _specs(x, x.dtype, cfg, call.write_indices), tokens, per_call, call.transport,
     )
     probs, routing_map, saved = out[:3]
     return (probs, routing_map, *out[3:]), (routing_map, saved)
-
-
-def _compact_launch(cfg: TopkConfig, call: _KernelCall, logits, *extra, **kw):
-    from ..kernels.topk.plans import topk_with_score_function_fwd
-
-    return topk_with_score_function_fwd(
-        logits, cfg.topk, cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk,
-        cfg.scaling_factor, int(cfg.score_function), extra[0] if extra else None, int(cfg.routing_map_format),
-        group_score=call.group_score, compact=True, **kw,
-    )
 
 
 def _compact_plan(cfg: TopkConfig, call: _KernelCall, logits, *extra):
@@ -145,8 +125,7 @@ def _compact(x, bias, cfg: TopkConfig, call: _KernelCall):
     primal launches only the warp kernel's compact mode."""
     t = x.shape[0]
     specs = (jax.ShapeDtypeStruct((t, cfg.topk), x.dtype), jax.ShapeDtypeStruct((t, cfg.topk), jnp.int32))
-    out = kernel_call(
-        functools.partial(_compact_launch, cfg, call), functools.partial(_compact_plan, cfg, call),
+    out = kernel_call(functools.partial(_compact_plan, cfg, call),
         specs, [x], [] if bias is None else [bias], call.transport,
     )
     return out[0], out[1]
@@ -170,16 +149,6 @@ def _compact_bwd(cfg: TopkConfig, call: _KernelCall, res, cts):
 _compact.defvjp(_compact_fwd, _compact_bwd)
 
 
-def _topk_bwd_launch(cfg: TopkConfig, routing_map, saved, grad_probs, **kw):
-    from ..kernels.topk.plans import topk_with_score_function_bwd
-
-    out = topk_with_score_function_bwd(
-        routing_map, saved, grad_probs, cfg.topk, cfg.use_pre_softmax,
-        cfg.scaling_factor, int(cfg.score_function), **kw,
-    )
-    return (out,)
-
-
 def _topk_bwd_plan(cfg: TopkConfig, routing_map, saved, grad_probs):
     from ..kernels.topk.plans import topk_with_score_function_bwd_plan
 
@@ -192,8 +161,7 @@ def _topk_bwd_plan(cfg: TopkConfig, routing_map, saved, grad_probs):
 def _topk_bwd(cfg: TopkConfig, call: _KernelCall, res, cts):
     routing_map, saved = res
     grad_probs = cts[0]
-    (grad_logits,) = kernel_call(
-        functools.partial(_topk_bwd_launch, cfg), functools.partial(_topk_bwd_plan, cfg),
+    (grad_logits,) = kernel_call(functools.partial(_topk_bwd_plan, cfg),
         [jax.ShapeDtypeStruct(grad_probs.shape, grad_probs.dtype)],
         [routing_map, saved, grad_probs], (), call.transport,
     )

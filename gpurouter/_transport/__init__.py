@@ -1,9 +1,10 @@
 """How the kernels reach JAX: the one package that calls ``jax.pure_callback``,
 ``jax.experimental.buffer_callback`` or ``jax.ffi.ffi_call``.
 
-``kernel_call(launcher, planner, out_specs, token_args, call_args, transport)``
-runs a kernel launcher (or its plan) and returns JAX arrays, through one of
-three transports, one module each:
+``kernel_call(planner, out_specs, token_args, call_args, transport)`` launches
+the kernel plan ``planner`` gives for the arrays' shapes and returns JAX
+arrays, through one of three transports, one module each (the same plan on
+every one):
 
 - ``"ffi"`` (``ffi.py``, ABI in ``ffi_abi.py``): XLA calls a compiled handler
   that launches the plan's kernels on XLA's stream: no Python per call;
@@ -27,7 +28,7 @@ import jax
 
 from .. import _backend
 from .._vma import match_varying_axes
-from .host import Launcher, host_call
+from .host import host_call
 
 
 def resolve_transport(op: str, transport: str) -> str:
@@ -55,21 +56,20 @@ def resolve_transport(op: str, transport: str) -> str:
 
 
 def kernel_call(
-    launcher: Launcher,
     planner: Callable,
     out_specs: Sequence[jax.ShapeDtypeStruct],
     token_args: Sequence[jax.Array],
     call_args: Sequence[jax.Array] = (),
     transport: str = "callback",
 ) -> tuple[jax.Array, ...]:
-    """Calls ``launcher(*token_args, *call_args)`` through the chosen transport.
+    """Launches ``planner``'s plan for ``(*token_args, *call_args)`` through the chosen transport.
 
     Args:
-      launcher: a kernel launcher with all static configuration bound; NumPy
-        arrays in, NumPy arrays out (callback transport).
-      planner: the launcher's plan function with all static configuration
-        bound: ``planner(*specs)`` of the arrays' ``kernels._plan.Spec`` objects
-        gives the ``Plan`` the ffi and zero-copy transports launch on XLA's buffers.
+      planner: a kernel plan function with all static configuration bound:
+        ``planner(*specs)`` of the arrays' ``kernels._base.plan.Spec`` objects
+        gives the ``Plan`` (its inputs: the arrays, in this order) that the
+        ffi and zero-copy transports launch on XLA's buffers and the callback
+        transport on device copies of the host arrays.
       out_specs: shapes and dtypes of the outputs of one unbatched call.
       token_args: arrays whose leading axis is tokens (rows independent); empty
         for ops that reduce over rows, which then run once per vmap element.
@@ -86,5 +86,5 @@ def kernel_call(
 
         outs = buffer_call(planner, out_specs, token_args, call_args)
     else:
-        outs = host_call(launcher, out_specs, len(token_args), args)
+        outs = host_call(planner, out_specs, len(token_args), args)
     return match_varying_axes(outs, args)

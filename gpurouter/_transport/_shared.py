@@ -31,7 +31,7 @@ def launches(ins: Sequence, n_token: int):
 
     Returns ``(batch, launches)``: ``batch`` is the leading batch shape (``()``
     when unbatched) and ``launches`` yields ``(args, view)`` pairs: the
-    launcher's inputs, and a function that maps a whole output array
+    plan's inputs, and a function that maps a whole output array
     (``batch + unbatched shape``) to the part this launch fills. Works on
     NumPy arrays and on numba device arrays alike (reshape and indexing give
     views on both). One launch when unbatched or when the batch folds into

@@ -1,6 +1,6 @@
 """Transport ``"zero-copy"``: ``jax.experimental.buffer_callback`` on XLA's buffers.
 
-JAX on a CUDA GPU: the launcher's cached plan is launched on the raw pointers
+JAX on a CUDA GPU: the op's cached plan is launched on the raw pointers
 of XLA's own device buffers, on XLA's stream, inside ``jit`` (one
 ``cuLaunchKernel`` per step from Python, parameters prepared once per plan and
 GPU: ``kernels._pointer.PointerLaunch``). Nothing crosses to the host, nothing

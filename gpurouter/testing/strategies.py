@@ -28,7 +28,8 @@ import numpy as np
 from hypothesis import assume
 from hypothesis.extra import numpy as hnp
 
-from gpurouter._checks import check_aux_loss_args, check_topk_args
+from gpurouter._checks import check_aux_loss_args
+from gpurouter.config import RouterConfig
 
 from . import oracle as oracles
 
@@ -51,46 +52,6 @@ def as_jnp(x: np.ndarray, dtype: str):
 # ----------------------------------------------------------------------------
 # Router configs
 # ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    num_tokens: int
-    num_experts: int
-    topk: int
-    use_pre_softmax: bool = False
-    num_groups: int = -1
-    group_topk: int = -1
-    scaling_factor: float = 1.0
-    score_function: str = "softmax"
-    has_bias: bool = False
-    dtype: str = "float32"
-
-    @property
-    def grouped(self) -> bool:
-        return self.group_topk > 0
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.num_tokens, self.num_experts)
-
-    def kwargs(self) -> dict:
-        """Keyword arguments of the reference (everything but logits and expert_bias)."""
-        return dict(topk=self.topk, use_pre_softmax=self.use_pre_softmax,
-                    num_groups=self.num_groups, group_topk=self.group_topk,
-                    scaling_factor=self.scaling_factor, score_function=self.score_function)
-
-    def bwd_kwargs(self) -> dict:
-        return dict(topk=self.topk, use_pre_softmax=self.use_pre_softmax,
-                    scaling_factor=self.scaling_factor, score_function=self.score_function)
-
-    def check(self):
-        """Runs the library's own validator; raises if this config is invalid."""
-        return check_topk_args(
-            self.shape, np_dtype(self.dtype), self.topk, self.use_pre_softmax,
-            self.num_groups, self.group_topk, self.scaling_factor, self.score_function,
-            (self.num_experts,) if self.has_bias else None,
-            np.float32 if self.has_bias else None, False)
 
 
 def _divisors(n: int) -> list[int]:
@@ -122,7 +83,7 @@ def router_configs(draw, *, max_tokens: int = 6, max_experts: int = 64,
         use_pre_softmax=draw(st.booleans()) if sf == "softmax" else False,
         num_groups=num_groups, group_topk=group_topk,
         scaling_factor=draw(st.sampled_from(SCALINGS)), score_function=sf,
-        has_bias=has_bias, dtype=draw(st.sampled_from(dtypes)))
+        expert_bias=has_bias, dtype=draw(st.sampled_from(dtypes)))
     cfg.check()  # the single source of the constraints: must pass by construction
     return cfg
 

@@ -81,7 +81,7 @@ def check_special_rows(kern, x, k, pre, sf, first_selected):
 def cfg(T, E, k, sf="softmax", pre=False, G=-1, Kg=-1, scale=1.0, bias=False, dtype="float32"):
     return RouterConfig(num_tokens=T, num_experts=E, topk=k, use_pre_softmax=pre,
                         num_groups=G, group_topk=Kg, scaling_factor=scale,
-                        score_function=sf, has_bias=bias, dtype=dtype)
+                        score_function=sf, expert_bias=bias, dtype=dtype)
 
 
 def bias(E, seed=0):

@@ -14,7 +14,7 @@ from gpurouter import reference as ref
 
 
 def test_all():
-    assert sorted(gr.__all__) == ["RoutingMapFormat", "ScoreFunction", "fused_moe_aux_loss",
+    assert sorted(gr.__all__) == ["RouterConfig", "RoutingMapFormat", "ScoreFunction", "fused_moe_aux_loss",
                                   "fused_topk_with_score_function", "pack_routing_map", "qb_update_expert_bias",
                                   "router_z_loss", "tokens_per_expert", "unpack_routing_map",
                                   "update_expert_bias"]

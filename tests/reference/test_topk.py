@@ -318,7 +318,7 @@ def test_tie_lower_index_wins_expert_stage(dtype):
     np.testing.assert_array_equal(np.asarray(rmap), expected)
     np.testing.assert_array_equal(oracles.topk_fwd(x, **cfg.kwargs())[1], expected)
     # sigmoid with a bias that creates exact ties in r = s + b: lower index wins.
-    cfg = _cfg(np.zeros((1, 4)), 2, score_function="sigmoid", has_bias=True, dtype=dtype)
+    cfg = _cfg(np.zeros((1, 4)), 2, score_function="sigmoid", expert_bias=True, dtype=dtype)
     _, rmap = _public(as_jnp(np.zeros((1, 4)), dtype), cfg, np.array([0, .25, .25, .25],
                                                                      np.float32))
     np.testing.assert_array_equal(np.asarray(rmap), [[False, True, True, False]])
@@ -410,7 +410,7 @@ def test_special_configs(name):
     t, e, k, g, kg, sf, pre, has_bias, scale, dtype = SPECIAL[name]
     cfg = RouterConfig(num_tokens=t, num_experts=e, topk=k, use_pre_softmax=pre, num_groups=g,
                        group_topk=kg, scaling_factor=scale, score_function=sf,
-                       has_bias=has_bias, dtype=dtype)
+                       expert_bias=has_bias, dtype=dtype)
     cfg.check()
     rng = np.random.default_rng(e)
     bias = (rng.integers(-16, 17, e) / 64).astype(np.float32) if has_bias else None
@@ -430,8 +430,8 @@ GRAD_CONFIGS = {
     "sigmoid": dict(topk=3, score_function="sigmoid"),
     "sigmoid-k1": dict(topk=1, score_function="sigmoid"),
     "sigmoid-bias-grouped": dict(topk=4, num_groups=4, group_topk=2, score_function="sigmoid",
-                                 has_bias=True, scaling_factor=2.5),
-    "sqrtsoftplus": dict(topk=3, score_function="sqrtsoftplus", has_bias=True),
+                                 expert_bias=True, scaling_factor=2.5),
+    "sqrtsoftplus": dict(topk=3, score_function="sqrtsoftplus", expert_bias=True),
 }
 
 

@@ -202,6 +202,15 @@ def device_input(x, name: str, op: str, stream, *, allow_int: bool = False,
     return d, kind
 
 
+def host_words(h, stream=0):
+    """A host array (NumPy; bfloat16 as its 16-bit words) on the device, as the
+    plans read it: the host transport's inputs, any dtype a plan takes."""
+    h = np.ascontiguousarray(np.atleast_1d(np.asarray(h)))  # a 0-d scalar as (1,)
+    if h.dtype == BFLOAT16:
+        h = h.view(np.uint16)
+    return cuda.to_device(h, stream=stream)
+
+
 def scalar_input(x, name: str, op: str, stream, *, allow_int: bool = False):
     """A host scalar / 0-d array / device array -> ``((1,) device array, kind)``.
 

@@ -31,6 +31,7 @@ from .launch import (
     _kind_of,
     bitmap_bytes,
     finish,
+    host_words,
     launch,
     output,
     outs_tuple,
@@ -75,6 +76,12 @@ def spec_for(shape, dtype) -> Spec:
         return Spec(shape, dtype, None)
     kind = _kind_of(dtype, True, "array", "spec_for", True)
     return Spec(shape, DEVICE_DTYPE.get(kind, dtype), kind)
+
+
+def as_spec(a) -> Spec:
+    """``a`` itself when it is a Spec, else the Spec of an array (anything with
+    ``shape`` and ``dtype``: NumPy, JAX, a device array or a raw pointer)."""
+    return a if isinstance(a, Spec) else spec_for(a.shape, a.dtype)
 
 
 class Ref:
@@ -245,6 +252,13 @@ def execute(plan: Plan, ins, out, stream, to_host: bool):
             launch(st.kernel, st.grid, st.block, stream, st.shared,
                    *(_resolve(a, arrays, plan.op, stream) for a in st.args))
     return finish(arrays["out"], [sp.kind for sp in plan.outs], to_host, stream)
+
+
+def execute_host(plan: Plan, arrays):
+    """Runs ``plan`` on host arrays (NumPy, in the plan's input order) and
+    returns NumPy outputs: the host transport's launch, the same plan the
+    device transports launch on XLA's buffers."""
+    return execute(plan, [host_words(a) for a in arrays], None, 0, True)
 
 
 #: the GPU executor: ``pointer.launch_plan``, which ``pointer`` registers here
