@@ -196,12 +196,14 @@ def test_kimi_shape_on_gpu():
     """T = 65536, E = 384, K = 8, B = 1000, bf16 (and 10% of the tokens masked): the
     public op's numba histogram (the kernels, through XLA) equals the jnp counts
     bit for bit; the kernels' sigmoid is jax's on the device."""
-    assert op_qb.kernel_exp_mode() is not None, "no exp mode matches jax.nn.sigmoid on this GPU"
+    probe = op_qb._probe_values(False)
+    want_s = np.asarray(jax.nn.sigmoid(jnp.asarray(probe))).view(np.uint32)
     for mode in qb_math.EXP_MODES:  # which modes match (printed for the record)
-        x = op_qb._probe_values(False)
-        same = np.array_equal(qb_math.qb_sigmoid_probe(x, mode).view(np.uint32),
-                              np.asarray(jax.nn.sigmoid(jnp.asarray(x))).view(np.uint32))
-        print(f"qb exp_mode {mode}: sigmoid bit-equal to jax on the GPU: {same}")
+        got_s = qb_math.qb_sigmoid_probe(probe, mode).view(np.uint32)
+        print(f"qb exp_mode {mode}: sigmoid bit-equal to jax on the GPU: {np.array_equal(got_s, want_s)} "
+              f"({int(np.sum(got_s != want_s))} of {probe.size} differ)")
+    print(f"qb kernel_exp_mode(): {op_qb.kernel_exp_mode()}")
+    assert op_qb.kernel_exp_mode() is not None, "no exp mode matches jax.nn.sigmoid on this GPU"
     rng = np.random.default_rng(37)
     x = jnp.asarray(rng.standard_normal((65536, 384)).astype(np.float32)).astype(jnp.bfloat16)
     bias = jnp.asarray(rng.standard_normal(384) * 0.05, jnp.float32)
