@@ -86,7 +86,7 @@ def qb_counts(logits, expert_bias, topk, num_bins, bounds, num_groups=-1, group_
         alpha = np.float32(keys[topk])
         for e in range(num_experts):
             rb = np.float32(alpha - s[e])
-            v = np.float32(np.float32(np.float32(rb - lower) * np.float32(num_bins)) / np.float32(upper - lower))
+            v = np.float32(np.float32(rb - lower) * np.float32(np.float32(num_bins) / np.float32(upper - lower)))
             if math.isnan(float(v)):
                 k = 0
             else:

@@ -84,8 +84,10 @@ def fused_topk_with_score_function(
     exactly: a ``group_score`` other than ``"sum_topk"`` selects in jnp and
     the kernels replay that selection (``forced_indices``: the same probs and
     gradients), and the compact weights are gathered from the kernels' probs
-    at the indices they write; the QB counts are computed in jnp from the
-    logits (integer counts: the same histogram bit for bit).
+    at the indices they write. With sigmoid the QB counts are counted by the
+    QB kernels (``kernels/topk/qb.py``; jnp with sqrtsoftplus, or where
+    their sigmoid is not XLA's on the device): integer counts, the same
+    histogram bit for bit.
 
     Raises:
       ValueError, TypeError: bad shapes, config or dtypes (at trace time).
@@ -190,10 +192,11 @@ def fused_topk_with_score_function(
     map_shape = shape[:-1] + map_spec.shape[-1:]
     idx_shape = shape[:-1] + (cfg.topk,)
     qb = ()
-    if var.qb:  # this call's QB counts, in jnp on every backend (integers: exact)
+    if var.qb:  # this call's QB counts: the QB kernels on numba (sigmoid), else jnp (integers: exact)
         qb_bias = jnp.asarray(expert_bias)
         valid = None if token_mask is None else jnp.asarray(token_mask).reshape(x.shape[0])
-        qb = (histogram_after(x, qb_bias, cfg, var.group_score, qb_histogram, qb_bin_bounds, valid, axis_name),)
+        qb = (histogram_after(x, qb_bias, cfg, var.group_score, qb_histogram, qb_bin_bounds, valid, axis_name,
+                              transport if backend != "jax" else None),)
     if x.shape[0] == 0:
         out_dtype = jnp.float32 if cfg.compute_aux_scores else logits.dtype
         idx = jnp.zeros(idx_shape, var.indices_dtype)

@@ -49,6 +49,9 @@ from .topk.plans import topk_with_score_function_bwd as topk_with_score_function
 from .topk.plans import topk_with_score_function_bwd_plan as topk_with_score_function_bwd_plan
 from .topk.plans import topk_with_score_function_fwd as topk_with_score_function_fwd
 from .topk.plans import topk_with_score_function_fwd_plan as topk_with_score_function_fwd_plan
+from .topk.qb import QbTiling as QbTiling
+from .topk.qb import qb_counts as qb_counts
+from .topk.qb import qb_counts_plan as qb_counts_plan
 from .topk.tiling import TopkTiling as TopkTiling
 from .topk.token.tiling import TokenTiling as TokenTiling
 
@@ -61,6 +64,7 @@ __all__ = [
     "MAX_EXPERTS",
     "MAX_GROUPS",
     "MAX_TOPK",
+    "QbTiling",
     "RowTiling",
     "TokenTiling",
     "TopkTiling",
@@ -75,6 +79,8 @@ __all__ = [
     "moe_aux_loss_bwd_plan",
     "moe_aux_loss_fwd",
     "moe_aux_loss_fwd_plan",
+    "qb_counts",
+    "qb_counts_plan",
     "router_z_loss_bwd",
     "router_z_loss_bwd_plan",
     "router_z_loss_fwd",

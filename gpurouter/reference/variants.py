@@ -52,11 +52,20 @@ def qb_cutoff(r: jax.Array, topk: int, eligible: jax.Array | None = None) -> jax
 
 
 def qb_bins(rb: jax.Array, bin_bounds: jax.Array, num_bins: int) -> jax.Array:
-    """``bin(rb)``: ``floor(((rb - lower) * B) / (upper - lower))`` in float32,
-    clamped into ``[0, B - 1]``, NaN to bin 0 (int32, the shape of ``rb``)."""
+    """``bin(rb)``: ``floor((rb - lower) * (B / (upper - lower)))`` in float32 (the
+    scale ``B / (upper - lower)`` rounded once), clamped into ``[0, B - 1]``, NaN
+    to bin 0 (int32, the shape of ``rb``).
+
+    Written with the scale first on purpose: XLA rewrites a division of an
+    array by a scalar into a product with its reciprocal, and reassociates
+    that product under ``jit``, so ``((rb - lower) * B) / (upper - lower)``
+    gave different bins eagerly and under ``jit``; this form has nothing left
+    to rewrite, and the QB kernels compute it alike (docs/contract.md section
+    12)."""
     bounds = jnp.asarray(bin_bounds).astype(jnp.float32)
     lower, upper = bounds[0], bounds[1]
-    v = jnp.floor(((rb - lower) * jnp.float32(num_bins)) / (upper - lower))
+    scale = jnp.float32(num_bins) / (upper - lower)
+    v = jnp.floor((rb - lower) * scale)
     v = jnp.clip(v, 0, num_bins - 1)  # +-inf clamp too; NaN stays NaN
     return jnp.where(jnp.isnan(v), 0, v).astype(jnp.int32)
 

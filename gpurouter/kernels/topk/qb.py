@@ -1,0 +1,363 @@
+"""Quantile Balancing (QB): this call's histogram counts as Numba-CUDA kernels.
+
+``qb_counts(logits, expert_bias, bin_bounds, num_bins, topk, ...)`` gives the
+int32 ``[E, B]`` counts of docs/contract.md section 12, step 3, bit for bit
+the counts of ``gpurouter.reference._route.qb_call_counts`` (sigmoid only;
+sqrtsoftplus stays in jnp, ``gpurouter/_ops/qb.py``):
+
+- ``s = 1 / (1 + exp(-x))`` in fp32 (the logits upcast), ``r = s + b``;
+- ``alpha_t``: the ``(K+1)``-th largest ``r`` of token ``t`` (NaN as ``-inf``),
+  among the experts of the kept groups with grouping on (each group scored by
+  ``group_score``, the top ``Kg`` kept, equal scores to the lower group);
+- for every expert ``e`` of every valid token: ``rb = alpha_t - s[t, e]``,
+  ``bin = floor((rb - lower) * (B / (upper - lower)))`` in fp32, clamped into
+  ``[0, B - 1]`` (NaN to bin 0), one count to ``counts[e, bin]``.
+
+Three launches (``qb_counts_plan``):
+
+1. ``qb_zero``: the counts zeroed (the output is XLA's uninitialised buffer).
+2. ``qb_cutoff_lanes`` (``QbTiling.cutoff_lanes`` threads a token, their
+   top-(K+1) lists merged through shared memory; with grouping ``qb_cutoff``,
+   a thread a token): ``alpha [T]`` fp32 (plan scratch).
+3. ``qb_hist`` (a block per (expert chunk, token slab)): the chunk's ``EC x B``
+   counts in shared memory (int32 shared atomics; ``EC`` as many experts as
+   ``QbTiling.smem_bytes`` holds), then each nonzero bin added to global memory
+   with one ``atomicAdd``. A row of ``B`` bins larger than the shared budget:
+   global atomics directly. Counts are integers: any order of the additions
+   gives the same result.
+
+Overflow: one call adds at most one count per valid token to each bin, so a
+bin of this call's counts is at most ``T <= 2**31 - 1`` (the op checks ``T``;
+the caller's histogram is added to them saturating, in jnp).
+
+The sigmoid is ``jax.nn.sigmoid``'s bits on the platform (``exp_mode``,
+``qb_math.py``).
+"""
+
+from __future__ import annotations
+
+from .._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+
+# isort: split
+
+import functools
+
+import numpy as np
+from numba import cuda
+from numba import float32 as nb_f32
+from numba import int32 as nb_i32
+
+from .._base.access import loader_2d
+from .._base.device import NEG_INF, ZERO, u64
+from .._base.launch import F32, any_on_device, device_input, is_device_array, map_input, resolve_stream
+from .._base.parallel import recipe
+from .._base.plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_of
+from .qb_math import default_exp_mode, qb_bin, qb_sigmoid_fn
+from .qb_tiling import OP, QB_TILING, QbTiling, check_qb_config, hist_tiling
+
+INT32_MAX = 2**31 - 1
+
+
+@cuda.jit(device=True)
+def _insert(top, n, v):
+    """Inserts ``v`` into ``top[:n]`` (descending) if it beats the last."""
+    if v > top[n - 1]:
+        i = n - 1
+        while i > 0 and top[i - 1] < v:
+            top[i] = top[i - 1]
+            i -= 1
+        top[i] = v
+
+
+# ----------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------
+
+
+@cuda.jit
+def qb_zero_kernel(counts, n):
+    """``counts[:n] = 0`` (grid-strided)."""
+    i = np.int64(cuda.grid(1))
+    step = np.int64(cuda.gridsize(1))
+    while i < n:
+        counts[u64(i)] = np.int32(0)
+        i += step
+
+
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
+@functools.cache
+def qb_cutoff_kernel(kind: str, topk: int, num_groups: int, group_topk: int, group_score: str, masked: bool,
+                     exp_mode: str):
+    """``alpha[t]``, the ``(topk + 1)``-th largest ``r`` of token ``t`` (a thread a
+    token; ``num_groups`` 0: no groups). Masked tokens: not computed (not read)."""
+    load = loader_2d(kind)
+    sigmoid = qb_sigmoid_fn(exp_mode)
+    k1 = topk + 1
+    groups = num_groups if num_groups > 0 else 0
+    kg = group_topk
+    if groups:
+        per = {"sum_topk": topk // max(group_topk, 1), "top2_sum": 2, "max": 1}[group_score]
+    else:
+        per = 1
+    gw = max(groups, 1)
+
+    @cuda.jit(device=True)
+    def score(logits, bias, t, e):
+        r = np.float32(sigmoid(load(logits, u64(t), u64(e))) + bias[u64(e)])
+        return NEG_INF if r != r else r
+
+    @cuda.jit
+    def qb_cutoff(logits, bias, valid, cutoff, num_tokens, num_experts):
+        t = np.int64(cuda.blockIdx.x) * np.int64(cuda.blockDim.x) + np.int64(cuda.threadIdx.x)
+        if t >= num_tokens:
+            return
+        if masked and not valid[t]:
+            cutoff[t] = ZERO
+            return
+        top = cuda.local.array(k1, nb_f32)
+        for i in range(k1):
+            top[i] = NEG_INF
+        if groups:
+            gs = cuda.local.array(gw, nb_f32)
+            pg = cuda.local.array(per, nb_f32)
+            size = np.int32(num_experts // groups)
+            for g in range(groups):
+                for i in range(per):
+                    pg[i] = NEG_INF
+                for j in range(size):
+                    _insert(pg, per, score(logits, bias, t, g * size + j))
+                tot = pg[0]
+                for i in range(1, per):
+                    tot = np.float32(tot + pg[i])
+                gs[g] = tot
+            for g in range(groups):
+                rank = 0
+                for h in range(groups):
+                    if gs[h] > gs[g] or (gs[h] == gs[g] and h < g):
+                        rank += 1
+                if rank < kg:
+                    for j in range(size):
+                        _insert(top, k1, score(logits, bias, t, g * size + j))
+        else:
+            for e in range(num_experts):
+                _insert(top, k1, score(logits, bias, t, e))
+        cutoff[t] = top[k1 - 1]
+
+    return qb_cutoff
+
+
+
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
+@functools.cache
+def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_mode: str):
+    """``alpha[t]`` without grouping, ``lanes`` threads a token: lane ``l`` keeps the
+    top ``topk + 1`` of experts ``l, l + lanes, ...`` (neighbouring lanes read
+    neighbouring experts), the lists go through shared memory (``blockDim * (topk +
+    1)`` fp32) and lane 0 merges them (each sorted: it stops at the first value
+    that does not enter)."""
+    load = loader_2d(kind)
+    sigmoid = qb_sigmoid_fn(exp_mode)
+    k1 = topk + 1
+    w = lanes
+
+    @cuda.jit
+    def qb_cutoff_lanes(logits, bias, valid, cutoff, num_tokens, num_experts):
+        lists = cuda.shared.array(0, nb_f32)
+        tid = np.int32(cuda.threadIdx.x)
+        tok = tid // np.int32(w)
+        lane = tid - tok * np.int32(w)
+        t = np.int64(cuda.blockIdx.x) * np.int64(cuda.blockDim.x // w) + np.int64(tok)
+        live = t < num_tokens
+        if live and masked:
+            live = valid[u64(t)]
+        top = cuda.local.array(k1, nb_f32)
+        for i in range(k1):
+            top[i] = NEG_INF
+        if live:
+            e = np.int64(lane)
+            while e < num_experts:
+                r = np.float32(sigmoid(load(logits, u64(t), u64(e))) + bias[u64(e)])
+                _insert(top, k1, NEG_INF if r != r else r)
+                e += np.int64(w)
+        for i in range(k1):
+            lists[tid * k1 + i] = top[i]
+        # Barrier: every lane's list is in shared memory before lane 0 merges.
+        cuda.syncthreads()
+        if lane == 0 and t < num_tokens:
+            if live:
+                for other in range(1, w):
+                    base = (tid + other) * k1
+                    for i in range(k1):
+                        v = lists[base + i]
+                        if not v > top[k1 - 1]:
+                            break
+                        _insert(top, k1, v)
+                cutoff[t] = top[k1 - 1]
+            else:
+                cutoff[t] = ZERO
+
+    return qb_cutoff_lanes
+
+
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
+@functools.cache
+def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str):
+    """The counts of the experts ``[c EC, (c + 1) EC)`` over the tokens of slab ``s``
+    (block ``b = s * chunks + c``): a thread a (token row, expert) pair, ``rows``
+    token rows a block; ``shared``: counted in shared memory, then flushed."""
+    load = loader_2d(kind)
+    sigmoid = qb_sigmoid_fn(exp_mode)
+
+    @cuda.jit
+    def qb_hist(logits, cutoff, valid, bounds, counts, num_tokens, num_experts, num_bins, chunk, chunks,
+                slab):
+        hist = cuda.shared.array(0, nb_i32)
+        tid = np.int32(cuda.threadIdx.x)
+        nth = np.int32(cuda.blockDim.x)
+        b = np.int32(cuda.blockIdx.x)
+        s_idx = b // np.int32(chunks)
+        c_idx = b - s_idx * np.int32(chunks)
+        e0 = c_idx * np.int32(chunk)
+        ec = min(np.int32(chunk), np.int32(num_experts) - e0)
+        t0 = np.int64(s_idx) * np.int64(slab)
+        t1 = min(np.int64(num_tokens), t0 + np.int64(slab))
+        nb = np.int32(num_bins)
+        words = ec * nb
+        if shared:
+            i = tid
+            while i < words:
+                hist[i] = np.int32(0)
+                i += nth
+            # Barrier: the counts are zero before any thread adds.
+            cuda.syncthreads()
+        lower = bounds[0]
+        scale = np.float32(np.float32(nb) / np.float32(bounds[1] - lower))
+        top_f = np.float32(nb - np.int32(1))
+        rows = nth // ec
+        row = tid // ec
+        el = tid - row * ec
+        if row < rows:
+            e = e0 + el
+            t = t0 + np.int64(row)
+            while t < t1:
+                if not masked or valid[u64(t)]:
+                    s = sigmoid(load(logits, u64(t), u64(e)))
+                    k = qb_bin(np.float32(cutoff[u64(t)] - s), lower, scale, top_f)
+                    if shared:
+                        cuda.atomic.add(hist, el * nb + k, np.int32(1))
+                    else:
+                        cuda.atomic.add(counts, np.int64(e) * np.int64(nb) + np.int64(k), np.int32(1))
+                t += np.int64(rows)
+        if shared:
+            # Barrier: every add of the block is in before the flush reads.
+            cuda.syncthreads()
+            base = np.int64(e0) * np.int64(nb)
+            i = tid
+            while i < words:
+                v = hist[i]
+                if v != 0:
+                    cuda.atomic.add(counts, base + np.int64(i), v)
+                i += nth
+
+    return qb_hist
+
+
+# ----------------------------------------------------------------------------
+# Launchers and plans
+# ----------------------------------------------------------------------------
+
+
+@functools.cache
+def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_groups: int = 0,
+                   group_topk: int = 0, group_score: str = "sum_topk", exp_mode: str | None = None,
+                   tiling: QbTiling | None = None) -> Plan:
+    """The launches of :func:`qb_counts`: inputs ``logits [T, E]`` (f32/bf16/f16),
+    ``expert_bias [E] f32``, ``bin_bounds [2] f32`` and, with ``masked``, ``valid [T]``
+    bool; output ``counts [E, B] int32``; scratch ``alpha [T] f32``."""
+    tiling = tiling or QB_TILING
+    exp_mode = exp_mode or default_exp_mode()
+    num_tokens, num_experts = logits.shape
+    groups, kg = check_qb_config(topk, num_experts, num_bins, num_groups, group_topk, group_score, exp_mode)
+    ins = [logits, spec_of((num_experts,), F32), spec_of((2,), F32)]
+    if masked:
+        ins.append(Spec((num_tokens,), np.bool_))
+    outs = (Spec((num_experts, num_bins), np.int32),)
+    tmps = (spec_of((max(num_tokens, 1),), F32),)
+    valid = In(3) if masked else Tmp(0)  # unmasked kernels never read it
+    n = num_experts * num_bins
+    steps = [Step(qb_zero_kernel, max(1, min(tiling.zero_blocks, -(-n // tiling.zero_threads))),
+                  tiling.zero_threads, 0, (Out(0, Spec((n,), np.int32)), n))]
+    if num_tokens:
+        ct, lanes = tiling.cutoff_threads, tiling.cutoff_lanes
+        if groups or lanes == 1:  # a thread a token
+            kern, grid, shared = (qb_cutoff_kernel(logits.kind, topk, groups, kg, group_score, masked, exp_mode),
+                                  -(-num_tokens // ct), 0)
+        else:
+            kern, grid, shared = (qb_cutoff_lanes_kernel(logits.kind, topk, lanes, masked, exp_mode),
+                                  -(-num_tokens // (ct // lanes)), 4 * ct * (topk + 1))
+        steps.append(Step(kern, grid, ct, shared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
+        grid, threads, shared, chunk, chunks, slab = hist_tiling(num_tokens, num_experts, num_bins, tiling)
+        steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode), grid, threads, shared,
+                          (In(0), Tmp(0), valid, In(2), Out(0, Spec((n,), np.int32)), num_tokens, num_experts,
+                           num_bins, chunk, chunks, slab)))
+    return Plan(OP, ins, outs, tmps, steps)
+
+
+def _mask_input(token_mask, num_tokens: int, stream):
+    """The valid-token mask, bool ``(T,)`` host or device, as a device array."""
+    if is_device_array(token_mask):
+        m = token_mask if hasattr(token_mask, "copy_to_host") else cuda.as_cuda_array(token_mask)
+    else:
+        m = np.ascontiguousarray(np.asarray(token_mask))
+    if np.dtype(m.dtype) != np.bool_:
+        raise TypeError(f"{OP}: token_mask must be bool, got {m.dtype}.")
+    if tuple(m.shape) != (num_tokens,):
+        raise ValueError(f"{OP}: token_mask must be bool of shape ({num_tokens},), got {tuple(m.shape)}.")
+    # a [T, 1] bool "map" (launch.map_input moves it), viewed flat again
+    return map_input(m.reshape(num_tokens, 1), "token_mask", OP, stream, (num_tokens, 1))[0].reshape(num_tokens)
+
+
+def qb_counts(logits, expert_bias, bin_bounds, num_bins: int, topk: int, *, token_mask=None, num_groups: int = -1,
+              group_topk: int = -1, group_score: str = "sum_topk", exp_mode: str | None = None,
+              tiling: QbTiling | None = None, out=None, stream=0):
+    """This call's QB counts (the module docstring).
+
+    Args:
+      logits: (T, E) float32 | bfloat16 | float16; sigmoid scores.
+      expert_bias: (E,) float32.
+      bin_bounds: (2,) float32 ``[lower, upper]`` (read on the device, not checked here).
+      num_bins: B >= 1.
+      topk: K, ``1 <= K < E``.
+      token_mask: optional (T,) bool, the valid tokens (masked ones add nothing).
+      num_groups, group_topk, group_score: group-limited QB (-1: no groups).
+      exp_mode: ``"libdevice"`` or ``"cephes"`` (None: ``default_exp_mode()``).
+      tiling: a ``QbTiling`` (None: the library's).
+      out: optional ``counts`` (E, B) int32 device array.
+      stream: numba stream or int CUDA stream handle.
+
+    Returns:
+      ``counts (E, B) int32``; each row sums to the number of valid tokens.
+    """
+    s = resolve_stream(stream)
+    d, kind = device_input(logits, "logits", OP, s, ndim=2)
+    num_tokens, num_experts = (int(v) for v in d.shape)
+    if num_tokens > INT32_MAX:
+        raise ValueError(f"{OP}: more than 2**31 - 1 tokens ({num_tokens}) could overflow a bin.")
+    d_b, bkind = device_input(expert_bias, "expert_bias", OP, s, ndim=1)
+    if bkind != F32 or tuple(d_b.shape) != (num_experts,):
+        raise ValueError(f"{OP}: expert_bias must be float32 of shape ({num_experts},), got "
+                         f"{tuple(d_b.shape)} {d_b.dtype}.")
+    d_lu, lkind = device_input(bin_bounds, "bin_bounds", OP, s, ndim=1)
+    if lkind != F32 or tuple(d_lu.shape) != (2,):
+        raise ValueError(f"{OP}: bin_bounds must be float32 of shape (2,), got {tuple(d_lu.shape)} {d_lu.dtype}.")
+    ins = [d, d_b, d_lu]
+    masked = token_mask is not None
+    if masked:
+        ins.append(_mask_input(token_mask, num_tokens, s))
+    to_host = not any_on_device(logits, expert_bias, bin_bounds, token_mask) and out is None
+    plan = qb_counts_plan(Spec(d.shape, d.dtype, kind), masked, int(topk), int(num_bins),
+                          max(int(num_groups), 0), max(int(group_topk), 0), group_score, exp_mode, tiling)
+    return execute(plan, ins, None if out is None else (out,), s, to_host)[0]
+
+
+__all__ = ["QB_TILING", "QbTiling", "qb_counts", "qb_counts_plan"]
