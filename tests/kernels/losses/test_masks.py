@@ -1,0 +1,103 @@
+"""The loss kernels' ``token_mask`` (``kernels/losses/masks.py``: the aux-loss
+and z-loss kernels compiled with ``has_mask``), on the CUDA simulator or a GPU:
+a masked launch equals the unmasked one on the rows zeroed (aux loss) or made
+all ``-inf`` (z-loss) with ``T`` the valid count, bit for bit; masked rows get
+exactly 0 gradient whatever they hold (NaN, inf)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+
+pytestmark = pytest.mark.cuda
+
+
+def _mask(T, seed=1, frac=0.3):
+    m = np.random.default_rng(seed).random(T) >= frac
+    m[0] = False  # the first row masked whatever the draw
+    return m
+
+
+def _probs(T, C, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.random((T, C)).astype(np.float32).astype(dtype), rng.integers(0, 64, C).astype(np.int32)
+
+
+@pytest.mark.parametrize("dtype,T,C,E", [
+    (np.float32, 150, 296, None),  # fp32 column quads, 3 blocks
+    (np.float32, 130, 302, None),  # fp32 elements, 3 blocks
+    (ml_dtypes.bfloat16, 9, 16, 8),  # bf16, sequence aux loss (C = 2E)
+    (np.float16, 7, 5, None),  # fp16, C % 4 != 0 (the element backward)
+])
+def test_aux_loss_masked(dtype, T, C, E):
+    probs, tpe = _probs(T, C, dtype)
+    mask = _mask(T)
+    junk = probs.copy()
+    junk[~mask] = np.asarray(np.nan, dtype)  # masked rows are never read into the sums
+    zeroed = np.where(mask[:, None], probs, np.zeros((), dtype))
+    n = int(mask.sum())
+    want, want_c = K.moe_aux_loss_fwd(zeroed, tpe, 2, 0.01, n, E)
+    loss, c = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, None, E, token_mask=mask)
+    assert loss.dtype == np.dtype(dtype) and c.dtype == np.float32
+    assert c == want_c == K.aux_loss_coeff(C if E is None else E, 0.01, 2, n)
+    assert loss.tobytes() == want.tobytes()
+    # uint8 mask, T given (a number): the same bits
+    loss8, _ = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, n, E, token_mask=mask.astype(np.uint8))
+    assert loss8.tobytes() == want.tobytes()
+    g = np.asarray(1.5, dtype)
+    gp = K.moe_aux_loss_bwd(c, tpe, g, T, token_mask=mask)
+    full = K.moe_aux_loss_bwd(c, tpe, g, T)
+    np.testing.assert_array_equal(gp[mask].astype(np.float32), full[mask].astype(np.float32))
+    assert not np.any(gp[~mask].astype(np.float32))
+
+
+def test_aux_loss_all_masked():
+    """No valid row: T = max(0, 1) = 1, the loss 0 and the gradient 0."""
+    probs, tpe = _probs(5, 8, np.float32)
+    mask = np.zeros(5, bool)
+    loss, c = K.moe_aux_loss_fwd(probs, tpe, 2, 0.01, token_mask=mask)
+    assert loss == 0.0 and c == K.aux_loss_coeff(8, 0.01, 2, 1)
+    assert not np.any(K.moe_aux_loss_bwd(c, tpe, np.float32(1), 5, token_mask=mask))
+
+
+def test_aux_loss_device_count():
+    """T as a device scalar (float32 as it is, an int converted): C on the device
+    in aux_loss_coeff's order, the same bits as the host's."""
+    from numba import cuda
+
+    probs, tpe = _probs(40, 12, np.float32)
+    mask = _mask(40)
+    for t in (np.float32(1000), np.int32(1000)):
+        loss, c = K.moe_aux_loss_fwd(cuda.to_device(probs), tpe, 3, 0.5, cuda.to_device(np.asarray(t)),
+                                     token_mask=cuda.to_device(mask))
+        assert hasattr(loss, "copy_to_host")
+        assert c.copy_to_host() == K.aux_loss_coeff(12, 0.5, 3, 1000)
+        want = K.moe_aux_loss_fwd(np.where(mask[:, None], probs, 0), tpe, 3, 0.5, 1000)[0]
+        assert loss.copy_to_host().tobytes() == want.tobytes()
+
+
+def test_mask_errors():
+    probs, tpe = _probs(4, 8, np.float32)
+    with pytest.raises(TypeError, match="moe_aux_loss_fwd: token_mask must be bool or uint8"):
+        K.moe_aux_loss_fwd(probs, tpe, 2, 0.01, token_mask=np.ones(4, np.int32))
+    with pytest.raises(ValueError, match=r"moe_aux_loss_fwd: token_mask shape \(5,\) must be \(4,\)"):
+        K.moe_aux_loss_fwd(probs, tpe, 2, 0.01, token_mask=np.ones(5, bool))
+    with pytest.raises(ValueError, match=r"moe_aux_loss_bwd: token_mask shape \(4, 1\) must be \(4,\)"):
+        K.moe_aux_loss_bwd(np.float32(1), tpe, np.float32(1), 4, token_mask=np.ones((4, 1), bool))
+
+
+def test_unmasked_kernels_unchanged():
+    """Without a mask the plans launch the kernels built without ``has_mask``
+    (their factories' cache keys as before); with one, the masked builds."""
+    from gpurouter.kernels._base.plan import spec_for
+    from gpurouter.kernels.losses import aux_loss as A
+
+    spec_p, spec_t = spec_for((8, 12), np.float32), spec_for((12,), np.int32)
+    plain = A.moe_aux_loss_fwd_plan(spec_p, spec_t, np.float32(1))
+    masked = A.moe_aux_loss_fwd_plan(spec_p, spec_t, np.float32(1), None, True)
+    assert plain.steps[0].kernel is A.aux_loss_fwd_kernel(spec_p.kind, spec_t.kind, spec_p.kind, True)
+    assert masked.steps[0].kernel is not plain.steps[0].kernel
+    assert len(masked.ins) == 4 and len(plain.ins) == 2
