@@ -9,7 +9,8 @@ one-block launch (lab/journal/benchmarks.md has what each costs).
   never through a stale L1 line);
 - ``ticket_inc(count, last)``: ``atom.acq_rel.gpu.global.inc.u32``;
 - ``finish_pieces(mode, full)``: the ticket and the fixed-order sum;
-- ``z_loss_final_kernel``: the unit kernels' second launch, one block.
+- ``z_loss_final_kernel``: the unit kernels' second launch, one block
+  (``z_loss_final_masked_kernel``: N read from a device ``[1]``).
 
 On the simulator plain loads and ``cuda.atomic.inc`` (blocks run one at a time
 there, the last block last).
@@ -180,10 +181,8 @@ def finish_pieces(mode: str, full: bool):
 # The unit kernels' (``z_loss.py``) second launch: one block sums the partials.
 
 
-@cuda.jit
-def z_loss_final_kernel(partial, loss, nparts, coeff, total):  # [>= nparts], [1] out, ., fp32, fp32 N
-    """One block (a power of two of threads): thread i sums partials i, i + n,
-    ... in order, a halving tree combines the threads; ``coeff * (S / N)``."""
+@cuda.jit(device=True)
+def _final(partial, loss, nparts, coeff, total):
     red = cuda.shared.array(_FINAL_WORDS, nb_f32)
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
@@ -200,3 +199,16 @@ def z_loss_final_kernel(partial, loss, nparts, coeff, total):  # [>= nparts], [1
         half //= 2
     if tid == 0:
         loss[0] = np.float32(coeff * np.float32(red[0] / total))
+
+
+@cuda.jit
+def z_loss_final_kernel(partial, loss, nparts, coeff, total):  # [>= nparts], [1] out, ., fp32, fp32 N
+    """One block (a power of two of threads): thread i sums partials i, i + n,
+    ... in order, a halving tree combines the threads; ``coeff * (S / N)``."""
+    _final(partial, loss, nparts, coeff, total)
+
+
+@cuda.jit
+def z_loss_final_masked_kernel(partial, loss, nparts, coeff, n):  # as above, n: [1] fp32 N on the device
+    """``z_loss_final_kernel`` with N read from the device (the masked plans)."""
+    _final(partial, loss, nparts, coeff, n[0])

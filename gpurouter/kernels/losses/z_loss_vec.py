@@ -183,10 +183,14 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool, exact: bool = Fal
 
 @functools.cache
 def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool,
-                           exact: bool = False, full: bool = False, finish_mode: str = "acq_rel"):
+                           exact: bool = False, full: bool = False, finish_mode: str = "acq_rel",
+                           has_mask: bool = False):
     """The forward's row kernel on vectors (see the module docstring).  ``exact``:
     every row is ``W * hold`` vectors (``_row_pieces``); ``full``: blockDim.x is
-    a multiple of 32 (the shuffles' member mask a constant)."""
+    a multiple of 32 (the shuffles' member mask a constant).  ``has_mask``
+    (compile-time): the kernel takes ``mask`` (bool ``[T]``) and ``n`` (fp32
+    ``[1]``, N on the device) after ``count`` and no ``total``; a masked row's
+    pair is saved as any row's but its ``lse^2`` is not added."""
     aligned, _, fetch, row_max, row_sum, _ = _row_pieces(kind, hold, lanes, hints, exact)
     all_max, all_sum = lane_reducers(lanes, full)
     lg2 = log2_approx()
@@ -195,11 +199,12 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
     w = np.int32(lanes)
 
     @cuda.jit(device=True)
-    def group(held, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc):
+    def group(held, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep):
         """One row group on the held vectors: the row's max over its W lanes, then
         each lane's sum against it (no rescale), the W sums in the fixed pairwise
         order; lane 0 writes the saved ``(m, log2 s)`` (one lg2.approx; s >= 1 or
-        NaN when m > -inf) and returns ``acc + lse^2``."""
+        NaN when m > -inf) and returns ``acc + lse^2`` (``acc`` for a row that
+        ``keep`` leaves out: ``has_mask``)."""
         m = all_max(row_max(held), red, tid, first, mask)
         s = all_sum(row_sum(held, lane, vecs, shift_of(m)), red, tid, first, mask)
         if lane == 0 and row < num_tokens:
@@ -207,25 +212,12 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
             v = lse_of_saved(sm, sl)
             lse[u64(row)] = sm
             lse[u64(num_tokens + row)] = sl
-            acc = np.float32(acc + np.float32(v * v))
+            if not has_mask or keep[row]:
+                acc = np.float32(acc + np.float32(v * v))
         return acc
 
-    @cuda.jit
-    def z_loss_vec_rows(
-        logits,  # [T * E * size / 4] uint32 words, flat
-        lse,  # [2T] fp32, out: each row's max, then log2 of its sum (logsumexp.saved_pair)
-        partial,  # [>= grid] fp32, out: the block's sum of lse^2 (rows in order)
-        loss,  # [1] fp32, out: coeff * (S / N)
-        count,  # [1] uint32: 0 at launch, left 0 (a _plan.Counter)
-        num_tokens,
-        vecs,  # V: 16-byte vectors a row
-        iters,  # row groups a block walks; blockDim.x = TB * W
-        coeff,  # fp32
-        total,  # fp32: N
-    ):
-        red = cuda.shared.array(0, nb_f32)  # [threads] lane exchange (simulator), [TB] running sums, a flag
-        cur = cuda.local.array(words, nb_u32)
-        nxt = cuda.local.array(words, nb_u32)
+    @cuda.jit(device=True)
+    def run(logits, lse, partial, loss, count, keep, num_tokens, vecs, iters, coeff, total, red, cur, nxt):
         tid = np.int32(cuda.threadIdx.x)
         nthreads = np.int32(cuda.blockDim.x)
         tok = np.int32(tid // w)
@@ -243,16 +235,16 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
             if prefetch:  # two groups a trip, the buffers in turn: each group's loads in flight
                 if k + 1 < iters:  # during the group before it, and no copies between buffers
                     fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
-                acc = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc)
+                acc = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep)
                 row += tb
                 if k + 1 < iters:
                     if k + 2 < iters:
                         fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
-                    acc = group(nxt, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc)
+                    acc = group(nxt, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep)
                     row += tb
                 k += 2
             else:
-                acc = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc)
+                acc = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep)
                 row += tb
                 k += 1
                 if k < iters:
@@ -272,29 +264,52 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
         if red[nthreads + tb] != ZERO:
             finish(partial, loss, red, tid, nthreads, coeff, total)
 
+    if has_mask:
+
+        @cuda.jit
+        def z_loss_vec_rows_masked(logits, lse, partial, loss, count, keep, n, num_tokens, vecs, iters, coeff):
+            # as below, plus keep: [T] bool, the valid rows; n: [1] fp32, N
+            red = cuda.shared.array(0, nb_f32)
+            cur = cuda.local.array(words, nb_u32)
+            nxt = cuda.local.array(words, nb_u32)
+            run(logits, lse, partial, loss, count, keep, num_tokens, vecs, iters, coeff, n[0], red, cur, nxt)
+
+        return z_loss_vec_rows_masked
+
+    @cuda.jit
+    def z_loss_vec_rows(
+        logits,  # [T * E * size / 4] uint32 words, flat
+        lse,  # [2T] fp32, out: each row's max, then log2 of its sum (logsumexp.saved_pair)
+        partial,  # [>= grid] fp32, out: the block's sum of lse^2 (rows in order)
+        loss,  # [1] fp32, out: coeff * (S / N)
+        count,  # [1] uint32: 0 at launch, left 0 (a _plan.Counter)
+        num_tokens,
+        vecs,  # V: 16-byte vectors a row
+        iters,  # row groups a block walks; blockDim.x = TB * W
+        coeff,  # fp32
+        total,  # fp32: N
+    ):
+        red = cuda.shared.array(0, nb_f32)  # [threads] lane exchange (simulator), [TB] running sums, a flag
+        cur = cuda.local.array(words, nb_u32)
+        nxt = cuda.local.array(words, nb_u32)
+        run(logits, lse, partial, loss, count, lse, num_tokens, vecs, iters, coeff, total, red, cur, nxt)  # no mask
+
     return z_loss_vec_rows
 
 
 @functools.cache
-def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool):
-    """The backward on vectors: ``grad = (g * scale) lse_t exp(x - lse_t)``."""
+def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool, has_mask: bool = False):
+    """The backward on vectors: ``grad = (g * scale) lse_t exp(x - lse_t)``.
+    ``has_mask`` (compile-time): the kernel takes ``mask`` (bool ``[T]``) and
+    ``n`` (fp32 ``[1]``) after ``grad_logits``, and ``coeff`` in place of
+    ``scale`` (``scale = 2 coeff / n`` on the device); masked rows get 0."""
     aligned, store_v, fetch, _, _, grad_word = _row_pieces(kind, hold, lanes, hints)
     words = 4 * hold
     w = np.int32(lanes)
+    zero = np.uint32(0)
 
-    @cuda.jit
-    def z_loss_vec_bwd(
-        logits,  # [T * E * size / 4] uint32 words, flat
-        lse,  # [2T] fp32: the forward's saved (m, log2 s)
-        grad_loss,  # [1] fp32
-        grad_logits,  # as logits, out
-        num_tokens,
-        vecs,
-        iters,
-        scale,  # fp32: 2 coeff / N
-    ):
-        cur = cuda.local.array(words, nb_u32)
-        nxt = cuda.local.array(words, nb_u32)
+    @cuda.jit(device=True)
+    def run(logits, lse, grad_loss, grad_logits, keep, num_tokens, vecs, iters, scale, cur, nxt):
         tid = np.int32(cuda.threadIdx.x)
         tok = np.int32(tid // w)
         lane = np.int32(tid - tok * w)
@@ -317,6 +332,7 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
             if row < num_tokens:
                 v, sh, l2 = backward_row(vm, vl)
                 a = np.float32(g * v)  # 0 on a dead row (v = 0)
+                dead = has_mask and not keep[row]  # a masked row: 0 whatever it holds
                 base = row * vecs
                 for h in range(hold):
                     u = np.int32(lane + h * w)
@@ -325,6 +341,11 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
                         o1 = grad_word(cur[4 * h + 1], a, sh, l2)
                         o2 = grad_word(cur[4 * h + 2], a, sh, l2)
                         o3 = grad_word(cur[4 * h + 3], a, sh, l2)
+                        if dead:
+                            o0 = zero
+                            o1 = zero
+                            o2 = zero
+                            o3 = zero
                         if fast:
                             store_v(grad_logits, base + u, o0, o1, o2, o3)
                         else:
@@ -339,5 +360,32 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
                 vm = lse[u64(min(row + tb, last))]
                 vl = lse[u64(num_tokens + min(row + tb, last))]
             row += tb
+
+    if has_mask:
+
+        @cuda.jit
+        def z_loss_vec_bwd_masked(logits, lse, grad_loss, grad_logits, keep, n, num_tokens, vecs, iters, coeff):
+            cur = cuda.local.array(words, nb_u32)
+            nxt = cuda.local.array(words, nb_u32)
+            # 2 coeff / N in fp32, in that order (z_loss.router_z_loss_bwd_plan's host scale)
+            scale = np.float32(np.float32(coeff / n[0]) * np.float32(2))
+            run(logits, lse, grad_loss, grad_logits, keep, num_tokens, vecs, iters, scale, cur, nxt)
+
+        return z_loss_vec_bwd_masked
+
+    @cuda.jit
+    def z_loss_vec_bwd(
+        logits,  # [T * E * size / 4] uint32 words, flat
+        lse,  # [2T] fp32: the forward's saved (m, log2 s)
+        grad_loss,  # [1] fp32
+        grad_logits,  # as logits, out
+        num_tokens,
+        vecs,
+        iters,
+        scale,  # fp32: 2 coeff / N
+    ):
+        cur = cuda.local.array(words, nb_u32)
+        nxt = cuda.local.array(words, nb_u32)
+        run(logits, lse, grad_loss, grad_logits, lse, num_tokens, vecs, iters, scale, cur, nxt)  # no mask read
 
     return z_loss_vec_bwd

@@ -101,3 +101,68 @@ def test_unmasked_kernels_unchanged():
     assert plain.steps[0].kernel is A.aux_loss_fwd_kernel(spec_p.kind, spec_t.kind, spec_p.kind, True)
     assert masked.steps[0].kernel is not plain.steps[0].kernel
     assert len(masked.ins) == 4 and len(plain.ins) == 2
+
+
+def _logits(T, E, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((T, E)) * 3).astype(np.float32).astype(dtype)
+
+
+def _z_tilings():
+    from gpurouter.kernels.losses.tiling import ZLossTiling
+
+    # vec: TB = 4 rows, prefetch on (3 groups a block, 2 blocks); unit: the vector kernels off
+    return {"vec": ZLossTiling(vec_fwd=(8, 1, 2, True, True), vec_bwd=(8, 1, 2, True, True)),
+            "unit": ZLossTiling(vec_max_hold=0, threads=16, bwd_threads=16)}
+
+
+@pytest.mark.parametrize("dtype,T,E,path", [
+    (ml_dtypes.bfloat16, 19, 16, "vec"),  # the vector kernels, 2 blocks (one ends past T)
+    (np.float32, 11, 12, "vec"),  # fp32 vectors, a lane's second vector past the row
+    (np.float16, 9, 8, "unit"),  # the unit kernels on quads, then the final kernel
+    (np.float32, 6, 5, "unit"),  # units of masked elements (E % 4 != 0)
+])
+def test_z_loss_masked(dtype, T, E, path):
+    """The masked kernels == the unmasked ones on the rows made all -inf (which
+    add 0), N the valid count: the loss and the valid rows' gradient bit for
+    bit; the masked rows' gradient exactly 0 even where they hold +inf or NaN."""
+    tiling = _z_tilings()[path]
+    x = _logits(T, E, dtype)
+    mask = _mask(T)
+    junk = x.copy()
+    junk[~mask, 0] = np.asarray(np.inf, dtype)
+    junk[~mask, -1] = np.asarray(np.nan, dtype)
+    dead = np.where(mask[:, None], x, np.asarray(-np.inf, dtype))
+    n = int(mask.sum())
+    want, wsaved = K.router_z_loss_fwd(dead, 0.01, n, tiling=tiling)
+    loss, saved = K.router_z_loss_fwd(junk, 0.01, token_mask=mask, tiling=tiling)
+    assert loss.tobytes() == want.tobytes()
+    keep = np.concatenate([mask, mask])
+    np.testing.assert_array_equal(saved[keep], wsaved[keep])
+    wgrad = K.router_z_loss_bwd(dead, wsaved, np.float32(1.5), 0.01, n, tiling=tiling)
+    grad = K.router_z_loss_bwd(junk, saved, np.float32(1.5), 0.01, token_mask=mask, tiling=tiling)
+    assert grad.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(grad[mask].astype(np.float32), wgrad[mask].astype(np.float32))
+    assert not np.any(grad[~mask].astype(np.float32))
+    assert not np.any(np.isnan(grad[~mask].astype(np.float32)))
+
+
+def test_z_loss_all_masked_and_device_count():
+    """No valid row: the loss 0, the gradient 0 (N = 1); N a device scalar: the
+    same bits as the number."""
+    from numba import cuda
+
+    x = _logits(6, 16, np.float32, seed=2)
+    none = np.zeros(6, bool)
+    loss, saved = K.router_z_loss_fwd(x, 0.01, token_mask=none)
+    assert loss == 0.0
+    assert not np.any(K.router_z_loss_bwd(x, saved, np.float32(1), 0.01, token_mask=none))
+    mask = _mask(6)
+    host_loss = K.router_z_loss_fwd(x, 0.01, 100, token_mask=mask)[0]
+    dev = K.router_z_loss_fwd(cuda.to_device(x), 0.01, cuda.to_device(np.asarray(100, np.int32)),
+                              token_mask=cuda.to_device(mask.astype(np.uint8)))[0]
+    assert dev.copy_to_host().tobytes() == host_loss.tobytes()
+    with pytest.raises(ValueError, match="router_z_loss_fwd: total_num_tokens"):
+        K.router_z_loss_fwd(x, 0.01, 0, token_mask=mask)
+    with pytest.raises(TypeError, match="router_z_loss_bwd: token_mask must be bool or uint8"):
+        K.router_z_loss_bwd(x, saved, np.float32(1), 0.01, token_mask=np.ones(6, np.float32))
