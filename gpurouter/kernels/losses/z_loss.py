@@ -311,6 +311,15 @@ def _static_args(op: str, num_tokens: int, coeff, total_num_tokens):
     return np.float32(c), total
 
 
+def _host_number(total_num_tokens):
+    """A Python or NumPy number, checked as the unmasked launches check it;
+    None for an array (a device scalar, or a traced value the callback
+    transport brings over: used as it is, contract section 10)."""
+    if isinstance(total_num_tokens, (int, float, np.integer, np.floating)):
+        return total_num_tokens
+    return None
+
+
 def _logits_input(logits, op: str, stream):
     d, kind = device_input(logits, "logits", op, stream, ndim=2)
     if int(d.shape[1]) < 1:
@@ -348,7 +357,7 @@ def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, token_mask=None, 
     s = resolve_stream(stream)
     d, kind = _logits_input(logits, op, s)
     if token_mask is not None:
-        c, _ = _static_args(op, int(d.shape[0]), coeff, None if any_on_device(total_num_tokens) else total_num_tokens)
+        c, _ = _static_args(op, int(d.shape[0]), coeff, _host_number(total_num_tokens))
         d_mask, d_n = mask_input(token_mask, op, s, int(d.shape[0]), total_num_tokens)
         to_host = not any_on_device(logits, token_mask, total_num_tokens) and out is None
         plan = router_z_loss_fwd_plan(spec_of(d.shape, kind), c, 1, tiling, True)
@@ -432,7 +441,7 @@ def router_z_loss_bwd(logits, saved_lse, grad_loss, coeff, total_num_tokens=None
     if gkind != F32:
         raise TypeError(f"{op}: grad_loss must be float32, got {d_g.dtype}.")
     if token_mask is not None:
-        c, _ = _static_args(op, num_tokens, coeff, None if any_on_device(total_num_tokens) else total_num_tokens)
+        c, _ = _static_args(op, num_tokens, coeff, _host_number(total_num_tokens))
         d_mask, d_n = mask_input(token_mask, op, s, num_tokens, total_num_tokens)
         to_host = not any_on_device(logits, saved_lse, grad_loss, token_mask, total_num_tokens) and out is None
         plan = router_z_loss_bwd_plan(spec_of(d.shape, kind), c, 1, tiling, True)
