@@ -20,7 +20,7 @@ from .._checks import (
     check_transport,
 )
 from .._host import aux_loss_coeff
-from .._sharding import per_row_shard_sum
+from .._sharding import per_row_shard_sum, token_axes
 from .._transport import kernel_call, resolve_transport
 
 
@@ -68,7 +68,9 @@ def fused_moe_aux_loss(
         :func:`gpurouter.fused_topk_with_score_function`.
     """
     mask = None
+    counted = False  # the kernel counts the valid rows (T defaults to the count, one device, no axis)
     if token_mask is not None and backend == "numba":  # the kernels take the mask ("auto" with a mask: jax)
+        counted = total_num_tokens is None and axis_name is None and token_axes(jnp.asarray(probs)) is None
         mask, total_num_tokens = reference.checked_mask(AUX_LOSS_OP, probs, token_mask, total_num_tokens,
                                                         axis_name)
     else:
@@ -98,6 +100,8 @@ def fused_moe_aux_loss(
         transport = resolve_transport(AUX_LOSS_OP, transport)
         check_kernel_dtype(AUX_LOSS_OP, "probs", probs_meta[1])  # the caller's dtype, before jnp's cast
 
+        if counted:
+            return _aux_loss_counted(probs, tokens_per_expert, mask, cfg, transport)
         if mask is not None:
             # the mask sharded with the rows; T (fp32, the global count) and the counts replicated
             n = jnp.asarray(cfg.total_num_tokens, jnp.float32)
@@ -238,3 +242,43 @@ def _aux_loss_masked_bwd(cfg: AuxLossConfig, transport: str, res, grad_loss):
 
 
 _aux_loss_masked.defvjp(_aux_loss_masked_fwd, _aux_loss_masked_bwd)
+
+
+# T the valid count, counted by the forward kernel (C, saved for the backward, has it).
+
+
+def _fwd_launch_counted(cfg: AuxLossConfig, probs, tokens_per_expert, mask, **kw):
+    from ..kernels.losses.aux_loss import moe_aux_loss_fwd
+
+    return moe_aux_loss_fwd(probs, tokens_per_expert, cfg.topk, cfg.coeff, None, cfg.num_experts, token_mask=mask,
+                            **kw)
+
+
+def _fwd_plan_counted(cfg: AuxLossConfig, probs, tokens_per_expert, mask):
+    from ..kernels.losses.aux_loss import aux_loss_partial_coeff, moe_aux_loss_fwd_plan
+
+    num_experts = probs.shape[1] if cfg.num_experts is None else cfg.num_experts
+    return moe_aux_loss_fwd_plan(probs, tokens_per_expert, aux_loss_partial_coeff(num_experts, cfg.coeff, cfg.topk),
+                                 None, True, True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _aux_loss_counted(probs, tokens_per_expert, mask, cfg: AuxLossConfig, transport: str):
+    return _aux_loss_counted_fwd(probs, tokens_per_expert, mask, cfg, transport)[0]
+
+
+def _aux_loss_counted_fwd(probs, tokens_per_expert, mask, cfg: AuxLossConfig, transport: str):
+    specs = (jax.ShapeDtypeStruct((), probs.dtype), jax.ShapeDtypeStruct((), jnp.float32))
+    loss, saved_coeff = kernel_call(
+        functools.partial(_fwd_launch_counted, cfg), functools.partial(_fwd_plan_counted, cfg), specs, [],
+        [probs, tokens_per_expert, mask], transport,
+    )
+    like = jnp.zeros((probs.shape[0], 0), probs.dtype)
+    return loss, (saved_coeff, tokens_per_expert, mask, like)
+
+
+def _aux_loss_counted_bwd(cfg: AuxLossConfig, transport: str, res, grad_loss):
+    return _aux_loss_masked_bwd(cfg, transport, res, grad_loss)[:3]
+
+
+_aux_loss_counted.defvjp(_aux_loss_counted_fwd, _aux_loss_counted_bwd)

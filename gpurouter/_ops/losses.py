@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import _backend, reference
 from .._checks import Z_LOSS_OP, array_meta, check_kernel_dtype, check_transport, check_z_loss_args
-from .._sharding import axis_size, per_row_shard_sum
+from .._sharding import axis_size, per_row_shard_sum, token_axes
 from .._transport import kernel_call, resolve_transport
 from ..reference.losses import update_expert_bias as update_expert_bias
 
@@ -51,7 +51,9 @@ def router_z_loss(
     shape, dtype = array_meta(Z_LOSS_OP, "logits", logits)
     use_jax = _backend.resolve(Z_LOSS_OP, backend) == "jax"
     mask = None
+    counted = False  # the kernels count the valid rows (T defaults to the count, one device, no axis)
     if token_mask is not None and not use_jax:  # the kernels take the mask
+        counted = total_num_tokens is None and axis_name is None and token_axes(jnp.asarray(logits)) is None
         mask, total_num_tokens = reference.checked_mask(Z_LOSS_OP, logits, token_mask, total_num_tokens,
                                                         axis_name, "logits")
     else:
@@ -70,6 +72,8 @@ def router_z_loss(
         check_kernel_dtype(Z_LOSS_OP, "logits", dtype)
         if x.shape[0] == 0:
             return jnp.zeros((), jnp.float32)
+        if counted:
+            return _z_loss_counted(x, mask, np.float32(coeff), transport)
         # the mask is sharded with the rows, T (fp32, the global count) replicated
         n = jnp.asarray(total, jnp.float32)
         return per_row_shard_sum(lambda rows, m, t: _z_loss_masked(rows, m, t, np.float32(coeff), transport),
@@ -188,5 +192,40 @@ def _z_loss_masked_bwd(coeff: np.float32, transport: str, res, grad_loss):
 
 
 _z_loss_masked.defvjp(_z_loss_masked_fwd, _z_loss_masked_bwd)
+
+
+# T the valid count, counted by the forward kernels (a third output, N, for the backward).
+
+
+def _fwd_launch_counted(coeff, logits, mask, **kw):
+    from ..kernels.losses.z_loss import router_z_loss_fwd
+
+    return router_z_loss_fwd(logits, coeff, None, token_mask=mask, return_count=True, **kw)
+
+
+def _fwd_plan_counted(coeff, logits, mask):
+    from ..kernels.losses.z_loss import router_z_loss_fwd_plan
+
+    return router_z_loss_fwd_plan(logits, coeff, 1, None, True, True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _z_loss_counted(x, mask, coeff: np.float32, transport: str):
+    return _z_loss_counted_fwd(x, mask, coeff, transport)[0]
+
+
+def _z_loss_counted_fwd(x, mask, coeff: np.float32, transport: str):
+    specs = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((2 * x.shape[0],), jnp.float32),
+             jax.ShapeDtypeStruct((), jnp.float32))
+    loss, lse, n = kernel_call(functools.partial(_fwd_launch_counted, coeff),
+                               functools.partial(_fwd_plan_counted, coeff), specs, [], [x, mask], transport)
+    return loss, (x, lse, mask, n)
+
+
+def _z_loss_counted_bwd(coeff: np.float32, transport: str, res, grad_loss):
+    return _z_loss_masked_bwd(coeff, transport, res, grad_loss)[:2]
+
+
+_z_loss_counted.defvjp(_z_loss_counted_fwd, _z_loss_counted_bwd)
 
 __all__ = ["router_z_loss", "update_expert_bias"]

@@ -48,15 +48,19 @@ _RED_WORDS = AUX_LOSS_TILING.column_threads
 
 @recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
-def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = False, has_mask: bool = False):
+def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = False, has_mask: bool = False,
+                        count_valid: bool = False):
     """The forward; ``quads``: fp32 probs with C % 4 == 0, seen flat, a column quad
     per column lane (``lane_quad_sum``), else an element per column lane.
     ``has_mask`` (compile-time): the kernel takes ``mask`` (bool ``[T]``, the
     valid rows) and ``n`` (fp32 ``[1]``, the device count T) after
     ``tokens_per_expert``; the masked rows add nothing and ``coeff`` is the
-    partial ``f32(E coeff) / K``, divided by ``n`` twice in the last block (C
+    partial ``f32(E coeff) / K``, divided by T twice in the last block (C
     in ``aux_loss_coeff``'s order); without it the kernel is the unmasked one,
-    its C a constant."""
+    its C a constant.  ``count_valid`` (with ``has_mask``): T is ``max(valid
+    rows, 1)``, counted here (``n`` is not read): each block's count is added
+    to word 1 of the ``Counter`` (integer atomics: any order gives the same
+    count) before its ticket, and the last block takes it and leaves it 0."""
     column_sum = lane_column_sum(kind, has_mask)
     quad_sum = lane_quad_sum(has_mask)
     load_tpe = loader_1d(tpe_kind)
@@ -66,7 +70,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
 
     @cuda.jit(device=True)
     def run(probs, num_rows, num_cols, tokens_per_expert, mask, partial, count, coeff, loss, saved_coeff,
-            rows_per_block, col_lanes, red, last):
+            rows_per_block, col_lanes, red, last, t):
         # Thread (rl, cl): its row lane's sum of each of its columns, times
         # that column's count, added over its columns; the block's tree; the
         # partial and a ticket; the last block adds every partial in a fixed order.
@@ -95,6 +99,18 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
             while c < num_cols:
                 total += np.float32(column_sum(probs, r0, r1, c, rl, nrl, mask) * load_tpe(tokens_per_expert, c))
                 c += col_lanes
+        if count_valid:  # the block's valid rows, a tree of exact integers in fp32, then one atomic add
+            k = ZERO
+            r = r0 + tid
+            while r < r1:
+                if mask[r]:
+                    k += np.float32(1)
+                r += nthreads
+            red[tid] = k
+            block_tree_sum(red, tid, nthreads)
+            if tid == 0:
+                cuda.atomic.add(count, 1, np.uint32(red[0]))
+            # (thread 0 alone reads red[0] and writes it next: no barrier needed before the next tree)
         red[tid] = total
         block_tree_sum(red, tid, nthreads)
         if tid == 0:
@@ -111,8 +127,13 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
             red[tid] = acc
             block_tree_sum(red, tid, nthreads)
             if tid == 0:
-                store(loss, 0, np.float32(coeff * red[0]))
-                saved_coeff[0] = coeff
+                c = coeff
+                if has_mask:
+                    if count_valid:  # every block's count is in (the ticket's acquire); leave the word 0
+                        t = np.float32(max(cuda.atomic.exch(count, 1, np.uint32(0)), np.uint32(1)))
+                    c = np.float32(np.float32(coeff / t) / t)  # aux_loss_coeff's order, on the device
+                store(loss, 0, np.float32(c * red[0]))
+                saved_coeff[0] = c
 
     if has_mask:
 
@@ -125,7 +146,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
             mask,  # [T] bool: the valid rows
             n,  # [1] fp32: T of C (the valid count, or the caller's)
             partial,  # [nblocks] fp32, scratch
-            count,  # [1] uint32 (``_plan.Counter``)
+            count,  # [2] uint32 (``_plan.Counter``): the ticket, the valid rows (count_valid)
             coeff,  # fp32 scalar: f32(E coeff) / K
             loss,  # [1] out_kind, out
             saved_coeff,  # [1] fp32, out: C, for the backward
@@ -134,10 +155,9 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
         ):
             red = cuda.shared.array(_RED_WORDS, nb_f32)
             last = cuda.shared.array(1, nb_f32)
-            t = n[0]
-            c = np.float32(np.float32(coeff / t) / t)  # aux_loss_coeff's order, on the device
-            run(probs, num_rows, num_cols, tokens_per_expert, mask, partial, count, c, loss, saved_coeff,
-                rows_per_block, col_lanes, red, last)
+            t = np.float32(1) if count_valid else np.float32(n[0])  # count_valid: n is never read
+            run(probs, num_rows, num_cols, tokens_per_expert, mask, partial, count, coeff, loss, saved_coeff,
+                rows_per_block, col_lanes, red, last, t)
 
         return aux_loss_fwd_masked
 
@@ -159,7 +179,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
         last = cuda.shared.array(1, nb_f32)
         # ``mask``: never read without has_mask (tokens_per_expert stands in for it)
         run(probs, num_rows, num_cols, tokens_per_expert, tokens_per_expert, partial, count, coeff, loss,
-            saved_coeff, rows_per_block, col_lanes, red, last)
+            saved_coeff, rows_per_block, col_lanes, red, last, coeff)
 
     return aux_loss_fwd
 
@@ -309,8 +329,9 @@ def moe_aux_loss_fwd(probs, tokens_per_expert, topk, coeff, total_num_tokens=Non
       num_experts: E of the formula (default C).
       token_mask: None, or (T,) bool | uint8 (nonzero: a valid row): the
         masked rows are left out of the column sums, T defaults to
-        ``max(valid count, 1)`` and may be a device scalar (``masks.mask_input``);
-        C is then computed on the device, in ``aux_loss_coeff``'s order.
+        ``max(valid count, 1)`` (counted by the kernel) and may be a device
+        scalar (``masks.mask_input``); C is then computed on the device, in
+        ``aux_loss_coeff``'s order.
       tiling: an ``AuxLossTiling`` (None: the library's).
       out: optional ``(loss, saved_coeff)`` device arrays of shape ().
       stream: numba stream or int CUDA stream handle.
@@ -335,11 +356,12 @@ def moe_aux_loss_fwd(probs, tokens_per_expert, topk, coeff, total_num_tokens=Non
         raise ValueError(f"{op}: probs columns ({num_cols}) must be a multiple of "
                          f"num_experts ({n_exp}).")
     if token_mask is not None:
-        d_mask, d_n = mask_input(token_mask, op, s, num_rows, total_num_tokens)
+        counted = total_num_tokens is None  # the kernel counts the valid rows
+        d_mask, d_n = mask_input(token_mask, op, s, num_rows, 1 if counted else total_num_tokens)
         to_host = not any_on_device(probs, tokens_per_expert, token_mask, total_num_tokens) and out is None
         plan = moe_aux_loss_fwd_plan(spec_of(d_probs.shape, kind), spec_for(d_tpe.shape, d_tpe.dtype),
-                                     aux_loss_partial_coeff(n_exp, coeff, int(topk)), tiling, True)
-        return execute(plan, [d_probs, d_tpe, d_mask, d_n], out, s, to_host)
+                                     aux_loss_partial_coeff(n_exp, coeff, int(topk)), tiling, True, counted)
+        return execute(plan, [d_probs, d_tpe, d_mask] + ([] if counted else [d_n]), out, s, to_host)
     total = num_rows if total_num_tokens is None else int(total_num_tokens)
     c_host = aux_loss_coeff(n_exp, coeff, int(topk), total)
     to_host = not any_on_device(probs, tokens_per_expert) and out is None
@@ -357,12 +379,15 @@ def aux_loss_partial_coeff(num_experts, coeff, topk) -> np.float32:
 
 @functools.cache
 def moe_aux_loss_fwd_plan(probs: Spec, tokens_per_expert: Spec, c: np.float32,
-                          tiling: AuxLossTiling | None = None, has_mask: bool = False) -> Plan:
+                          tiling: AuxLossTiling | None = None, has_mask: bool = False,
+                          count_valid: bool = False) -> Plan:
     """The launches of the forward (inputs: probs, tokens_per_expert; outputs: loss,
     saved_coeff; scratch: the per-block partials). ``c`` is the fp32 C; ``tiling``:
     an ``AuxLossTiling`` (None: the library's). ``has_mask``: two more inputs,
     the mask (bool ``[T]``) and T (fp32 ``()``), and ``c`` is
-    ``aux_loss_partial_coeff`` (C before its divisions by T)."""
+    ``aux_loss_partial_coeff`` (C before its divisions by T); ``count_valid``
+    (with ``has_mask``): the mask alone, T = max(valid rows, 1) counted by the
+    kernel."""
     tiling = tiling or AUX_LOSS_TILING
     num_rows, num_cols = probs.shape
     outs = (spec_of((), probs.kind), spec_of((), F32))
@@ -372,12 +397,16 @@ def moe_aux_loss_fwd_plan(probs: Spec, tokens_per_expert: Spec, c: np.float32,
     src = In(0, array_views(F32, (num_rows, num_cols))[0]) if quads else In(0)
     ins = (probs, tokens_per_expert)
     masked = ()
+    flag = ()  # the unmasked kernel's cache key as before
+    if count_valid and not has_mask:
+        raise ValueError(f"{OP}_fwd_plan: count_valid needs has_mask.")
     if has_mask:
-        ins += (mask_spec(num_rows), spec_of((), F32))
-        masked = (In(2), In(3, spec_of((1,), F32)))
-    kern = aux_loss_fwd_kernel(probs.kind, tokens_per_expert.kind, probs.kind, quads, *((True,) if has_mask else ()))
+        ins += (mask_spec(num_rows),) + (() if count_valid else (spec_of((), F32),))
+        masked = (In(2), In(2) if count_valid else In(3, spec_of((1,), F32)))  # count_valid: n never read
+        flag = (True, count_valid)
+    kern = aux_loss_fwd_kernel(probs.kind, tokens_per_expert.kind, probs.kind, quads, *flag)
     steps = (Step(kern, grid, threads, 0,
-                  (src, num_rows, num_cols, In(1), *masked, Tmp(0), Counter(), np.float32(c),
+                  (src, num_rows, num_cols, In(1), *masked, Tmp(0), Counter(2 if has_mask else 1), np.float32(c),
                    Out(0, spec_of((1,), probs.kind)), Out(1, spec_of((1,), F32)), rows, cl)),)
     return Plan(OP + "_fwd", ins, outs, tmps, steps)
 

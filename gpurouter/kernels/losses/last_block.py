@@ -10,7 +10,8 @@ one-block launch (lab/journal/benchmarks.md has what each costs).
 - ``ticket_inc(count, last)``: ``atom.acq_rel.gpu.global.inc.u32``;
 - ``finish_pieces(mode, full)``: the ticket and the fixed-order sum;
 - ``z_loss_final_kernel``: the unit kernels' second launch, one block
-  (``z_loss_final_masked_kernel``: N read from a device ``[1]``).
+  (``z_loss_final_masked_kernel``: N read from a device ``[1]``;
+  ``z_loss_final_counted_kernel``: N the masked rows kernel counted).
 
 On the simulator plain loads and ``cuda.atomic.inc`` (blocks run one at a time
 there, the last block last).
@@ -211,4 +212,16 @@ def z_loss_final_kernel(partial, loss, nparts, coeff, total):  # [>= nparts], [1
 @cuda.jit
 def z_loss_final_masked_kernel(partial, loss, nparts, coeff, n):  # as above, n: [1] fp32 N on the device
     """``z_loss_final_kernel`` with N read from the device (the masked plans)."""
+    _final(partial, loss, nparts, coeff, n[0])
+
+
+@cuda.jit
+def z_loss_final_counted_kernel(partial, loss, nparts, coeff, count, n):  # count: [1] uint32 Counter; n: [1] out
+    """``z_loss_final_kernel`` with N = max(valid rows, 1) taken from ``count[0]``
+    (what the masked rows kernel added; left 0 for the next launch) and
+    written to ``n`` (the backward's N)."""
+    if cuda.threadIdx.x == 0:
+        n[0] = np.float32(max(cuda.atomic.exch(count, 0, np.uint32(0)), np.uint32(1)))
+    # Barrier: every thread reads N (the previous launch's adds are complete: a kernel boundary).
+    cuda.syncthreads()
     _final(partial, loss, nparts, coeff, n[0])

@@ -49,7 +49,7 @@ from .._base.device import NEG_INF, ZERO, fmax_f32, u64
 from .._base.launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
 from .._base.plan import Counter, In, Out, Plan, Ref, Spec, Step, Tmp, execute, spec_of
 from . import last_block as _z_loss_finish
-from .last_block import z_loss_final_kernel, z_loss_final_masked_kernel
+from .last_block import z_loss_final_counted_kernel, z_loss_final_kernel, z_loss_final_masked_kernel
 from .logsumexp import (
     backward_row,
     exp2_term,
@@ -76,18 +76,21 @@ OP = "router_z_loss"
 
 
 @functools.cache
-def z_loss_rows_kernel(kind: str, quads: bool, hold: int, has_mask: bool = False):
+def z_loss_rows_kernel(kind: str, quads: bool, hold: int, has_mask: bool = False, count_valid: bool = False):
     """Kernel 1 of the forward: ``lse`` of every row and a partial sum of
     ``lse^2`` per block (see the module docstring).  ``has_mask``
-    (compile-time): a bool ``mask [T]`` after ``partial``; a masked row's pair
-    is saved but its square is not added."""
+    (compile-time): a bool ``mask [T]`` and a ``Counter`` ``count`` after
+    ``partial``; a masked row's pair is saved but its square is not added;
+    ``count_valid``: each block adds its valid rows to ``count[0]`` (integer
+    atomics), which ``z_loss_final_counted_kernel`` takes (TB more words of
+    dynamic shared memory)."""
     aligned, fetch_fast, fetch = unit_fetchers(kind, quads)
     load_fast = held_unit_loader(fetch_fast, hold)
     load_slow = held_unit_loader(fetch, hold)
     held_words = 4 * hold  # a compile-time constant (local array sizes must be)
 
     @cuda.jit(device=True)
-    def run(logits, lse, partial, keep, num_tokens, num_experts, units, lanes, red, held):
+    def run(logits, lse, partial, keep, count, num_tokens, num_experts, units, lanes, red, held):
         tid = np.int32(cuda.threadIdx.x)
         nthreads = np.int32(cuda.blockDim.x)
         w = np.int32(lanes)
@@ -151,6 +154,8 @@ def z_loss_rows_kernel(kind: str, quads: bool, hold: int, has_mask: bool = False
                 if not has_mask or keep[token]:
                     sq = np.float32(v * v)
             red[2 * nthreads + tok] = sq
+            if count_valid:
+                red[2 * nthreads + tb + tok] = np.float32(1) if live and keep[token] else ZERO
         # The TB squares in a fixed-shape tree (pairs r, r + ceil(n/2)).
         o = 2 * nthreads
         k = tb
@@ -163,14 +168,19 @@ def z_loss_rows_kernel(kind: str, quads: bool, hold: int, has_mask: bool = False
             k = half
         if tid == 0:  # the last level's sum is thread 0's own (no barrier needed)
             partial[cuda.blockIdx.x] = red[o]
+            if count_valid:  # the slots' counts (written before the tree's barriers; TB = 1: thread 0's own)
+                c = ZERO
+                for i in range(tb):
+                    c += red[o + tb + i]
+                cuda.atomic.add(count, 0, np.uint32(c))
 
     if has_mask:
 
         @cuda.jit
-        def z_loss_rows_masked(logits, lse, partial, keep, num_tokens, num_experts, units, lanes):
+        def z_loss_rows_masked(logits, lse, partial, keep, count, num_tokens, num_experts, units, lanes):
             red = cuda.shared.array(0, nb_f32)
             held = cuda.local.array(held_words, nb_f32)
-            run(logits, lse, partial, keep, num_tokens, num_experts, units, lanes, red, held)
+            run(logits, lse, partial, keep, count, num_tokens, num_experts, units, lanes, red, held)
 
         return z_loss_rows_masked
 
@@ -186,7 +196,7 @@ def z_loss_rows_kernel(kind: str, quads: bool, hold: int, has_mask: bool = False
     ):
         red = cuda.shared.array(0, nb_f32)  # [2 * threads] lane (max, sum), then [TB] lse^2
         held = cuda.local.array(held_words, nb_f32)
-        run(logits, lse, partial, lse, num_tokens, num_experts, units, lanes, red, held)  # no mask read
+        run(logits, lse, partial, lse, lse, num_tokens, num_experts, units, lanes, red, held)  # no mask read
 
     return z_loss_rows
 
@@ -332,7 +342,8 @@ def _logits_arg(logits: Spec, quads: bool) -> Ref:
     return In(0, array_views(logits.kind, logits.shape)[0]) if quads else In(0)
 
 
-def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, token_mask=None, tiling=None, out=None, stream=0):
+def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, token_mask=None, return_count=False, tiling=None,
+                      out=None, stream=0):
     """Router z-loss forward.
 
     Args:
@@ -342,8 +353,10 @@ def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, token_mask=None, 
         T == 0; the global count when token-sharded).
       token_mask: None, or (T,) bool | uint8 (nonzero: a valid row): the
         masked rows' squares are not added (their pairs are saved as any
-        row's), N defaults to ``max(valid count, 1)`` and may be a device
-        scalar (``masks.mask_input``).
+        row's), N defaults to ``max(valid count, 1)`` (counted by the
+        kernels) and may be a device scalar (``masks.mask_input``).
+      return_count: with ``token_mask`` and no ``total_num_tokens``: a third
+        output, the N the kernels counted (() float32).
       tiling: a ``ZLossTiling`` (None: the library's).
       out: optional ``(loss (), saved (2T,))`` float32 device arrays.
       stream: numba stream or int CUDA stream handle.
@@ -358,10 +371,12 @@ def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, token_mask=None, 
     d, kind = _logits_input(logits, op, s)
     if token_mask is not None:
         c, _ = _static_args(op, int(d.shape[0]), coeff, _host_number(total_num_tokens))
-        d_mask, d_n = mask_input(token_mask, op, s, int(d.shape[0]), total_num_tokens)
+        counted = total_num_tokens is None  # the kernels count the valid rows
+        d_mask, d_n = mask_input(token_mask, op, s, int(d.shape[0]), 1 if counted else total_num_tokens)
         to_host = not any_on_device(logits, token_mask, total_num_tokens) and out is None
-        plan = router_z_loss_fwd_plan(spec_of(d.shape, kind), c, 1, tiling, True)
-        return tuple(execute(plan, [d, d_mask, d_n], out, s, to_host))
+        plan = router_z_loss_fwd_plan(spec_of(d.shape, kind), c, 1, tiling, True, counted)
+        res = tuple(execute(plan, [d, d_mask] + ([] if counted else [d_n]), out, s, to_host))
+        return res if return_count or not counted else res[:2]
     c, total = _static_args(op, int(d.shape[0]), coeff, total_num_tokens)
     to_host = not any_on_device(logits) and out is None
     plan = router_z_loss_fwd_plan(spec_of(d.shape, kind), c, total, tiling)
@@ -370,17 +385,27 @@ def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, token_mask=None, 
 
 @functools.cache
 def router_z_loss_fwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: int,
-                           tiling: ZLossTiling | None = None, has_mask: bool = False) -> Plan:
+                           tiling: ZLossTiling | None = None, has_mask: bool = False,
+                           count_valid: bool = False) -> Plan:
     """The launches of the forward: input logits; outputs ``loss () f32``,
     ``saved (2T,) f32``; scratch: the per-block partial sums of ``lse^2``; ``tiling``: a ``ZLossTiling``.
     ``has_mask``: two more inputs, the mask (bool ``[T]``) and N (fp32 ``()``;
-    ``total_num_tokens`` is then unused: pass 1)."""
+    ``total_num_tokens`` is then unused: pass 1); ``count_valid`` (with
+    ``has_mask``): the mask alone, N = max(valid rows, 1) counted by the
+    kernels and a third output, N (fp32 ``()``, for the backward)."""
     tiling = tiling or Z_LOSS_TILING
     num_tokens, num_experts = logits.shape
+    if count_valid and not has_mask:
+        raise ValueError(f"{OP}_fwd_plan: count_valid needs has_mask.")
     outs = (spec_of((), F32), spec_of((2 * num_tokens,), F32))
-    ins = (logits, mask_spec(num_tokens), spec_of((), F32)) if has_mask else (logits,)
-    flag = (True,) if has_mask else ()  # the unmasked kernels' cache keys as before
-    n = In(2, spec_of((1,), F32))
+    ins = (logits,)
+    flag = ()  # the unmasked kernels' cache keys as before
+    if has_mask:
+        ins += (mask_spec(num_tokens),) + (() if count_valid else (spec_of((), F32),))
+        outs += (spec_of((), F32),) if count_valid else ()
+        flag = (True, count_valid)
+    n = Out(2, spec_of((1,), F32)) if count_valid else In(2, spec_of((1,), F32))
+    counts = 0 if not count_valid else 1  # dynamic shared words: TB more with count_valid
     vec = logits.kind != F16 and z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize, False, tiling)
     grid, threads, lanes, units, quads = z_loss_tiling(num_tokens, num_experts, tiling=tiling)
     steps = []
@@ -388,21 +413,25 @@ def router_z_loss_fwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: in
         grid, threads, lanes, vecs, hold, iters = vec
         kern = z_loss_vec_rows_kernel(logits.kind, hold, lanes, *tiling.vec_fwd[3:], vecs == lanes * hold,
                                       threads % 32 == 0, _z_loss_finish.FINISH, *flag)  # exact rows, full warps
-        head = (In(0, word_view(logits)), Out(1), Tmp(0), Out(0, spec_of((1,), F32)), Counter())
+        head = (In(0, word_view(logits)), Out(1), Tmp(0), Out(0, spec_of((1,), F32)), Counter(2 if has_mask else 1))
         if has_mask:
             args = (*head, In(1), n, num_tokens, vecs, iters, np.float32(coeff))
         else:
             args = (*head, num_tokens, vecs, iters, np.float32(coeff), np.float32(total_num_tokens))
-        steps.append(Step(kern, grid, threads, 4 * (threads + threads // lanes + 1), args))
+        steps.append(Step(kern, grid, threads, 4 * (threads + (1 + counts) * (threads // lanes) + 1), args))
         return Plan(OP + "_fwd", ins, outs, (spec_of((grid,), F32),), steps)
+    count = Counter()  # the unit kernels' valid rows (count_valid): the rows kernel adds, the final one takes
     if grid:
         steps.append(Step(z_loss_rows_kernel(logits.kind, quads, tiling.hold, *flag), grid, threads,
-                            4 * (2 * threads + threads // lanes),
-                            (_logits_arg(logits, quads), Out(1), Tmp(0), *((In(1),) if has_mask else ()),
+                            4 * (2 * threads + (1 + counts) * (threads // lanes)),
+                            (_logits_arg(logits, quads), Out(1), Tmp(0), *((In(1), count) if has_mask else ()),
                              num_tokens, num_experts, units, lanes)))
     tmps = (spec_of((max(grid, 1),), F32),)
     final = min(tiling.final_threads, pow2_at_least(max(grid, 1)))
-    if has_mask:
+    if count_valid:
+        steps.append(Step(z_loss_final_counted_kernel, 1, final, 0,
+                          (Tmp(0), Out(0, spec_of((1,), F32)), grid, np.float32(coeff), count, n)))
+    elif has_mask:
         steps.append(Step(z_loss_final_masked_kernel, 1, final, 0,
                           (Tmp(0), Out(0, spec_of((1,), F32)), grid, np.float32(coeff), n)))
     else:

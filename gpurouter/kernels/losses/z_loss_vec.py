@@ -184,13 +184,18 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool, exact: bool = Fal
 @functools.cache
 def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool,
                            exact: bool = False, full: bool = False, finish_mode: str = "acq_rel",
-                           has_mask: bool = False):
+                           has_mask: bool = False, count_valid: bool = False):
     """The forward's row kernel on vectors (see the module docstring).  ``exact``:
     every row is ``W * hold`` vectors (``_row_pieces``); ``full``: blockDim.x is
     a multiple of 32 (the shuffles' member mask a constant).  ``has_mask``
     (compile-time): the kernel takes ``mask`` (bool ``[T]``) and ``n`` (fp32
     ``[1]``, N on the device) after ``count`` and no ``total``; a masked row's
-    pair is saved as any row's but its ``lse^2`` is not added."""
+    pair is saved as any row's but its ``lse^2`` is not added.  ``count_valid``
+    (with ``has_mask``): N is ``max(valid rows, 1)``, counted here and written
+    to ``n`` (an output then, for the backward): each block's count goes to
+    word 1 of the ``Counter`` (integer atomics, any order the same count)
+    before its ticket; the last block takes it and leaves it 0.  Its dynamic
+    shared memory: TB more words (the slots' counts)."""
     aligned, _, fetch, row_max, row_sum, _ = _row_pieces(kind, hold, lanes, hints, exact)
     all_max, all_sum = lane_reducers(lanes, full)
     lg2 = log2_approx()
@@ -199,7 +204,7 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
     w = np.int32(lanes)
 
     @cuda.jit(device=True)
-    def group(held, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep):
+    def group(held, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt):
         """One row group on the held vectors: the row's max over its W lanes, then
         each lane's sum against it (no rescale), the W sums in the fixed pairwise
         order; lane 0 writes the saved ``(m, log2 s)`` (one lg2.approx; s >= 1 or
@@ -214,10 +219,11 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
             lse[u64(num_tokens + row)] = sl
             if not has_mask or keep[row]:
                 acc = np.float32(acc + np.float32(v * v))
-        return acc
+                cnt += np.float32(1)
+        return acc, cnt
 
     @cuda.jit(device=True)
-    def run(logits, lse, partial, loss, count, keep, num_tokens, vecs, iters, coeff, total, red, cur, nxt):
+    def run(logits, lse, partial, loss, count, keep, n, num_tokens, vecs, iters, coeff, total, red, cur, nxt):
         tid = np.int32(cuda.threadIdx.x)
         nthreads = np.int32(cuda.blockDim.x)
         tok = np.int32(tid // w)
@@ -229,28 +235,31 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
         row = np.int64(cuda.blockIdx.x) * tb * iters + tok
         fast = aligned(logits)
         acc = ZERO
+        cnt = ZERO  # the slot's valid rows (count_valid), exact integers in fp32
         fetch(cur, logits, fast, min(row, last), lane, vecs)
         k = np.int32(0)
         while k < iters:
             if prefetch:  # two groups a trip, the buffers in turn: each group's loads in flight
                 if k + 1 < iters:  # during the group before it, and no copies between buffers
                     fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
-                acc = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep)
+                acc, cnt = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt)
                 row += tb
                 if k + 1 < iters:
                     if k + 2 < iters:
                         fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
-                    acc = group(nxt, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep)
+                    acc, cnt = group(nxt, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt)
                     row += tb
                 k += 2
             else:
-                acc = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep)
+                acc, cnt = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt)
                 row += tb
                 k += 1
                 if k < iters:
                     fetch(cur, logits, fast, min(row, last), lane, vecs)
         if lane == 0:
             red[nthreads + tok] = acc
+            if count_valid:
+                red[nthreads + tb + 1 + tok] = cnt
         # Barrier: thread 0 reads every slot's running sum.
         cuda.syncthreads()
         if tid == 0:
@@ -258,21 +267,30 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
             for i in range(tb):
                 block_sum = np.float32(block_sum + red[nthreads + i])
             partial[cuda.blockIdx.x] = block_sum
+            if count_valid:
+                block_count = ZERO
+                for i in range(tb):
+                    block_count += red[nthreads + tb + 1 + i]
+                cuda.atomic.add(count, 1, np.uint32(block_count))  # before the ticket (its release)
             red[nthreads + tb] = ticket(count)
         # Barrier: every thread reads the flag (block-uniform below).
         cuda.syncthreads()
         if red[nthreads + tb] != ZERO:
-            finish(partial, loss, red, tid, nthreads, coeff, total)
+            if count_valid and tid == 0:  # every block's count is in (the ticket's acquire); leave the word 0
+                total = np.float32(max(cuda.atomic.exch(count, 1, np.uint32(0)), np.uint32(1)))
+                n[0] = total  # N for the backward
+            finish(partial, loss, red, tid, nthreads, coeff, total)  # (only thread 0 reads total)
 
     if has_mask:
 
         @cuda.jit
         def z_loss_vec_rows_masked(logits, lse, partial, loss, count, keep, n, num_tokens, vecs, iters, coeff):
-            # as below, plus keep: [T] bool, the valid rows; n: [1] fp32, N
+            # as below, plus keep: [T] bool, the valid rows; n: [1] fp32, N (count_valid: out)
             red = cuda.shared.array(0, nb_f32)
             cur = cuda.local.array(words, nb_u32)
             nxt = cuda.local.array(words, nb_u32)
-            run(logits, lse, partial, loss, count, keep, num_tokens, vecs, iters, coeff, n[0], red, cur, nxt)
+            total = np.float32(1) if count_valid else n[0]
+            run(logits, lse, partial, loss, count, keep, n, num_tokens, vecs, iters, coeff, total, red, cur, nxt)
 
         return z_loss_vec_rows_masked
 
@@ -292,7 +310,8 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
         red = cuda.shared.array(0, nb_f32)  # [threads] lane exchange (simulator), [TB] running sums, a flag
         cur = cuda.local.array(words, nb_u32)
         nxt = cuda.local.array(words, nb_u32)
-        run(logits, lse, partial, loss, count, lse, num_tokens, vecs, iters, coeff, total, red, cur, nxt)  # no mask
+        run(logits, lse, partial, loss, count, lse, lse, num_tokens, vecs, iters, coeff, total, red, cur,
+            nxt)  # no mask, no count
 
     return z_loss_vec_rows
 

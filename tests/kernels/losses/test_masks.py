@@ -40,10 +40,12 @@ def test_aux_loss_masked(dtype, T, C, E):
     zeroed = np.where(mask[:, None], probs, np.zeros((), dtype))
     n = int(mask.sum())
     want, want_c = K.moe_aux_loss_fwd(zeroed, tpe, 2, 0.01, n, E)
-    loss, c = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, None, E, token_mask=mask)
+    loss, c = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, None, E, token_mask=mask)  # T counted by the kernel
     assert loss.dtype == np.dtype(dtype) and c.dtype == np.float32
     assert c == want_c == K.aux_loss_coeff(C if E is None else E, 0.01, 2, n)
     assert loss.tobytes() == want.tobytes()
+    again, c2 = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, None, E, token_mask=mask)  # the count word was left 0
+    assert again.tobytes() == want.tobytes() and c2 == c
     # uint8 mask, T given (a number): the same bits
     loss8, _ = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, n, E, token_mask=mask.astype(np.uint8))
     assert loss8.tobytes() == want.tobytes()
@@ -135,8 +137,12 @@ def test_z_loss_masked(dtype, T, E, path):
     dead = np.where(mask[:, None], x, np.asarray(-np.inf, dtype))
     n = int(mask.sum())
     want, wsaved = K.router_z_loss_fwd(dead, 0.01, n, tiling=tiling)
-    loss, saved = K.router_z_loss_fwd(junk, 0.01, token_mask=mask, tiling=tiling)
+    loss, saved = K.router_z_loss_fwd(junk, 0.01, token_mask=mask, tiling=tiling)  # N counted by the kernels
     assert loss.tobytes() == want.tobytes()
+    again = K.router_z_loss_fwd(junk, 0.01, token_mask=mask, return_count=True, tiling=tiling)
+    assert again[0].tobytes() == want.tobytes() and again[2] == n  # the count word was left 0
+    given = K.router_z_loss_fwd(junk, 0.01, n, token_mask=mask, tiling=tiling)[0]  # N given: the same bits
+    assert given.tobytes() == want.tobytes()
     keep = np.concatenate([mask, mask])
     np.testing.assert_array_equal(saved[keep], wsaved[keep])
     wgrad = K.router_z_loss_bwd(dead, wsaved, np.float32(1.5), 0.01, n, tiling=tiling)
