@@ -402,7 +402,7 @@ def moe_aux_loss_fwd_plan(probs: Spec, tokens_per_expert: Spec, c: np.float32,
         raise ValueError(f"{OP}_fwd_plan: count_valid needs has_mask.")
     if has_mask:
         ins += (mask_spec(num_rows),) + (() if count_valid else (spec_of((), F32),))
-        masked = (In(2), In(2) if count_valid else In(3, spec_of((1,), F32)))  # count_valid: n never read
+        masked = (In(2), Tmp(0) if count_valid else In(3, spec_of((1,), F32)))  # count_valid: n never read
         flag = (True, count_valid)
     kern = aux_loss_fwd_kernel(probs.kind, tokens_per_expert.kind, probs.kind, quads, *flag)
     steps = (Step(kern, grid, threads, 0,

@@ -183,8 +183,7 @@ def finish_pieces(mode: str, full: bool):
 
 
 @cuda.jit(device=True)
-def _final(partial, loss, nparts, coeff, total):
-    red = cuda.shared.array(_FINAL_WORDS, nb_f32)
+def _final(partial, loss, nparts, coeff, total, red):  # red: the kernel's [_FINAL_WORDS] fp32 shared array
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     acc = ZERO
@@ -206,13 +205,15 @@ def _final(partial, loss, nparts, coeff, total):
 def z_loss_final_kernel(partial, loss, nparts, coeff, total):  # [>= nparts], [1] out, ., fp32, fp32 N
     """One block (a power of two of threads): thread i sums partials i, i + n,
     ... in order, a halving tree combines the threads; ``coeff * (S / N)``."""
-    _final(partial, loss, nparts, coeff, total)
+    red = cuda.shared.array(_FINAL_WORDS, nb_f32)
+    _final(partial, loss, nparts, coeff, total, red)
 
 
 @cuda.jit
 def z_loss_final_masked_kernel(partial, loss, nparts, coeff, n):  # as above, n: [1] fp32 N on the device
     """``z_loss_final_kernel`` with N read from the device (the masked plans)."""
-    _final(partial, loss, nparts, coeff, n[0])
+    red = cuda.shared.array(_FINAL_WORDS, nb_f32)
+    _final(partial, loss, nparts, coeff, n[0], red)
 
 
 @cuda.jit
@@ -224,4 +225,5 @@ def z_loss_final_counted_kernel(partial, loss, nparts, coeff, count, n):  # coun
         n[0] = np.float32(max(cuda.atomic.exch(count, 0, np.uint32(0)), np.uint32(1)))
     # Barrier: every thread reads N (the previous launch's adds are complete: a kernel boundary).
     cuda.syncthreads()
-    _final(partial, loss, nparts, coeff, n[0])
+    red = cuda.shared.array(_FINAL_WORDS, nb_f32)
+    _final(partial, loss, nparts, coeff, n[0], red)
