@@ -27,31 +27,32 @@ def _probs(T, C, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype,T,C,E", [
-    (np.float32, 150, 296, None),  # fp32 column quads, 3 blocks
-    (np.float32, 130, 302, None),  # fp32 elements, 3 blocks
-    (ml_dtypes.bfloat16, 9, 16, 8),  # bf16, sequence aux loss (C = 2E)
+    (np.float32, 40, 36, None),  # fp32 column quads, 5 blocks of 8 rows, 2 row lanes
+    (np.float32, 30, 38, None),  # fp32 elements, 4 blocks (the last of 6 rows)
+    (ml_dtypes.bfloat16, 9, 16, 8),  # bf16, sequence aux loss (C = 2E), 2 blocks
     (np.float16, 7, 5, None),  # fp16, C % 4 != 0 (the element backward)
 ])
 def test_aux_loss_masked(dtype, T, C, E):
+    tiling = K.AuxLossTiling(column_threads=64, column_min_rows=8, fill_threads=64)  # several small blocks
     probs, tpe = _probs(T, C, dtype)
     mask = _mask(T)
     junk = probs.copy()
     junk[~mask] = np.asarray(np.nan, dtype)  # masked rows are never read into the sums
     zeroed = np.where(mask[:, None], probs, np.zeros((), dtype))
     n = int(mask.sum())
-    want, want_c = K.moe_aux_loss_fwd(zeroed, tpe, 2, 0.01, n, E)
-    loss, c = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, None, E, token_mask=mask)  # T counted by the kernel
+    want, want_c = K.moe_aux_loss_fwd(zeroed, tpe, 2, 0.01, n, E, tiling=tiling)
+    loss, c = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, None, E, token_mask=mask, tiling=tiling)  # T counted by the kernel
     assert loss.dtype == np.dtype(dtype) and c.dtype == np.float32
     assert c == want_c == K.aux_loss_coeff(C if E is None else E, 0.01, 2, n)
     assert loss.tobytes() == want.tobytes()
-    again, c2 = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, None, E, token_mask=mask)  # the count word was left 0
+    again, c2 = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, None, E, token_mask=mask, tiling=tiling)  # the count word was left 0
     assert again.tobytes() == want.tobytes() and c2 == c
     # uint8 mask, T given (a number): the same bits
-    loss8, _ = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, n, E, token_mask=mask.astype(np.uint8))
+    loss8, _ = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, n, E, token_mask=mask.astype(np.uint8), tiling=tiling)
     assert loss8.tobytes() == want.tobytes()
     g = np.asarray(1.5, dtype)
-    gp = K.moe_aux_loss_bwd(c, tpe, g, T, token_mask=mask)
-    full = K.moe_aux_loss_bwd(c, tpe, g, T)
+    gp = K.moe_aux_loss_bwd(c, tpe, g, T, token_mask=mask, tiling=tiling)
+    full = K.moe_aux_loss_bwd(c, tpe, g, T, tiling=tiling)
     np.testing.assert_array_equal(gp[mask].astype(np.float32), full[mask].astype(np.float32))
     assert not np.any(gp[~mask].astype(np.float32))
 
@@ -70,8 +71,8 @@ def test_aux_loss_device_count():
     in aux_loss_coeff's order, the same bits as the host's."""
     from numba import cuda
 
-    probs, tpe = _probs(40, 12, np.float32)
-    mask = _mask(40)
+    probs, tpe = _probs(12, 12, np.float32)
+    mask = _mask(12)
     for t in (np.float32(1000), np.int32(1000)):
         loss, c = K.moe_aux_loss_fwd(cuda.to_device(probs), tpe, 3, 0.5, cuda.to_device(np.asarray(t)),
                                      token_mask=cuda.to_device(mask))
@@ -172,3 +173,31 @@ def test_z_loss_all_masked_and_device_count():
         K.router_z_loss_fwd(x, 0.01, 0, token_mask=mask)
     with pytest.raises(TypeError, match="router_z_loss_bwd: token_mask must be bool or uint8"):
         K.router_z_loss_bwd(x, saved, np.float32(1), 0.01, token_mask=np.ones(6, np.float32))
+
+
+@pytest.mark.gpu
+def test_masked_kernels_at_the_issue_shape_on_the_gpu():
+    """T = 65536, E = 384, bf16, every 10th token masked: the counting kernels
+    over their full grids (hundreds of blocks adding their counts) against the
+    unmasked kernels on the dead / zeroed rows, bit for bit, twice (the count
+    word left 0). GPU only: far too big for the simulator."""
+    T, E = 65536, 384
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((T, E)) * 3).astype(ml_dtypes.bfloat16)
+    p = rng.random((T, E)).astype(ml_dtypes.bfloat16)
+    tpe = rng.integers(0, 2048, E).astype(np.int32)
+    mask = np.arange(T) % 10 != 0
+    n = int(mask.sum())
+    dead = np.where(mask[:, None], x, np.asarray(-np.inf, ml_dtypes.bfloat16))
+    want, wsaved = K.router_z_loss_fwd(dead, 1e-3, n)
+    zeroed = np.where(mask[:, None], p, np.zeros((), ml_dtypes.bfloat16))
+    want_aux = K.moe_aux_loss_fwd(zeroed, tpe, 8, 1e-2, n)[0]
+    for _ in range(2):
+        loss, saved, got_n = K.router_z_loss_fwd(x, 1e-3, token_mask=mask, return_count=True)
+        assert loss.tobytes() == want.tobytes() and got_n == n
+        assert K.moe_aux_loss_fwd(p, tpe, 8, 1e-2, token_mask=mask)[0].tobytes() == want_aux.tobytes()
+    grad = K.router_z_loss_bwd(x, saved, np.float32(1), 1e-3, token_mask=mask)
+    wgrad = K.router_z_loss_bwd(dead, wsaved, np.float32(1), 1e-3, n)
+    np.testing.assert_array_equal(grad[mask].view(np.uint16), wgrad[mask].view(np.uint16))
+    assert not grad[~mask].astype(np.float32).any()
+    print("masked loss kernels at T=65536 E=384: PASS")
