@@ -10,8 +10,8 @@ from .._checks import RoutingMapFormat as RoutingMapFormat
 from .._checks import ScoreFunction as ScoreFunction
 from . import moe as moe
 from .aux_loss import aux_loss_coeff as aux_loss_coeff
-from .aux_loss import fused_moe_aux_loss as fused_moe_aux_loss
 from .aux_loss import checked_mask as checked_mask
+from .aux_loss import fused_moe_aux_loss as fused_moe_aux_loss
 from .aux_loss import global_counts as global_counts
 from .aux_loss import mask_rows as mask_rows
 from .aux_loss import moe_aux_loss_bwd as moe_aux_loss_bwd

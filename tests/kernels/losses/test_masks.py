@@ -45,7 +45,7 @@ def test_aux_loss_masked(dtype, T, C, E):
     assert loss.dtype == np.dtype(dtype) and c.dtype == np.float32
     assert c == want_c == K.aux_loss_coeff(C if E is None else E, 0.01, 2, n)
     assert loss.tobytes() == want.tobytes()
-    again, c2 = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, None, E, token_mask=mask, tiling=tiling)  # the count word was left 0
+    again, c2 = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, None, E, token_mask=mask, tiling=tiling)  # count word left 0
     assert again.tobytes() == want.tobytes() and c2 == c
     # uint8 mask, T given (a number): the same bits
     loss8, _ = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, n, E, token_mask=mask.astype(np.uint8), tiling=tiling)
