@@ -105,6 +105,27 @@ def test_all_masked_and_a_traced_count():
     assert len(traces) == 1
 
 
+def test_masked_losses_under_vmap():
+    """A batch of masked calls: each element its own valid count (the counting
+    kernels run once per element), values and gradients as the jax backend's."""
+    rng = np.random.default_rng(4)
+    p = jnp.asarray(rng.random((2, 6, 8)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(2, 6, 8)), jnp.float32)
+    m = jnp.asarray(rng.random((2, 6)) > 0.3)
+
+    def both(b):
+        def f(q, z):
+            one = jax.vmap(lambda qq, zz, mm: gr.fused_moe_aux_loss(qq, TPE, 2, 0.1, token_mask=mm, backend=b)
+                           + gr.router_z_loss(zz, 0.01, token_mask=mm, backend=b))
+            return one(q, z, m)
+        return f(p, x), jax.grad(lambda q, z: f(q, z).sum(), argnums=(0, 1))(p, x)
+
+    (got, g_got), (want, g_want) = both("numba"), both("jax")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+    for a, b in zip(g_got, g_want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
+
+
 def test_mask_goes_to_the_kernels_not_a_select():
     """The numba path gives the mask to the kernels: no ``select_n`` over the
     rows in the jaxpr (the jax backend has one)."""
