@@ -358,7 +358,8 @@ def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, token_mask=None, 
       return_count: with ``token_mask`` and no ``total_num_tokens``: a third
         output, the N the kernels counted (() float32).
       tiling: a ``ZLossTiling`` (None: the library's).
-      out: optional ``(loss (), saved (2T,))`` float32 device arrays.
+      out: optional ``(loss (), saved (2T,))`` float32 device arrays (and N (),
+        counted: else one is allocated).
       stream: numba stream or int CUDA stream handle.
 
     Returns:
@@ -375,6 +376,8 @@ def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, token_mask=None, 
         d_mask, d_n = mask_input(token_mask, op, s, int(d.shape[0]), 1 if counted else total_num_tokens)
         to_host = not any_on_device(logits, token_mask, total_num_tokens) and out is None
         plan = router_z_loss_fwd_plan(spec_of(d.shape, kind), c, 1, tiling, True, counted)
+        if counted and out is not None and len(out) == 2:  # the counted N: a device array of its own
+            out = (*out, cuda.device_array((), np.float32, stream=s))
         res = tuple(execute(plan, [d, d_mask] + ([] if counted else [d_n]), out, s, to_host))
         return res if return_count or not counted else res[:2]
     c, total = _static_args(op, int(d.shape[0]), coeff, total_num_tokens)
