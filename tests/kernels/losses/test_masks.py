@@ -206,3 +206,36 @@ def test_masked_kernels_at_the_issue_shape_on_the_gpu():
     np.testing.assert_array_equal(grad[mask].view(np.uint16), wgrad[mask].view(np.uint16))
     assert not grad[~mask].astype(np.float32).any()
     print("masked loss kernels at T=65536 E=384: PASS")
+
+
+@pytest.mark.gpu
+def test_masked_kernels_other_paths_on_the_gpu():
+    """The masked paths the issue-shape test does not take, compiled for the
+    GPU: the z-loss unit kernels (fp16, E = 100) counting (the final kernel
+    takes the count) and with N given, the aux loss on fp32 column quads and
+    its element backward (C = 102), each against the unmasked kernels on the
+    dead / zeroed rows, bit for bit (T = 8192, every 7th token masked)."""
+    T = 8192
+    rng = np.random.default_rng(12)
+    mask = np.arange(T) % 7 != 3
+    n = int(mask.sum())
+    x = (rng.standard_normal((T, 100)) * 3).astype(np.float16)
+    dead = np.where(mask[:, None], x, np.asarray(-np.inf, np.float16))
+    want, wsaved = K.router_z_loss_fwd(dead, 1e-3, n)
+    loss, saved, got_n = K.router_z_loss_fwd(x, 1e-3, token_mask=mask, return_count=True)
+    assert loss.tobytes() == want.tobytes() and got_n == n
+    assert K.router_z_loss_fwd(x, 1e-3, n, token_mask=mask)[0].tobytes() == want.tobytes()
+    grad = K.router_z_loss_bwd(x, saved, np.float32(1), 1e-3, token_mask=mask)
+    wgrad = K.router_z_loss_bwd(dead, wsaved, np.float32(1), 1e-3, n)
+    np.testing.assert_array_equal(grad[mask], wgrad[mask])
+    assert not grad[~mask].any()
+    for C in (384, 102):
+        p = rng.random((T, C)).astype(np.float32)
+        tpe = rng.integers(0, 512, C).astype(np.int32)
+        want_aux, c = K.moe_aux_loss_fwd(np.where(mask[:, None], p, 0), tpe, 8, 1e-2, n)
+        got_aux, got_c = K.moe_aux_loss_fwd(p, tpe, 8, 1e-2, token_mask=mask)
+        assert got_aux.tobytes() == want_aux.tobytes() and got_c == c
+        gp = K.moe_aux_loss_bwd(c, tpe, np.float32(1), T, token_mask=mask)
+        np.testing.assert_array_equal(gp[mask], K.moe_aux_loss_bwd(c, tpe, np.float32(1), T)[mask])
+        assert not gp[~mask].any()
+    print("masked loss kernels, unit / quad / element paths: PASS")
