@@ -187,15 +187,11 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
                            has_mask: bool = False, count_valid: bool = False):
     """The forward's row kernel on vectors (see the module docstring).  ``exact``:
     every row is ``W * hold`` vectors (``_row_pieces``); ``full``: blockDim.x is
-    a multiple of 32 (the shuffles' member mask a constant).  ``has_mask``
-    (compile-time): the kernel takes ``mask`` (bool ``[T]``) and ``n`` (fp32
-    ``[1]``, N on the device) after ``count`` and no ``total``; a masked row's
-    pair is saved as any row's but its ``lse^2`` is not added.  ``count_valid``
-    (with ``has_mask``): N is ``max(valid rows, 1)``, counted here and written
-    to ``n`` (an output then, for the backward): each block's count goes to
-    word 1 of the ``Counter`` (integer atomics, any order the same count)
-    before its ticket; the last block takes it and leaves it 0.  Its dynamic
-    shared memory: TB more words (the slots' counts)."""
+    a multiple of 32 (the shuffles' member mask a constant).  ``has_mask``: ``mask``
+    (bool ``[T]``) and ``n`` (fp32 ``[1]``: N) after ``count``, no ``total``; a masked
+    row's pair is saved, its ``lse^2`` not added.  ``count_valid``: N = max(valid
+    rows, 1) counted on word 1 of the ``Counter`` and written to ``n`` (an output);
+    TB more words of shared memory (docs/kernels.md, "Token masks")."""
     aligned, _, fetch, row_max, row_sum, _ = _row_pieces(kind, hold, lanes, hints, exact)
     all_max, all_sum = lane_reducers(lanes, full)
     lg2 = log2_approx()
@@ -289,8 +285,8 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
             red = cuda.shared.array(0, nb_f32)
             cur = cuda.local.array(words, nb_u32)
             nxt = cuda.local.array(words, nb_u32)
-            total = np.float32(1) if count_valid else n[0]
-            run(logits, lse, partial, loss, count, keep, n, num_tokens, vecs, iters, coeff, total, red, cur, nxt)
+            run(logits, lse, partial, loss, count, keep, n, num_tokens, vecs, iters, coeff,
+                np.float32(1) if count_valid else n[0], red, cur, nxt)  # count_valid: N counted
 
         return z_loss_vec_rows_masked
 
@@ -318,14 +314,12 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
 
 @functools.cache
 def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool, has_mask: bool = False):
-    """The backward on vectors: ``grad = (g * scale) lse_t exp(x - lse_t)``.
-    ``has_mask`` (compile-time): the kernel takes ``mask`` (bool ``[T]``) and
-    ``n`` (fp32 ``[1]``) after ``grad_logits``, and ``coeff`` in place of
-    ``scale`` (``scale = 2 coeff / n`` on the device); masked rows get 0."""
+    """The backward on vectors: ``grad = (g * scale) lse_t exp(x - lse_t)``.  ``has_mask``:
+    ``mask`` (bool ``[T]``) and ``n`` (fp32 ``[1]``) after ``grad_logits``, ``coeff`` for
+    ``scale`` (``2 coeff / n`` on the device); masked rows get 0."""
     aligned, store_v, fetch, _, _, grad_word = _row_pieces(kind, hold, lanes, hints)
     words = 4 * hold
     w = np.int32(lanes)
-    zero = np.uint32(0)
 
     @cuda.jit(device=True)
     def run(logits, lse, grad_loss, grad_logits, keep, num_tokens, vecs, iters, scale, cur, nxt):
@@ -361,10 +355,7 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
                         o2 = grad_word(cur[4 * h + 2], a, sh, l2)
                         o3 = grad_word(cur[4 * h + 3], a, sh, l2)
                         if dead:
-                            o0 = zero
-                            o1 = zero
-                            o2 = zero
-                            o3 = zero
+                            o0 = o1 = o2 = o3 = np.uint32(0)
                         if fast:
                             store_v(grad_logits, base + u, o0, o1, o2, o3)
                         else:
@@ -386,8 +377,7 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
         def z_loss_vec_bwd_masked(logits, lse, grad_loss, grad_logits, keep, n, num_tokens, vecs, iters, coeff):
             cur = cuda.local.array(words, nb_u32)
             nxt = cuda.local.array(words, nb_u32)
-            # 2 coeff / N in fp32, in that order (z_loss.router_z_loss_bwd_plan's host scale)
-            scale = np.float32(np.float32(coeff / n[0]) * np.float32(2))
+            scale = np.float32(np.float32(coeff / n[0]) * np.float32(2))  # the host plan's order
             run(logits, lse, grad_loss, grad_logits, keep, num_tokens, vecs, iters, scale, cur, nxt)
 
         return z_loss_vec_bwd_masked
