@@ -33,7 +33,7 @@ from .._base.device import ZERO
 from .._base.launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
 from .._base.plan import Counter, In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
 from .aux_loss_bwd import aux_loss_bwd_kernel, aux_loss_bwd_quad_kernel
-from .column_sums import block_tree_sum, lane_column_sum, lane_quad_sum
+from .column_sums import block_tree_sum, block_tree_sum2, lane_column_sum, lane_quad_sum
 from .last_block import finish_pieces, load_l2
 from .masks import mask_input, mask_spec
 from .tiling import AUX_LOSS_TILING, AuxLossTiling, column_tiling, fill_tiling
@@ -68,10 +68,11 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
     store = storer_1d(out_kind)
     ticket = finish_pieces("acq_rel", False)[0]  # one acquire-release atom.inc (not the z-loss probe's knob)
     load_partial = load_l2()
+    count_words = _RED_WORDS if count_valid else 1  # a compile-time constant (shared array sizes must be)
 
     @cuda.jit(device=True)
     def run(probs, num_rows, num_cols, tokens_per_expert, mask, partial, count, coeff, loss, saved_coeff,
-            rows_per_block, col_lanes, red, last, t):
+            rows_per_block, col_lanes, red, last, t, red2):
         # Thread (rl, cl): its row lane's sum of each of its columns, times
         # that column's count, added over its columns; the block's tree; the
         # partial and a ticket; the last block adds every partial in a fixed order.
@@ -100,22 +101,22 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
             while c < num_cols:
                 total += np.float32(column_sum(probs, r0, r1, c, rl, nrl, mask) * load_tpe(tokens_per_expert, c))
                 c += col_lanes
-        if count_valid:  # the block's valid rows, a tree of exact integers in fp32, then one atomic add
+        red[tid] = total
+        if count_valid:  # the block's valid rows too: exact integers in fp32, the same tree
             k = ZERO
             r = r0 + tid
             while r < r1:
                 if mask[r]:
                     k += np.float32(1)
                 r += nthreads
-            red[tid] = k
+            red2[tid] = k
+            block_tree_sum2(red, red2, tid, nthreads)
+        else:
             block_tree_sum(red, tid, nthreads)
-            if tid == 0:
-                cuda.atomic.add(count, 1, np.uint32(red[0]))
-            # (thread 0 alone reads red[0] and writes it next: no barrier needed before the next tree)
-        red[tid] = total
-        block_tree_sum(red, tid, nthreads)
         if tid == 0:
             partial[b] = red[0]
+            if count_valid:
+                cuda.atomic.add(count, 1, np.uint32(red2[0]))  # before the ticket (its release)
             last[0] = ticket(count)
         # Barrier: every thread reads the flag (block-uniform below).
         cuda.syncthreads()
@@ -156,9 +157,10 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
         ):
             red = cuda.shared.array(_RED_WORDS, nb_f32)
             last = cuda.shared.array(1, nb_f32)
+            red2 = cuda.shared.array(count_words, nb_f32)  # the counts' tree
             t = np.float32(1) if count_valid else np.float32(n[0])  # count_valid: n is never read
             run(probs, num_rows, num_cols, tokens_per_expert, mask, partial, count, coeff, loss, saved_coeff,
-                rows_per_block, col_lanes, red, last, t)
+                rows_per_block, col_lanes, red, last, t, red2)
 
         return aux_loss_fwd_masked
 
@@ -180,7 +182,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
         last = cuda.shared.array(1, nb_f32)
         # ``mask``: never read without has_mask (tokens_per_expert stands in for it)
         run(probs, num_rows, num_cols, tokens_per_expert, tokens_per_expert, partial, count, coeff, loss,
-            saved_coeff, rows_per_block, col_lanes, red, last, coeff)
+            saved_coeff, rows_per_block, col_lanes, red, last, coeff, red)
 
     return aux_loss_fwd
 

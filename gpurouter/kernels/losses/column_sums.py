@@ -14,7 +14,9 @@ fixed: deterministic.
 ``has_mask`` (a compile-time flag): the sums take a bool ``mask [T]`` too and
 leave out the rows where it is False (a select, not a product: a masked NaN
 or inf adds nothing); without it the ``mask`` argument is never read.
-- ``block_tree_sum``: a block's values summed by a fixed-shape tree.
+- ``block_tree_sum``: a block's values summed by a fixed-shape tree
+  (``block_tree_sum2``: two arrays in one tree, the masked aux loss's sums
+  and valid-row counts).
 """
 
 from __future__ import annotations
@@ -97,6 +99,22 @@ def block_tree_sum(red, tid, n):
         half = (n + 1) // 2
         if tid < n - half:
             red[tid] = np.float32(red[tid] + red[tid + half])
+        # Barrier: the next level reads this level's results.
+        cuda.syncthreads()
+        n = half
+
+
+@cuda.jit(device=True)
+def block_tree_sum2(red, red2, tid, n):
+    """``block_tree_sum`` of two arrays at once (the same fixed tree, the same
+    barriers): ``red[0]`` and ``red2[0]`` the sums of their first n values."""
+    # Barrier: the tree reads other threads' values.
+    cuda.syncthreads()
+    while n > 1:
+        half = (n + 1) // 2
+        if tid < n - half:
+            red[tid] = np.float32(red[tid] + red[tid + half])
+            red2[tid] = np.float32(red2[tid] + red2[tid + half])
         # Barrier: the next level reads this level's results.
         cuda.syncthreads()
         n = half
