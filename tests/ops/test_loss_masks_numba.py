@@ -183,15 +183,18 @@ def test_masked_losses_at_the_issue_shape_on_the_gpu():
     tpe = jnp.asarray(rng.integers(0, 2048, E), jnp.int32)
     mask = jnp.asarray(np.arange(T) % 10 != 0)
 
-    def run(b):
+    def run(b, transport="auto"):
+        kw = dict(token_mask=mask, backend=b, transport=transport)
+
         def f(q, z):
-            return (gr.fused_moe_aux_loss(q, tpe, 8, 1e-2, token_mask=mask, backend=b).astype(jnp.float32)
-                    + gr.router_z_loss(z, 1e-3, token_mask=mask, backend=b))
-        return jax.jit(lambda q, z: (gr.fused_moe_aux_loss(q, tpe, 8, 1e-2, token_mask=mask, backend=b),
-                                     gr.router_z_loss(z, 1e-3, token_mask=mask, backend=b),
+            return (gr.fused_moe_aux_loss(q, tpe, 8, 1e-2, **kw).astype(jnp.float32)
+                    + gr.router_z_loss(z, 1e-3, **kw))
+        return jax.jit(lambda q, z: (gr.fused_moe_aux_loss(q, tpe, 8, 1e-2, **kw), gr.router_z_loss(z, 1e-3, **kw),
                                      *jax.grad(f, argnums=(0, 1))(q, z)))(p, x)
 
     got, want = run("numba"), run("jax")
+    for a, b in zip(got, run("numba", "zero-copy"), strict=True):  # auto (ffi where it runs) == zero-copy
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-2)
     np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-4)
     m = np.asarray(mask)
