@@ -201,6 +201,9 @@ def test_masked_kernels_at_the_issue_shape_on_the_gpu():
         loss, saved, got_n = K.router_z_loss_fwd(x, 1e-3, token_mask=mask, return_count=True)
         assert loss.tobytes() == want.tobytes() and got_n == n
         assert K.moe_aux_loss_fwd(p, tpe, 8, 1e-2, token_mask=mask)[0].tobytes() == want_aux.tobytes()
+    # T given (the axis_name / traced path): the device-scalar builds, the same bits
+    assert K.router_z_loss_fwd(x, 1e-3, n, token_mask=mask)[0].tobytes() == want.tobytes()
+    assert K.moe_aux_loss_fwd(p, tpe, 8, 1e-2, n, token_mask=mask)[0].tobytes() == want_aux.tobytes()
     grad = K.router_z_loss_bwd(x, saved, np.float32(1), 1e-3, token_mask=mask)
     wgrad = K.router_z_loss_bwd(dead, wsaved, np.float32(1), 1e-3, n)
     np.testing.assert_array_equal(grad[mask].view(np.uint16), wgrad[mask].view(np.uint16))
