@@ -80,26 +80,29 @@ def per_row_shard_sum(
     fn: Callable[..., jax.Array],
     rows: jax.Array,
     call_args: Sequence[jax.Array],
+    row_args: Sequence[jax.Array] = (),
 ) -> jax.Array:
-    """``fn(rows, *call_args)`` for a loss that is a sum over rows, per row shard.
+    """``fn(rows, *row_args, *call_args)`` for a loss that is a sum over rows, per row shard.
 
     Each shard computes its partial loss and the partials are psum'd over the
     token axes, so the result is the loss of the whole ``rows`` and its
-    gradient flows back to each shard's rows.
+    gradient flows back to each shard's rows. ``row_args`` (e.g. a token mask
+    ``[T]``) are sharded along the rows with them; ``call_args`` replicated.
     """
     info = token_axes(rows)
     if info is None:
-        return fn(rows, *call_args)
+        return fn(rows, *row_args, *call_args)
     mesh, tok = info
     tok_spec, rep_spec = P(tok, None), P()
     rows = jax.sharding.reshard(rows, NamedSharding(mesh, tok_spec))
+    row_args = [jax.sharding.reshard(a, NamedSharding(mesh, P(tok))) for a in row_args]
     call_args = [jax.sharding.reshard(a, NamedSharding(mesh, rep_spec)) for a in call_args]
 
     def local(r, *c):
         return lax.psum(fn(r, *c), _axis_names(tok))
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(tok_spec,) + (rep_spec,) * len(call_args),
-                         out_specs=rep_spec)(rows, *call_args)
+    in_specs = (tok_spec,) + (P(tok),) * len(row_args) + (rep_spec,) * len(call_args)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=rep_spec)(rows, *row_args, *call_args)
 
 
 def axis_size(op: str, axis_name) -> int:

@@ -10,6 +10,7 @@ from .._checks import RoutingMapFormat as RoutingMapFormat
 from .._checks import ScoreFunction as ScoreFunction
 from . import moe as moe
 from .aux_loss import aux_loss_coeff as aux_loss_coeff
+from .aux_loss import checked_mask as checked_mask
 from .aux_loss import fused_moe_aux_loss as fused_moe_aux_loss
 from .aux_loss import global_counts as global_counts
 from .aux_loss import mask_rows as mask_rows
@@ -33,6 +34,7 @@ __all__ = [
     "aux_loss_coeff",
     "fused_moe_aux_loss",
     "fused_topk_with_score_function",
+    "checked_mask",
     "global_counts",
     "mask_rows",
     "moe_aux_loss_bwd",

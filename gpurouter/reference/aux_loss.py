@@ -47,25 +47,36 @@ def global_counts(op, probs, tokens_per_expert, total_num_tokens, axis_name):
     return jax.lax.psum(jnp.asarray(tokens_per_expert), axis_name), total_num_tokens
 
 
+def checked_mask(op, rows, token_mask, total_num_tokens, axis_name, name="probs"):
+    """``(mask bool [T], total_num_tokens)`` of a checked ``token_mask`` (not
+    None) for ``rows [..., C]`` (``name``: how errors call them), ``T``
+    defaulting to ``max(valid count, 1)`` (global over ``axis_name``; contract
+    section 10). The numba backend gives the mask to its kernels as it is."""
+    from .variants import flat_token_mask, valid_count
+
+    shape, _ = array_meta(op, name, rows)
+    check_token_mask(op, token_mask, tuple(shape[:-1]))
+    if axis_name is not None:
+        from .._sharding import axis_size
+
+        axis_size(op, axis_name)  # checks that the axis is bound
+    mask = flat_token_mask(token_mask, int(np.prod(shape[:-1], dtype=np.int64)))
+    if total_num_tokens is None:
+        total_num_tokens = valid_count(mask, axis_name)
+    return mask, total_num_tokens
+
+
 def mask_rows(op, rows, token_mask, total_num_tokens, axis_name, fill):
     """``(rows, total_num_tokens)`` with the masked rows of ``rows [T, C]`` set
     to ``fill`` and ``T`` defaulting to ``max(valid count, 1)`` (global over
     ``axis_name``; contract section 10). Without a mask: as given."""
     if token_mask is None:
         return rows, total_num_tokens
-    from .variants import flat_token_mask, valid_count
-
     shape, _ = array_meta(op, "probs" if fill == 0 else "logits", rows)
-    check_token_mask(op, token_mask, tuple(shape[:-1]))
-    if axis_name is not None:
-        from .._sharding import axis_size
-
-        axis_size(op, axis_name)  # checks that the axis is bound
+    mask, total_num_tokens = checked_mask(op, rows, token_mask, total_num_tokens, axis_name,
+                                          "probs" if fill == 0 else "logits")
     rows = jnp.asarray(rows)
-    mask = flat_token_mask(token_mask, int(np.prod(shape[:-1], dtype=np.int64)))
     rows = jnp.where(mask.reshape(shape[:-1] + (1,)), rows, jnp.asarray(fill, rows.dtype))
-    if total_num_tokens is None:
-        total_num_tokens = valid_count(mask, axis_name)
     return rows, total_num_tokens
 
 

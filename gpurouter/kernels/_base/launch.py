@@ -252,6 +252,47 @@ def map_input(x, name: str, op: str, stream, shape):
     return d, fmt
 
 
+def mask_input(token_mask, op: str, stream, num_rows: int, total_num_tokens):
+    """``(mask bool [T] device array, n float32 [1] device array)``.
+
+    ``token_mask``: bool or uint8 ``[T]`` (nonzero: valid), on the host or the
+    device; another dtype is a ``TypeError``, another shape a ``ValueError``,
+    both naming ``op`` and ``token_mask``.  ``total_num_tokens``: None (the
+    valid count, at least 1: a device mask is copied to the host to count it),
+    a number, or a device scalar (used as it is, cast to float32 on the host
+    first if it is not float32)."""
+    if is_device_array(token_mask):
+        d = token_mask if hasattr(token_mask, "copy_to_host") else _wrap_cai(token_mask)
+    else:
+        d = np.ascontiguousarray(np.asarray(token_mask))
+    dtype = np.dtype(d.dtype)
+    if dtype not in (np.bool_, np.uint8):
+        raise TypeError(f"{op}: token_mask must be bool or uint8 (nonzero = a valid row), got {dtype}.")
+    if tuple(int(v) for v in d.shape) != (int(num_rows),):
+        raise ValueError(f"{op}: token_mask shape {tuple(d.shape)} must be ({num_rows},).")
+    if is_device_array(token_mask):
+        host = None
+        if dtype == np.uint8:
+            d = d.view(np.bool_)
+    else:
+        host = d.astype(np.bool_)
+        d = cuda.to_device(host, stream=stream)
+    if total_num_tokens is None:
+        if host is None:
+            host = d.copy_to_host(stream=stream)
+        n = np.float32(max(int(np.count_nonzero(host)), 1))
+    elif is_device_array(total_num_tokens):
+        t = total_num_tokens if hasattr(total_num_tokens, "copy_to_host") else _wrap_cai(total_num_tokens)
+        if int(np.prod(t.shape)) != 1:
+            raise ValueError(f"{op}: total_num_tokens must be a scalar, got shape {tuple(t.shape)}.")
+        if np.dtype(t.dtype) == np.float32:
+            return d, t.reshape((1,))
+        n = np.float32(np.asarray(t.copy_to_host(stream=stream)).reshape(()))
+    else:
+        n = np.float32(total_num_tokens)
+    return d, cuda.to_device(np.asarray([n], np.float32), stream=stream)
+
+
 def index_input(x, name: str, op: str, stream, shape):
     """Expert indices ``[T, K]`` (the routing replay's ``forced_indices``) -> a
     device int32 array: host integers are converted (values outside int32

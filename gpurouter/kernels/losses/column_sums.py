@@ -8,9 +8,15 @@ thread (the sums are bandwidth-bound only if enough bytes are in flight,
 ~4 MB on an H200): 8 element loads, or 4 16-byte quad loads.  Every order is
 fixed: deterministic.
 
-- ``lane_column_sum(kind)``: one column, elements of ``kind``;
-- ``lane_quad_sum()``: one fp32 column quad (``_vec.quad_f32``);
-- ``block_tree_sum``: a block's values summed by a fixed-shape tree.
+- ``lane_column_sum(kind, has_mask)``: one column, elements of ``kind``;
+- ``lane_quad_sum(has_mask)``: one fp32 column quad (``_vec.quad_f32``);
+
+``has_mask`` (a compile-time flag): the sums take a bool ``mask [T]`` too and
+leave out the rows where it is False (a select, not a product: a masked NaN
+or inf adds nothing); without it the ``mask`` argument is never read.
+- ``block_tree_sum``: a block's values summed by a fixed-shape tree
+  (``block_tree_sum2``: two arrays in one tree, the masked aux loss's sums
+  and valid-row counts).
 """
 
 from __future__ import annotations
@@ -30,14 +36,30 @@ from .._base.vec import quad_f32
 
 
 @functools.cache
-def lane_column_sum(kind: str):
-    """Device function ``sum(src, r0, r1, c, rl, nrl)``: fp32 sum of ``src[r, c]``
-    (``src`` of ``kind``) over ``r0 <= r < r1`` with ``r = r0 + rl (mod nrl)``, in
-    a fixed order: 8 interleaved accumulators, then a pairwise tree of them."""
-    load = loader_2d(kind)
+def lane_column_sum(kind: str, has_mask: bool = False):
+    """Device function ``sum(src, r0, r1, c, rl, nrl, mask)``: fp32 sum of ``src[r, c]``
+    (``src`` of ``kind``) over ``r0 <= r < r1`` with ``r = r0 + rl (mod nrl)`` (and,
+    ``has_mask``, ``mask[r]``), in a fixed order: 8 interleaved accumulators, then
+    a pairwise tree of them."""
+    raw = loader_2d(kind)
+
+    if has_mask:
+
+        @cuda.jit(device=True)
+        def load(src, r, c, mask):
+            v = raw(src, r, c)  # issued whatever the mask: the loads stay in flight together
+            if mask[r]:
+                return v
+            return ZERO
+
+    else:
+
+        @cuda.jit(device=True)
+        def load(src, r, c, mask):
+            return raw(src, r, c)
 
     @cuda.jit(device=True)
-    def column_sum(src, r0, r1, c, rl, nrl):
+    def column_sum(src, r0, r1, c, rl, nrl, mask):
         a0 = ZERO
         a1 = ZERO
         a2 = ZERO
@@ -48,17 +70,17 @@ def lane_column_sum(kind: str):
         a7 = ZERO
         r = r0 + rl
         while r + 7 * nrl < r1:  # 8 independent loads in flight
-            a0 += load(src, r, c)
-            a1 += load(src, r + nrl, c)
-            a2 += load(src, r + 2 * nrl, c)
-            a3 += load(src, r + 3 * nrl, c)
-            a4 += load(src, r + 4 * nrl, c)
-            a5 += load(src, r + 5 * nrl, c)
-            a6 += load(src, r + 6 * nrl, c)
-            a7 += load(src, r + 7 * nrl, c)
+            a0 += load(src, r, c, mask)
+            a1 += load(src, r + nrl, c, mask)
+            a2 += load(src, r + 2 * nrl, c, mask)
+            a3 += load(src, r + 3 * nrl, c, mask)
+            a4 += load(src, r + 4 * nrl, c, mask)
+            a5 += load(src, r + 5 * nrl, c, mask)
+            a6 += load(src, r + 6 * nrl, c, mask)
+            a7 += load(src, r + 7 * nrl, c, mask)
             r += 8 * nrl
         while r < r1:
-            a0 += load(src, r, c)
+            a0 += load(src, r, c, mask)
             r += nrl
         return np.float32(np.float32(np.float32(a0 + a1) + np.float32(a2 + a3))
                           + np.float32(np.float32(a4 + a5) + np.float32(a6 + a7)))
@@ -82,16 +104,48 @@ def block_tree_sum(red, tid, n):
         n = half
 
 
+@cuda.jit(device=True)
+def block_tree_sum2(red, red2, tid, n):
+    """``block_tree_sum`` of two arrays at once (the same fixed tree, the same
+    barriers): ``red[0]`` and ``red2[0]`` the sums of their first n values."""
+    # Barrier: the tree reads other threads' values.
+    cuda.syncthreads()
+    while n > 1:
+        half = (n + 1) // 2
+        if tid < n - half:
+            red[tid] = np.float32(red[tid] + red[tid + half])
+            red2[tid] = np.float32(red2[tid] + red2[tid + half])
+        # Barrier: the next level reads this level's results.
+        cuda.syncthreads()
+        n = half
+
+
 @functools.cache
-def lane_quad_sum():
-    """Device function ``sum4(src, r0, r1, cq, eq, rl, nrl) -> 4 x fp32``: the column
+def lane_quad_sum(has_mask: bool = False):
+    """Device function ``sum4(src, r0, r1, cq, eq, rl, nrl, mask) -> 4 x fp32``: the column
     sums of fp32 quad ``cq`` of ``src`` (flat, ``eq`` quads a row) over ``r0 <= r <
-    r1`` with ``r = r0 + rl (mod nrl)``: 16-byte loads (``_vec.quad_f32``), 4 rows
-    in flight, then a pairwise tree of the 4 row accumulators, in a fixed order."""
-    load4 = quad_f32()[0]
+    r1`` with ``r = r0 + rl (mod nrl)`` (and, ``has_mask``, ``mask[r]``): 16-byte loads
+    (``_vec.quad_f32``), 4 rows in flight, then a pairwise tree of the 4 row
+    accumulators, in a fixed order."""
+    raw4 = quad_f32()[0]
+
+    if has_mask:
+
+        @cuda.jit(device=True)
+        def load4(src, r, eq, cq, mask):
+            x0, x1, x2, x3 = raw4(src, np.int64(r) * eq + cq)
+            if mask[r]:
+                return x0, x1, x2, x3
+            return ZERO, ZERO, ZERO, ZERO
+
+    else:
+
+        @cuda.jit(device=True)
+        def load4(src, r, eq, cq, mask):
+            return raw4(src, np.int64(r) * eq + cq)
 
     @cuda.jit(device=True)
-    def quad_sum(src, r0, r1, cq, eq, rl, nrl):
+    def quad_sum(src, r0, r1, cq, eq, rl, nrl, mask):
         a0 = ZERO
         a1 = ZERO
         a2 = ZERO
@@ -110,10 +164,10 @@ def lane_quad_sum():
         d3 = ZERO
         r = r0 + rl
         while r + 3 * nrl < r1:  # 4 independent 16-byte loads in flight
-            x0, x1, x2, x3 = load4(src, np.int64(r) * eq + cq)
-            y0, y1, y2, y3 = load4(src, np.int64(r + nrl) * eq + cq)
-            z0, z1, z2, z3 = load4(src, np.int64(r + 2 * nrl) * eq + cq)
-            w0, w1, w2, w3 = load4(src, np.int64(r + 3 * nrl) * eq + cq)
+            x0, x1, x2, x3 = load4(src, r, eq, cq, mask)
+            y0, y1, y2, y3 = load4(src, r + nrl, eq, cq, mask)
+            z0, z1, z2, z3 = load4(src, r + 2 * nrl, eq, cq, mask)
+            w0, w1, w2, w3 = load4(src, r + 3 * nrl, eq, cq, mask)
             a0 += x0
             a1 += x1
             a2 += x2
@@ -132,7 +186,7 @@ def lane_quad_sum():
             d3 += w3
             r += 4 * nrl
         while r < r1:
-            x0, x1, x2, x3 = load4(src, np.int64(r) * eq + cq)
+            x0, x1, x2, x3 = load4(src, r, eq, cq, mask)
             a0 += x0
             a1 += x1
             a2 += x2

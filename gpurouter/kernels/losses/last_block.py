@@ -9,7 +9,9 @@ one-block launch (lab/journal/benchmarks.md has what each costs).
   never through a stale L1 line);
 - ``ticket_inc(count, last)``: ``atom.acq_rel.gpu.global.inc.u32``;
 - ``finish_pieces(mode, full)``: the ticket and the fixed-order sum;
-- ``z_loss_final_kernel``: the unit kernels' second launch, one block.
+- ``z_loss_final_kernel``: the unit kernels' second launch, one block
+  (``z_loss_final_masked_kernel``: N read from a device ``[1]``;
+  ``z_loss_final_counted_kernel``: N the masked rows kernel counted).
 
 On the simulator plain loads and ``cuda.atomic.inc`` (blocks run one at a time
 there, the last block last).
@@ -180,11 +182,8 @@ def finish_pieces(mode: str, full: bool):
 # The unit kernels' (``z_loss.py``) second launch: one block sums the partials.
 
 
-@cuda.jit
-def z_loss_final_kernel(partial, loss, nparts, coeff, total):  # [>= nparts], [1] out, ., fp32, fp32 N
-    """One block (a power of two of threads): thread i sums partials i, i + n,
-    ... in order, a halving tree combines the threads; ``coeff * (S / N)``."""
-    red = cuda.shared.array(_FINAL_WORDS, nb_f32)
+@cuda.jit(device=True)
+def _final(partial, loss, nparts, coeff, total, red):  # red: the kernel's [_FINAL_WORDS] fp32 shared array
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     acc = ZERO
@@ -200,3 +199,31 @@ def z_loss_final_kernel(partial, loss, nparts, coeff, total):  # [>= nparts], [1
         half //= 2
     if tid == 0:
         loss[0] = np.float32(coeff * np.float32(red[0] / total))
+
+
+@cuda.jit
+def z_loss_final_kernel(partial, loss, nparts, coeff, total):  # [>= nparts], [1] out, ., fp32, fp32 N
+    """One block (a power of two of threads): thread i sums partials i, i + n,
+    ... in order, a halving tree combines the threads; ``coeff * (S / N)``."""
+    red = cuda.shared.array(_FINAL_WORDS, nb_f32)
+    _final(partial, loss, nparts, coeff, total, red)
+
+
+@cuda.jit
+def z_loss_final_masked_kernel(partial, loss, nparts, coeff, n):  # as above, n: [1] fp32 N on the device
+    """``z_loss_final_kernel`` with N read from the device (the masked plans)."""
+    red = cuda.shared.array(_FINAL_WORDS, nb_f32)
+    _final(partial, loss, nparts, coeff, n[0], red)
+
+
+@cuda.jit
+def z_loss_final_counted_kernel(partial, loss, nparts, coeff, count, n):  # count: [1] uint32 Counter; n: [1] out
+    """``z_loss_final_kernel`` with N = max(valid rows, 1) taken from ``count[0]``
+    (what the masked rows kernel added; left 0 for the next launch) and
+    written to ``n`` (the backward's N)."""
+    if cuda.threadIdx.x == 0:
+        n[0] = np.float32(max(cuda.atomic.exch(count, 0, np.uint32(0)), np.uint32(1)))
+    # Barrier: every thread reads N (the previous launch's adds are complete: a kernel boundary).
+    cuda.syncthreads()
+    red = cuda.shared.array(_FINAL_WORDS, nb_f32)
+    _final(partial, loss, nparts, coeff, n[0], red)

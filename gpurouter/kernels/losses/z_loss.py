@@ -42,213 +42,19 @@ import math
 
 import numpy as np
 from numba import cuda
-from numba import float32 as nb_f32  # array declarations take numba types
 
-from .._base.access import array_views, flat_io, storer_2d
-from .._base.device import NEG_INF, ZERO, fmax_f32, u64
+from .._base.access import array_views
 from .._base.launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
 from .._base.plan import Counter, In, Out, Plan, Ref, Spec, Step, Tmp, execute, spec_of
 from . import last_block as _z_loss_finish
-from .last_block import z_loss_final_kernel
-from .logsumexp import (
-    backward_row,
-    exp2_term,
-    held_unit_loader,
-    lse_of_saved,
-    merge_max_sum,
-    rescale_sum,
-    saved_pair,
-    shift_of,
-    softmax_term,
-    unit_fetchers,
-)
+from .last_block import z_loss_final_counted_kernel, z_loss_final_kernel, z_loss_final_masked_kernel
+from .masks import mask_input, mask_spec
 from .tiling import Z_LOSS_TILING, ZLossTiling, pow2_at_least, z_loss_tiling, z_loss_vec_tiling
+from .z_loss_unit import z_loss_bwd_kernel, z_loss_rows_kernel
 from .z_loss_vec import word_view, z_loss_vec_bwd_kernel, z_loss_vec_rows_kernel
 
 OP = "router_z_loss"
 
-
-
-# ----------------------------------------------------------------------------
-# Forward
-# ----------------------------------------------------------------------------
-
-
-@functools.cache
-def z_loss_rows_kernel(kind: str, quads: bool, hold: int):
-    """Kernel 1 of the forward: ``lse`` of every row and a partial sum of
-    ``lse^2`` per block (see the module docstring)."""
-    aligned, fetch_fast, fetch = unit_fetchers(kind, quads)
-    load_fast = held_unit_loader(fetch_fast, hold)
-    load_slow = held_unit_loader(fetch, hold)
-    held_words = 4 * hold  # a compile-time constant (local array sizes must be)
-
-    @cuda.jit
-    def z_loss_rows(
-        logits,  # quads: [T*E] (bf16: [T*E/4] uint64) flat; else [T, E]; kind
-        lse,  # [2T] fp32, out: each row's max m_t, then log2 s_t (logsumexp.saved_pair)
-        partial,  # [>= grid] fp32, out: the block's sum of lse^2 (rows in order)
-        num_tokens,
-        num_experts,
-        units,
-        lanes,  # W; blockDim.x = TB * W
-    ):
-        red = cuda.shared.array(0, nb_f32)  # [2 * threads] lane (max, sum), then [TB] lse^2
-        held = cuda.local.array(held_words, nb_f32)
-        tid = np.int32(cuda.threadIdx.x)
-        nthreads = np.int32(cuda.blockDim.x)
-        w = np.int32(lanes)
-        tok = np.int32(tid // w)
-        lane = np.int32(tid - tok * w)
-        tb = np.int32(nthreads // w)
-        token = np.int64(cuda.blockIdx.x) * tb + tok
-        live = token < num_tokens
-        nu = np.int32(units)
-        n = np.int32(num_experts)
-        fast = aligned(logits)
-
-        m = NEG_INF
-        s = ZERO
-        u0 = lane
-        while live and u0 < nu:
-            if fast:
-                load_fast(held, logits, token, u0, w, nu, n)
-            else:
-                load_slow(held, logits, token, u0, w, nu, n)
-            cm = NEG_INF
-            for h in range(hold):
-                if u0 + h * w < nu:
-                    cm = fmax_f32(cm, fmax_f32(fmax_f32(held[4 * h], held[4 * h + 1]),
-                                         fmax_f32(held[4 * h + 2], held[4 * h + 3])))
-            if cm > m:  # a new max: rescale the sum
-                s = rescale_sum(s, m, cm)
-                m = cm
-            sh2 = shift_of(m)  # an all -inf step so far: 2^(-inf - 0) = 0
-            for h in range(hold):
-                if u0 + h * w < nu:
-                    e01 = np.float32(exp2_term(held[4 * h], sh2) + exp2_term(held[4 * h + 1], sh2))
-                    e23 = np.float32(exp2_term(held[4 * h + 2], sh2) + exp2_term(held[4 * h + 3], sh2))
-                    s = np.float32(s + np.float32(e01 + e23))
-            u0 = np.int32(u0 + hold * w)
-
-        # The lanes of a row, combined in a fixed pairing (log2 W levels).
-        red[tid] = m
-        red[nthreads + tid] = s
-        span = np.int32(1)
-        while span < w:  # W a power of two: lane % (2 span) == lane & (2 span - 1)
-            # Barrier: this level reads the previous level's (or the lanes') pairs.
-            cuda.syncthreads()
-            if lane & (2 * span - 1) == 0:
-                mm, ss = merge_max_sum(red[tid], red[nthreads + tid], red[tid + span],
-                                red[nthreads + tid + span])
-                red[tid] = mm
-                red[nthreads + tid] = ss
-            span = np.int32(2 * span)
-        # Barrier: lane 0 reads the last level's pair.
-        cuda.syncthreads()
-        if lane == 0:
-            rm = red[tid]
-            rs = red[nthreads + tid]
-            sm, sl = saved_pair(rm, rs, np.float32(math.log2(rs)) if rm != NEG_INF else ZERO)
-            v = lse_of_saved(sm, sl)
-            sq = ZERO
-            if live:
-                lse[u64(token)] = sm  # the saved (m, log2 s): stats [2T]
-                lse[u64(num_tokens + token)] = sl
-                sq = np.float32(v * v)
-            red[2 * nthreads + tok] = sq
-        # The TB squares in a fixed-shape tree (pairs r, r + ceil(n/2)).
-        o = 2 * nthreads
-        k = tb
-        while k > 1:
-            # Barrier: this level reads the squares (or the previous level's sums).
-            cuda.syncthreads()
-            half = np.int32((k + 1) // 2)
-            if tid < k - half:
-                red[o + tid] = np.float32(red[o + tid] + red[o + tid + half])
-            k = half
-        if tid == 0:  # the last level's sum is thread 0's own (no barrier needed)
-            partial[cuda.blockIdx.x] = red[o]
-
-    return z_loss_rows
-
-
-# ----------------------------------------------------------------------------
-# Backward: grad[t, e] = (g * 2 coeff / N) * lse_t * exp(x - lse_t)
-# ----------------------------------------------------------------------------
-
-
-@functools.cache
-def z_loss_bwd_kernel(kind: str, quads: bool, hold: int):
-    aligned, fetch_fast, fetch = unit_fetchers(kind, quads)
-    load_fast = held_unit_loader(fetch_fast, hold)
-    load_slow = held_unit_loader(fetch, hold)
-    held_words = 4 * hold  # a compile-time constant (local array sizes must be)
-    if quads:
-        store4 = flat_io(kind)[1]
-
-        @cuda.jit(device=True)
-        def put(a, t, u, units, n, v0, v1, v2, v3):
-            store4(a, np.int64(t) * units + u, v0, v1, v2, v3)
-
-    else:
-        store = storer_2d(kind)
-
-        @cuda.jit(device=True)
-        def put1(a, t, j, n, v):
-            if j < n:
-                store(a, u64(t), u64(j), v)
-
-        @cuda.jit(device=True)
-        def put(a, t, u, units, n, v0, v1, v2, v3):
-            j = 4 * u
-            put1(a, t, j, n, v0)
-            put1(a, t, j + 1, n, v1)
-            put1(a, t, j + 2, n, v2)
-            put1(a, t, j + 3, n, v3)
-
-    @cuda.jit
-    def z_loss_bwd(
-        logits,  # as in the forward
-        lse,  # [2T] fp32: the forward's saved (m, log2 s)
-        grad_loss,  # [1] fp32
-        grad_logits,  # as logits (bf16 quads: [T*E/4] uint64), out
-        num_tokens,
-        num_experts,
-        units,
-        lanes,  # W; blockDim.x = TB * W
-        scale,  # fp32: 2 coeff / N
-    ):
-        held = cuda.local.array(held_words, nb_f32)
-        tid = np.int32(cuda.threadIdx.x)
-        w = np.int32(lanes)
-        tok = np.int32(tid // w)
-        lane = np.int32(tid - tok * w)
-        token = np.int64(cuda.blockIdx.x) * np.int32(cuda.blockDim.x // w) + tok
-        if token >= num_tokens:
-            return
-        nu = np.int32(units)
-        n = np.int32(num_experts)
-        fast = aligned(logits)
-        v, sh, l2 = backward_row(lse[u64(token)], lse[u64(num_tokens + token)])
-        a = np.float32(np.float32(grad_loss[0] * scale) * v)  # 0 on a dead row (v = 0)
-        u0 = lane
-        while u0 < nu:
-            if fast:
-                load_fast(held, logits, token, u0, w, nu, n)
-            else:
-                load_slow(held, logits, token, u0, w, nu, n)
-            for h in range(hold):
-                u = np.int32(u0 + h * w)
-                if u < nu:
-                    put(grad_logits, token, u, nu, n,
-                        np.float32(a * softmax_term(held[4 * h], sh, l2)),
-                        np.float32(a * softmax_term(held[4 * h + 1], sh, l2)),
-                        np.float32(a * softmax_term(held[4 * h + 2], sh, l2)),
-                        np.float32(a * softmax_term(held[4 * h + 3], sh, l2)))
-            u0 = np.int32(u0 + hold * w)
-
-    return z_loss_bwd
 
 
 # ----------------------------------------------------------------------------
@@ -267,6 +73,15 @@ def _static_args(op: str, num_tokens: int, coeff, total_num_tokens):
     return np.float32(c), total
 
 
+def _host_number(total_num_tokens):
+    """A Python or NumPy number, checked as the unmasked launches check it;
+    None for an array (a device scalar, or a traced value the callback
+    transport brings over: used as it is, contract section 10)."""
+    if isinstance(total_num_tokens, (int, float, np.integer, np.floating)):
+        return total_num_tokens
+    return None
+
+
 def _logits_input(logits, op: str, stream):
     d, kind = device_input(logits, "logits", op, stream, ndim=2)
     if int(d.shape[1]) < 1:
@@ -279,7 +94,8 @@ def _logits_arg(logits: Spec, quads: bool) -> Ref:
     return In(0, array_views(logits.kind, logits.shape)[0]) if quads else In(0)
 
 
-def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, tiling=None, out=None, stream=0):
+def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, token_mask=None, return_count=False, tiling=None,
+                      out=None, stream=0):
     """Router z-loss forward.
 
     Args:
@@ -287,8 +103,15 @@ def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, tiling=None, out=
       coeff: the loss coefficient (finite).
       total_num_tokens: N of ``coeff * sum_t lse_t^2 / N`` (default T, 1 when
         T == 0; the global count when token-sharded).
+      token_mask: None, or (T,) bool | uint8 (nonzero: a valid row): the
+        masked rows' squares are not added (their pairs are saved as any
+        row's), N defaults to ``max(valid count, 1)`` (counted by the
+        kernels) and may be a device scalar (``masks.mask_input``).
+      return_count: with ``token_mask`` and no ``total_num_tokens``: a third
+        output, the N the kernels counted (() float32).
       tiling: a ``ZLossTiling`` (None: the library's).
-      out: optional ``(loss (), saved (2T,))`` float32 device arrays.
+      out: optional ``(loss (), saved (2T,))`` float32 device arrays (and N (),
+        counted: else one is allocated).
       stream: numba stream or int CUDA stream handle.
 
     Returns:
@@ -299,6 +122,16 @@ def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, tiling=None, out=
     op = OP + "_fwd"
     s = resolve_stream(stream)
     d, kind = _logits_input(logits, op, s)
+    if token_mask is not None:
+        c, _ = _static_args(op, int(d.shape[0]), coeff, _host_number(total_num_tokens))
+        counted = total_num_tokens is None  # the kernels count the valid rows
+        d_mask, d_n = mask_input(token_mask, op, s, int(d.shape[0]), 1 if counted else total_num_tokens)
+        to_host = not any_on_device(logits, token_mask, total_num_tokens) and out is None
+        plan = router_z_loss_fwd_plan(spec_of(d.shape, kind), c, 1, tiling, True, counted)
+        if counted and out is not None and len(out) == 2:  # the counted N: a device array of its own
+            out = (*out, cuda.device_array((), np.float32, stream=s))
+        res = tuple(execute(plan, [d, d_mask] + ([] if counted else [d_n]), out, s, to_host))
+        return res if return_count or not counted else res[:2]
     c, total = _static_args(op, int(d.shape[0]), coeff, total_num_tokens)
     to_host = not any_on_device(logits) and out is None
     plan = router_z_loss_fwd_plan(spec_of(d.shape, kind), c, total, tiling)
@@ -307,38 +140,64 @@ def router_z_loss_fwd(logits, coeff, total_num_tokens=None, *, tiling=None, out=
 
 @functools.cache
 def router_z_loss_fwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: int,
-                           tiling: ZLossTiling | None = None) -> Plan:
+                           tiling: ZLossTiling | None = None, has_mask: bool = False,
+                           count_valid: bool = False) -> Plan:
     """The launches of the forward: input logits; outputs ``loss () f32``,
-    ``saved (2T,) f32``; scratch: the per-block partial sums of ``lse^2``; ``tiling``: a ``ZLossTiling``."""
+    ``saved (2T,) f32``; scratch: the per-block partial sums of ``lse^2``; ``tiling``: a ``ZLossTiling``.
+    ``has_mask``: two more inputs, the mask (bool ``[T]``) and N (fp32 ``()``;
+    ``total_num_tokens`` is then unused: pass 1); ``count_valid`` (with
+    ``has_mask``): the mask alone, N = max(valid rows, 1) counted by the
+    kernels and a third output, N (fp32 ``()``, for the backward)."""
     tiling = tiling or Z_LOSS_TILING
     num_tokens, num_experts = logits.shape
+    if count_valid and not has_mask:
+        raise ValueError(f"{OP}_fwd_plan: count_valid needs has_mask.")
     outs = (spec_of((), F32), spec_of((2 * num_tokens,), F32))
+    ins = (logits,)
+    flag = ()  # the unmasked kernels' cache keys as before
+    if has_mask:
+        ins += (mask_spec(num_tokens),) + (() if count_valid else (spec_of((), F32),))
+        outs += (spec_of((), F32),) if count_valid else ()
+        flag = (True, count_valid)
+    n = Out(2, spec_of((1,), F32)) if count_valid else In(2, spec_of((1,), F32))
+    counts = 0 if not count_valid else 1  # dynamic shared words: TB more with count_valid
     vec = logits.kind != F16 and z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize, False, tiling)
     grid, threads, lanes, units, quads = z_loss_tiling(num_tokens, num_experts, tiling=tiling)
     steps = []
     if vec:  # one launch: the grid's last block sums the partials (a Counter tells it it is last)
         grid, threads, lanes, vecs, hold, iters = vec
         kern = z_loss_vec_rows_kernel(logits.kind, hold, lanes, *tiling.vec_fwd[3:], vecs == lanes * hold,
-                                      threads % 32 == 0, _z_loss_finish.FINISH)  # exact rows, full warps
-        steps.append(Step(kern, grid, threads, 4 * (threads + threads // lanes + 1),
-                          (In(0, word_view(logits)), Out(1), Tmp(0), Out(0, spec_of((1,), F32)), Counter(),
-                           num_tokens, vecs, iters, np.float32(coeff), np.float32(total_num_tokens))))
-        return Plan(OP + "_fwd", (logits,), outs, (spec_of((grid,), F32),), steps)
+                                      threads % 32 == 0, _z_loss_finish.FINISH, *flag)  # exact rows, full warps
+        head = (In(0, word_view(logits)), Out(1), Tmp(0), Out(0, spec_of((1,), F32)), Counter(2 if has_mask else 1))
+        if has_mask:
+            args = (*head, In(1), n, num_tokens, vecs, iters, np.float32(coeff))
+        else:
+            args = (*head, num_tokens, vecs, iters, np.float32(coeff), np.float32(total_num_tokens))
+        steps.append(Step(kern, grid, threads, 4 * (threads + (1 + counts) * (threads // lanes) + 1), args))
+        return Plan(OP + "_fwd", ins, outs, (spec_of((grid,), F32),), steps)
+    count = Counter()  # the unit kernels' valid rows (count_valid): the rows kernel adds, the final one takes
     if grid:
-        steps.append(Step(z_loss_rows_kernel(logits.kind, quads, tiling.hold), grid, threads,
-                            4 * (2 * threads + threads // lanes),
-                            (_logits_arg(logits, quads), Out(1), Tmp(0), num_tokens, num_experts,
-                             units, lanes)))
+        steps.append(Step(z_loss_rows_kernel(logits.kind, quads, tiling.hold, *flag), grid, threads,
+                            4 * (2 * threads + (1 + counts) * (threads // lanes)),
+                            (_logits_arg(logits, quads), Out(1), Tmp(0), *((In(1), count) if has_mask else ()),
+                             num_tokens, num_experts, units, lanes)))
     tmps = (spec_of((max(grid, 1),), F32),)
     final = min(tiling.final_threads, pow2_at_least(max(grid, 1)))
-    steps.append(Step(z_loss_final_kernel, 1, final, 0,
-                        (Tmp(0), Out(0, spec_of((1,), F32)), grid, np.float32(coeff),
-                         np.float32(total_num_tokens))))
-    return Plan(OP + "_fwd", (logits,), outs, tmps, steps)
+    if count_valid:
+        steps.append(Step(z_loss_final_counted_kernel, 1, final, 0,
+                          (Tmp(0), Out(0, spec_of((1,), F32)), grid, np.float32(coeff), count, n)))
+    elif has_mask:
+        steps.append(Step(z_loss_final_masked_kernel, 1, final, 0,
+                          (Tmp(0), Out(0, spec_of((1,), F32)), grid, np.float32(coeff), n)))
+    else:
+        steps.append(Step(z_loss_final_kernel, 1, final, 0,
+                          (Tmp(0), Out(0, spec_of((1,), F32)), grid, np.float32(coeff),
+                           np.float32(total_num_tokens))))
+    return Plan(OP + "_fwd", ins, outs, tmps, steps)
 
 
-def router_z_loss_bwd(logits, saved_lse, grad_loss, coeff, total_num_tokens=None, *, tiling=None,
-                      out=None, stream=0):
+def router_z_loss_bwd(logits, saved_lse, grad_loss, coeff, total_num_tokens=None, *, token_mask=None,
+                      tiling=None, out=None, stream=0):
     """Router z-loss backward:
     ``grad_logits[t, e] = grad_loss * 2 coeff / N * lse_t * exp(logits[t, e] - lse_t)``.
 
@@ -346,7 +205,8 @@ def router_z_loss_bwd(logits, saved_lse, grad_loss, coeff, total_num_tokens=None
       logits: (T, E) float32 | bfloat16 | float16, as given to the forward.
       saved_lse: (2T,) float32, the forward's second output (each row's max, then log2 of its sum).
       grad_loss: () float32 (host scalar, Python float or device array).
-      coeff, total_num_tokens, tiling: as given to the forward.
+      coeff, total_num_tokens, token_mask, tiling: as given to the forward
+        (the masked rows get 0, whatever they hold).
       out: optional device array for grad_logits.
       stream: numba stream or int CUDA stream handle.
 
@@ -364,6 +224,12 @@ def router_z_loss_bwd(logits, saved_lse, grad_loss, coeff, total_num_tokens=None
     d_g, gkind = scalar_input(grad_loss, "grad_loss", op, s)
     if gkind != F32:
         raise TypeError(f"{op}: grad_loss must be float32, got {d_g.dtype}.")
+    if token_mask is not None:
+        c, _ = _static_args(op, num_tokens, coeff, _host_number(total_num_tokens))
+        d_mask, d_n = mask_input(token_mask, op, s, num_tokens, total_num_tokens)
+        to_host = not any_on_device(logits, saved_lse, grad_loss, token_mask, total_num_tokens) and out is None
+        plan = router_z_loss_bwd_plan(spec_of(d.shape, kind), c, 1, tiling, True)
+        return execute(plan, [d, d_lse, d_g, d_mask, d_n], out, s, to_host)[0]
     c, total = _static_args(op, num_tokens, coeff, total_num_tokens)
     to_host = not any_on_device(logits, saved_lse, grad_loss) and out is None
     plan = router_z_loss_bwd_plan(spec_of(d.shape, kind), c, total, tiling)
@@ -372,27 +238,35 @@ def router_z_loss_bwd(logits, saved_lse, grad_loss, coeff, total_num_tokens=None
 
 @functools.cache
 def router_z_loss_bwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: int,
-                           tiling: ZLossTiling | None = None) -> Plan:
+                           tiling: ZLossTiling | None = None, has_mask: bool = False) -> Plan:
     """The launches of the backward: inputs logits, ``saved (2T,) f32``,
-    ``grad_loss () f32``; output ``grad_logits`` (logits' shape and kind); ``tiling``: a ``ZLossTiling``."""
+    ``grad_loss () f32``; output ``grad_logits`` (logits' shape and kind); ``tiling``: a ``ZLossTiling``.
+    ``has_mask``: two more inputs, the mask (bool ``[T]``) and N (fp32 ``()``;
+    ``total_num_tokens`` unused: pass 1); the masked rows get 0."""
     tiling = tiling or Z_LOSS_TILING
     num_tokens, num_experts = logits.shape
     ins = (logits, spec_of((2 * num_tokens,), F32), spec_of((), F32))
+    if has_mask:
+        ins += (mask_spec(num_tokens), spec_of((), F32))
     outs = (spec_of(logits.shape, logits.kind),)
     grid, threads, lanes, units, quads = z_loss_tiling(num_tokens, num_experts, backward=True, tiling=tiling)
     if not grid:
         return Plan(OP + "_bwd", ins, outs)
-    # 2 coeff / N in fp32, in that order (the reference: coeff * (S / N), d/d lse_t: 2 lse_t)
-    scale = np.float32(np.float32(np.float32(coeff) / np.float32(total_num_tokens)) * np.float32(2))
+    flag = (True,) if has_mask else ()  # the unmasked kernels' cache keys as before
+    masked = (In(3), In(4, spec_of((1,), F32))) if has_mask else ()
+    # 2 coeff / N in fp32, in that order (the reference: coeff * (S / N), d/d lse_t: 2 lse_t); masked: the
+    # kernel takes coeff and does the same on the device
+    scale = np.float32(coeff) if has_mask else np.float32(
+        np.float32(np.float32(coeff) / np.float32(total_num_tokens)) * np.float32(2))
     vec = logits.kind != F16 and z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize, True, tiling)
     if vec:
         grid, threads, lanes, vecs, hold, iters = vec
-        kern = z_loss_vec_bwd_kernel(logits.kind, hold, lanes, *tiling.vec_bwd[3:])
+        kern = z_loss_vec_bwd_kernel(logits.kind, hold, lanes, *tiling.vec_bwd[3:], *flag)
         step = Step(kern, grid, threads, 0, (In(0, word_view(logits)), In(1), In(2, spec_of((1,), F32)),
-                                             Out(0, word_view(logits)), num_tokens, vecs, iters, scale))
+                                             Out(0, word_view(logits)), *masked, num_tokens, vecs, iters, scale))
         return Plan(OP + "_bwd", ins, outs, (), (step,))
     grad = Out(0, array_views(logits.kind, logits.shape)[0]) if quads else Out(0)
-    step = Step(z_loss_bwd_kernel(logits.kind, quads, tiling.bwd_hold), grid, threads, 0,
-                  (_logits_arg(logits, quads), In(1), In(2, spec_of((1,), F32)), grad,
+    step = Step(z_loss_bwd_kernel(logits.kind, quads, tiling.bwd_hold, *flag), grid, threads, 0,
+                  (_logits_arg(logits, quads), In(1), In(2, spec_of((1,), F32)), grad, *masked,
                    num_tokens, num_experts, units, lanes, scale))
     return Plan(OP + "_bwd", ins, outs, (), (step,))

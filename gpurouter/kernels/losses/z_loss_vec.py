@@ -183,10 +183,15 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool, exact: bool = Fal
 
 @functools.cache
 def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool,
-                           exact: bool = False, full: bool = False, finish_mode: str = "acq_rel"):
+                           exact: bool = False, full: bool = False, finish_mode: str = "acq_rel",
+                           has_mask: bool = False, count_valid: bool = False):
     """The forward's row kernel on vectors (see the module docstring).  ``exact``:
     every row is ``W * hold`` vectors (``_row_pieces``); ``full``: blockDim.x is
-    a multiple of 32 (the shuffles' member mask a constant)."""
+    a multiple of 32 (the shuffles' member mask a constant).  ``has_mask``: ``mask``
+    (bool ``[T]``) and ``n`` (fp32 ``[1]``: N) after ``count``, no ``total``; a masked
+    row's pair is saved, its ``lse^2`` not added.  ``count_valid``: N = max(valid
+    rows, 1) counted on word 1 of the ``Counter`` and written to ``n`` (an output);
+    TB more words of shared memory (docs/kernels.md, "Token masks")."""
     aligned, _, fetch, row_max, row_sum, _ = _row_pieces(kind, hold, lanes, hints, exact)
     all_max, all_sum = lane_reducers(lanes, full)
     lg2 = log2_approx()
@@ -195,11 +200,12 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
     w = np.int32(lanes)
 
     @cuda.jit(device=True)
-    def group(held, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc):
+    def group(held, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt):
         """One row group on the held vectors: the row's max over its W lanes, then
         each lane's sum against it (no rescale), the W sums in the fixed pairwise
         order; lane 0 writes the saved ``(m, log2 s)`` (one lg2.approx; s >= 1 or
-        NaN when m > -inf) and returns ``acc + lse^2``."""
+        NaN when m > -inf) and returns ``acc + lse^2`` (``acc`` for a row that
+        ``keep`` leaves out: ``has_mask``)."""
         m = all_max(row_max(held), red, tid, first, mask)
         s = all_sum(row_sum(held, lane, vecs, shift_of(m)), red, tid, first, mask)
         if lane == 0 and row < num_tokens:
@@ -207,8 +213,82 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
             v = lse_of_saved(sm, sl)
             lse[u64(row)] = sm
             lse[u64(num_tokens + row)] = sl
-            acc = np.float32(acc + np.float32(v * v))
-        return acc
+            if not has_mask or keep[row]:
+                acc = np.float32(acc + np.float32(v * v))
+                cnt += np.float32(1)
+        return acc, cnt
+
+    @cuda.jit(device=True)
+    def run(logits, lse, partial, loss, count, keep, n, num_tokens, vecs, iters, coeff, total, red, cur, nxt):
+        tid = np.int32(cuda.threadIdx.x)
+        nthreads = np.int32(cuda.blockDim.x)
+        tok = np.int32(tid // w)
+        lane = np.int32(tid - tok * w)
+        first = np.int32(tid - lane)
+        mask = warp_mask(tid, nthreads)
+        tb = np.int32(nthreads // w)
+        last = np.int64(num_tokens - 1)
+        row = np.int64(cuda.blockIdx.x) * tb * iters + tok
+        fast = aligned(logits)
+        acc = ZERO
+        cnt = ZERO  # the slot's valid rows (count_valid), exact integers in fp32
+        fetch(cur, logits, fast, min(row, last), lane, vecs)
+        k = np.int32(0)
+        while k < iters:
+            if prefetch:  # two groups a trip, the buffers in turn: each group's loads in flight
+                if k + 1 < iters:  # during the group before it, and no copies between buffers
+                    fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
+                acc, cnt = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt)
+                row += tb
+                if k + 1 < iters:
+                    if k + 2 < iters:
+                        fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
+                    acc, cnt = group(nxt, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt)
+                    row += tb
+                k += 2
+            else:
+                acc, cnt = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt)
+                row += tb
+                k += 1
+                if k < iters:
+                    fetch(cur, logits, fast, min(row, last), lane, vecs)
+        if lane == 0:
+            red[nthreads + tok] = acc
+            if count_valid:
+                red[nthreads + tb + 1 + tok] = cnt
+        # Barrier: thread 0 reads every slot's running sum.
+        cuda.syncthreads()
+        if tid == 0:
+            block_sum = ZERO
+            for i in range(tb):
+                block_sum = np.float32(block_sum + red[nthreads + i])
+            partial[cuda.blockIdx.x] = block_sum
+            if count_valid:
+                block_count = ZERO
+                for i in range(tb):
+                    block_count += red[nthreads + tb + 1 + i]
+                cuda.atomic.add(count, 1, np.uint32(block_count))  # before the ticket (its release)
+            red[nthreads + tb] = ticket(count)
+        # Barrier: every thread reads the flag (block-uniform below).
+        cuda.syncthreads()
+        if red[nthreads + tb] != ZERO:
+            if count_valid and tid == 0:  # every block's count is in (the ticket's acquire); leave the word 0
+                total = np.float32(max(cuda.atomic.exch(count, 1, np.uint32(0)), np.uint32(1)))
+                n[0] = total  # N for the backward
+            finish(partial, loss, red, tid, nthreads, coeff, total)  # (only thread 0 reads total)
+
+    if has_mask:
+
+        @cuda.jit
+        def z_loss_vec_rows_masked(logits, lse, partial, loss, count, keep, n, num_tokens, vecs, iters, coeff):
+            # as below, plus keep: [T] bool, the valid rows; n: [1] fp32, N (count_valid: out)
+            red = cuda.shared.array(0, nb_f32)
+            cur = cuda.local.array(words, nb_u32)
+            nxt = cuda.local.array(words, nb_u32)
+            run(logits, lse, partial, loss, count, keep, n, num_tokens, vecs, iters, coeff,
+                np.float32(1) if count_valid else n[0], red, cur, nxt)  # count_valid: N counted
+
+        return z_loss_vec_rows_masked
 
     @cuda.jit
     def z_loss_vec_rows(
@@ -226,75 +306,23 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
         red = cuda.shared.array(0, nb_f32)  # [threads] lane exchange (simulator), [TB] running sums, a flag
         cur = cuda.local.array(words, nb_u32)
         nxt = cuda.local.array(words, nb_u32)
-        tid = np.int32(cuda.threadIdx.x)
-        nthreads = np.int32(cuda.blockDim.x)
-        tok = np.int32(tid // w)
-        lane = np.int32(tid - tok * w)
-        first = np.int32(tid - lane)
-        mask = warp_mask(tid, nthreads)
-        tb = np.int32(nthreads // w)
-        last = np.int64(num_tokens - 1)
-        row = np.int64(cuda.blockIdx.x) * tb * iters + tok
-        fast = aligned(logits)
-        acc = ZERO
-        fetch(cur, logits, fast, min(row, last), lane, vecs)
-        k = np.int32(0)
-        while k < iters:
-            if prefetch:  # two groups a trip, the buffers in turn: each group's loads in flight
-                if k + 1 < iters:  # during the group before it, and no copies between buffers
-                    fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
-                acc = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc)
-                row += tb
-                if k + 1 < iters:
-                    if k + 2 < iters:
-                        fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
-                    acc = group(nxt, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc)
-                    row += tb
-                k += 2
-            else:
-                acc = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc)
-                row += tb
-                k += 1
-                if k < iters:
-                    fetch(cur, logits, fast, min(row, last), lane, vecs)
-        if lane == 0:
-            red[nthreads + tok] = acc
-        # Barrier: thread 0 reads every slot's running sum.
-        cuda.syncthreads()
-        if tid == 0:
-            block_sum = ZERO
-            for i in range(tb):
-                block_sum = np.float32(block_sum + red[nthreads + i])
-            partial[cuda.blockIdx.x] = block_sum
-            red[nthreads + tb] = ticket(count)
-        # Barrier: every thread reads the flag (block-uniform below).
-        cuda.syncthreads()
-        if red[nthreads + tb] != ZERO:
-            finish(partial, loss, red, tid, nthreads, coeff, total)
+        run(logits, lse, partial, loss, count, lse, lse, num_tokens, vecs, iters, coeff, total, red, cur,
+            nxt)  # no mask, no count
 
     return z_loss_vec_rows
 
 
 @functools.cache
-def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool):
-    """The backward on vectors: ``grad = (g * scale) lse_t exp(x - lse_t)``."""
+def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hints: bool, has_mask: bool = False):
+    """The backward on vectors: ``grad = (g * scale) lse_t exp(x - lse_t)``.  ``has_mask``:
+    ``mask`` (bool ``[T]``) and ``n`` (fp32 ``[1]``) after ``grad_logits``, ``coeff`` for
+    ``scale`` (``2 coeff / n`` on the device); masked rows get 0."""
     aligned, store_v, fetch, _, _, grad_word = _row_pieces(kind, hold, lanes, hints)
     words = 4 * hold
     w = np.int32(lanes)
 
-    @cuda.jit
-    def z_loss_vec_bwd(
-        logits,  # [T * E * size / 4] uint32 words, flat
-        lse,  # [2T] fp32: the forward's saved (m, log2 s)
-        grad_loss,  # [1] fp32
-        grad_logits,  # as logits, out
-        num_tokens,
-        vecs,
-        iters,
-        scale,  # fp32: 2 coeff / N
-    ):
-        cur = cuda.local.array(words, nb_u32)
-        nxt = cuda.local.array(words, nb_u32)
+    @cuda.jit(device=True)
+    def run(logits, lse, grad_loss, grad_logits, keep, num_tokens, vecs, iters, scale, cur, nxt):
         tid = np.int32(cuda.threadIdx.x)
         tok = np.int32(tid // w)
         lane = np.int32(tid - tok * w)
@@ -317,6 +345,7 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
             if row < num_tokens:
                 v, sh, l2 = backward_row(vm, vl)
                 a = np.float32(g * v)  # 0 on a dead row (v = 0)
+                dead = has_mask and not keep[row]  # a masked row: 0 whatever it holds
                 base = row * vecs
                 for h in range(hold):
                     u = np.int32(lane + h * w)
@@ -325,6 +354,8 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
                         o1 = grad_word(cur[4 * h + 1], a, sh, l2)
                         o2 = grad_word(cur[4 * h + 2], a, sh, l2)
                         o3 = grad_word(cur[4 * h + 3], a, sh, l2)
+                        if dead:
+                            o0 = o1 = o2 = o3 = np.uint32(0)
                         if fast:
                             store_v(grad_logits, base + u, o0, o1, o2, o3)
                         else:
@@ -339,5 +370,31 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
                 vm = lse[u64(min(row + tb, last))]
                 vl = lse[u64(num_tokens + min(row + tb, last))]
             row += tb
+
+    if has_mask:
+
+        @cuda.jit
+        def z_loss_vec_bwd_masked(logits, lse, grad_loss, grad_logits, keep, n, num_tokens, vecs, iters, coeff):
+            cur = cuda.local.array(words, nb_u32)
+            nxt = cuda.local.array(words, nb_u32)
+            scale = np.float32(np.float32(coeff / n[0]) * np.float32(2))  # the host plan's order
+            run(logits, lse, grad_loss, grad_logits, keep, num_tokens, vecs, iters, scale, cur, nxt)
+
+        return z_loss_vec_bwd_masked
+
+    @cuda.jit
+    def z_loss_vec_bwd(
+        logits,  # [T * E * size / 4] uint32 words, flat
+        lse,  # [2T] fp32: the forward's saved (m, log2 s)
+        grad_loss,  # [1] fp32
+        grad_logits,  # as logits, out
+        num_tokens,
+        vecs,
+        iters,
+        scale,  # fp32: 2 coeff / N
+    ):
+        cur = cuda.local.array(words, nb_u32)
+        nxt = cuda.local.array(words, nb_u32)
+        run(logits, lse, grad_loss, grad_logits, lse, num_tokens, vecs, iters, scale, cur, nxt)  # no mask read
 
     return z_loss_vec_bwd

@@ -110,16 +110,3 @@ def test_empty_rows():
     loss, _ = K.moe_aux_loss_fwd(probs, tpe, 1, 1.0, total_num_tokens=5)
     assert loss == 0.0
     assert K.moe_aux_loss_bwd(np.float32(0.5), tpe, 1.0, 0).shape == (0, 4)
-
-
-def test_bwd_grid_strided_rows():
-    """The backward's fill with fewer blocks than its rows need: each row lane
-    writes several rows, ``grid * RL`` apart (``losses/tiling.fill_tiling``)."""
-    from gpurouter.kernels.losses.tiling import fill_tiling
-
-    tiling = K.AuxLossTiling(fill_blocks=2)
-    assert fill_tiling(37, 2, tiling) == (2, tiling.fill_threads, 32)
-    tpe = np.arange(8, dtype=np.int32)
-    gp = K.moe_aux_loss_bwd(np.float32(0.25), tpe, np.float32(2.0), 37, tiling=tiling)
-    want = np.broadcast_to(np.float32(0.5) * tpe.astype(np.float32), (37, 8))
-    np.testing.assert_array_equal(gp, want)

@@ -1,0 +1,149 @@
+"""The aux loss's backward kernels (``aux_loss.py`` holds the forward, the
+launchers and the plans): ``grad_probs[r, c] = C * f32(tpe[c]) * f32(grad_loss)``,
+every row alike (0 on the masked rows of a ``has_mask`` build)."""
+
+from __future__ import annotations
+
+from .._base import compat as _compat  # noqa: F401  (first: patches NumPy before numba.cuda loads)
+from .._base.parallel import recipe
+
+# isort: split
+
+import functools
+
+import numpy as np
+from numba import cuda
+
+from .._base.access import flat_io, loader_1d, storer_2d
+from .._base.device import ZERO, u64
+from .._base.launch import F32
+
+# ----------------------------------------------------------------------------
+# Backward: grad_probs[r, c] = C * f32(tpe[c]) * f32(grad_loss), every row alike.
+# ----------------------------------------------------------------------------
+
+
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
+@functools.cache
+def aux_loss_bwd_kernel(tpe_kind: str, out_kind: str, has_mask: bool = False):
+    """``has_mask`` (compile-time): a bool ``mask [R]`` after ``grad_probs``; its
+    False rows get 0."""
+    load_tpe = loader_1d(tpe_kind)
+    load_grad = loader_1d(out_kind)
+    store = storer_2d(out_kind)
+
+    @cuda.jit(device=True)
+    def run(coeff, tokens_per_expert, grad_loss, grad_probs, mask, rows_per_block, col_lanes):
+        # Thread (rl, cl) computes its columns' value once and writes it down
+        # its rows: no index division, coalesced stores.
+        num_rows = grad_probs.shape[0]
+        num_cols = grad_probs.shape[1]
+        tid = cuda.threadIdx.x
+        nrl = cuda.blockDim.x // col_lanes
+        rl = tid // col_lanes
+        cl = tid - rl * col_lanes
+        r0 = cuda.blockIdx.x * rows_per_block
+        r1 = min(num_rows, r0 + rows_per_block)
+        c0 = coeff[0]
+        g = load_grad(grad_loss, 0)
+        for c in range(cl, num_cols, col_lanes):
+            v = np.float32(np.float32(c0 * load_tpe(tokens_per_expert, c)) * g)
+            for r in range(r0 + rl, r1, nrl):
+                if has_mask and not mask[r]:
+                    store(grad_probs, r, c, ZERO)
+                else:
+                    store(grad_probs, r, c, v)
+
+    if has_mask:
+
+        @cuda.jit
+        def aux_loss_bwd_masked(coeff, tokens_per_expert, grad_loss, grad_probs, mask, rows_per_block, col_lanes):
+            run(coeff, tokens_per_expert, grad_loss, grad_probs, mask, rows_per_block, col_lanes)
+
+        return aux_loss_bwd_masked
+
+    @cuda.jit
+    def aux_loss_bwd(
+        coeff,  # [1] fp32: C
+        tokens_per_expert,  # [C] tpe_kind
+        grad_loss,  # [1] out_kind
+        grad_probs,  # [R, C] out_kind, out
+        rows_per_block,
+        col_lanes,  # CL; blockDim.x == RL * CL
+    ):
+        run(coeff, tokens_per_expert, grad_loss, grad_probs, coeff, rows_per_block, col_lanes)  # no mask read
+
+    return aux_loss_bwd
+
+
+@recipe  # rebuilt by a compile worker (_base/parallel.py)
+@functools.cache
+def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = False):
+    """The backward for C a multiple of 4, a quad of columns per store, grad_probs
+    seen flat (``array_views``): fp32 as 16-byte stores that L2 evicts first
+    (``_vec.quad_store_once_f32``: the output is larger than L2 and the
+    kernel never reads it), bf16 as one uint64 per quad, fp16 as elements.
+    ``has_mask`` (compile-time): a bool ``mask [R]`` after ``num_cols``; its
+    False rows get 0."""
+    from .._base.vec import quad_store_once_f32
+
+    load_tpe = loader_1d(tpe_kind)
+    load_grad = loader_1d(out_kind)
+    store4 = quad_store_once_f32() if out_kind == F32 else flat_io(out_kind)[1]
+
+    @cuda.jit(device=True)
+    def value(c0, tokens_per_expert, c, g):
+        return np.float32(np.float32(c0 * load_tpe(tokens_per_expert, c)) * g)
+
+    @cuda.jit(device=True)
+    def run(coeff, tokens_per_expert, grad_loss, grad_probs, num_rows, num_cols, mask, col_lanes):
+        # Thread (rl, cl) computes its column quads' values once and writes
+        # them down its rows, grid-strided (tiling.fill_tiling; int32
+        # counters, unsigned indices: _device.u64).
+        eq = np.int32(num_cols // 4)
+        tid = np.int32(cuda.threadIdx.x)
+        nrl = np.int32(cuda.blockDim.x // col_lanes)
+        rl = np.int32(tid // col_lanes)
+        cl = np.int32(tid - rl * col_lanes)
+        first = np.int32(cuda.blockIdx.x * nrl + rl)
+        step = np.int32(cuda.gridDim.x * nrl)
+        c0 = coeff[0]
+        g = load_grad(grad_loss, 0)
+        cq = cl
+        while cq < eq:
+            c = u64(4 * cq)
+            v0 = value(c0, tokens_per_expert, c, g)
+            v1 = value(c0, tokens_per_expert, c + u64(1), g)
+            v2 = value(c0, tokens_per_expert, c + u64(2), g)
+            v3 = value(c0, tokens_per_expert, c + u64(3), g)
+            r = first
+            while r < num_rows:
+                if has_mask and not mask[r]:
+                    store4(grad_probs, np.int64(r) * eq + cq, ZERO, ZERO, ZERO, ZERO)
+                else:
+                    store4(grad_probs, np.int64(r) * eq + cq, v0, v1, v2, v3)
+                r = np.int32(r + step)
+            cq = np.int32(cq + col_lanes)
+
+    if has_mask:
+
+        @cuda.jit
+        def aux_loss_bwd_quad_masked(coeff, tokens_per_expert, grad_loss, grad_probs, num_rows, num_cols, mask,
+                                     col_lanes):
+            run(coeff, tokens_per_expert, grad_loss, grad_probs, num_rows, num_cols, mask, col_lanes)
+
+        return aux_loss_bwd_quad_masked
+
+    @cuda.jit
+    def aux_loss_bwd_quad(
+        coeff,  # [1] fp32: C
+        tokens_per_expert,  # [C] tpe_kind
+        grad_loss,  # [1] out_kind
+        grad_probs,  # [R, C] out_kind, flat (bf16: [R*C/4] uint64), out
+        num_rows,
+        num_cols,
+        col_lanes,  # CL; blockDim.x == RL * CL
+    ):
+        run(coeff, tokens_per_expert, grad_loss, grad_probs, num_rows, num_cols, coeff, col_lanes)  # no mask read
+
+    return aux_loss_bwd_quad

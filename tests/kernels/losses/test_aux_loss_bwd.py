@@ -1,0 +1,47 @@
+"""The aux loss's backward kernels (``kernels/losses/aux_loss_bwd.py``) through
+``moe_aux_loss_bwd`` (GPU or the CUDA simulator): the grid-strided quad fill
+and the element kernel, with and without a token mask."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+
+pytestmark = pytest.mark.cuda
+
+
+def test_bwd_grid_strided_rows():
+    """The backward's fill with fewer blocks than its rows need: each row lane
+    writes several rows, ``grid * RL`` apart (``losses/tiling.fill_tiling``)."""
+    from gpurouter.kernels.losses.tiling import fill_tiling
+
+    tiling = K.AuxLossTiling(fill_blocks=2)
+    assert fill_tiling(37, 2, tiling) == (2, tiling.fill_threads, 32)
+    tpe = np.arange(8, dtype=np.int32)
+    gp = K.moe_aux_loss_bwd(np.float32(0.25), tpe, np.float32(2.0), 37, tiling=tiling)
+    want = np.broadcast_to(np.float32(0.5) * tpe.astype(np.float32), (37, 8))
+    np.testing.assert_array_equal(gp, want)
+
+
+@pytest.mark.parametrize("C", [8, 6])  # quads (the grid-strided fill), elements (the column tiling)
+def test_bwd_masked_rows_get_zero(C):
+    """``has_mask`` builds: the valid rows the unmasked kernel's values, bit for
+    bit, the masked rows 0; several blocks (and rows a lane) either way."""
+    from gpurouter.kernels._base.plan import spec_for
+    from gpurouter.kernels.losses import aux_loss_bwd as B
+
+    tiling = K.AuxLossTiling(fill_blocks=2, column_threads=64, column_min_rows=8)
+    tpe = np.arange(C, dtype=np.int32) + 1
+    mask = np.arange(37) % 3 != 1
+    gp = K.moe_aux_loss_bwd(np.float32(0.25), tpe, np.float32(2.0), 37, token_mask=mask, tiling=tiling)
+    want = K.moe_aux_loss_bwd(np.float32(0.25), tpe, np.float32(2.0), 37, tiling=tiling)
+    np.testing.assert_array_equal(gp[mask], want[mask])
+    assert not gp[~mask].any()
+    tpe_spec, g_spec = spec_for((C,), np.int32), spec_for((), np.float32)
+    plan = K.moe_aux_loss_bwd_plan(tpe_spec, g_spec, 37, tiling, True)
+    factory = B.aux_loss_bwd_quad_kernel if C % 4 == 0 else B.aux_loss_bwd_kernel
+    assert plan.steps[0].kernel is factory(tpe_spec.kind, g_spec.kind, True)
+    assert K.moe_aux_loss_bwd_plan(tpe_spec, g_spec, 37, tiling).steps[0].kernel is factory(tpe_spec.kind,
+                                                                                            g_spec.kind)
