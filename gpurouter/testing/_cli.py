@@ -1,4 +1,4 @@
-"""``python -m gpurouter check MODULE:FUNCTION --op topk|aux-scores|aux-loss|z-loss``.
+"""``python -m gpurouter check MODULE:FUNCTION --op topk|aux-scores|aux-loss|z-loss|token-dispatch|token-combine``.
 
 Runs one conformance check of :mod:`gpurouter.testing.checks` on a function
 named by its import path, prints the table of properties (passed, or failed
@@ -14,11 +14,12 @@ import sys
 
 from .._cli import positive_int
 
-OPS = ("topk", "aux-scores", "aux-loss", "z-loss")
+OPS = ("topk", "aux-scores", "aux-loss", "z-loss", "token-dispatch", "token-combine")
 DTYPES = ("float32", "bfloat16", "float16")
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
-USAGE = ("python -m gpurouter check MODULE:FUNCTION --op topk|aux-scores|aux-loss|z-loss "
-         "[--examples N] [--profile ci|dev|fuzz] [--dtypes ...] [--score-functions ...] [--no-grads] [--seed S]")
+USAGE = ("python -m gpurouter check MODULE:FUNCTION --op topk|aux-scores|aux-loss|z-loss|token-dispatch|"
+         "token-combine [--dispatch MODULE:FUNCTION] [--examples N] [--profile ci|dev|fuzz] [--dtypes ...] "
+         "[--score-functions ...] [--no-grads] [--seed S]")
 
 
 def _resolve(parser: argparse.ArgumentParser, target: str):
@@ -46,7 +47,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("target", help="MODULE:FUNCTION, the function to check (importable from here)")
     parser.add_argument("--op", required=True, choices=OPS,
                         help="which contract fn keeps: topk (fused_topk_with_score_function), aux-scores "
-                             "(compute_aux_scores=True), aux-loss (fused_moe_aux_loss), z-loss (router_z_loss)")
+                             "(compute_aux_scores=True), aux-loss (fused_moe_aux_loss), z-loss (router_z_loss), "
+                             "token-dispatch / token-combine (TE's permutation.token_dispatch / token_combine)")
+    parser.add_argument("--dispatch", default=None,
+                        help="MODULE:FUNCTION, the dispatch whose row_id_map the combine reads (token-combine only)")
     parser.add_argument("--examples", type=positive_int, default=None,
                         help="hypothesis examples per property (default 100, or the profile's)")
     parser.add_argument("--profile", choices=("ci", "dev", "fuzz"), default=None,
@@ -63,6 +67,9 @@ def main(argv: list[str]) -> int:
     except ImportError as e:
         parser.error(str(e))
     fn = _resolve(parser, args.target)
+    if (args.op == "token-combine") != (args.dispatch is not None):
+        parser.error("--dispatch MODULE:FUNCTION goes with --op token-combine, and only with it")
+    extra = () if args.dispatch is None else (_resolve(parser, args.dispatch),)
     examples = args.examples
     if args.profile is not None:
         profiles.load(args.profile)
@@ -73,10 +80,11 @@ def main(argv: list[str]) -> int:
     if args.op in ("topk", "aux-scores"):
         kw["score_functions"] = tuple(args.score_functions)
     check = {"topk": checks.check_topk, "aux-scores": checks.check_aux_scores,
-             "aux-loss": checks.check_aux_loss, "z-loss": checks.check_router_z_loss}[args.op]
+             "aux-loss": checks.check_aux_loss, "z-loss": checks.check_router_z_loss,
+             "token-dispatch": checks.check_token_dispatch, "token-combine": checks.check_token_combine}[args.op]
     print(f"checking {args.target} (--op {args.op}), {examples} examples per property", flush=True)
     try:
-        report = check(fn, **kw)
+        report = check(fn, *extra, **kw)
     except checks.CheckFailure as failure:
         print(failure.report.table())
         print()

@@ -27,7 +27,8 @@ def test_testing_without_hypothesis_names_the_extra():
 def test_public_names():
     import gpurouter.testing as gt
 
-    for name in ("check_topk", "check_aux_scores", "check_aux_loss", "check_router_z_loss", "CheckFailure",
+    for name in ("check_topk", "check_aux_scores", "check_aux_loss", "check_router_z_loss", "check_token_dispatch",
+                 "check_token_combine", "CheckFailure",
                  "CheckReport", "strategies", "oracle", "tolerances", "profiles"):
         assert hasattr(gt, name), name
     assert issubclass(gt.CheckFailure, AssertionError)
@@ -45,3 +46,18 @@ def test_cli_checks_the_reference_and_prints_the_table():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "value and dtype" in r.stdout and "total" in r.stdout and "passed" in r.stdout
+
+
+def test_cli_token_combine_needs_its_dispatch():
+    r = subprocess.run([sys.executable, "-m", "gpurouter", "check", "gpurouter.reference.permute:token_combine",
+                        "--op", "token-combine"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--dispatch" in r.stderr, r.stderr[-2000:]
+
+
+def test_cli_checks_the_reference_token_combine():
+    r = subprocess.run([sys.executable, "-m", "gpurouter", "check", "gpurouter.reference.permute:token_combine",
+                        "--op", "token-combine", "--dispatch", "gpurouter.reference.permute:token_dispatch",
+                        "--examples", "2", "--seed", "0", "--no-grads"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "check_token_combine" in r.stdout and "passed" in r.stdout

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import hypothesis
 import hypothesis.strategies as st
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 
 # ----------------------------------------------------------------------------
 # Reports and failures
@@ -77,9 +77,11 @@ class _Skip(Exception):
     """A property with nothing to run under the requested dtypes/score functions."""
 
 
-def _settings(max_examples: int, seed) -> settings:
+def _settings(max_examples: int, seed, shrink: bool = True) -> settings:
     kw = dict(max_examples=int(max_examples), deadline=None, database=None, print_blob=False,
               report_multiple_bugs=False, suppress_health_check=list(HealthCheck))
+    if not shrink:  # the first failing example as drawn (small by construction)
+        kw["phases"] = (Phase.explicit, Phase.reuse, Phase.generate)
     if seed is not None:
         kw["derandomize"] = False
     return settings(settings.default, **kw)
@@ -92,7 +94,8 @@ def _counted(body, count):
     return prop
 
 
-def _run(op: str, props: list[tuple[str, Callable]], only, max_examples: int, seed) -> CheckReport:
+def _run(op: str, props: list[tuple[str, Callable]], only, max_examples: int, seed,
+         shrink: bool = True) -> CheckReport:
     names = [n for n, _ in props]
     if only is not None:
         unknown = [n for n in only if n not in names]
@@ -110,7 +113,7 @@ def _run(op: str, props: list[tuple[str, Callable]], only, max_examples: int, se
             report.properties.append(PropertyResult(name, "skipped", detail=str(why)))
             continue
         count = [0]
-        test = _settings(max_examples, seed)(given(st.data())(_counted(body, count)))
+        test = _settings(max_examples, seed, shrink)(given(st.data())(_counted(body, count)))
         if seed is not None:
             test = hypothesis.seed(seed)(test)
         result = PropertyResult(name, "passed")

@@ -16,7 +16,10 @@ handed back to its combine:
 
 Inputs are drawn so that no implementation detail decides a value: every
 ``num_out_tokens`` is the routed pair count (nothing dropped), and the probs
-are in ``(0, 1]`` (TE writes the row of a zero prob as zeros).
+are in ``(0, 1]`` (TE writes the row of a zero prob as zeros). They are small
+by construction (T <= 6, E <= 8, H <= 8) and a failing example is reported as
+drawn: hypothesis does not shrink it (every shrink step would trace and
+compile ``fn`` for new shapes; minutes for one failure).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def _ctx(op: str, inp, m, dtype, extra: str = "", **kw) -> str:
     args = ", ".join(f"{k}={v}" for k, v in kw.items())
     lines = [f"config: {op}(inp={dtype}{list(inp.shape)}, routing_map=bool{list(m.shape)}"
              + (f", {args}" if args else "") + ")",
-             "smallest counterexample (hypothesis):", f"  inp = {_arr(inp)}",
+             "counterexample (hypothesis, not shrunk):", f"  inp = {_arr(inp)}",
              f"  routing_map = {np.asarray(m, int).tolist()}"] + ([extra] if extra else [])
     return "\n".join(lines)
 
@@ -174,7 +177,7 @@ def check_token_dispatch(fn, *, max_examples: int = 100, dtypes: Sequence[str] =
         return lambda data: compare(data, align=False, jit=True)
 
     props = [("values", values), ("align_size", aligned), ("gradient", gradient), ("jit", transforms)]
-    return _run("check_token_dispatch", props, properties, max_examples, seed)
+    return _run("check_token_dispatch", props, properties, max_examples, seed, shrink=False)
 
 
 def check_token_combine(fn, dispatch, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
@@ -258,7 +261,7 @@ def check_token_combine(fn, dispatch, *, max_examples: int = 100, dtypes: Sequen
         return lambda data: compare(data, jit=True)
 
     props = [("values", values), ("gradient", gradient), ("jit", transforms)]
-    return _run("check_token_combine", props, properties, max_examples, seed)
+    return _run("check_token_combine", props, properties, max_examples, seed, shrink=False)
 
 
 def _dtypes_of(op: str, dtypes) -> tuple[str, ...]:
