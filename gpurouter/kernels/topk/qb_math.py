@@ -2,15 +2,19 @@
 ``jax.nn.sigmoid`` on the platform, and the bin (docs/contract.md section 12).
 
 XLA lowers ``jax.nn.sigmoid`` to ``1 / (1 + exp(-x))``; negation, addition,
-division, subtraction and multiplication are IEEE in both (numba's fp32
-division is ``div.rn``, no fast-math flags), so only ``exp`` can differ.
-``exp_mode``:
+subtraction and multiplication are IEEE everywhere, so the ``exp`` and the
+division decide. XLA:CPU divides as IEEE does (numba's ``/``, ``div.rn``);
+XLA:GPU divides approximately, as CUDA's ``__fdividef`` (measured on an H200
+with jax 0.11.2: ``1 / (1 + e)`` by ``div.rn`` differs from XLA's in 23,091 of
+163,840 values, by ``__fdividef`` in none). ``exp_mode``:
 
 - ``"libdevice"`` (a GPU's default): numba's ``math.exp``, libdevice's
-  ``__nv_expf``, the function XLA:GPU calls for an fp32 ``exp``;
+  ``__nv_expf``, the function XLA:GPU calls for an fp32 ``exp`` (equal to
+  XLA's on all 163,840 values above), and ``__fdividef``;
 - ``"libdevice_ftz"``: the same, a denormal sigmoid flushed to 0 (XLA:GPU
   run with ``--xla_gpu_ftz``: only ``x < -87.3`` differs);
-- ``"cephes"``: the Cephes polynomial with FMAs, XLA:CPU's fp32 ``exp``
+- ``"cephes"``: the Cephes polynomial with FMAs, XLA:CPU's fp32 ``exp``, and
+  the IEEE division
   (measured bit for bit against jax 0.10's XLA:CPU on 4M values in
   ``[-100, 100]``, denormal results flushed to 0 as XLA:CPU does): the CUDA
   simulator's only mode, so that the simulator tests compare bit for bit with
@@ -81,6 +85,10 @@ if simulator_enabled():
     def _libdevice_exp(a):
         return np.float32(math.exp(min(float(a), 88.8)))
 
+    @cuda.jit(device=True)
+    def _gpu_div(a, b):  # (no __fdividef here: the simulator runs "cephes" only)
+        return np.float32(a / b)
+
 else:
 
     @cuda.jit(device=True)
@@ -102,6 +110,12 @@ else:
     @cuda.jit(device=True)
     def _libdevice_exp(a):
         return math.exp(a)  # fp32 in, fp32 out: libdevice's __nv_expf
+
+    from numba.cuda import libdevice as _libdevice
+
+    @cuda.jit(device=True)
+    def _gpu_div(a, b):
+        return _libdevice.fast_fdividef(a, b)  # __fdividef: XLA:GPU's fp32 division
 
 
 @cuda.jit(device=True)
@@ -135,16 +149,20 @@ def _cephes_exp(a):
 
 @functools.cache
 def qb_sigmoid_fn(exp_mode: str):
-    """Device function ``sigmoid(x) = 1 / (1 + exp(-x))`` (fp32) with ``exp_mode``'s exp."""
+    """Device function ``sigmoid(x) = 1 / (1 + exp(-x))`` (fp32) with ``exp_mode``'s exp and division."""
     if exp_mode not in EXP_MODES:
         raise ValueError(f"qb_counts: exp_mode must be one of {EXP_MODES}, got {exp_mode!r}.")
-    exp = _cephes_exp if exp_mode == "cephes" else _libdevice_exp
     flush = exp_mode != "libdevice"
-
-    @cuda.jit(device=True)
-    def sigmoid(x):
-        s = np.float32(ONE / np.float32(ONE + exp(np.float32(-x))))
-        return _flush(s) if flush else s
+    if exp_mode == "cephes":
+        @cuda.jit(device=True)
+        def sigmoid(x):
+            s = np.float32(ONE / np.float32(ONE + _cephes_exp(np.float32(-x))))
+            return _flush(s) if flush else s
+    else:
+        @cuda.jit(device=True)
+        def sigmoid(x):
+            s = np.float32(_gpu_div(ONE, np.float32(ONE + _libdevice_exp(np.float32(-x)))))
+            return _flush(s) if flush else s
 
     return sigmoid
 
