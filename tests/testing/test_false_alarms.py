@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import gpurouter as gr
 from gpurouter.testing import check_topk
 
 
@@ -66,9 +67,14 @@ def test_clean_router_passes_cheap():
     assert report.passed
 
 
+def reference(*args):
+    return gr.fused_topk_with_score_function(*args, backend="jax")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_clean_router_passes_every_property_at_30_examples(seed):
-    report = check_topk(clean_router, max_examples=30, seed=seed)
+@pytest.mark.parametrize("router", [clean_router, reference], ids=["clean", "reference"])
+def test_correct_routers_pass_every_property_at_30_examples(router, seed):
+    report = check_topk(router, max_examples=30, seed=seed)
     print(report)
     assert report.passed
