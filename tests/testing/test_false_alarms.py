@@ -38,7 +38,7 @@ def clean_router(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_
         s = jax.nn.softmax(x, axis=-1) if use_pre_softmax else x
     else:
         s = jax.nn.sigmoid(x) if score_function == "sigmoid" else _sqrtsoftplus(x)
-    r = s if expert_bias is None else s + expert_bias.astype(jnp.float32)
+    r = s if expert_bias is None else s + jnp.broadcast_to(expert_bias.astype(jnp.float32), x.shape)
     key = jax.lax.stop_gradient(jnp.where(jnp.isnan(r), -jnp.inf, r))  # NaN counts as -inf
     eligible = jnp.ones(x.shape, bool)
     if group_topk > 0:
