@@ -74,7 +74,7 @@ def group_score_max(x, k, pre, g, gk, s, sf, b):
     xf = x.astype(jnp.float32)
     r = {"softmax": jax.nn.softmax(xf, -1) if pre else xf, "sigmoid": jax.nn.sigmoid(xf),
          "sqrtsoftplus": jnp.sqrt(jax.nn.softplus(xf))}[sf]
-    r = r if b is None else r + b
+    r = r if b is None else r + jnp.broadcast_to(b, r.shape)
     t, e = r.shape
     gs = jnp.max(r.reshape(t, g, e // g), -1)  # the bug: max instead of the sum of the top K/Kg
     kept = jnp.zeros((t, g), bool).at[jnp.arange(t)[:, None], jax.lax.top_k(gs, gk)[1]].set(True)
@@ -194,7 +194,7 @@ def weights_from_biased_scores(x, k, pre, g, gk, s, sf, b):
     p, m = ref(x, k, pre, g, gk, s, sf, b)
     if b is None:
         return p, m
-    v = jnp.where(m, _scores(x, sf) + b, 0.0)
+    v = jnp.where(m, _scores(x, sf) + jnp.broadcast_to(b, x.shape), 0.0)
     return _weights(x, m, k, s, sf, v / (jnp.sum(v, -1, keepdims=True) + 1e-20) if k > 1 else v)
 
 
@@ -257,8 +257,9 @@ def fillers_from_the_highest_index(x, k, pre, g, gk, s, sf, b):
     e = x.shape[-1]
     finite = jnp.isfinite(x)
     xf = x.astype(jnp.float32)
-    r = xf if sf == "softmax" else _scores(x, sf) + (0.0 if b is None else b)
-    key = jnp.where(finite, r, -1e30 + jnp.arange(e, dtype=jnp.float32))  # masked: the last index first
+    r = xf if sf == "softmax" else _scores(x, sf) + (0.0 if b is None else jnp.broadcast_to(b, x.shape))
+    last_first = -1e30 + jnp.broadcast_to(jnp.arange(e, dtype=jnp.float32), x.shape)  # masked: the last index first
+    key = jnp.where(finite, r, last_first)
     idx = jax.lax.top_k(key, k)[1]
     return ref(x, k, pre, -1, -1, s, sf, None, forced_indices=idx)
 
@@ -390,7 +391,7 @@ def loss_in_fp32(p, n, k, c):
 
 def loss_grad_without_the_coefficient(p, n, k, c):  # a hand-written backward: g * tpe, C forgotten
     v = loss_ref(p, n, k, c)
-    raw = jnp.sum(p.astype(jnp.float32) * n.astype(jnp.float32)).astype(v.dtype)
+    raw = jnp.sum(p.astype(jnp.float32) * jnp.broadcast_to(n.astype(jnp.float32), p.shape)).astype(v.dtype)
     return jax.lax.stop_gradient(v) + (raw - jax.lax.stop_gradient(raw))
 
 
