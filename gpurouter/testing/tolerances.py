@@ -6,6 +6,9 @@
 | grads     | atol 1e-5*sqrt(E), rtol 1e-4 | atol 1e-2, rtol 1e-2       |
 | aux_loss  | rtol 1e-5                | rtol 1e-2                      |
 
+The conformance checks hold half-precision probs to a tighter rule than one
+ulp: :func:`assert_rounded_once` (half an ulp of the float64 oracle, plus
+float32 rounding), since the contract rounds them once from float32.
 ``probs`` also covers the dense aux scores (always float32 out) and the saved
 float32 intermediates. Sources: JAX's default test tolerances (fp32 1e-6,
 bf16 1e-2), JAX's ~10x looser gradient tolerances, Tokamax's sqrt(n) atol
@@ -114,6 +117,36 @@ def assert_close(actual, expected, kind: str, dtype, E: int | None = None,
     bad = err > bound
     if bad.any():
         raise AssertionError(_report(a0, e0, bad, err, bound, err_msg or kind))
+
+
+def assert_rounded_once(actual, expected, *, err_msg: str = "") -> None:
+    """Asserts half-precision ``actual`` is the float64 ``expected`` rounded once to its dtype.
+
+    The contract computes probs in float32 and casts them once to the logits
+    dtype (docs/contract.md section 2, step 6), so each value is within half an
+    ulp of the exact value, plus float32 rounding: the bound is
+    ``0.5 * ulp + 1e-5 * |expected| + 2**-126`` (the ulp of ``actual``'s dtype
+    at the larger magnitude; the last term forgives float32 intermediates
+    flushed to 0). A value rounded twice (to the half dtype, then scaled or
+    normalised, then rounded again) lands on the wrong neighbour, more than
+    half an ulp away, which :func:`assert_close`'s one-ulp bound lets pass.
+    NaN must match NaN and infinities must match exactly.
+    """
+    a = _f32(actual)
+    e = np.asarray(expected, np.float64)
+    assert a.shape == e.shape, f"{err_msg}: shape {a.shape} != {e.shape}"
+    nan_a, nan_e = np.isnan(a), np.isnan(e)
+    assert np.array_equal(nan_a, nan_e), f"{err_msg}: NaN positions differ: {a} vs {e}"
+    inf = np.isinf(a) | np.isinf(e)
+    assert np.array_equal(a[inf], e[inf]), f"{err_msg}: infinities differ: {a} vs {e}"
+    ok = ~(nan_a | inf)
+    a0, e0 = np.where(ok, a, 0).astype(np.float64), np.where(ok, e, 0)
+    err = np.abs(a0 - e0)
+    ulp = spacing(np.maximum(np.abs(a0), np.abs(e0)).astype(np.float32), actual.dtype).astype(np.float64)
+    bound = 0.5 * ulp + 1e-5 * np.abs(e0) + 2.0**-126
+    bad = err > bound
+    if bad.any():
+        raise AssertionError(_report(a0, e0, bad, err, bound, err_msg or "probs"))
 
 
 def assert_dtype(actual, dtype, what: str = "") -> None:

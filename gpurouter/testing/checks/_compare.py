@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._dtypes import np_dtype
-from ..tolerances import assert_close
+from ..tolerances import HALF, assert_close, assert_rounded_once
 from ._report import _Violation
 
 # ----------------------------------------------------------------------------
@@ -59,8 +59,13 @@ def _arr(a) -> str:
 
 
 def _close(got, want, kind, dtype, E=None, what="") -> str | None:
+    """None if ``got`` matches the oracle's ``want``, else the message. Half-precision
+    probs must be the oracle's value rounded once (:func:`assert_rounded_once`)."""
     try:
-        assert_close(got, want, kind, dtype, E=E, check_dtype=False, err_msg=what)
+        if kind == "probs" and np.dtype(got.dtype).name in HALF:
+            assert_rounded_once(got, want, err_msg=what)
+        else:
+            assert_close(got, want, kind, dtype, E=E, check_dtype=False, err_msg=what)
     except AssertionError as e:
         return f"{e}\n  expected {what} = {_arr(want)}\n  got      {what} = {_arr(got)}"
     return None
