@@ -397,8 +397,8 @@ def loss_grad_without_the_coefficient(p, n, k, c):  # a hand-written backward: g
 
 def z_mean_over_unmasked_rows(x, c):  # an all -inf row left out of T
     rows = x.reshape(-1, x.shape[-1])
-    live = jnp.sum(jnp.any(jnp.isfinite(rows), -1))
-    return z_ref(x, c) * rows.shape[0] / jnp.maximum(live, 1)
+    live = jnp.sum(jnp.any(jnp.isfinite(rows), -1)).astype(jnp.float32)
+    return z_ref(x, c) * rows.shape[0] / jnp.maximum(live, 1.0)
 
 
 def z_in_logits_dtype(x, c):
