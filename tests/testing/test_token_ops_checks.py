@@ -20,11 +20,10 @@ def _combine(backend):
 
 
 def test_the_reference_passes():
-    for seed in (0, 1):
-        report = check_token_dispatch(_dispatch("jax"), max_examples=12, seed=seed)
-        assert report.passed and report.examples == 4 * 12, report
-        report = check_token_combine(_combine("jax"), _dispatch("jax"), max_examples=12, seed=seed)
-        assert report.passed and report.examples == 3 * 12, report
+    report = check_token_dispatch(_dispatch("jax"), max_examples=6, seed=0)
+    assert report.passed and report.examples == 4 * 6, report
+    report = check_token_combine(_combine("jax"), _dispatch("jax"), max_examples=6, seed=0)
+    assert report.passed and report.examples == 3 * 6, report
 
 
 def test_the_kernels_pass():
@@ -56,10 +55,11 @@ def _unpadded_counts(inp, m, n, probs, align):  # tokens_per_expert before the a
 @pytest.mark.parametrize("mutant, prop", [(_probs_without_gradient, "gradient"), (_rows_in_fp32, "values"),
                                           (_unpadded_counts, "align_size")])
 def test_a_broken_dispatch_is_caught(mutant, prop):
+    # the default max_examples, on the property that owns the mistake (the others would run first)
     with pytest.raises(CheckFailure, match=f"property '{prop}' failed"):
-        check_token_dispatch(mutant)
+        check_token_dispatch(mutant, properties=[prop])
 
 
 def test_a_broken_combine_is_caught():
     with pytest.raises(CheckFailure, match="property 'values' failed"):
-        check_token_combine(_unweighted_combine, _dispatch("jax"))
+        check_token_combine(_unweighted_combine, _dispatch("jax"), properties=["values"])
