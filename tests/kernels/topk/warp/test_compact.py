@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import gpurouter  # noqa: E402
 from gpurouter import _backend  # noqa: E402
 from gpurouter._ops import topk_kernels as op_topk  # noqa: E402
-from gpurouter.kernels.topk import warp_paths  # noqa: E402
+from gpurouter.kernels.topk.warp.lanes import warp_auto  # noqa: E402
 
 from ..._helpers import host  # noqa: E402
 
@@ -57,11 +57,12 @@ def test_compact_needs_the_warp_kernel():
         K.topk_with_score_function_fwd(x, 4, score_function="sigmoid", compact=True, path="token")
 
 
-@pytest.mark.skipif(not _backend.numba_usable(), reason="backend='numba' needs numba-cuda and a GPU or the simulator")
+@pytest.mark.skipif(not _backend.numba_usable() or not warp_auto(),
+                    reason="the op's path 'auto' takes the warp kernel on a GPU only (on the simulator the "
+                           "kernel tests above run it with path='warp')")
 def test_op_compact_on_the_warp_kernel(monkeypatch):
-    """The op with the warp kernel forced for path "auto" (the simulator's "auto" never takes it):
-    the primal never runs the dense forward; values, indices and gradients as the jax backend's."""
-    monkeypatch.setattr(warp_paths, "warp_auto", lambda *a, **k: True)
+    """The op on a GPU, where path "auto" takes the warp kernel: the primal never runs
+    the dense forward; values, indices and gradients as the jax backend's."""
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((2, 128)), jnp.float32)
     bias = jnp.asarray(rng.standard_normal(128) * 0.05, jnp.float32)
