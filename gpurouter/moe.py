@@ -32,6 +32,7 @@ from ._ops.permute import block_combine, block_dispatch
 from ._ops.permute import token_combine as token_combine
 from ._ops.permute import token_dispatch as token_dispatch
 from ._ops.topk import fused_topk_with_score_function
+from .grouped_gemm import mosaic_ragged_dot as mosaic_ragged_dot
 from .grouped_gemm import pallas_ragged_dot as pallas_ragged_dot
 from .reference.grouped_matmul import batched_ragged_dot as batched_ragged_dot
 from .reference.grouped_matmul import tiled_ragged_dot as tiled_ragged_dot
@@ -119,6 +120,7 @@ __all__ = [
     "compute_grouped_dbias_dscales",
     "grouped_scaled_bias_add",
     "moe",
+    "mosaic_ragged_dot",
     "pallas_ragged_dot",
     "tiled_ragged_dot",
     "token_combine",

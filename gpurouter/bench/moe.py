@@ -21,8 +21,12 @@ same FLOPs (``[N, H] @ [H, M]`` and so on, one expert's weights), its time
 apart, so they need not add up to the block's. The grouped GEMM of both
 blocks and of the GEMM stage is ``--grouped-matmul``: ``ragged_dot``
 (``jax.lax.ragged_dot``, the block's default), ``batched``
-(:func:`gpurouter.moe.batched_ragged_dot`) or ``tiled``
-(:func:`gpurouter.moe.tiled_ragged_dot`).
+(:func:`gpurouter.moe.batched_ragged_dot`), ``tiled``
+(:func:`gpurouter.moe.tiled_ragged_dot`), ``pallas``
+(:func:`gpurouter.moe.pallas_ragged_dot`) or ``mosaic``
+(:func:`gpurouter.moe.mosaic_ragged_dot`); several, comma-separated, give a
+row each per shape, timed in the same run (``--grouped-matmul
+batched,mosaic``).
 
 Results: a table on stdout, ``--json`` for the numbers. GPU for real figures;
 ``--tiny`` runs a toy shape anywhere (the tests use it): without numba-cuda
@@ -48,18 +52,18 @@ SHAPES = {
                                                         scaling_factor=2.5)),
 }
 TINY = (64, 32, 8, 2, 16, dict(score_function="softmax"))
-GROUPED_MATMULS = ("ragged_dot", "batched", "tiled", "pallas")
+GROUPED_MATMULS = ("ragged_dot", "batched", "tiled", "pallas", "mosaic")
 
 
 def grouped_matmul_of(name: str):
     """The grouped GEMM named by ``--grouped-matmul``."""
     import jax
 
-    from ..grouped_gemm import pallas_ragged_dot
+    from ..grouped_gemm import mosaic_ragged_dot, pallas_ragged_dot
     from ..reference.grouped_matmul import batched_ragged_dot, tiled_ragged_dot
 
     return {"ragged_dot": jax.lax.ragged_dot, "batched": batched_ragged_dot, "tiled": tiled_ragged_dot,
-            "pallas": pallas_ragged_dot}[name]
+            "pallas": pallas_ragged_dot, "mosaic": mosaic_ragged_dot}[name]
 
 
 def median_ms(fn, args, repeats: int) -> float:
@@ -199,8 +203,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpurouter moe-bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated (default: {','.join(SHAPES)})")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies T and M (default 1)")
-    parser.add_argument("--grouped-matmul", choices=GROUPED_MATMULS, default="ragged_dot",
-                        help="the grouped GEMM of the blocks and the GEMM stage (default ragged_dot)")
+    parser.add_argument("--grouped-matmul", default="ragged_dot",
+                        help=f"the grouped GEMM of the blocks and the GEMM stage, one or several comma-separated "
+                             f"of {', '.join(GROUPED_MATMULS)} (default ragged_dot)")
     parser.add_argument("--tiny", action="store_true",
                         help="a toy shape instead (any machine: jax rows alone without numba-cuda; for tests)")
     parser.add_argument("--repeats", type=positive_int, default=10, help="timed repeats, median (default 10)")
@@ -209,6 +214,10 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.scale <= 1:
         parser.error(f"--scale must be in (0, 1], got {args.scale}")
+    gmms = [s.strip() for s in args.grouped_matmul.split(",")]
+    bad = [g for g in gmms if g not in GROUPED_MATMULS]
+    if bad or not gmms:
+        parser.error(f"--grouped-matmul: unknown {', '.join(map(repr, bad))}; choose from {', '.join(GROUPED_MATMULS)}")
     names = [s.strip() for s in args.shapes.split(",")]
     bad = [n for n in names if n not in SHAPES]
     if bad:
@@ -230,9 +239,9 @@ def main(argv: list[str]) -> int:
     for n in ([] if args.tiny else names):
         t, h, e, k, m, router = SHAPES[n]
         shapes[n] = (max(e, int(t * args.scale)), h, e, k, max(8, int(m * args.scale)), router)
-    shape_list = progress(list(shapes.items()), len(shapes), "moe-bench", not args.no_progress,
-                          describe=lambda i: i[0])
-    rows = [run_shape(n, s, args.repeats, args.grouped_matmul, numba, numba_repeats) for n, s in shape_list]
+    runs = [(n, s, g) for n, s in shapes.items() for g in gmms]
+    run_list = progress(runs, len(runs), "moe-bench", not args.no_progress, describe=lambda i: f"{i[0]} {i[2]}")
+    rows = [run_shape(n, s, args.repeats, g, numba, numba_repeats) for n, s, g in run_list]
     for r in rows:
         print(", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     if args.json:

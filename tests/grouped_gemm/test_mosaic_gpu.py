@@ -1,0 +1,100 @@
+"""``mosaic_ragged_dot`` on jax's Mosaic-GPU kernels (a Hopper GPU): the
+values and both gradients of a float64 oracle at the edges (an empty group,
+rows past the groups, N off 128, groups over several tiles), of
+``batched_ragged_dot`` at the MoE issue's two full shapes (balanced and
+skewed routing), and the MoE block on it; the forward + backward times of
+both printed (``-s``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gemm_gpu_helpers import SHAPES
+from gemm_gpu_helpers import fwd_bwd as _fwd_bwd
+from gemm_gpu_helpers import median_ms as _median_ms
+from gemm_gpu_helpers import operands as _operands
+from gemm_gpu_helpers import sizes as _sizes
+
+from gpurouter import moe as gmoe
+from gpurouter.grouped_gemm import mosaic_ragged_dot
+from gpurouter.grouped_gemm.mosaic import mosaic_supported
+from gpurouter.reference.grouped_matmul import batched_ragged_dot
+
+pytestmark = pytest.mark.gpu
+
+
+def _need_kernels(lhs, rhs):
+    why = mosaic_supported(lhs, rhs)
+    if why is not None:
+        pytest.skip(f"mosaic_ragged_dot runs the jnp composition here: {why}")
+
+
+@pytest.mark.parametrize("n,k,m,sizes", [(200, 128, 192, (40, 0, 97, 50)),  # N off 128, 13 rows past the sum
+                                         (1024, 256, 512, (300, 1, 0, 500, 223)),
+                                         (640, 64, 64, (0, 0, 640))])
+def test_edges_against_the_float64_oracle(n, k, m, sizes):
+    rng = np.random.default_rng(0)
+    g = len(sizes)
+    lhs = jnp.asarray(rng.normal(size=(n, k)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.normal(size=(g, k, m)) / np.sqrt(k), jnp.bfloat16)
+    dy = jnp.asarray(rng.normal(size=(n, m)), jnp.bfloat16)
+    _need_kernels(lhs, rhs)
+    got = _fwd_bwd(mosaic_ragged_dot)(lhs, rhs, jnp.asarray(sizes, jnp.int32), dy)
+    a, b, d = (np.asarray(x, np.float64) for x in (lhs, rhs, dy))
+    want = [np.zeros((n, m)), np.zeros((n, k)), np.zeros((g, k, m))]
+    s = 0
+    for i, c in enumerate(sizes):
+        r = slice(s, s + c)
+        want[0][r], want[1][r], want[2][i] = a[r] @ b[i], d[r] @ b[i].T, a[r].T @ d[r]
+        s += c
+    for what, x, y in zip(("out", "d_lhs", "d_rhs"), got, want, strict=True):
+        assert x.dtype == jnp.bfloat16, what
+        x = np.asarray(x, np.float64)
+        assert np.all(np.isfinite(x)), what
+        assert np.max(np.abs(x - y)) <= 1e-2 * max(1.0, np.max(np.abs(y))), what
+    assert not np.asarray(got[0][sum(sizes):], np.float32).any()
+    assert not np.asarray(got[1][sum(sizes):], np.float32).any()
+
+
+@pytest.mark.parametrize("routing", ["balanced", "skewed"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_mosaic_equals_batched_at_the_full_shapes(name, routing):
+    (t, e, k), lhs, rhs, dy = _operands(name)
+    _need_kernels(lhs, rhs)
+    sizes = _sizes(t, e, k, routing == "skewed")
+    args = (lhs, rhs, sizes, dy)
+    got = _fwd_bwd(mosaic_ragged_dot)(*args)
+    want = _fwd_bwd(batched_ragged_dot)(*args)
+    for what, a, b in zip(("out", "d_lhs", "d_rhs"), got, want, strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.all(np.isfinite(a)), what
+        err = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+        print(f"{name} {routing} {what}: max error {err:.2e} of the largest value")
+        assert err < 2e-2, (what, err)
+    ms = {label: _median_ms(_fwd_bwd(fn), args) for label, fn in (("mosaic", mosaic_ragged_dot),
+                                                                  ("batched", batched_ragged_dot))}
+    print(f"{name} {routing} fwd+bwd ms: {ms} ({jax.devices()[0].device_kind})")
+
+
+def test_moe_block_on_mosaic_equals_batched():
+    rng = np.random.default_rng(2)
+    t, h, e, k, m = 512, 256, 16, 4, 128
+    x = jnp.asarray(rng.normal(size=(t, h)), jnp.bfloat16)
+    gate = jnp.asarray(rng.normal(size=(h, e)) / 16, jnp.bfloat16)
+    w0, w1 = (jnp.asarray(rng.normal(size=(e, h, m)) / 16, jnp.bfloat16) for _ in range(2))
+    wo = jnp.asarray(rng.normal(size=(e, m, h)) / 11, jnp.bfloat16)
+    _need_kernels(x, w0)
+
+    def loss(gmm):
+        def f(*a):
+            out, _ = gmoe.moe(*a, num_experts=e, num_experts_per_tok=k, backend="jax", grouped_matmul=gmm)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 2, 3, 4)))
+
+    (v1, g1), (v2, g2) = (loss(f)(x, gate, w0, w1, wo) for f in (mosaic_ragged_dot, batched_ragged_dot))
+    assert abs(float(v1) - float(v2)) <= 2e-2 * abs(float(v2))
+    for a, b in zip(g1, g2, strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.max(np.abs(a - b)) <= 3e-2 * np.max(np.abs(b))
