@@ -58,6 +58,14 @@ def routing_sizes(t: int, e: int, k: int, skewed: bool, seed: int = 0) -> jax.Ar
     return jnp.asarray(sizes, jnp.int32)
 
 
+def vjp(fn):
+    """``jit`` of ``(a, b, sizes, dy) -> (out, d a, d b)``."""
+    def step(a, b, s, d):
+        out, back = jax.vjp(lambda x, y: fn(x, y, s), a, b)
+        return (out, *back(d))
+    return jax.jit(step)
+
+
 def main(argv) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=7)
@@ -82,12 +90,6 @@ def main(argv) -> int:
         dense["fwd+bwd"] = sum(dense.values())
         for routing in ("balanced", "skewed"):
             sizes = routing_sizes(t, e, k, routing == "skewed")
-
-            def vjp(fn):
-                def f(a, b, s, d):
-                    out, back = jax.vjp(lambda x, y: fn(x, y, s), a, b)
-                    return (out, *back(d))
-                return jax.jit(f)
 
             steps = {"fwd": (jax.jit(mosaic.mosaic_ragged_dot), (lhs, rhs, sizes)),
                      "d_lhs": (jax.jit(lambda d, b, s: mosaic._forward(d, b, s, True)), (dy, rhs, sizes)),
