@@ -20,10 +20,10 @@ def _combine(backend):
 
 
 def test_the_reference_passes():
-    report = check_token_dispatch(_dispatch("jax"), max_examples=6, seed=0)
-    assert report.passed and report.examples == 4 * 6, report
-    report = check_token_combine(_combine("jax"), _dispatch("jax"), max_examples=6, seed=0)
-    assert report.passed and report.examples == 3 * 6, report
+    report = check_token_dispatch(_dispatch("jax"), max_examples=3, seed=0)
+    assert report.passed and report.examples == 4 * 3, report
+    report = check_token_combine(_combine("jax"), _dispatch("jax"), max_examples=3, seed=0)
+    assert report.passed and report.examples == 3 * 3, report
 
 
 def test_the_kernels_pass():
