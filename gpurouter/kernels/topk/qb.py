@@ -204,12 +204,26 @@ def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_m
 def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str):
     """The counts of the experts ``[c EC, (c + 1) EC)`` over the tokens of slab ``s``
     (block ``b = s * chunks + c``): a thread a (token row, expert) pair, ``rows``
-    token rows a block; ``shared``: counted in shared memory, then flushed."""
+    token rows a block, four token rows a step (their loads issued together).
+
+    ``shared``: counted in shared memory, then every one of the block's ``EC x B``
+    bins stored (plain coalesced stores, zeros too) into ``dest``, the scratch
+    ``partial [slabs, E, B]``, at ``[s, c EC : c EC + EC, :]``; ``qb_reduce`` sums
+    the slabs. Else ``dest`` is ``counts [E, B]`` (zeroed before) and each count a
+    global ``atomicAdd``."""
     load = loader_2d(kind)
     sigmoid = qb_sigmoid_fn(exp_mode)
 
+    @cuda.jit(device=True)
+    def add(hist, dest, el, e, nb, x, c, lower, scale, top_f):
+        k = qb_bin(np.float32(c - sigmoid(x)), lower, scale, top_f)
+        if shared:
+            cuda.atomic.add(hist, el * nb + k, np.int32(1))
+        else:
+            cuda.atomic.add(dest, np.int64(e) * np.int64(nb) + np.int64(k), np.int32(1))
+
     @cuda.jit
-    def qb_hist(logits, cutoff, valid, bounds, counts, num_tokens, num_experts, num_bins, chunk, chunks,
+    def qb_hist(logits, cutoff, valid, bounds, dest, num_tokens, num_experts, num_bins, chunk, chunks,
                 slab):
         hist = cuda.shared.array(0, nb_i32)
         tid = np.int32(cuda.threadIdx.x)
@@ -238,28 +252,55 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str):
         el = tid - row * ec
         if row < rows:
             e = e0 + el
+            step = np.int64(rows)
             t = t0 + np.int64(row)
+            # four token rows a step: the four loads go out before the first sigmoid
+            while t + 3 * step < t1:
+                ta, tb, tc, td = t, t + step, t + 2 * step, t + 3 * step
+                xa = load(logits, u64(ta), u64(e))
+                xb = load(logits, u64(tb), u64(e))
+                xc = load(logits, u64(tc), u64(e))
+                xd = load(logits, u64(td), u64(e))
+                ca, cb, cc, cd = cutoff[u64(ta)], cutoff[u64(tb)], cutoff[u64(tc)], cutoff[u64(td)]
+                if not masked or valid[u64(ta)]:
+                    add(hist, dest, el, e, nb, xa, ca, lower, scale, top_f)
+                if not masked or valid[u64(tb)]:
+                    add(hist, dest, el, e, nb, xb, cb, lower, scale, top_f)
+                if not masked or valid[u64(tc)]:
+                    add(hist, dest, el, e, nb, xc, cc, lower, scale, top_f)
+                if not masked or valid[u64(td)]:
+                    add(hist, dest, el, e, nb, xd, cd, lower, scale, top_f)
+                t += 4 * step
             while t < t1:
                 if not masked or valid[u64(t)]:
-                    s = sigmoid(load(logits, u64(t), u64(e)))
-                    k = qb_bin(np.float32(cutoff[u64(t)] - s), lower, scale, top_f)
-                    if shared:
-                        cuda.atomic.add(hist, el * nb + k, np.int32(1))
-                    else:
-                        cuda.atomic.add(counts, np.int64(e) * np.int64(nb) + np.int64(k), np.int32(1))
-                t += np.int64(rows)
+                    add(hist, dest, el, e, nb, load(logits, u64(t), u64(e)), cutoff[u64(t)], lower, scale, top_f)
+                t += step
         if shared:
-            # Barrier: every add of the block is in before the flush reads.
+            # Barrier: every add of the block is in before the stores read.
             cuda.syncthreads()
-            base = np.int64(e0) * np.int64(nb)
+            base = (np.int64(s_idx) * np.int64(num_experts) + np.int64(e0)) * np.int64(nb)
             i = tid
             while i < words:
-                v = hist[i]
-                if v != 0:
-                    cuda.atomic.add(counts, base + np.int64(i), v)
+                dest[u64(base + np.int64(i))] = hist[i]
                 i += nth
 
     return qb_hist
+
+
+@cuda.jit
+def qb_reduce_kernel(partial, counts, n, slabs):
+    """``counts[i] = sum_s partial[s * n + i]`` for ``i < n`` (grid-strided; every
+    word written). Integer sums: exact in any order, at most ``T`` each."""
+    i = np.int64(cuda.grid(1))
+    step = np.int64(cuda.gridsize(1))
+    while i < n:
+        acc = partial[u64(i)]
+        j = i + n
+        for _ in range(1, slabs):
+            acc += partial[u64(j)]
+            j += n
+        counts[u64(i)] = np.int32(acc)
+        i += step
 
 
 # ----------------------------------------------------------------------------
@@ -273,7 +314,8 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
                    tiling: QbTiling | None = None) -> Plan:
     """The launches of :func:`qb_counts`: inputs ``logits [T, E]`` (f32/bf16/f16),
     ``expert_bias [E] f32``, ``bin_bounds [2] f32`` and, with ``masked``, ``valid [T]``
-    bool; output ``counts [E, B] int32``; scratch ``alpha [T] f32``."""
+    bool; output ``counts [E, B] int32``; scratch ``alpha [T] f32`` and, with shared
+    counts and more than one token slab, ``partial [slabs * E * B] int32``."""
     tiling = tiling or QB_TILING
     exp_mode = exp_mode or default_exp_mode()
     num_tokens, num_experts = logits.shape
@@ -282,24 +324,39 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
     if masked:
         ins.append(Spec((num_tokens,), np.bool_))
     outs = (Spec((num_experts, num_bins), np.int32),)
-    tmps = (spec_of((max(num_tokens, 1),), F32),)
-    valid = In(3) if masked else Tmp(0)  # unmasked kernels never read it
     n = num_experts * num_bins
-    steps = [Step(qb_zero_kernel, max(1, min(tiling.zero_blocks, -(-n // tiling.zero_threads))),
-                  tiling.zero_threads, 0, (Out(0, Spec((n,), np.int32)), n))]
+    counts = Out(0, Spec((n,), np.int32))
+    grid, threads, shared, chunk, chunks, slab = hist_tiling(num_tokens, num_experts, num_bins, tiling)
+    slabs = grid // chunks
+    # with shared counts every bin is stored by one block of each slab (no zeroing):
+    # into the scratch partial [slabs, E, B] that qb_reduce sums, or, one slab, into
+    # the counts; without (a row of B bins over the budget) and with no tokens, the
+    # counts are zeroed and the histogram adds with global atomics
+    stored = bool(num_tokens) and shared > 0
+    partials = stored and slabs > 1
+    tmps = [spec_of((max(num_tokens, 1),), F32)]
+    if partials:
+        tmps.append(Spec((slabs * n,), np.int32))
+    valid = In(3) if masked else Tmp(0)  # unmasked kernels never read it
+    steps = []
+    if not stored:
+        steps.append(Step(qb_zero_kernel, max(1, min(tiling.zero_blocks, -(-n // tiling.zero_threads))),
+                          tiling.zero_threads, 0, (counts, n)))
     if num_tokens:
         ct, lanes = tiling.cutoff_threads, tiling.cutoff_lanes
         if groups or lanes == 1:  # a thread a token
-            kern, grid, shared = (qb_cutoff_kernel(logits.kind, topk, groups, kg, group_score, masked, exp_mode),
-                                  -(-num_tokens // ct), 0)
+            kern, cgrid, cshared = (qb_cutoff_kernel(logits.kind, topk, groups, kg, group_score, masked, exp_mode),
+                                    -(-num_tokens // ct), 0)
         else:
-            kern, grid, shared = (qb_cutoff_lanes_kernel(logits.kind, topk, lanes, masked, exp_mode),
-                                  -(-num_tokens // (ct // lanes)), 4 * ct * (topk + 1))
-        steps.append(Step(kern, grid, ct, shared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
-        grid, threads, shared, chunk, chunks, slab = hist_tiling(num_tokens, num_experts, num_bins, tiling)
+            kern, cgrid, cshared = (qb_cutoff_lanes_kernel(logits.kind, topk, lanes, masked, exp_mode),
+                                    -(-num_tokens // (ct // lanes)), 4 * ct * (topk + 1))
+        steps.append(Step(kern, cgrid, ct, cshared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
         steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode), grid, threads, shared,
-                          (In(0), Tmp(0), valid, In(2), Out(0, Spec((n,), np.int32)), num_tokens, num_experts,
+                          (In(0), Tmp(0), valid, In(2), Tmp(1) if partials else counts, num_tokens, num_experts,
                            num_bins, chunk, chunks, slab)))
+    if partials:
+        steps.append(Step(qb_reduce_kernel, max(1, min(tiling.reduce_blocks, -(-n // tiling.reduce_threads))),
+                          tiling.reduce_threads, 0, (Tmp(1), counts, n, slabs)))
     return Plan(OP, ins, outs, tmps, steps)
 
 

@@ -26,7 +26,8 @@ class QbTiling:
     - ``slab_tokens``: tokens a histogram block takes at least;
     - ``target_blocks``: histogram blocks at most (chunks x slabs, one wave: 264 = two on each of 132 SMs;
       fewer slabs, fewer flushed bins);
-    - ``zero_threads``, ``zero_blocks``: the zeroing kernel's grid.
+    - ``reduce_threads``, ``reduce_blocks``: the grid of the kernel that sums the slabs' partial counts;
+    - ``zero_threads``, ``zero_blocks``: the zeroing kernel's grid (only without shared counts, or ``T = 0``).
 
     Under the CUDA simulator the defaults are small blocks (Python threads)."""
 
@@ -36,20 +37,23 @@ class QbTiling:
     smem_bytes: int = 48 * 1024
     slab_tokens: int = 256
     target_blocks: int = 264
+    reduce_threads: int = 32 if simulator_enabled() else 256
+    reduce_blocks: int = 4 if simulator_enabled() else 528
     zero_threads: int = 32 if simulator_enabled() else 256
     zero_blocks: int = 4 if simulator_enabled() else 528
 
     def __post_init__(self):
-        for name in ("cutoff_threads", "hist_threads", "zero_threads"):
+        for name in ("cutoff_threads", "hist_threads", "reduce_threads", "zero_threads"):
             v = getattr(self, name)
             if not 1 <= v <= 1024:
                 raise ValueError(f"QbTiling: {name} must be in [1, 1024], got {v}.")
         if self.cutoff_lanes < 1 or self.cutoff_threads % self.cutoff_lanes:
             raise ValueError(f"QbTiling: cutoff_lanes ({self.cutoff_lanes}) must divide cutoff_threads "
                              f"({self.cutoff_threads}).")
-        if self.smem_bytes < 0 or self.slab_tokens < 1 or self.target_blocks < 1 or self.zero_blocks < 1:
-            raise ValueError(f"QbTiling: smem_bytes >= 0 and slab_tokens, target_blocks, zero_blocks >= 1, "
-                             f"got {self}.")
+        if (self.smem_bytes < 0 or self.slab_tokens < 1 or self.target_blocks < 1 or self.reduce_blocks < 1
+                or self.zero_blocks < 1):
+            raise ValueError(f"QbTiling: smem_bytes >= 0 and slab_tokens, target_blocks, reduce_blocks, "
+                             f"zero_blocks >= 1, got {self}.")
 
 
 QB_TILING = QbTiling()
