@@ -160,6 +160,11 @@ def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_m
     k1 = topk + 1
     w = lanes
 
+    @cuda.jit(device=True)
+    def push(top, x, bv):
+        r = np.float32(sigmoid(x) + bv)
+        _insert(top, k1, NEG_INF if r != r else r)
+
     @cuda.jit
     def qb_cutoff_lanes(logits, bias, valid, cutoff, num_tokens, num_experts):
         lists = cuda.shared.array(0, nb_f32)
@@ -175,10 +180,24 @@ def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_m
             top[i] = NEG_INF
         if live:
             e = np.int64(lane)
+            step = np.int64(w)
+            # four experts a step: their loads go out before the first sigmoid (the
+            # values enter the list in the same order as one at a time)
+            while e + 3 * step < num_experts:
+                ea, eb, ec, ed = e, e + step, e + 2 * step, e + 3 * step
+                xa = load(logits, u64(t), u64(ea))
+                xb = load(logits, u64(t), u64(eb))
+                xc = load(logits, u64(t), u64(ec))
+                xd = load(logits, u64(t), u64(ed))
+                ba, bb, bc, bd = bias[u64(ea)], bias[u64(eb)], bias[u64(ec)], bias[u64(ed)]
+                push(top, xa, ba)
+                push(top, xb, bb)
+                push(top, xc, bc)
+                push(top, xd, bd)
+                e += 4 * step
             while e < num_experts:
-                r = np.float32(sigmoid(load(logits, u64(t), u64(e))) + bias[u64(e)])
-                _insert(top, k1, NEG_INF if r != r else r)
-                e += np.int64(w)
+                push(top, load(logits, u64(t), u64(e)), bias[u64(e)])
+                e += step
         for i in range(k1):
             lists[tid * k1 + i] = top[i]
         # Barrier: every lane's list is in shared memory before lane 0 merges.
