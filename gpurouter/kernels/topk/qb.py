@@ -13,18 +13,29 @@ sqrtsoftplus stays in jnp, ``gpurouter/_ops/qb.py``):
   ``bin = floor((rb - lower) * (B / (upper - lower)))`` in fp32, clamped into
   ``[0, B - 1]`` (NaN to bin 0), one count to ``counts[e, bin]``.
 
-Three launches (``qb_counts_plan``):
+The launches (``qb_counts_plan``):
 
-1. ``qb_zero``: the counts zeroed (the output is XLA's uninitialised buffer).
-2. ``qb_cutoff_lanes`` (``QbTiling.cutoff_lanes`` threads a token, their
-   top-(K+1) lists merged through shared memory; with grouping ``qb_cutoff``,
-   a thread a token): ``alpha [T]`` fp32 (plan scratch).
-3. ``qb_hist`` (a block per (expert chunk, token slab)): the chunk's ``EC x B``
-   counts in shared memory (int32 shared atomics; ``EC`` as many experts as
-   ``QbTiling.smem_bytes`` holds), then each nonzero bin added to global memory
-   with one ``atomicAdd``. A row of ``B`` bins larger than the shared budget:
-   global atomics directly. Counts are integers: any order of the additions
-   gives the same result.
+1. ``qb_cutoff_lanes`` (``QbTiling.cutoff_lanes`` threads a token, four experts
+   a step with their loads issued together, their top-(K+1) lists merged
+   through shared memory; with grouping ``qb_cutoff``, a thread a token):
+   ``alpha [T]`` fp32 (plan scratch).
+2. ``qb_hist`` (a block per (expert chunk, token slab); four token rows a
+   step, their loads issued together): the chunk's ``EC x B`` counts in
+   shared memory (int32 shared atomics; ``EC`` as many experts as
+   ``QbTiling.smem_bytes`` holds), then every bin of them, zeros too, stored
+   with plain coalesced stores into the plan scratch ``partial [slabs, E, B]``
+   int32 at ``[slab, chunk's experts, :]`` (with one slab: into the counts
+   directly). No global atomics, and nothing needs zeroing: each bin of each
+   slab is written by exactly one block.
+3. ``qb_reduce`` (more than one slab): ``counts[e, b] = sum over slabs of
+   partial[s, e, b]``, every bin written. The scratch costs
+   ``slabs * E * B * 4`` bytes written and read again (8 slabs at E = 384,
+   B = 1000: 12 MB).
+
+A row of ``B`` bins larger than the shared budget: ``qb_zero`` zeroes the
+counts (the output is XLA's uninitialised buffer), then ``qb_hist`` adds each
+count with a global atomic; ``T = 0``: ``qb_zero`` alone. Counts are
+integers: any order of the additions gives the same result.
 
 Overflow: one call adds at most one count per valid token to each bin, so a
 bin of this call's counts is at most ``T <= 2**31 - 1`` (the op checks ``T``;

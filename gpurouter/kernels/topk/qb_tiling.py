@@ -25,7 +25,7 @@ class QbTiling:
     - ``smem_bytes``: the histogram kernel's shared counts at most (48 KiB: no opt-in needed);
     - ``slab_tokens``: tokens a histogram block takes at least;
     - ``target_blocks``: histogram blocks at most (chunks x slabs, one wave: 264 = two on each of 132 SMs;
-      fewer slabs, fewer flushed bins);
+      fewer slabs, less partial scratch: slabs * E * B * 4 bytes written and summed by the reduce);
     - ``reduce_threads``, ``reduce_blocks``: the grid of the kernel that sums the slabs' partial counts;
     - ``zero_threads``, ``zero_blocks``: the zeroing kernel's grid (only without shared counts, or ``T = 0``).
 
