@@ -15,10 +15,11 @@ sqrtsoftplus stays in jnp, ``gpurouter/_ops/qb.py``):
 
 The launches (``qb_counts_plan``):
 
-1. ``qb_cutoff_lanes`` (``QbTiling.cutoff_lanes`` threads a token, four experts
-   a step with their loads issued together, their top-(K+1) lists merged
-   through shared memory; with grouping ``qb_cutoff``, a thread a token):
-   ``alpha [T]`` fp32 (plan scratch).
+1. ``qb_cutoff_lanes`` (``QbTiling.cutoff_lanes`` threads a token, their
+   top-(K+1) lists merged through shared memory; bf16 logits with ``E % 4 ==
+   0``: a lane reads four neighbouring experts with one 8-byte load, two such
+   loads a step; else four experts a step, their loads issued together; with
+   grouping ``qb_cutoff``, a thread a token): ``alpha [T]`` fp32 (plan scratch).
 2. ``qb_hist`` (a block per (expert chunk, token slab); four token rows a
    step, their loads issued together): the chunk's ``EC x B`` counts in
    shared memory (int32 shared atomics; ``EC`` as many experts as
@@ -60,9 +61,10 @@ from numba import int32 as nb_i32
 
 from .._base.access import loader_2d
 from .._base.device import NEG_INF, ZERO, u64
-from .._base.launch import F32, any_on_device, device_input, is_device_array, map_input, resolve_stream
+from .._base.launch import BF16, F32, any_on_device, device_input, is_device_array, map_input, resolve_stream
 from .._base.parallel import recipe
 from .._base.plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_of
+from .._base.vec import u16_quad_2d
 from .qb_math import default_exp_mode, qb_bin, qb_sigmoid_fn
 from .qb_tiling import OP, QB_TILING, QbTiling, check_qb_config, hist_tiling
 
@@ -158,18 +160,48 @@ def qb_cutoff_kernel(kind: str, topk: int, num_groups: int, group_topk: int, gro
 
 
 
+@cuda.jit(device=True)
+def _bf16_word(v, i):
+    """The fp32 of bf16 word ``i`` (0 lowest) of the uint64 ``v``."""
+    word = np.uint32(np.uint64(v >> np.uint64(16 * i)) & np.uint64(0xFFFF))
+    return np.uint32(word << np.uint32(16)).view(np.float32)
+
+
+@cuda.jit(device=True)
+def _never(a):
+    return False
+
+
+@cuda.jit(device=True)
+def _no_quad(a, i, j):
+    return np.uint64(0)
+
+
 @recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
-def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_mode: str):
+def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_mode: str, quads: bool = False):
     """``alpha[t]`` without grouping, ``lanes`` threads a token: lane ``l`` keeps the
     top ``topk + 1`` of experts ``l, l + lanes, ...`` (neighbouring lanes read
     neighbouring experts), the lists go through shared memory (``blockDim * (topk +
     1)`` fp32) and lane 0 merges them (each sorted: it stops at the first value
-    that does not enter)."""
+    that does not enter).
+
+    ``quads`` (bf16 logits, ``E % 4 == 0``): lane ``l`` reads the expert quads ``l,
+    l + lanes, ...`` (experts ``4q .. 4q + 3``) with one 8-byte load each
+    (``vec.u16_quad_2d``; a logits base not 8-byte aligned takes the scalar path).
+    The cutoff is the ``(topk + 1)``-th largest of the same values whichever lane
+    holds which (equal values are equal bits; a -0.0 / +0.0 tie gives the same
+    bins), so both paths give the same bits."""
     load = loader_2d(kind)
     sigmoid = qb_sigmoid_fn(exp_mode)
     k1 = topk + 1
     w = lanes
+    if quads:
+        if kind != BF16:
+            raise ValueError(f"{OP}: the quad cutoff path reads bf16 words, got {kind}.")
+        aligned, load_quad = u16_quad_2d()
+    else:
+        aligned, load_quad = _never, _no_quad
 
     @cuda.jit(device=True)
     def push(top, x, bv):
@@ -189,7 +221,27 @@ def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_m
         top = cuda.local.array(k1, nb_f32)
         for i in range(k1):
             top[i] = NEG_INF
-        if live:
+        if live and quads and aligned(logits):
+            q = np.int64(lane)
+            step = np.int64(w)
+            nq = np.int64(num_experts // 4)
+            # two quads a step: both loads go out before the first sigmoid
+            while q + step < nq:
+                ea = np.int64(4) * q
+                eb = np.int64(4) * (q + step)
+                va = load_quad(logits, u64(t), u64(ea))
+                vb = load_quad(logits, u64(t), u64(eb))
+                for i in range(4):
+                    push(top, _bf16_word(va, i), bias[u64(ea + i)])
+                for i in range(4):
+                    push(top, _bf16_word(vb, i), bias[u64(eb + i)])
+                q += 2 * step
+            if q < nq:
+                ea = np.int64(4) * q
+                va = load_quad(logits, u64(t), u64(ea))
+                for i in range(4):
+                    push(top, _bf16_word(va, i), bias[u64(ea + i)])
+        elif live:
             e = np.int64(lane)
             step = np.int64(w)
             # four experts a step: their loads go out before the first sigmoid (the
@@ -378,7 +430,8 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
             kern, cgrid, cshared = (qb_cutoff_kernel(logits.kind, topk, groups, kg, group_score, masked, exp_mode),
                                     -(-num_tokens // ct), 0)
         else:
-            kern, cgrid, cshared = (qb_cutoff_lanes_kernel(logits.kind, topk, lanes, masked, exp_mode),
+            quads = logits.kind == BF16 and num_experts % 4 == 0 and tiling.cutoff_quads
+            kern, cgrid, cshared = (qb_cutoff_lanes_kernel(logits.kind, topk, lanes, masked, exp_mode, quads),
                                     -(-num_tokens // (ct // lanes)), 4 * ct * (topk + 1))
         steps.append(Step(kern, cgrid, ct, cshared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
         steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode), grid, threads, shared,

@@ -20,6 +20,8 @@ class QbTiling:
 
     - ``cutoff_threads``, ``cutoff_lanes``: threads per block of the cutoff kernel and threads a token
       (1 or grouping: a thread a token; a power of two dividing ``cutoff_threads``);
+    - ``cutoff_quads``: with bf16 logits and ``E % 4 == 0`` the cutoff lanes read four experts a load
+      (one 8-byte load; False: one expert a load; the same bits either way);
     - ``hist_threads``: threads per block of the histogram kernel (512: launchable at any register count
       up to 128; rounded down to whole token rows of the chunk);
     - ``smem_bytes``: the histogram kernel's shared counts at most (48 KiB: no opt-in needed);
@@ -33,6 +35,7 @@ class QbTiling:
 
     cutoff_threads: int = 32 if simulator_enabled() else 128
     cutoff_lanes: int = 4 if simulator_enabled() else 8
+    cutoff_quads: bool = True
     hist_threads: int = 32 if simulator_enabled() else 512
     smem_bytes: int = 48 * 1024
     slab_tokens: int = 256

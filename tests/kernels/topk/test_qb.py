@@ -17,6 +17,7 @@ import ml_dtypes  # noqa: E402
 import gpurouter  # noqa: E402
 from gpurouter._checks import ScoreFunction, TopkConfig  # noqa: E402
 from gpurouter._ops import qb as op_qb  # noqa: E402
+from gpurouter.kernels._base.plan import spec_for  # noqa: E402
 from gpurouter.kernels.topk import qb as kqb  # noqa: E402
 from gpurouter.kernels.topk import qb_math, qb_tiling  # noqa: E402
 from gpurouter.reference._route import qb_call_counts  # noqa: E402
@@ -156,6 +157,28 @@ def test_tilings_same_counts():
         np.testing.assert_array_equal(_check(x, bias, [-1, 1], 7, 3, tiling=t), base)
 
 
+@pytest.mark.parametrize("experts", [20, 18])
+def test_cutoff_quads_same_bits(experts):
+    """bf16 logits: the cutoff lanes reading four experts a load (E = 20: two quads
+    a step and a tail quad with 2 lanes; E = 18: not a multiple of 4, the scalar
+    path) count the reference's bits, as the one-expert-a-load path does; NaN
+    logits, equal scores and masked rows included."""
+    rng = np.random.default_rng(14)
+    x = (rng.standard_normal((9, experts)) * 2).astype(ml_dtypes.bfloat16)
+    x[0, 5] = np.nan
+    x[1, :6] = 1.5  # six equal scores (zero bias there): a tie at the cutoff
+    bias = rng.standard_normal(experts) * 0.1
+    bias[:6] = 0.0
+    mask = np.arange(9) != 4
+    plan = kqb.qb_counts_plan(spec_for(x.shape, x.dtype), True, 3, 6,
+                              tiling=kqb.QbTiling(cutoff_threads=8, cutoff_lanes=2))
+    assert plan.steps[0].kernel is kqb.qb_cutoff_lanes_kernel(kqb.BF16, 3, 2, True, qb_math.default_exp_mode(),
+                                                              experts % 4 == 0)
+    for quads in (True, False):
+        _check(x, bias, [-1.0, 1.0], 6, 3, mask=mask,
+               tiling=kqb.QbTiling(cutoff_threads=8, cutoff_lanes=2, cutoff_quads=quads))
+
+
 def _plan_counts_poisoned(x, bias, bounds, num_bins, topk, mask, tiling, exp_mode=None):
     """The plan's steps launched by hand on arrays where the counts and every
     scratch word start as garbage (-7): what the kernels do not write shows."""
@@ -285,8 +308,9 @@ def test_kimi_shape_on_gpu():
 def test_slab_reduce_and_fallback_on_gpu():
     """On a GPU (real shared and global atomics, 16-bit loads): T = 3001, E = 384,
     B = 1000, bf16, every 7th token masked: the default tiling (several slabs:
-    partial + qb_reduce), one slab, and B = 13000 (a row over the 48 KiB budget:
-    qb_zero + global atomics) count the reference's bits, over garbage outputs."""
+    partial + qb_reduce; the cutoff's 8-byte quad loads), one slab (the cutoff one
+    expert a load), and B = 13000 (a row over the 48 KiB budget: qb_zero + global
+    atomics) count the reference's bits, over garbage outputs."""
     mode = op_qb.kernel_exp_mode()
     assert mode is not None, "no exp mode matches jax.nn.sigmoid on this GPU"
     rng = np.random.default_rng(38)
@@ -294,7 +318,8 @@ def test_slab_reduce_and_fallback_on_gpu():
     bias = rng.standard_normal(384) * 0.05
     bounds = [-1.1, 1.05]
     mask = np.arange(3001) % 7 != 3
-    for bins, tiling, kind in ((1000, kqb.QB_TILING, "slabs"), (1000, kqb.QbTiling(slab_tokens=4096), "one slab"),
+    for bins, tiling, kind in ((1000, kqb.QB_TILING, "slabs"),
+                               (1000, kqb.QbTiling(slab_tokens=4096, cutoff_quads=False), "one slab"),
                                (13000, kqb.QB_TILING, "no shared budget")):
         plan, got = _plan_counts_poisoned(x, bias, bounds, bins, 8, mask, tiling, mode)
         kernels = [st.kernel for st in plan.steps]
