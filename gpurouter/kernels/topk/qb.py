@@ -204,9 +204,16 @@ def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_m
         aligned, load_quad = _never, _no_quad
 
     @cuda.jit(device=True)
-    def push(top, x, bv):
+    def push(top, thr, x, bv):
+        """Offers ``r = sigmoid(x) + bv`` to the list; returns its last value. ``thr``
+        (the list's last value, kept in a register: the list itself is in local
+        memory) turns most values away without reading the list; a NaN ``r`` (a
+        ``-inf`` score) never enters, as ``-inf`` would not."""
         r = np.float32(sigmoid(x) + bv)
-        _insert(top, k1, NEG_INF if r != r else r)
+        if r > thr:
+            _insert(top, k1, r)
+            return top[k1 - 1]
+        return thr
 
     @cuda.jit
     def qb_cutoff_lanes(logits, bias, valid, cutoff, num_tokens, num_experts):
@@ -221,6 +228,7 @@ def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_m
         top = cuda.local.array(k1, nb_f32)
         for i in range(k1):
             top[i] = NEG_INF
+        thr = NEG_INF
         if live and quads and aligned(logits):
             q = np.int64(lane)
             step = np.int64(w)
@@ -232,15 +240,15 @@ def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_m
                 va = load_quad(logits, u64(t), u64(ea))
                 vb = load_quad(logits, u64(t), u64(eb))
                 for i in range(4):
-                    push(top, _bf16_word(va, i), bias[u64(ea + i)])
+                    thr = push(top, thr, _bf16_word(va, i), bias[u64(ea + i)])
                 for i in range(4):
-                    push(top, _bf16_word(vb, i), bias[u64(eb + i)])
+                    thr = push(top, thr, _bf16_word(vb, i), bias[u64(eb + i)])
                 q += 2 * step
             if q < nq:
                 ea = np.int64(4) * q
                 va = load_quad(logits, u64(t), u64(ea))
                 for i in range(4):
-                    push(top, _bf16_word(va, i), bias[u64(ea + i)])
+                    thr = push(top, thr, _bf16_word(va, i), bias[u64(ea + i)])
         elif live:
             e = np.int64(lane)
             step = np.int64(w)
@@ -253,13 +261,13 @@ def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_m
                 xc = load(logits, u64(t), u64(ec))
                 xd = load(logits, u64(t), u64(ed))
                 ba, bb, bc, bd = bias[u64(ea)], bias[u64(eb)], bias[u64(ec)], bias[u64(ed)]
-                push(top, xa, ba)
-                push(top, xb, bb)
-                push(top, xc, bc)
-                push(top, xd, bd)
+                thr = push(top, thr, xa, ba)
+                thr = push(top, thr, xb, bb)
+                thr = push(top, thr, xc, bc)
+                thr = push(top, thr, xd, bd)
                 e += 4 * step
             while e < num_experts:
-                push(top, load(logits, u64(t), u64(e)), bias[u64(e)])
+                thr = push(top, thr, load(logits, u64(t), u64(e)), bias[u64(e)])
                 e += step
         for i in range(k1):
             lists[tid * k1 + i] = top[i]
