@@ -20,8 +20,11 @@ Rows (median microseconds of ``--repeats`` after a warm-up):
   ``variants_probe.py`` times them.
 
 The tiling flags (``--slab-tokens`` ...) override ``QbTiling``'s defaults for
-the step rows (a sweep runs the probe once per value); the op rows use the
-library's tiling. The counts of the plan are checked cheaply (every expert
+the step rows; the op rows use the library's tiling. ``--sweep
+"hist_threads=384,target_blocks=396;target_blocks=132"`` times the plan once
+more for each ``;``-separated set of overrides (on top of the flags), in the
+same process: a grid or block change compiles nothing new (``cutoff_lanes``
+does: a new kernel). The counts of the plan are checked cheaply (every expert
 row sums to ``T``); the bit-exact checks are the tests'.
 """
 
@@ -158,6 +161,7 @@ def main(argv=None):
     ap.add_argument("--no-ops", action="store_true", help="skip the jitted op rows (no jax)")
     for f in dataclasses.fields(kqb.QbTiling):
         ap.add_argument("--" + f.name.replace("_", "-"), type=int, default=None, help=f"QbTiling.{f.name}")
+    ap.add_argument("--sweep", default="", help="';'-separated sets of QbTiling overrides, 'name=int,...'")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if L.simulator_enabled():
@@ -166,12 +170,23 @@ def main(argv=None):
             if getattr(args, f.name) is not None}
     tiling = dataclasses.replace(kqb.QB_TILING, **over)
     rows, info = plan_rows(args.tokens, args.experts, args.topk, args.bins, tiling, args.repeats)
+    sweeps = []
+    for item in filter(None, (part.strip() for part in args.sweep.split(";"))):
+        kw = {k.strip(): int(v) for k, v in (pair.split("=") for pair in item.split(","))}
+        t = dataclasses.replace(tiling, **kw)
+        srows, sinfo = plan_rows(args.tokens, args.experts, args.topk, args.bins, t, args.repeats)
+        sweeps.append({"overrides": kw, **sinfo, "rows": [{"name": n, "us": u, "detail": d} for n, u, d in srows]})
+        info["rows_sum_to_T"] = info["rows_sum_to_T"] and sinfo["rows_sum_to_T"]
     if not args.no_ops:
         rows += op_rows(args.tokens, args.experts, args.topk, args.bins, args.repeats, args.batch)
     print(f"QB counts: T={args.tokens} E={args.experts} K={args.topk} B={args.bins} bf16; {tiling}")
     print(f"scratch {info['scratch_bytes'] / 1e6:.1f} MB; every expert row sums to T: {info['rows_sum_to_T']}")
     for name, us, detail in rows:
         print(f"  {name:34s} {us:9.1f} us   {detail}")
+    for sw in sweeps:
+        print(f"sweep {sw['overrides']} (scratch {sw['scratch_bytes'] / 1e6:.1f} MB):")
+        for r in sw["rows"]:
+            print(f"  {r['name']:34s} {r['us']:9.1f} us   {r['detail']}")
     res = {name: us for name, us, _ in rows}
     ratio = None
     if "op qb" in res and res.get("op sigmoid"):
@@ -181,7 +196,8 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"tokens": args.tokens, "experts": args.experts, "topk": args.topk, "bins": args.bins,
                        "tiling": dataclasses.asdict(tiling), **info, "ratio": ratio,
-                       "rows": [{"name": n, "us": u, "detail": d} for n, u, d in rows]}, f, indent=1)
+                       "rows": [{"name": n, "us": u, "detail": d} for n, u, d in rows], "sweeps": sweeps},
+                      f, indent=1)
     if not info["rows_sum_to_T"]:
         raise SystemExit("qb_breakdown: FAIL: an expert row of the counts does not sum to T")
 
