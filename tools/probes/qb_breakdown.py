@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -81,13 +82,20 @@ def _step_launcher(st, arrays):
     return launch
 
 
-def plan_rows(tokens: int, experts: int, topk: int, bins: int, tiling, repeats: int, seed: int = 0):
-    """``(rows, info)``: ``[(name, us, detail)]`` for each step and the whole plan."""
+@functools.cache
+def _inputs(tokens: int, experts: int, seed: int = 0):
+    """Device ``(logits as bf16 words, expert_bias, bin_bounds)``, made once a shape."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((tokens, experts), np.float32)
     x_words = cuda.to_device((x.view(np.uint32) >> 16).astype(np.uint16))  # bf16 words (truncated: any bits do)
     bias = cuda.to_device(np.linspace(-0.01, 0.01, experts, dtype=np.float32))
     bounds = cuda.to_device(np.array([-1.0, 1.0], np.float32))
+    return x_words, bias, bounds
+
+
+def plan_rows(tokens: int, experts: int, topk: int, bins: int, tiling, repeats: int):
+    """``(rows, info)``: ``[(name, us, detail)]`` for each step and the whole plan."""
+    x_words, bias, bounds = _inputs(tokens, experts)
     plan = kqb.qb_counts_plan(_plan.spec_of((tokens, experts), L.BF16), False, topk, bins, tiling=tiling)
     arrays = _arrays(plan, x_words, bias, bounds)
     rows = []
