@@ -438,7 +438,7 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
             kern, cgrid, cshared = (qb_cutoff_kernel(logits.kind, topk, groups, kg, group_score, masked, exp_mode),
                                     -(-num_tokens // ct), 0)
         else:
-            quads = logits.kind == BF16 and num_experts % 4 == 0 and tiling.cutoff_quads
+            quads = logits.kind == BF16 and num_experts % 4 == 0 and bool(tiling.cutoff_quads)
             kern, cgrid, cshared = (qb_cutoff_lanes_kernel(logits.kind, topk, lanes, masked, exp_mode, quads),
                                     -(-num_tokens // (ct // lanes)), 4 * ct * (topk + 1))
         steps.append(Step(kern, cgrid, ct, cshared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
