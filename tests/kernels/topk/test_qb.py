@@ -1,7 +1,9 @@
 """The QB kernels (gpurouter/kernels/topk/qb.py): this call's counts bit for bit
 ``reference._route.qb_call_counts`` (docs/contract.md section 12), on the CUDA
-simulator with tiny shapes; the public op's numba histogram equal to jax's; a
-``gpu`` test at the Kimi-K2-like shape (T = 65536, E = 384, K = 8, B = 1000)."""
+simulator with tiny shapes (the slab partials and their reduce, the no-shared
+fallback, the cutoff's quad loads); the public op's numba histogram equal to
+jax's; ``gpu`` tests at the Kimi-K2-like shape (T = 65536, E = 384, K = 8,
+B = 1000) and at T = 3001 (each launch path over garbage outputs)."""
 
 from __future__ import annotations
 
