@@ -20,8 +20,8 @@ The launches (``qb_counts_plan``):
    0``: a lane reads four neighbouring experts with one 8-byte load, two such
    loads a step; else four experts a step, their loads issued together; with
    grouping ``qb_cutoff``, a thread a token): ``alpha [T]`` fp32 (plan scratch).
-2. ``qb_hist`` (a block per (expert chunk, token slab); four token rows a
-   step, their loads issued together): the chunk's ``EC x B`` counts in
+2. ``qb_hist`` (a block per (expert chunk, token slab); ``QbTiling.hist_unroll``
+   token rows a step, their loads issued together): the chunk's ``EC x B`` counts in
    shared memory (int32 shared atomics; ``EC`` as many experts as
    ``QbTiling.smem_bytes`` holds), then every bin of them, zeros too, stored
    with plain coalesced stores into the plan scratch ``partial [slabs, E, B]``
@@ -291,10 +291,11 @@ def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_m
 
 @recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
-def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str):
+def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str, unroll: int = 4):
     """The counts of the experts ``[c EC, (c + 1) EC)`` over the tokens of slab ``s``
     (block ``b = s * chunks + c``): a thread a (token row, expert) pair, ``rows``
-    token rows a block, four token rows a step (their loads issued together).
+    token rows a block, ``unroll`` token rows a step (their loads issued together,
+    the values held in registers: the loops over them unroll).
 
     ``shared``: counted in shared memory, then every one of the block's ``EC x B``
     bins stored (plain coalesced stores, zeros too) into ``dest``, the scratch
@@ -340,27 +341,22 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str):
         rows = nth // ec
         row = tid // ec
         el = tid - row * ec
+        xs = cuda.local.array(unroll, nb_f32)  # registers: the loops over it unroll
+        cs = cuda.local.array(unroll, nb_f32)
         if row < rows:
             e = e0 + el
             step = np.int64(rows)
             t = t0 + np.int64(row)
-            # four token rows a step: the four loads go out before the first sigmoid
-            while t + 3 * step < t1:
-                ta, tb, tc, td = t, t + step, t + 2 * step, t + 3 * step
-                xa = load(logits, u64(ta), u64(e))
-                xb = load(logits, u64(tb), u64(e))
-                xc = load(logits, u64(tc), u64(e))
-                xd = load(logits, u64(td), u64(e))
-                ca, cb, cc, cd = cutoff[u64(ta)], cutoff[u64(tb)], cutoff[u64(tc)], cutoff[u64(td)]
-                if not masked or valid[u64(ta)]:
-                    add(hist, dest, el, e, nb, xa, ca, lower, scale, top_f)
-                if not masked or valid[u64(tb)]:
-                    add(hist, dest, el, e, nb, xb, cb, lower, scale, top_f)
-                if not masked or valid[u64(tc)]:
-                    add(hist, dest, el, e, nb, xc, cc, lower, scale, top_f)
-                if not masked or valid[u64(td)]:
-                    add(hist, dest, el, e, nb, xd, cd, lower, scale, top_f)
-                t += 4 * step
+            # unroll token rows a step: their loads go out before the first sigmoid
+            while t + (unroll - 1) * step < t1:
+                for u in range(unroll):
+                    tu = t + u * step
+                    xs[u] = load(logits, u64(tu), u64(e))
+                    cs[u] = cutoff[u64(tu)]
+                for u in range(unroll):
+                    if not masked or valid[u64(t + u * step)]:
+                        add(hist, dest, el, e, nb, xs[u], cs[u], lower, scale, top_f)
+                t += unroll * step
             while t < t1:
                 if not masked or valid[u64(t)]:
                     add(hist, dest, el, e, nb, load(logits, u64(t), u64(e)), cutoff[u64(t)], lower, scale, top_f)
@@ -442,7 +438,8 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
             kern, cgrid, cshared = (qb_cutoff_lanes_kernel(logits.kind, topk, lanes, masked, exp_mode, quads),
                                     -(-num_tokens // (ct // lanes)), 4 * ct * (topk + 1))
         steps.append(Step(kern, cgrid, ct, cshared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
-        steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode), grid, threads, shared,
+        steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode, tiling.hist_unroll), grid,
+                          threads, shared,
                           (In(0), Tmp(0), valid, In(2), Tmp(1) if partials else counts, num_tokens, num_experts,
                            num_bins, chunk, chunks, slab)))
     if partials:

@@ -24,6 +24,8 @@ class QbTiling:
       (one 8-byte load; False: one expert a load; the same bits either way);
     - ``hist_threads``: threads per block of the histogram kernel (512: launchable at any register count
       up to 128; rounded down to whole token rows of the chunk);
+    - ``hist_unroll``: token rows a histogram thread loads at once (their loads in flight together; 8:
+      55 registers a thread by ptxas for sm_90, still two blocks of 504 threads an SM);
     - ``smem_bytes``: the histogram kernel's shared counts at most (48 KiB: no opt-in needed);
     - ``slab_tokens``: tokens a histogram block takes at least;
     - ``target_blocks``: histogram blocks at most (chunks x slabs, one wave: 264 = two on each of 132 SMs;
@@ -37,6 +39,7 @@ class QbTiling:
     cutoff_lanes: int = 4 if simulator_enabled() else 8
     cutoff_quads: bool = True
     hist_threads: int = 32 if simulator_enabled() else 512
+    hist_unroll: int = 8
     smem_bytes: int = 48 * 1024
     slab_tokens: int = 256
     target_blocks: int = 264
@@ -50,6 +53,8 @@ class QbTiling:
             v = getattr(self, name)
             if not 1 <= v <= 1024:
                 raise ValueError(f"QbTiling: {name} must be in [1, 1024], got {v}.")
+        if not 1 <= self.hist_unroll <= 16:
+            raise ValueError(f"QbTiling: hist_unroll must be in [1, 16], got {self.hist_unroll}.")
         if self.cutoff_lanes < 1 or self.cutoff_threads % self.cutoff_lanes:
             raise ValueError(f"QbTiling: cutoff_lanes ({self.cutoff_lanes}) must divide cutoff_threads "
                              f"({self.cutoff_threads}).")

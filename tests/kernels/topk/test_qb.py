@@ -148,14 +148,15 @@ def test_group_tie_keeps_the_lower_group():
 
 def test_tilings_same_counts():
     """Several slabs and chunks, one expert a block, global atomics (no shared
-    budget), a thread a token and 8 lanes a token at the cutoff count the same."""
+    budget), a thread a token and 8 lanes a token at the cutoff, 3 and 1 token
+    rows a histogram step count the same."""
     rng = np.random.default_rng(6)
     x = rng.standard_normal((20, 12)).astype(np.float16)
     bias = rng.standard_normal(12) * 0.1
     base = _check(x, bias, [-1, 1], 7, 3)
     for t in (kqb.QbTiling(slab_tokens=4, target_blocks=64, smem_bytes=4 * 7 * 5, cutoff_lanes=1),
-              kqb.QbTiling(smem_bytes=4 * 7, hist_threads=8, cutoff_threads=8, cutoff_lanes=8),
-              kqb.QbTiling(smem_bytes=0, slab_tokens=8, target_blocks=4)):
+              kqb.QbTiling(smem_bytes=4 * 7, hist_threads=8, cutoff_threads=8, cutoff_lanes=8, hist_unroll=3),
+              kqb.QbTiling(smem_bytes=0, slab_tokens=8, target_blocks=4, hist_unroll=1)):
         np.testing.assert_array_equal(_check(x, bias, [-1, 1], 7, 3, tiling=t), base)
 
 
@@ -206,7 +207,7 @@ def _plan_counts_poisoned(x, bias, bounds, num_bins, topk, mask, tiling, exp_mod
 def test_every_bin_written_over_garbage(case):
     """The counts and the scratch start as garbage: with shared counts every bin is
     stored (several slabs through ``partial`` and ``qb_reduce``, a partial last slab
-    and a partial last expert chunk, masked rows in the four-row steps and in the
+    and a partial last expert chunk, masked rows in the unrolled steps and in the
     tail; one slab straight into the counts); without a shared budget ``qb_zero``
     clears the counts before the global atomics. Bit for bit the reference."""
     rng = np.random.default_rng(12)
@@ -216,7 +217,8 @@ def test_every_bin_written_over_garbage(case):
     mask = np.arange(23) % 5 != 2
     tiling = {
         # 4 experts a chunk (2 chunks, the last of 2), 4 threads: one token row a
-        # block in chunk 0 (four-row steps), two in chunk 1; 3 slabs of 8, 8, 7 tokens
+        # block in chunk 0 (hist_unroll 8: one 8-row step in the full slabs, the
+        # 7-token slab all tail), two in chunk 1; 3 slabs of 8, 8, 7 tokens
         "slabs": kqb.QbTiling(smem_bytes=4 * 5 * 4, hist_threads=4, slab_tokens=8, target_blocks=6),
         "one slab": kqb.QbTiling(hist_threads=6, slab_tokens=64),
         "no shared budget": kqb.QbTiling(smem_bytes=4 * 5 - 1, hist_threads=6, slab_tokens=8, target_blocks=6),

@@ -61,6 +61,8 @@ def test_tiling_and_config_errors():
         qb_tiling.QbTiling(cutoff_threads=32, cutoff_lanes=3)
     with pytest.raises(ValueError, match="hist_threads"):
         qb_tiling.QbTiling(hist_threads=0)
+    with pytest.raises(ValueError, match="hist_unroll"):
+        qb_tiling.QbTiling(hist_unroll=0)
     with pytest.raises(ValueError, match="reduce_threads"):
         qb_tiling.QbTiling(reduce_threads=2048)
     with pytest.raises(ValueError, match="reduce_blocks"):
