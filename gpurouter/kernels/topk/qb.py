@@ -60,7 +60,7 @@ from numba import float32 as nb_f32
 from numba import int32 as nb_i32
 
 from .._base.access import loader_2d
-from .._base.device import NEG_INF, ZERO, u64
+from .._base.device import NEG_INF, ZERO, u32, u64
 from .._base.launch import BF16, F32, any_on_device, device_input, is_device_array, map_input, resolve_stream
 from .._base.parallel import recipe
 from .._base.plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_of
@@ -308,10 +308,11 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str, unroll:
     @cuda.jit(device=True)
     def add(hist, dest, el, e, nb, x, c, lower, scale, top_f):
         k = qb_bin(np.float32(c - sigmoid(x)), lower, scale, top_f)
+        # unsigned indices: no negative-index wraparound code (numba's, for signed ones)
         if shared:
-            cuda.atomic.add(hist, el * nb + k, np.int32(1))
+            cuda.atomic.add(hist, u32(el * nb + k), np.int32(1))
         else:
-            cuda.atomic.add(dest, np.int64(e) * np.int64(nb) + np.int64(k), np.int32(1))
+            cuda.atomic.add(dest, u64(np.int64(e) * np.int64(nb) + np.int64(k)), np.int32(1))
 
     @cuda.jit
     def qb_hist(logits, cutoff, valid, bounds, dest, num_tokens, num_experts, num_bins, chunk, chunks,
