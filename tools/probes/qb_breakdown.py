@@ -10,7 +10,8 @@ Rows (median microseconds of ``--repeats`` after a warm-up):
 - one row per step of the plan (``plan.steps``, launched as ``plan.execute``
   launches them, through numba's dispatcher): CUDA events around each launch,
   the launches queued behind a sleeping kernel (``gpurouter.bench.timing``) so
-  that the host's launch time is not counted;
+  that the host's launch time is not counted; with the bytes of its array
+  arguments (each read or written once: the step's least traffic) per second;
 - ``plan (all steps)``: the same, around the whole plan;
 - ``qb_counts() call``: the launcher on device arrays, wall clock to a
   synchronize (host time included);
@@ -73,6 +74,13 @@ def _events_us(launch, repeats: int) -> float:
     return statistics.median(events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(repeats))
 
 
+def _bytes_moved(st, arrays) -> int:
+    """The least DRAM traffic of a step: each array argument read or written once
+    (the logits, the scratch, the counts), the kernel's floor at full bandwidth."""
+    seen = {(a.role, a.index): _plan._resolve(a, arrays) for a in st.args if isinstance(a, _plan.Ref)}
+    return sum(int(arr.size) * arr.dtype.itemsize for arr in seen.values())
+
+
 def _step_launcher(st, arrays):
     args = tuple(_plan._resolve(a, arrays) for a in st.args)
 
@@ -101,8 +109,11 @@ def plan_rows(tokens: int, experts: int, topk: int, bins: int, tiling, repeats: 
     rows = []
     steps = [_step_launcher(st, arrays) for st in plan.steps]
     for i, (st, launch) in enumerate(zip(plan.steps, steps, strict=True)):
-        detail = f"{st.grid} x {st.block}, {st.shared} B shared"
-        rows.append((f"step {i}: {_name(st.kernel)}", _events_us(launch, repeats), detail))
+        us = _events_us(launch, repeats)
+        moved = _bytes_moved(st, arrays)
+        detail = (f"{st.grid} x {st.block}, {st.shared} B shared, {moved / 1e6:.1f} MB at least "
+                  f"({moved / us / 1e6:.2f} TB/s)")
+        rows.append((f"step {i}: {_name(st.kernel)}", us, detail))
 
     def whole():
         for launch in steps:
