@@ -306,13 +306,13 @@ def _always_quads(a):
 
 @functools.cache
 def u16_quad_2d():
-    """``(aligned(a) -> bool, load(a, i, j) -> uint64)`` on a C-contiguous 2-D
-    array of 16-bit words (bf16 as uint16): ``load`` gives elements ``a[i, j ..
-    j+3]`` as one uint64 (``a[i, j]`` in the low 16 bits), one 8-byte load on a
-    GPU; ``aligned(a)``: the base is a multiple of 8 bytes (then, with the row
-    length and ``j`` multiples of 4, every such load is aligned; callers check
-    once and keep a scalar path). On the simulator: always aligned, four
-    element loads."""
+    """``(aligned(a) -> bool, load(a, i, j) -> uint64)`` on a 2-D array of 16-bit
+    words (bf16 as uint16): ``load`` gives elements ``a[i, j .. j+3]`` as one
+    uint64 (``a[i, j]`` in the low 16 bits), one 8-byte load on a GPU (``j`` a
+    multiple of 4); ``aligned(a)``: the base and the row pitch are multiples of
+    8 bytes and each row's words are adjacent, so that every such load is
+    aligned (callers test once and keep an element path for the rest). On the
+    simulator: always aligned, four element loads."""
     from .launch import simulator_enabled
 
     if simulator_enabled():
@@ -323,10 +323,10 @@ def u16_quad_2d():
 
     @cuda.jit(device=True)
     def aligned(a):
-        return address(a) & np.uint64(7) == 0
+        return address(a) & np.uint64(7) == 0 and a.strides[1] == 2 and a.strides[0] % 8 == 0
 
     @cuda.jit(device=True)
     def load(a, i, j):
-        return load_u64(a, _u64(i) * _u64(a.shape[1]) + _u64(j))
+        return load_u64(a, _u64(i) * _u64(a.strides[0] // 2) + _u64(j))
 
     return aligned, load

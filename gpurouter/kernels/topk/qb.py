@@ -188,7 +188,8 @@ def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_m
 
     ``quads`` (bf16 logits, ``E % 4 == 0``): lane ``l`` reads the expert quads ``l,
     l + lanes, ...`` (experts ``4q .. 4q + 3``) with one 8-byte load each
-    (``vec.u16_quad_2d``; a logits base not 8-byte aligned takes the scalar path).
+    (``vec.u16_quad_2d``; logits whose base or row pitch is not 8-byte aligned take
+    the scalar path).
     The cutoff is the ``(topk + 1)``-th largest of the same values whichever lane
     holds which (equal values are equal bits; a -0.0 / +0.0 tie gives the same
     bins), so both paths give the same bits."""

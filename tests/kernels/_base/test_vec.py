@@ -96,25 +96,28 @@ def _u16_quad_kernel():
 
 def test_u16_quad_2d_rows_and_alignment():
     """``_vec.u16_quad_2d``: elements ``a[i, 4j .. 4j+3]`` as one uint64, ``a[i, 4j]``
-    lowest, on every row of a C-contiguous ``[5, 12]`` uint16 array; ``aligned`` is
-    true at an allocation's base and (on a GPU) false on a view 2 bytes in (the
+    lowest, on every row of a ``[5, 12]`` uint16 array; ``aligned`` is true for a
+    C-contiguous array at an allocation's base and for rows 16 words apart, and
+    (on a GPU) false on a view 2 bytes in and for rows 14 words apart (the
     simulator: always true, element loads)."""
     from gpurouter.kernels._base import launch as L
 
     read_quads = _u16_quad_kernel()
-    host = (np.arange(5 * 12 + 1, dtype=np.uint32) * 2654435761 >> 16).astype(np.uint16)
-    for off in (0, 1):
-        rows = host[off:off + 60].reshape(5, 12)
-        buf = cuda.to_device(host)
-        src = buf[off:off + 60].reshape(5, 12)
+    host = (np.arange(5 * 16 + 1, dtype=np.uint32) * 2654435761 >> 16).astype(np.uint16)
+    cases = {  # name: (host rows, device rows, the 8-byte path on a GPU)
+        "base": (lambda h: h[:60].reshape(5, 12), True),
+        "2 bytes in": (lambda h: h[1:61].reshape(5, 12), False),
+        "pitch 16": (lambda h: h[:80].reshape(5, 16)[:, :12], True),
+        "pitch 14": (lambda h: h[:70].reshape(5, 14)[:, :12], False),
+    }
+    for name, (view, fast_on_gpu) in cases.items():
+        rows = view(host)
+        src = view(cuda.to_device(host))
         out = cuda.to_device(np.zeros((5, 3), np.uint64))
         path = cuda.to_device(np.zeros(2, np.int32))
         L.launch(read_quads, 5, 4, 0, 0, src, out, path)
         w = rows.astype(np.uint64).reshape(5, 3, 4)
         want = w[..., 0] | (w[..., 1] << np.uint64(16)) | (w[..., 2] << np.uint64(32)) | (w[..., 3] << np.uint64(48))
-        np.testing.assert_array_equal(out.copy_to_host(), want)
-        fast, slow = path.copy_to_host()
-        if off == 0 or L.simulator_enabled():
-            assert (fast, slow) == (1, 0), "the 8-byte path at an aligned base"
-        else:
-            assert (fast, slow) == (0, 1), "the element path on a view 2 bytes in"
+        np.testing.assert_array_equal(out.copy_to_host(), want, err_msg=name)
+        fast = fast_on_gpu or L.simulator_enabled()
+        assert tuple(path.copy_to_host()) == ((1, 0) if fast else (0, 1)), name
