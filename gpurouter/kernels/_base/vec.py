@@ -267,3 +267,66 @@ def quad_store_once_f32():
 
     address, _, _, store_v4_evict_first = _intrinsics()
     return _checked_store(address, store_v4_evict_first)
+
+
+@functools.cache
+def _u16_quad_intrinsic():
+    """``load_u64(array, f)``: the 8 bytes at 16-bit element ``f`` of an array's
+    data (elements ``f .. f+3``, element ``f`` lowest), one 8-byte load (GPU only;
+    callers make sure the address is a multiple of 8)."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def load_u64(typingctx, array, f):
+        sig = types.uint64(array, f)
+
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+            i = context.cast(builder, args[1], sig.args[1], types.uint64)
+            ptr = builder.bitcast(builder.gep(data, [i]), ir.IntType(64).as_pointer())
+            return builder.load(ptr, align=8)
+
+        return sig, codegen
+
+    return load_u64
+
+
+@cuda.jit(device=True)
+def _u16_quad_elements(a, i, j):
+    return (np.uint64(a[i, j]) | (np.uint64(a[i, j + _u64(1)]) << np.uint64(16))
+            | (np.uint64(a[i, j + _u64(2)]) << np.uint64(32)) | (np.uint64(a[i, j + _u64(3)]) << np.uint64(48)))
+
+
+@cuda.jit(device=True)
+def _always_quads(a):
+    return True
+
+
+@functools.cache
+def u16_quad_2d():
+    """``(aligned(a) -> bool, load(a, i, j) -> uint64)`` on a 2-D array of 16-bit
+    words (bf16 as uint16): ``load`` gives elements ``a[i, j .. j+3]`` as one
+    uint64 (``a[i, j]`` in the low 16 bits), one 8-byte load on a GPU (``j`` a
+    multiple of 4); ``aligned(a)``: the base and the row pitch are multiples of
+    8 bytes and each row's words are adjacent, so that every such load is
+    aligned (callers test once and keep an element path for the rest). On the
+    simulator: always aligned, four element loads."""
+    from .launch import simulator_enabled
+
+    if simulator_enabled():
+        return _always_quads, _u16_quad_elements
+
+    address = _intrinsics()[0]
+    load_u64 = _u16_quad_intrinsic()
+
+    @cuda.jit(device=True)
+    def aligned(a):
+        return address(a) & np.uint64(7) == 0 and a.strides[1] == 2 and a.strides[0] % 8 == 0
+
+    @cuda.jit(device=True)
+    def load(a, i, j):
+        return load_u64(a, _u64(i) * _u64(a.strides[0] // 2) + _u64(j))
+
+    return aligned, load

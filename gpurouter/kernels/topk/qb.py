@@ -13,18 +13,30 @@ sqrtsoftplus stays in jnp, ``gpurouter/_ops/qb.py``):
   ``bin = floor((rb - lower) * (B / (upper - lower)))`` in fp32, clamped into
   ``[0, B - 1]`` (NaN to bin 0), one count to ``counts[e, bin]``.
 
-Three launches (``qb_counts_plan``):
+The launches (``qb_counts_plan``):
 
-1. ``qb_zero``: the counts zeroed (the output is XLA's uninitialised buffer).
-2. ``qb_cutoff_lanes`` (``QbTiling.cutoff_lanes`` threads a token, their
-   top-(K+1) lists merged through shared memory; with grouping ``qb_cutoff``,
-   a thread a token): ``alpha [T]`` fp32 (plan scratch).
-3. ``qb_hist`` (a block per (expert chunk, token slab)): the chunk's ``EC x B``
-   counts in shared memory (int32 shared atomics; ``EC`` as many experts as
-   ``QbTiling.smem_bytes`` holds), then each nonzero bin added to global memory
-   with one ``atomicAdd``. A row of ``B`` bins larger than the shared budget:
-   global atomics directly. Counts are integers: any order of the additions
-   gives the same result.
+1. ``qb_cutoff_lanes`` (``QbTiling.cutoff_lanes`` threads a token, their
+   top-(K+1) lists merged through shared memory; bf16 logits with ``E % 4 ==
+   0``: a lane reads four neighbouring experts with one 8-byte load, two such
+   loads a step; else four experts a step, their loads issued together; with
+   grouping ``qb_cutoff``, a thread a token): ``alpha [T]`` fp32 (plan scratch).
+2. ``qb_hist`` (a block per (expert chunk, token slab); ``QbTiling.hist_unroll``
+   token rows a step, their loads issued together): the chunk's ``EC x B`` counts in
+   shared memory (int32 shared atomics; ``EC`` as many experts as
+   ``QbTiling.smem_bytes`` holds), then every bin of them, zeros too, stored
+   with plain coalesced stores into the plan scratch ``partial [slabs, E, B]``
+   int32 at ``[slab, chunk's experts, :]`` (with one slab: into the counts
+   directly). No global atomics, and nothing needs zeroing: each bin of each
+   slab is written by exactly one block.
+3. ``qb_reduce`` (more than one slab): ``counts[e, b] = sum over slabs of
+   partial[s, e, b]``, every bin written. The scratch costs
+   ``slabs * E * B * 4`` bytes written and read again (8 slabs at E = 384,
+   B = 1000: 12 MB).
+
+A row of ``B`` bins larger than the shared budget: ``qb_zero`` zeroes the
+counts (the output is XLA's uninitialised buffer), then ``qb_hist`` adds each
+count with a global atomic; ``T = 0``: ``qb_zero`` alone. Counts are
+integers: any order of the additions gives the same result.
 
 Overflow: one call adds at most one count per valid token to each bin, so a
 bin of this call's counts is at most ``T <= 2**31 - 1`` (the op checks ``T``;
@@ -48,10 +60,11 @@ from numba import float32 as nb_f32
 from numba import int32 as nb_i32
 
 from .._base.access import loader_2d
-from .._base.device import NEG_INF, ZERO, u64
-from .._base.launch import F32, any_on_device, device_input, is_device_array, map_input, resolve_stream
+from .._base.device import NEG_INF, ZERO, u32, u64
+from .._base.launch import BF16, F32, any_on_device, device_input, is_device_array, map_input, resolve_stream
 from .._base.parallel import recipe
 from .._base.plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_of
+from .._base.vec import u16_quad_2d
 from .qb_math import default_exp_mode, qb_bin, qb_sigmoid_fn
 from .qb_tiling import OP, QB_TILING, QbTiling, check_qb_config, hist_tiling
 
@@ -147,18 +160,61 @@ def qb_cutoff_kernel(kind: str, topk: int, num_groups: int, group_topk: int, gro
 
 
 
+@cuda.jit(device=True)
+def _bf16_word(v, i):
+    """The fp32 of bf16 word ``i`` (0 lowest) of the uint64 ``v``."""
+    word = np.uint32(np.uint64(v >> np.uint64(16 * i)) & np.uint64(0xFFFF))
+    return np.uint32(word << np.uint32(16)).view(np.float32)
+
+
+@cuda.jit(device=True)
+def _never(a):
+    return False
+
+
+@cuda.jit(device=True)
+def _no_quad(a, i, j):
+    return np.uint64(0)
+
+
 @recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
-def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_mode: str):
+def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_mode: str, quads: bool = False):
     """``alpha[t]`` without grouping, ``lanes`` threads a token: lane ``l`` keeps the
     top ``topk + 1`` of experts ``l, l + lanes, ...`` (neighbouring lanes read
     neighbouring experts), the lists go through shared memory (``blockDim * (topk +
     1)`` fp32) and lane 0 merges them (each sorted: it stops at the first value
-    that does not enter)."""
+    that does not enter).
+
+    ``quads`` (bf16 logits, ``E % 4 == 0``): lane ``l`` reads the expert quads ``l,
+    l + lanes, ...`` (experts ``4q .. 4q + 3``) with one 8-byte load each
+    (``vec.u16_quad_2d``; logits whose base or row pitch is not 8-byte aligned take
+    the scalar path).
+    The cutoff is the ``(topk + 1)``-th largest of the same values whichever lane
+    holds which (equal values are equal bits; a -0.0 / +0.0 tie gives the same
+    bins), so both paths give the same bits."""
     load = loader_2d(kind)
     sigmoid = qb_sigmoid_fn(exp_mode)
     k1 = topk + 1
     w = lanes
+    if quads:
+        if kind != BF16:
+            raise ValueError(f"{OP}: the quad cutoff path reads bf16 words, got {kind}.")
+        aligned, load_quad = u16_quad_2d()
+    else:
+        aligned, load_quad = _never, _no_quad
+
+    @cuda.jit(device=True)
+    def push(top, thr, x, bv):
+        """Offers ``r = sigmoid(x) + bv`` to the list; returns its last value. ``thr``
+        (the list's last value, kept in a register: the list itself is in local
+        memory) turns most values away without reading the list; a NaN ``r`` (a
+        ``-inf`` score) never enters, as ``-inf`` would not."""
+        r = np.float32(sigmoid(x) + bv)
+        if r > thr:
+            _insert(top, k1, r)
+            return top[k1 - 1]
+        return thr
 
     @cuda.jit
     def qb_cutoff_lanes(logits, bias, valid, cutoff, num_tokens, num_experts):
@@ -173,12 +229,47 @@ def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_m
         top = cuda.local.array(k1, nb_f32)
         for i in range(k1):
             top[i] = NEG_INF
-        if live:
+        thr = NEG_INF
+        if live and quads and aligned(logits):
+            q = np.int64(lane)
+            step = np.int64(w)
+            nq = np.int64(num_experts // 4)
+            # two quads a step: both loads go out before the first sigmoid
+            while q + step < nq:
+                ea = np.int64(4) * q
+                eb = np.int64(4) * (q + step)
+                va = load_quad(logits, u64(t), u64(ea))
+                vb = load_quad(logits, u64(t), u64(eb))
+                for i in range(4):
+                    thr = push(top, thr, _bf16_word(va, i), bias[u64(ea + i)])
+                for i in range(4):
+                    thr = push(top, thr, _bf16_word(vb, i), bias[u64(eb + i)])
+                q += 2 * step
+            if q < nq:
+                ea = np.int64(4) * q
+                va = load_quad(logits, u64(t), u64(ea))
+                for i in range(4):
+                    thr = push(top, thr, _bf16_word(va, i), bias[u64(ea + i)])
+        elif live:
             e = np.int64(lane)
+            step = np.int64(w)
+            # four experts a step: their loads go out before the first sigmoid (the
+            # values enter the list in the same order as one at a time)
+            while e + 3 * step < num_experts:
+                ea, eb, ec, ed = e, e + step, e + 2 * step, e + 3 * step
+                xa = load(logits, u64(t), u64(ea))
+                xb = load(logits, u64(t), u64(eb))
+                xc = load(logits, u64(t), u64(ec))
+                xd = load(logits, u64(t), u64(ed))
+                ba, bb, bc, bd = bias[u64(ea)], bias[u64(eb)], bias[u64(ec)], bias[u64(ed)]
+                thr = push(top, thr, xa, ba)
+                thr = push(top, thr, xb, bb)
+                thr = push(top, thr, xc, bc)
+                thr = push(top, thr, xd, bd)
+                e += 4 * step
             while e < num_experts:
-                r = np.float32(sigmoid(load(logits, u64(t), u64(e))) + bias[u64(e)])
-                _insert(top, k1, NEG_INF if r != r else r)
-                e += np.int64(w)
+                thr = push(top, thr, load(logits, u64(t), u64(e)), bias[u64(e)])
+                e += step
         for i in range(k1):
             lists[tid * k1 + i] = top[i]
         # Barrier: every lane's list is in shared memory before lane 0 merges.
@@ -201,15 +292,31 @@ def qb_cutoff_lanes_kernel(kind: str, topk: int, lanes: int, masked: bool, exp_m
 
 @recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
-def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str):
+def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str, unroll: int = 4):
     """The counts of the experts ``[c EC, (c + 1) EC)`` over the tokens of slab ``s``
     (block ``b = s * chunks + c``): a thread a (token row, expert) pair, ``rows``
-    token rows a block; ``shared``: counted in shared memory, then flushed."""
+    token rows a block, ``unroll`` token rows a step (their loads issued together,
+    the values held in registers: the loops over them unroll).
+
+    ``shared``: counted in shared memory, then every one of the block's ``EC x B``
+    bins stored (plain coalesced stores, zeros too) into ``dest``, the scratch
+    ``partial [slabs, E, B]``, at ``[s, c EC : c EC + EC, :]``; ``qb_reduce`` sums
+    the slabs. Else ``dest`` is ``counts [E, B]`` (zeroed before) and each count a
+    global ``atomicAdd``."""
     load = loader_2d(kind)
     sigmoid = qb_sigmoid_fn(exp_mode)
 
+    @cuda.jit(device=True)
+    def add(hist, dest, el, e, nb, x, c, lower, scale, top_f):
+        k = qb_bin(np.float32(c - sigmoid(x)), lower, scale, top_f)
+        # unsigned indices: no negative-index wraparound code (numba's, for signed ones)
+        if shared:
+            cuda.atomic.add(hist, u32(el * nb + k), np.int32(1))
+        else:
+            cuda.atomic.add(dest, u64(np.int64(e) * np.int64(nb) + np.int64(k)), np.int32(1))
+
     @cuda.jit
-    def qb_hist(logits, cutoff, valid, bounds, counts, num_tokens, num_experts, num_bins, chunk, chunks,
+    def qb_hist(logits, cutoff, valid, bounds, dest, num_tokens, num_experts, num_bins, chunk, chunks,
                 slab):
         hist = cuda.shared.array(0, nb_i32)
         tid = np.int32(cuda.threadIdx.x)
@@ -236,30 +343,52 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str):
         rows = nth // ec
         row = tid // ec
         el = tid - row * ec
+        xs = cuda.local.array(unroll, nb_f32)  # registers: the loops over it unroll
+        cs = cuda.local.array(unroll, nb_f32)
         if row < rows:
             e = e0 + el
+            step = np.int64(rows)
             t = t0 + np.int64(row)
+            # unroll token rows a step: their loads go out before the first sigmoid
+            while t + (unroll - 1) * step < t1:
+                for u in range(unroll):
+                    tu = t + u * step
+                    xs[u] = load(logits, u64(tu), u64(e))
+                    cs[u] = cutoff[u64(tu)]
+                for u in range(unroll):
+                    if not masked or valid[u64(t + u * step)]:
+                        add(hist, dest, el, e, nb, xs[u], cs[u], lower, scale, top_f)
+                t += unroll * step
             while t < t1:
                 if not masked or valid[u64(t)]:
-                    s = sigmoid(load(logits, u64(t), u64(e)))
-                    k = qb_bin(np.float32(cutoff[u64(t)] - s), lower, scale, top_f)
-                    if shared:
-                        cuda.atomic.add(hist, el * nb + k, np.int32(1))
-                    else:
-                        cuda.atomic.add(counts, np.int64(e) * np.int64(nb) + np.int64(k), np.int32(1))
-                t += np.int64(rows)
+                    add(hist, dest, el, e, nb, load(logits, u64(t), u64(e)), cutoff[u64(t)], lower, scale, top_f)
+                t += step
         if shared:
-            # Barrier: every add of the block is in before the flush reads.
+            # Barrier: every add of the block is in before the stores read.
             cuda.syncthreads()
-            base = np.int64(e0) * np.int64(nb)
+            base = (np.int64(s_idx) * np.int64(num_experts) + np.int64(e0)) * np.int64(nb)
             i = tid
             while i < words:
-                v = hist[i]
-                if v != 0:
-                    cuda.atomic.add(counts, base + np.int64(i), v)
+                dest[u64(base + np.int64(i))] = hist[i]
                 i += nth
 
     return qb_hist
+
+
+@cuda.jit
+def qb_reduce_kernel(partial, counts, n, slabs):
+    """``counts[i] = sum_s partial[s * n + i]`` for ``i < n`` (grid-strided; every
+    word written). Integer sums: exact in any order, at most ``T`` each."""
+    i = np.int64(cuda.grid(1))
+    step = np.int64(cuda.gridsize(1))
+    while i < n:
+        acc = partial[u64(i)]
+        j = i + n
+        for _ in range(1, slabs):
+            acc += partial[u64(j)]
+            j += n
+        counts[u64(i)] = np.int32(acc)
+        i += step
 
 
 # ----------------------------------------------------------------------------
@@ -273,7 +402,8 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
                    tiling: QbTiling | None = None) -> Plan:
     """The launches of :func:`qb_counts`: inputs ``logits [T, E]`` (f32/bf16/f16),
     ``expert_bias [E] f32``, ``bin_bounds [2] f32`` and, with ``masked``, ``valid [T]``
-    bool; output ``counts [E, B] int32``; scratch ``alpha [T] f32``."""
+    bool; output ``counts [E, B] int32``; scratch ``alpha [T] f32`` and, with shared
+    counts and more than one token slab, ``partial [slabs * E * B] int32``."""
     tiling = tiling or QB_TILING
     exp_mode = exp_mode or default_exp_mode()
     num_tokens, num_experts = logits.shape
@@ -282,24 +412,41 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
     if masked:
         ins.append(Spec((num_tokens,), np.bool_))
     outs = (Spec((num_experts, num_bins), np.int32),)
-    tmps = (spec_of((max(num_tokens, 1),), F32),)
-    valid = In(3) if masked else Tmp(0)  # unmasked kernels never read it
     n = num_experts * num_bins
-    steps = [Step(qb_zero_kernel, max(1, min(tiling.zero_blocks, -(-n // tiling.zero_threads))),
-                  tiling.zero_threads, 0, (Out(0, Spec((n,), np.int32)), n))]
+    counts = Out(0, Spec((n,), np.int32))
+    grid, threads, shared, chunk, chunks, slab = hist_tiling(num_tokens, num_experts, num_bins, tiling)
+    slabs = grid // chunks
+    # with shared counts every bin is stored by one block of each slab (no zeroing):
+    # into the scratch partial [slabs, E, B] that qb_reduce sums, or, one slab, into
+    # the counts; without (a row of B bins over the budget) and with no tokens, the
+    # counts are zeroed and the histogram adds with global atomics
+    stored = bool(num_tokens) and shared > 0
+    partials = stored and slabs > 1
+    tmps = [spec_of((max(num_tokens, 1),), F32)]
+    if partials:
+        tmps.append(Spec((slabs * n,), np.int32))
+    valid = In(3) if masked else Tmp(0)  # unmasked kernels never read it
+    steps = []
+    if not stored:
+        steps.append(Step(qb_zero_kernel, max(1, min(tiling.zero_blocks, -(-n // tiling.zero_threads))),
+                          tiling.zero_threads, 0, (counts, n)))
     if num_tokens:
         ct, lanes = tiling.cutoff_threads, tiling.cutoff_lanes
         if groups or lanes == 1:  # a thread a token
-            kern, grid, shared = (qb_cutoff_kernel(logits.kind, topk, groups, kg, group_score, masked, exp_mode),
-                                  -(-num_tokens // ct), 0)
+            kern, cgrid, cshared = (qb_cutoff_kernel(logits.kind, topk, groups, kg, group_score, masked, exp_mode),
+                                    -(-num_tokens // ct), 0)
         else:
-            kern, grid, shared = (qb_cutoff_lanes_kernel(logits.kind, topk, lanes, masked, exp_mode),
-                                  -(-num_tokens // (ct // lanes)), 4 * ct * (topk + 1))
-        steps.append(Step(kern, grid, ct, shared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
-        grid, threads, shared, chunk, chunks, slab = hist_tiling(num_tokens, num_experts, num_bins, tiling)
-        steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode), grid, threads, shared,
-                          (In(0), Tmp(0), valid, In(2), Out(0, Spec((n,), np.int32)), num_tokens, num_experts,
+            quads = logits.kind == BF16 and num_experts % 4 == 0 and bool(tiling.cutoff_quads)
+            kern, cgrid, cshared = (qb_cutoff_lanes_kernel(logits.kind, topk, lanes, masked, exp_mode, quads),
+                                    -(-num_tokens // (ct // lanes)), 4 * ct * (topk + 1))
+        steps.append(Step(kern, cgrid, ct, cshared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
+        steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode, tiling.hist_unroll), grid,
+                          threads, shared,
+                          (In(0), Tmp(0), valid, In(2), Tmp(1) if partials else counts, num_tokens, num_experts,
                            num_bins, chunk, chunks, slab)))
+    if partials:
+        steps.append(Step(qb_reduce_kernel, max(1, min(tiling.reduce_blocks, -(-n // tiling.reduce_threads))),
+                          tiling.reduce_threads, 0, (Tmp(1), counts, n, slabs)))
     return Plan(OP, ins, outs, tmps, steps)
 
 

@@ -20,36 +20,48 @@ class QbTiling:
 
     - ``cutoff_threads``, ``cutoff_lanes``: threads per block of the cutoff kernel and threads a token
       (1 or grouping: a thread a token; a power of two dividing ``cutoff_threads``);
+    - ``cutoff_quads``: with bf16 logits and ``E % 4 == 0`` the cutoff lanes read four experts a load
+      (one 8-byte load; False: one expert a load; the same bits either way);
     - ``hist_threads``: threads per block of the histogram kernel (512: launchable at any register count
       up to 128; rounded down to whole token rows of the chunk);
+    - ``hist_unroll``: token rows a histogram thread loads at once (their loads in flight together; 8:
+      55 registers a thread by ptxas for sm_90, still two blocks of 504 threads an SM);
     - ``smem_bytes``: the histogram kernel's shared counts at most (48 KiB: no opt-in needed);
     - ``slab_tokens``: tokens a histogram block takes at least;
     - ``target_blocks``: histogram blocks at most (chunks x slabs, one wave: 264 = two on each of 132 SMs;
-      fewer slabs, fewer flushed bins);
-    - ``zero_threads``, ``zero_blocks``: the zeroing kernel's grid.
+      fewer slabs, less partial scratch: slabs * E * B * 4 bytes written and summed by the reduce);
+    - ``reduce_threads``, ``reduce_blocks``: the grid of the kernel that sums the slabs' partial counts;
+    - ``zero_threads``, ``zero_blocks``: the zeroing kernel's grid (only without shared counts, or ``T = 0``).
 
     Under the CUDA simulator the defaults are small blocks (Python threads)."""
 
     cutoff_threads: int = 32 if simulator_enabled() else 128
     cutoff_lanes: int = 4 if simulator_enabled() else 8
+    cutoff_quads: bool = True
     hist_threads: int = 32 if simulator_enabled() else 512
+    hist_unroll: int = 8
     smem_bytes: int = 48 * 1024
     slab_tokens: int = 256
     target_blocks: int = 264
+    reduce_threads: int = 32 if simulator_enabled() else 256
+    reduce_blocks: int = 4 if simulator_enabled() else 528
     zero_threads: int = 32 if simulator_enabled() else 256
     zero_blocks: int = 4 if simulator_enabled() else 528
 
     def __post_init__(self):
-        for name in ("cutoff_threads", "hist_threads", "zero_threads"):
+        for name in ("cutoff_threads", "hist_threads", "reduce_threads", "zero_threads"):
             v = getattr(self, name)
             if not 1 <= v <= 1024:
                 raise ValueError(f"QbTiling: {name} must be in [1, 1024], got {v}.")
+        if not 1 <= self.hist_unroll <= 16:
+            raise ValueError(f"QbTiling: hist_unroll must be in [1, 16], got {self.hist_unroll}.")
         if self.cutoff_lanes < 1 or self.cutoff_threads % self.cutoff_lanes:
             raise ValueError(f"QbTiling: cutoff_lanes ({self.cutoff_lanes}) must divide cutoff_threads "
                              f"({self.cutoff_threads}).")
-        if self.smem_bytes < 0 or self.slab_tokens < 1 or self.target_blocks < 1 or self.zero_blocks < 1:
-            raise ValueError(f"QbTiling: smem_bytes >= 0 and slab_tokens, target_blocks, zero_blocks >= 1, "
-                             f"got {self}.")
+        if (self.smem_bytes < 0 or self.slab_tokens < 1 or self.target_blocks < 1 or self.reduce_blocks < 1
+                or self.zero_blocks < 1):
+            raise ValueError(f"QbTiling: smem_bytes >= 0 and slab_tokens, target_blocks, reduce_blocks, "
+                             f"zero_blocks >= 1, got {self}.")
 
 
 QB_TILING = QbTiling()

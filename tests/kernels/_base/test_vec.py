@@ -66,3 +66,58 @@ def test_quad_access_aligned_and_misaligned(variant):
         want = host_src[off_src:off_src + 32].reshape(8, 4)[:, ::-1].reshape(-1)
         np.testing.assert_array_equal(got[off_dst:off_dst + 32], want)
         assert (np.delete(got, np.s_[off_dst:off_dst + 32]) == -7.0).all(), "wrote outside the view"
+
+
+def _u16_quad_kernel():
+    """(``cuda`` a module global, as above.) Reads quad ``j`` of row ``i`` of a 2-D
+    uint16 array: ``u16_quad_2d``'s 8-byte load where ``aligned``, else the four
+    elements; records which path ran."""
+    from gpurouter.kernels._base import vec as _vec
+
+    aligned, load = _vec.u16_quad_2d()
+
+    @cuda.jit
+    def read_quads(src, out, path):
+        i = cuda.blockIdx.x
+        j = cuda.threadIdx.x
+        if 4 * j < src.shape[1]:
+            if aligned(src):
+                v = load(src, i, 4 * j)
+                path[0] = 1
+            else:
+                f = 4 * j
+                v = (np.uint64(src[i, f]) | (np.uint64(src[i, f + 1]) << np.uint64(16))
+                     | (np.uint64(src[i, f + 2]) << np.uint64(32)) | (np.uint64(src[i, f + 3]) << np.uint64(48)))
+                path[1] = 1
+            out[i, j] = v
+
+    return read_quads
+
+
+def test_u16_quad_2d_rows_and_alignment():
+    """``_vec.u16_quad_2d``: elements ``a[i, 4j .. 4j+3]`` as one uint64, ``a[i, 4j]``
+    lowest, on every row of a ``[5, 12]`` uint16 array; ``aligned`` is true for a
+    C-contiguous array at an allocation's base and for rows 16 words apart, and
+    (on a GPU) false on a view 2 bytes in and for rows 14 words apart (the
+    simulator: always true, element loads)."""
+    from gpurouter.kernels._base import launch as L
+
+    read_quads = _u16_quad_kernel()
+    host = (np.arange(5 * 16 + 1, dtype=np.uint32) * 2654435761 >> 16).astype(np.uint16)
+    cases = {  # name: (host rows, device rows, the 8-byte path on a GPU)
+        "base": (lambda h: h[:60].reshape(5, 12), True),
+        "2 bytes in": (lambda h: h[1:61].reshape(5, 12), False),
+        "pitch 16": (lambda h: h[:80].reshape(5, 16)[:, :12], True),
+        "pitch 14": (lambda h: h[:70].reshape(5, 14)[:, :12], False),
+    }
+    for name, (view, fast_on_gpu) in cases.items():
+        rows = view(host)
+        src = view(cuda.to_device(host))
+        out = cuda.to_device(np.zeros((5, 3), np.uint64))
+        path = cuda.to_device(np.zeros(2, np.int32))
+        L.launch(read_quads, 5, 4, 0, 0, src, out, path)
+        w = rows.astype(np.uint64).reshape(5, 3, 4)
+        want = w[..., 0] | (w[..., 1] << np.uint64(16)) | (w[..., 2] << np.uint64(32)) | (w[..., 3] << np.uint64(48))
+        np.testing.assert_array_equal(out.copy_to_host(), want, err_msg=name)
+        fast = fast_on_gpu or L.simulator_enabled()
+        assert tuple(path.copy_to_host()) == ((1, 0) if fast else (0, 1)), name

@@ -1,7 +1,9 @@
 """The QB kernels (gpurouter/kernels/topk/qb.py): this call's counts bit for bit
 ``reference._route.qb_call_counts`` (docs/contract.md section 12), on the CUDA
-simulator with tiny shapes; the public op's numba histogram equal to jax's; a
-``gpu`` test at the Kimi-K2-like shape (T = 65536, E = 384, K = 8, B = 1000)."""
+simulator with tiny shapes (the slab partials and their reduce, the no-shared
+fallback, the cutoff's quad loads); the public op's numba histogram equal to
+jax's; ``gpu`` tests at the Kimi-K2-like shape (T = 65536, E = 384, K = 8,
+B = 1000) and at T = 3001 (each launch path over garbage outputs)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ import ml_dtypes  # noqa: E402
 import gpurouter  # noqa: E402
 from gpurouter._checks import ScoreFunction, TopkConfig  # noqa: E402
 from gpurouter._ops import qb as op_qb  # noqa: E402
+from gpurouter.kernels._base.plan import spec_for  # noqa: E402
 from gpurouter.kernels.topk import qb as kqb  # noqa: E402
-from gpurouter.kernels.topk import qb_math  # noqa: E402
+from gpurouter.kernels.topk import qb_math, qb_tiling  # noqa: E402
 from gpurouter.reference._route import qb_call_counts  # noqa: E402
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -145,15 +148,100 @@ def test_group_tie_keeps_the_lower_group():
 
 def test_tilings_same_counts():
     """Several slabs and chunks, one expert a block, global atomics (no shared
-    budget), a thread a token and 8 lanes a token at the cutoff count the same."""
+    budget), a thread a token and 8 lanes a token at the cutoff, 3 and 1 token
+    rows a histogram step count the same."""
     rng = np.random.default_rng(6)
     x = rng.standard_normal((20, 12)).astype(np.float16)
     bias = rng.standard_normal(12) * 0.1
     base = _check(x, bias, [-1, 1], 7, 3)
     for t in (kqb.QbTiling(slab_tokens=4, target_blocks=64, smem_bytes=4 * 7 * 5, cutoff_lanes=1),
-              kqb.QbTiling(smem_bytes=4 * 7, hist_threads=8, cutoff_threads=8, cutoff_lanes=8),
-              kqb.QbTiling(smem_bytes=0, slab_tokens=8, target_blocks=4)):
+              kqb.QbTiling(smem_bytes=4 * 7, hist_threads=8, cutoff_threads=8, cutoff_lanes=8, hist_unroll=3),
+              kqb.QbTiling(smem_bytes=0, slab_tokens=8, target_blocks=4, hist_unroll=1)):
         np.testing.assert_array_equal(_check(x, bias, [-1, 1], 7, 3, tiling=t), base)
+
+
+@pytest.mark.parametrize("experts", [20, 18])
+def test_cutoff_quads_same_bits(experts):
+    """bf16 logits: the cutoff lanes reading four experts a load (E = 20: two quads
+    a step and a tail quad with 2 lanes; E = 18: not a multiple of 4, the scalar
+    path) count the reference's bits, as the one-expert-a-load path does; NaN
+    logits, equal scores and masked rows included."""
+    rng = np.random.default_rng(14)
+    x = (rng.standard_normal((9, experts)) * 2).astype(ml_dtypes.bfloat16)
+    x[0, 5] = np.nan
+    x[1, :6] = 1.5  # six equal scores (zero bias there): a tie at the cutoff
+    bias = rng.standard_normal(experts) * 0.1
+    bias[:6] = 0.0
+    mask = np.arange(9) != 4
+    plan = kqb.qb_counts_plan(spec_for(x.shape, x.dtype), True, 3, 6,
+                              tiling=kqb.QbTiling(cutoff_threads=8, cutoff_lanes=2))
+    assert plan.steps[0].kernel is kqb.qb_cutoff_lanes_kernel(kqb.BF16, 3, 2, True, qb_math.default_exp_mode(),
+                                                              experts % 4 == 0)
+    for quads in (True, False):
+        _check(x, bias, [-1.0, 1.0], 6, 3, mask=mask,
+               tiling=kqb.QbTiling(cutoff_threads=8, cutoff_lanes=2, cutoff_quads=quads))
+
+
+def _plan_counts_poisoned(x, bias, bounds, num_bins, topk, mask, tiling, exp_mode=None):
+    """The plan's steps launched by hand on arrays where the counts and every
+    scratch word start as garbage (-7): what the kernels do not write shows."""
+    from numba import cuda
+
+    from gpurouter.kernels._base import launch as L
+    from gpurouter.kernels._base import plan as _plan
+
+    plan = kqb.qb_counts_plan(_plan.spec_for(x.shape, x.dtype), mask is not None, topk, num_bins,
+                              exp_mode=exp_mode, tiling=tiling)
+    ins = [L.host_words(x), cuda.to_device(np.asarray(bias, np.float32)),
+           cuda.to_device(np.asarray(bounds, np.float32))]
+    if mask is not None:
+        ins.append(cuda.to_device(np.asarray(mask, np.bool_)))
+    arrays = {"in": ins, "out": [cuda.to_device(np.full(sp.shape, -7, sp.dtype)) for sp in plan.outs],
+              "tmp": [cuda.to_device(np.full(sp.shape, -7, sp.dtype)) for sp in plan.tmps]}
+    for st in plan.steps:
+        L.launch(st.kernel, st.grid, st.block, 0, st.shared, *(_plan._resolve(a, arrays) for a in st.args))
+    return plan, arrays["out"][0].copy_to_host()
+
+
+@pytest.mark.parametrize("case", ["slabs", "one slab", "no shared budget"])
+def test_every_bin_written_over_garbage(case):
+    """The counts and the scratch start as garbage: with shared counts every bin is
+    stored (several slabs through ``partial`` and ``qb_reduce``, a partial last slab
+    and a partial last expert chunk, masked rows in the unrolled steps and in the
+    tail; one slab straight into the counts); without a shared budget ``qb_zero``
+    clears the counts before the global atomics. Bit for bit the reference."""
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((23, 6)) * 2).astype(ml_dtypes.bfloat16)
+    bias = rng.standard_normal(6) * 0.1
+    bounds = [-0.9, 0.8]
+    mask = np.arange(23) % 5 != 2
+    tiling = {
+        # 4 experts a chunk (2 chunks, the last of 2), 4 threads: one token row a
+        # block in chunk 0 (hist_unroll 8: one 8-row step in the full slabs, the
+        # 7-token slab all tail), two in chunk 1; 3 slabs of 8, 8, 7 tokens
+        "slabs": kqb.QbTiling(smem_bytes=4 * 5 * 4, hist_threads=4, slab_tokens=8, target_blocks=6),
+        "one slab": kqb.QbTiling(hist_threads=6, slab_tokens=64),
+        "no shared budget": kqb.QbTiling(smem_bytes=4 * 5 - 1, hist_threads=6, slab_tokens=8, target_blocks=6),
+    }[case]
+    plan, got = _plan_counts_poisoned(x, bias, bounds, 5, 2, mask, tiling)
+    kernels = [st.kernel for st in plan.steps]
+    assert (kqb.qb_reduce_kernel in kernels) == (case == "slabs")
+    assert (kqb.qb_zero_kernel in kernels) == (case == "no shared budget")
+    want = _ref(x, bias, bounds, 5, 2, mask)
+    np.testing.assert_array_equal(got.reshape(6, 5), want)
+    assert (want.sum(axis=1) == mask.sum()).all()
+
+
+def test_slab_layout_matches_reference_unmasked_f32():
+    """Several slabs and chunks, every token valid, fp32 logits: the slab sums through
+    the launcher equal the reference (each slab's partial rows land at their expert)."""
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((18, 10)).astype(np.float32)
+    bias = rng.standard_normal(10) * 0.1
+    t = kqb.QbTiling(smem_bytes=4 * 6 * 3, hist_threads=3, slab_tokens=5, target_blocks=16)
+    grid, _, shared, chunk, chunks, slab = qb_tiling.hist_tiling(18, 10, 6, t)
+    assert (chunk, chunks, grid // chunks, shared) == (3, 4, 4, 4 * 3 * 6)  # 4 slabs of 5, 5, 5, 3 tokens
+    _check(x, bias, [-1.0, 1.0], 6, 4, tiling=t)
 
 
 @pytest.mark.parametrize("kw", [
@@ -218,6 +306,31 @@ def test_kimi_shape_on_gpu():
         want = _ref(x, bias, bounds, 1000, 8, None if not kw else kw["token_mask"])
         np.testing.assert_array_equal(got, want)
         assert got.sum() == 384 * (65536 if not kw else int(np.sum(mask)))
+
+
+@pytest.mark.gpu
+def test_slab_reduce_and_fallback_on_gpu():
+    """On a GPU (real shared and global atomics, 16-bit loads): T = 3001, E = 384,
+    B = 1000, bf16, every 7th token masked: the default tiling (several slabs:
+    partial + qb_reduce; the cutoff's 8-byte quad loads), one slab (the cutoff one
+    expert a load), and B = 13000 (a row over the 48 KiB budget: qb_zero + global
+    atomics) count the reference's bits, over garbage outputs."""
+    mode = op_qb.kernel_exp_mode()
+    assert mode is not None, "no exp mode matches jax.nn.sigmoid on this GPU"
+    rng = np.random.default_rng(38)
+    x = rng.standard_normal((3001, 384)).astype(ml_dtypes.bfloat16)
+    bias = rng.standard_normal(384) * 0.05
+    bounds = [-1.1, 1.05]
+    mask = np.arange(3001) % 7 != 3
+    for bins, tiling, kind in ((1000, kqb.QB_TILING, "slabs"),
+                               (1000, kqb.QbTiling(slab_tokens=4096, cutoff_quads=False), "one slab"),
+                               (13000, kqb.QB_TILING, "no shared budget")):
+        plan, got = _plan_counts_poisoned(x, bias, bounds, bins, 8, mask, tiling, mode)
+        kernels = [st.kernel for st in plan.steps]
+        assert (kqb.qb_reduce_kernel in kernels) == (kind == "slabs"), kind
+        assert (kqb.qb_zero_kernel in kernels) == (kind == "no shared budget"), kind
+        np.testing.assert_array_equal(got.reshape(384, bins), _ref(x, bias, bounds, bins, 8, mask), err_msg=kind)
+        print(f"qb {kind}: {len(plan.steps)} launches, counts equal the reference")
 
 
 def test_token_sharded_jit_counts_per_shard():

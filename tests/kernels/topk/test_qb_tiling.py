@@ -17,11 +17,27 @@ from gpurouter.kernels.topk import qb_tiling  # noqa: E402
 def test_plan_launches_few_blocks_on_tiny_shapes():
     t = qb_tiling.QB_TILING
     plan = kqb.qb_counts_plan(spec_for((64, 16), np.float32), False, 4, 8)
-    assert [st.grid for st in plan.steps][1:] == [-(-64 // (t.cutoff_threads // t.cutoff_lanes)), 1]
+    # one slab: the cutoff, then the histogram storing every bin into the counts
+    assert [st.grid for st in plan.steps] == [-(-64 // (t.cutoff_threads // t.cutoff_lanes)), 1]
+    assert len(plan.tmps) == 1
     grouped = kqb.qb_counts_plan(spec_for((64, 16), np.float32), False, 4, 8, 4, 2)
-    assert grouped.steps[1].grid == -(-64 // t.cutoff_threads)  # a thread a token
+    assert grouped.steps[0].grid == -(-64 // t.cutoff_threads)  # a thread a token
     empty = kqb.qb_counts_plan(spec_for((0, 16), np.float32), True, 4, 8)
-    assert len(empty.steps) == 1  # only the zeroing
+    assert [st.kernel for st in empty.steps] == [kqb.qb_zero_kernel]  # only the zeroing
+
+
+def test_plan_steps_by_slabs_and_budget():
+    """Several slabs: cutoff, histogram into ``partial [slabs, E, B]``, the reduce (no
+    zeroing: every bin stored); no shared budget: zero, cutoff, global atomics."""
+    t = qb_tiling.QbTiling(slab_tokens=8, target_blocks=8)
+    plan = kqb.qb_counts_plan(spec_for((20, 12), np.float32), True, 3, 7, tiling=t)
+    grid, _, _, _, chunks, _ = qb_tiling.hist_tiling(20, 12, 7, t)
+    slabs = grid // chunks
+    assert slabs == 3 and [st.kernel for st in plan.steps][-1] is kqb.qb_reduce_kernel
+    assert len(plan.steps) == 3 and plan.tmps[1].shape == (slabs * 12 * 7,)
+    assert plan.steps[-1].args[2:] == (12 * 7, slabs)
+    flat = kqb.qb_counts_plan(spec_for((20, 12), np.float32), True, 3, 7, tiling=qb_tiling.QbTiling(smem_bytes=0))
+    assert flat.steps[0].kernel is kqb.qb_zero_kernel and len(flat.steps) == 3 and len(flat.tmps) == 1
 
 
 def test_hist_tiling_kimi_shape_one_wave():
@@ -45,6 +61,12 @@ def test_tiling_and_config_errors():
         qb_tiling.QbTiling(cutoff_threads=32, cutoff_lanes=3)
     with pytest.raises(ValueError, match="hist_threads"):
         qb_tiling.QbTiling(hist_threads=0)
+    with pytest.raises(ValueError, match="hist_unroll"):
+        qb_tiling.QbTiling(hist_unroll=0)
+    with pytest.raises(ValueError, match="reduce_threads"):
+        qb_tiling.QbTiling(reduce_threads=2048)
+    with pytest.raises(ValueError, match="reduce_blocks"):
+        qb_tiling.QbTiling(reduce_blocks=0)
     x = np.zeros((4, 8), np.float32)
     bounds = np.array([-1, 1], np.float32)
     with pytest.raises(ValueError, match="topk"):
