@@ -73,13 +73,19 @@ INT32_MAX = 2**31 - 1
 
 @cuda.jit(device=True)
 def _insert(top, n, v):
-    """Inserts ``v`` into ``top[:n]`` (descending) if it beats the last."""
+    """Inserts ``v`` into ``top[:n]`` (descending) if it beats the last: one
+    compare-and-carry pass over all ``n`` places, a fixed trip count, so that once
+    the kernel's constant ``n`` is inlined the loop unrolls and the list can live
+    in registers (a shifting loop that stops early indexes local memory). The
+    list afterwards is the one the shifting insertion gives: equal values are
+    equal bits (-0.0 and +0.0 compare equal: either may stay; they give the same
+    bins)."""
     if v > top[n - 1]:
-        i = n - 1
-        while i > 0 and top[i - 1] < v:
-            top[i] = top[i - 1]
-            i -= 1
-        top[i] = v
+        for i in range(n):
+            c = top[i]
+            if v > c:
+                top[i] = v
+                v = c
 
 
 # ----------------------------------------------------------------------------
