@@ -19,7 +19,9 @@ class QbTiling:
     """The QB kernels' knobs (grids and blocks only: every tiling gives the same counts).
 
     - ``cutoff_threads``, ``cutoff_lanes``: threads per block of the cutoff kernel and threads a token
-      (1 or grouping: a thread a token; a power of two dividing ``cutoff_threads``);
+      (1 or grouping: a thread a token; a power of two dividing ``cutoff_threads``; 4: on an H200 at
+      T = 65536, E = 384, K = 8 the cutoff took 129.9 / 80.8 / 78.9 / 93.2 / 133.0 us at 1 / 2 / 4 / 8 / 16
+      lanes, lab/results/h200-96ca891-qb-breakdown.txt);
     - ``cutoff_quads``: with bf16 logits and ``E % 4 == 0`` the cutoff lanes read four experts a load
       (one 8-byte load; False: one expert a load; the same bits either way);
     - ``hist_threads``: threads per block of the histogram kernel (512: launchable at any register count
@@ -36,7 +38,7 @@ class QbTiling:
     Under the CUDA simulator the defaults are small blocks (Python threads)."""
 
     cutoff_threads: int = 32 if simulator_enabled() else 128
-    cutoff_lanes: int = 4 if simulator_enabled() else 8
+    cutoff_lanes: int = 4
     cutoff_quads: bool = True
     hist_threads: int = 32 if simulator_enabled() else 512
     hist_unroll: int = 8
