@@ -122,12 +122,15 @@ def fused_topk_with_score_function(
     def kernels_faster() -> bool:
         # "auto": the measured rule (gpurouter/_auto.py), only where the
         # kernels take the call at all; indices, replays and the composed
-        # variants stay on jax.
+        # variants stay on jax. QB follows the route's rule: its counts are
+        # the QB kernels' (sigmoid) or the same jnp counts as on jax (H200,
+        # performance.md: the jnp counts added 1454.5 us to the jax top-k at
+        # 5fc7012; the whole QB op on the kernels took 314.8 us at 96ca891).
         rule_composed = var.group_score != "sum_topk" and not (cfg.grouped and _warp_rule(cfg, num_experts))
         # compact on the warp kernel writes its indices itself
         warp_compact = var.compact and not var.return_indices and not cfg.compute_aux_scores and not forced
         indices_composed = return_indices and not (warp_compact and _warp_rule(cfg, num_experts))
-        if indices_composed or forced or var.qb or rule_composed or logits_meta[1] == np.float64:
+        if indices_composed or forced or rule_composed or logits_meta[1] == np.float64:
             return False
         try:
             from ..kernels._base.limits import check_limits
