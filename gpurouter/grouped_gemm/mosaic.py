@@ -65,8 +65,8 @@ class Tiles(NamedTuple):
 
 
 #: the forward's (and ``d lhs``'s) candidates, best first, by rows per group
-#: (the H200 sweep at a07152b, lab/results/h200-a07152b-mosaic-gemm-sweep.txt: 64 x 256 at 128 rows a group, DeepSeek-V3-like;
-#: 128 x 192 at 512, Qwen3-like)
+#: (the H200 sweep at a07152b, lab/results/h200-a07152b-mosaic-gemm-sweep.txt:
+#: 64 x 256 at 128 rows a group, DeepSeek-V3-like; 128 x 192 at 512, Qwen3-like)
 _FEW_ROWS = (Tiles(64, 256, 64, 4, 4), Tiles(128, 128, 64, 4, 4), Tiles(64, 128, 64, 4, 4), Tiles(64, 64, 64, 4, 1))
 _MANY_ROWS = (Tiles(128, 192, 64, 4, 4), Tiles(128, 128, 64, 6, 8), Tiles(128, 128, 64, 4, 4),
               Tiles(64, 128, 64, 4, 4), Tiles(64, 64, 64, 4, 1))
