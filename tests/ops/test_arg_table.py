@@ -276,6 +276,15 @@ TABLE += [
          "num_stages": bad_int(low=0),
          "interpret": [("str", "no", TypeError), ("int", 1, TypeError)],
      }),
+    (gmoe.mosaic_ragged_dot, "mosaic_ragged_dot",
+     dict(lhs=D, rhs=jnp.ones((2, 3, 5)), group_sizes=GS), {
+         "lhs": bad_float_array(D),
+         "rhs": bad_float_array(jnp.ones((2, 3, 5)), empty=jnp.zeros((0, 3, 5))),
+         "group_sizes": bad_int_array(GS) + [("more rows than lhs", jnp.asarray([3, 3]), ValueError)],
+         "precision": [("unknown", "bogus", ValueError), ("int", 3, TypeError)],
+         "preferred_element_type": [("int dtype", jnp.int32, TypeError), ("not a dtype", "bogus", TypeError)],
+         "group_offset": [("an array", jnp.zeros((1,), jnp.int32), ValueError)],
+     }),
     (gmoe.moe, "moe", dict(x=MX, gate_kernel=MG, wi_0=W0, wi_1=W0, wo=WO, num_experts=4, num_experts_per_tok=2,
                            backend="jax"), {
         "x": bad_float_array(MX, rank=jnp.float32(1.0)),
