@@ -12,8 +12,18 @@ fixed: deterministic.
 - ``lane_quad_sum(has_mask)``: one fp32 column quad (``_vec.quad_f32``);
 
 ``has_mask`` (a compile-time flag): the sums take a bool ``mask [T]`` too and
-leave out the rows where it is False (a select, not a product: a masked NaN
-or inf adds nothing); without it the ``mask`` argument is never read.
+leave out the rows where it is False (a bitwise select, ``keep_if``, not a
+product: a masked NaN or inf adds +0.0, exactly what a zeroed row adds);
+without it the ``mask`` argument is never read.  These read the mask byte
+once per element (the fallback for blocks whose staged bits would not fit);
+the masked aux loss stages them once a block instead:
+
+- ``stage_mask_bits``: the block's mask slice as bits in shared memory, a
+  byte per 8 rows of a row lane, the valid rows counted on the way;
+- ``lane_column_sum_staged(kind)``, ``lane_quad_sum_staged()``: the sums of
+  ``lane_column_sum`` / ``lane_quad_sum`` (the same rows, accumulators and
+  order: the same bits) reading a shared byte per 8 (4) rows instead of a
+  global mask byte per element.
 - ``block_tree_sum``: a block's values summed by a fixed-shape tree
   (``block_tree_sum2``: two arrays in one tree, the masked aux loss's sums
   and valid-row counts).
@@ -34,6 +44,61 @@ from .._base.access import loader_2d
 from .._base.device import ZERO
 from .._base.vec import quad_f32
 
+#: every bit of a uint32 (``all_ones_if``)
+_ONES = np.uint32(0xFFFFFFFF)
+
+
+@cuda.jit(device=True)
+def all_ones_if(bit):
+    """``0xFFFFFFFF`` for ``bit`` 1, 0 for 0 (a uint32 0 or 1)."""
+    return np.uint32(_ONES * np.uint32(bit))
+
+
+@cuda.jit(device=True)
+def keep_if(v, m):
+    """fp32 ``v`` where ``m`` is ``0xFFFFFFFF``, +0.0 where it is 0: a select on
+    the bits (no branch, so no load is made conditional on the mask; a masked
+    NaN or inf becomes +0.0, what a zeroed row adds)."""
+    return np.uint32(np.float32(v).view(np.uint32) & m).view(np.float32)
+
+
+@cuda.jit(device=True)
+def row_bit(byte, i):
+    """``all_ones_if`` of bit ``i`` of ``byte`` (uint32)."""
+    return all_ones_if(np.uint32(byte >> np.uint32(i)) & np.uint32(1))
+
+
+def staged_mask_bytes(rows_per_block: int, row_lanes: int) -> int:
+    """Host: the shared bytes ``stage_mask_bits`` fills for a block of
+    ``rows_per_block`` rows and ``row_lanes`` row lanes: ``row_lanes * nb``, nb =
+    ``ceil(ceil(rows_per_block / row_lanes) / 8)`` (a row lane's bytes)."""
+    per_lane = -(-rows_per_block // row_lanes)  # a row lane's rows at most
+    return row_lanes * ((per_lane + 7) // 8)
+
+
+@cuda.jit(device=True)
+def stage_mask_bits(mask, bits, r0, r1, nrl, nb, tid, nthreads):
+    """The block's rows ``r0 <= r < r1`` of the bool ``mask`` as bits in the shared
+    uint8 ``bits [nrl * nb]``: byte ``rl * nb + j``, bit i says whether row ``r0 +
+    rl + (8 j + i) nrl`` is valid (0 past r1), for row lane rl's k-th row ``r0 +
+    rl + k nrl`` at byte ``k // 8``, bit ``k % 8``; the threads share the bytes
+    out, each mask byte read once.  Returns the thread's count of valid rows
+    (exact in fp32).  The caller's barrier follows before ``bits`` is read."""
+    k = ZERO
+    idx = tid
+    while idx < nrl * nb:
+        lane = idx // nb
+        r = r0 + lane + 8 * (idx - lane * nb) * nrl
+        byte = np.uint32(0)
+        for i in range(8):
+            if r < r1 and mask[r]:
+                byte |= np.uint32(1) << np.uint32(i)
+                k += np.float32(1)
+            r += nrl
+        bits[idx] = np.uint8(byte)
+        idx += nthreads
+    return k
+
 
 @functools.cache
 def lane_column_sum(kind: str, has_mask: bool = False):
@@ -47,10 +112,8 @@ def lane_column_sum(kind: str, has_mask: bool = False):
 
         @cuda.jit(device=True)
         def load(src, r, c, mask):
-            v = raw(src, r, c)  # issued whatever the mask: the loads stay in flight together
-            if mask[r]:
-                return v
-            return ZERO
+            # a select on the value's bits, no branch: the load is issued whatever the mask
+            return keep_if(raw(src, r, c), all_ones_if(np.uint32(mask[r] != 0)))
 
     else:
 
@@ -134,9 +197,8 @@ def lane_quad_sum(has_mask: bool = False):
         @cuda.jit(device=True)
         def load4(src, r, eq, cq, mask):
             x0, x1, x2, x3 = raw4(src, np.int64(r) * eq + cq)
-            if mask[r]:
-                return x0, x1, x2, x3
-            return ZERO, ZERO, ZERO, ZERO
+            m = all_ones_if(np.uint32(mask[r] != 0))
+            return keep_if(x0, m), keep_if(x1, m), keep_if(x2, m), keep_if(x3, m)
 
     else:
 
@@ -192,6 +254,124 @@ def lane_quad_sum(has_mask: bool = False):
             a2 += x2
             a3 += x3
             r += nrl
+        return (np.float32(np.float32(a0 + b0) + np.float32(c0 + d0)),
+                np.float32(np.float32(a1 + b1) + np.float32(c1 + d1)),
+                np.float32(np.float32(a2 + b2) + np.float32(c2 + d2)),
+                np.float32(np.float32(a3 + b3) + np.float32(c3 + d3)))
+
+    return quad_sum
+
+
+@functools.cache
+def lane_column_sum_staged(kind: str):
+    """Device function ``sum(src, r0, r1, c, rl, nrl, bits, base)``: ``lane_column_sum(kind,
+    True)``'s sum (the same rows, accumulators and order: the same bits) with the
+    mask read from the staged ``bits`` (``stage_mask_bits``; ``base = rl * nb``):
+    one shared byte per 8 rows, the rows' values kept by a bitwise select."""
+    raw = loader_2d(kind)
+
+    @cuda.jit(device=True)
+    def column_sum(src, r0, r1, c, rl, nrl, bits, base):
+        a0 = ZERO
+        a1 = ZERO
+        a2 = ZERO
+        a3 = ZERO
+        a4 = ZERO
+        a5 = ZERO
+        a6 = ZERO
+        a7 = ZERO
+        r = r0 + rl
+        j = base
+        while r + 7 * nrl < r1:  # 8 independent loads in flight, their 8 bits in one byte
+            b = np.uint32(bits[j])
+            a0 += keep_if(raw(src, r, c), row_bit(b, 0))
+            a1 += keep_if(raw(src, r + nrl, c), row_bit(b, 1))
+            a2 += keep_if(raw(src, r + 2 * nrl, c), row_bit(b, 2))
+            a3 += keep_if(raw(src, r + 3 * nrl, c), row_bit(b, 3))
+            a4 += keep_if(raw(src, r + 4 * nrl, c), row_bit(b, 4))
+            a5 += keep_if(raw(src, r + 5 * nrl, c), row_bit(b, 5))
+            a6 += keep_if(raw(src, r + 6 * nrl, c), row_bit(b, 6))
+            a7 += keep_if(raw(src, r + 7 * nrl, c), row_bit(b, 7))
+            r += 8 * nrl
+            j += 1
+        if r < r1:  # the last (< 8) rows: bits 0, 1, ... of byte j
+            b = np.uint32(bits[j])
+            i = 0
+            while r < r1:
+                a0 += keep_if(raw(src, r, c), row_bit(b, i))
+                r += nrl
+                i += 1
+        return np.float32(np.float32(np.float32(a0 + a1) + np.float32(a2 + a3))
+                          + np.float32(np.float32(a4 + a5) + np.float32(a6 + a7)))
+
+    return column_sum
+
+
+@functools.cache
+def lane_quad_sum_staged():
+    """Device function ``sum4(src, r0, r1, cq, eq, rl, nrl, bits, base) -> 4 x fp32``:
+    ``lane_quad_sum(True)``'s sums (the same rows, accumulators and order) with
+    the mask read from the staged ``bits`` (``stage_mask_bits``; ``base = rl *
+    nb``): one shared byte per 4 rows (a nibble of it each)."""
+    raw4 = quad_f32()[0]
+
+    @cuda.jit(device=True)
+    def load4(src, r, eq, cq, m):
+        x0, x1, x2, x3 = raw4(src, np.int64(r) * eq + cq)
+        return keep_if(x0, m), keep_if(x1, m), keep_if(x2, m), keep_if(x3, m)
+
+    @cuda.jit(device=True)
+    def quad_sum(src, r0, r1, cq, eq, rl, nrl, bits, base):
+        a0 = ZERO
+        a1 = ZERO
+        a2 = ZERO
+        a3 = ZERO
+        b0 = ZERO
+        b1 = ZERO
+        b2 = ZERO
+        b3 = ZERO
+        c0 = ZERO
+        c1 = ZERO
+        c2 = ZERO
+        c3 = ZERO
+        d0 = ZERO
+        d1 = ZERO
+        d2 = ZERO
+        d3 = ZERO
+        r = r0 + rl
+        k = 0  # the row lane's row index: bit k % 8 of byte base + k // 8
+        while r + 3 * nrl < r1:  # 4 independent 16-byte loads in flight, their bits one nibble
+            b = np.uint32(np.uint32(bits[base + (k >> 3)]) >> np.uint32(k & 7))
+            x0, x1, x2, x3 = load4(src, r, eq, cq, row_bit(b, 0))
+            y0, y1, y2, y3 = load4(src, r + nrl, eq, cq, row_bit(b, 1))
+            z0, z1, z2, z3 = load4(src, r + 2 * nrl, eq, cq, row_bit(b, 2))
+            w0, w1, w2, w3 = load4(src, r + 3 * nrl, eq, cq, row_bit(b, 3))
+            a0 += x0
+            a1 += x1
+            a2 += x2
+            a3 += x3
+            b0 += y0
+            b1 += y1
+            b2 += y2
+            b3 += y3
+            c0 += z0
+            c1 += z1
+            c2 += z2
+            c3 += z3
+            d0 += w0
+            d1 += w1
+            d2 += w2
+            d3 += w3
+            r += 4 * nrl
+            k += 4
+        while r < r1:
+            x0, x1, x2, x3 = load4(src, r, eq, cq, row_bit(np.uint32(bits[base + (k >> 3)]), k & 7))
+            a0 += x0
+            a1 += x1
+            a2 += x2
+            a3 += x3
+            r += nrl
+            k += 1
         return (np.float32(np.float32(a0 + b0) + np.float32(c0 + d0)),
                 np.float32(np.float32(a1 + b1) + np.float32(c1 + d1)),
                 np.float32(np.float32(a2 + b2) + np.float32(c2 + d2)),

@@ -57,6 +57,41 @@ def test_aux_loss_masked(dtype, T, C, E):
     assert not np.any(gp[~mask].astype(np.float32))
 
 
+@pytest.mark.parametrize("dtype,C", [(np.float32, 36), (ml_dtypes.bfloat16, 20)])  # quads; elements
+def test_aux_loss_staged_mask_bits(dtype, C):
+    """The masked forward's mask staged as shared bits (``stage_mask_bits``: 12
+    rows a row lane, so an unrolled step's byte and a tail's, quads a nibble
+    each) and the fallback that reads a global byte per element
+    (``mask_stage_bytes=0``): both the unmasked kernel's bits on the zeroed
+    rows, T counted or given; the plans say which they launch."""
+    from gpurouter.kernels._base.plan import spec_for
+    from gpurouter.kernels.losses import aux_loss as A
+    from gpurouter.kernels.losses.column_sums import staged_mask_bytes
+
+    T = 70  # 3 blocks of 24 rows (the last 22), 2 row lanes of 32 column lanes
+    base = dict(column_threads=64, column_min_rows=32)
+    probs, tpe = _probs(T, C, dtype, seed=3)
+    mask = _mask(T, seed=4)
+    junk = probs.copy()
+    junk[~mask, 1] = np.asarray(np.nan, dtype)
+    junk[~mask, 2] = np.asarray(np.inf, dtype)
+    n = int(mask.sum())
+    want = K.moe_aux_loss_fwd(np.where(mask[:, None], probs, np.zeros((), dtype)), tpe, 2, 0.01, n,
+                              tiling=K.AuxLossTiling(**base))[0]
+    spec_p, spec_t = spec_for(probs.shape, probs.dtype), spec_for(tpe.shape, tpe.dtype)
+    for stage_bytes, staged in ((16384, True), (0, False)):
+        tiling = K.AuxLossTiling(**base, mask_stage_bytes=stage_bytes)
+        step = A.moe_aux_loss_fwd_plan(spec_p, spec_t, np.float32(1), tiling, True, True).steps[0]
+        grid, threads, cl, rows = A.column_tiling(T, C // 4 if dtype == np.float32 else C, tiling)
+        assert (grid, threads, rows) == (3, 64, 24)
+        assert step.kernel is A.aux_loss_fwd_kernel(spec_p.kind, spec_t.kind, spec_p.kind, dtype == np.float32,
+                                                    True, True, staged)
+        assert step.shared == (staged_mask_bytes(rows, threads // cl) if staged else 0) and (step.shared == 4) == staged
+        counted = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, token_mask=mask, tiling=tiling)[0]
+        given = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, n, token_mask=mask, tiling=tiling)[0]
+        assert counted.tobytes() == want.tobytes() and given.tobytes() == want.tobytes(), stage_bytes
+
+
 def test_aux_loss_all_masked():
     """No valid row: T = max(0, 1) = 1, the loss 0 and the gradient 0."""
     probs, tpe = _probs(5, 8, np.float32)
