@@ -60,7 +60,7 @@ from .._base.launch import BF16
 from .._base.plan import Spec
 from .last_block import finish_pieces
 from .logsumexp import LOG2E, backward_row, lse_of_saved, saved_pair, shift_of
-from .z_io import lane_reducers, load_words, log2_approx, single_ops, store_words, vector_io, warp_mask
+from .z_io import keep_loader, lane_reducers, load_words, log2_approx, single_ops, store_words, vector_io, warp_mask
 
 
 def word_view(logits: Spec) -> Spec:
@@ -199,13 +199,15 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
     words = 4 * hold  # compile-time constants (local array sizes, unrolled loops)
     w = np.int32(lanes)
 
+    load_keep = keep_loader(has_mask)
+
     @cuda.jit(device=True)
-    def group(held, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt):
+    def group(held, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, kept, cnt):
         """One row group on the held vectors: the row's max over its W lanes, then
         each lane's sum against it (no rescale), the W sums in the fixed pairwise
         order; lane 0 writes the saved ``(m, log2 s)`` (one lg2.approx; s >= 1 or
         NaN when m > -inf) and returns ``acc + lse^2`` (``acc`` for a row that
-        ``keep`` leaves out: ``has_mask``)."""
+        the mask leaves out: ``kept`` False, its byte loaded with the row's vectors)."""
         m = all_max(row_max(held), red, tid, first, mask)
         s = all_sum(row_sum(held, lane, vecs, shift_of(m)), red, tid, first, mask)
         if lane == 0 and row < num_tokens:
@@ -213,7 +215,7 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
             v = lse_of_saved(sm, sl)
             lse[u64(row)] = sm
             lse[u64(num_tokens + row)] = sl
-            if not has_mask or keep[row]:
+            if not has_mask or kept:
                 acc = np.float32(acc + np.float32(v * v))
                 cnt += np.float32(1)
         return acc, cnt
@@ -232,26 +234,32 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
         fast = aligned(logits)
         acc = ZERO
         cnt = ZERO  # the slot's valid rows (count_valid), exact integers in fp32
+        # the mask byte of each row (has_mask) is loaded with the row's vectors, in flight with them
         fetch(cur, logits, fast, min(row, last), lane, vecs)
+        kc = load_keep(keep, min(row, last))
+        kn = kc
         k = np.int32(0)
         while k < iters:
             if prefetch:  # two groups a trip, the buffers in turn: each group's loads in flight
                 if k + 1 < iters:  # during the group before it, and no copies between buffers
                     fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
-                acc, cnt = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt)
+                    kn = load_keep(keep, min(row + tb, last))
+                acc, cnt = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, kc, cnt)
                 row += tb
                 if k + 1 < iters:
                     if k + 2 < iters:
                         fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
-                    acc, cnt = group(nxt, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt)
+                        kc = load_keep(keep, min(row + tb, last))
+                    acc, cnt = group(nxt, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, kn, cnt)
                     row += tb
                 k += 2
             else:
-                acc, cnt = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt)
+                acc, cnt = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, kc, cnt)
                 row += tb
                 k += 1
                 if k < iters:
                     fetch(cur, logits, fast, min(row, last), lane, vecs)
+                    kc = load_keep(keep, min(row, last))
         if lane == 0:
             red[nthreads + tok] = acc
             if count_valid:
@@ -318,6 +326,7 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
     ``mask`` (bool ``[T]``) and ``n`` (fp32 ``[1]``) after ``grad_logits``, ``coeff`` for
     ``scale`` (``2 coeff / n`` on the device); masked rows get 0."""
     aligned, store_v, fetch, _, _, grad_word = _row_pieces(kind, hold, lanes, hints)
+    load_keep = keep_loader(has_mask)
     words = 4 * hold
     w = np.int32(lanes)
 
@@ -334,18 +343,21 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
         fetch(cur, logits, fast, min(row, last), lane, vecs)
         vm = lse[u64(min(row, last))]
         vl = lse[u64(num_tokens + min(row, last))]
+        kc = load_keep(keep, min(row, last))  # the row's mask byte, loaded with its saved pair
         nm = vm
         nl = vl
+        kn = kc
         for k in range(iters):
             more = k + 1 < iters
             if prefetch and more:
                 fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
                 nm = lse[u64(min(row + tb, last))]
                 nl = lse[u64(num_tokens + min(row + tb, last))]
+                kn = load_keep(keep, min(row + tb, last))
             if row < num_tokens:
                 v, sh, l2 = backward_row(vm, vl)
                 a = np.float32(g * v)  # 0 on a dead row (v = 0)
-                dead = has_mask and not keep[row]  # a masked row: 0 whatever it holds
+                dead = has_mask and not kc  # a masked row: 0 whatever it holds
                 base = row * vecs
                 for h in range(hold):
                     u = np.int32(lane + h * w)
@@ -365,10 +377,12 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
                     cur[i] = nxt[i]
                 vm = nm
                 vl = nl
+                kc = kn
             elif more:
                 fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
                 vm = lse[u64(min(row + tb, last))]
                 vl = lse[u64(num_tokens + min(row + tb, last))]
+                kc = load_keep(keep, min(row + tb, last))
             row += tb
 
     if has_mask:

@@ -151,12 +151,14 @@ def _z_tilings():
 
     # vec: TB = 4 rows, prefetch on (3 groups a block, 2 blocks); unit: the vector kernels off
     return {"vec": ZLossTiling(vec_fwd=(8, 1, 2, True, True), vec_bwd=(8, 1, 2, True, True)),
+            "vec-no-prefetch": ZLossTiling(vec_fwd=(8, 1, 2, False, True), vec_bwd=(8, 1, 2, False, True)),
             "unit": ZLossTiling(vec_max_hold=0, threads=4, bwd_threads=4)}  # 4 rows a block: 2-3 blocks
 
 
 @pytest.mark.parametrize("dtype,T,E,path", [
     (ml_dtypes.bfloat16, 19, 16, "vec"),  # the vector kernels, 2 blocks (one ends past T)
     (np.float32, 11, 12, "vec"),  # fp32 vectors, a lane's second vector past the row
+    (ml_dtypes.bfloat16, 19, 16, "vec-no-prefetch"),  # the library's default walk: a group, then its refetch
     (np.float16, 9, 8, "unit"),  # the unit kernels on quads, then the final kernel
     (np.float32, 6, 5, "unit"),  # units of masked elements (E % 4 != 0)
 ])
