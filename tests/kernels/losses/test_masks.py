@@ -280,3 +280,37 @@ def test_masked_kernels_other_paths_on_the_gpu():
         np.testing.assert_array_equal(gp[mask], K.moe_aux_loss_bwd(c, tpe, np.float32(1), T)[mask])
         assert not gp[~mask].any()
     print("masked loss kernels, unit / quad / element paths: PASS")
+
+
+@pytest.mark.gpu
+def test_masked_aux_loss_staged_bits_and_fallback_on_the_gpu():
+    """DeepSeek-V3's E = 256, bf16, T = 65536, every 10th token masked: the
+    forward's staged mask bits (256 blocks, 2 row lanes, 128 rows a lane: 16
+    bytes of dynamic shared memory each) and its per-element fallback
+    (``mask_stage_bytes=0``), T counted and given, against the unmasked
+    kernel on the zeroed rows, bit for bit; the masked quad fill's 8-row
+    trips (bf16, 62-63 rows a lane) against the unmasked fill. GPU only:
+    too big for the simulator, and the dynamic shared memory beside the
+    static arrays is a GPU launch's."""
+    from gpurouter.kernels.losses.column_sums import staged_mask_bytes
+    from gpurouter.kernels.losses.tiling import column_tiling
+
+    T, E = 65536, 256
+    rng = np.random.default_rng(13)
+    p = rng.random((T, E)).astype(ml_dtypes.bfloat16)
+    p[9::10, 3] = np.asarray(np.nan, ml_dtypes.bfloat16)  # masked rows: never added
+    tpe = rng.integers(0, 4096, E).astype(np.int32)
+    mask = np.arange(T) % 10 != 9
+    n = int(mask.sum())
+    grid, threads, cl, rows = column_tiling(T, E)
+    assert staged_mask_bytes(rows, threads // cl) <= K.AuxLossTiling().mask_stage_bytes
+    want, c = K.moe_aux_loss_fwd(np.where(mask[:, None], p, np.zeros((), ml_dtypes.bfloat16)), tpe, 8, 1e-2, n)
+    for tiling in (None, K.AuxLossTiling(mask_stage_bytes=0)):
+        for total in (None, n):
+            got, got_c = K.moe_aux_loss_fwd(p, tpe, 8, 1e-2, total, token_mask=mask, tiling=tiling)
+            assert got.tobytes() == want.tobytes() and got_c == c, (tiling, total)
+    g = np.asarray(1.0, ml_dtypes.bfloat16)
+    gp = K.moe_aux_loss_bwd(c, tpe, g, T, token_mask=mask)
+    np.testing.assert_array_equal(gp[mask].view(np.uint16), K.moe_aux_loss_bwd(c, tpe, g, T)[mask].view(np.uint16))
+    assert not gp[~mask].view(np.uint16).any()
+    print("masked aux loss, staged bits and fallback, T=65536 E=256: PASS")
