@@ -8,36 +8,27 @@ one), a row as ``V`` vectors of four words.  W lanes (a compile-time
 constant) own a row, lane ``l`` holding vectors ``l, l + W, ...`` (``hold`` of
 them, all of the row: one step), so a warp's load is W * 16 contiguous bytes
 of each of its rows.  A block's TB = threads / W row slots walk ``iters``
-consecutive groups of TB rows (a block owns ``TB * iters`` consecutive rows);
-with ``prefetch`` the next group's loads are issued before the current one
-is used (the forward walks two groups a trip, its two buffers in turn: no
-copies between them).  The forward is compiled for rows of exactly
-``W * hold`` vectors (no clamps or masks) and for blocks of whole warps
-(a constant shuffle mask) where the tiling gives them.  The unit kernels
-were instruction-bound (about 18 instructions an element, fp32 logits as
-slow as bf16): here an element costs about five (unpack, sub, mul or fma,
-``ex2.approx.ftz``, add or multiply; ``_z_loss_io``), the max
-of a bf16 row is taken two experts an instruction, the gradient packed two
-a ``cvt``.
+consecutive groups of TB rows; with ``prefetch`` the next group's loads are
+issued before the current one is used (the forward walks two groups a trip,
+its two buffers in turn).  The forward is compiled for rows of exactly
+``W * hold`` vectors and for blocks of whole warps where the tiling gives
+them.  An element costs about five instructions (``z_io.py``; the unit
+kernels about 18: docs/kernels.md).
 
 Forward: a lane takes the max of its vectors (fmaxf drops NaN; the sum keeps
-it), the W lanes' maxima give the row's ``M`` (``_z_loss_io.lane_reducers``:
-a butterfly of warp shuffles, log2 W steps, every lane gets ``M``), then each
-lane ``s_l = sum 2^((x - M) log2 e)`` (one exp an element, no
-rescale at all), and the W sums in a fixed pairwise tree in lane order give
-``S``; lane 0 saves ``(M, lg2.approx(S))``, takes ``lse = M + lg2(S) ln 2`` and adds
-``lse^2`` to its own running sum in row order.  No barrier inside the walk (the lane exchange is within a warp);
-at the end thread 0 sums the block's TB running sums in slot order into
-``partial[b]`` and takes a ticket (``atomic.inc`` on a ``_plan.Counter``, zero
-at launch, wrapping back to zero at the grid's last block): the block that
-gets the last one sums every partial in a fixed order (``_z_loss_finish``) and
-writes the loss, one launch in all (a second one-block launch cost more:
-lab/journal/benchmarks.md, "Router z-loss").  Every order is fixed: bit-identical
-run to run (the simulator's exchange goes through shared memory in the same
-order).
+it), the W lanes' maxima give the row's ``M`` (``z_io.lane_reducers``), then
+each lane ``s_l = sum 2^((x - M) log2 e)`` (no rescale), and the W sums in a
+fixed pairwise tree in lane order give ``S``; lane 0 saves ``(M, lg2.approx(S))``
+and adds ``lse^2`` to its running sum in row order.  At the end thread 0 sums
+the block's TB running sums in slot order into ``partial[b]`` and takes a
+ticket (``last_block.py``): the block that gets the last one sums every
+partial in a fixed order and writes the loss, one launch in all.  Every
+order is fixed: bit-identical run to run (the simulator's exchange goes
+through shared memory in the same order).
 
 Backward: ``grad = (g * 2 coeff / N) lse_t 2^((x - M_t) log2 e - lg2(S_t))``
-from the saved pair, as the unit kernel, one 16-byte store per vector; no barrier.
+from the saved pair, one 16-byte store per vector; no barrier.  ``has_mask``
+builds load each row's mask byte with its vectors (or saved pair).
 
 On the simulator the vector accesses are four word accesses (same code).
 """
@@ -203,11 +194,10 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
 
     @cuda.jit(device=True)
     def group(held, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, kept, cnt):
-        """One row group on the held vectors: the row's max over its W lanes, then
-        each lane's sum against it (no rescale), the W sums in the fixed pairwise
-        order; lane 0 writes the saved ``(m, log2 s)`` (one lg2.approx; s >= 1 or
-        NaN when m > -inf) and returns ``acc + lse^2`` (``acc`` for a row that
-        the mask leaves out: ``kept`` False, its byte loaded with the row's vectors)."""
+        """One row group on the held vectors: the row's max, each lane's sum against
+        it, the W sums in the fixed pairwise order; lane 0 writes the saved ``(m,
+        log2 s)`` (s >= 1 or NaN when m > -inf) and returns ``acc + lse^2`` (``acc``
+        for a masked row: ``kept`` False, its byte loaded with the row's vectors)."""
         m = all_max(row_max(held), red, tid, first, mask)
         s = all_sum(row_sum(held, lane, vecs, shift_of(m)), red, tid, first, mask)
         if lane == 0 and row < num_tokens:
@@ -234,8 +224,7 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
         fast = aligned(logits)
         acc = ZERO
         cnt = ZERO  # the slot's valid rows (count_valid), exact integers in fp32
-        # the mask byte of each row (has_mask) is loaded with the row's vectors, in flight with them
-        fetch(cur, logits, fast, min(row, last), lane, vecs)
+        fetch(cur, logits, fast, min(row, last), lane, vecs)  # (has_mask: each row's byte with its vectors)
         kc = load_keep(keep, min(row, last))
         kn = kc
         k = np.int32(0)
@@ -344,9 +333,7 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
         vm = lse[u64(min(row, last))]
         vl = lse[u64(num_tokens + min(row, last))]
         kc = load_keep(keep, min(row, last))  # the row's mask byte, loaded with its saved pair
-        nm = vm
-        nl = vl
-        kn = kc
+        nm, nl, kn = vm, vl, kc
         for k in range(iters):
             more = k + 1 < iters
             if prefetch and more:
@@ -375,9 +362,7 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
             if prefetch:
                 for i in range(words):
                     cur[i] = nxt[i]
-                vm = nm
-                vl = nl
-                kc = kn
+                vm, vl, kc = nm, nl, kn
             elif more:
                 fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
                 vm = lse[u64(min(row + tb, last))]
