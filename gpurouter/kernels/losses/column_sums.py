@@ -77,26 +77,42 @@ def staged_mask_bytes(rows_per_block: int, row_lanes: int) -> int:
 
 
 @cuda.jit(device=True)
+def valid_bit(mask, r, last):
+    """1 if row ``r <= last`` is valid in the bool ``mask``, else 0 (uint32): the load
+    clamped to ``last`` and unconditional (no branch before the next row's load)."""
+    return np.uint32(np.uint32(mask[min(r, last)] != 0) & np.uint32(r <= last))
+
+
+@cuda.jit(device=True)
 def stage_mask_bits(mask, bits, r0, r1, nrl, nb, tid, nthreads):
     """The block's rows ``r0 <= r < r1`` of the bool ``mask`` as bits in the shared
     uint8 ``bits [nrl * nb]``: byte ``rl * nb + j``, bit i says whether row ``r0 +
     rl + (8 j + i) nrl`` is valid (0 past r1), for row lane rl's k-th row ``r0 +
     rl + k nrl`` at byte ``k // 8``, bit ``k % 8``; the threads share the bytes
-    out, each mask byte read once.  Returns the thread's count of valid rows
-    (exact in fp32).  The caller's barrier follows before ``bits`` is read."""
+    out, each mask byte read once, a byte's 8 loads in flight together (no
+    branch between them).  Returns the thread's count of valid rows (exact in
+    fp32).  The caller's barrier follows before ``bits`` is read (an empty
+    block stages nothing: its sums read no bits)."""
     k = ZERO
-    idx = tid
-    while idx < nrl * nb:
-        lane = idx // nb
-        r = r0 + lane + 8 * (idx - lane * nb) * nrl
-        byte = np.uint32(0)
-        for i in range(8):
-            if r < r1 and mask[r]:
-                byte |= np.uint32(1) << np.uint32(i)
-                k += np.float32(1)
-            r += nrl
-        bits[idx] = np.uint8(byte)
-        idx += nthreads
+    if r1 > r0:
+        last = r1 - 1
+        idx = tid
+        while idx < nrl * nb:
+            lane = idx // nb
+            r = r0 + lane + 8 * (idx - lane * nb) * nrl
+            b0 = valid_bit(mask, r, last)
+            b1 = valid_bit(mask, r + nrl, last)
+            b2 = valid_bit(mask, r + 2 * nrl, last)
+            b3 = valid_bit(mask, r + 3 * nrl, last)
+            b4 = valid_bit(mask, r + 4 * nrl, last)
+            b5 = valid_bit(mask, r + 5 * nrl, last)
+            b6 = valid_bit(mask, r + 6 * nrl, last)
+            b7 = valid_bit(mask, r + 7 * nrl, last)
+            bits[idx] = np.uint8(b0 | (b1 << np.uint32(1)) | (b2 << np.uint32(2)) | (b3 << np.uint32(3))
+                                 | (b4 << np.uint32(4)) | (b5 << np.uint32(5)) | (b6 << np.uint32(6))
+                                 | (b7 << np.uint32(7)))
+            k += np.float32(b0 + b1 + b2 + b3 + b4 + b5 + b6 + b7)
+            idx += nthreads
     return k
 
 
