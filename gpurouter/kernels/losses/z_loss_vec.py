@@ -28,7 +28,8 @@ through shared memory in the same order).
 
 Backward: ``grad = (g * 2 coeff / N) lse_t 2^((x - M_t) log2 e - lg2(S_t))``
 from the saved pair, one 16-byte store per vector; no barrier.  ``has_mask``
-builds load each row's mask byte with its vectors (or saved pair).
+builds load a row's mask byte before its reductions (forward) or with its
+saved pair (backward).
 
 On the simulator the vector accesses are four word accesses (same code).
 """
@@ -193,11 +194,12 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
     load_keep = keep_loader(has_mask)
 
     @cuda.jit(device=True)
-    def group(held, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, kept, cnt):
+    def group(held, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt):
         """One row group on the held vectors: the row's max, each lane's sum against
         it, the W sums in the fixed pairwise order; lane 0 writes the saved ``(m,
         log2 s)`` (s >= 1 or NaN when m > -inf) and returns ``acc + lse^2`` (``acc``
-        for a masked row: ``kept`` False, its byte loaded with the row's vectors)."""
+        for a masked row: its byte loaded before the reductions, which hide its latency)."""
+        kept = load_keep(keep, min(row, num_tokens - 1))
         m = all_max(row_max(held), red, tid, first, mask)
         s = all_sum(row_sum(held, lane, vecs, shift_of(m)), red, tid, first, mask)
         if lane == 0 and row < num_tokens:
@@ -224,31 +226,26 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
         fast = aligned(logits)
         acc = ZERO
         cnt = ZERO  # the slot's valid rows (count_valid), exact integers in fp32
-        fetch(cur, logits, fast, min(row, last), lane, vecs)  # (has_mask: each row's byte with its vectors)
-        kc = load_keep(keep, min(row, last))
-        kn = kc
+        fetch(cur, logits, fast, min(row, last), lane, vecs)
         k = np.int32(0)
         while k < iters:
             if prefetch:  # two groups a trip, the buffers in turn: each group's loads in flight
                 if k + 1 < iters:  # during the group before it, and no copies between buffers
                     fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
-                    kn = load_keep(keep, min(row + tb, last))
-                acc, cnt = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, kc, cnt)
+                acc, cnt = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt)
                 row += tb
                 if k + 1 < iters:
                     if k + 2 < iters:
                         fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
-                        kc = load_keep(keep, min(row + tb, last))
-                    acc, cnt = group(nxt, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, kn, cnt)
+                    acc, cnt = group(nxt, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt)
                     row += tb
                 k += 2
             else:
-                acc, cnt = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, kc, cnt)
+                acc, cnt = group(cur, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt)
                 row += tb
                 k += 1
                 if k < iters:
                     fetch(cur, logits, fast, min(row, last), lane, vecs)
-                    kc = load_keep(keep, min(row, last))
         if lane == 0:
             red[nthreads + tok] = acc
             if count_valid:
