@@ -330,7 +330,9 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
         vm = lse[u64(min(row, last))]
         vl = lse[u64(num_tokens + min(row, last))]
         kc = load_keep(keep, min(row, last))  # the row's mask byte, loaded with its saved pair
-        nm, nl, kn = vm, vl, kc
+        nm = vm
+        nl = vl
+        kn = kc
         for k in range(iters):
             more = k + 1 < iters
             if prefetch and more:
@@ -359,7 +361,9 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
             if prefetch:
                 for i in range(words):
                     cur[i] = nxt[i]
-                vm, vl, kc = nm, nl, kn
+                vm = nm
+                vl = nl
+                kc = kn
             elif more:
                 fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
                 vm = lse[u64(min(row + tb, last))]
