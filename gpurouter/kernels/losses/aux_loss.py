@@ -34,17 +34,9 @@ from .._base.device import ZERO
 from .._base.launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
 from .._base.plan import Counter, In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
 from .aux_loss_bwd import aux_loss_bwd_kernel, aux_loss_bwd_quad_kernel
-from .column_sums import (
-    block_tree_sum,
-    block_tree_sum2,
-    lane_column_sum,
-    lane_column_sum_staged,
-    lane_quad_sum,
-    lane_quad_sum_staged,
-    stage_mask_bits,
-    staged_mask_bytes,
-)
+from .column_sums import block_tree_sum, block_tree_sum2, lane_column_sum, lane_quad_sum
 from .last_block import finish_pieces, load_l2
+from .mask_bits import lane_column_sum_staged, lane_quad_sum_staged, stage_mask_bits, staged_mask_bytes
 from .masks import mask_input, mask_spec
 from .tiling import AUX_LOSS_TILING, AuxLossTiling, column_tiling, fill_tiling
 
@@ -73,7 +65,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
     to word 1 of the ``Counter`` (integer atomics: any order gives the same
     count) before its ticket, and the last block takes it and leaves it 0.
     ``staged`` (with ``has_mask``): the block first copies its mask slice into
-    dynamic shared memory as bits (``column_sums.stage_mask_bits``, the
+    dynamic shared memory as bits (``mask_bits.stage_mask_bits``, the
     launch's ``staged_mask_bytes``; the valid rows counted on the way), and
     the sums read a shared byte per 8 (quads: 4) rows instead of a global mask
     byte per element: the same sums, the same bits."""

@@ -17,7 +17,7 @@ from numba import cuda
 from .._base.access import bf16_quad, flat_io, loader_1d, storer_2d
 from .._base.device import ZERO, u64
 from .._base.launch import BF16, F32
-from .column_sums import all_ones_if, keep_if
+from .mask_bits import all_ones_if, keep_if
 
 #: a 0 / 0xFFFFFFFF mask times this: 0 / all 64 bits (a bf16 quad's select)
 _LOW_AND_HIGH = np.uint64(0x100000001)

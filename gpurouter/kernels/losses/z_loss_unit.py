@@ -18,7 +18,6 @@ from numba import float32 as nb_f32  # array declarations take numba types
 
 from .._base.access import flat_io, storer_2d
 from .._base.device import NEG_INF, ZERO, fmax_f32, u64
-from .column_sums import all_ones_if, keep_if
 from .logsumexp import (
     backward_row,
     exp2_term,
@@ -31,6 +30,7 @@ from .logsumexp import (
     softmax_term,
     unit_fetchers,
 )
+from .mask_bits import all_ones_if, keep_if
 from .z_io import keep_loader
 
 # ----------------------------------------------------------------------------

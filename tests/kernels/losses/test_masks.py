@@ -66,7 +66,7 @@ def test_aux_loss_staged_mask_bits(dtype, C):
     rows, T counted or given; the plans say which they launch."""
     from gpurouter.kernels._base.plan import spec_for
     from gpurouter.kernels.losses import aux_loss as A
-    from gpurouter.kernels.losses.column_sums import staged_mask_bytes
+    from gpurouter.kernels.losses.mask_bits import staged_mask_bytes
 
     T = 70  # 3 blocks of 24 rows (the last 22), 2 row lanes of 32 column lanes
     base = dict(column_threads=64, column_min_rows=32)
@@ -292,7 +292,7 @@ def test_masked_aux_loss_staged_bits_and_fallback_on_the_gpu():
     trips (bf16, 62-63 rows a lane) against the unmasked fill. GPU only:
     too big for the simulator, and the dynamic shared memory beside the
     static arrays is a GPU launch's."""
-    from gpurouter.kernels.losses.column_sums import staged_mask_bytes
+    from gpurouter.kernels.losses.mask_bits import staged_mask_bytes
     from gpurouter.kernels.losses.tiling import column_tiling
 
     T, E = 65536, 256
