@@ -28,8 +28,7 @@ through shared memory in the same order).
 
 Backward: ``grad = (g * 2 coeff / N) lse_t 2^((x - M_t) log2 e - lg2(S_t))``
 from the saved pair, one 16-byte store per vector; no barrier.  ``has_mask``
-builds load a row's mask byte before its reductions (forward) or with its
-saved pair (backward).
+backward loads a row's mask byte with its saved pair (prefetched with it).
 
 On the simulator the vector accesses are four word accesses (same code).
 """
@@ -191,15 +190,13 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
     words = 4 * hold  # compile-time constants (local array sizes, unrolled loops)
     w = np.int32(lanes)
 
-    load_keep = keep_loader(has_mask)
-
     @cuda.jit(device=True)
     def group(held, lane, vecs, red, tid, first, mask, lse, row, num_tokens, acc, keep, cnt):
-        """One row group on the held vectors: the row's max, each lane's sum against
-        it, the W sums in the fixed pairwise order; lane 0 writes the saved ``(m,
-        log2 s)`` (s >= 1 or NaN when m > -inf) and returns ``acc + lse^2`` (``acc``
-        for a masked row: its byte loaded before the reductions, which hide its latency)."""
-        kept = load_keep(keep, min(row, num_tokens - 1))
+        """One row group on the held vectors: the row's max over its W lanes, then
+        each lane's sum against it (no rescale), the W sums in the fixed pairwise
+        order; lane 0 writes the saved ``(m, log2 s)`` (one lg2.approx; s >= 1 or
+        NaN when m > -inf) and returns ``acc + lse^2`` (``acc`` for a row that
+        ``keep`` leaves out: ``has_mask``)."""
         m = all_max(row_max(held), red, tid, first, mask)
         s = all_sum(row_sum(held, lane, vecs, shift_of(m)), red, tid, first, mask)
         if lane == 0 and row < num_tokens:
@@ -207,7 +204,7 @@ def z_loss_vec_rows_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hin
             v = lse_of_saved(sm, sl)
             lse[u64(row)] = sm
             lse[u64(num_tokens + row)] = sl
-            if not has_mask or kept:
+            if not has_mask or keep[row]:
                 acc = np.float32(acc + np.float32(v * v))
                 cnt += np.float32(1)
         return acc, cnt
