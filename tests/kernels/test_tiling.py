@@ -126,5 +126,7 @@ def test_default_tilings_are_the_library_figures():
     assert again is not plan and launches(again) == launches(plan)  # kernel, grid, block, memory, arguments
     with pytest.raises(ValueError, match="column_threads"):
         K.AuxLossTiling(column_threads=1024)  # past the kernel's compiled shared array
+    with pytest.raises(ValueError, match="mask_stage_bytes"):
+        K.AuxLossTiling(mask_stage_bytes=-1)
     with pytest.raises(ValueError, match="final_threads"):
         K.ZLossTiling(final_threads=2048)

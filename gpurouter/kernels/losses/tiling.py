@@ -38,6 +38,9 @@ class AuxLossTiling:
         if not 32 <= self.column_threads <= AuxLossTiling.column_threads:  # the kernel's compiled shared array
             raise ValueError(f"AuxLossTiling: column_threads must be in [32, {AuxLossTiling.column_threads}], "
                              f"got {self.column_threads}.")
+        if self.mask_stage_bytes < 0:
+            raise ValueError(f"AuxLossTiling: mask_stage_bytes must be >= 0 (0: never staged), "
+                             f"got {self.mask_stage_bytes}.")
 
 
 #: the library's aux-loss tiling
