@@ -4,7 +4,7 @@ fallback):
 
 - ``all_ones_if``, ``keep_if``, ``row_bit``: a bitwise select of an fp32 value
   (+0.0 where the mask is 0, whatever the value: NaN and inf too), no branch,
-  so no load waits on a mask byte;
+  so no load waits on a mask byte; ``pick``: the same as a float select;
 - ``stage_mask_bits``: a block's mask slice as bits in shared memory, a byte
   per 8 rows of a row lane, each mask byte read once a block, the valid rows
   counted on the way (``staged_mask_bytes``: its size, host side);
@@ -47,6 +47,12 @@ def keep_if(v, m):
     the bits (no branch, so no load is made conditional on the mask; a masked
     NaN or inf becomes +0.0, what a zeroed row adds)."""
     return np.uint32(np.float32(v).view(np.uint32) & m).view(np.float32)
+
+
+@cuda.jit(device=True)
+def pick(v, keep):
+    """fp32 ``v`` if ``keep`` else +0.0 (a select: both values computed, no branch)."""
+    return v if keep else ZERO
 
 
 @cuda.jit(device=True)
@@ -163,7 +169,9 @@ def lane_quad_sum_staged():
     """Device function ``sum4(src, r0, r1, cq, eq, rl, nrl, bits, base) -> 4 x fp32``:
     ``lane_quad_sum(True)``'s sums (the same rows, accumulators and order) with
     the mask read from the staged ``bits`` (``stage_mask_bits``; ``base = rl *
-    nb``): one shared byte per 4 rows (a nibble of it each)."""
+    nb``): one shared byte per 4 rows (a nibble of it each), the values kept
+    by a float select (``pick``; with ``keep_if``'s bitcasts ptxas for sm_90
+    kept one 16-byte load in flight, with ``pick`` two)."""
     raw4 = quad_f32()[0]
 
     @cuda.jit(device=True)
@@ -197,26 +205,26 @@ def lane_quad_sum_staged():
             z0, z1, z2, z3 = raw4(src, np.int64(r + 2 * nrl) * eq + cq)
             w0, w1, w2, w3 = raw4(src, np.int64(r + 3 * nrl) * eq + cq)
             b = np.uint32(np.uint32(bits[base + (k >> 3)]) >> np.uint32(k & 7))
-            m = row_bit(b, 0)
-            a0 += keep_if(x0, m)
-            a1 += keep_if(x1, m)
-            a2 += keep_if(x2, m)
-            a3 += keep_if(x3, m)
-            m = row_bit(b, 1)
-            b0 += keep_if(y0, m)
-            b1 += keep_if(y1, m)
-            b2 += keep_if(y2, m)
-            b3 += keep_if(y3, m)
-            m = row_bit(b, 2)
-            c0 += keep_if(z0, m)
-            c1 += keep_if(z1, m)
-            c2 += keep_if(z2, m)
-            c3 += keep_if(z3, m)
-            m = row_bit(b, 3)
-            d0 += keep_if(w0, m)
-            d1 += keep_if(w1, m)
-            d2 += keep_if(w2, m)
-            d3 += keep_if(w3, m)
+            m = (b & np.uint32(1)) != 0
+            a0 += pick(x0, m)
+            a1 += pick(x1, m)
+            a2 += pick(x2, m)
+            a3 += pick(x3, m)
+            m = (b & np.uint32(2)) != 0
+            b0 += pick(y0, m)
+            b1 += pick(y1, m)
+            b2 += pick(y2, m)
+            b3 += pick(y3, m)
+            m = (b & np.uint32(4)) != 0
+            c0 += pick(z0, m)
+            c1 += pick(z1, m)
+            c2 += pick(z2, m)
+            c3 += pick(z3, m)
+            m = (b & np.uint32(8)) != 0
+            d0 += pick(w0, m)
+            d1 += pick(w1, m)
+            d2 += pick(w2, m)
+            d3 += pick(w3, m)
             r += 4 * nrl
             k += 4
         while r < r1:

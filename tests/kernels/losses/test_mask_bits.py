@@ -13,7 +13,13 @@ from numba import cuda  # noqa: E402  (a module global: the simulator swaps it i
 from numba import float32 as nb_f32  # noqa: E402
 from numba import uint8 as nb_u8  # noqa: E402
 
-from gpurouter.kernels.losses.mask_bits import keep_if, row_bit, stage_mask_bits, staged_mask_bytes  # noqa: E402
+from gpurouter.kernels.losses.mask_bits import (  # noqa: E402
+    keep_if,
+    pick,
+    row_bit,
+    stage_mask_bits,
+    staged_mask_bytes,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -73,18 +79,22 @@ def test_stage_mask_bits_layout_and_count(T, rows, nrl, threads):
 
 def test_keep_if_selects_bits():
     """``keep_if``: the value's bits unchanged (NaN payloads, -0.0, inf) where
-    the mask is all ones, +0.0 (bits 0) where it is 0; ``row_bit`` of each bit."""
+    the mask is all ones, +0.0 (bits 0) where it is 0; ``row_bit`` of each bit;
+    ``pick`` (the float select) the same bits."""
+
     @cuda.jit
-    def kernel(v, byte, out):
+    def kernel(v, byte, out, out2):
         i = cuda.grid(1)
         if i < v.shape[0]:
             out[i] = keep_if(v[i], row_bit(np.uint32(byte[0]), i % 8))
+            out2[i] = pick(v[i], (np.uint32(byte[0]) >> np.uint32(i % 8)) & np.uint32(1) != 0)
 
     vals = np.array([1.5, np.nan, -np.inf, np.inf, -0.0, -2.0, 3e-40, np.nan], np.float32)
     vals[7] = np.uint32(0xFFC00001).view(np.float32)  # a NaN with a payload
     byte = np.array([0b10110100], np.uint8)  # bits 2, 4, 5, 7 set
-    out = np.empty_like(vals)
-    kernel[1, 8](vals, byte, out)
+    out, out2 = np.empty_like(vals), np.empty_like(vals)
+    kernel[1, 8](vals, byte, out, out2)
     keep = [(int(byte[0]) >> i) & 1 for i in range(8)]
     want = np.where(np.array(keep, bool), vals.view(np.uint32), np.uint32(0))
     np.testing.assert_array_equal(out.view(np.uint32), want)
+    np.testing.assert_array_equal(out2.view(np.uint32), want)
