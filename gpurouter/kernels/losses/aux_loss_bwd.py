@@ -14,9 +14,13 @@ import functools
 import numpy as np
 from numba import cuda
 
-from .._base.access import flat_io, loader_1d, storer_2d
+from .._base.access import bf16_quad, flat_io, loader_1d, storer_2d
 from .._base.device import ZERO, u64
-from .._base.launch import F32
+from .._base.launch import BF16, F32
+from .mask_bits import all_ones_if, keep_if
+
+#: a 0 / 0xFFFFFFFF mask times this: 0 / all 64 bits (a bf16 quad's select)
+_LOW_AND_HIGH = np.uint64(0x100000001)
 
 # ----------------------------------------------------------------------------
 # Backward: grad_probs[r, c] = C * f32(tpe[c]) * f32(grad_loss), every row alike.
@@ -84,7 +88,8 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
     (``_vec.quad_store_once_f32``: the output is larger than L2 and the
     kernel never reads it), bf16 as one uint64 per quad, fp16 as elements.
     ``has_mask`` (compile-time): a bool ``mask [R]`` after ``num_cols``; its
-    False rows get 0."""
+    False rows get 0 (+0.0: a bitwise select, ``column_sums.keep_if``), a
+    thread's next 8 rows' mask bytes loaded before their 8 stores."""
     from .._base.vec import quad_store_once_f32
 
     load_tpe = loader_1d(tpe_kind)
@@ -94,6 +99,32 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
     @cuda.jit(device=True)
     def value(c0, tokens_per_expert, c, g):
         return np.float32(np.float32(c0 * load_tpe(tokens_per_expert, c)) * g)
+
+    if out_kind == BF16:  # the quad's uint64 of bf16 words packed once, the select on it (not 4 roundings a row)
+
+        @cuda.jit(device=True)
+        def pack(v0, v1, v2, v3):
+            return bf16_quad(v0, v1, v2, v3)
+
+        @cuda.jit(device=True)
+        def store_kept(grad_probs, r, eq, cq, q, v0, v1, v2, v3, m):
+            grad_probs[u64(np.int64(r) * eq + cq)] = np.uint64(q & np.uint64(np.uint64(m) * _LOW_AND_HIGH))
+
+    else:
+
+        @cuda.jit(device=True)
+        def pack(v0, v1, v2, v3):
+            return np.uint64(0)
+
+        @cuda.jit(device=True)
+        def store_kept(grad_probs, r, eq, cq, q, v0, v1, v2, v3, m):
+            # the quad, or +0.0 (0 in every kind) where m is 0: a select on the bits, no branch
+            store4(grad_probs, np.int64(r) * eq + cq, keep_if(v0, m), keep_if(v1, m), keep_if(v2, m),
+                   keep_if(v3, m))
+
+    @cuda.jit(device=True)
+    def kept(mask, r):
+        return all_ones_if(np.uint32(mask[r] != 0))
 
     @cuda.jit(device=True)
     def run(coeff, tokens_per_expert, grad_loss, grad_probs, num_rows, num_cols, mask, col_lanes):
@@ -117,12 +148,35 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
             v2 = value(c0, tokens_per_expert, c + u64(2), g)
             v3 = value(c0, tokens_per_expert, c + u64(3), g)
             r = first
-            while r < num_rows:
-                if has_mask and not mask[r]:
-                    store4(grad_probs, np.int64(r) * eq + cq, ZERO, ZERO, ZERO, ZERO)
-                else:
+            if has_mask:
+                q = pack(v0, v1, v2, v3)
+                # 8 rows a trip: their 8 mask bytes loaded first (8 loads in flight, not a
+                # load's latency before every store), then 8 stores of the kept values
+                while np.int64(r) + 7 * np.int64(step) < num_rows:
+                    m0 = kept(mask, r)
+                    m1 = kept(mask, r + step)
+                    m2 = kept(mask, r + 2 * step)
+                    m3 = kept(mask, r + 3 * step)
+                    m4 = kept(mask, r + 4 * step)
+                    m5 = kept(mask, r + 5 * step)
+                    m6 = kept(mask, r + 6 * step)
+                    m7 = kept(mask, r + 7 * step)
+                    store_kept(grad_probs, r, eq, cq, q, v0, v1, v2, v3, m0)
+                    store_kept(grad_probs, r + step, eq, cq, q, v0, v1, v2, v3, m1)
+                    store_kept(grad_probs, r + 2 * step, eq, cq, q, v0, v1, v2, v3, m2)
+                    store_kept(grad_probs, r + 3 * step, eq, cq, q, v0, v1, v2, v3, m3)
+                    store_kept(grad_probs, r + 4 * step, eq, cq, q, v0, v1, v2, v3, m4)
+                    store_kept(grad_probs, r + 5 * step, eq, cq, q, v0, v1, v2, v3, m5)
+                    store_kept(grad_probs, r + 6 * step, eq, cq, q, v0, v1, v2, v3, m6)
+                    store_kept(grad_probs, r + 7 * step, eq, cq, q, v0, v1, v2, v3, m7)
+                    r = np.int32(r + 8 * step)
+                while r < num_rows:
+                    store_kept(grad_probs, r, eq, cq, q, v0, v1, v2, v3, kept(mask, r))
+                    r = np.int32(r + step)
+            else:
+                while r < num_rows:
                     store4(grad_probs, np.int64(r) * eq + cq, v0, v1, v2, v3)
-                r = np.int32(r + step)
+                    r = np.int32(r + step)
             cq = np.int32(cq + col_lanes)
 
     if has_mask:

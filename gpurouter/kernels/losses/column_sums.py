@@ -12,8 +12,11 @@ fixed: deterministic.
 - ``lane_quad_sum(has_mask)``: one fp32 column quad (``_vec.quad_f32``);
 
 ``has_mask`` (a compile-time flag): the sums take a bool ``mask [T]`` too and
-leave out the rows where it is False (a select, not a product: a masked NaN
-or inf adds nothing); without it the ``mask`` argument is never read.
+leave out the rows where it is False (a bitwise select, ``mask_bits.keep_if``,
+not a product: a masked NaN or inf adds +0.0, exactly what a zeroed row
+adds); without it the ``mask`` argument is never read.  These read the mask
+byte once per element: the fallback for blocks whose staged bits would not
+fit (``mask_bits.py`` has the sums on a block's mask staged once as bits).
 - ``block_tree_sum``: a block's values summed by a fixed-shape tree
   (``block_tree_sum2``: two arrays in one tree, the masked aux loss's sums
   and valid-row counts).
@@ -33,6 +36,7 @@ from numba import cuda
 from .._base.access import loader_2d
 from .._base.device import ZERO
 from .._base.vec import quad_f32
+from .mask_bits import all_ones_if, keep_if
 
 
 @functools.cache
@@ -47,10 +51,8 @@ def lane_column_sum(kind: str, has_mask: bool = False):
 
         @cuda.jit(device=True)
         def load(src, r, c, mask):
-            v = raw(src, r, c)  # issued whatever the mask: the loads stay in flight together
-            if mask[r]:
-                return v
-            return ZERO
+            # a select on the value's bits, no branch: the load is issued whatever the mask
+            return keep_if(raw(src, r, c), all_ones_if(np.uint32(mask[r] != 0)))
 
     else:
 
@@ -134,9 +136,8 @@ def lane_quad_sum(has_mask: bool = False):
         @cuda.jit(device=True)
         def load4(src, r, eq, cq, mask):
             x0, x1, x2, x3 = raw4(src, np.int64(r) * eq + cq)
-            if mask[r]:
-                return x0, x1, x2, x3
-            return ZERO, ZERO, ZERO, ZERO
+            m = all_ones_if(np.uint32(mask[r] != 0))
+            return keep_if(x0, m), keep_if(x1, m), keep_if(x2, m), keep_if(x3, m)
 
     else:
 
@@ -198,3 +199,4 @@ def lane_quad_sum(has_mask: bool = False):
                 np.float32(np.float32(a3 + b3) + np.float32(c3 + d3)))
 
     return quad_sum
+

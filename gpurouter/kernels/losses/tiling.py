@@ -21,18 +21,26 @@ class AuxLossTiling:
       kernel: threads per block (at most the kernel's compiled ``aux_loss._RED_WORDS``),
       blocks at most, rows per block at least;
     - ``fill_threads``, ``fill_blocks``: the backward's fill: threads per block, blocks at
-      most (528: 4 blocks on each of 132 SMs; better than other grids and the driver's memset)."""
+      most (528: 4 blocks on each of 132 SMs; better than other grids and the driver's memset);
+    - ``mask_stage_bytes``: the masked forward stages a block's mask slice as bits in this many
+      bytes of shared memory at most (``column_sums.staged_mask_bytes``: about rows / 8; 16384 bytes:
+      blocks of up to ~131,000 rows, T up to ~33 million at 256 blocks); a larger block reads a
+      global mask byte per element instead (slower, the same bits)."""
 
     column_threads: int = 512
     column_blocks: int = 256
     column_min_rows: int = 64
     fill_threads: int = 128
     fill_blocks: int = 528
+    mask_stage_bytes: int = 16384
 
     def __post_init__(self):
         if not 32 <= self.column_threads <= AuxLossTiling.column_threads:  # the kernel's compiled shared array
             raise ValueError(f"AuxLossTiling: column_threads must be in [32, {AuxLossTiling.column_threads}], "
                              f"got {self.column_threads}.")
+        if self.mask_stage_bytes < 0:
+            raise ValueError(f"AuxLossTiling: mask_stage_bytes must be >= 0 (0: never staged), "
+                             f"got {self.mask_stage_bytes}.")
 
 
 #: the library's aux-loss tiling

@@ -19,6 +19,10 @@ denormal handling around ``ex2``):
 On the simulator each is Python (``exp2_f32``; ``max_bf16x2`` is not used
 there; ``bf16_bits``), the vector accesses four word accesses.
 
+``keep_loader(has_mask)``: ``load_keep(keep, r)``, row r's mask byte as a bool
+(``has_mask``; the kernels load it with the row's data, not after the row's
+reductions), else True without a load (the unmasked builds).
+
 ``lane_reducers(W)``: the max and the sum of a value over the W lanes of a
 row (W consecutive threads, W a power of two <= 32), every lane getting the
 result: on the GPU a butterfly of ``shfl_xor_sync`` (log2 W steps, no
@@ -46,6 +50,26 @@ from .._base.access import bf16_bits
 from .._base.device import fmax_f32, u64
 from .._base.launch import simulator_enabled
 from .logsumexp import exp2_f32
+
+
+@functools.cache
+def keep_loader(has_mask: bool):
+    """``load_keep(keep, r)``: ``keep[r] != 0`` (bool ``[T]``) with ``has_mask``,
+    else True and ``keep`` never read (the unmasked kernels pass another array)."""
+    if has_mask:
+
+        @cuda.jit(device=True)
+        def load_keep(keep, r):
+            return keep[r] != 0
+
+    else:
+
+        @cuda.jit(device=True)
+        def load_keep(keep, r):
+            return True
+
+    return load_keep
+
 
 _NC_LOAD = "{ .reg .u64 g; cvta.to.global.u64 g, $4; ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [g]; }"
 _CS_STORE = "{ .reg .u64 g; cvta.to.global.u64 g, $0; st.global.cs.v4.u32 [g], {$1, $2, $3, $4}; }"

@@ -30,6 +30,8 @@ from .logsumexp import (
     softmax_term,
     unit_fetchers,
 )
+from .mask_bits import all_ones_if, keep_if
+from .z_io import keep_loader
 
 # ----------------------------------------------------------------------------
 # Forward
@@ -48,6 +50,7 @@ def z_loss_rows_kernel(kind: str, quads: bool, hold: int, has_mask: bool = False
     aligned, fetch_fast, fetch = unit_fetchers(kind, quads)
     load_fast = held_unit_loader(fetch_fast, hold)
     load_slow = held_unit_loader(fetch, hold)
+    load_keep = keep_loader(has_mask)
     held_words = 4 * hold  # a compile-time constant (local array sizes must be)
 
     @cuda.jit(device=True)
@@ -63,6 +66,7 @@ def z_loss_rows_kernel(kind: str, quads: bool, hold: int, has_mask: bool = False
         nu = np.int32(units)
         n = np.int32(num_experts)
         fast = aligned(logits)
+        kept = load_keep(keep, min(token, num_tokens - 1))  # the row's mask byte, in flight with its units
 
         m = NEG_INF
         s = ZERO
@@ -112,11 +116,11 @@ def z_loss_rows_kernel(kind: str, quads: bool, hold: int, has_mask: bool = False
             if live:
                 lse[u64(token)] = sm  # the saved (m, log2 s): stats [2T]
                 lse[u64(num_tokens + token)] = sl
-                if not has_mask or keep[token]:
+                if not has_mask or kept:
                     sq = np.float32(v * v)
             red[2 * nthreads + tok] = sq
             if count_valid:
-                red[2 * nthreads + tb + tok] = np.float32(1) if live and keep[token] else ZERO
+                red[2 * nthreads + tb + tok] = np.float32(1) if live and kept else ZERO
         # The TB squares in a fixed-shape tree (pairs r, r + ceil(n/2)).
         o = 2 * nthreads
         k = tb
@@ -171,10 +175,12 @@ def z_loss_rows_kernel(kind: str, quads: bool, hold: int, has_mask: bool = False
 def z_loss_bwd_kernel(kind: str, quads: bool, hold: int, has_mask: bool = False):
     """The unit backward.  ``has_mask`` (compile-time): ``mask`` (bool ``[T]``)
     and ``n`` (fp32 ``[1]``) after ``grad_logits``, ``coeff`` in place of
-    ``scale`` (``2 coeff / n`` on the device); masked rows get 0."""
+    ``scale`` (``2 coeff / n`` on the device); masked rows get 0 (+0.0, a
+    bitwise select on the values: their loads wait on no mask byte)."""
     aligned, fetch_fast, fetch = unit_fetchers(kind, quads)
     load_fast = held_unit_loader(fetch_fast, hold)
     load_slow = held_unit_loader(fetch, hold)
+    load_keep = keep_loader(has_mask)
     held_words = 4 * hold  # a compile-time constant (local array sizes must be)
     if quads:
         store4 = flat_io(kind)[1]
@@ -213,15 +219,11 @@ def z_loss_bwd_kernel(kind: str, quads: bool, hold: int, has_mask: bool = False)
         fast = aligned(logits)
         v, sh, l2 = backward_row(lse[u64(token)], lse[u64(num_tokens + token)])
         a = np.float32(np.float32(grad_loss[0] * scale) * v)  # 0 on a dead row (v = 0)
+        # has_mask: the row's mask byte loaded with its saved pair; a masked row's units are
+        # loaded and computed as any row's (no branch for the loads to wait on) and stored as
+        # +0.0 by a bitwise select, whatever they hold (NaN, inf)
+        mk = all_ones_if(np.uint32(load_keep(keep, token)))
         u0 = lane
-        if has_mask and not keep[token]:  # a masked row: 0 whatever it holds
-            while u0 < nu:
-                for h in range(hold):
-                    u = np.int32(u0 + h * w)
-                    if u < nu:
-                        put(grad_logits, token, u, nu, n, ZERO, ZERO, ZERO, ZERO)
-                u0 = np.int32(u0 + hold * w)
-            return
         while u0 < nu:
             if fast:
                 load_fast(held, logits, token, u0, w, nu, n)
@@ -230,11 +232,16 @@ def z_loss_bwd_kernel(kind: str, quads: bool, hold: int, has_mask: bool = False)
             for h in range(hold):
                 u = np.int32(u0 + h * w)
                 if u < nu:
-                    put(grad_logits, token, u, nu, n,
-                        np.float32(a * softmax_term(held[4 * h], sh, l2)),
-                        np.float32(a * softmax_term(held[4 * h + 1], sh, l2)),
-                        np.float32(a * softmax_term(held[4 * h + 2], sh, l2)),
-                        np.float32(a * softmax_term(held[4 * h + 3], sh, l2)))
+                    o0 = np.float32(a * softmax_term(held[4 * h], sh, l2))
+                    o1 = np.float32(a * softmax_term(held[4 * h + 1], sh, l2))
+                    o2 = np.float32(a * softmax_term(held[4 * h + 2], sh, l2))
+                    o3 = np.float32(a * softmax_term(held[4 * h + 3], sh, l2))
+                    if has_mask:
+                        o0 = keep_if(o0, mk)
+                        o1 = keep_if(o1, mk)
+                        o2 = keep_if(o2, mk)
+                        o3 = keep_if(o3, mk)
+                    put(grad_logits, token, u, nu, n, o0, o1, o2, o3)
             u0 = np.int32(u0 + hold * w)
 
     if has_mask:

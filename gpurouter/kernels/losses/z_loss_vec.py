@@ -8,36 +8,27 @@ one), a row as ``V`` vectors of four words.  W lanes (a compile-time
 constant) own a row, lane ``l`` holding vectors ``l, l + W, ...`` (``hold`` of
 them, all of the row: one step), so a warp's load is W * 16 contiguous bytes
 of each of its rows.  A block's TB = threads / W row slots walk ``iters``
-consecutive groups of TB rows (a block owns ``TB * iters`` consecutive rows);
-with ``prefetch`` the next group's loads are issued before the current one
-is used (the forward walks two groups a trip, its two buffers in turn: no
-copies between them).  The forward is compiled for rows of exactly
-``W * hold`` vectors (no clamps or masks) and for blocks of whole warps
-(a constant shuffle mask) where the tiling gives them.  The unit kernels
-were instruction-bound (about 18 instructions an element, fp32 logits as
-slow as bf16): here an element costs about five (unpack, sub, mul or fma,
-``ex2.approx.ftz``, add or multiply; ``_z_loss_io``), the max
-of a bf16 row is taken two experts an instruction, the gradient packed two
-a ``cvt``.
+consecutive groups of TB rows; with ``prefetch`` the next group's loads are
+issued before the current one is used (the forward walks two groups a trip,
+its two buffers in turn).  The forward is compiled for rows of exactly
+``W * hold`` vectors and for blocks of whole warps where the tiling gives
+them.  An element costs about five instructions (``z_io.py``; the unit
+kernels about 18: docs/kernels.md).
 
 Forward: a lane takes the max of its vectors (fmaxf drops NaN; the sum keeps
-it), the W lanes' maxima give the row's ``M`` (``_z_loss_io.lane_reducers``:
-a butterfly of warp shuffles, log2 W steps, every lane gets ``M``), then each
-lane ``s_l = sum 2^((x - M) log2 e)`` (one exp an element, no
-rescale at all), and the W sums in a fixed pairwise tree in lane order give
-``S``; lane 0 saves ``(M, lg2.approx(S))``, takes ``lse = M + lg2(S) ln 2`` and adds
-``lse^2`` to its own running sum in row order.  No barrier inside the walk (the lane exchange is within a warp);
-at the end thread 0 sums the block's TB running sums in slot order into
-``partial[b]`` and takes a ticket (``atomic.inc`` on a ``_plan.Counter``, zero
-at launch, wrapping back to zero at the grid's last block): the block that
-gets the last one sums every partial in a fixed order (``_z_loss_finish``) and
-writes the loss, one launch in all (a second one-block launch cost more:
-lab/journal/benchmarks.md, "Router z-loss").  Every order is fixed: bit-identical
-run to run (the simulator's exchange goes through shared memory in the same
-order).
+it), the W lanes' maxima give the row's ``M`` (``z_io.lane_reducers``), then
+each lane ``s_l = sum 2^((x - M) log2 e)`` (no rescale), and the W sums in a
+fixed pairwise tree in lane order give ``S``; lane 0 saves ``(M, lg2.approx(S))``
+and adds ``lse^2`` to its running sum in row order.  At the end thread 0 sums
+the block's TB running sums in slot order into ``partial[b]`` and takes a
+ticket (``last_block.py``): the block that gets the last one sums every
+partial in a fixed order and writes the loss, one launch in all.  Every
+order is fixed: bit-identical run to run (the simulator's exchange goes
+through shared memory in the same order).
 
 Backward: ``grad = (g * 2 coeff / N) lse_t 2^((x - M_t) log2 e - lg2(S_t))``
-from the saved pair, as the unit kernel, one 16-byte store per vector; no barrier.
+from the saved pair, one 16-byte store per vector; no barrier.  ``has_mask``
+backward loads a row's mask byte with its saved pair (prefetched with it).
 
 On the simulator the vector accesses are four word accesses (same code).
 """
@@ -60,7 +51,7 @@ from .._base.launch import BF16
 from .._base.plan import Spec
 from .last_block import finish_pieces
 from .logsumexp import LOG2E, backward_row, lse_of_saved, saved_pair, shift_of
-from .z_io import lane_reducers, load_words, log2_approx, single_ops, store_words, vector_io, warp_mask
+from .z_io import keep_loader, lane_reducers, load_words, log2_approx, single_ops, store_words, vector_io, warp_mask
 
 
 def word_view(logits: Spec) -> Spec:
@@ -318,6 +309,7 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
     ``mask`` (bool ``[T]``) and ``n`` (fp32 ``[1]``) after ``grad_logits``, ``coeff`` for
     ``scale`` (``2 coeff / n`` on the device); masked rows get 0."""
     aligned, store_v, fetch, _, _, grad_word = _row_pieces(kind, hold, lanes, hints)
+    load_keep = keep_loader(has_mask)
     words = 4 * hold
     w = np.int32(lanes)
 
@@ -334,18 +326,21 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
         fetch(cur, logits, fast, min(row, last), lane, vecs)
         vm = lse[u64(min(row, last))]
         vl = lse[u64(num_tokens + min(row, last))]
+        kc = load_keep(keep, min(row, last))  # the row's mask byte, loaded with its saved pair
         nm = vm
         nl = vl
+        kn = kc
         for k in range(iters):
             more = k + 1 < iters
             if prefetch and more:
                 fetch(nxt, logits, fast, min(row + tb, last), lane, vecs)
                 nm = lse[u64(min(row + tb, last))]
                 nl = lse[u64(num_tokens + min(row + tb, last))]
+                kn = load_keep(keep, min(row + tb, last))
             if row < num_tokens:
                 v, sh, l2 = backward_row(vm, vl)
                 a = np.float32(g * v)  # 0 on a dead row (v = 0)
-                dead = has_mask and not keep[row]  # a masked row: 0 whatever it holds
+                dead = has_mask and not kc  # a masked row: 0 whatever it holds
                 base = row * vecs
                 for h in range(hold):
                     u = np.int32(lane + h * w)
@@ -365,10 +360,12 @@ def z_loss_vec_bwd_kernel(kind: str, hold: int, lanes: int, prefetch: bool, hint
                     cur[i] = nxt[i]
                 vm = nm
                 vl = nl
+                kc = kn
             elif more:
                 fetch(cur, logits, fast, min(row + tb, last), lane, vecs)
                 vm = lse[u64(min(row + tb, last))]
                 vl = lse[u64(num_tokens + min(row + tb, last))]
+                kc = load_keep(keep, min(row + tb, last))
             row += tb
 
     if has_mask:

@@ -25,6 +25,30 @@ def test_bwd_grid_strided_rows():
     np.testing.assert_array_equal(gp, want)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
+def test_bwd_masked_quads_eight_rows_a_trip(dtype):
+    """The masked quad fill's 8-row trips (8 mask bytes loaded, then 8 stores):
+    one row lane of one warp a block, 2 blocks, so each lane writes 18-19 rows
+    2 apart (2 trips and a tail); the valid rows the unmasked kernel's bits,
+    the masked ones +0.0 (all bits zero)."""
+    import ml_dtypes
+
+    dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    from gpurouter.kernels.losses.tiling import fill_tiling
+
+    tiling = K.AuxLossTiling(fill_blocks=2, fill_threads=32)
+    assert fill_tiling(37, 3, tiling) == (2, 32, 32)
+    tpe = np.arange(12, dtype=np.int32) + 1
+    mask = np.random.default_rng(5).random(37) >= 0.4
+    g = np.asarray(2.0, dtype)
+    gp = K.moe_aux_loss_bwd(np.float32(0.25), tpe, g, 37, token_mask=mask, tiling=tiling)
+    want = K.moe_aux_loss_bwd(np.float32(0.25), tpe, g, 37, tiling=tiling)
+    assert gp.dtype == np.dtype(dtype)
+    words = np.uint32 if dtype == np.float32 else np.uint16
+    np.testing.assert_array_equal(gp[mask].view(words), want[mask].view(words))
+    assert not gp[~mask].view(words).any() and want[~mask].view(words).all()
+
+
 @pytest.mark.parametrize("C", [8, 6])  # quads (the grid-strided fill), elements (the column tiling)
 def test_bwd_masked_rows_get_zero(C):
     """``has_mask`` builds: the valid rows the unmasked kernel's values, bit for
