@@ -90,6 +90,17 @@ def bad_enum():
             ("bool", True, TypeError), ("code", 9, ValueError)]
 
 
+def bad_ragged_dot():
+    """The bad values of ``jax.lax.ragged_dot``'s operands (every grouped GEMM's rows)."""
+    return {
+        "lhs": bad_float_array(D),
+        "rhs": bad_float_array(jnp.ones((2, 3, 5)), empty=jnp.zeros((0, 3, 5))),
+        "group_sizes": bad_int_array(GS) + [("more rows than lhs", jnp.asarray([3, 3]), ValueError)],
+        "precision": [("unknown", "bogus", ValueError), ("int", 3, TypeError)],
+        "preferred_element_type": [("int dtype", jnp.int32, TypeError), ("not a dtype", "bogus", TypeError)],
+    }
+
+
 # (function, its op name, valid keyword arguments, {parameter: [(what, bad value, exception)]})
 TABLE = [
     (gr.fused_topk_with_score_function, "fused_topk_with_score_function",
@@ -243,31 +254,19 @@ TABLE += [
     }),
     (gmoe.batched_ragged_dot, "batched_ragged_dot",
      dict(lhs=D, rhs=jnp.ones((2, 3, 5)), group_sizes=GS), {
-         "lhs": bad_float_array(D),
-         "rhs": bad_float_array(jnp.ones((2, 3, 5)), empty=jnp.zeros((0, 3, 5))),
-         "group_sizes": bad_int_array(GS) + [("more rows than lhs", jnp.asarray([3, 3]), ValueError)],
-         "precision": [("unknown", "bogus", ValueError), ("int", 3, TypeError)],
-         "preferred_element_type": [("int dtype", jnp.int32, TypeError), ("not a dtype", "bogus", TypeError)],
+         **bad_ragged_dot(),
          "capacity": bad_int(low=0),
      }),
     (gmoe.tiled_ragged_dot, "tiled_ragged_dot",
      dict(lhs=D, rhs=jnp.ones((2, 3, 5)), group_sizes=GS), {
-         "lhs": bad_float_array(D),
-         "rhs": bad_float_array(jnp.ones((2, 3, 5)), empty=jnp.zeros((0, 3, 5))),
-         "group_sizes": bad_int_array(GS) + [("more rows than lhs", jnp.asarray([3, 3]), ValueError)],
-         "precision": [("unknown", "bogus", ValueError), ("int", 3, TypeError)],
-         "preferred_element_type": [("int dtype", jnp.int32, TypeError), ("not a dtype", "bogus", TypeError)],
+         **bad_ragged_dot(),
          "capacity": bad_int(low=-1),
          "tile": bad_int(low=0),
          "chunk": bad_int(low=0),
      }),
     (gmoe.pallas_ragged_dot, "pallas_ragged_dot",
      dict(lhs=D, rhs=jnp.ones((2, 3, 5)), group_sizes=GS), {
-         "lhs": bad_float_array(D),
-         "rhs": bad_float_array(jnp.ones((2, 3, 5)), empty=jnp.zeros((0, 3, 5))),
-         "group_sizes": bad_int_array(GS) + [("more rows than lhs", jnp.asarray([3, 3]), ValueError)],
-         "precision": [("unknown", "bogus", ValueError), ("int", 3, TypeError)],
-         "preferred_element_type": [("int dtype", jnp.int32, TypeError), ("not a dtype", "bogus", TypeError)],
+         **bad_ragged_dot(),
          "group_offset": [("an array", jnp.zeros((1,), jnp.int32), ValueError)],
          "block_m": bad_int(low=24),
          "block_n": bad_int(low=8),
@@ -278,11 +277,7 @@ TABLE += [
      }),
     (gmoe.mosaic_ragged_dot, "mosaic_ragged_dot",
      dict(lhs=D, rhs=jnp.ones((2, 3, 5)), group_sizes=GS), {
-         "lhs": bad_float_array(D),
-         "rhs": bad_float_array(jnp.ones((2, 3, 5)), empty=jnp.zeros((0, 3, 5))),
-         "group_sizes": bad_int_array(GS) + [("more rows than lhs", jnp.asarray([3, 3]), ValueError)],
-         "precision": [("unknown", "bogus", ValueError), ("int", 3, TypeError)],
-         "preferred_element_type": [("int dtype", jnp.int32, TypeError), ("not a dtype", "bogus", TypeError)],
+         **bad_ragged_dot(),
          "group_offset": [("an array", jnp.zeros((1,), jnp.int32), ValueError)],
      }),
     (gmoe.moe, "moe", dict(x=MX, gate_kernel=MG, wi_0=W0, wi_1=W0, wo=WO, num_experts=4, num_experts_per_tok=2,

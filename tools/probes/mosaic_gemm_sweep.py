@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grouped_gemm_probe import routing_sizes  # tools/probes, the script's folder
+
 from gpurouter.bench.moe import SHAPES
 from gpurouter.grouped_gemm import mosaic
 from gpurouter.reference.grouped_matmul import batched_ragged_dot
@@ -39,23 +41,6 @@ def queued_ms(f, args, repeats: int, inner: int = 10) -> float:
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) * 1e3 / inner)
     return statistics.median(times)
-
-
-def routing_sizes(t: int, e: int, k: int, skewed: bool, seed: int = 0) -> jax.Array:
-    """T tokens to K distinct random experts; ``skewed``: expert 0 at 4x the mean."""
-    rng = np.random.default_rng(seed)
-    sizes = np.bincount(np.argsort(rng.random((t, e)), axis=1)[:, :k].reshape(-1), minlength=e)
-    if skewed:
-        need = 4 * (t * k // e) - sizes[0]
-        for g in np.argsort(-sizes):
-            if need <= 0:
-                break
-            if g:
-                take = min(need, sizes[g] // 2)
-                sizes[g] -= take
-                sizes[0] += take
-                need -= take
-    return jnp.asarray(sizes, jnp.int32)
 
 
 def vjp(fn):
@@ -89,7 +74,7 @@ def main(argv) -> int:
                  "d_rhs": queued_ms(jax.jit(lambda a, d: a.T @ d), (lhs, dy), args.repeats)}
         dense["fwd+bwd"] = sum(dense.values())
         for routing in ("balanced", "skewed"):
-            sizes = routing_sizes(t, e, k, routing == "skewed")
+            sizes = jnp.asarray(routing_sizes(t, e, k, routing == "skewed"))
 
             steps = {"fwd": (jax.jit(mosaic.mosaic_ragged_dot), (lhs, rhs, sizes)),
                      "d_lhs": (jax.jit(lambda d, b, s: mosaic._forward(d, b, s, True)), (dy, rhs, sizes)),
