@@ -23,7 +23,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from grouped_gemm_probe import routing_sizes  # tools/probes, the script's folder
 
 from gpurouter.bench.moe import SHAPES
