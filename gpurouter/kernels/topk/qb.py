@@ -405,11 +405,15 @@ def qb_reduce_kernel(partial, counts, n, slabs):
 @functools.cache
 def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_groups: int = 0,
                    group_topk: int = 0, group_score: str = "sum_topk", exp_mode: str | None = None,
-                   tiling: QbTiling | None = None) -> Plan:
+                   tiling: QbTiling | None = None, cutoff_given: bool = False) -> Plan:
     """The launches of :func:`qb_counts`: inputs ``logits [T, E]`` (f32/bf16/f16),
     ``expert_bias [E] f32``, ``bin_bounds [2] f32`` and, with ``masked``, ``valid [T]``
     bool; output ``counts [E, B] int32``; scratch ``alpha [T] f32`` and, with shared
-    counts and more than one token slab, ``partial [slabs * E * B] int32``."""
+    counts and more than one token slab, ``partial [slabs * E * B] int32``.
+
+    ``cutoff_given``: ``alpha [T] f32`` is a last input (the routing kernel's, the
+    warp forward's ``cutoff`` option: the same bits as step 1's) and step 1 is
+    skipped (the bias is then not read: step 1 is its only reader)."""
     tiling = tiling or QB_TILING
     exp_mode = exp_mode or default_exp_mode()
     num_tokens, num_experts = logits.shape
@@ -417,6 +421,9 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
     ins = [logits, spec_of((num_experts,), F32), spec_of((2,), F32)]
     if masked:
         ins.append(Spec((num_tokens,), np.bool_))
+    if cutoff_given:
+        ins.append(spec_of((num_tokens,), F32))
+    alpha = In(len(ins) - 1) if cutoff_given else Tmp(0)
     outs = (Spec((num_experts, num_bins), np.int32),)
     n = num_experts * num_bins
     counts = Out(0, Spec((n,), np.int32))
@@ -445,10 +452,11 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
             quads = logits.kind == BF16 and num_experts % 4 == 0 and bool(tiling.cutoff_quads)
             kern, cgrid, cshared = (qb_cutoff_lanes_kernel(logits.kind, topk, lanes, masked, exp_mode, quads),
                                     -(-num_tokens // (ct // lanes)), 4 * ct * (topk + 1))
-        steps.append(Step(kern, cgrid, ct, cshared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
+        if not cutoff_given:
+            steps.append(Step(kern, cgrid, ct, cshared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
         steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode, tiling.hist_unroll), grid,
                           threads, shared,
-                          (In(0), Tmp(0), valid, In(2), Tmp(1) if partials else counts, num_tokens, num_experts,
+                          (In(0), alpha, valid, In(2), Tmp(1) if partials else counts, num_tokens, num_experts,
                            num_bins, chunk, chunks, slab)))
     if partials:
         steps.append(Step(qb_reduce_kernel, max(1, min(tiling.reduce_blocks, -(-n // tiling.reduce_threads))),

@@ -1,0 +1,146 @@
+"""The warp forward's QB cutoff (``warp_topk_fwd_kernel(..., cutoff=exp_mode)``,
+``topk_with_score_function_fwd_plan(..., qb_cutoff=)``): ``alpha`` bit for bit
+the QB cutoff kernel's (``qb.qb_cutoff_kernel``), with and without groups, ties,
+NaN / +-inf logits, both bounds (K <= 12 and above) and the arg-max rounds; the
+route's outputs unchanged by the option; ``qb_counts_plan(cutoff_given=True)`` fed
+that alpha gives the counts of the plan that computes its own.  Tiny shapes on the
+simulator (a block of one warp there); a ``gpu`` test at T = 4096, E = 384.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+
+import ml_dtypes  # noqa: E402
+
+from gpurouter.kernels._base import launch as L  # noqa: E402
+from gpurouter.kernels._base.plan import In, Out, Plan, Step, execute_host, spec_for, spec_of  # noqa: E402
+from gpurouter.kernels.topk import plans as topk  # noqa: E402
+from gpurouter.kernels.topk import qb as kqb  # noqa: E402
+from gpurouter.kernels.topk.qb_math import default_exp_mode  # noqa: E402
+from gpurouter.kernels.topk.warp import fwd as warp_fwd  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+
+def _route(x, bias, k, G=-1, Kg=-1, rule="sum_topk", cutoff="", indices=False):
+    """The warp forward's outputs (alpha last with ``cutoff``)."""
+    plan = topk.topk_with_score_function_fwd_plan(spec_for(x.shape, x.dtype), bias is not None, k, False, G, Kg,
+                                                  np.float32(1.0), L.SIGMOID, 0, indices, False, "warp",
+                                                  None, rule, False, cutoff)
+    return execute_host(plan, [x] if bias is None else [x, bias])
+
+
+def _alpha_ref(x, bias, k, G=0, Kg=0, rule="sum_topk"):
+    """``alpha`` by the QB cutoff kernel (a thread a token, groups or none)."""
+    T, E = x.shape
+    spec = spec_for(x.shape, x.dtype)
+    kern = kqb.qb_cutoff_kernel(spec.kind, k, G, Kg, rule, False, default_exp_mode())
+    plan = Plan("qb_alpha", (spec, spec_of((E,), L.F32)), (spec_of((T,), L.F32),), (),
+                (Step(kern, -(-T // 32), 32, 0, (In(0), In(1), Out(0), Out(0), T, E)),))
+    b = np.zeros(E, np.float32) if bias is None else bias
+    return execute_host(plan, [x, b])[0]
+
+
+def _check(x, bias, k, G=-1, Kg=-1, rule="sum_topk"):
+    got = _route(x, bias, k, G, Kg, rule, default_exp_mode())
+    plain = _route(x, bias, k, G, Kg, rule)
+    for g, w in zip(got[:-1], plain, strict=True):  # the route's outputs: as without the option
+        assert g.tobytes() == w.tobytes()
+    want = _alpha_ref(x, bias, k, max(G, 0), max(Kg, 0), rule)
+    assert got[-1].dtype == np.float32 and got[-1].shape == (x.shape[0],)
+    assert got[-1].view(np.uint32).tolist() == want.view(np.uint32).tolist()
+    return got[-1]
+
+
+def test_alpha_equals_the_qb_cutoff_kernel():
+    """Random logits and bias, K <= 12 (a 32-sort bound) and K = 14 (a 64-sort); bf16 and f32."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((3, 256)) * 3).astype(ml_dtypes.bfloat16)
+    bias = (rng.standard_normal(256) * 0.1).astype(np.float32)
+    _check(x, bias, 8)
+    _check(x.astype(np.float32), None, 14)
+
+
+def test_alpha_ties_and_specials():
+    """Equal scores around the cutoff, NaN / +-inf logits, a row of -inf (the arg-max
+    rounds: every expert a candidate) and a row of equal logits."""
+    x = np.zeros((4, 128), np.float32)
+    x[0, :] = np.repeat(np.arange(32, dtype=np.float32), 4)[::-1] / 8  # fours of equal scores
+    x[1, :5] = [np.nan, np.inf, -np.inf, 2.0, 2.0]
+    x[1, 5:] = -3.0
+    x[2, :] = -np.inf
+    x[2, 7] = 1.0
+    a = _check(x, None, 6)
+    assert a[2] == 0.0  # sigmoid(-inf) + 0: the 7th largest of one 0.73 and 127 zeros
+    bias = np.zeros(128, np.float32)
+    bias[::3] = 0.5
+    _check(x, bias, 3)
+
+
+@pytest.mark.parametrize("rule", ["sum_topk", "max"])
+def test_alpha_with_groups(rule):
+    """Groups of 16 (8 groups, 2 kept) and of 4 (32 groups, 4 kept): the cutoff among
+    the kept groups' experts, equal group scores kept to the lower group."""
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((3, 128)) * 2).astype(np.float32)
+    x[1, 16:32] = x[1, 32:48]  # equal group scores: the lower group kept
+    bias = (rng.standard_normal(128) * 0.2).astype(np.float32)
+    _check(x, bias, 4, 8, 2, rule)
+    _check(x, bias, 8, 32, 4, rule)
+
+
+def test_counts_with_the_given_cutoff():
+    """``qb_counts_plan(cutoff_given=True)`` on the route's alpha: the counts of the
+    plan that computes its own cutoff (masked and not)."""
+    rng = np.random.default_rng(2)
+    T, E, k, B = 5, 128, 4, 7
+    x = (rng.standard_normal((T, E)) * 2).astype(ml_dtypes.bfloat16)
+    bias = (rng.standard_normal(E) * 0.1).astype(np.float32)
+    bounds = np.array([-1.0, 0.5], np.float32)
+    alpha = _route(x, bias, k, cutoff=default_exp_mode())[-1]
+    mask = np.array([True, False, True, True, False])
+    for m in (None, mask):
+        spec = spec_for(x.shape, x.dtype)
+        own = kqb.qb_counts_plan(spec, m is not None, k, B)
+        given = kqb.qb_counts_plan(spec, m is not None, k, B, cutoff_given=True)
+        assert len(given.steps) == len(own.steps) - 1
+        ins = [x, bias, bounds] + ([] if m is None else [m])
+        want = execute_host(own, ins)[0]
+        got = execute_host(given, ins + [alpha])[0]
+        np.testing.assert_array_equal(got, want)
+        assert int(got.sum()) == E * (T if m is None else int(m.sum()))
+
+
+def test_option_checked():
+    """The option: sigmoid on the warp kernel only, never compact; without it, the
+    kernel factory's key as before (no cutoff argument)."""
+    x = np.zeros((2, 128), np.float32)
+    with pytest.raises(ValueError, match="qb_cutoff"):
+        topk.topk_with_score_function_fwd_plan(spec_for(x.shape, x.dtype), False, 2, False, -1, -1,
+                                               np.float32(1), L.SQRTSOFTPLUS, 0, False, False, "warp", None,
+                                               "sum_topk", False, default_exp_mode())
+    with pytest.raises(ValueError, match="cutoff"):
+        warp_fwd.warp_topk_fwd_kernel(L.F32, 128, 2, L.SIGMOID, False, compact=True, cutoff="cephes")
+    plan = topk.topk_with_score_function_fwd_plan(spec_for(x.shape, x.dtype), False, 2, False, -1, -1,
+                                                  np.float32(1), L.SIGMOID, 0, False, False, "warp")
+    assert plan.steps[0].kernel is warp_fwd.warp_topk_fwd_kernel(L.F32, 128, 2, L.SIGMOID, False, False, False,
+                                                                 0, 0, "sum_topk")
+
+
+@pytest.mark.gpu
+def test_alpha_on_gpu_t4096_e384():
+    """T = 4096, E = 384, K = 8, bf16, with a bias, without groups and with 12 groups
+    of 32 (4 kept): the route's alpha equals the QB cutoff kernel's, bit for bit, on
+    the device (and the route's outputs are those without the option)."""
+    if L.simulator_enabled():
+        pytest.skip("a GPU test: the simulator would take hours at T = 4096")
+    rng = np.random.default_rng(37)
+    x = (rng.standard_normal((4096, 384)) * 2).astype(ml_dtypes.bfloat16)
+    x[::97, 5] = np.nan
+    bias = (rng.standard_normal(384) * 0.05).astype(np.float32)
+    _check(x, bias, 8)
+    _check(x, bias, 8, 12, 4)
