@@ -3,7 +3,8 @@
 the QB cutoff kernel's (``qb.qb_cutoff_kernel``), with and without groups, ties,
 NaN / +-inf logits, both bounds (K <= 12 and above) and the arg-max rounds; the
 route's outputs unchanged by the option; ``qb_counts_plan(cutoff_given=True)`` fed
-that alpha gives the counts of the plan that computes its own.  Tiny shapes on the
+that alpha gives the counts of the plan that computes its own; the public op's QB
+histogram on that path (the route's cutoff) equal to jax's.  Tiny shapes on the
 simulator (a block of one warp there); a ``gpu`` test at T = 4096, E = 384.
 """
 
@@ -14,12 +15,16 @@ import pytest
 
 K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
 
+import gpurouter  # noqa: E402
 from gpurouter.kernels._base import launch as L  # noqa: E402
 from gpurouter.kernels._base.plan import In, Out, Plan, Step, execute_host, spec_for, spec_of  # noqa: E402
 from gpurouter.kernels.topk import plans as topk  # noqa: E402
 from gpurouter.kernels.topk import qb as kqb  # noqa: E402
+from gpurouter.kernels.topk import warp_paths  # noqa: E402
 from gpurouter.kernels.topk.qb_math import default_exp_mode  # noqa: E402
 from gpurouter.kernels.topk.warp import fwd as warp_fwd  # noqa: E402
 
@@ -129,6 +134,67 @@ def test_option_checked():
                                                   np.float32(1), L.SIGMOID, 0, False, False, "warp")
     assert plan.steps[0].kernel is warp_fwd.warp_topk_fwd_kernel(L.F32, 128, 2, L.SIGMOID, False, False, False,
                                                                  0, 0, "sum_topk")
+
+
+def _op_histograms(x, k, monkeypatch, jit=True, **kw):
+    """The QB histogram of the public op on jax and on numba (the route on the warp
+    kernel, as on a GPU: ``warp_auto`` forced on the simulator), and the QB plans
+    numba built (``cutoff_given`` of each)."""
+    given = []
+    plan_fn = kqb.qb_counts_plan
+
+    def spy(*a, **k2):
+        given.append(bool(k2.get("cutoff_given", False)))
+        return plan_fn(*a, **k2)
+
+    monkeypatch.setattr(kqb, "qb_counts_plan", spy)
+    monkeypatch.setattr(warp_paths, "warp_auto", lambda simulator=None: True)
+    rng = np.random.default_rng(4)
+    E = x.shape[-1]
+    args = dict(score_function="sigmoid", expert_bias=jnp.asarray(rng.standard_normal(E) * 0.1, jnp.float32),
+                qb_histogram=jnp.asarray(rng.integers(0, 9, (E, 10)), jnp.int32),
+                qb_bin_bounds=jnp.array([-0.8, 0.9], jnp.float32), **kw)
+    want = gpurouter.fused_topk_with_score_function(x, k, backend="jax", **args)
+
+    def numba(v):
+        return gpurouter.fused_topk_with_score_function(v, k, backend="numba", **args)
+
+    got = (jax.jit(numba) if jit else numba)(x)
+    return got, want, given
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"token_mask": "mask", "return_indices": True},
+    {"num_groups": 8, "group_topk": 2, "group_score": "max"},
+])
+def test_op_histogram_with_the_routes_cutoff(kw, monkeypatch):
+    """``fused_topk_with_score_function(..., qb_histogram=, backend="numba")`` with the
+    route on the warp kernel: the QB plan takes the route's cutoff (no cutoff pass),
+    and the histogram, probs and map are jax's bit for bit."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal((2, 3, 128)) * 2, jnp.bfloat16)
+    kw = dict(kw)
+    if kw.get("token_mask") == "mask":
+        kw["token_mask"] = jnp.asarray([[True, False, True], [True, True, False]])
+    got, want, given = _op_histograms(x, 4, monkeypatch, **kw)
+    assert given and all(given), "the QB plan took the route's cutoff"
+    assert len(got) == len(want)
+    np.testing.assert_array_equal(np.asarray(got[-1]), np.asarray(want[-1]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    if "return_indices" in kw:
+        np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
+
+
+def test_op_fallbacks_keep_the_cutoff_pass(monkeypatch):
+    """The compact kernel, and E = 96 (the warp kernel does not take it): the QB plan
+    runs its own cutoff pass; the histogram is jax's."""
+    rng = np.random.default_rng(6)
+    for x, kw in ((jnp.asarray(rng.standard_normal((4, 128)), jnp.float32), {"compact": True}),
+                  (jnp.asarray(rng.standard_normal((4, 96)), jnp.float32), {})):
+        got, want, given = _op_histograms(x, 4, monkeypatch, jit=False, **kw)
+        assert given and not any(given)
+        np.testing.assert_array_equal(np.asarray(got[-1]), np.asarray(want[-1]))
 
 
 @pytest.mark.gpu
