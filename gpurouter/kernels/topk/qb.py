@@ -33,6 +33,14 @@ The launches (``qb_counts_plan``):
    ``slabs * E * B * 4`` bytes written and read again (8 slabs at E = 384,
    B = 1000: 12 MB).
 
+The route's cutoff (``qb_counts_plan(..., cutoff_given=True)``): ``alpha
+[T]`` is an input and step 1 is skipped. The public op gives it where the
+route runs on the warp forward (``kernels/topk/warp/fwd.py``, "The QB
+cutoff": the kernel's ``cutoff`` option recomputes ``r`` with this module's
+sigmoid in one more selection round over the logits it already holds, the
+same bits as step 1); everywhere else (other kernels, token sharding) step 1
+runs (``gpurouter/_ops/topk.py: _qb_cutoff_mode`` decides).
+
 A row of ``B`` bins larger than the shared budget: ``qb_zero`` zeroes the
 counts (the output is XLA's uninitialised buffer), then ``qb_hist`` adds each
 count with a global atomic; ``T = 0``: ``qb_zero`` alone. Counts are
