@@ -210,3 +210,19 @@ def test_alpha_on_gpu_t4096_e384():
     bias = (rng.standard_normal(384) * 0.05).astype(np.float32)
     _check(x, bias, 8)
     _check(x, bias, 8, 12, 4)
+
+
+@pytest.mark.gpu
+def test_op_on_gpu_t4096_e384(monkeypatch):
+    """T = 4096, E = 384, K = 8, bf16, a tenth of the tokens masked: the public op's QB
+    histogram on numba (the route's cutoff, no cutoff pass) equals jax's, and the map
+    too."""
+    if L.simulator_enabled():
+        pytest.skip("a GPU test: the simulator would take hours at T = 4096")
+    rng = np.random.default_rng(38)
+    x = jnp.asarray(rng.standard_normal((4096, 384)) * 2, jnp.bfloat16)
+    mask = jnp.asarray(rng.random(4096) > 0.1)
+    got, want, given = _op_histograms(x, 8, monkeypatch, token_mask=mask)
+    assert given and all(given), "the QB plan took the route's cutoff"
+    np.testing.assert_array_equal(np.asarray(got[-1]), np.asarray(want[-1]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
