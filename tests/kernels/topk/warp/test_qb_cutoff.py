@@ -189,6 +189,25 @@ def test_op_histogram_with_the_routes_cutoff(kw, monkeypatch):
         np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want[2]))
 
 
+def test_op_gradient_with_the_routes_cutoff(monkeypatch):
+    """Under ``jax.grad`` the route's extra output (alpha) takes no gradient: the
+    logits' gradient is jax's (the sigmoid backward), the cutoff still the route's."""
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(rng.standard_normal((4, 128)), jnp.float32)
+    cot = jnp.asarray(rng.standard_normal((4, 128)), jnp.float32)
+    given = []
+    plan_fn = kqb.qb_counts_plan
+    monkeypatch.setattr(kqb, "qb_counts_plan", lambda *a, **k2: given.append(k2.get("cutoff_given")) or plan_fn(
+        *a, **k2))
+    monkeypatch.setattr(warp_paths, "warp_auto", lambda simulator=None: True)
+    kw = dict(score_function="sigmoid", expert_bias=jnp.asarray(rng.standard_normal(128) * 0.1, jnp.float32),
+              qb_histogram=jnp.zeros((128, 4), jnp.int32), qb_bin_bounds=jnp.array([-1.0, 1.0], jnp.float32))
+    grads = [jax.grad(lambda v, b=b: jnp.sum(gpurouter.fused_topk_with_score_function(v, 4, backend=b, **kw)[0]
+                                             * cot))(x) for b in ("numba", "jax")]
+    assert given and all(given)
+    np.testing.assert_allclose(np.asarray(grads[0]), np.asarray(grads[1]), rtol=1e-4, atol=1e-6)
+
+
 def test_op_fallbacks_keep_the_cutoff_pass(monkeypatch):
     """The compact kernel, and E = 96 (the warp kernel does not take it): the QB plan
     runs its own cutoff pass; the histogram is jax's."""
