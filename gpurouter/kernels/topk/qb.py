@@ -420,8 +420,9 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
     counts and more than one token slab, ``partial [slabs * E * B] int32``.
 
     ``cutoff_given``: ``alpha [T] f32`` is a last input (the routing kernel's, the
-    warp forward's ``cutoff`` option: the same bits as step 1's) and step 1 is
-    skipped (the bias is then not read: step 1 is its only reader)."""
+    warp forward's ``cutoff`` option: the same bits as step 1's), step 1 is
+    skipped and there is no alpha scratch (the bias is then not read: step 1
+    is its only reader)."""
     tiling = tiling or QB_TILING
     exp_mode = exp_mode or default_exp_mode()
     num_tokens, num_experts = logits.shape
@@ -443,10 +444,12 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
     # counts are zeroed and the histogram adds with global atomics
     stored = bool(num_tokens) and shared > 0
     partials = stored and slabs > 1
-    tmps = [spec_of((max(num_tokens, 1),), F32)]
+    # scratch: alpha (not with the route's), then the partials
+    tmps = [] if cutoff_given else [spec_of((max(num_tokens, 1),), F32)]
     if partials:
         tmps.append(Spec((slabs * n,), np.int32))
-    valid = In(3) if masked else Tmp(0)  # unmasked kernels never read it
+    part = Tmp(len(tmps) - 1) if partials else None
+    valid = In(3) if masked else alpha  # unmasked kernels never read it (an f32 [T] either way: one specialisation)
     steps = []
     if not stored:
         steps.append(Step(qb_zero_kernel, max(1, min(tiling.zero_blocks, -(-n // tiling.zero_threads))),
@@ -464,11 +467,11 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
             steps.append(Step(kern, cgrid, ct, cshared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
         steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode, tiling.hist_unroll), grid,
                           threads, shared,
-                          (In(0), alpha, valid, In(2), Tmp(1) if partials else counts, num_tokens, num_experts,
+                          (In(0), alpha, valid, In(2), part if partials else counts, num_tokens, num_experts,
                            num_bins, chunk, chunks, slab)))
     if partials:
         steps.append(Step(qb_reduce_kernel, max(1, min(tiling.reduce_blocks, -(-n // tiling.reduce_threads))),
-                          tiling.reduce_threads, 0, (Tmp(1), counts, n, slabs)))
+                          tiling.reduce_threads, 0, (part, counts, n, slabs)))
     return Plan(OP, ins, outs, tmps, steps)
 
 

@@ -103,7 +103,8 @@ def test_alpha_with_groups(rule):
 
 def test_counts_with_the_given_cutoff():
     """``qb_counts_plan(cutoff_given=True)`` on the route's alpha: the counts of the
-    plan that computes its own cutoff (masked and not)."""
+    plan that computes its own cutoff (masked and not; one slab, several slabs and
+    their reduce, global atomics)."""
     rng = np.random.default_rng(2)
     T, E, k, B = 5, 128, 4, 7
     x = (rng.standard_normal((T, E)) * 2).astype(ml_dtypes.bfloat16)
@@ -111,11 +112,13 @@ def test_counts_with_the_given_cutoff():
     bounds = np.array([-1.0, 0.5], np.float32)
     alpha = _route(x, bias, k, cutoff=default_exp_mode())[-1]
     mask = np.array([True, False, True, True, False])
-    for m in (None, mask):
+    slabs = kqb.QbTiling(slab_tokens=2, target_blocks=64, smem_bytes=4 * 7 * 40)  # partials and their reduce
+    zeroed = kqb.QbTiling(smem_bytes=0)  # no shared budget: zeroed counts, global atomics
+    for m, tiling in ((None, None), (mask, None), (mask, slabs), (None, zeroed)):
         spec = spec_for(x.shape, x.dtype)
-        own = kqb.qb_counts_plan(spec, m is not None, k, B)
-        given = kqb.qb_counts_plan(spec, m is not None, k, B, cutoff_given=True)
-        assert len(given.steps) == len(own.steps) - 1
+        own = kqb.qb_counts_plan(spec, m is not None, k, B, tiling=tiling)
+        given = kqb.qb_counts_plan(spec, m is not None, k, B, tiling=tiling, cutoff_given=True)
+        assert len(given.steps) == len(own.steps) - 1 and len(given.tmps) == len(own.tmps) - 1
         ins = [x, bias, bounds] + ([] if m is None else [m])
         want = execute_host(own, ins)[0]
         got = execute_host(given, ins + [alpha])[0]
