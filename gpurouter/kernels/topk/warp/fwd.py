@@ -54,10 +54,10 @@ the logits in registers with the QB sigmoid, drops the groups again by those
 values (step 0: the kept groups may differ from the route's where group
 scores nearly tie), and takes the (K+1)-th largest by steps 1-2 on the values
 alone (a 32-sort of the candidates; more than 32 candidates: K + 1 rounds of
-the warp arg-max).  A dropped group's experts count as -inf, which gives
-the QB kernels' value also where the kept groups hold only K experts
-(-inf).  Every token's alpha is written (the QB histogram reads the valid
-ones only).
+the warp arg-max).  A dropped group's experts count as -inf (the kept
+groups hold at least 2K experts on this path: ``warp_groups``).  Every
+token's alpha is written (this kernel has no token mask; the QB histogram
+reads the valid tokens' only).
 """
 
 from __future__ import annotations
