@@ -23,10 +23,10 @@ from .._checks import (
     check_topk_variants,
     check_transport,
 )
-from .._sharding import axis_size, per_token_shard
+from .._sharding import axis_size, per_token_shard, token_axes
 from .._transport import kernel_call, resolve_transport
 from ..reference import _route as _ref_route
-from .qb import histogram_after
+from .qb import histogram_after, use_kernels
 from .topk_kernels import _compact, _KernelCall, _map_spec, _specs, _topk, _warp_rule
 
 
@@ -150,6 +150,7 @@ def fused_topk_with_score_function(
     # compact on the warp kernel: it writes only the weights and indices [T, K]
     compact_kernel = (backend != "jax" and var.compact and not forced and not cfg.compute_aux_scores
                       and _warp_rule(cfg, num_experts))
+    qb_cut = ""  # the QB cutoff from the route (_qb_cutoff_mode; "": the QB plan's own pass)
     if backend == "jax":
         def route(x, *rest):
             b = rest[0] if bias is not None else None
@@ -169,6 +170,8 @@ def fused_topk_with_score_function(
             check_kernel_dtype(TOPK_OP, "expert_bias", bias_dtype)
             bias = bias.astype(jnp.float32)
 
+        qb_cut = _qb_cutoff_mode(cfg, var, logits, forced, compact_kernel, transport)
+
         def route(logits, *rest):  # the rows [T, E] of one token shard
             if compact_kernel:
                 return _compact(logits, rest[0] if rest else None, cfg,
@@ -178,7 +181,7 @@ def fused_topk_with_score_function(
             if var.group_score != "sum_topk" and not forced and cfg.grouped and _warp_rule(cfg, num_experts):
                 # the warp kernel scores the groups by the rule itself
                 return _topk(logits, rest[0] if rest else None, cfg,
-                             _KernelCall(transport, False, write_indices, False, var.group_score))
+                             _KernelCall(transport, False, write_indices, False, var.group_score, qb_cut))
             if var.group_score != "sum_topk" and not forced:
                 # the token and lane kernels score groups by sum_topk only: select
                 # in jnp, then replay that selection (the same probs and gradients)
@@ -188,18 +191,17 @@ def fused_topk_with_score_function(
                 return (*out, idx) if write_indices else out
             replay_bias = forced and expert_bias is not None and cfg.score_function != ScoreFunction.SOFTMAX
             return _topk(logits, rest[0] if rest else None, cfg,
-                         _KernelCall(transport, forced, write_indices, replay_bias))
+                         _KernelCall(transport, forced, write_indices, replay_bias, "sum_topk", qb_cut))
 
     x = logits.reshape(-1, num_experts)
     map_spec = _map_spec(x.shape, cfg)
     map_shape = shape[:-1] + map_spec.shape[-1:]
     idx_shape = shape[:-1] + (cfg.topk,)
     qb = ()
-    if var.qb:  # this call's QB counts: the QB kernels on numba (sigmoid), else jnp (integers: exact)
-        qb_bias = jnp.asarray(expert_bias)
-        valid = None if token_mask is None else jnp.asarray(token_mask).reshape(x.shape[0])
-        qb = (histogram_after(x, qb_bias, cfg, var.group_score, qb_histogram, qb_bin_bounds, valid, axis_name,
-                              transport if backend != "jax" else None),)
+    valid = None if token_mask is None else jnp.asarray(token_mask).reshape(x.shape[0])
+    if var.qb and not qb_cut:  # this call's QB counts: the QB kernels on numba (sigmoid), else jnp (exact)
+        qb = (histogram_after(x, jnp.asarray(expert_bias), cfg, var.group_score, qb_histogram, qb_bin_bounds,
+                              valid, axis_name, transport if backend != "jax" else None),)
     if x.shape[0] == 0:
         out_dtype = jnp.float32 if cfg.compute_aux_scores else logits.dtype
         idx = jnp.zeros(idx_shape, var.indices_dtype)
@@ -211,8 +213,12 @@ def fused_topk_with_score_function(
     if forced:
         tokens.append(jnp.asarray(forced_indices).reshape(-1, cfg.topk).astype(jnp.int32))
     # Token-sharded logits: each device routes its own tokens (_sharding.py).
-    n_out = 3 if write_indices and not compact_kernel else 2
+    n_out = (3 if write_indices and not compact_kernel else 2) + bool(qb_cut)
     out = per_token_shard(route, tokens, [] if bias is None else [bias], n_out)
+    if qb_cut:  # the QB counts on the route's cutoff (its last output)
+        qb = (histogram_after(x, jnp.asarray(expert_bias), cfg, var.group_score, qb_histogram, qb_bin_bounds,
+                              valid, axis_name, transport, cutoff=out[-1]),)
+        out = out[:-1]
     if compact_kernel:
         return (out[0].reshape(idx_shape), out[1].astype(var.indices_dtype).reshape(idx_shape), *qb)
     if forced:  # the map's experts: -1 for an entry that selects nothing (contract section 2)
@@ -231,6 +237,24 @@ def fused_topk_with_score_function(
     return (probs, routing_map, idx_rows.astype(var.indices_dtype).reshape(idx_shape), *qb)
 
 
+
+
+def _qb_cutoff_mode(cfg: TopkConfig, var, logits, forced: bool, compact_kernel: bool, transport: str) -> str:
+    """Whether the route writes the QB cutoff (the one place that decides): the QB
+    counts on the kernels (sigmoid and a kernel exp mode, ``qb.use_kernels``) and
+    the route on the warp kernel's dense forward (``_warp_rule``: not a replay, not
+    the aux scores or the compact kernel, not a group rule the warp kernel does not
+    score), its tokens not sharded, T > 0.  Returns the exp mode, or "" (the QB
+    plan's own cutoff pass)."""
+    num_experts = logits.shape[-1]
+    rows = logits.reshape(-1, num_experts)
+    if not var.qb or forced or compact_kernel or cfg.compute_aux_scores or rows.shape[0] == 0:
+        return ""
+    if var.group_score != "sum_topk" and not cfg.grouped:  # (the jnp selection, replayed)
+        return ""
+    if not _warp_rule(cfg, num_experts) or token_axes(rows) is not None:
+        return ""
+    return use_kernels(cfg, transport) or ""
 
 
 def _aux_plan(cfg: TopkConfig, write_indices: bool, logits):

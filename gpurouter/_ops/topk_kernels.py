@@ -49,6 +49,9 @@ class _KernelCall(NamedTuple):
     # kernels then sum the weights' normaliser in that call's order (bit-exact)
     replay_bias: bool = False
     group_score: str = "sum_topk"  # the group-score rule (the warp kernel's, _warp_rule)
+    # the QB exp mode: the warp forward also writes the QB cutoff alpha [T] f32, the
+    # last output ("" none; _ops/topk.py's _qb_cutoff_mode decides)
+    qb_cutoff: str = ""
 
 
 def _warp_rule(cfg: TopkConfig, num_experts: int) -> bool:
@@ -70,6 +73,8 @@ def _indices_kw(call: _KernelCall) -> dict:
     kw = {"return_indices": True} if call.write_indices else {}
     if call.group_score != "sum_topk":
         kw["group_score"] = call.group_score
+    if call.qb_cutoff:
+        kw["qb_cutoff"] = call.qb_cutoff
     return kw
 
 
@@ -102,9 +107,10 @@ def _topk_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
     # error raises here, never inside a host callback, and its kernels compile
     # before the first launch on every transport.
     _topk_plan(cfg, call, x, *tokens[1:], *per_call)
-    out = kernel_call(functools.partial(_topk_plan, cfg, call),
-        _specs(x, x.dtype, cfg, call.write_indices), tokens, per_call, call.transport,
-    )
+    specs = _specs(x, x.dtype, cfg, call.write_indices)
+    if call.qb_cutoff:  # (no gradient: its cotangent is never read)
+        specs += (jax.ShapeDtypeStruct((x.shape[0],), jnp.float32),)
+    out = kernel_call(functools.partial(_topk_plan, cfg, call), specs, tokens, per_call, call.transport)
     probs, routing_map, saved = out[:3]
     return (probs, routing_map, *out[3:]), (routing_map, saved)
 

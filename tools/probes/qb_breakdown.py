@@ -15,10 +15,17 @@ Rows (median microseconds of ``--repeats`` after a warm-up):
 - ``plan (all steps)``: the same, around the whole plan;
 - ``qb_counts() call``: the launcher on device arrays, wall clock to a
   synchronize (host time included);
+- ``route: warp fwd`` and ``route: warp fwd + QB cutoff``: the routing
+  kernel's plan (``path="warp"``, bf16, a bias) without and with the QB
+  cutoff option (``qb_cutoff=``: it also writes ``alpha [T]``), event-timed
+  as the steps; ``plan, cutoff given``: the QB plan on that alpha
+  (``cutoff_given=True``: no cutoff pass), its counts checked equal to the
+  plan's own bit for bit;
 - ``op sigmoid`` and ``op qb``: ``jit(fused_topk_with_score_function)`` on
   ``backend="numba"`` without and with ``qb_histogram`` (bf16 logits, an
   expert bias), wall clock per op over ``--batch`` inputs in one call, as
-  ``variants_probe.py`` times them.
+  ``variants_probe.py`` times them (``op qb`` takes the route's cutoff where
+  the route runs on the warp kernel: ``_ops/topk.py: _qb_cutoff_mode``).
 
 The tiling flags (``--slab-tokens`` ...) override ``QbTiling``'s defaults for
 the step rows; the op rows use the library's tiling. ``--sweep
@@ -44,7 +51,9 @@ from numba import cuda
 from gpurouter.bench.timing import spin_kernel
 from gpurouter.kernels._base import launch as L
 from gpurouter.kernels._base import plan as _plan
+from gpurouter.kernels.topk import plans as kplans
 from gpurouter.kernels.topk import qb as kqb
+from gpurouter.kernels.topk.qb_math import default_exp_mode
 
 
 def _name(kernel) -> str:
@@ -135,6 +144,41 @@ def plan_rows(tokens: int, experts: int, topk: int, bins: int, tiling, repeats: 
     return rows, info
 
 
+def _plan_us(plan, ins, repeats: int):
+    """``(us, arrays)``: the whole plan event-timed on ``ins`` (outputs and scratch allocated)."""
+    arrays = {"in": list(ins), "out": [cuda.device_array(sp.shape, sp.dtype) for sp in plan.outs],
+              "tmp": [cuda.device_array(sp.shape, sp.dtype) for sp in plan.tmps]}
+    steps = [_step_launcher(st, arrays) for st in plan.steps]
+
+    def whole():
+        for launch in steps:
+            launch()
+
+    return _events_us(whole, repeats), arrays
+
+
+def route_rows(tokens: int, experts: int, topk: int, bins: int, tiling, repeats: int):
+    """``(rows, same)``: the warp routing plan without and with the QB cutoff, the QB
+    plan on the route's alpha; ``same``: its counts equal the plan's own, bit for bit."""
+    x_words, bias, bounds = _inputs(tokens, experts)
+    spec = _plan.spec_of((tokens, experts), L.BF16)
+    rows, alpha = [], None
+    for name, cut in (("route: warp fwd", ""), ("route: warp fwd + QB cutoff", default_exp_mode())):
+        plan = kplans.topk_with_score_function_fwd_plan(spec, True, topk, False, -1, -1, np.float32(1.0),
+                                                        L.SIGMOID, 0, False, False, "warp", None, "sum_topk",
+                                                        False, cut)
+        us, arrays = _plan_us(plan, [x_words, bias], repeats)
+        rows.append((name, us, f"{plan.steps[0].grid} x {plan.steps[0].block}"))
+        alpha = arrays["out"][-1] if cut else alpha
+    own = kqb.qb_counts_plan(spec, False, topk, bins, tiling=tiling)
+    given = kqb.qb_counts_plan(spec, False, topk, bins, tiling=tiling, cutoff_given=True)
+    us, arrays = _plan_us(given, [x_words, bias, bounds, alpha], repeats)
+    rows.append(("plan, cutoff given (all steps)", us, f"{len(given.steps)} launches"))
+    _, own_arrays = _plan_us(own, [x_words, bias, bounds], 1)
+    same = bool(np.array_equal(arrays["out"][0].copy_to_host(), own_arrays["out"][0].copy_to_host()))
+    return rows, same
+
+
 def op_rows(tokens: int, experts: int, topk: int, bins: int, repeats: int, batch: int):
     """``[(name, us, detail)]``: the jitted sigmoid top-k op without and with QB."""
     import jax
@@ -196,10 +240,14 @@ def main(argv=None):
         srows, sinfo = plan_rows(args.tokens, args.experts, args.topk, args.bins, t, args.repeats)
         sweeps.append({"overrides": kw, **sinfo, "rows": [{"name": n, "us": u, "detail": d} for n, u, d in srows]})
         info["rows_sum_to_T"] = info["rows_sum_to_T"] and sinfo["rows_sum_to_T"]
+    rrows, info["cutoff_given_same_counts"] = route_rows(args.tokens, args.experts, args.topk, args.bins, tiling,
+                                                          args.repeats)
+    rows += rrows
     if not args.no_ops:
         rows += op_rows(args.tokens, args.experts, args.topk, args.bins, args.repeats, args.batch)
     print(f"QB counts: T={args.tokens} E={args.experts} K={args.topk} B={args.bins} bf16; {tiling}")
-    print(f"scratch {info['scratch_bytes'] / 1e6:.1f} MB; every expert row sums to T: {info['rows_sum_to_T']}")
+    print(f"scratch {info['scratch_bytes'] / 1e6:.1f} MB; every expert row sums to T: {info['rows_sum_to_T']}; "
+          f"counts on the route's cutoff = the plan's own: {info['cutoff_given_same_counts']}")
     for name, us, detail in rows:
         print(f"  {name:34s} {us:9.1f} us   {detail}")
     for sw in sweeps:
@@ -219,6 +267,8 @@ def main(argv=None):
                       f, indent=1)
     if not info["rows_sum_to_T"]:
         raise SystemExit("qb_breakdown: FAIL: an expert row of the counts does not sum to T")
+    if not info["cutoff_given_same_counts"]:
+        raise SystemExit("qb_breakdown: FAIL: the counts on the route's cutoff differ from the plan's own")
 
 
 if __name__ == "__main__":

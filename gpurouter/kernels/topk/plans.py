@@ -29,6 +29,7 @@ from .._base.access import array_views, map_view
 from .._base.launch import (
     BITMAP_U8,
     F32,
+    SIGMOID,
     SOFTMAX,
     SQRTSOFTPLUS,
     any_on_device,
@@ -189,7 +190,7 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
                                       map_format: int = 0, return_indices: bool = False,
                                       forced: bool = False, path: str = "auto",
                                       tiling: TopkTiling | None = None, group_score: str = "sum_topk",
-                                      compact: bool = False) -> Plan:
+                                      compact: bool = False, qb_cutoff: str = "") -> Plan:
     """The launches of the forward (inputs: logits, bias; outputs: probs, map, saved).
 
     Arguments are validated (by the launcher or, under JAX, at trace time);
@@ -203,8 +204,11 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     ``tiling``: a ``TopkTiling`` (None: the library's).  ``group_score``: the
     group-score rule; other than ``"sum_topk"`` (with groups, not a replay)
     only the warp kernel computes it (``use_warp_path``; else a ValueError).
+    ``qb_cutoff`` (a QB ``exp_mode``; "" none): a last output ``alpha [T]``
+    f32, the QB cutoff (``warp/fwd.py``, "The QB cutoff"); sigmoid on the warp
+    kernel only, not a replay, not compact (else a ValueError).
     """
-    if compact:
+    if compact and not qb_cutoff:
         return compact_plan(logits, has_bias, topk, pre_softmax, num_groups, group_topk, scale, score_fn,
                              forced, path, group_score)
     tiling = tiling or TOPK_TILING
@@ -218,6 +222,8 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     idx_spec = Spec((num_tokens, int(topk)), np.int32)
     outs = (spec_of(shape, logits.kind), map_spec(num_tokens, num_experts, fmt),
             spec_of(shape, F32)) + ((idx_spec,) if indices else ())
+    if qb_cutoff:
+        outs += (spec_of((num_tokens,), F32),)
     bias_spec = spec_of((num_experts,), F32)
     if forced:
         ins = (logits, idx_spec)
@@ -240,13 +246,21 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
         raise ValueError(f"{OP}_fwd_plan: group_score={rule!r} runs on the warp kernel only (path='warp', "
                          f"or 'auto' on a GPU, where it takes the shape; E={num_experts}, K={topk}, "
                          f"num_groups={num_groups}, group_topk={group_topk}, path={path!r}).")
+    if qb_cutoff and (compact or forced or not warp or score_fn != SIGMOID):
+        raise ValueError(f"{OP}_fwd_plan: qb_cutoff runs on the warp kernel only, with sigmoid scores, not in a "
+                         f"replay or the compact mode (E={num_experts}, K={topk}, score_fn={score_fn}, "
+                         f"forced={forced}, compact={compact}, path={path!r}).")
     if warp:
+        cut = (qb_cutoff,) if qb_cutoff else ()  # (without: the kernel and its cache key as before)
         kern = warp_topk_fwd_kernel(logits.kind, num_experts, int(topk), int(score_fn), bool(has_bias), bitmap,
-                                    indices, G if grouped else 0, int(group_topk) if grouped else 0, rule)
+                                    indices, G if grouped else 0, int(group_topk) if grouped else 0, rule,
+                                    *((False,) + cut if cut else ()))
         words, quads, flat = array_views(logits.kind, shape)
+        # alpha: the last output, or (never written) saved's first word
+        alpha = Out(len(outs) - 1) if qb_cutoff else Out(2, Spec((1,), np.float32))
         step = Step(kern, *warp_launch(num_tokens), 0,
                     (In(0, words), bias, Out(0, words), Out(1, map_view(outs[1], quads)), Out(2, flat), xarr,
-                     num_tokens, np.float32(scale), 0))
+                     num_tokens, np.float32(scale), 0, alpha))
         return Plan(OP + "_fwd", ins, outs, (), (step,))
     # (the replay takes the kernel path of the call it replays: the same sums)
     token_path = use_token_path("token" if path == "warp" else path, OP + "_fwd_plan", num_experts,

@@ -31,6 +31,14 @@ The launches (``qb_counts_plan``):
    ``slabs * E * B * 4`` bytes written and read again (8 slabs at E = 384,
    B = 1000: 12 MB).
 
+The route's cutoff (``qb_counts_plan(..., cutoff_given=True)``): ``alpha
+[T]`` is an input and step 1 is skipped. The public op gives it where the
+route runs on the warp forward (``kernels/topk/warp/fwd.py``, "The QB
+cutoff": the kernel's ``cutoff`` option recomputes ``r`` with this module's
+sigmoid in one more selection round over the logits it already holds, the
+same bits as step 1); everywhere else (other kernels, token sharding) step 1
+runs (``gpurouter/_ops/topk.py: _qb_cutoff_mode`` decides).
+
 A row of ``B`` bins larger than the shared budget: ``qb_zero`` zeroes the
 counts (the output is XLA's uninitialised buffer), then ``qb_hist`` adds each
 count with a global atomic; ``T = 0``: ``qb_zero`` alone. Counts are
@@ -193,11 +201,16 @@ def qb_reduce_kernel(partial, counts, n, slabs):
 @functools.cache
 def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_groups: int = 0,
                    group_topk: int = 0, group_score: str = "sum_topk", exp_mode: str | None = None,
-                   tiling: QbTiling | None = None) -> Plan:
+                   tiling: QbTiling | None = None, cutoff_given: bool = False) -> Plan:
     """The launches of :func:`qb_counts`: inputs ``logits [T, E]`` (f32/bf16/f16),
     ``expert_bias [E] f32``, ``bin_bounds [2] f32`` and, with ``masked``, ``valid [T]``
     bool; output ``counts [E, B] int32``; scratch ``alpha [T] f32`` and, with shared
-    counts and more than one token slab, ``partial [slabs * E * B] int32``."""
+    counts and more than one token slab, ``partial [slabs * E * B] int32``.
+
+    ``cutoff_given``: ``alpha [T] f32`` is a last input (the routing kernel's, the
+    warp forward's ``cutoff`` option: the same bits as step 1's), step 1 is
+    skipped and there is no alpha scratch (the bias is then not read: step 1
+    is its only reader)."""
     tiling = tiling or QB_TILING
     exp_mode = exp_mode or default_exp_mode()
     num_tokens, num_experts = logits.shape
@@ -205,6 +218,9 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
     ins = [logits, spec_of((num_experts,), F32), spec_of((2,), F32)]
     if masked:
         ins.append(Spec((num_tokens,), np.bool_))
+    if cutoff_given:
+        ins.append(spec_of((num_tokens,), F32))
+    alpha = In(len(ins) - 1) if cutoff_given else Tmp(0)
     outs = (Spec((num_experts, num_bins), np.int32),)
     n = num_experts * num_bins
     counts = Out(0, Spec((n,), np.int32))
@@ -216,10 +232,12 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
     # counts are zeroed and the histogram adds with global atomics
     stored = bool(num_tokens) and shared > 0
     partials = stored and slabs > 1
-    tmps = [spec_of((max(num_tokens, 1),), F32)]
+    # scratch: alpha (not with the route's), then the partials
+    tmps = [] if cutoff_given else [spec_of((max(num_tokens, 1),), F32)]
     if partials:
         tmps.append(Spec((slabs * n,), np.int32))
-    valid = In(3) if masked else Tmp(0)  # unmasked kernels never read it
+    part = Tmp(len(tmps) - 1) if partials else None
+    valid = In(3) if masked else alpha  # unmasked kernels never read it (an f32 [T] either way: one specialisation)
     steps = []
     if not stored:
         steps.append(Step(qb_zero_kernel, max(1, min(tiling.zero_blocks, -(-n // tiling.zero_threads))),
@@ -233,14 +251,15 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
             quads = logits.kind == BF16 and num_experts % 4 == 0 and bool(tiling.cutoff_quads)
             kern, cgrid, cshared = (qb_cutoff_lanes_kernel(logits.kind, topk, lanes, masked, exp_mode, quads),
                                     -(-num_tokens // (ct // lanes)), 4 * ct * (topk + 1))
-        steps.append(Step(kern, cgrid, ct, cshared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
+        if not cutoff_given:
+            steps.append(Step(kern, cgrid, ct, cshared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
         steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode, tiling.hist_unroll), grid,
                           threads, shared,
-                          (In(0), Tmp(0), valid, In(2), Tmp(1) if partials else counts, num_tokens, num_experts,
+                          (In(0), alpha, valid, In(2), part if partials else counts, num_tokens, num_experts,
                            num_bins, chunk, chunks, slab)))
     if partials:
         steps.append(Step(qb_reduce_kernel, max(1, min(tiling.reduce_blocks, -(-n // tiling.reduce_threads))),
-                          tiling.reduce_threads, 0, (Tmp(1), counts, n, slabs)))
+                          tiling.reduce_threads, 0, (part, counts, n, slabs)))
     return Plan(OP, ins, outs, tmps, steps)
 
 

@@ -82,5 +82,6 @@ def compact_plan(logits: Spec, has_bias: bool, topk: int, pre_softmax: bool, num
     flat_w = spec_of((num_tokens * k,), logits.kind)
     step = Step(kern, *warp_launch(num_tokens), 0,
                 (In(0, words), bias, Out(0, flat_w), Out(1, Spec((1,), np.uint32)), Out(1, Spec((1,), np.float32)),
-                 Out(1, Spec((num_tokens * k,), np.int32)), num_tokens, np.float32(scale), 0))
+                 Out(1, Spec((num_tokens * k,), np.int32)), num_tokens, np.float32(scale), 0,
+                 Out(1, Spec((1,), np.float32))))
     return Plan(OP + "_fwd", ins, outs, (), (step,))

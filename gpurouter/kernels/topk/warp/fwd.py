@@ -43,6 +43,21 @@ exp(s - m) / sum``, and ``saved`` (those weights unscaled, -inf elsewhere) is
 written with them.  Integer
 arithmetic is cast to int32 throughout: numba's own is 64-bit (64-bit
 compares, two shuffles for one).
+
+The QB cutoff (``cutoff``: the QB ``exp_mode``; docs/contract.md section 12):
+``alpha[t]``, the (K+1)-th largest ``r = sigmoid(x) + bias`` (NaN as -inf)
+among the experts of the kept groups, the value ``qb.qb_cutoff_lanes`` and
+``qb.qb_cutoff`` compute, bit for bit.  Their sigmoid is ``jax.nn.sigmoid``'s
+bits (``qb_math.qb_sigmoid_fn``), this kernel's a faster approximation
+(``ex2.approx``, ``rcp.approx``), so the cutoff round recomputes ``r`` from
+the logits in registers with the QB sigmoid, drops the groups again by those
+values (step 0: the kept groups may differ from the route's where group
+scores nearly tie), and takes the (K+1)-th largest by steps 1-2 on the values
+alone (a 32-sort of the candidates; more than 32 candidates: K + 1 rounds of
+the warp arg-max).  A dropped group's experts count as -inf (the kept
+groups hold at least 2K experts on this path: ``warp_groups``).  Every
+token's alpha is written (this kernel has no token mask; the QB histogram
+reads the valid tokens' only).
 """
 
 from __future__ import annotations
@@ -63,6 +78,7 @@ from ..._base.access import flat_io, storer_1d
 from ..._base.device import EPS, NAN, NEG_INF, ONE, SIGMOID, ZERO, activation, exp_f32, nan_as_neg_inf, u64
 from ..._base.launch import SOFTMAX, simulator_enabled
 from ..._base.vec import quad_f32
+from ..qb_math import EXP_MODES, qb_sigmoid_fn
 from .groups import DROPPED, group_dropper, warp_groups
 from .lanes import NO_EXPERT, ahead, exchanges, warp_grid, warp_ranks, warp_scans, warp_sorts
 
@@ -79,6 +95,11 @@ WARP_ONE_A_LANE_TOPK = 12
 #: E >= 256 K = 1, slower from K = 6 on (more registers; lab/journal/benchmarks.md, "A warp a token,
 #: backward"); E = 128 (a quad a lane, 48-56 registers) faster at K = 1-12 ("Softmax after the top-k")
 WARP_RANK_MAX_TOPK, WARP_RANK_E128_MAX_TOPK = 1, 12
+
+
+@cuda.jit(device=True)
+def _unused(x):
+    return x
 
 
 def warp_path(num_experts: int, topk: int, num_groups: int, score_fn: int, pre_softmax: bool,
@@ -98,14 +119,19 @@ def warp_launch(num_tokens: int) -> tuple[int, int]:
 @functools.cache
 def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, has_bias: bool,
                          bitmap: bool = False, indices: bool = False, num_groups: int = 0, group_topk: int = 0,
-                         group_score: str = "sum_topk", compact: bool = False):
+                         group_score: str = "sum_topk", compact: bool = False, cutoff: str = ""):
     """The kernel for logits of ``kind``; everything but the token count is a
     compile-time constant (``num_groups`` 0: no groups; ``group_score``: the
     group-score rule, ``groups.WARP_GROUP_SCORES``).  ``compact``: the forward
     writes only the weights ``[T, K]`` (``probs``, flat, logits kind, in the
     selection order: the values the dense probs hold at those experts) and the
     experts ``[T, K]`` int32 (``xarr``); ``rmap`` and ``saved`` are not written.  Launch:
-    ``warp_launch(T)``, no dynamic shared memory."""
+    ``warp_launch(T)``, no dynamic shared memory.
+
+    ``cutoff`` (sigmoid, not compact; "" none): the QB ``exp_mode``
+    (``qb_math.EXP_MODES``); the kernel also writes ``alpha [T]`` f32 (the
+    argument after ``fallback_only``; unread without ``cutoff``), the QB
+    cutoff of each token (module docstring, "The QB cutoff")."""
     Q = num_experts // 128  # quads a lane
     N = 4 * Q
     QROW = num_experts // 4  # quads a row
@@ -132,6 +158,11 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     sort64, sort32, sort32v = warp_sorts()
     by_rank = warp_ranks()
     inclusive_sum, arg_max = warp_scans()
+    CUT = bool(cutoff)
+    if CUT and (score_fn != SIGMOID or compact or cutoff not in EXP_MODES):
+        raise ValueError(f"warp_topk_fwd_kernel: cutoff needs sigmoid scores, no compact mode and an exp_mode of "
+                         f"{EXP_MODES}, got score_fn={score_fn}, compact={compact}, cutoff={cutoff!r}.")
+    qsig = qb_sigmoid_fn(cutoff) if CUT else _unused
 
     @cuda.jit(device=True)
     def score(x, b, s, r, n):
@@ -168,8 +199,55 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     def pick(r, n, e, thr, cut):
         return (r[n] > thr) | ((r[n] == thr) & (e <= cut))
 
+    @cuda.jit(device=True)
+    def cutoff_of(rq, lane, wv, red, redi, tid):
+        """The (K+1)-th largest of the warp's ``rq`` (every lane's N values), on
+        every lane: the bound and candidates of steps 1-2 (values only: a descending
+        32-sort), or K+1 rounds of a warp arg-max where more than 32 are candidates."""
+        m1 = NEG_INF
+        m2 = NEG_INF
+        for n in range(N):
+            v = rq[n]
+            m1, m2 = max(m1, v), max(m2, min(m1, v))
+        if ONE_A_LANE:
+            bound = idx(sort32v(m1, red, tid), KB, red, tid)
+        else:
+            a0, a1 = sort64(m1, m2, red, tid)
+            bound = idx(a1 if KB & 1 else a0, KB >> 1, red, tid)
+        cnt = np.int32(0)
+        for n in range(N):
+            cnt = np.int32(cnt + np.int32(rq[n] >= bound))
+        incl = inclusive_sum(cnt, redi, tid)
+        total = idx(incl, 31, redi, tid)
+        pos = np.int32(incl - cnt)
+        spare = np.uint32(32 + lane)
+        for n in range(N):
+            c = rq[n] >= bound
+            wv[np.uint32(pos) if c & (pos < 32) else spare] = rq[n]
+            pos = np.int32(pos + np.int32(c))
+        warp_sync()
+        cv = wv[np.uint32(lane)] if lane < total else NEG_INF
+        warp_sync()  # every read done before the selection writes the words
+        if uniform_any(total > 32):
+            taken = np.uint32(0)
+            bv = NEG_INF
+            for _k in range(topk + 1):
+                bv = NEG_INF
+                be = NO_EXPERT
+                for n in range(N):
+                    e = expert_of(lane, n)
+                    if ((taken >> np.uint32(n)) & np.uint32(1)) == 0 and ahead(rq[n], e, bv, be):
+                        bv = rq[n]
+                        be = e
+                bv, be = arg_max(bv, be, red, redi, tid)
+                for n in range(N):
+                    if be == expert_of(lane, n):
+                        taken |= np.uint32(1) << np.uint32(n)
+            return bv
+        return idx(sort32v(cv, red, tid), KB, red, tid)
+
     @cuda.jit
-    def warp_topk_fwd(logits, bias, probs, rmap, saved, xarr, num_tokens, scale, fallback_only):
+    def warp_topk_fwd(logits, bias, probs, rmap, saved, xarr, num_tokens, scale, fallback_only, alpha):
         cand_v = cuda.shared.array(SLOTS, nb_f32)
         cand_e = cuda.shared.array(SLOTS, nb_i32)
         cand_s = cuda.shared.array(SLOTS, nb_f32)
@@ -190,6 +268,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         s = cuda.local.array(N, nb_f32)
         r = cuda.local.array(N, nb_f32)
         xs = cuda.local.array(N, nb_f32)
+        rq = cuda.local.array(N if CUT else 1, nb_f32)
         for n in range(N):
             b[n] = bias[expert_of(lane, n)] if has_bias else ZERO
         tok = np.int64(cuda.blockIdx.x) * WARPS
@@ -212,6 +291,14 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                     else:
                         store_f32(saved, w, xs[4 * q], xs[4 * q + 1], xs[4 * q + 2], xs[4 * q + 3])
             drop = dropped(r, lane, wg, gsc, red, tid)
+            if CUT:  # the QB cutoff: r by the QB sigmoid, its own kept groups (module docstring)
+                for n in range(N):
+                    sq = qsig(xs[n])
+                    rq[n] = nan_as_neg_inf(np.float32(sq + b[n]) if has_bias else sq)
+                dropped(rq, lane, wg, gsc, red, tid)
+                cq = cutoff_of(rq, lane, wv, red, redi, tid)
+                if live and lane == 0:
+                    alpha[u64(t)] = cq
             for n in range(N):
                 v = r[n]
                 m1, m2 = max(m1, v), max(m2, min(m1, v))
