@@ -204,9 +204,8 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     ``tiling``: a ``TopkTiling`` (None: the library's).  ``group_score``: the
     group-score rule; other than ``"sum_topk"`` (with groups, not a replay)
     only the warp kernel computes it (``use_warp_path``; else a ValueError).
-    ``qb_cutoff`` (a QB ``exp_mode``; "" none): a last output ``alpha [T]``
-    f32, the QB cutoff (``warp/fwd.py``, "The QB cutoff"); sigmoid on the warp
-    kernel only, not a replay, not compact (else a ValueError).
+    ``qb_cutoff`` (a QB ``exp_mode``; "" none): a last output ``alpha [T]`` f32, the QB
+    cutoff (``warp/fwd.py``); sigmoid on the warp kernel only, no replay or compact.
     """
     if compact and not qb_cutoff:
         return compact_plan(logits, has_bias, topk, pre_softmax, num_groups, group_topk, scale, score_fn,
@@ -251,13 +250,11 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
                          f"replay or the compact mode (E={num_experts}, K={topk}, score_fn={score_fn}, "
                          f"forced={forced}, compact={compact}, path={path!r}).")
     if warp:
-        cut = (qb_cutoff,) if qb_cutoff else ()  # (without: the kernel and its cache key as before)
+        cut = (False, qb_cutoff) if qb_cutoff else ()  # (compact, cutoff); without: the cache key as before
         kern = warp_topk_fwd_kernel(logits.kind, num_experts, int(topk), int(score_fn), bool(has_bias), bitmap,
-                                    indices, G if grouped else 0, int(group_topk) if grouped else 0, rule,
-                                    *((False,) + cut if cut else ()))
+                                    indices, G if grouped else 0, int(group_topk) if grouped else 0, rule, *cut)
         words, quads, flat = array_views(logits.kind, shape)
-        # alpha: the last output, or (never written) saved's first word
-        alpha = Out(len(outs) - 1) if qb_cutoff else Out(2, Spec((1,), np.float32))
+        alpha = Out(len(outs) - 1) if qb_cutoff else Out(2, Spec((1,), np.float32))  # else never written
         step = Step(kern, *warp_launch(num_tokens), 0,
                     (In(0, words), bias, Out(0, words), Out(1, map_view(outs[1], quads)), Out(2, flat), xarr,
                      num_tokens, np.float32(scale), 0, alpha))

@@ -24,8 +24,7 @@ contiguous span, and all of a token's loads go out before any store.
    (score, key) pairs in the selection order (``sort32``: the larger score,
    then the lower expert; docs/contract.md section 2; K = 1, and E = 128 up
    to K = 12: each placed by its rank, counted over the candidates,
-   ``by_rank``) leaves the k-th
-   selected expert in lane k - 1.  A key is ``expert << 5 | slot``: the
+   ``by_rank``) leaves the k-th selected expert in lane k - 1.  A key is ``expert << 5 | slot``: the
    slot holds the candidate's score ``s`` for the weights' sum.
 3. Otherwise (ties, or the top experts crowded into a few lanes) K rounds of
    a warp arg-max over every expert leave the same in the same lanes.
@@ -40,24 +39,12 @@ the probs ``scale * s / (sum + 1e-20)`` (K > 1) and the map.  Softmax after
 the top-k: the sum is of ``exp(r - m)`` over the K in the selection order
 (``m`` the largest; NaN where a selected logit is), the probs ``scale *
 exp(s - m) / sum``, and ``saved`` (those weights unscaled, -inf elsewhere) is
-written with them.  Integer
-arithmetic is cast to int32 throughout: numba's own is 64-bit (64-bit
-compares, two shuffles for one).
+written with them.  Integer arithmetic is cast to int32 throughout: numba's
+own is 64-bit (64-bit compares, two shuffles for one).
 
-The QB cutoff (``cutoff``: the QB ``exp_mode``; docs/contract.md section 12):
-``alpha[t]``, the (K+1)-th largest ``r = sigmoid(x) + bias`` (NaN as -inf)
-among the experts of the kept groups, the value ``qb.qb_cutoff_lanes`` and
-``qb.qb_cutoff`` compute, bit for bit.  Their sigmoid is ``jax.nn.sigmoid``'s
-bits (``qb_math.qb_sigmoid_fn``), this kernel's a faster approximation
-(``ex2.approx``, ``rcp.approx``), so the cutoff round recomputes ``r`` from
-the logits in registers with the QB sigmoid, drops the groups again by those
-values (step 0: the kept groups may differ from the route's where group
-scores nearly tie), and takes the (K+1)-th largest by steps 1-2 on the values
-alone (a 32-sort of the candidates; more than 32 candidates: K + 1 rounds of
-the warp arg-max).  A dropped group's experts count as -inf (the kept
-groups hold at least 2K experts on this path: ``warp_groups``).  Every
-token's alpha is written (this kernel has no token mask; the QB histogram
-reads the valid tokens' only).
+The QB cutoff (``cutoff``, the QB ``exp_mode``): ``alpha[t]``, bit for bit
+``qb_cutoff.py``'s value, by one more round over ``r`` recomputed with the QB
+sigmoid (docs/kernels.md, "The QB cutoff"; every token's alpha is written).
 """
 
 from __future__ import annotations
@@ -97,11 +84,6 @@ WARP_ONE_A_LANE_TOPK = 12
 WARP_RANK_MAX_TOPK, WARP_RANK_E128_MAX_TOPK = 1, 12
 
 
-@cuda.jit(device=True)
-def _unused(x):
-    return x
-
-
 def warp_path(num_experts: int, topk: int, num_groups: int, score_fn: int, pre_softmax: bool,
               group_topk: int = 0) -> bool:
     """Whether the warp-per-token forward takes the shape (module docstring)."""
@@ -128,10 +110,8 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     experts ``[T, K]`` int32 (``xarr``); ``rmap`` and ``saved`` are not written.  Launch:
     ``warp_launch(T)``, no dynamic shared memory.
 
-    ``cutoff`` (sigmoid, not compact; "" none): the QB ``exp_mode``
-    (``qb_math.EXP_MODES``); the kernel also writes ``alpha [T]`` f32 (the
-    argument after ``fallback_only``; unread without ``cutoff``), the QB
-    cutoff of each token (module docstring, "The QB cutoff")."""
+    ``cutoff`` (sigmoid, not compact; "" none): the QB ``exp_mode``; the kernel
+    also writes ``alpha [T]`` f32, its argument after ``fallback_only`` (unread without)."""
     Q = num_experts // 128  # quads a lane
     N = 4 * Q
     QROW = num_experts // 4  # quads a row
@@ -162,7 +142,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     if CUT and (score_fn != SIGMOID or compact or cutoff not in EXP_MODES):
         raise ValueError(f"warp_topk_fwd_kernel: cutoff needs sigmoid scores, no compact mode and an exp_mode of "
                          f"{EXP_MODES}, got score_fn={score_fn}, compact={compact}, cutoff={cutoff!r}.")
-    qsig = qb_sigmoid_fn(cutoff) if CUT else _unused
+    qsig = qb_sigmoid_fn(cutoff if CUT else EXP_MODES[0])  # never called without the cutoff
 
     @cuda.jit(device=True)
     def score(x, b, s, r, n):
@@ -201,9 +181,8 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
 
     @cuda.jit(device=True)
     def cutoff_of(rq, lane, wv, red, redi, tid):
-        """The (K+1)-th largest of the warp's ``rq`` (every lane's N values), on
-        every lane: the bound and candidates of steps 1-2 (values only: a descending
-        32-sort), or K+1 rounds of a warp arg-max where more than 32 are candidates."""
+        """The (K+1)-th largest of the warp's ``rq`` on every lane: steps 1-2 on values
+        (a descending 32-sort), or K+1 warp arg-max rounds past 32 candidates."""
         m1 = NEG_INF
         m2 = NEG_INF
         for n in range(N):
