@@ -39,8 +39,11 @@ demo: $(VENV)/.demo
 	$(PY) -m gpurouter
 
 # Kernel tests run on the CUDA simulator here unless a GPU is present.
+# --dist worksteal: an idle worker takes queued tests from a busy one (the
+# suite's long simulator tests otherwise leave one of CI's two workers idle
+# at the end of the run).
 test: $(VENV)/.test
-	NUMBA_ENABLE_CUDASIM=$${NUMBA_ENABLE_CUDASIM-$(if $(GPU_EXTRAS),0,1)} $(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "$(TEST_MARKERS)" $(PYTEST_ARGS) $(TEST_PATHS)
+	NUMBA_ENABLE_CUDASIM=$${NUMBA_ENABLE_CUDASIM-$(if $(GPU_EXTRAS),0,1)} $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "$(TEST_MARKERS)" $(PYTEST_ARGS) $(TEST_PATHS)
 
 # Only the slow tests (the mutant list of gpurouter.testing, the full dogfood runs).
 test-slow: $(VENV)/.test
