@@ -183,6 +183,7 @@ def op_rows(tokens: int, experts: int, topk: int, bins: int, repeats: int, batch
     """``[(name, us, detail)]``: the jitted sigmoid top-k op without and with QB."""
     import jax
     import jax.numpy as jnp
+    from variants_probe import per_op_us  # tools/probes, the script's folder (it imports jax)
 
     import gpurouter as gr
 
@@ -200,17 +201,8 @@ def op_rows(tokens: int, experts: int, topk: int, bins: int, repeats: int, batch
         return gr.fused_topk_with_score_function(x, topk, score_function="sigmoid", expert_bias=bias,
                                                  qb_histogram=hist, qb_bin_bounds=bounds, backend="numba")
 
-    rows = []
-    for name, fn in (("op sigmoid", plain), ("op qb", qb)):
-        f = jax.jit(lambda xs, fn=fn: [fn(x) for x in xs])
-        jax.block_until_ready(f(xs))  # compile and warm
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(xs))
-            times.append(time.perf_counter() - t0)
-        rows.append((name, statistics.median(times) / batch * 1e6, f"jit, {batch} inputs a call, wall clock"))
-    return rows
+    return [(name, per_op_us(fn, xs, repeats), f"jit, {batch} inputs a call, wall clock")
+            for name, fn in (("op sigmoid", plain), ("op qb", qb))]
 
 
 def main(argv=None):
