@@ -15,10 +15,13 @@ process (``--tokens // 2 + 8``: a new shape of a family already used), and
 what the process compiled and loaded (``kernel_cache.STATS``: with compile
 workers, the parent loads what the workers compiled), the compile worker
 processes it started (``workers``: 0 for none, ``GPUROUTER_COMPILE_WORKERS``)
-and the kernels they stored (``by wk``: ``kernels/_base/parallel.py``). The FFI
-handler (``transport="ffi"``, one ``numba.cfunc`` a process, cached too:
-``_transport/ffi_cache.py``) is compiled or loaded before the timed call and
-its time is its own column; the first-call column includes it.
+and the kernels they stored (``by wk``: ``kernels/_base/parallel.py``), of
+which ``bg`` were a backward's, started in the background while its forward
+was traced (``parallel.prefetch``). The FFI handler (``transport="ffi"``, one
+``numba.cfunc`` a process, cached too: ``_transport/ffi_cache.py``) is part of
+the first call, as in a user's process; ``handler`` says where it came from:
+``disk`` (the cache), ``worker`` (compiled by a worker process while this one
+compiled the first kernels) or ``here`` (compiled in the process).
 
 Needs a CUDA GPU for the numba rows (``--backends jax`` runs anywhere).
 """
@@ -65,21 +68,14 @@ def _child(preset: str, backend: str, tokens: int) -> dict:
 
     x = jax.block_until_ready(logits(tokens))
     out = {"preset": preset, "backend": backend, "tokens": tokens}
-    handler_s = 0.0
     stats = None
     if backend == "numba":
-        from gpurouter._transport import ffi
         from gpurouter.kernels._base import kernel_cache
 
         stats = kernel_cache.STATS
-        if ffi.unavailable_reason() is None:
-            t0 = time.perf_counter()
-            ffi._handler()
-            handler_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     jax.block_until_ready(step(x))
-    out["first_s"] = handler_s + time.perf_counter() - t0
-    out["handler_s"] = handler_s
+    out["first_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     jax.block_until_ready(step(x))
     out["second_ms"] = (time.perf_counter() - t0) * 1e3
@@ -87,7 +83,13 @@ def _child(preset: str, backend: str, tokens: int) -> dict:
         out["compiled"], out["loaded"], out["uncacheable"] = stats["compiled"], stats["loaded"], stats["uncacheable"]
         from gpurouter.kernels._base import parallel
 
+        from gpurouter._transport import ffi_cache
+
         out["workers"], out["by_workers"] = parallel.STATS["workers"], parallel.STATS["stored"]
+        out["prefetched"] = parallel.STATS["prefetched"]
+        h = ffi_cache.STATS
+        out["handler"] = "disk" if h["loaded"] and not h["worker"] else "worker" if h["loaded"] else (
+            "here" if h["compiled"] else "-")
         before = stats["compiled"]
         x2 = jax.block_until_ready(logits(tokens // 2 + 8))
         t0 = time.perf_counter()
@@ -165,8 +167,8 @@ def main(argv: list[str]) -> int:
                     row = _run_child(preset, "numba", args.tokens, folder, args.timeout)
                     rows.append({**row, "cache": cache})
                     print(_line(rows[-1]), file=sys.stderr, flush=True)
-    header = (f"{'preset':<18}{'backend':<8}{'cache':<6}{'first s':>9}{'handler s':>10}{'second ms':>11}"
-              f"{'compiled':>9}{'loaded':>7}{'workers':>8}{'by wk':>6}"
+    header = (f"{'preset':<18}{'backend':<8}{'cache':<6}{'first s':>9}{'handler':>8}{'second ms':>11}"
+              f"{'compiled':>9}{'loaded':>7}{'workers':>8}{'by wk':>6}{'bg':>4}"
               f"{'new T s':>9}{'new T compiled':>15}{'process s':>10}")
     print(f"coldstart: {args.tokens} tokens, bf16 logits, jit(value_and_grad) of topk + aux scores + aux loss")
     print(header)
@@ -184,8 +186,8 @@ def _line(r: dict) -> str:
         return format(r[key], fmt) if key in r else "-"
 
     return (f"{r['preset']:<18}{r['backend']:<8}{r.get('cache', '-'):<6}{r['first_s']:>9.2f}"
-            f"{opt('handler_s', '.2f'):>10}{r['second_ms']:>11.3f}{opt('compiled', 'd'):>9}"
-            f"{opt('loaded', 'd'):>7}{opt('workers', 'd'):>8}{opt('by_workers', 'd'):>6}"
+            f"{r.get('handler', '-'):>8}{r['second_ms']:>11.3f}{opt('compiled', 'd'):>9}"
+            f"{opt('loaded', 'd'):>7}{opt('workers', 'd'):>8}{opt('by_workers', 'd'):>6}{opt('prefetched', 'd'):>4}"
             f"{opt('new_shape_s', '.3f'):>9}{opt('new_shape_compiled', 'd'):>15}"
             f"{r['process_s']:>10.1f}")
 

@@ -50,3 +50,11 @@ def compile_raises(kernel, argtypes, ordinal):
 
 def compile_crashes(kernel, argtypes, ordinal):
     os._exit(3)
+
+
+def compile_slow(kernel, argtypes, ordinal):
+    """compile_ok after a pause: the parent's lookup meets the kernel still in flight."""
+    import time
+
+    time.sleep(1.5)
+    return compile_ok(kernel, argtypes, ordinal)

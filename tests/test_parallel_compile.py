@@ -142,3 +142,53 @@ def test_a_read_only_folder_gets_no_workers(tmp_path, fresh):
     finally:
         folder.chmod(0o755)
     assert parallel.STATS["submitted"] == 0
+
+
+# ----------------------------------------------------------------------------
+# prefetch: the workers in the background, the lookups wait for them
+# ----------------------------------------------------------------------------
+
+
+def test_prefetch_returns_before_its_workers_and_a_lookup_waits_for_them(tmp_path, fresh):
+    cache = disk_cache.DiskCache(tmp_path)
+    reqs = requests(21, 22)
+    kw = {"cc": CC, "driver": DRIVER, "compile_fn": fakes.compile_slow}
+    assert parallel.prefetch(reqs, 0, cache, **kw) == 2
+    keys = [key(k) for k, _ in reqs]
+    # back at once: the workers (a Python start, then a 1.5 s compile) have stored nothing yet
+    assert all(k in kernel_cache.INFLIGHT for k in keys)
+    assert not any(cache.path_of(k).exists() for k in keys)
+    # in flight: neither a second prefetch nor a precompile submits them again
+    assert parallel.prefetch(reqs, 0, cache, **kw) == 0
+    assert parallel.precompile(reqs, 0, cache, **kw) == 0
+    compiled, payloads = load_all(cache, reqs)
+    assert compiled == []  # the parent waited for the workers and loaded their entries
+    assert [c for _, c in payloads] == [fakes.cubin_of(k) for k, _ in reqs]
+    assert all(int(e.split("_")[1]) != os.getpid() for e, _ in payloads)
+    assert not any(k in kernel_cache.INFLIGHT for k in keys)
+    assert parallel.STATS["prefetched"] == 2 and parallel.STATS["stored"] == 2
+
+
+def test_a_failed_prefetch_compiles_in_the_parent_with_one_warning(tmp_path, fresh):
+    cache = disk_cache.DiskCache(tmp_path)
+    reqs = requests(23)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert parallel.prefetch(reqs, 0, cache, cc=CC, driver=DRIVER, compile_fn=fakes.compile_raises) == 1
+        compiled, payloads = load_all(cache, reqs)
+    assert compiled == [reqs[0][0]]
+    assert payloads[0][1] == fakes.cubin_of(reqs[0][0])
+    assert sum("not compiled by the worker" in str(w.message) for w in caught) == 1
+
+
+def test_no_prefetch_when_off_cached_or_simulated(tmp_path, fresh, monkeypatch):
+    cache = disk_cache.DiskCache(tmp_path)
+    kw = {"cc": CC, "driver": DRIVER, "compile_fn": fakes.compile_raises}
+    monkeypatch.setenv("GPUROUTER_COMPILE_WORKERS", "0")
+    assert parallel.prefetch(requests(24), 0, cache, **kw) == 0
+    monkeypatch.delenv("GPUROUTER_COMPILE_WORKERS")
+    cache.store(key(fakes.factory(25)), kernel_cache.pack_payload("e", b"c"))
+    assert parallel.prefetch(requests(25), 0, cache, **kw) == 0  # on disk already
+    monkeypatch.setattr(parallel, "_simulator", lambda: True)
+    assert parallel.prefetch(requests(26), 0, cache, cc=CC, driver=DRIVER) == 0
+    assert parallel.STATS["prefetched"] == 0 and not kernel_cache.INFLIGHT

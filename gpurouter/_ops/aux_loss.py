@@ -21,7 +21,7 @@ from .._checks import (
 )
 from .._host import aux_loss_coeff
 from .._sharding import per_row_shard_sum, token_axes
-from .._transport import kernel_call, resolve_transport
+from .._transport import kernel_call, prefetch, resolve_transport
 
 
 def fused_moe_aux_loss(
@@ -141,6 +141,14 @@ def _aux_loss(probs, tokens_per_expert, cfg: AuxLossConfig, transport: str):
     return _aux_loss_fwd(probs, tokens_per_expert, cfg, transport)[0]
 
 
+def _aux_loss_vjp_fwd(probs, tokens_per_expert, cfg: AuxLossConfig, transport: str):
+    """Under a gradient: the backward's kernels start compiling first (``_transport.prefetch``)."""
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    prefetch(functools.partial(_bwd_plan, probs.shape[0]),
+             [scalar, tokens_per_expert, jax.ShapeDtypeStruct((), probs.dtype)], transport)
+    return _aux_loss_fwd(probs, tokens_per_expert, cfg, transport)
+
+
 def _aux_loss_fwd(probs, tokens_per_expert, cfg: AuxLossConfig, transport: str):
     specs = (jax.ShapeDtypeStruct((), probs.dtype), jax.ShapeDtypeStruct((), jnp.float32))
     loss, saved_coeff = kernel_call(functools.partial(_fwd_plan, cfg), specs, [],
@@ -162,7 +170,7 @@ def _aux_loss_bwd(cfg: AuxLossConfig, transport: str, res, grad_loss):
     return grad_probs, None
 
 
-_aux_loss.defvjp(_aux_loss_fwd, _aux_loss_bwd)
+_aux_loss.defvjp(_aux_loss_vjp_fwd, _aux_loss_bwd)
 
 
 # The masked kernels (has_mask): inputs (probs, tokens_per_expert, mask bool [T], n fp32 ()); C on the device.

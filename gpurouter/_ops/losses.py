@@ -12,7 +12,7 @@ import numpy as np
 from .. import _backend, reference
 from .._checks import Z_LOSS_OP, array_meta, check_kernel_dtype, check_transport, check_z_loss_args
 from .._sharding import axis_size, per_row_shard_sum, token_axes
-from .._transport import kernel_call, resolve_transport
+from .._transport import kernel_call, prefetch, resolve_transport
 from ..reference.losses import update_expert_bias as update_expert_bias
 
 
@@ -111,6 +111,13 @@ def _z_loss(x, coeff: np.float32, total: int, transport: str):
     return _z_loss_fwd(x, coeff, total, transport)[0]
 
 
+def _z_loss_vjp_fwd(x, coeff: np.float32, total: int, transport: str):
+    """Under a gradient: the backward's kernels start compiling first (``_transport.prefetch``)."""
+    lse = jax.ShapeDtypeStruct((2 * x.shape[0],), jnp.float32)
+    prefetch(functools.partial(_bwd_plan, coeff, total), [x, lse, jax.ShapeDtypeStruct((), jnp.float32)], transport)
+    return _z_loss_fwd(x, coeff, total, transport)
+
+
 def _z_loss_fwd(x, coeff: np.float32, total: int, transport: str):
     # the saved pair of every row (its max, then log2 of its sum): kernels/losses/z_loss.py
     specs = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((2 * x.shape[0],), jnp.float32))
@@ -126,7 +133,7 @@ def _z_loss_bwd(coeff: np.float32, total: int, transport: str, res, grad_loss):
     return (grad,)
 
 
-_z_loss.defvjp(_z_loss_fwd, _z_loss_bwd)
+_z_loss.defvjp(_z_loss_vjp_fwd, _z_loss_bwd)
 
 
 # The masked kernels (has_mask): inputs (x, mask bool [T], n fp32 ()), N on the device.

@@ -24,7 +24,7 @@ from .._checks import (
     check_transport,
 )
 from .._sharding import axis_size, per_token_shard, token_axes
-from .._transport import kernel_call, resolve_transport
+from .._transport import kernel_call, prefetch, resolve_transport
 from ..reference import _route as _ref_route
 from .qb import histogram_after, use_kernels
 from .topk_kernels import _compact, _KernelCall, _map_spec, _specs, _topk, _warp_rule
@@ -270,6 +270,14 @@ def _aux_scores(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
     return _aux_scores_fwd(x, cfg, dtype, transport, write_indices)[0]
 
 
+def _aux_scores_vjp_fwd(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
+    """Under a gradient: the backward's kernels start compiling first (``_transport.prefetch``)."""
+    saved = _specs(x, jnp.float32, cfg)[2]
+    prefetch(functools.partial(_aux_bwd_plan, cfg, dtype), [saved, jax.ShapeDtypeStruct(saved.shape, jnp.float32)],
+             transport)
+    return _aux_scores_fwd(x, cfg, dtype, transport, write_indices)
+
+
 def _aux_scores_fwd(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
     out = kernel_call(functools.partial(_aux_plan, cfg, write_indices),
         _specs(x, jnp.float32, cfg, write_indices), [x], (), transport,
@@ -295,4 +303,4 @@ def _aux_scores_bwd(cfg: TopkConfig, dtype, transport: str, write_indices: bool,
     return (grad_logits,)
 
 
-_aux_scores.defvjp(_aux_scores_fwd, _aux_scores_bwd)
+_aux_scores.defvjp(_aux_scores_vjp_fwd, _aux_scores_bwd)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._checks import TOPK_OP, TopkConfig
-from .._transport import kernel_call
+from .._transport import kernel_call, prefetch
 
 # ----------------------------------------------------------------------------
 # custom_vjp wiring: forward and backward each call the kernels through
@@ -99,6 +99,18 @@ def _topk(x, extra, cfg: TopkConfig, call: _KernelCall):
     return _topk_fwd(x, extra, cfg, call)[0]
 
 
+def _topk_vjp_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
+    """The forward under a gradient: the backward's kernels start compiling
+    in the background first (``_transport.prefetch``)."""
+    _prefetch_bwd(x, cfg, call)
+    return _topk_fwd(x, extra, cfg, call)
+
+
+def _prefetch_bwd(x, cfg: TopkConfig, call: _KernelCall):
+    probs, routing_map, saved = _specs(x, x.dtype, cfg)[:3]
+    prefetch(functools.partial(_topk_bwd_plan, cfg), [routing_map, saved, probs], call.transport)
+
+
 def _topk_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
     tokens, per_call = [x], []
     if extra is not None:
@@ -140,7 +152,7 @@ def _compact(x, bias, cfg: TopkConfig, call: _KernelCall):
 def _compact_fwd(x, bias, cfg: TopkConfig, call: _KernelCall):
     # under a gradient: the dense forward (its map and saved scores are what the
     # backward reads), gathered at its indices: the compact kernel's bits
-    (probs, _, idx), res = _topk_fwd(x, bias, cfg, call)
+    (probs, _, idx), res = _topk_vjp_fwd(x, bias, cfg, call)
     return (jnp.take_along_axis(probs, idx, axis=-1), idx), (res, idx)
 
 
@@ -175,4 +187,4 @@ def _topk_bwd(cfg: TopkConfig, call: _KernelCall, res, cts):
     return grad_logits, None
 
 
-_topk.defvjp(_topk_fwd, _topk_bwd)
+_topk.defvjp(_topk_vjp_fwd, _topk_bwd)

@@ -88,3 +88,29 @@ def kernel_call(
     else:
         outs = host_call(planner, out_specs, len(token_args), args)
     return match_varying_axes(outs, args)
+
+
+def prefetch(planner: Callable, arrays: Sequence, transport: str) -> int:
+    """Starts compiling, in the background, the kernels of a call the trace
+    makes later: a backward's, submitted by a forward rule of a
+    ``jax.custom_vjp`` while the forward is traced (docs/cache.md, "A cold
+    first call"). ``arrays``: what that call will pass (arrays or
+    ``jax.ShapeDtypeStruct``\\ s, in ``kernel_call``'s order). Only on a real
+    GPU with the kernel cache on (``kernels._base.parallel.prefetch``); a
+    hint: when the plan cannot be made here, nothing starts, and the call
+    itself reports the problem when it is traced. Returns the kernels submitted."""
+    from numba import config
+
+    if getattr(config, "ENABLE_CUDASIM", False) or transport not in ("ffi", "zero-copy", "callback"):
+        return 0
+    from ..kernels._base.pointer import prefetch_plan
+    from ._shared import plan_of
+
+    words = [jax.ShapeDtypeStruct(a.shape, jax.numpy.uint16 if a.dtype == jax.numpy.bfloat16 else a.dtype)
+             for a in arrays]
+    try:
+        plan = plan_of(planner, words)
+        ordinals = sorted({int(d.local_hardware_id) for d in jax.local_devices(backend="gpu")}) or [0]
+    except Exception:  # noqa: BLE001  (a hint only: the traced call raises what the planner raised)
+        return 0
+    return sum(prefetch_plan(plan, o) for o in ordinals)

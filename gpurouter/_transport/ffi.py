@@ -279,9 +279,14 @@ def _launch(planner, out_specs, args):
     plan = plan_of(planner, args)
     results = tuple(word_spec(s) for s in out_specs) + tuple(
         jax.ShapeDtypeStruct(t.shape, t.dtype) for t in plan.tmps)
+    if not _REGISTERED:  # a cold process: the handler compiles in a worker while the kernels compile here
+        from . import ffi_cache
+
+        ffi_cache.compile_in_worker()
+    record = _record(plan)
     _register()
     call = jax.ffi.ffi_call(TARGET, results, vmap_method="sequential")
-    return call(*args, plan=np.int64(_record(plan)))[: len(out_specs)]
+    return call(*args, plan=np.int64(record))[: len(out_specs)]
 
 
 def _batched(planner, out_specs, n_token: int):

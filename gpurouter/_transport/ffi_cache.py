@@ -18,17 +18,29 @@ and numba's CPU codegen (target triple, CPU name and features). The
 handler's code holds no address of the process that compiled it (its
 static messages are built on its stack), and a library with numba dynamic
 globals is never stored.
+
+:func:`compile_in_worker`: on a miss, a worker process (``python -m
+gpurouter._transport.ffi_cache``) compiles and stores the handler while this
+process compiles the first plan's kernels; :func:`cached_cfunc` waits for it,
+then loads the entry (or compiles, if the worker stored nothing).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 from ..kernels._base import disk_cache, kernel_cache
 
-#: what this process did with the handler: compiled, loaded from disk
-STATS = {"compiled": 0, "loaded": 0}
+#: what this process did with the handler: compiled, loaded from disk, and
+#: ``worker``: 1 once a worker was started to compile it
+STATS = {"compiled": 0, "loaded": 0, "worker": 0}
+#: the worker's end (``compile_in_worker``): set when it exits
+_WORKER_DONE: list = []
 _MAGIC = b"GRF1"
 _SOURCES = ("ffi.py", "ffi_abi.py", "ffi_record.py")
 
@@ -102,6 +114,8 @@ def cached_cfunc(compile_fn, cache=None):
         return compile_fn()
     codegen = _codegen()
     key = handler_key(codegen)
+    for done in _WORKER_DONE:  # a worker is compiling it (compile_in_worker): its entry, then the load
+        done.wait()
     payload = cache.load(key)
     parsed = unpack(payload) if payload is not None else None
     if parsed is not None:
@@ -125,3 +139,44 @@ def cached_cfunc(compile_fn, cache=None):
         if kind == "object":
             cache.store(key, pack(name, handler._wrapper_name, object_code, bitcode))
     return handler
+
+
+def compile_in_worker(cache=None, command=None) -> bool:
+    """Starts one worker process that compiles the handler into the cache
+    when it is not there (once a process; not with ``GPUROUTER_COMPILE_WORKERS=0``,
+    the cache off or not writable). True when one started. ``command``: the
+    worker's argv (the tests')."""
+    if _WORKER_DONE or os.environ.get("GPUROUTER_COMPILE_WORKERS", "").strip() == "0":
+        return False
+    cache = cache if cache is not None else disk_cache.default_cache()
+    if cache is None or not cache.writable:
+        return False
+    try:
+        if cache.path_of(handler_key(_codegen())).exists():
+            return False
+        cache.folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    done = threading.Event()
+    _WORKER_DONE.append(done)
+    STATS["worker"] = 1
+    argv = command or [sys.executable, "-m", __name__]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+               GPUROUTER_CACHE_DIR=str(cache.root))
+
+    def run():
+        try:
+            subprocess.run(argv, env=env, capture_output=True, timeout=600, check=False)
+        except (OSError, subprocess.SubprocessError):
+            pass  # cached_cfunc then compiles it here
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="gpurouter-ffi-handler", daemon=True).start()
+    return True
+
+
+if __name__ == "__main__":  # the worker: compile the handler and store it
+    from . import ffi
+
+    ffi._handler()

@@ -23,9 +23,36 @@ from .launch import SIGMOID, SOFTMAX, SQRTSOFTPLUS, simulator_enabled
 __all__ = [
     "ALL_SET", "B0", "B1", "B2", "B3", "N0", "N1", "N2", "N3",
     "EPS", "EXP_CLAMP", "NAN", "NEG_INF", "ONE", "SIGMOID", "SOFTMAX", "SOFTPLUS_THRESHOLD", "SQRTSOFTPLUS",
-    "TWO", "ZERO", "activation", "activation_grad", "exp_f32", "fmax_f32", "fmin_f32", "nan_as_neg_inf",
-    "rcp_f32", "sigmoid", "sqrtsoftplus", "u32", "u64",
+    "TWO", "ZERO", "activation", "activation_grad", "exp_f32", "fmax_f32", "fmin_f32", "inline_device",
+    "nan_as_neg_inf", "rcp_f32", "sigmoid", "sqrtsoftplus", "u32", "u64",
 ]
+
+def inline_device(fn):
+    """``@cuda.jit(device=True)`` for a small device function whose callers pass
+    constants (a sort stage's ``(k, j)``, a shuffle's lane distance): compiled
+    once for its argument types and inlined at every call.
+
+    numba types a constant argument by its value (``Literal[int](4)``) and
+    compiles a device function once for each value it meets: a 32-sort's 15
+    stages were 15 compiles of one stage, about 0.1 s each (docs/cache.md,
+    "Fewer compiles"). Here the constants are typed as their plain type, so
+    one compile serves every call, and the function carries LLVM's
+    ``alwaysinline``: NVVM inlines each call and folds its constants, as it
+    did into each single-use copy before. The simulator compiles nothing, so
+    there it is a plain device function."""
+    if simulator_enabled():
+        return cuda.jit(device=True)(fn)
+    from numba.core import types
+
+    disp = cuda.jit(device=True, forceinline=True)(fn)
+    compile_device = disp.compile_device
+
+    def compile_unliteral(args, return_type=None):
+        return compile_device(tuple(types.unliteral(a) for a in args), return_type)
+
+    disp.compile_device = compile_unliteral  # (called by the dispatcher's call template, per call site)
+    return disp
+
 
 # fp32 constants: numba types bare Python floats as float64, so every literal
 # that meets fp32 data is one of these.

@@ -53,6 +53,9 @@ from . import disk_cache
 STATS = {"compiled": 0, "loaded": 0, "uncacheable": 0, "load_failed": 0}
 _HANDLES: dict = {}
 _LOCK = threading.RLock()
+#: kernels a background worker is compiling (``parallel.prefetch``): key -> a
+#: ``threading.Event`` set when the worker is done (stored or not)
+INFLIGHT: dict = {}
 _PAYLOAD_MAGIC = b"GRK1"
 
 
@@ -351,6 +354,9 @@ def resolve(kernel, argtypes, ordinal: int, cache, *, compile_fn=None, load_fn=N
     if key is None:
         STATS["uncacheable"] += 1
         return compile_fn(kernel, argtypes, ordinal)[0]
+    wait = INFLIGHT.get(key)
+    if wait is not None:  # a worker is compiling it (parallel.prefetch): its entry, then the load
+        wait.wait()
     payload = cache.load(key)
     if payload is not None:
         parsed = unpack_payload(payload)

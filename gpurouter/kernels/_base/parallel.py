@@ -18,7 +18,11 @@ that made the kernel: :func:`recipe` decorates a factory (over its
 ``functools.cache``) and records it on the kernel returned.
 
 Nothing here changes a result: whatever is not compiled by a worker is
-compiled in the process as before. The workers are skipped when the cache is
+compiled in the process as before. :func:`prefetch` does the same without waiting: the
+kernels of a plan the trace reaches later (a backward's, submitted while its
+forward is traced) compile in the background, and a lookup of one of them
+waits for its worker and loads it (``kernel_cache.resolve``). The workers are
+skipped when the cache is
 off (``GPUROUTER_CACHE=0``) or not writable, under the simulator, with fewer
 than two missing kernels (no gain), with ``GPUROUTER_COMPILE_WORKERS=0``, or
 for a kernel without a recipe or key; a worker that fails or crashes, or
@@ -38,12 +42,13 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 
 from . import disk_cache, kernel_cache
 
 #: what :func:`precompile` did in this process: kernels ``submitted`` to
 #: workers, ``stored`` by them, ``failed``; ``workers``: the last pool's size
-STATS = {"submitted": 0, "stored": 0, "failed": 0, "workers": 0}
+STATS = {"submitted": 0, "stored": 0, "failed": 0, "workers": 0, "prefetched": 0}
 RECIPE_ATTR = "_gpurouter_recipe"
 MAX_WORKERS = 8
 
@@ -162,7 +167,7 @@ def _serve() -> None:
 def pending(requests, ordinal, cache, *, cc=None, driver=None) -> list:
     """``(recipe, argtypes, key)`` of every request ``(kernel, argtypes)`` that a
     worker could compile: not in the process's memo, with a recipe and a key,
-    not on disk (each key once)."""
+    not on disk and not being compiled by a background worker (each key once)."""
     out, seen = [], set()
     for kernel, argtypes in requests:
         argtypes = tuple(argtypes)
@@ -176,40 +181,37 @@ def pending(requests, ordinal, cache, *, cc=None, driver=None) -> list:
         if driver is None:
             driver = kernel_cache.driver_version()
         key = kernel_cache.kernel_key(kernel, argtypes, cc, driver)
-        if key is None or key in seen or cache.path_of(key).exists():
+        if key is None or key in seen or key in kernel_cache.INFLIGHT or cache.path_of(key).exists():
             continue
         seen.add(key)
         out.append((rec, argtypes, key))
     return out
 
 
-def precompile(requests, ordinal: int, cache=None, *, cc=None, driver=None, compile_fn=None) -> int:
-    """Compiles the missing kernels of ``requests`` (``(kernel, argtypes)``
-    pairs, numba types) in worker processes, into the disk cache; returns how
-    many were stored. Never raises for a worker's failure (module docstring).
-    ``cc``, ``driver`` and ``compile_fn`` (module-level, picklable:
-    ``(kernel, argtypes, ordinal) -> (handle, entry, cubin)``) are the tests'."""
+def _start(requests, ordinal, cache, cc, driver, compile_fn, least: int):
+    """``(jobs, workers, cc, driver)`` for the missing kernels of ``requests``,
+    or None when no worker should start (fewer than ``least`` missing: module docstring)."""
     cache = cache if cache is not None else disk_cache.default_cache()
     if cache is None or (_simulator() and compile_fn is None):
-        return 0
+        return None
     jobs = pending(requests, ordinal, cache, cc=cc, driver=driver)
-    if len(jobs) < 2 or not _writable(cache):
-        return 0
+    if len(jobs) < least or not _writable(cache):
+        return None
     n = workers_wanted(len(jobs))
     if n == 0:
-        return 0
+        return None
     if cc is None:
         cc = kernel_cache.compute_capability(ordinal)
     if driver is None:
         driver = kernel_cache.driver_version()
-    STATS["workers"] = n
-    STATS["submitted"] += len(jobs)
+    return cache, [jobs[i::n] for i in range(n)], cc, driver
+
+
+def _account(batches, results) -> int:
+    """Counts the workers' results (``STATS``) and warns once about a failure; the number stored."""
+    jobs = sum(len(b) for b in batches)
     stored = 0
     problem = None
-    batches = [jobs[i::n] for i in range(n)]
-    with cf.ThreadPoolExecutor(n) as pool:
-        results = list(pool.map(lambda b: _run_batch(b, ordinal, str(cache.root), cc, driver, compile_fn),
-                                batches))
     for batch_results in results:
         for ok in batch_results:
             if ok is True:
@@ -217,12 +219,60 @@ def precompile(requests, ordinal: int, cache=None, *, cc=None, driver=None, comp
             else:
                 problem = problem or (ok or "a worker stored nothing (its kernel's key differed)")
     STATS["stored"] += stored
-    STATS["failed"] += len(jobs) - stored
+    STATS["failed"] += jobs - stored
     if problem is not None:
-        disk_cache.warn_once("workers", f"{len(jobs) - stored} of {len(jobs)} kernels were not compiled "
+        disk_cache.warn_once("workers", f"{jobs - stored} of {jobs} kernels were not compiled "
                              f"by the worker processes ({problem}); they compile in this process "
                              "(GPUROUTER_COMPILE_WORKERS=0 skips the workers).")
     return stored
+
+
+def precompile(requests, ordinal: int, cache=None, *, cc=None, driver=None, compile_fn=None) -> int:
+    """Compiles the missing kernels of ``requests`` (``(kernel, argtypes)``
+    pairs, numba types) in worker processes, into the disk cache, and waits;
+    returns how many were stored. Never raises for a worker's failure (module
+    docstring). ``cc``, ``driver`` and ``compile_fn`` (module-level, picklable:
+    ``(kernel, argtypes, ordinal) -> (handle, entry, cubin)``) are the tests'."""
+    started = _start(requests, ordinal, cache, cc, driver, compile_fn, least=2)
+    if started is None:
+        return 0
+    cache, batches, cc, driver = started
+    STATS["workers"] = len(batches)
+    STATS["submitted"] += sum(len(b) for b in batches)
+    with cf.ThreadPoolExecutor(len(batches)) as pool:
+        results = list(pool.map(lambda b: _run_batch(b, ordinal, str(cache.root), cc, driver, compile_fn),
+                                batches))
+    return _account(batches, results)
+
+
+def prefetch(requests, ordinal: int, cache=None, *, cc=None, driver=None, compile_fn=None) -> int:
+    """Starts compiling the missing kernels of ``requests`` in worker processes
+    and returns at once (module docstring); the number submitted. Each key is
+    in ``kernel_cache.INFLIGHT`` until its worker ends, so that a lookup waits
+    for it instead of compiling it a second time. The workers' threads are
+    daemons: a process that ends first leaves them (an entry is written whole
+    or not at all). Arguments as :func:`precompile`'s."""
+    started = _start(requests, ordinal, cache, cc, driver, compile_fn, least=1)
+    if started is None:
+        return 0
+    cache, batches, cc, driver = started
+    STATS["prefetched"] += sum(len(b) for b in batches)
+    for batch in batches:
+        done = threading.Event()
+        for _, _, key in batch:
+            kernel_cache.INFLIGHT[key] = done
+        threading.Thread(target=_background, args=(batch, done, ordinal, str(cache.root), cc, driver, compile_fn),
+                         name="gpurouter-prefetch", daemon=True).start()
+    return sum(len(b) for b in batches)
+
+
+def _background(batch, done, ordinal, root, cc, driver, compile_fn) -> None:
+    try:
+        _account([batch], [_run_batch(batch, ordinal, root, cc, driver, compile_fn)])
+    finally:
+        for _, _, key in batch:
+            kernel_cache.INFLIGHT.pop(key, None)
+        done.set()
 
 
 if __name__ == "__main__":

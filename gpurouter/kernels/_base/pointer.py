@@ -91,6 +91,18 @@ def _slots(arg, specs, slot_of, counters) -> tuple[list[bytes], list[tuple[int, 
     return [q(arg)], []
 
 
+def plan_requests(plan: Plan) -> list:
+    """``(kernel, argtypes)`` (numba types) of each step of ``plan``."""
+    specs = {"in": plan.ins, "out": plan.outs, "tmp": plan.tmps}
+    return [(st.kernel, tuple(_numba_type(a, specs) for a in st.args)) for st in plan.steps]
+
+
+def prefetch_plan(plan: Plan, ordinal: int) -> int:
+    """Starts compiling ``plan``'s missing kernels for GPU ``ordinal`` in the
+    background (``parallel.prefetch``); the number submitted."""
+    return parallel.prefetch(plan_requests(plan), ordinal)
+
+
 def compile_steps(plan: Plan, ordinal: int, counters: dict | None = None) -> list[CompiledStep]:
     """Every step of ``plan`` compiled for GPU ``ordinal`` (``kernel_cache.
     function_handle``: from the process's memo, the disk cache or numba's
@@ -101,7 +113,7 @@ def compile_steps(plan: Plan, ordinal: int, counters: dict | None = None) -> lis
     slot_of = {"in": 0, "out": len(plan.ins), "tmp": len(plan.ins) + len(plan.outs),
                "counter": len(plan.ins) + len(plan.outs) + len(plan.tmps),
                "counters": [id(c) for c in plan_counters(plan)]}
-    requests = [(st.kernel, tuple(_numba_type(a, specs) for a in st.args)) for st in plan.steps]
+    requests = plan_requests(plan)
     parallel.precompile(requests, ordinal)  # the missing ones compiled at once in workers (parallel.py)
     handles = [function_handle(kernel, argtypes, ordinal) for kernel, argtypes in requests]
     steps = []

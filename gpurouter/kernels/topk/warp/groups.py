@@ -24,7 +24,7 @@ from ..._base import compat as _compat  # noqa: F401  (first: patches NumPy befo
 import numpy as np
 from numba import cuda
 
-from ..._base.device import NEG_INF, ONE, ZERO, nan_as_neg_inf
+from ..._base.device import NEG_INF, ONE, ZERO, inline_device, nan_as_neg_inf
 from .lanes import exchanges
 
 #: added to a dropped group's experts' keys: after every kept one in the order
@@ -73,14 +73,14 @@ def group_dropper(num_experts: int, topk: int, num_groups: int, group_topk: int,
     KG = np.int32(group_topk if G else 0)
     xor, _, _, _, warp_sync = exchanges()
 
-    @cuda.jit(device=True)
+    @inline_device
     def merge_top2(g1, g2, m, red, tid):
         """The two largest of this lane's pair and lane ``l ^ m``'s."""
         o1 = xor(g1, m, red, tid)
         o2 = xor(g2, m, red, tid)
         return max(g1, o1), max(min(g1, o1), max(g2, o2))
 
-    @cuda.jit(device=True)
+    @inline_device
     def group_score(r, q, red, tid):
         """The score of this lane's group in quad row ``q``: the sum of its PER
         largest ranking scores in descending order."""

@@ -25,7 +25,7 @@ import functools
 import numpy as np
 from numba import cuda
 
-from ..._base.device import NEG_INF
+from ..._base.device import NEG_INF, inline_device
 from ..._base.launch import simulator_enabled
 
 FULL = np.uint32(0xFFFFFFFF)
@@ -101,15 +101,15 @@ def exchanges():
 
         return xor, up, idx, uniform_any, warp_sync
 
-    @cuda.jit(device=True)
+    @inline_device
     def xor(v, m, red, tid):
         return cuda.shfl_xor_sync(FULL, v, m)
 
-    @cuda.jit(device=True)
+    @inline_device
     def up(v, d, red, tid):
         return cuda.shfl_up_sync(FULL, v, d)
 
-    @cuda.jit(device=True)
+    @inline_device
     def idx(v, src, red, tid):
         return cuda.shfl_sync(FULL, v, src)
 
@@ -142,7 +142,7 @@ def warp_sorts():
     branches would double the inlined code at every level."""
     xor, _, _, _, _ = exchanges()
 
-    @cuda.jit(device=True)
+    @inline_device
     def stage64(a0, a1, red, tid, k, j):
         i0 = (tid & 31) * 2
         if j == 1:  # the lane's own two items
@@ -180,7 +180,7 @@ def warp_sorts():
         a0, a1 = stage64(a0, a1, red, tid, 64, 1)
         return a0, a1
 
-    @cuda.jit(device=True)
+    @inline_device
     def stage32(v, e, red, redi, tid, k, j):
         lane = tid & 31
         ov = xor(v, j, red, tid)
@@ -188,7 +188,7 @@ def warp_sorts():
         take = ahead(ov, oe, v, e) == (((lane & j) == 0) == ((lane & k) == 0))
         return (ov if take else v), (oe if take else e)
 
-    @cuda.jit(device=True)
+    @inline_device
     def stage32v(v, red, tid, k, j):
         lane = tid & 31
         o = xor(v, j, red, tid)
@@ -242,7 +242,7 @@ def warp_scans():
     expert) pair of the warp in the selection order, on every lane."""
     xor, up, _, _, _ = exchanges()
 
-    @cuda.jit(device=True)
+    @inline_device
     def add_up(v, d, redi, tid):
         o = up(v, d, redi, tid)
         return np.int32(v + o) if (tid & 31) >= d else v  # (numba's sum would be 64-bit: two shuffles a step)
@@ -255,7 +255,7 @@ def warp_scans():
         v = add_up(v, 8, redi, tid)
         return add_up(v, 16, redi, tid)
 
-    @cuda.jit(device=True)
+    @inline_device
     def max_step(v, e, red, redi, tid, m):
         ov = xor(v, m, red, tid)
         oe = xor(e, m, redi, tid)
