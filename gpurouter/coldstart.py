@@ -81,9 +81,8 @@ def _child(preset: str, backend: str, tokens: int) -> dict:
     out["second_ms"] = (time.perf_counter() - t0) * 1e3
     if stats is not None:
         out["compiled"], out["loaded"], out["uncacheable"] = stats["compiled"], stats["loaded"], stats["uncacheable"]
-        from gpurouter.kernels._base import parallel
-
         from gpurouter._transport import ffi_cache
+        from gpurouter.kernels._base import parallel
 
         out["workers"], out["by_workers"] = parallel.STATS["workers"], parallel.STATS["stored"]
         out["prefetched"] = parallel.STATS["prefetched"]

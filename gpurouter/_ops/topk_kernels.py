@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._checks import TOPK_OP, TopkConfig
-from .._transport import kernel_call, prefetch
+from .._transport import kernel_call
 
 # ----------------------------------------------------------------------------
 # custom_vjp wiring: forward and backward each call the kernels through
@@ -100,15 +100,13 @@ def _topk(x, extra, cfg: TopkConfig, call: _KernelCall):
 
 
 def _topk_vjp_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
-    """The forward under a gradient: the backward's kernels start compiling
-    in the background first (``_transport.prefetch``)."""
-    _prefetch_bwd(x, cfg, call)
+    """The forward under a gradient: the kernels of its backward and of the
+    rest of a router step start compiling in the background first
+    (``step_prefetch.py``)."""
+    from .step_prefetch import prefetch_router_step
+
+    prefetch_router_step(x, cfg, call.transport)
     return _topk_fwd(x, extra, cfg, call)
-
-
-def _prefetch_bwd(x, cfg: TopkConfig, call: _KernelCall):
-    probs, routing_map, saved = _specs(x, x.dtype, cfg)[:3]
-    prefetch(functools.partial(_topk_bwd_plan, cfg), [routing_map, saved, probs], call.transport)
 
 
 def _topk_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
