@@ -714,7 +714,7 @@ def test_the_ffi_handler_loads_from_the_cache_in_a_fresh_process(tmp_path):
                           timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     kind, stats, got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert (kind, stats) == ("LoadedCFunc", {"compiled": 0, "loaded": 1})
+    assert (kind, stats) == ("LoadedCFunc", {"compiled": 0, "loaded": 1, "worker": 0})
     assert got == want
 
 

@@ -21,7 +21,8 @@ globals is never stored.
 
 :func:`compile_in_worker`: on a miss, a worker process (``python -m
 gpurouter._transport.ffi_cache``) compiles and stores the handler while this
-process compiles the first plan's kernels; :func:`cached_cfunc` waits for it,
+process compiles the first plan's kernels (``parallel.worker_argv``: without
+the package's ``__init__``); :func:`cached_cfunc` waits for it,
 then loads the entry (or compiles, if the worker stored nothing).
 """
 
@@ -160,7 +161,9 @@ def compile_in_worker(cache=None, command=None) -> bool:
     done = threading.Event()
     _WORKER_DONE.append(done)
     STATS["worker"] = 1
-    argv = command or [sys.executable, "-m", __name__]
+    from ..kernels._base.parallel import worker_argv
+
+    argv = command or worker_argv(__name__)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
                GPUROUTER_CACHE_DIR=str(cache.root))
 

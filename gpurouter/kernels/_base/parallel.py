@@ -129,6 +129,20 @@ def _worker(rec, argtypes, ordinal, root, key, cc, driver, compile_fn):
     return disk_cache.DiskCache(root).store(key, kernel_cache.pack_payload(entry, cubin))
 
 
+#: a worker's bootstrap: ``gpurouter`` a bare package (its ``__init__`` imports
+#: jax and the ops, about two seconds of a worker's start, and no kernel needs
+#: them), then the module run as ``__main__``
+_BOOT = ("import runpy, sys, types; pkg = types.ModuleType('gpurouter'); pkg.__path__ = [sys.argv[1]]; "
+         "sys.modules['gpurouter'] = pkg; runpy.run_module(sys.argv[2], run_name='__main__', alter_sys=True)")
+
+
+def worker_argv(module: str) -> list:
+    """The argv of a worker process that runs ``module`` (a ``gpurouter``
+    module) as ``__main__`` without the package's ``__init__`` (``_BOOT``)."""
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return [sys.executable, "-c", _BOOT, package, module]
+
+
 def _run_batch(batch, ordinal, root, cc, driver, compile_fn) -> list:
     """One worker: a fresh ``python -m gpurouter.kernels._base.parallel`` (a spawn:
     no fork of a process holding CUDA, and no rerun of the caller's ``__main__``
@@ -137,7 +151,7 @@ def _run_batch(batch, ordinal, root, cc, driver, compile_fn) -> list:
     jobs = [(rec, argtypes, ordinal, root, key, cc, driver, compile_fn) for rec, argtypes, key in batch]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     try:
-        proc = subprocess.run([sys.executable, "-m", __name__], input=pickle.dumps(jobs), env=env,
+        proc = subprocess.run(worker_argv(__name__), input=pickle.dumps(jobs), env=env,
                               capture_output=True, timeout=600, check=False)
     except (OSError, subprocess.SubprocessError) as e:
         return [f"{type(e).__name__}: {e}"] * len(batch)
