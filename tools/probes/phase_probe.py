@@ -24,7 +24,6 @@ overlap accounting: a lower bound when phases overlap across blocks).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import numpy as np
 from numba import cuda
@@ -57,6 +56,7 @@ def _time(plan, arrays, repeats):
     """Median kernel microseconds: CUDA events around each launch, the launches
     queued behind a sleeping kernel (as ``gpurouter.bench`` does), so the
     host's launch time is not counted."""
+    from gpurouter.bench.timing import median_us
     from gpurouter.bench.timing import spin_kernel as _spin_kernel
 
     def launch():
@@ -64,17 +64,7 @@ def _time(plan, arrays, repeats):
             L.launch(st.kernel, st.grid, st.block, 0, st.shared,
                      *(_plan._resolve(a, arrays) for a in st.args))
 
-    launch()  # compile + warm
-    cuda.synchronize()
-    spin = _spin_kernel()
-    events = [cuda.event() for _ in range(repeats + 1)]
-    L.launch(spin, 1, 1, 0, 0, 1000 * repeats)  # ~1 ms a launch: longer than the host needs to queue one
-    events[0].record()
-    for i in range(repeats):
-        launch()
-        events[i + 1].record()
-    events[-1].synchronize()
-    return statistics.median(events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(repeats))
+    return median_us(lambda _ptrs, _stream: launch(), [None], repeats, _spin_kernel())
 
 
 def _preset_plan(preset, tokens, groups=True):

@@ -48,7 +48,7 @@ import time
 import numpy as np
 from numba import cuda
 
-from gpurouter.bench.timing import spin_kernel
+from gpurouter.bench.timing import median_us, spin_kernel
 from gpurouter.kernels._base import launch as L
 from gpurouter.kernels._base import plan as _plan
 from gpurouter.kernels.topk import plans as kplans
@@ -69,18 +69,9 @@ def _arrays(plan, x_words, bias, bounds):
 
 
 def _events_us(launch, repeats: int) -> float:
-    """Median microseconds of ``launch()`` by CUDA events, queued behind a sleep."""
-    launch()  # compile and warm
-    cuda.synchronize()
-    spin = spin_kernel()
-    events = [cuda.event() for _ in range(repeats + 1)]
-    L.launch(spin, 1, 1, 0, 0, 200 * repeats)  # ~0.2 ms a launch: longer than the host needs to queue one
-    events[0].record()
-    for i in range(repeats):
-        launch()
-        events[i + 1].record()
-    events[-1].synchronize()
-    return statistics.median(events[i].elapsed_time(events[i + 1]) * 1e3 for i in range(repeats))
+    """Median microseconds of ``launch()`` by CUDA events, queued behind a sleep
+    (``gpurouter.bench.timing.median_us``; its first call compiles and warms)."""
+    return median_us(lambda _ptrs, _stream: launch(), [None], repeats, spin_kernel())
 
 
 def _bytes_moved(st, arrays) -> int:

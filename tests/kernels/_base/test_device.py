@@ -17,9 +17,23 @@ pytestmark = [pytest.mark.cuda, pytest.mark.filterwarnings(
     "ignore:.*(Grid size \\d+ will likely result in GPU under-utilization|Host array used in CUDA kernel)")]
 
 
+def _calling(fn):
+    """A kernel calling device function ``fn`` with three constants."""
+
+    @cuda.jit
+    def kernel(x, out):
+        i = cuda.grid(1)
+        if i < x.size:
+            out[i, 0] = fn(x[i], 1)
+            out[i, 1] = fn(x[i], 3)
+            out[i, 2] = fn(x[i], 5)
+
+    return kernel
+
+
 def _kernels():
-    """A kernel calling an ``inline_device`` function with three constants, and
-    its twin calling a plain device function."""
+    """``(once, plain, kernel calling once, kernel calling plain)``: one function
+    as an ``inline_device`` and as a plain device function."""
     from gpurouter.kernels._base.device import inline_device
 
     def shift(x, k):
@@ -27,24 +41,7 @@ def _kernels():
 
     once = inline_device(shift)
     plain = cuda.jit(device=True)(shift)
-
-    @cuda.jit
-    def with_once(x, out):
-        i = cuda.grid(1)
-        if i < x.size:
-            out[i, 0] = once(x[i], 1)
-            out[i, 1] = once(x[i], 3)
-            out[i, 2] = once(x[i], 5)
-
-    @cuda.jit
-    def with_plain(x, out):
-        i = cuda.grid(1)
-        if i < x.size:
-            out[i, 0] = plain(x[i], 1)
-            out[i, 1] = plain(x[i], 3)
-            out[i, 2] = plain(x[i], 5)
-
-    return once, plain, with_once, with_plain
+    return once, plain, _calling(once), _calling(plain)
 
 
 def _run(kernel, x):
