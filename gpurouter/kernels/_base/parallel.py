@@ -129,10 +129,12 @@ def _worker(rec, argtypes, ordinal, root, key, cc, driver, compile_fn):
     return disk_cache.DiskCache(root).store(key, kernel_cache.pack_payload(entry, cubin))
 
 
-#: a worker's bootstrap: ``gpurouter`` a bare package (its ``__init__`` imports
-#: jax and the ops, about two seconds of a worker's start, and no kernel needs
-#: them), then the module run as ``__main__``
-_BOOT = ("import runpy, sys, types; pkg = types.ModuleType('gpurouter'); pkg.__path__ = [sys.argv[1]]; "
+#: a worker's bootstrap: a lower CPU priority (``os.nice``: the process that
+#: started it compiles the kernel its trace waits for), ``gpurouter`` a bare
+#: package (its ``__init__`` imports jax and the ops, about two seconds of a
+#: worker's start, and no kernel needs them), then the module run as ``__main__``
+_BOOT = ("import os, runpy, sys, types; os.nice(5) if hasattr(os, 'nice') else None; "
+         "pkg = types.ModuleType('gpurouter'); pkg.__path__ = [sys.argv[1]]; "
          "sys.modules['gpurouter'] = pkg; runpy.run_module(sys.argv[2], run_name='__main__', alter_sys=True)")
 
 
