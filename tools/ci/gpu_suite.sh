@@ -13,6 +13,9 @@ cd "$(dirname "$0")/../.."
 out=${1:-gpu-logs}
 mkdir -p "$out"
 export NUMBA_ENABLE_CUDASIM=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# The groups already fill the CPU: no background compile workers in them (docs/cache.md), unless asked for.
+# The groups share one kernel cache, so a kernel one group compiled is loaded by the others.
+export GPUROUTER_COMPILE_WORKERS=${GPUROUTER_COMPILE_WORKERS-0}
 py=${PYTHON:-python3}
 limit=${GPU_SUITE_TIMEOUT:-570}
 k=tests/kernels
