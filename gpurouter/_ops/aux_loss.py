@@ -145,7 +145,7 @@ def _aux_loss_vjp_fwd(probs, tokens_per_expert, cfg: AuxLossConfig, transport: s
     """Under a gradient: the backward's kernels start compiling first (``_transport.prefetch``)."""
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     prefetch(functools.partial(_bwd_plan, probs.shape[0]),
-             [scalar, tokens_per_expert, jax.ShapeDtypeStruct((), probs.dtype)], transport)
+             [scalar, tokens_per_expert, jax.ShapeDtypeStruct((), probs.dtype)])
     return _aux_loss_fwd(probs, tokens_per_expert, cfg, transport)
 
 

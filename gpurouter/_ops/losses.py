@@ -114,7 +114,7 @@ def _z_loss(x, coeff: np.float32, total: int, transport: str):
 def _z_loss_vjp_fwd(x, coeff: np.float32, total: int, transport: str):
     """Under a gradient: the backward's kernels start compiling first (``_transport.prefetch``)."""
     lse = jax.ShapeDtypeStruct((2 * x.shape[0],), jnp.float32)
-    prefetch(functools.partial(_bwd_plan, coeff, total), [x, lse, jax.ShapeDtypeStruct((), jnp.float32)], transport)
+    prefetch(functools.partial(_bwd_plan, coeff, total), [x, lse, jax.ShapeDtypeStruct((), jnp.float32)])
     return _z_loss_fwd(x, coeff, total, transport)
 
 

@@ -51,8 +51,8 @@ def router_step_calls(x, cfg: TopkConfig) -> list:
     ]
 
 
-def prefetch_router_step(x, cfg: TopkConfig, transport: str) -> int:
+def prefetch_router_step(x, cfg: TopkConfig) -> int:
     """Submits :func:`router_step_calls`' kernels to the background workers; the number submitted."""
     if np.dtype(x.dtype) == np.float64:
         return 0
-    return sum(prefetch(planner, arrays, transport) for planner, arrays in router_step_calls(x, cfg))
+    return sum(prefetch(planner, arrays) for planner, arrays in router_step_calls(x, cfg))

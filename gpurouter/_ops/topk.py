@@ -273,8 +273,7 @@ def _aux_scores(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
 def _aux_scores_vjp_fwd(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
     """Under a gradient: the backward's kernels start compiling first (``_transport.prefetch``)."""
     saved = _specs(x, jnp.float32, cfg)[2]
-    prefetch(functools.partial(_aux_bwd_plan, cfg, dtype), [saved, jax.ShapeDtypeStruct(saved.shape, jnp.float32)],
-             transport)
+    prefetch(functools.partial(_aux_bwd_plan, cfg, dtype), [saved, jax.ShapeDtypeStruct(saved.shape, jnp.float32)])
     return _aux_scores_fwd(x, cfg, dtype, transport, write_indices)
 
 

@@ -105,7 +105,7 @@ def _topk_vjp_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
     (``step_prefetch.py``)."""
     from .step_prefetch import prefetch_router_step
 
-    prefetch_router_step(x, cfg, call.transport)
+    prefetch_router_step(x, cfg)
     return _topk_fwd(x, extra, cfg, call)
 
 

@@ -90,7 +90,7 @@ def kernel_call(
     return match_varying_axes(outs, args)
 
 
-def prefetch(planner: Callable, arrays: Sequence, transport: str) -> int:
+def prefetch(planner: Callable, arrays: Sequence) -> int:
     """Starts compiling, in the background, the kernels of a call the trace
     makes later: a backward's, submitted by a forward rule of a
     ``jax.custom_vjp`` while the forward is traced (docs/cache.md, "A cold
@@ -101,7 +101,7 @@ def prefetch(planner: Callable, arrays: Sequence, transport: str) -> int:
     itself reports the problem when it is traced. Returns the kernels submitted."""
     from numba import config
 
-    if getattr(config, "ENABLE_CUDASIM", False) or transport not in ("ffi", "zero-copy", "callback"):
+    if getattr(config, "ENABLE_CUDASIM", False):
         return 0
     from ..kernels._base.pointer import prefetch_plan
     from ._shared import plan_of

@@ -146,7 +146,7 @@ def worker_argv(module: str) -> list:
 
 
 def _run_batch(batch, ordinal, root, cc, driver, compile_fn) -> list:
-    """One worker: a fresh ``python -m gpurouter.kernels._base.parallel`` (a spawn:
+    """One worker: a fresh Python running this module (``worker_argv``; a spawn:
     no fork of a process holding CUDA, and no rerun of the caller's ``__main__``
     as multiprocessing's spawn would do) compiling ``batch`` one after the other;
     each job's True, False, or the text of what went wrong."""
@@ -205,8 +205,9 @@ def pending(requests, ordinal, cache, *, cc=None, driver=None) -> list:
 
 
 def _start(requests, ordinal, cache, cc, driver, compile_fn, least: int):
-    """``(jobs, workers, cc, driver)`` for the missing kernels of ``requests``,
-    or None when no worker should start (fewer than ``least`` missing: module docstring)."""
+    """``(cache, batches, cc, driver)`` for the missing kernels of ``requests``
+    (one batch a worker), or None when no worker should start (fewer than
+    ``least`` missing, and the module docstring's cases)."""
     cache = cache if cache is not None else disk_cache.default_cache()
     if cache is None or (_simulator() and compile_fn is None):
         return None
