@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,10 +22,10 @@ from .._checks import (
     check_transport,
 )
 from .._sharding import axis_size, per_token_shard, token_axes
-from .._transport import kernel_call, prefetch, resolve_transport
+from .._transport import resolve_transport
 from ..reference import _route as _ref_route
 from .qb import histogram_after, use_kernels
-from .topk_kernels import _compact, _KernelCall, _map_spec, _specs, _topk, _warp_rule
+from .topk_kernels import _aux_scores, _compact, _KernelCall, _map_spec, _topk, _warp_rule
 
 
 def fused_topk_with_score_function(
@@ -255,51 +253,3 @@ def _qb_cutoff_mode(cfg: TopkConfig, var, logits, forced: bool, compact_kernel: 
     if not _warp_rule(cfg, num_experts) or token_axes(rows) is not None:
         return ""
     return use_kernels(cfg, transport) or ""
-
-
-def _aux_plan(cfg: TopkConfig, write_indices: bool, logits):
-    from ..kernels.topk.aux_plans import score_for_aux_loss_fwd_plan
-
-    kw = {"return_indices": True} if write_indices else {}
-    return score_for_aux_loss_fwd_plan(
-        logits, cfg.topk, int(cfg.score_function), int(cfg.routing_map_format), **kw)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _aux_scores(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
-    return _aux_scores_fwd(x, cfg, dtype, transport, write_indices)[0]
-
-
-def _aux_scores_vjp_fwd(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
-    """Under a gradient: the backward's kernels start compiling first (``_transport.prefetch``)."""
-    saved = _specs(x, jnp.float32, cfg)[2]
-    prefetch(functools.partial(_aux_bwd_plan, cfg, dtype), [saved, jax.ShapeDtypeStruct(saved.shape, jnp.float32)])
-    return _aux_scores_fwd(x, cfg, dtype, transport, write_indices)
-
-
-def _aux_scores_fwd(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
-    out = kernel_call(functools.partial(_aux_plan, cfg, write_indices),
-        _specs(x, jnp.float32, cfg, write_indices), [x], (), transport,
-    )
-    scores, routing_map, saved = out[:3]
-    return (scores, routing_map, *out[3:]), saved
-
-
-def _aux_bwd_plan(cfg: TopkConfig, out_dtype, saved, grad_scores):
-    from ..kernels._base.launch import kind_of_dtype
-    from ..kernels.topk.aux_plans import score_for_aux_loss_bwd_plan
-
-    kind = kind_of_dtype(out_dtype, "out_dtype", "score_for_aux_loss_bwd")
-    return score_for_aux_loss_bwd_plan(saved, int(cfg.score_function), kind)
-
-
-def _aux_scores_bwd(cfg: TopkConfig, dtype, transport: str, write_indices: bool, saved, cts):
-    grad_scores = cts[0].astype(jnp.float32)
-    (grad_logits,) = kernel_call(functools.partial(_aux_bwd_plan, cfg, dtype),
-        [jax.ShapeDtypeStruct(saved.shape, dtype)],
-        [saved, grad_scores], (), transport,
-    )
-    return (grad_logits,)
-
-
-_aux_scores.defvjp(_aux_scores_vjp_fwd, _aux_scores_bwd)

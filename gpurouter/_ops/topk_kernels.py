@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._checks import TOPK_OP, TopkConfig
-from .._transport import kernel_call
+from .._checks import TOPK_OP, AuxLossConfig, TopkConfig
+from .._transport import kernel_call, prefetch
 
 # ----------------------------------------------------------------------------
 # custom_vjp wiring: forward and backward each call the kernels through
@@ -102,9 +102,7 @@ def _topk(x, extra, cfg: TopkConfig, call: _KernelCall):
 def _topk_vjp_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
     """The forward under a gradient: the kernels of its backward and of the
     rest of a router step start compiling in the background first
-    (``step_prefetch.py``)."""
-    from .step_prefetch import prefetch_router_step
-
+    (``prefetch_router_step``)."""
     prefetch_router_step(x, cfg)
     return _topk_fwd(x, extra, cfg, call)
 
@@ -186,3 +184,102 @@ def _topk_bwd(cfg: TopkConfig, call: _KernelCall, res, cts):
 
 
 _topk.defvjp(_topk_vjp_fwd, _topk_bwd)
+
+
+# The aux scores (compute_aux_scores=True): forward and backward kernels
+
+
+def _aux_plan(cfg: TopkConfig, write_indices: bool, logits):
+    from ..kernels.topk.aux_plans import score_for_aux_loss_fwd_plan
+
+    kw = {"return_indices": True} if write_indices else {}
+    return score_for_aux_loss_fwd_plan(
+        logits, cfg.topk, int(cfg.score_function), int(cfg.routing_map_format), **kw)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _aux_scores(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
+    return _aux_scores_fwd(x, cfg, dtype, transport, write_indices)[0]
+
+
+def _aux_scores_vjp_fwd(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
+    """Under a gradient: the backward's kernels start compiling first (``_transport.prefetch``)."""
+    saved = _specs(x, jnp.float32, cfg)[2]
+    prefetch(functools.partial(_aux_bwd_plan, cfg, dtype), [saved, jax.ShapeDtypeStruct(saved.shape, jnp.float32)])
+    return _aux_scores_fwd(x, cfg, dtype, transport, write_indices)
+
+
+def _aux_scores_fwd(x, cfg: TopkConfig, dtype, transport: str, write_indices: bool):
+    out = kernel_call(functools.partial(_aux_plan, cfg, write_indices),
+        _specs(x, jnp.float32, cfg, write_indices), [x], (), transport,
+    )
+    scores, routing_map, saved = out[:3]
+    return (scores, routing_map, *out[3:]), saved
+
+
+def _aux_bwd_plan(cfg: TopkConfig, out_dtype, saved, grad_scores):
+    from ..kernels._base.launch import kind_of_dtype
+    from ..kernels.topk.aux_plans import score_for_aux_loss_bwd_plan
+
+    kind = kind_of_dtype(out_dtype, "out_dtype", "score_for_aux_loss_bwd")
+    return score_for_aux_loss_bwd_plan(saved, int(cfg.score_function), kind)
+
+
+def _aux_scores_bwd(cfg: TopkConfig, dtype, transport: str, write_indices: bool, saved, cts):
+    grad_scores = cts[0].astype(jnp.float32)
+    (grad_logits,) = kernel_call(functools.partial(_aux_bwd_plan, cfg, dtype),
+        [jax.ShapeDtypeStruct(saved.shape, dtype)],
+        [saved, grad_scores], (), transport,
+    )
+    return (grad_logits,)
+
+
+_aux_scores.defvjp(_aux_scores_vjp_fwd, _aux_scores_bwd)
+
+
+# A router step's other kernels compiled in the background while its first
+# op is traced (docs/cache.md, "Background compiles while the trace goes on").
+#
+# The trace reaches each op's kernels one after another, and each op waits
+# for its own, so a cold process compiles a step's forward kernels in
+# sequence. TE's router step (and gpurouter's presets, ``coldstart``) uses the
+# same logits three times under one gradient: the top-k, the aux scores
+# (``compute_aux_scores=True``) and the aux loss over those scores. When the
+# top-k's forward is traced under a gradient, :func:`prefetch_router_step`
+# submits the kernels of the other two, forward and backward, for these
+# logits, and the top-k's own backward, to the background workers
+# (``_transport.prefetch``). A step that does not use them costs only those
+# workers' CPU time once per configuration; ``GPUROUTER_COMPILE_WORKERS=0``
+# turns every worker off.
+
+
+def router_step_calls(x, cfg: TopkConfig) -> list:
+    """``(planner, arrays)`` of the calls a router step on logits ``x`` makes
+    after the top-k forward: its backward, the aux scores' forward and
+    backward, the aux loss's forward and backward (``arrays``: structs in
+    each call's order). The planners are the ops' own."""
+    from . import aux_loss
+
+    t, e = x.shape
+    f32 = jnp.float32
+    probs, routing_map, saved = _specs(x, x.dtype, cfg)[:3]
+    aux_cfg = cfg  # (the aux planners read its topk, score function and map format)
+    aux_saved = _specs(x, f32, aux_cfg)[2]
+    counts = jax.ShapeDtypeStruct((e,), jnp.int32)
+    scalar = jax.ShapeDtypeStruct((), f32)
+    loss_cfg = AuxLossConfig(topk=cfg.topk, coeff=1e-2, total_num_tokens=t, num_experts=e)
+    return [
+        (functools.partial(_topk_bwd_plan, cfg), [routing_map, saved, probs]),
+        (functools.partial(_aux_plan, aux_cfg, False), [x]),
+        (functools.partial(_aux_bwd_plan, aux_cfg, x.dtype),
+         [aux_saved, jax.ShapeDtypeStruct(aux_saved.shape, f32)]),
+        (functools.partial(aux_loss._fwd_plan, loss_cfg), [jax.ShapeDtypeStruct((t, e), f32), counts]),
+        (functools.partial(aux_loss._bwd_plan, t), [scalar, counts, scalar]),
+    ]
+
+
+def prefetch_router_step(x, cfg: TopkConfig) -> int:
+    """Submits :func:`router_step_calls`' kernels to the background workers; the number submitted."""
+    if np.dtype(x.dtype) == np.float64:
+        return 0
+    return sum(prefetch(planner, arrays) for planner, arrays in router_step_calls(x, cfg))

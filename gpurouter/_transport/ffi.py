@@ -280,9 +280,10 @@ def _launch(planner, out_specs, args):
     results = tuple(word_spec(s) for s in out_specs) + tuple(
         jax.ShapeDtypeStruct(t.shape, t.dtype) for t in plan.tmps)
     if not _REGISTERED:  # a cold process: the handler compiles in a worker while the kernels compile here
+        from ..kernels._base.parallel import worker_argv
         from . import ffi_cache
 
-        ffi_cache.compile_in_worker()
+        ffi_cache.compile_in_worker(worker_argv(__name__))
     record = _record(plan)
     _register()
     call = jax.ffi.ffi_call(TARGET, results, vmap_method="sequential")
@@ -352,3 +353,7 @@ def available() -> bool:
         warnings.warn(f"gpurouter: transport \"ffi\" is off: {reason} transport=\"auto\" uses "
                       "\"zero-copy\" instead.", RuntimeWarning, stacklevel=4)
     return reason is None
+
+
+if __name__ == "__main__":  # the handler's worker (ffi_cache.compile_in_worker): compile it into the cache
+    _handler()

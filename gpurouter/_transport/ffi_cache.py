@@ -19,10 +19,10 @@ handler's code holds no address of the process that compiled it (its
 static messages are built on its stack), and a library with numba dynamic
 globals is never stored.
 
-:func:`compile_in_worker`: on a miss, a worker process (``python -m
-gpurouter._transport.ffi_cache``) compiles and stores the handler while this
-process compiles the first plan's kernels (``parallel.worker_argv``: without
-the package's ``__init__``); :func:`cached_cfunc` waits for it,
+:func:`compile_in_worker`: on a miss, a worker process (``ffi.py`` run as
+``__main__`` by ``parallel.worker_argv``, without the package's ``__init__``)
+compiles and stores the handler while this process compiles the first
+plan's kernels; :func:`cached_cfunc` waits for it,
 then loads the entry (or compiles, if the worker stored nothing).
 """
 
@@ -142,11 +142,12 @@ def cached_cfunc(compile_fn, cache=None):
     return handler
 
 
-def compile_in_worker(cache=None, command=None) -> bool:
-    """Starts one worker process that compiles the handler into the cache
-    when it is not there (once a process; not with ``GPUROUTER_COMPILE_WORKERS=0``,
-    the cache off or not writable). True when one started. ``command``: the
-    worker's argv (the tests')."""
+def compile_in_worker(command, cache=None) -> bool:
+    """Starts one worker process, ``command`` (an argv that compiles the
+    handler with :func:`cached_cfunc`: ``ffi.py`` run as a script), when the
+    handler is not in the cache (once a process; not with
+    ``GPUROUTER_COMPILE_WORKERS=0``, the cache off or not writable). True
+    when one started."""
     if _WORKER_DONE or os.environ.get("GPUROUTER_COMPILE_WORKERS", "").strip() == "0":
         return False
     cache = cache if cache is not None else disk_cache.default_cache()
@@ -161,15 +162,12 @@ def compile_in_worker(cache=None, command=None) -> bool:
     done = threading.Event()
     _WORKER_DONE.append(done)
     STATS["worker"] = 1
-    from ..kernels._base.parallel import worker_argv
-
-    argv = command or worker_argv(__name__)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
                GPUROUTER_CACHE_DIR=str(cache.root))
 
     def run():
         try:
-            subprocess.run(argv, env=env, capture_output=True, timeout=600, check=False)
+            subprocess.run(list(command), env=env, capture_output=True, timeout=600, check=False)
         except (OSError, subprocess.SubprocessError):
             pass  # cached_cfunc then compiles it here
         finally:
@@ -177,9 +175,3 @@ def compile_in_worker(cache=None, command=None) -> bool:
 
     threading.Thread(target=run, name="gpurouter-ffi-handler", daemon=True).start()
     return True
-
-
-if __name__ == "__main__":  # the worker: compile the handler and store it
-    from . import ffi
-
-    ffi._handler()

@@ -1,4 +1,4 @@
-"""_ops/step_prefetch.py: the kernels a router step submits to the background
+"""_ops/topk_kernels.py's router_step_calls: the kernels a router step submits to the background
 workers when its top-k forward is traced are the kernels the step's other
 calls then launch (else the speculation would be compile work for nothing).
 Simulator: the plans are compared, nothing is compiled."""
@@ -25,7 +25,7 @@ def _kernels(plan) -> set:
 ])
 def test_the_speculated_plans_are_the_steps_own(monkeypatch, experts, topk, groups, group_topk, score):
     from gpurouter._checks import check_topk_args
-    from gpurouter._ops.step_prefetch import router_step_calls
+    from gpurouter._ops.topk_kernels import router_step_calls
     from gpurouter._transport import _shared
 
     built = []

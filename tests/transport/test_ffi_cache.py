@@ -33,8 +33,8 @@ def test_the_handler_waits_for_its_worker_then_compiles_when_it_stored_nothing(t
     marker = tmp_path / "worker-ended"
     # the worker: a pause, then a marker; it stores nothing
     command = [sys.executable, "-c", f"import time, pathlib; time.sleep(1.0); pathlib.Path({str(marker)!r}).touch()"]
-    assert ffi_cache.compile_in_worker(cache, command)
-    assert not ffi_cache.compile_in_worker(cache, command)  # once a process
+    assert ffi_cache.compile_in_worker(command, cache)
+    assert not ffi_cache.compile_in_worker(command, cache)  # once a process
     seen = []
 
     def compile_fn():
@@ -50,14 +50,14 @@ def test_no_worker_when_off_or_already_stored(tmp_path, fresh, monkeypatch):
     cache = disk_cache.DiskCache(tmp_path)
     command = [sys.executable, "-c", "raise SystemExit(1)"]
     monkeypatch.setenv("GPUROUTER_COMPILE_WORKERS", "0")
-    assert not ffi_cache.compile_in_worker(cache, command)
+    assert not ffi_cache.compile_in_worker(command, cache)
     monkeypatch.delenv("GPUROUTER_COMPILE_WORKERS")
     cache.store(ffi_cache.handler_key(ffi_cache._codegen()), b"an entry")
-    assert not ffi_cache.compile_in_worker(cache, command)  # on disk (a bad entry is cached_cfunc's to mend)
+    assert not ffi_cache.compile_in_worker(command, cache)  # on disk (a bad entry is cached_cfunc's to mend)
     unwritable = disk_cache.DiskCache(tmp_path / "other")
     unwritable.writable = False
-    assert not ffi_cache.compile_in_worker(unwritable, command)
+    assert not ffi_cache.compile_in_worker(command, unwritable)
     assert ffi_cache.STATS["worker"] == 0 and not ffi_cache._WORKER_DONE
-    assert ffi_cache.compile_in_worker(disk_cache.DiskCache(tmp_path / "empty"), command)
+    assert ffi_cache.compile_in_worker(command, disk_cache.DiskCache(tmp_path / "empty"))
     ffi_cache._WORKER_DONE[0].wait(60)  # a worker that fails ends too
     assert ffi_cache._WORKER_DONE[0].is_set() and ffi_cache.STATS["worker"] == 1
