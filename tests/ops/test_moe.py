@@ -200,8 +200,12 @@ def test_numba_block_in_bf16_is_the_jax_blocks():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("shards,early,gmm", [(2, False, "ragged_dot"), (2, True, "ragged_dot"),
-                                              (4, False, "ragged_dot"), (4, True, "ragged_dot"),
+# (2, early) and (4, late) on ragged_dot under slow (``make test-slow``): the fast suite runs
+# early weighting over 4 shards, late over 2, and late over 4 on batched_ragged_dot
+@pytest.mark.parametrize("shards,early,gmm", [(2, False, "ragged_dot"),
+                                              pytest.param(2, True, "ragged_dot", marks=pytest.mark.slow),
+                                              pytest.param(4, False, "ragged_dot", marks=pytest.mark.slow),
+                                              (4, True, "ragged_dot"),
                                               (4, False, "batched")])  # batched: a buffer 4x its rows
 @jax.default_matmul_precision("float32")  # on GPUs: no TF32 in either block
 def test_expert_parallel_equals_one_device(shards, early, gmm):
