@@ -25,8 +25,7 @@ pytestmark = pytest.mark.cuda
 E, TOPK, G, KG = 128, 4, 8, 2  # groups of 16; sum_topk sums K // Kg = 2, like top2_sum
 
 
-def _rows(rng, n=5):
-    # the special rows only (a sixth, random row until 2026-11-28: the simulator runs a warp a token)
+def _rows(rng, n=6):
     x = rng.standard_normal((n, E)).astype(np.float32)
     x[0] = np.tile(np.arange(16, dtype=np.float32) / 16, G)  # every group tied: the lower ones kept
     x[1] = -4.0
