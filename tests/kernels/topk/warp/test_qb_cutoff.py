@@ -214,9 +214,9 @@ def test_op_gradient_with_the_routes_cutoff(monkeypatch):
 def test_op_fallbacks_keep_the_cutoff_pass(monkeypatch):
     """The compact kernel, and E = 96 (the warp kernel does not take it): the QB plan
     runs its own cutoff pass; the histogram is jax's."""
-    rng = np.random.default_rng(6)  # 2 tokens (4 until 2026-11-28: the simulator's cost)
-    for x, kw in ((jnp.asarray(rng.standard_normal((2, 128)), jnp.float32), {"compact": True}),
-                  (jnp.asarray(rng.standard_normal((2, 96)), jnp.float32), {})):
+    rng = np.random.default_rng(6)
+    for x, kw in ((jnp.asarray(rng.standard_normal((4, 128)), jnp.float32), {"compact": True}),
+                  (jnp.asarray(rng.standard_normal((4, 96)), jnp.float32), {})):
         got, want, given = _op_histograms(x, 4, monkeypatch, jit=False, **kw)
         assert given and not any(given)
         np.testing.assert_array_equal(np.asarray(got[-1]), np.asarray(want[-1]))
