@@ -80,8 +80,10 @@ def test_block_matches_the_dense_oracle(name):
         assert loss is None
         np.testing.assert_allclose(np.asarray(out), np.asarray(_dense(p, kw)), rtol=1e-10, atol=1e-12)
         diff = [k for k, v in p.items() if v is not None]
-        grads = jax.grad(lambda p: jnp.sum(_call(gmoe.moe, p, kw)[0] ** 2))(p)
-        want = jax.grad(lambda p: jnp.sum(_dense(p, kw) ** 2))(p)
+        # under jit: one compile each instead of op-by-op dispatch of every primitive at new
+        # shapes (eager gradients: test_under_checkpoint_scan_and_bf16 and the tests after it)
+        grads = jax.jit(jax.grad(lambda p: jnp.sum(_call(gmoe.moe, p, kw)[0] ** 2)))(p)
+        want = jax.jit(jax.grad(lambda p: jnp.sum(_dense(p, kw) ** 2)))(p)
         for k in diff:  # every input and weight
             np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(want[k]), rtol=1e-8, atol=1e-10,
                                        err_msg=k)
@@ -104,8 +106,8 @@ def test_block_on_batched_ragged_dot_matches_the_dense_oracle(name, gmm):
         p = _params(seed=5, dtype=jnp.float64)
         out, _ = jax.jit(lambda p: _call(gmoe.moe, p, kw))(p)
         np.testing.assert_allclose(np.asarray(out), np.asarray(_dense(p, kw)), rtol=1e-10, atol=1e-12)
-        grads = jax.grad(lambda p: jnp.sum(_call(gmoe.moe, p, kw)[0] ** 2))(p)
-        want = jax.grad(lambda p: jnp.sum(_dense(p, kw) ** 2))(p)
+        grads = jax.jit(jax.grad(lambda p: jnp.sum(_call(gmoe.moe, p, kw)[0] ** 2)))(p)  # (as above)
+        want = jax.jit(jax.grad(lambda p: jnp.sum(_dense(p, kw) ** 2)))(p)
         for k in (k for k, v in p.items() if v is not None):
             np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(want[k]), rtol=1e-8, atol=1e-10,
                                        err_msg=k)
