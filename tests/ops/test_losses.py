@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from public_helpers import BACKENDS
 from public_helpers import backend_kw as _backend_kw
@@ -61,6 +61,9 @@ def test_z_loss_oracle_gradient_matches_finite_differences():
 # ----------------------------------------------------------------------------
 
 
+# 5 examples (the suite profile: 10): each draws new shapes, so each compiles the reference's
+# value and gradient again; the five still draw every dtype (fp32, bf16, fp16)
+@settings(max_examples=5)
 @given(st.data())
 def test_z_loss_reference_matches_oracle(data):
     e = data.draw(st.integers(1, 12), label="E")
@@ -207,8 +210,9 @@ def _aux_step(backend, k=2, e=8):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_micro_batches_accumulate_to_the_full_batch(backend):
-    """4 micro-batches, counts accumulated over all of them and the global T:
-    the summed losses and gradients equal the full batch's (docs/losses.md)."""
+    """2 micro-batches (4 until 2026-11-28: each one more chain of kernel launches on the
+    simulator), counts accumulated over all of them and the global T: the summed losses
+    and gradients equal the full batch's (docs/losses.md)."""
     k, e, t = 2, 8, 16
     x = _tie_free_logits((t, e), jnp.float32, seed=11)
     scores_counts = _aux_step(backend, k, e)
@@ -219,7 +223,7 @@ def test_micro_batches_accumulate_to_the_full_batch(backend):
         return (gr.fused_moe_aux_loss(scores, counts, k, 1e-2, **kw)
                 + gr.router_z_loss(x, 1e-3, **kw))
 
-    counts = sum(scores_counts(mb)[1] for mb in jnp.split(x, 4))  # the step's counts
+    counts = sum(scores_counts(mb)[1] for mb in jnp.split(x, 2))  # the step's counts
 
     def micro(mb):
         scores, _ = scores_counts(mb)
@@ -227,7 +231,7 @@ def test_micro_batches_accumulate_to_the_full_batch(backend):
                 + gr.router_z_loss(mb, 1e-3, total_num_tokens=t, **kw))
 
     want, want_g = jax.value_and_grad(full)(x)
-    parts = [jax.value_and_grad(micro)(mb) for mb in jnp.split(x, 4)]
+    parts = [jax.value_and_grad(micro)(mb) for mb in jnp.split(x, 2)]
     np.testing.assert_allclose(float(sum(p[0] for p in parts)), float(want), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(jnp.concatenate([p[1] for p in parts])), np.asarray(want_g),
                                rtol=1e-5, atol=1e-8)
@@ -299,7 +303,7 @@ def _ops(backend):
 @pytest.mark.parametrize("name", ["topk-sigmoid-bias", "topk-softmax-bitmap", "aux-scores+aux-loss", "z-loss"])
 def test_every_op_under_checkpoint_scan_and_vmap(backend, name):
     f = _ops(backend)[name]
-    xs = _tie_free_logits((3, 4, 8), jnp.float32, seed=13)
+    xs = _tie_free_logits((2, 4, 8), jnp.float32, seed=13)  # 2 steps (3 until 2026-11-28)
     want_v = jnp.stack([f(x) for x in xs])
     want_g = jnp.stack([jax.grad(f)(x) for x in xs])
     # remat must not break the custom VJPs

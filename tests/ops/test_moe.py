@@ -80,14 +80,20 @@ def test_block_matches_the_dense_oracle(name):
         assert loss is None
         np.testing.assert_allclose(np.asarray(out), np.asarray(_dense(p, kw)), rtol=1e-10, atol=1e-12)
         diff = [k for k, v in p.items() if v is not None]
-        grads = jax.grad(lambda p: jnp.sum(_call(gmoe.moe, p, kw)[0] ** 2))(p)
-        want = jax.grad(lambda p: jnp.sum(_dense(p, kw) ** 2))(p)
+        # under jit: one compile each instead of op-by-op dispatch of every primitive at new
+        # shapes (eager gradients: test_under_checkpoint_scan_and_bf16 and the tests after it)
+        grads = jax.jit(jax.grad(lambda p: jnp.sum(_call(gmoe.moe, p, kw)[0] ** 2)))(p)
+        want = jax.jit(jax.grad(lambda p: jnp.sum(_dense(p, kw) ** 2)))(p)
         for k in diff:  # every input and weight
             np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(want[k]), rtol=1e-8, atol=1e-10,
                                        err_msg=k)
 
 
-@pytest.mark.parametrize("name,gmm", [("softmax-late", "batched"), ("pre-softmax-aligned", "batched"),
+# softmax-late on batched_ragged_dot under slow (``make test-slow``): its late weighting runs
+# in the fast suite with pre-softmax-aligned (padded groups), its unpadded groups with
+# k1-linear-early
+@pytest.mark.parametrize("name,gmm", [pytest.param("softmax-late", "batched", marks=pytest.mark.slow),
+                                      ("pre-softmax-aligned", "batched"),
                                       ("k1-linear-early", "batched"), ("softmax-early", "tiled")])
 def test_block_on_batched_ragged_dot_matches_the_dense_oracle(name, gmm):
     """``grouped_matmul=batched_ragged_dot`` (or ``tiled_ragged_dot``, with
@@ -100,8 +106,8 @@ def test_block_on_batched_ragged_dot_matches_the_dense_oracle(name, gmm):
         p = _params(seed=5, dtype=jnp.float64)
         out, _ = jax.jit(lambda p: _call(gmoe.moe, p, kw))(p)
         np.testing.assert_allclose(np.asarray(out), np.asarray(_dense(p, kw)), rtol=1e-10, atol=1e-12)
-        grads = jax.grad(lambda p: jnp.sum(_call(gmoe.moe, p, kw)[0] ** 2))(p)
-        want = jax.grad(lambda p: jnp.sum(_dense(p, kw) ** 2))(p)
+        grads = jax.jit(jax.grad(lambda p: jnp.sum(_call(gmoe.moe, p, kw)[0] ** 2)))(p)  # (as above)
+        want = jax.jit(jax.grad(lambda p: jnp.sum(_dense(p, kw) ** 2)))(p)
         for k in (k for k, v in p.items() if v is not None):
             np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(want[k]), rtol=1e-8, atol=1e-10,
                                        err_msg=k)
@@ -196,8 +202,12 @@ def test_numba_block_in_bf16_is_the_jax_blocks():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("shards,early,gmm", [(2, False, "ragged_dot"), (2, True, "ragged_dot"),
-                                              (4, False, "ragged_dot"), (4, True, "ragged_dot"),
+# (2, early) and (4, late) on ragged_dot under slow (``make test-slow``): the fast suite runs
+# early weighting over 4 shards, late over 2, and late over 4 on batched_ragged_dot
+@pytest.mark.parametrize("shards,early,gmm", [(2, False, "ragged_dot"),
+                                              pytest.param(2, True, "ragged_dot", marks=pytest.mark.slow),
+                                              pytest.param(4, False, "ragged_dot", marks=pytest.mark.slow),
+                                              (4, True, "ragged_dot"),
                                               (4, False, "batched")])  # batched: a buffer 4x its rows
 @jax.default_matmul_precision("float32")  # on GPUs: no TF32 in either block
 def test_expert_parallel_equals_one_device(shards, early, gmm):

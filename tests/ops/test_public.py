@@ -33,9 +33,20 @@ def _close(actual, expected, dtype, kind):
                  check_dtype=False)
 
 
+# Each config in one dtype in the fast suite, by turns (every backend runs both dtypes), the other
+# under slow (``make test-slow``): the turns opposite to test_topk_indices.py's replay test, so
+# that every (config, dtype) pair runs through the public op in the fast suite in one of the two;
+# bf16 routes and gradients of every score function: test_aux_scores_forward_and_grad, and the
+# kernels' bf16 paths tests/kernels/.
+DTYPE_CASES = [
+    pytest.param(dtype, name, id=f"{dtype}-{name}",
+                 marks=() if dtype == ("bfloat16", "float32")[i % 2] else pytest.mark.slow)
+    for dtype in ("float32", "bfloat16") for i, name in enumerate(CONFIGS)
+]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype,name", DTYPE_CASES)
 def test_topk_forward_and_grad(backend, name, dtype):
     cfg = CONFIGS[name]
     x = _tie_free_logits((2, 3, 16), dtype)

@@ -70,9 +70,18 @@ def _special_rows(x):
     return x.at[1].set(row)
 
 
+# Each case in one dtype in the fast suite (float32 and bfloat16 by turns: every backend
+# runs both, and every score function mode in one or the other); the other dtype under
+# slow (``make test-slow``).  The kernels' bf16 bitmap stores: tests/kernels/topk/test_map_format.py.
+DTYPE_CASES = [
+    pytest.param(dtype, *case, id=f"{dtype}-{case[0]}",
+                 marks=() if dtype == ("float32", "bfloat16")[i % 2] else pytest.mark.slow)
+    for dtype in ("float32", "bfloat16") for i, case in enumerate(CASES)
+]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name,e,kw", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype,name,e,kw", DTYPE_CASES)
 def test_bitmap_equals_packed_bytemap(backend, name, e, kw, dtype):
     x = _special_rows(_tie_free_logits((2, 3, e), dtype, seed=e))
     by = jax.jit(_router(backend, kw, "bytemap"))

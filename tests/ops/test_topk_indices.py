@@ -65,9 +65,18 @@ def test_ties_put_the_lower_index_first():
     assert idx.tolist() == [[1, 2, 4, 3]]
 
 
+# Each config in one dtype in the fast suite (float32 and bfloat16 by turns: every backend runs
+# both), the other under slow (``make test-slow``); the kernels' replay in bf16 and fp16:
+# tests/kernels/topk/test_indices_replay.py.
+DTYPE_CASES = [
+    pytest.param(dtype, name, id=f"{dtype}-{name}",
+                 marks=() if dtype == ("float32", "bfloat16")[i % 2] else pytest.mark.slow)
+    for dtype in ("float32", "bfloat16") for i, name in enumerate(CONFIGS)
+]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype,name", DTYPE_CASES)
 def test_replay_of_returned_indices_is_the_same_call(backend, name, dtype):
     """Probs, map and gradients of a replay equal the normal call's, bit for bit."""
     x = _tie_free_logits((2, 3, 16), dtype, seed=7)

@@ -79,7 +79,8 @@ def test_matches_the_float64_oracle(sizes, n, capacity):
     _check(sizes, n, capacity)
 
 
-@settings(max_examples=12, deadline=None)  # each example compiles (2.5 s on the CI CPU); the cases above pin the edges
+# each example compiles (2.5 s on the CI CPU); the cases above pin the edges (12 examples until 2026-11-28)
+@settings(max_examples=6, deadline=None)
 @given(st.lists(st.integers(0, 12), min_size=1, max_size=5), st.integers(0, 4), st.sampled_from([None, 1, 2, 5]))
 def test_any_group_sizes_match_the_oracle(sizes, tail, capacity):
     _check(sizes, sum(sizes) + tail, capacity, k=3, m=2)
@@ -165,7 +166,9 @@ def test_tiled_matches_the_float64_oracle(sizes, n, capacity, tile, chunk):
     _check(sizes, n, capacity, fn=_tiled(tile, chunk))
 
 
-@settings(max_examples=10, deadline=None)  # each example compiles a switch and two loops: ~3 s on a busy CPU
+# each example compiles a switch and two loops: ~3 s on a busy CPU; the cases above pin the edges
+# (10 examples until 2026-11-28)
+@settings(max_examples=5, deadline=None)
 @given(st.lists(st.integers(0, 12), min_size=1, max_size=5), st.integers(0, 4), st.sampled_from([None, 0, 1, 5]),
        st.integers(1, 5), st.integers(1, 3))
 def test_tiled_any_group_sizes_match_the_oracle(sizes, tail, capacity, tile, chunk):

@@ -20,10 +20,11 @@ def _combine(backend):
 
 
 def test_the_reference_passes():
-    report = check_token_dispatch(_dispatch("jax"), max_examples=3, seed=0)
-    assert report.passed and report.examples == 4 * 3, report
-    report = check_token_combine(_combine("jax"), _dispatch("jax"), max_examples=3, seed=0)
-    assert report.passed and report.examples == 3 * 3, report
+    # 2 examples a property (3 until 2026-11-28: each example compiles the reference again)
+    report = check_token_dispatch(_dispatch("jax"), max_examples=2, seed=0)
+    assert report.passed and report.examples == 4 * 2, report
+    report = check_token_combine(_combine("jax"), _dispatch("jax"), max_examples=2, seed=0)
+    assert report.passed and report.examples == 3 * 2, report
 
 
 def test_the_kernels_pass():

@@ -26,22 +26,36 @@ def _inputs(T, C, dtype, tpe_dtype, seed=0):
     return probs, tpe
 
 
-@pytest.mark.parametrize("dtype,tpe_dtype,T,C,E,total", [
-    (np.float32, "int32", 4, 8, None, None),
-    (np.float32, "int64", 70, 6, 3, 1000),  # sequence aux loss (C = 2E), 2 partial blocks
-    (ml_dtypes.bfloat16, "float32", 3, 16, None, 7),
-    (np.float16, "bfloat16", 2, 5, None, None),
-    (np.float16, "int32", 9, 12, None, None),  # fp16, a quad of columns per store
+#: blocks of at least 20 rows (the library's: 64), so that a T of about 50 gives 3 blocks: the
+#: forward's row and column lanes, unrolled bodies and tails, at a third of the rows
+#: (the simulator runs each of a block's threads; 150 and 130 rows until 2026-11-28)
+SMALL_BLOCKS = K.AuxLossTiling(column_min_rows=20)
+
+
+@pytest.mark.parametrize("dtype,tpe_dtype,T,C,E,total,tiling", [
+    (np.float32, "int32", 4, 8, None, None, None),
+    (np.float32, "int64", 70, 6, 3, 1000, None),  # sequence aux loss (C = 2E), 2 partial blocks
+    (ml_dtypes.bfloat16, "float32", 3, 16, None, 7, None),
+    (np.float16, "bfloat16", 2, 5, None, None, None),
+    (np.float16, "int32", 9, 12, None, None, None),  # fp16, a quad of columns per store
     # fp32, C % 4 == 0: column quads (74 of them on 96 column lanes, 4 row lanes),
-    # 3 blocks of 50 rows (the 4-row unrolled body + its tail)
-    (np.float32, "int32", 150, 296, None, None),
-    # fp32, C % 4 != 0: elements, two column chunks (256 + 44 columns), 3 blocks
-    # of 44 rows, 2 row lanes (the 8-row unrolled body + its tail)
-    (np.float32, "int32", 130, 302, None, None),
+    # 3 blocks of 17, 17, 16 rows (a lane's 4-row unrolled body + its tail; the last
+    # block's lanes the body alone)
+    (np.float32, "int32", 50, 296, None, None, SMALL_BLOCKS),
+    # fp32, C % 4 != 0: elements, two column chunks (256 + 46 columns), 3 blocks
+    # of 18, 18, 16 rows, 2 row lanes (the 8-row unrolled body + its tail; the last
+    # block's lanes the body alone)
+    (np.float32, "int32", 52, 302, None, None, SMALL_BLOCKS),
 ])
-def test_fwd_bwd(dtype, tpe_dtype, T, C, E, total):
+def test_fwd_bwd(dtype, tpe_dtype, T, C, E, total, tiling):
+    from gpurouter.kernels.losses.tiling import column_tiling
+
+    if tiling is not None:  # the shapes the comments above describe
+        quads = dtype == np.float32 and C % 4 == 0
+        grid, threads, cl, rows = column_tiling(T, C // 4 if quads else C, tiling)
+        assert (grid, rows, cl, threads // cl) == ((3, 17, 96, 4) if quads else (3, 18, 256, 2))
     probs, tpe = _inputs(T, C, dtype, tpe_dtype)
-    loss, coeff = K.moe_aux_loss_fwd(probs, tpe, 2, 0.01, total, E)
+    loss, coeff = K.moe_aux_loss_fwd(probs, tpe, 2, 0.01, total, E, tiling=tiling)
     rloss, rcoeff = (host(a) for a in ref.moe_aux_loss_fwd(probs, tpe, 2, 0.01, total, E))
     assert loss.shape == coeff.shape == ()
     assert loss.dtype == np.dtype(dtype) and coeff.dtype == np.float32
@@ -65,11 +79,14 @@ def test_coeff_order():
 
 
 def test_deterministic():
-    probs, tpe = _inputs(200, 40, np.float32, "float32", seed=3)  # 4 partial blocks
-    first = K.moe_aux_loss_fwd(probs, tpe, 4, 1.0)[0]
-    for _ in range(2):
-        again = K.moe_aux_loss_fwd(probs, tpe, 4, 1.0)[0]
-        assert again.tobytes() == first.tobytes()
+    # 3 blocks (44, 44, 42 rows) of 4 row lanes x 32 column lanes: 3 partials, added by
+    # the last block; run twice (the library's 512-thread blocks, 200 rows and three runs
+    # until 2026-11-28: the simulator runs every thread; test_fwd_bwd runs 512-thread blocks)
+    tiling = K.AuxLossTiling(column_threads=128)
+    probs, tpe = _inputs(130, 40, np.float32, "float32", seed=3)
+    first = K.moe_aux_loss_fwd(probs, tpe, 4, 1.0, tiling=tiling)[0]
+    again = K.moe_aux_loss_fwd(probs, tpe, 4, 1.0, tiling=tiling)[0]
+    assert again.tobytes() == first.tobytes()
 
 
 def test_device_scalars():

@@ -123,10 +123,11 @@ def test_topk_bitmap_is_the_packed_bytemap(token_tiling, T, E, k, kw, dtype, pat
 def test_octet_walk_groups_and_chunks(token_tiling, E, dtype):
     """The token kernels' octet walk (a warp: 4 octets of 8 tokens) with 16
     tokens per block and 2 warps: two token groups, two octet chunks (the
-    second partial), a partial last tile (21 rows), idle lanes; E % 8 == 4
-    and 0 (bf16: paired 16-byte probs stores)."""
+    second partial), a partial last tile (17 rows: one token in the second
+    block; 21 until 2026-11-28), idle lanes; E % 8 == 4 and 0 (bf16: paired
+    16-byte probs stores)."""
     K = token_tiling(16, 64)
-    x = _logits(21, E, E)
+    x = _logits(17, E, E)
     _check_topk(K, x, 4, "token", score_function="sigmoid", num_groups=4, group_topk=2, expert_bias=_bias(E))
     _check_topk(K, x, 5, "token", use_pre_softmax=False)
     sc0, m0, sv0 = K.score_for_aux_loss_fwd(x, 5, "sqrtsoftplus")

@@ -46,8 +46,17 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("sf,pre", FWD_MODES)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}E{}K{}G{}Kg{}s{}b{}".format(*s))
+# Each shape with two of the four modes in the fast suite (by turns: every mode meets two shapes,
+# one of them grouped or K = 1), the other two under slow (``make test-slow``); every mode on the
+# grouped shape runs in the fast suite in test_fwd_bwd_half (bf16 and fp16).
+FP32_CASES = [
+    pytest.param(sf, pre, shape, id="T{}E{}K{}G{}Kg{}s{}b{}-{}-{}".format(*shape, sf, pre),
+                 marks=() if (i + j) % 2 == 0 else pytest.mark.slow)
+    for j, shape in enumerate(SHAPES) for i, (sf, pre) in enumerate(FWD_MODES)
+]
+
+
+@pytest.mark.parametrize("sf,pre,shape", FP32_CASES)
 def test_fwd_bwd_fp32(sf, pre, shape):
     T, E, k, G, Kg, scale, with_bias = shape
     cfg = _cfg(T, E, k, sf, pre, G, Kg, scale, with_bias and sf != "softmax")

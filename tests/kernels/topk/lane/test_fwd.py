@@ -82,8 +82,18 @@ LANE_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("shape", LANE_SHAPES, ids=lambda s: "W{}n{}T{}E{}K{}G{}Kg{}".format(*s))
-@pytest.mark.parametrize("sf", ["sigmoid", "softmax"])
+#: the score function each shape runs with in the fast suite (by turns: both meet groups, K = E
+#: and W > E); the other under ``slow`` (``make test-slow``).  Both score functions on both lane
+#: counts, specials and fillers, are run in the fast suite by test_lanes_specials_fillers_partial_tile
+#: and test_lanes_ties_across_lanes.
+SHAPE_CASES = [
+    pytest.param(sf, shape, id="{}-W{}n{}T{}E{}K{}G{}Kg{}".format(sf, *shape),
+                 marks=() if sf == ("sigmoid", "softmax")[i % 2] else pytest.mark.slow)
+    for sf in ("sigmoid", "softmax") for i, shape in enumerate(LANE_SHAPES)
+]
+
+
+@pytest.mark.parametrize("sf,shape", SHAPE_CASES)
 def test_lanes_groups_and_extremes(tiling, shape, sf):
     lanes, threads, T, E, k, G, Kg = shape
     K = tiling(lanes, threads)

@@ -190,9 +190,33 @@ SHAPES = [
 ]
 
 
+#: the score function each shape runs with in the fast suite (four shapes each: every one meets
+#: flat and grouped shapes and a large K); the other two run under ``slow`` (``make test-slow``).
+#: The score functions themselves, flat and grouped, on every selection, are run in the fast suite
+#: by test_ties_across_the_threshold, test_large_k_ties_and_fillers and test_half_quads.
+FAST_SF = {
+    (5, 24, 3, 3, 3): "sigmoid",
+    (5, 20, 2, 5, 1): "softmax",
+    (5, 28, 6, 7, 3): "sqrtsoftplus",
+    (5, 16, 16, -1, -1): "sigmoid",
+    (5, 8, 1, -1, -1): "sqrtsoftplus",
+    (5, 16, 8, 4, 2): "softmax",
+    (5, 32, 8, 8, 4): "sigmoid",
+    (5, 20, 3, -1, -1): "sqrtsoftplus",
+    (5, 24, 5, -1, -1): "softmax",
+    (5, 48, 22, -1, -1): "sigmoid",
+    (5, 64, 24, 8, 4): "softmax",
+    (5, 40, 33, -1, -1): "sqrtsoftplus",
+}
+SHAPE_CASES = [
+    pytest.param(sf, shape, id="{}-T{}E{}K{}G{}Kg{}".format(sf, *shape),
+                 marks=() if FAST_SF[shape] == sf else pytest.mark.slow)
+    for sf in ("sigmoid", "softmax", "sqrtsoftplus") for shape in SHAPES
+]
+
+
 @pytest.mark.parametrize("lanes", FLAT_LANES)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}E{}K{}G{}Kg{}".format(*s))
-@pytest.mark.parametrize("sf", ["sigmoid", "softmax", "sqrtsoftplus"])
+@pytest.mark.parametrize("sf,shape", SHAPE_CASES)
 def test_shapes_fwd_bwd(token_tiling, shape, sf, lanes):
     K = token_tiling(2, lanes=lanes)
     T, E, k, G, Kg = shape
