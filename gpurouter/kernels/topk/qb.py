@@ -34,9 +34,8 @@ The launches (``qb_counts_plan``):
 The route's cutoff (``qb_counts_plan(..., cutoff_given=True)``): ``alpha
 [T]`` is an input and step 1 is skipped. The public op gives it where the
 route runs on the warp forward (``kernels/topk/warp/fwd.py``, "The QB
-cutoff": the kernel's ``cutoff`` option recomputes ``r`` with this module's
-sigmoid in one more selection round over the logits it already holds, the
-same bits as step 1); everywhere else (other kernels, token sharding) step 1
+cutoff": with the kernel's ``cutoff`` option it scores by this module's
+sigmoid, and its sort's (K+1)-th value is the cutoff, the same bits as step 1); everywhere else (other kernels, token sharding) step 1
 runs (``gpurouter/_ops/topk.py: _qb_cutoff_mode`` decides).
 
 A row of ``B`` bins larger than the shared budget: ``qb_zero`` zeroes the

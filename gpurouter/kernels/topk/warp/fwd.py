@@ -43,8 +43,9 @@ written with them.  Integer arithmetic is cast to int32 throughout: numba's
 own is 64-bit (64-bit compares, two shuffles for one).
 
 The QB cutoff (``cutoff``, the QB ``exp_mode``): ``alpha[t]``, bit for bit
-``qb_cutoff.py``'s value, by one more round over ``r`` recomputed with the QB
-sigmoid (docs/kernels.md, "The QB cutoff"; every token's alpha is written).
+``qb_cutoff.py``'s value: the scores are the QB sigmoid's (``jax.nn.sigmoid``'s
+bits) and the cutoff is lane K's value after step 2 (step 3: K + 1 rounds);
+docs/kernels.md, "The QB cutoff"; every token's alpha is written.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     ``warp_launch(T)``, no dynamic shared memory.
 
     ``cutoff`` (sigmoid, not compact; "" none): the QB ``exp_mode``; the kernel
-    also writes ``alpha [T]`` f32, its argument after ``fallback_only`` (unread without)."""
+    scores by that mode's sigmoid and also writes ``alpha [T]`` f32, its argument
+    after ``fallback_only`` (unread without)."""
     Q = num_experts // 128  # quads a lane
     N = 4 * Q
     QROW = num_experts // 4  # quads a row
@@ -148,7 +150,10 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     def score(x, b, s, r, n):
         """Expert slot ``n``'s score and ranking score from its logit ``x``
         (softmax after the top-k: the logit itself)."""
-        v = x if post else activation(x, score_fn)
+        if CUT:  # the QB sigmoid's bits: the cutoff below is the (K+1)-th of these r
+            v = qsig(x)
+        else:
+            v = x if post else activation(x, score_fn)
         s[n] = v
         r[n] = nan_as_neg_inf(np.float32(v + b[n]) if has_bias else v)
 
@@ -179,52 +184,6 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
     def pick(r, n, e, thr, cut):
         return (r[n] > thr) | ((r[n] == thr) & (e <= cut))
 
-    @cuda.jit(device=True)
-    def cutoff_of(rq, lane, wv, red, redi, tid):
-        """The (K+1)-th largest of the warp's ``rq`` on every lane: steps 1-2 on values
-        (a descending 32-sort), or K+1 warp arg-max rounds past 32 candidates."""
-        m1 = NEG_INF
-        m2 = NEG_INF
-        for n in range(N):
-            v = rq[n]
-            m1, m2 = max(m1, v), max(m2, min(m1, v))
-        if ONE_A_LANE:
-            bound = idx(sort32v(m1, red, tid), KB, red, tid)
-        else:
-            a0, a1 = sort64(m1, m2, red, tid)
-            bound = idx(a1 if KB & 1 else a0, KB >> 1, red, tid)
-        cnt = np.int32(0)
-        for n in range(N):
-            cnt = np.int32(cnt + np.int32(rq[n] >= bound))
-        incl = inclusive_sum(cnt, redi, tid)
-        total = idx(incl, 31, redi, tid)
-        pos = np.int32(incl - cnt)
-        spare = np.uint32(32 + lane)
-        for n in range(N):
-            c = rq[n] >= bound
-            wv[np.uint32(pos) if c & (pos < 32) else spare] = rq[n]
-            pos = np.int32(pos + np.int32(c))
-        warp_sync()
-        cv = wv[np.uint32(lane)] if lane < total else NEG_INF
-        warp_sync()  # every read done before the selection writes the words
-        if uniform_any(total > 32):
-            taken = np.uint32(0)
-            bv = NEG_INF
-            for _k in range(topk + 1):
-                bv = NEG_INF
-                be = NO_EXPERT
-                for n in range(N):
-                    e = expert_of(lane, n)
-                    if ((taken >> np.uint32(n)) & np.uint32(1)) == 0 and ahead(rq[n], e, bv, be):
-                        bv = rq[n]
-                        be = e
-                bv, be = arg_max(bv, be, red, redi, tid)
-                for n in range(N):
-                    if be == expert_of(lane, n):
-                        taken |= np.uint32(1) << np.uint32(n)
-            return bv
-        return idx(sort32v(cv, red, tid), KB, red, tid)
-
     @cuda.jit
     def warp_topk_fwd(logits, bias, probs, rmap, saved, xarr, num_tokens, scale, fallback_only, alpha):
         cand_v = cuda.shared.array(SLOTS, nb_f32)
@@ -247,7 +206,6 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         s = cuda.local.array(N, nb_f32)
         r = cuda.local.array(N, nb_f32)
         xs = cuda.local.array(N, nb_f32)
-        rq = cuda.local.array(N if CUT else 1, nb_f32)
         for n in range(N):
             b[n] = bias[expert_of(lane, n)] if has_bias else ZERO
         tok = np.int64(cuda.blockIdx.x) * WARPS
@@ -270,14 +228,6 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                     else:
                         store_f32(saved, w, xs[4 * q], xs[4 * q + 1], xs[4 * q + 2], xs[4 * q + 3])
             drop = dropped(r, lane, wg, gsc, red, tid)
-            if CUT:  # the QB cutoff: r by the QB sigmoid, its own kept groups (module docstring)
-                for n in range(N):
-                    sq = qsig(xs[n])
-                    rq[n] = nan_as_neg_inf(np.float32(sq + b[n]) if has_bias else sq)
-                dropped(rq, lane, wg, gsc, red, tid)
-                cq = cutoff_of(rq, lane, wv, red, redi, tid)
-                if live and lane == 0:
-                    alpha[u64(t)] = cq
             for n in range(N):
                 v = r[n]
                 m1, m2 = max(m1, v), max(m2, min(m1, v))
@@ -309,11 +259,12 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
             else:
                 warp_sync()
                 cv, ce = sort32(cv, ce, red, redi, tid)
-            # 3. K rounds of a warp arg-max where the candidates overflowed
+            # 3. K rounds of a warp arg-max where the candidates overflowed (K + 1 with the
+            # QB cutoff: the (K+1)-th in lane K, as the sort leaves it)
             need = (total > 32) | (fallback_only != 0)
             if uniform_any(need):
                 taken = np.uint32(0)
-                for k in range(topk):
+                for k in range(topk + 1 if CUT else topk):
                     bv = NEG_INF
                     be = NO_EXPERT
                     for n in range(N):
@@ -325,11 +276,15 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                     for n in range(N):
                         if be == np.int32(np.int32(key_of(lane, n, drop) << np.int32(5)) | np.int32(k)):
                             taken |= np.uint32(1) << np.uint32(n)
-                            if need:  # the owner's score, where the key says (slot k)
+                            if need and (not CUT or k < topk):  # the owner's score, where the key says (slot k)
                                 ws[np.uint32(k)] = s[n]
                     if need and lane == k:
                         cv = bv
                         ce = be
+            if CUT:  # the QB cutoff: the (K+1)-th largest r, in lane K
+                cq = idx(cv, KB, red, tid)
+                if live and lane == 0:
+                    alpha[u64(t)] = cq
             thr = idx(cv, KL, red, tid)
             cut = np.int32(idx(ce, KL, redi, tid) >> np.int32(5))
             expert = np.int32(ce >> np.int32(5))
