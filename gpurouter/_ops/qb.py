@@ -73,14 +73,16 @@ def kernel_exp_mode() -> str | None:
 
 
 def _kernel_counts(x, bias, bounds, valid, cfg: TopkConfig, group_score: str, num_bins: int, transport: str,
-                   exp_mode: str, cutoff=None):
+                   exp_mode: str, cutoff=None, scores=None):
     """This call's counts ``[E, B]`` int32 by the QB kernels (one shard's rows);
-    ``cutoff``: the route's ``alpha [T]`` (the QB plan then skips its cutoff pass)."""
+    ``cutoff``: the route's ``alpha [T]`` (the QB plan then skips its cutoff pass);
+    ``scores`` (with it): the route's saved scores ``[T, E]`` f32, read instead of ``x``."""
     groups = cfg.num_groups if cfg.grouped else 0
     kg = cfg.group_topk if cfg.grouped else 0
-    static = (cfg.topk, num_bins, groups, kg, group_score, exp_mode, cutoff is not None)
+    static = (cfg.topk, num_bins, groups, kg, group_score, exp_mode, cutoff is not None, scores is not None)
+    rows = x if scores is None else scores
     # counts have no gradient: the kernel call must not be differentiated
-    args = [lax.stop_gradient(a) for a in (x, bias.astype(jnp.float32), bounds.astype(jnp.float32))]
+    args = [lax.stop_gradient(a) for a in (rows, bias.astype(jnp.float32), bounds.astype(jnp.float32))]
     if valid is not None:
         args.append(valid.astype(jnp.bool_))
     if cutoff is not None:
@@ -93,9 +95,11 @@ def _kernel_counts(x, bias, bounds, valid, cfg: TopkConfig, group_score: str, nu
 def _plan(static, x, bias, bounds, *rest):
     from ..kernels.topk.qb import qb_counts_plan
 
-    topk, num_bins, groups, kg, rule, mode, given = static
+    topk, num_bins, groups, kg, rule, mode, given, scored = static
     masked = len(rest) > int(given)  # rest: [valid], then [alpha]
     kw = {"cutoff_given": True} if given else {}
+    if scored:  # x: the route's scores
+        kw["scores_given"] = True
     return qb_counts_plan(x, masked, topk, num_bins, groups, kg, rule, mode, **kw)
 
 
@@ -108,27 +112,29 @@ def use_kernels(cfg: TopkConfig, transport: str | None) -> str | None:
 
 
 def histogram_after(x, expert_bias, cfg: TopkConfig, group_score: str, histogram, bin_bounds,
-                    valid=None, axis_name=None, transport: str | None = None, cutoff=None) -> jax.Array:
+                    valid=None, axis_name=None, transport: str | None = None, cutoff=None,
+                    scores=None) -> jax.Array:
     """``histogram`` plus the counts of the rows ``x [T, E]`` (valid ones),
     summed over ``axis_name`` once, each bin saturating at ``2**31 - 1``.
     ``transport``: the kernels' (resolved) transport on ``backend="numba"``,
     None on jax.  ``cutoff``: ``alpha [T]`` f32 from the route (the warp
     forward's QB cutoff; rows not token-sharded, the kernels counting:
     ``_ops/topk.py: _qb_cutoff_mode``), given to the QB plan, which then skips
-    its cutoff pass."""
+    its cutoff pass; ``scores``: with it, the route's saved scores ``[T, E]`` f32
+    (the QB sigmoid), which the histogram reads instead of ``x``."""
     histogram = jnp.asarray(histogram)
     num_bins = histogram.shape[1]
     bias, bounds = jnp.asarray(expert_bias), jnp.asarray(bin_bounds)
     mode = use_kernels(cfg, transport) if x.shape[0] else None
 
-    def count(xl, b, lo_hi, vl, cut=None):
+    def count(xl, b, lo_hi, vl, cut=None, sc=None):
         if mode is None:
             return qb_call_counts(xl, b, cfg, group_score, num_bins, lo_hi, vl)
-        return _kernel_counts(xl, b, lo_hi, vl, cfg, group_score, num_bins, transport, mode, cut)
+        return _kernel_counts(xl, b, lo_hi, vl, cfg, group_score, num_bins, transport, mode, cut, sc)
 
     info = token_axes(x)
     if info is None:
-        counts = count(x, bias, bounds, valid, cutoff)
+        counts = count(x, bias, bounds, valid, cutoff, scores)
     else:
         mesh, tok = info
         names = tok if isinstance(tok, tuple) else (tok,)

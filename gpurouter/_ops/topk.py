@@ -211,12 +211,12 @@ def fused_topk_with_score_function(
     if forced:
         tokens.append(jnp.asarray(forced_indices).reshape(-1, cfg.topk).astype(jnp.int32))
     # Token-sharded logits: each device routes its own tokens (_sharding.py).
-    n_out = (3 if write_indices and not compact_kernel else 2) + bool(qb_cut)
+    n_out = (3 if write_indices and not compact_kernel else 2) + 2 * bool(qb_cut)
     out = per_token_shard(route, tokens, [] if bias is None else [bias], n_out)
-    if qb_cut:  # the QB counts on the route's cutoff (its last output)
+    if qb_cut:  # the QB counts on the route's cutoff and scores (its last two outputs)
         qb = (histogram_after(x, jnp.asarray(expert_bias), cfg, var.group_score, qb_histogram, qb_bin_bounds,
-                              valid, axis_name, transport, cutoff=out[-1]),)
-        out = out[:-1]
+                              valid, axis_name, transport, cutoff=out[-2], scores=out[-1]),)
+        out = out[:-2]
     if compact_kernel:
         return (out[0].reshape(idx_shape), out[1].astype(var.indices_dtype).reshape(idx_shape), *qb)
     if forced:  # the map's experts: -1 for an entry that selects nothing (contract section 2)

@@ -50,7 +50,8 @@ class _KernelCall(NamedTuple):
     replay_bias: bool = False
     group_score: str = "sum_topk"  # the group-score rule (the warp kernel's, _warp_rule)
     # the QB exp mode: the warp forward also writes the QB cutoff alpha [T] f32, the
-    # last output ("" none; _ops/topk.py's _qb_cutoff_mode decides)
+    # last output but one, and its saved scores [T, E] f32 are the last ("" none;
+    # _ops/topk.py's _qb_cutoff_mode decides)
     qb_cutoff: str = ""
 
 
@@ -120,7 +121,9 @@ def _topk_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
         specs += (jax.ShapeDtypeStruct((x.shape[0],), jnp.float32),)
     out = kernel_call(functools.partial(_topk_plan, cfg, call), specs, tokens, per_call, call.transport)
     probs, routing_map, saved = out[:3]
-    return (probs, routing_map, *out[3:]), (routing_map, saved)
+    # with the QB cutoff the saved scores (the QB sigmoid's bits) are an output too: the QB counts read them
+    qb = (saved,) if call.qb_cutoff else ()
+    return (probs, routing_map, *out[3:], *qb), (routing_map, saved)
 
 
 def _compact_plan(cfg: TopkConfig, call: _KernelCall, logits, *extra):

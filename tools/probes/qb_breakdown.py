@@ -153,20 +153,31 @@ def route_rows(tokens: int, experts: int, topk: int, bins: int, tiling, repeats:
     plan on the route's alpha; ``same``: its counts equal the plan's own, bit for bit."""
     x_words, bias, bounds = _inputs(tokens, experts)
     spec = _plan.spec_of((tokens, experts), L.BF16)
-    rows, alpha = [], None
+    rows, alpha, scores = [], None, None
     for name, cut in (("route: warp fwd", ""), ("route: warp fwd + QB cutoff", default_exp_mode())):
         plan = kplans.topk_with_score_function_fwd_plan(spec, True, topk, False, -1, -1, np.float32(1.0),
                                                         L.SIGMOID, 0, False, False, "warp", None, "sum_topk",
                                                         False, cut)
         us, arrays = _plan_us(plan, [x_words, bias], repeats)
         rows.append((name, us, f"{plan.steps[0].grid} x {plan.steps[0].block}"))
-        alpha = arrays["out"][-1] if cut else alpha
+        if cut:  # its cutoff, and its saved scores (the QB sigmoid)
+            alpha, scores = arrays["out"][-1], arrays["out"][2]
     own = kqb.qb_counts_plan(spec, False, topk, bins, tiling=tiling)
+    _, own_arrays = _plan_us(own, [x_words, bias, bounds], 1)
+    want = own_arrays["out"][0].copy_to_host()
     given = kqb.qb_counts_plan(spec, False, topk, bins, tiling=tiling, cutoff_given=True)
     us, arrays = _plan_us(given, [x_words, bias, bounds, alpha], repeats)
     rows.append(("plan, cutoff given (all steps)", us, f"{len(given.steps)} launches"))
-    _, own_arrays = _plan_us(own, [x_words, bias, bounds], 1)
-    same = bool(np.array_equal(arrays["out"][0].copy_to_host(), own_arrays["out"][0].copy_to_host()))
+    same = bool(np.array_equal(arrays["out"][0].copy_to_host(), want))
+    scored = kqb.qb_counts_plan(_plan.spec_of((tokens, experts), L.F32), False, topk, bins, tiling=tiling,
+                                cutoff_given=True, scores_given=True)
+    us, arrays = _plan_us(scored, [scores, bias, bounds, alpha], repeats)
+    rows.append(("plan, cutoff and scores given", us, f"{len(scored.steps)} launches (the op's path)"))
+    for i, step in enumerate(scored.steps):  # each launch alone, as the step rows above
+        rows.append((f"  scored step {i}: {step.kernel.py_func.__name__}",
+                     _plan_us(_plan.Plan(scored.op, scored.ins, scored.outs, scored.tmps, (step,)),
+                              [scores, bias, bounds, alpha], repeats)[0], ""))
+    same = same and bool(np.array_equal(arrays["out"][0].copy_to_host(), want))
     return rows, same
 
 

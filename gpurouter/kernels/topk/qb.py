@@ -32,11 +32,15 @@ The launches (``qb_counts_plan``):
    B = 1000: 12 MB).
 
 The route's cutoff (``qb_counts_plan(..., cutoff_given=True)``): ``alpha
-[T]`` is an input and step 1 is skipped. The public op gives it where the
+[T]`` is an input and step 1 is skipped; with ``scores_given=True`` the rows
+are the route's saved scores ``s`` (f32, the same sigmoid bits) instead of the
+logits, and step 2 computes no sigmoid (an H200 at T = 65536, E = 384: the
+histogram pass issue-bound, 48 warp instructions a count, the sigmoid's the
+largest part). The public op gives it where the
 route runs on the warp forward (``kernels/topk/warp/fwd.py``, "The QB
 cutoff": with the kernel's ``cutoff`` option it scores by this module's
-sigmoid, and its sort's (K+1)-th value is the cutoff, the same bits as step 1); everywhere else (other kernels, token sharding) step 1
-runs (``gpurouter/_ops/topk.py: _qb_cutoff_mode`` decides).
+sigmoid, and its sort's (K+1)-th value is the cutoff, the same bits as step
+1); everywhere else (other kernels, token sharding) step 1 runs (``gpurouter/_ops/topk.py: _qb_cutoff_mode`` decides).
 
 A row of ``B`` bins larger than the shared budget: ``qb_zero`` zeroes the
 counts (the output is XLA's uninitialised buffer), then ``qb_hist`` adds each
@@ -93,7 +97,7 @@ def qb_zero_kernel(counts, n):
 
 @recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
-def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str, unroll: int = 4):
+def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str, unroll: int = 4, scores: bool = False):
     """The counts of the experts ``[c EC, (c + 1) EC)`` over the tokens of slab ``s``
     (block ``b = s * chunks + c``): a thread a (token row, expert) pair, ``rows``
     token rows a block, ``unroll`` token rows a step (their loads issued together,
@@ -103,13 +107,14 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str, unroll:
     bins stored (plain coalesced stores, zeros too) into ``dest``, the scratch
     ``partial [slabs, E, B]``, at ``[s, c EC : c EC + EC, :]``; ``qb_reduce`` sums
     the slabs. Else ``dest`` is ``counts [E, B]`` (zeroed before) and each count a
-    global ``atomicAdd``."""
+    global ``atomicAdd``.  ``scores``: the rows are the unbiased QB sigmoid itself
+    (f32, the routing kernel's saved scores), not logits: no sigmoid here."""
     load = loader_2d(kind)
     sigmoid = qb_sigmoid_fn(exp_mode)
 
     @cuda.jit(device=True)
     def add(hist, dest, el, e, nb, x, c, lower, scale, top_f):
-        k = qb_bin(np.float32(c - sigmoid(x)), lower, scale, top_f)
+        k = qb_bin(np.float32(c - (x if scores else sigmoid(x))), lower, scale, top_f)
         # unsigned indices: no negative-index wraparound code (numba's, for signed ones)
         if shared:
             cuda.atomic.add(hist, u32(el * nb + k), np.int32(1))
@@ -200,7 +205,7 @@ def qb_reduce_kernel(partial, counts, n, slabs):
 @functools.cache
 def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_groups: int = 0,
                    group_topk: int = 0, group_score: str = "sum_topk", exp_mode: str | None = None,
-                   tiling: QbTiling | None = None, cutoff_given: bool = False) -> Plan:
+                   tiling: QbTiling | None = None, cutoff_given: bool = False, scores_given: bool = False) -> Plan:
     """The launches of :func:`qb_counts`: inputs ``logits [T, E]`` (f32/bf16/f16),
     ``expert_bias [E] f32``, ``bin_bounds [2] f32`` and, with ``masked``, ``valid [T]``
     bool; output ``counts [E, B] int32``; scratch ``alpha [T] f32`` and, with shared
@@ -209,7 +214,13 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
     ``cutoff_given``: ``alpha [T] f32`` is a last input (the routing kernel's, the
     warp forward's ``cutoff`` option: the same bits as step 1's), step 1 is
     skipped and there is no alpha scratch (the bias is then not read: step 1
-    is its only reader)."""
+    is its only reader).  ``scores_given`` (with ``cutoff_given``): the first input
+    is not the logits but ``s [T, E] f32``, their QB sigmoid (the routing kernel's
+    saved scores, written with that alpha): the histogram reads it and computes
+    no sigmoid."""
+    if scores_given and (not cutoff_given or logits.kind != F32):
+        raise ValueError(f"{OP}: scores_given needs cutoff_given and f32 scores, got cutoff_given={cutoff_given}, "
+                         f"{logits.kind} rows.")
     tiling = tiling or QB_TILING
     exp_mode = exp_mode or default_exp_mode()
     num_tokens, num_experts = logits.shape
@@ -252,7 +263,8 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
                                     -(-num_tokens // (ct // lanes)), 4 * ct * (topk + 1))
         if not cutoff_given:
             steps.append(Step(kern, cgrid, ct, cshared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
-        steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode, tiling.hist_unroll), grid,
+        steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode, tiling.hist_unroll,
+                                         scores_given), grid,
                           threads, shared,
                           (In(0), alpha, valid, In(2), part if partials else counts, num_tokens, num_experts,
                            num_bins, chunk, chunks, slab)))

@@ -3,7 +3,8 @@
 the QB cutoff kernel's (``qb.qb_cutoff_kernel``), with and without groups, ties,
 NaN / +-inf logits, both bounds (K <= 12 and above) and the arg-max rounds; the
 route's map unchanged by the option, its weights within fp32 rounding; ``qb_counts_plan(cutoff_given=True)`` fed
-that alpha gives the counts of the plan that computes its own; the public op's QB
+that alpha (and, ``scores_given``, the route's saved scores instead of the logits)
+gives the counts of the plan that computes its own; the public op's QB
 histogram on that path (the route's cutoff) equal to jax's.  Tiny shapes on the
 simulator (a block of one warp there); a ``gpu`` test at T = 4096, E = 384.
 """
@@ -110,15 +111,18 @@ def test_alpha_with_groups(rule):
 
 
 def test_counts_with_the_given_cutoff():
-    """``qb_counts_plan(cutoff_given=True)`` on the route's alpha: the counts of the
-    plan that computes its own cutoff (masked and not; one slab, several slabs and
+    """``qb_counts_plan(cutoff_given=True)`` on the route's alpha (and with
+    ``scores_given=True`` on its saved scores): the counts of the plan that
+    computes its own cutoff (masked and not; one slab, several slabs and
     their reduce, global atomics)."""
     rng = np.random.default_rng(2)
     T, E, k, B = 5, 128, 4, 7
     x = (rng.standard_normal((T, E)) * 2).astype(ml_dtypes.bfloat16)
     bias = (rng.standard_normal(E) * 0.1).astype(np.float32)
     bounds = np.array([-1.0, 0.5], np.float32)
-    alpha = _route(x, bias, k, cutoff=default_exp_mode())[-1]
+    routed = _route(x, bias, k, cutoff=default_exp_mode())
+    alpha, scores = routed[-1], routed[2]  # the cutoff, and the saved scores (the QB sigmoid of x)
+    assert scores.dtype == np.float32 and scores.shape == (T, E)
     mask = np.array([True, False, True, True, False])
     slabs = kqb.QbTiling(slab_tokens=2, target_blocks=64, smem_bytes=4 * 7 * 40)  # partials and their reduce
     zeroed = kqb.QbTiling(smem_bytes=0)  # no shared budget: zeroed counts, global atomics
@@ -132,6 +136,14 @@ def test_counts_with_the_given_cutoff():
         got = execute_host(given, ins + [alpha])[0]
         np.testing.assert_array_equal(got, want)
         assert int(got.sum()) == E * (T if m is None else int(m.sum()))
+        # the route's scores read instead of the logits (no sigmoid in the histogram): the same counts
+        scored = kqb.qb_counts_plan(spec_for(scores.shape, scores.dtype), m is not None, k, B, tiling=tiling,
+                                    cutoff_given=True, scores_given=True)
+        np.testing.assert_array_equal(execute_host(scored, [scores] + ins[1:] + [alpha])[0], want)
+    with pytest.raises(ValueError, match="scores_given"):
+        kqb.qb_counts_plan(spec_for(scores.shape, scores.dtype), False, k, B, scores_given=True)
+    with pytest.raises(ValueError, match="scores_given"):
+        kqb.qb_counts_plan(spec_for(x.shape, x.dtype), False, k, B, cutoff_given=True, scores_given=True)
 
 
 def test_option_checked():
@@ -153,11 +165,13 @@ def test_option_checked():
 def _op_histograms(x, k, monkeypatch, jit=True, **kw):
     """The QB histogram of the public op on jax and on numba (the route on the warp
     kernel, as on a GPU: ``warp_auto`` forced on the simulator), and the QB plans
-    numba built (``cutoff_given`` of each)."""
+    numba built (``cutoff_given`` of each, which ``scores_given`` follows)."""
     given = []
     plan_fn = kqb.qb_counts_plan
 
     def spy(*a, **k2):
+        # the route's cutoff comes with its scores: a plan takes both or neither
+        assert bool(k2.get("cutoff_given", False)) == bool(k2.get("scores_given", False))
         given.append(bool(k2.get("cutoff_given", False)))
         return plan_fn(*a, **k2)
 
