@@ -151,6 +151,7 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str, unroll:
         el = tid - row * ec
         xs = cuda.local.array(unroll, nb_f32)  # registers: the loops over it unroll
         cs = cuda.local.array(unroll, nb_f32)
+        vs = cuda.local.array(unroll, nb_i32)  # (masked) the rows' valid flags, loaded with the rows
         if row < rows:
             e = e0 + el
             step = np.int64(rows)
@@ -161,8 +162,10 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str, unroll:
                     tu = t + u * step
                     xs[u] = load(logits, u64(tu), u64(e))
                     cs[u] = cutoff[u64(tu)]
+                    if masked:  # in flight with the rows' loads (read at each add, the loads waited one by one)
+                        vs[u] = np.int32(valid[u64(tu)] != 0)
                 for u in range(unroll):
-                    if not masked or valid[u64(t + u * step)]:
+                    if not masked or vs[u] != 0:
                         add(hist, dest, el, e, nb, xs[u], cs[u], lower, scale, top_f)
                 t += unroll * step
             while t < t1:
