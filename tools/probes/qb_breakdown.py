@@ -61,9 +61,9 @@ def _name(kernel) -> str:
     return getattr(f, "__name__", None) or type(kernel).__name__
 
 
-def _arrays(plan, x_words, bias, bounds):
+def _arrays(plan, *ins):
     """The plan's device arrays: the inputs given, outputs and scratch allocated."""
-    return {"in": [x_words, bias, bounds],
+    return {"in": list(ins),
             "out": [cuda.device_array(sp.shape, sp.dtype) for sp in plan.outs],
             "tmp": [cuda.device_array(sp.shape, sp.dtype) for sp in plan.tmps]}
 
@@ -101,11 +101,8 @@ def _inputs(tokens: int, experts: int, seed: int = 0):
     return x_words, bias, bounds
 
 
-def plan_rows(tokens: int, experts: int, topk: int, bins: int, tiling, repeats: int):
-    """``(rows, info)``: ``[(name, us, detail)]`` for each step and the whole plan."""
-    x_words, bias, bounds = _inputs(tokens, experts)
-    plan = kqb.qb_counts_plan(_plan.spec_of((tokens, experts), L.BF16), False, topk, bins, tiling=tiling)
-    arrays = _arrays(plan, x_words, bias, bounds)
+def _step_rows(plan, arrays, repeats: int, prefix: str = ""):
+    """``[(name, us, detail)]``: each step of ``plan`` on ``arrays`` event-timed alone, then the whole plan."""
     rows = []
     steps = [_step_launcher(st, arrays) for st in plan.steps]
     for i, (st, launch) in enumerate(zip(plan.steps, steps, strict=True)):
@@ -113,13 +110,22 @@ def plan_rows(tokens: int, experts: int, topk: int, bins: int, tiling, repeats: 
         moved = _bytes_moved(st, arrays)
         detail = (f"{st.grid} x {st.block}, {st.shared} B shared, {moved / 1e6:.1f} MB at least "
                   f"({moved / us / 1e6:.2f} TB/s)")
-        rows.append((f"step {i}: {_name(st.kernel)}", us, detail))
+        rows.append((f"{prefix}step {i}: {_name(st.kernel)}", us, detail))
 
     def whole():
         for launch in steps:
             launch()
 
-    rows.append(("plan (all steps)", _events_us(whole, repeats), f"{len(steps)} launches"))
+    rows.append((f"{prefix}plan (all steps)", _events_us(whole, repeats), f"{len(steps)} launches"))
+    return rows
+
+
+def plan_rows(tokens: int, experts: int, topk: int, bins: int, tiling, repeats: int):
+    """``(rows, info)``: ``[(name, us, detail)]`` for each step and the whole plan."""
+    x_words, bias, bounds = _inputs(tokens, experts)
+    plan = kqb.qb_counts_plan(_plan.spec_of((tokens, experts), L.BF16), False, topk, bins, tiling=tiling)
+    arrays = _arrays(plan, x_words, bias, bounds)
+    rows = _step_rows(plan, arrays, repeats)
     counts = arrays["out"][0].copy_to_host()
     ok = bool((counts.reshape(experts, bins).sum(axis=1) == tokens).all())
     kqb.qb_counts(x_words, bias, bounds, bins, topk, tiling=tiling)  # warm the launcher's path
@@ -137,8 +143,7 @@ def plan_rows(tokens: int, experts: int, topk: int, bins: int, tiling, repeats: 
 
 def _plan_us(plan, ins, repeats: int):
     """``(us, arrays)``: the whole plan event-timed on ``ins`` (outputs and scratch allocated)."""
-    arrays = {"in": list(ins), "out": [cuda.device_array(sp.shape, sp.dtype) for sp in plan.outs],
-              "tmp": [cuda.device_array(sp.shape, sp.dtype) for sp in plan.tmps]}
+    arrays = _arrays(plan, *ins)
     steps = [_step_launcher(st, arrays) for st in plan.steps]
 
     def whole():
@@ -171,12 +176,8 @@ def route_rows(tokens: int, experts: int, topk: int, bins: int, tiling, repeats:
     same = bool(np.array_equal(arrays["out"][0].copy_to_host(), want))
     scored = kqb.qb_counts_plan(_plan.spec_of((tokens, experts), L.F32), False, topk, bins, tiling=tiling,
                                 cutoff_given=True, scores_given=True)
-    us, arrays = _plan_us(scored, [scores, bias, bounds, alpha], repeats)
-    rows.append(("plan, cutoff and scores given", us, f"{len(scored.steps)} launches (the op's path)"))
-    for i, step in enumerate(scored.steps):  # each launch alone, as the step rows above
-        rows.append((f"  scored step {i}: {step.kernel.py_func.__name__}",
-                     _plan_us(_plan.Plan(scored.op, scored.ins, scored.outs, scored.tmps, (step,)),
-                              [scores, bias, bounds, alpha], repeats)[0], ""))
+    arrays = _arrays(scored, scores, bias, bounds, alpha)
+    rows += _step_rows(scored, arrays, repeats, "cutoff and scores given (the op's path): ")
     same = same and bool(np.array_equal(arrays["out"][0].copy_to_host(), want))
     return rows, same
 
