@@ -29,8 +29,9 @@ Rows (median microseconds of ``--repeats`` after a warm-up):
 
 The tiling flags (``--slab-tokens`` ...) override ``QbTiling``'s defaults for
 the step rows; the op rows use the library's tiling. ``--sweep
-"hist_threads=384,target_blocks=396;target_blocks=132"`` times the plan once
-more for each ``;``-separated set of overrides (on top of the flags), in the
+"hist_threads=384,target_blocks=396;target_blocks=132"`` times the plan (and
+the QB plans on the route's cutoff) once more for each ``;``-separated set of
+overrides (on top of the flags), in the
 same process: a grid or block change compiles nothing new (``cutoff_lanes``
 does: a new kernel). The counts of the plan are checked cheaply (every expert
 row sums to ``T``); the bit-exact checks are the tests'.
@@ -233,6 +234,7 @@ def main(argv=None):
         kw = {k.strip(): int(v) for k, v in (pair.split("=") for pair in item.split(","))}
         t = dataclasses.replace(tiling, **kw)
         srows, sinfo = plan_rows(args.tokens, args.experts, args.topk, args.bins, t, args.repeats)
+        srows += route_rows(args.tokens, args.experts, args.topk, args.bins, t, args.repeats)[0][2:]
         sweeps.append({"overrides": kw, **sinfo, "rows": [{"name": n, "us": u, "detail": d} for n, u, d in srows]})
         info["rows_sum_to_T"] = info["rows_sum_to_T"] and sinfo["rows_sum_to_T"]
     rrows, info["cutoff_given_same_counts"] = route_rows(args.tokens, args.experts, args.topk, args.bins, tiling,
