@@ -25,24 +25,28 @@ def test_bwd_grid_strided_rows():
     np.testing.assert_array_equal(gp, want)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
-def test_bwd_masked_quads_eight_rows_a_trip(dtype):
-    """The masked quad fill's 8-row trips (8 mask bytes loaded, then 8 stores):
-    one row lane of one warp a block, 2 blocks, so each lane writes 18-19 rows
-    2 apart (2 trips and a tail); the valid rows the unmasked kernel's bits,
-    the masked ones +0.0 (all bits zero)."""
+@pytest.mark.parametrize("dtype,R", [(np.float32, 37), ("bfloat16", 37), ("bfloat16", 299)])
+def test_bwd_masked_quads_eight_rows_a_trip(dtype, R):
+    """The masked quad fill: each block stages its rows' flags in shared memory
+    (four loads a thread a trip, then the rest one by one), then writes 8 rows a
+    trip (8 shared flags read, then 8 stores). One row lane of one warp a block, 2
+    blocks, so each lane writes 18-19 rows 2 apart (2 trips and a tail); R = 299:
+    150 rows a lane, staged in a four-load trip and a tail. The valid rows the
+    unmasked kernel's bits, the masked ones +0.0 (all bits zero)."""
     import ml_dtypes
 
     dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    from gpurouter.kernels.losses.aux_loss_bwd import staged_flag_bytes
     from gpurouter.kernels.losses.tiling import fill_tiling
 
     tiling = K.AuxLossTiling(fill_blocks=2, fill_threads=32)
-    assert fill_tiling(37, 3, tiling) == (2, 32, 32)
+    assert fill_tiling(R, 3, tiling) == (2, 32, 32)
+    assert staged_flag_bytes(R, 2, 1) == -(-R // 2)
     tpe = np.arange(12, dtype=np.int32) + 1
-    mask = np.random.default_rng(5).random(37) >= 0.4
+    mask = np.random.default_rng(5).random(R) >= 0.4
     g = np.asarray(2.0, dtype)
-    gp = K.moe_aux_loss_bwd(np.float32(0.25), tpe, g, 37, token_mask=mask, tiling=tiling)
-    want = K.moe_aux_loss_bwd(np.float32(0.25), tpe, g, 37, tiling=tiling)
+    gp = K.moe_aux_loss_bwd(np.float32(0.25), tpe, g, R, token_mask=mask, tiling=tiling)
+    want = K.moe_aux_loss_bwd(np.float32(0.25), tpe, g, R, tiling=tiling)
     assert gp.dtype == np.dtype(dtype)
     words = np.uint32 if dtype == np.float32 else np.uint16
     np.testing.assert_array_equal(gp[mask].view(words), want[mask].view(words))
@@ -52,7 +56,8 @@ def test_bwd_masked_quads_eight_rows_a_trip(dtype):
 @pytest.mark.parametrize("C", [8, 6])  # quads (the grid-strided fill), elements (the column tiling)
 def test_bwd_masked_rows_get_zero(C):
     """``has_mask`` builds: the valid rows the unmasked kernel's values, bit for
-    bit, the masked rows 0; several blocks (and rows a lane) either way."""
+    bit, the masked rows 0; several blocks (and rows a lane) either way; the
+    quads with 4 row lanes a block (each lane's flags staged at its own offset)."""
     from gpurouter.kernels._base.plan import spec_for
     from gpurouter.kernels.losses import aux_loss_bwd as B
 
@@ -67,5 +72,7 @@ def test_bwd_masked_rows_get_zero(C):
     plan = K.moe_aux_loss_bwd_plan(tpe_spec, g_spec, 37, tiling, True)
     factory = B.aux_loss_bwd_quad_kernel if C % 4 == 0 else B.aux_loss_bwd_kernel
     assert plan.steps[0].kernel is factory(tpe_spec.kind, g_spec.kind, True)
+    if C % 4 == 0:  # 4 row lanes of 32 quad lanes, 2 blocks: 5 staged flags a lane
+        assert plan.steps[0].block == 128 and plan.steps[0].shared == B.staged_flag_bytes(37, 2, 4) == 20
     assert K.moe_aux_loss_bwd_plan(tpe_spec, g_spec, 37, tiling).steps[0].kernel is factory(tpe_spec.kind,
                                                                                             g_spec.kind)
