@@ -99,7 +99,7 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
     False rows get 0 (+0.0: a bitwise select, ``column_sums.keep_if``).  The block
     first copies the flags of every row it writes into dynamic shared memory
     (``staged_flag_bytes``: a byte a row, row lane ``rl``'s k-th row at ``rl * per + k``),
-    four loads a thread in flight, one barrier; the stores then read shared bytes
+    four loads a thread in flight a trip, one barrier; the stores then read shared bytes
     (a thread's next 8 rows' global flags before their 8 stores, as until 2026-11-28,
     waited a load's latency every 8 rows: the masked fill 1.14-1.29x the unmasked
     one on an H200)."""
@@ -141,32 +141,35 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
         return np.uint8(mask[min(r, last)] != 0)
 
     @cuda.jit(device=True)
+    def row_of(i, first0, nrl, step, per):
+        """The row of staged byte ``i``: row lane ``l = i // per``'s ``(i - l per)``-th row."""
+        lane = i // per
+        return first0 + lane + (i - lane * per) * step
+
+    @cuda.jit(device=True)
     def stage(mask, staged, num_rows, first0, nrl, step, per, tid, nthreads):
-        """``staged[l * per + k]`` = the flag of row ``first0 + l + k step`` (row lane l's k-th row)."""
+        """``staged[l * per + k]`` = the flag of row ``first0 + l + k step`` (row lane l's k-th row):
+        trips of four bytes a thread, their four loads in flight together (clamped past the
+        bytes: no branch before a load), then the stores of those in range."""
         last = num_rows - 1
         n = nrl * per
         i = tid
-        while i + 3 * nthreads < n:  # four loads in flight, then their four shared stores
+        while i < n:
             j1 = i + nthreads
             j2 = j1 + nthreads
             j3 = j2 + nthreads
-            l0 = i // per
-            l1 = j1 // per
-            l2 = j2 // per
-            l3 = j3 // per
-            f0 = flag(mask, first0 + l0 + (i - l0 * per) * step, last)
-            f1 = flag(mask, first0 + l1 + (j1 - l1 * per) * step, last)
-            f2 = flag(mask, first0 + l2 + (j2 - l2 * per) * step, last)
-            f3 = flag(mask, first0 + l3 + (j3 - l3 * per) * step, last)
+            f0 = flag(mask, row_of(i, first0, nrl, step, per), last)
+            f1 = flag(mask, row_of(min(j1, n - 1), first0, nrl, step, per), last)
+            f2 = flag(mask, row_of(min(j2, n - 1), first0, nrl, step, per), last)
+            f3 = flag(mask, row_of(min(j3, n - 1), first0, nrl, step, per), last)
             staged[i] = f0
-            staged[j1] = f1
-            staged[j2] = f2
-            staged[j3] = f3
+            if j1 < n:
+                staged[j1] = f1
+            if j2 < n:
+                staged[j2] = f2
+            if j3 < n:
+                staged[j3] = f3
             i = j3 + nthreads
-        while i < n:
-            lane = i // per
-            staged[i] = flag(mask, first0 + lane + (i - lane * per) * step, last)
-            i += nthreads
 
     @cuda.jit(device=True)
     def kept(staged, j):

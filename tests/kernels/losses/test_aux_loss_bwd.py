@@ -28,10 +28,10 @@ def test_bwd_grid_strided_rows():
 @pytest.mark.parametrize("dtype,R", [(np.float32, 37), ("bfloat16", 37), ("bfloat16", 299)])
 def test_bwd_masked_quads_eight_rows_a_trip(dtype, R):
     """The masked quad fill: each block stages its rows' flags in shared memory
-    (four loads a thread a trip, then the rest one by one), then writes 8 rows a
+    (trips of four loads a thread, the last trip partial), then writes 8 rows a
     trip (8 shared flags read, then 8 stores). One row lane of one warp a block, 2
     blocks, so each lane writes 18-19 rows 2 apart (2 trips and a tail); R = 299:
-    150 rows a lane, staged in a four-load trip and a tail. The valid rows the
+    150 rows a lane, staged in two trips (128 + 22 bytes). The valid rows the
     unmasked kernel's bits, the masked ones +0.0 (all bits zero)."""
     import ml_dtypes
 
