@@ -31,7 +31,7 @@ from numba import uint8 as nb_u8
 from ..._host import aux_loss_coeff
 from .._base.access import array_views, loader_1d, storer_1d
 from .._base.device import ZERO
-from .._base.launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
+from .._base.launch import BF16, F16, F32, any_on_device, device_input, resolve_stream, scalar_input
 from .._base.plan import Counter, In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
 from .aux_loss_bwd import aux_loss_bwd_kernel, aux_loss_bwd_quad_kernel, staged_flag_bytes
 from .column_sums import block_tree_sum, block_tree_sum2, lane_column_sum, lane_quad_sum
@@ -47,14 +47,18 @@ OP = "moe_aux_loss"
 # as a plain int64, which cuda.shared.array rejects on the GPU (the
 # simulator accepts anything).
 _RED_WORDS = AUX_LOSS_TILING.column_threads
+#: the probs' kinds whose forward sums column quads when C % 4 == 0 (a load a quad: fp32 16 bytes,
+#: bf16 8; bf16 since 2026-11-28, an element a load before); fp16 sums elements
+QUAD_KINDS = (F32, BF16)
 
 
 @recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = False, has_mask: bool = False,
                         count_valid: bool = False, staged: bool = False):
-    """The forward; ``quads``: fp32 probs with C % 4 == 0, seen flat, a column quad
-    per column lane (``lane_quad_sum``), else an element per column lane.
+    """The forward; ``quads``: fp32 or bf16 probs with C % 4 == 0, seen flat (bf16 as
+    uint64 words), a column quad per column lane (``lane_quad_sum``), else an element
+    per column lane.
     ``has_mask`` (compile-time): the kernel takes ``mask`` (bool ``[T]``, the
     valid rows) and ``n`` (fp32 ``[1]``, the device count T) after
     ``tokens_per_expert``; the masked rows add nothing and ``coeff`` is the
@@ -71,7 +75,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
     byte per element: the same sums, the same bits."""
     if staged:
         staged_sum = lane_column_sum_staged(kind)
-        staged_quads = lane_quad_sum_staged()
+        staged_quads = lane_quad_sum_staged(kind)
 
         @cuda.jit(device=True)
         def column_sum(src, r0, r1, c, rl, nrl, mask, bits, base):
@@ -83,7 +87,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
 
     else:
         plain_sum = lane_column_sum(kind, has_mask)
-        plain_quads = lane_quad_sum(has_mask)
+        plain_quads = lane_quad_sum(has_mask, kind)
 
         @cuda.jit(device=True)
         def column_sum(src, r0, r1, c, rl, nrl, mask, bits, base):
@@ -302,10 +306,10 @@ def moe_aux_loss_fwd_plan(probs: Spec, tokens_per_expert: Spec, c: np.float32,
     tiling = tiling or AUX_LOSS_TILING
     num_rows, num_cols = probs.shape
     outs = (spec_of((), probs.kind), spec_of((), F32))
-    quads = probs.kind == F32 and num_cols % 4 == 0
+    quads = probs.kind in QUAD_KINDS and num_cols % 4 == 0
     grid, threads, cl, rows = column_tiling(num_rows, num_cols // 4 if quads else num_cols, tiling)
     tmps = (spec_of((grid,), F32),)
-    src = In(0, array_views(F32, (num_rows, num_cols))[0]) if quads else In(0)
+    src = In(0, array_views(probs.kind, (num_rows, num_cols))[0]) if quads else In(0)
     ins = (probs, tokens_per_expert)
     masked = ()
     flag = ()  # the unmasked kernel's cache key as before

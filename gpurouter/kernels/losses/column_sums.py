@@ -1,15 +1,16 @@
 """The aux loss forward's column sums (``aux_loss.py``; device functions only).
 
 A block is RL row lanes x CL column lanes (``tiling.column_tiling``).
-Thread (rl, cl) owns columns (or, fp32 with C % 4 == 0, column quads) cl,
+Thread (rl, cl) owns columns (or, fp32 / bf16 with C % 4 == 0, column quads) cl,
 cl + CL, ... and, of its block's rows, those congruent to rl mod RL, summed
 with independent accumulators so that several loads are in flight per
 thread (the sums are bandwidth-bound only if enough bytes are in flight,
-~4 MB on an H200): 8 element loads, or 4 16-byte quad loads.  Every order is
+~4 MB on an H200): 8 element loads, or 4 quad loads (16 bytes fp32, 8 bf16).  Every order is
 fixed: deterministic.
 
 - ``lane_column_sum(kind, has_mask)``: one column, elements of ``kind``;
-- ``lane_quad_sum(has_mask)``: one fp32 column quad (``_vec.quad_f32``);
+- ``lane_quad_sum(has_mask, kind)``: one column quad, fp32 (``_vec.quad_f32``) or bf16
+  (a uint64 word, ``access.flat_io``);
 
 ``has_mask`` (a compile-time flag): the sums take a bool ``mask [T]`` too and
 leave out the rows where it is False (a bitwise select, ``mask_bits.keep_if``,
@@ -33,8 +34,9 @@ import functools
 import numpy as np
 from numba import cuda
 
-from .._base.access import loader_2d
+from .._base.access import flat_io, loader_2d
 from .._base.device import ZERO
+from .._base.launch import BF16, F32
 from .._base.vec import quad_f32
 from .mask_bits import all_ones_if, keep_if
 
@@ -123,13 +125,14 @@ def block_tree_sum2(red, red2, tid, n):
 
 
 @functools.cache
-def lane_quad_sum(has_mask: bool = False):
+def lane_quad_sum(has_mask: bool = False, kind: str = F32):
     """Device function ``sum4(src, r0, r1, cq, eq, rl, nrl, mask) -> 4 x fp32``: the column
-    sums of fp32 quad ``cq`` of ``src`` (flat, ``eq`` quads a row) over ``r0 <= r <
-    r1`` with ``r = r0 + rl (mod nrl)`` (and, ``has_mask``, ``mask[r]``): 16-byte loads
-    (``_vec.quad_f32``), 4 rows in flight, then a pairwise tree of the 4 row
-    accumulators, in a fixed order."""
-    raw4 = quad_f32()[0]
+    sums of quad ``cq`` of ``src`` (flat, ``eq`` quads a row: fp32 elements, or bf16 as
+    uint64 words, ``access.array_views``) over ``r0 <= r < r1`` with ``r = r0 + rl (mod
+    nrl)`` (and, ``has_mask``, ``mask[r]``): a load a quad (fp32: 16 bytes, ``_vec.quad_f32``;
+    bf16: 8), 4 rows in flight, then a pairwise tree of the 4 row accumulators, in a
+    fixed order."""
+    raw4 = flat_io(kind)[0] if kind == BF16 else quad_f32()[0]
 
     if has_mask:
 

@@ -27,8 +27,9 @@ import functools
 import numpy as np
 from numba import cuda
 
-from .._base.access import loader_2d
+from .._base.access import flat_io, loader_2d
 from .._base.device import ZERO
+from .._base.launch import BF16, F32
 from .._base.vec import quad_f32
 
 #: every bit of a uint32 (``all_ones_if``)
@@ -165,14 +166,14 @@ def lane_column_sum_staged(kind: str):
 
 
 @functools.cache
-def lane_quad_sum_staged():
+def lane_quad_sum_staged(kind: str = F32):
     """Device function ``sum4(src, r0, r1, cq, eq, rl, nrl, bits, base) -> 4 x fp32``:
-    ``lane_quad_sum(True)``'s sums (the same rows, accumulators and order) with
+    ``lane_quad_sum(True, kind)``'s sums (the same rows, accumulators and order) with
     the mask read from the staged ``bits`` (``stage_mask_bits``; ``base = rl *
     nb``): one shared byte per 4 rows (a nibble of it each), the values kept
     by a float select (``pick``; with ``keep_if``'s bitcasts ptxas for sm_90
     kept one 16-byte load in flight, with ``pick`` two)."""
-    raw4 = quad_f32()[0]
+    raw4 = flat_io(kind)[0] if kind == BF16 else quad_f32()[0]
 
     @cuda.jit(device=True)
     def load4(src, r, eq, cq, m):

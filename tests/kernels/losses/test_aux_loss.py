@@ -35,7 +35,8 @@ SMALL_BLOCKS = K.AuxLossTiling(column_min_rows=20)
 @pytest.mark.parametrize("dtype,tpe_dtype,T,C,E,total,tiling", [
     (np.float32, "int32", 4, 8, None, None, None),
     (np.float32, "int64", 70, 6, 3, 1000, None),  # sequence aux loss (C = 2E), 2 partial blocks
-    (ml_dtypes.bfloat16, "float32", 3, 16, None, 7, None),
+    (ml_dtypes.bfloat16, "float32", 3, 16, None, 7, None),  # bf16, C % 4 == 0: column quads (uint64 words)
+    (ml_dtypes.bfloat16, "int32", 5, 10, None, None, None),  # bf16, C % 4 != 0: elements
     (np.float16, "bfloat16", 2, 5, None, None, None),
     (np.float16, "int32", 9, 12, None, None, None),  # fp16, a quad of columns per store
     # fp32, C % 4 == 0: column quads (74 of them on 96 column lanes, 4 row lanes),

@@ -57,7 +57,8 @@ def test_aux_loss_masked(dtype, T, C, E):
     assert not np.any(gp[~mask].astype(np.float32))
 
 
-@pytest.mark.parametrize("dtype,C", [(np.float32, 36), (ml_dtypes.bfloat16, 20)])  # quads; elements
+@pytest.mark.parametrize("dtype,C", [(np.float32, 36), (ml_dtypes.bfloat16, 20), (ml_dtypes.bfloat16, 22)])
+# column quads (fp32, bf16: C % 4 == 0), elements (bf16, C = 22)
 def test_aux_loss_staged_mask_bits(dtype, C):
     """The masked forward's mask staged as shared bits (``stage_mask_bits``: 12
     rows a row lane, so an unrolled step's byte and a tail's, quads a nibble
@@ -82,10 +83,10 @@ def test_aux_loss_staged_mask_bits(dtype, C):
     for stage_bytes, staged in ((16384, True), (0, False)):
         tiling = K.AuxLossTiling(**base, mask_stage_bytes=stage_bytes)
         step = A.moe_aux_loss_fwd_plan(spec_p, spec_t, np.float32(1), tiling, True, True).steps[0]
-        grid, threads, cl, rows = A.column_tiling(T, C // 4 if dtype == np.float32 else C, tiling)
+        quads = C % 4 == 0
+        grid, threads, cl, rows = A.column_tiling(T, C // 4 if quads else C, tiling)
         assert (grid, threads, rows) == (3, 64, 24)
-        assert step.kernel is A.aux_loss_fwd_kernel(spec_p.kind, spec_t.kind, spec_p.kind, dtype == np.float32,
-                                                    True, True, staged)
+        assert step.kernel is A.aux_loss_fwd_kernel(spec_p.kind, spec_t.kind, spec_p.kind, quads, True, True, staged)
         assert step.shared == (staged_mask_bytes(rows, threads // cl) if staged else 0) and (step.shared == 4) == staged
         counted = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, token_mask=mask, tiling=tiling)[0]
         given = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, n, token_mask=mask, tiling=tiling)[0]
