@@ -247,6 +247,22 @@ def test_qb_cutoff_tie_drops_the_higher_expert_id(backend):
     want = np.zeros((4, 4), np.int64)
     want[0, 2] = want[1, 2] = want[2, 2] = want[3, 3] = 1
     np.testing.assert_array_equal(np.asarray(hist), want)
+    # a tie in r between experts of different s (the bias makes it): the lower id stays in
+    # the route whichever side it is on, and the cutoff is the tied value (rb from each s)
+    x = np.array([[0.0, 30.0, 30.0, -np.inf], [30.0, 30.0, 0.0, -np.inf]], np.float32)
+    bias = np.array([[0.5, 0.25, 0.0, 0.0], [0.0, 0.25, 0.5, 0.0]], np.float32)
+    for row in range(2):   # r = [1, 1.25, 1, 0] in both rows
+        probs, ids, hist = gr.fused_topk_with_score_function(
+            x[row:row + 1], 2, score_function="sigmoid", expert_bias=bias[row], compact=True,
+            qb_histogram=np.zeros((4, 8), np.int32), qb_bin_bounds=np.array([-1.0, 1.0], np.float32),
+            backend=backend)
+        np.testing.assert_array_equal(np.asarray(ids), [[1, 0]])
+        s0 = 0.5 if row == 0 else 1.0
+        np.testing.assert_allclose(np.asarray(probs), [[1 / (1 + s0), s0 / (1 + s0)]], rtol=1e-6)
+        rb = 1.0 - np.array([0.5, 1.0, 1.0, 0.0]) if row == 0 else 1.0 - np.array([1.0, 1.0, 0.5, 0.0])
+        want = np.zeros((4, 8), np.int64)
+        want[np.arange(4), np.minimum(np.floor((rb + 1) * 4).astype(int), 7)] = 1
+        np.testing.assert_array_equal(np.asarray(hist), want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -313,22 +329,68 @@ def test_qb_gradients_are_the_sigmoid_backward_only(backend):
     np.testing.assert_array_equal(np.asarray(gbd), np.zeros(2))
 
 
-def test_qb_group_limited_cutoff_among_kept_groups():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_qb_group_limited_cutoff_among_kept_groups(backend):
     """Group-limited QB (issue #37, beyond TE): the route is group-limited and the cutoff is
-    the (K+1)-th largest r among the kept groups' experts."""
-    t, e, groups = 16, 16, (4, 2, 4, "sum_topk")
+    the (K+1)-th largest r among the kept groups' experts, for every group-score rule."""
+    t, e = (4 if backend == "numba" else 16), 16
     bias = np.asarray(np.linspace(0.1, -0.1, e), np.float32)
+    differs = False
     for rule in ("sum_topk", "top2_sum", "max"):
         g = (4, 2, 4, rule)
         x = _clean_logits(t, e, 15, bias, 4, BOUNDS, NB, groups=g)
         probs, rmap, hist = gr.fused_topk_with_score_function(
             x, 4, num_groups=4, group_topk=2, group_score=rule, score_function="sigmoid", expert_bias=bias,
-            qb_histogram=np.zeros((e, NB), np.int32), qb_bin_bounds=BOUNDS, backend="jax")
-        np.testing.assert_array_equal(np.asarray(rmap), _sigmoid_router(x, 4, bias, groups=g)[1])
-        np.testing.assert_array_equal(np.asarray(hist), _counts(_positions(x, bias, 4, BOUNDS, NB, g), NB))
-    # the cutoff really is taken among the kept groups: it differs from the ungrouped one here
-    assert not np.array_equal(_positions(x, bias, 4, BOUNDS, NB, groups),
-                              _positions(x, bias, 4, BOUNDS, NB))
+            qb_histogram=np.zeros((e, NB), np.int32), qb_bin_bounds=BOUNDS, backend=backend)
+        want_p, want_m, _, _ = _sigmoid_router(x, 4, bias, groups=g)
+        np.testing.assert_array_equal(np.asarray(rmap), want_m, err_msg=rule)
+        np.testing.assert_allclose(np.asarray(probs), want_p, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(hist), _counts(_positions(x, bias, 4, BOUNDS, NB, g), NB),
+                                      err_msg=rule)
+        differs |= not np.array_equal(_positions(x, bias, 4, BOUNDS, NB, g), _positions(x, bias, 4, BOUNDS, NB))
+    assert differs, "the draws should have a cutoff outside the kept groups"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_qb_bf16_logits(backend):
+    """bf16 logits: s is the sigmoid of the upcast logits; probs in bf16."""
+    t, e = 4, 16
+    bias = np.asarray(np.linspace(-0.1, 0.1, e), np.float32)
+    x = jnp.asarray(_clean_logits(t, e, 18, bias, 2, BOUNDS, NB), jnp.bfloat16)
+    x32 = np.asarray(x, np.float32)
+    if np.min(np.abs(_positions(x32, bias, 2, BOUNDS, NB) % 1 - 0.5)) > 0.499:
+        pytest.fail("the bf16 rounding put a position on an edge: pick another seed")
+    probs, rmap, hist = gr.fused_topk_with_score_function(
+        x, 2, score_function="sigmoid", expert_bias=bias, qb_histogram=np.zeros((e, NB), np.int32),
+        qb_bin_bounds=BOUNDS, backend=backend)
+    assert probs.dtype == jnp.bfloat16
+    want_p, want_m, _, _ = _sigmoid_router(x32, 2, bias)
+    np.testing.assert_array_equal(np.asarray(rmap), want_m)
+    np.testing.assert_allclose(np.asarray(probs, np.float32), want_p, rtol=8e-3, atol=1e-3)
+    np.testing.assert_array_equal(np.asarray(hist), _counts(_positions(x32, bias, 2, BOUNDS, NB), NB))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_qb_nan_logits_and_topk_one(backend):
+    """NaN counts as -inf in the route and the cutoff; a NaN rb goes to bin 0 (contract
+    section 12). K = 1: the prob is the raw sigmoid (no renormalisation)."""
+    bounds = np.array([-1.0, 1.0], np.float32)
+    bias = np.zeros(4, np.float32)
+    x = np.array([[1.0, np.nan, -0.5, 0.25],      # NaN expert: never chosen, its rb NaN -> bin 0
+                  [np.nan, np.nan, 2.0, 0.0]], np.float32)   # the cutoff (K + 1 = 2nd) is finite
+    probs, rmap, hist = gr.fused_topk_with_score_function(
+        x, 1, score_function="sigmoid", expert_bias=bias, qb_histogram=np.zeros((4, 4), np.int32),
+        qb_bin_bounds=bounds, backend=backend)
+    np.testing.assert_array_equal(np.asarray(rmap), [[1, 0, 0, 0], [0, 0, 1, 0]])
+    np.testing.assert_allclose(np.asarray(probs)[[0, 1], [0, 2]], _sig([1.0, 2.0]), rtol=1e-6)
+    s = _sig(x)
+    want = np.zeros((4, 4), np.int64)
+    for t, alpha in ((0, s[0, 3]), (1, s[1, 3])):
+        for j in range(4):
+            pos = (alpha - s[t, j] + 1.0) * 2
+            want[j, 0 if np.isnan(pos) else int(np.clip(np.floor(pos), 0, 3))] += 1
+    np.testing.assert_array_equal(np.asarray(hist), want)
+    assert want[1, 0] == 2
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -347,7 +409,11 @@ def test_qb_counts_saturate_instead_of_wrapping(backend):
     assert (h >= 0).all() and h.max() == INT32_MAX
 
 
-def test_qb_axis_name_sums_this_calls_counts_once():
+@pytest.mark.parametrize("backend", ["jax", pytest.param("numba", marks=[
+    pytest.mark.slow, pytest.mark.cuda,
+    pytest.mark.skipif(not _backend.numba_usable(), reason="backend='numba' needs numba-cuda and a GPU or "
+                       "NUMBA_ENABLE_CUDASIM=1")])])
+def test_qb_axis_name_sums_this_calls_counts_once(backend):
     """axis_name=: inside shard_map over data shards, the call's counts (not the input
     histogram) are summed once; every shard returns the same global histogram."""
     devices = jax.devices()
@@ -362,7 +428,7 @@ def test_qb_axis_name_sums_this_calls_counts_once():
     def shard(z, m):
         _, _, h = gr.fused_topk_with_score_function(z, K, score_function="sigmoid", expert_bias=BIAS,
                                                     qb_histogram=start, qb_bin_bounds=BOUNDS, token_mask=m,
-                                                    axis_name="data", backend="jax")
+                                                    axis_name="data", backend=backend)
         return h[None]
 
     sm = jax.shard_map(shard, mesh=mesh, in_specs=(P("data", None), P("data")), out_specs=P("data"))
@@ -617,6 +683,9 @@ def test_aux_loss_token_mask(backend):
     want_g = np.where(MASK[:, None], cf * n[None, :], 0.0)
     np.testing.assert_allclose(np.asarray(grad), want_g, rtol=1e-5)
     assert np.isfinite(np.asarray(grad)).all()
+    # an explicit total_num_tokens overrides the valid count
+    got = gr.fused_moe_aux_loss(p, n, k, coeff, token_mask=MASK, total_num_tokens=10, backend=backend)
+    np.testing.assert_allclose(float(got), want * tv * tv / 100, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -820,6 +889,23 @@ def test_compact_weights_in_selection_order(backend):
                                rtol=1e-5, atol=1e-6)
     probs, _ = gr.fused_topk_with_score_function(x, 3, **kw)
     np.testing.assert_array_equal(np.asarray(w), np.take_along_axis(np.asarray(probs), np.asarray(ids), -1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compact_weights_bf16_and_groups_match_the_dense_probs(backend):
+    """weights in the dtype of logits, bit for bit the dense probs at the compact ids
+    (bf16, softmax pre, grouped)."""
+    x = jnp.asarray(_tie_free(4, 16, 33), jnp.bfloat16)
+    kw = dict(use_pre_softmax=True, num_groups=4, group_topk=2, backend=backend)
+    w, ids = gr.fused_topk_with_score_function(x, 4, compact=True, **kw)
+    probs, _ = gr.fused_topk_with_score_function(x, 4, **kw)
+    assert w.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(w, np.float32),
+                                  np.take_along_axis(np.asarray(probs, np.float32), np.asarray(ids), -1))
+    x64 = np.asarray(x, np.float64)
+    p_all = np.exp(x64 - x64.max(1, keepdims=True))
+    p_all /= p_all.sum(1, keepdims=True)
+    np.testing.assert_array_equal(np.asarray(ids), [_route(r, 4, (4, 2, 4, "sum_topk"))[0] for r in p_all])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
