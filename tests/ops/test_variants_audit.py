@@ -290,6 +290,20 @@ def test_qb_accumulates_the_input_histogram_and_masks_count_nowhere(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_qb_no_valid_tokens_adds_nothing(backend):
+    """All tokens masked, or no tokens: the histogram comes back unchanged."""
+    start = np.asarray(np.arange(E * NB).reshape(E, NB) % 7, np.int32)
+    kw = dict(score_function="sigmoid", expert_bias=BIAS, qb_histogram=start, qb_bin_bounds=BOUNDS,
+              backend=backend)
+    x = _clean_logits(3, E, 19, BIAS, K, BOUNDS, NB)
+    _, rmap, hist = gr.fused_topk_with_score_function(x, K, token_mask=np.zeros(3, bool), **kw)
+    np.testing.assert_array_equal(np.asarray(hist), start)
+    assert np.asarray(rmap).sum() == 3 * K
+    _, _, hist = gr.fused_topk_with_score_function(np.zeros((0, E), np.float32), K, **kw)
+    np.testing.assert_array_equal(np.asarray(hist), start)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_qb_result_layouts(backend):
     """The histogram is the last result: (probs, map, [indices,] hist), (weights, ids, hist)."""
     t, e = 4, E
@@ -683,8 +697,11 @@ def test_aux_loss_token_mask(backend):
     want_g = np.where(MASK[:, None], cf * n[None, :], 0.0)
     np.testing.assert_allclose(np.asarray(grad), want_g, rtol=1e-5)
     assert np.isfinite(np.asarray(grad)).all()
-    # an explicit total_num_tokens overrides the valid count
+    # an explicit total_num_tokens overrides the valid count, concrete or traced
     got = gr.fused_moe_aux_loss(p, n, k, coeff, token_mask=MASK, total_num_tokens=10, backend=backend)
+    np.testing.assert_allclose(float(got), want * tv * tv / 100, rtol=1e-5)
+    got = jax.jit(lambda q, tt: gr.fused_moe_aux_loss(q, n, k, coeff, token_mask=MASK, total_num_tokens=tt,
+                                                      backend=backend))(p, jnp.int32(10))
     np.testing.assert_allclose(float(got), want * tv * tv / 100, rtol=1e-5)
 
 
@@ -773,6 +790,8 @@ def test_update_expert_bias_token_mask_counts_valid_rows():
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-7)
     got_bits = gr.update_expert_bias(bias, gr.pack_routing_map(m), 1e-3, token_mask=MASK)
     np.testing.assert_array_equal(np.asarray(got_bits), np.asarray(got))
+    with pytest.raises(ValueError, match="token_mask"):   # with a mask: the map, not counts
+        gr.update_expert_bias(bias, jnp.asarray(m.sum(0), jnp.int32), 1e-3, token_mask=MASK)
     # without a mask it takes counts, as before
     np.testing.assert_array_equal(np.asarray(gr.update_expert_bias(bias, jnp.asarray(m[MASK].sum(0), jnp.int32),
                                                                    1e-3)), np.asarray(got))
@@ -961,6 +980,22 @@ def test_index_dtypes_and_forced_indices(backend):
         s = _sig(np.take_along_axis(x, forced, 1))
         np.testing.assert_allclose(np.asarray(w), s / s.sum(1, keepdims=True), rtol=1e-5)
         np.testing.assert_array_equal(np.asarray(w), np.asarray(outs[0][0]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compact_replay_under_jit_marks_dropped_entries(backend):
+    """A traced replay with a repeated or out-of-range entry: that id is -1 and its weight 0
+    (contract sections 2 and 11); the others are the normal call's weights of what was kept."""
+    x = _tie_free(2, 8, 34)
+    forced = np.array([[5, 5, 1], [2, 9, 6]], np.int32)
+    w, ids = jax.jit(lambda z, f: gr.fused_topk_with_score_function(
+        z, 3, score_function="sigmoid", forced_indices=f, compact=True, indices_dtype="int16",
+        backend=backend))(x, forced)
+    np.testing.assert_array_equal(np.asarray(ids), [[5, -1, 1], [2, -1, 6]])
+    assert ids.dtype == np.int16
+    for t, kept in ((0, [5, 1]), (1, [2, 6])):
+        s = _sig(x[t, kept])
+        np.testing.assert_allclose(np.asarray(w)[t], [s[0] / s.sum(), 0.0, s[1] / s.sum()], rtol=1e-6)
 
 
 @pytest.mark.parametrize("over, exc, name", [
