@@ -97,16 +97,22 @@ def _counts(pos, num_bins, valid=None):
     return hist
 
 
-def _clean_logits(t, e, seed, bias, topk, bounds, num_bins, groups=None, scale=1.5):
-    """Logits whose QB bin positions are >= 1e-3 bins from every edge, and whose selection
-    (and cutoff) are tie-free by 1e-4: float32 vs float64 rounding cannot move a count."""
+def _clean_logits(t, e, seed, bias, topk, bounds, num_bins, groups=None, scale=1.5, margin=1e-3, gap=1e-4):
+    """Logits whose QB bin positions are >= ``margin`` bins from every edge, and whose expert
+    (and group) scores are tie-free by ``gap``: float32 vs float64 rounding cannot move a
+    count or a choice."""
     rng = np.random.default_rng(seed)
     for _ in range(200):
         x = np.asarray(rng.normal(size=(t, e)) * scale, np.float32)
         pos = _positions(x, bias, topk, bounds, num_bins, groups)
         frac = pos - np.floor(pos)
-        r = np.sort(_sig(x) + np.asarray(bias, np.float64), axis=1)
-        if np.min(np.minimum(frac, 1 - frac)) > 1e-3 and np.min(np.diff(r, axis=1)) > 1e-4:
+        r = _sig(x) + np.asarray(bias, np.float64)
+        ok = np.min(np.minimum(frac, 1 - frac)) > margin and np.min(np.diff(np.sort(r, axis=1), axis=1)) > gap
+        if ok and groups is not None:
+            take = {"sum_topk": groups[2] // groups[1], "top2_sum": 2, "max": 1}[groups[3]]
+            gs = -np.sort(-r.reshape(t, groups[0], -1), axis=2)[:, :, :take].sum(2)
+            ok = np.min(np.diff(np.sort(gs, axis=1), axis=1)) > gap
+        if ok:
             return x
     raise AssertionError("no clean draw")
 
@@ -1050,3 +1056,31 @@ def test_qb_one_call_cannot_overflow_a_bin():
         jax.eval_shape(lambda z: gr.fused_topk_with_score_function(
             z, 1, score_function="sigmoid", expert_bias=jnp.zeros(2, jnp.float32),
             qb_histogram=jnp.zeros((2, 4), jnp.int32), qb_bin_bounds=jnp.array([-1.0, 1.0]), backend="jax"), big)
+
+
+# --------------------------------------------------------------------------- the GPU-only kernel paths
+
+@pytest.mark.gpu
+@pytest.mark.cuda
+@pytest.mark.parametrize("rule", ["sum_topk", "top2_sum", "max"])
+def test_gpu_warp_kernel_paths_against_the_oracles(rule):
+    """On a GPU, E = 128 takes the warp-per-token kernel (docs/ops/topk.md): its group rules,
+    its compact mode and its QB cutoff (the routing kernel writes alpha), which the simulator
+    never runs. Against this file's float64 oracles, counts bit for bit."""
+    t, e, k = 64, 128, 8
+    bias = np.asarray(np.linspace(0.05, -0.05, e), np.float32)
+    g = (8, 4, k, rule)
+    x = _clean_logits(t, e, 40, bias, k, BOUNDS, NB, groups=g, scale=1.0, margin=2e-5, gap=1e-6)
+    valid = np.arange(t) % 5 != 2
+    kw = dict(num_groups=8, group_topk=4, group_score=rule, score_function="sigmoid", expert_bias=bias,
+              qb_histogram=np.zeros((e, NB), np.int32), qb_bin_bounds=BOUNDS, token_mask=valid, backend="numba")
+    want_p, want_m, want_ids, _ = _sigmoid_router(x, k, bias, groups=g)
+    want_h = _counts(_positions(x, bias, k, BOUNDS, NB, g), NB, valid)
+    probs, rmap, hist = gr.fused_topk_with_score_function(x, k, **kw)
+    np.testing.assert_array_equal(np.asarray(rmap), want_m)
+    np.testing.assert_allclose(np.asarray(probs), want_p, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(hist), want_h)
+    w, ids, hist_c = gr.fused_topk_with_score_function(x, k, compact=True, indices_dtype="int16", **kw)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_allclose(np.asarray(w), np.take_along_axis(want_p, want_ids, 1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(hist_c), want_h)
