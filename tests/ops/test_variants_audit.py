@@ -156,7 +156,7 @@ BOUNDS = np.array([-0.2, 0.6], np.float32)
 
 
 def _shape(backend):
-    return (8, E) if backend == "numba" else (16, E)
+    return (8, E)   # one shape for most QB calls: the jax backend compiles each (shape, config) once
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -228,9 +228,9 @@ def test_qb_end_bins_catch_everything_outside(backend):
     # far outside: tight bounds around 10, every rb below lower -> bin 0
     _, _, hist = gr.fused_topk_with_score_function(
         x, 2, score_function="sigmoid", expert_bias=bias,
-        qb_histogram=np.zeros((4, 3), np.int32), qb_bin_bounds=np.array([10.0, 11.0], np.float32),
+        qb_histogram=np.zeros((4, 4), np.int32), qb_bin_bounds=np.array([10.0, 11.0], np.float32),
         backend=backend)
-    want = np.zeros((4, 3), np.int64)
+    want = np.zeros((4, 4), np.int64)
     want[:, 0] = 1
     np.testing.assert_array_equal(np.asarray(hist), want)
 
@@ -301,10 +301,10 @@ def test_qb_no_valid_tokens_adds_nothing(backend):
     start = np.asarray(np.arange(E * NB).reshape(E, NB) % 7, np.int32)
     kw = dict(score_function="sigmoid", expert_bias=BIAS, qb_histogram=start, qb_bin_bounds=BOUNDS,
               backend=backend)
-    x = _clean_logits(3, E, 19, BIAS, K, BOUNDS, NB)
-    _, rmap, hist = gr.fused_topk_with_score_function(x, K, token_mask=np.zeros(3, bool), **kw)
+    x = _clean_logits(8, E, 19, BIAS, K, BOUNDS, NB)
+    _, rmap, hist = gr.fused_topk_with_score_function(x, K, token_mask=np.zeros(8, bool), **kw)
     np.testing.assert_array_equal(np.asarray(hist), start)
-    assert np.asarray(rmap).sum() == 3 * K
+    assert np.asarray(rmap).sum() == 8 * K
     _, _, hist = gr.fused_topk_with_score_function(np.zeros((0, E), np.float32), K, **kw)
     np.testing.assert_array_equal(np.asarray(hist), start)
 
@@ -312,7 +312,7 @@ def test_qb_no_valid_tokens_adds_nothing(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_qb_result_layouts(backend):
     """The histogram is the last result: (probs, map, [indices,] hist), (weights, ids, hist)."""
-    t, e = 4, E
+    t, e = _shape(backend)
     x = _clean_logits(t, e, 13, BIAS, K, BOUNDS, NB)
     kw = dict(score_function="sigmoid", expert_bias=BIAS, qb_histogram=np.zeros((e, NB), np.int32),
               qb_bin_bounds=BOUNDS, backend=backend)
@@ -332,7 +332,7 @@ def test_qb_result_layouts(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_qb_gradients_are_the_sigmoid_backward_only(backend):
     """Gradients: the sigmoid backward to the logits; the bias and the bounds get none."""
-    t, e = 4, E
+    t, e = _shape(backend)
     x = _clean_logits(t, e, 14, BIAS, K, BOUNDS, NB)
     cot = np.asarray(np.random.default_rng(1).normal(size=(t, e)), np.float32)
     hist0 = np.zeros((e, NB), np.int32)
@@ -415,18 +415,21 @@ def test_qb_nan_logits_and_topk_one(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_qb_counts_saturate_instead_of_wrapping(backend):
-    """Counts cannot overflow silently (contract section 12: a bin saturates at 2**31 - 1)."""
-    x = np.array([[0.0, 1.0, -1.0, 2.0]] * 3, np.float32)
+    """Counts cannot overflow silently (contract section 12: a bin saturates at 2**31 - 1):
+    a full bin stays full, one a count below it fills, and none wraps negative."""
+    x = np.array([[0.0, 1.0, -1.0, 2.0]], np.float32)   # the end-bins test's shapes (one compile)
     bias = np.zeros(4, np.float32)
     bounds = np.array([-1.0, 1.0], np.float32)
-    start = np.full((4, 2), INT32_MAX - 1, np.int32)
+    start = np.full((4, 4), INT32_MAX, np.int32)
+    start[:, 1::2] = INT32_MAX - 1
     _, _, hist = gr.fused_topk_with_score_function(
         x, 2, score_function="sigmoid", expert_bias=bias, qb_histogram=start, qb_bin_bounds=bounds,
         backend=backend)
     h = np.asarray(hist)
-    want = np.minimum(start.astype(np.int64) + _counts(_positions(x, bias, 2, bounds, 2), 2), INT32_MAX)
-    np.testing.assert_array_equal(h, want)
-    assert (h >= 0).all() and h.max() == INT32_MAX
+    add = _counts(_positions(x, bias, 2, bounds, 4), 4)
+    assert (add[:, 0::2] > 0).any() and (add[:, 1::2] > 0).any()
+    np.testing.assert_array_equal(h, np.minimum(start.astype(np.int64) + add, INT32_MAX))
+    assert (h >= 0).all()
 
 
 @pytest.mark.parametrize("backend", ["jax", pytest.param("numba", marks=[
@@ -510,6 +513,7 @@ def test_qb_update_quantile_interpolated_centred(seed):
     assert abs(float(np.mean(np.asarray(bias, np.float64)))) < 1e-6
 
 
+@pytest.mark.slow   # 5 s on a CPU; the formula itself is checked by the two tests above
 def test_qb_update_bias_is_the_quantile_of_the_needed_bias():
     """The point of the update: b_e is the k/E quantile of expert e's "bias needed to win",
     rb = alpha_t - s[t, e], up to the one centring shift shared by every expert. Within two
@@ -723,10 +727,6 @@ def test_aux_scores_tokens_per_expert_path_with_a_mask(backend):
     assert n.dtype == np.int32
     np.testing.assert_array_equal(np.asarray(n), np.asarray(amap)[MASK].sum(0))
     loss = gr.fused_moe_aux_loss(scores, n, 2, 1e-2, token_mask=MASK, backend=backend)
-    sv, av = gr.fused_topk_with_score_function(x[MASK], 2, score_function="sigmoid", compute_aux_scores=True,
-                                               backend=backend)
-    want = gr.fused_moe_aux_loss(sv, gr.tokens_per_expert(av), 2, 1e-2, backend=backend)
-    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
     v = _sig(x[MASK])
     v /= v.sum(1, keepdims=True)
     cnt = np.zeros(C)
@@ -944,10 +944,11 @@ def test_compact_selection_order_ties_lower_index_first(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_compact_gradients_flow_through_the_weights(backend):
+@pytest.mark.parametrize("score", ["sigmoid", pytest.param("softmax", marks=pytest.mark.slow)])
+def test_compact_gradients_flow_through_the_weights(backend, score):
     x = _tie_free(4, 8, 31)
     cot = np.asarray(np.random.default_rng(11).normal(size=(4, 2)), np.float32)
-    for sf in ("softmax", "sigmoid"):
+    for sf in (score,):
         g = jax.grad(lambda z, sf=sf: jnp.sum(gr.fused_topk_with_score_function(
             z, 2, score_function=sf, compact=True, backend=backend)[0] * cot))(x)
         x64 = x.astype(np.float64)
@@ -979,8 +980,8 @@ def test_index_dtypes_and_forced_indices(backend):
     forced = np.array([[5, 1], [0, 7], [3, 2]])
     outs = [gr.fused_topk_with_score_function(x, 2, forced_indices=forced.astype(dt), compact=True,
                                               indices_dtype=idt, **kw)
-            for dt, idt in ((np.int16, "int16"), (np.int32, "int32"), (np.int16, jnp.int32))]
-    for (w, got_ids), dt in zip(outs, (np.int16, np.int32, np.int32), strict=True):
+            for dt, idt in ((np.int16, "int16"), (np.int32, jnp.int32))]   # a string, a JAX dtype
+    for (w, got_ids), dt in zip(outs, (np.int16, np.int32), strict=True):
         assert got_ids.dtype == dt
         np.testing.assert_array_equal(np.asarray(got_ids), forced)
         s = _sig(np.take_along_axis(x, forced, 1))
