@@ -879,6 +879,27 @@ def test_traced_total_num_tokens_no_retrace(backend):
     np.testing.assert_allclose(float(zl), -0.01 * (lse ** 2).sum() / 4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concrete_device_scalar_total_num_tokens(backend):
+    """A 0-d int or float array (TE's graph-safe aux loss takes a device scalar) outside jit:
+    the same value as under jit and as the Python int; a float one used as a value."""
+    p = _aux_probs(1)
+    n = np.array([3, 1, 0, 2, 4, 2, 0, 4], np.int32)
+    x = np.asarray(np.random.default_rng(10).normal(size=(R, C)), np.float32)
+    lse = np.log(np.exp(x.astype(np.float64)).sum(1))
+    for tot in (jnp.int32(12), jnp.float32(12.0), np.float32(12.0), jnp.float32(12.5)):
+        t = float(tot)
+        aux = gr.fused_moe_aux_loss(p, n, 2, 0.1, total_num_tokens=tot, backend=backend)
+        zl = gr.router_z_loss(x, 0.01, total_num_tokens=tot, backend=backend)
+        np.testing.assert_allclose(float(aux), C * 0.1 / (2 * t * t) * (p.sum(0) * n).sum(), rtol=1e-5)
+        np.testing.assert_allclose(float(zl), 0.01 * (lse ** 2).sum() / t, rtol=1e-5)
+    for bad in (jnp.float32(0.0), jnp.float32(-2.0), jnp.float32(np.nan), jnp.float32(np.inf)):
+        with pytest.raises(ValueError, match="total_num_tokens"):
+            gr.fused_moe_aux_loss(p, n, 2, 0.1, total_num_tokens=bad, backend=backend)
+        with pytest.raises(ValueError, match="total_num_tokens"):
+            gr.router_z_loss(x, 0.01, total_num_tokens=bad, backend=backend)
+
+
 def test_total_num_tokens_errors():
     p = _aux_probs()
     n = np.ones(C, np.int32)
