@@ -667,6 +667,26 @@ def test_group_ties_go_to_the_lower_group_index(backend, rule):
     np.testing.assert_array_equal(np.asarray(rmap)[0], want)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_ties_of_different_composition(backend):
+    """Equal group sums made of different values (exact dyadic scores through the bias): the
+    lower group wins for the summing rules; "max" then tells them apart."""
+    x = np.zeros((1, 8), np.float32)                       # s = 0.5 everywhere
+    bias = np.array([0.0, -0.25, 0.25, 0.0, 0.0, -0.5, 0.125, 0.125], np.float32)
+    # r = [.5, .25 | .75, .5 | .5, 0 | .625, .625]; group sums 0.75, 1.25, 0.5, 1.25; max .75 vs .625
+    for rule, want in (("sum_topk", [2, 3]), ("top2_sum", [2, 3]), ("max", [2, 3])):
+        ids = gr.fused_topk_with_score_function(x, 2, num_groups=4, group_topk=1, group_score=rule,
+                                                score_function="sigmoid", expert_bias=bias, compact=True,
+                                                backend=backend)[1]
+        np.testing.assert_array_equal(np.asarray(ids), [want], err_msg=rule)
+    bias_b = bias[[0, 1, 6, 7, 4, 5, 2, 3]]                 # the two tied groups swapped
+    for rule, want in (("sum_topk", [2, 3]), ("top2_sum", [2, 3]), ("max", [6, 7])):
+        ids = gr.fused_topk_with_score_function(x, 2, num_groups=4, group_topk=1, group_score=rule,
+                                                score_function="sigmoid", expert_bias=bias_b, compact=True,
+                                                backend=backend)[1]
+        np.testing.assert_array_equal(np.asarray(ids), [want], err_msg=rule)
+
+
 @pytest.mark.parametrize("over, name", [
     (dict(group_score="mean"), "group_score"),
     (dict(group_score="max", group_topk=-1), "group_score"),
