@@ -742,7 +742,12 @@ def test_aux_loss_token_mask(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_aux_scores_tokens_per_expert_path_with_a_mask(backend):
     """The aux scores' routing map counted with tokens_per_expert(token_mask=), into the aux
-    loss with the same mask: the loss of the valid tokens alone."""
+    loss with the same mask: the loss of the valid tokens alone.
+
+    The issue names "the aux scores' tokens_per_expert path" without saying where the mask
+    goes; the contract (sections 6 and 10) puts it on the counting and the loss, and a mask on
+    the router op itself without QB is a ValueError (it would do nothing there). This test
+    follows the contract."""
     rng = np.random.default_rng(3)
     x = np.asarray(rng.normal(size=(R, C)), np.float32)
     scores, amap = gr.fused_topk_with_score_function(x, 2, score_function="sigmoid", compute_aux_scores=True,
