@@ -32,10 +32,28 @@ class AuxLossConfig:
     num_experts: int
 
 
-def _total_tokens(op: str, total_num_tokens, rows: int) -> int:
+def _float_scalar(value) -> bool:
+    """A concrete 0-d float array (jax or NumPy) or NumPy float scalar: a device
+    scalar such as TE's graph-safe aux loss takes (contract section 10)."""
+    dtype = getattr(value, "dtype", None)
+    return (not isinstance(value, (bool, int, float)) and dtype is not None
+            and getattr(value, "shape", None) == () and np.issubdtype(np.dtype(dtype), np.floating))
+
+
+def _total_tokens(op: str, total_num_tokens, rows: int) -> int | np.float32:
     """An explicit ``total_num_tokens``: > 0, or 0 with no rows (the loss of no
     tokens is the empty sum, 0.0, with or without the count: T = 1 keeps the
-    coefficient finite)."""
+    coefficient finite). A concrete 0-d float array is checked the same way
+    (finite too) and returned as a float32 value, which the ops pass on as a
+    device scalar, as a traced one (no compile per value)."""
+    if _float_scalar(total_num_tokens):
+        value = np.float32(total_num_tokens)
+        if value == 0 and rows == 0:
+            return 1
+        if not (np.isfinite(value) and value > 0):
+            raise ValueError(f"{op}: total_num_tokens ({float(value)}) must be finite and > 0 "
+                             f"(or 0 with no tokens; there are {rows}).")
+        return value
     total_num_tokens = _as_int(op, "total_num_tokens", total_num_tokens)
     if total_num_tokens == 0 and rows == 0:
         return 1

@@ -30,7 +30,7 @@ def fused_moe_aux_loss(
     topk: int,
     coeff: float,
     *,
-    total_num_tokens: int | None = None,
+    total_num_tokens: int | jax.typing.ArrayLike | None = None,
     num_experts: int | None = None,
     axis_name: str | tuple[str, ...] | None = None,
     token_mask: jax.typing.ArrayLike | None = None,
@@ -45,7 +45,7 @@ def fused_moe_aux_loss(
     Args:
       axis_name: see the reference; inside ``shard_map`` over token shards.
       backend: ``"jax"``, ``"numba"`` or ``"auto"`` (docs/contract.md section 5).
-      transport: ``"zero-copy"``, ``"callback"`` or ``"auto"``, as for
+      transport: ``"ffi"``, ``"zero-copy"``, ``"callback"`` or ``"auto"``, as for
         :func:`gpurouter.fused_topk_with_score_function`.
 
     The numba forward is deterministic: bit-identical from run to run. Under

@@ -20,7 +20,7 @@ def router_z_loss(
     logits: jax.typing.ArrayLike,
     coeff: float,
     *,
-    total_num_tokens: int | None = None,
+    total_num_tokens: int | jax.typing.ArrayLike | None = None,
     axis_name: str | tuple[str, ...] | None = None,
     token_mask: jax.typing.ArrayLike | None = None,
     backend: str = "auto",

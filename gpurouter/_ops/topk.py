@@ -61,10 +61,11 @@ def fused_topk_with_score_function(
     Args:
       backend: ``"jax"`` (the pure-jnp reference), ``"numba"`` (the Numba-CUDA
         kernels through ``jax.custom_vjp``) or ``"auto"`` (docs/contract.md section 5).
-      transport: how ``backend="numba"`` reaches the kernels: ``"zero-copy"``
+      transport: how ``backend="numba"`` reaches the kernels: ``"ffi"`` (XLA's
+        typed FFI calls a compiled handler; JAX on a GPU), ``"zero-copy"``
         (``buffer_callback`` on XLA's device buffers and stream; JAX on a GPU),
         ``"callback"`` (``pure_callback`` through host copies) or ``"auto"``
-        (zero-copy where available). Ignored by the jax backend.
+        (docs/contract.md section 5). Ignored by the jax backend.
 
     With ``routing_map_format=BITMAP_U8`` the kernels write the packed map
     directly and the backward reads it; probs and gradients are those of the

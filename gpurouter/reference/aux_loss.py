@@ -100,7 +100,7 @@ def fused_moe_aux_loss(
     topk: int,
     coeff: float,
     *,
-    total_num_tokens: int | None = None,
+    total_num_tokens: int | jax.typing.ArrayLike | None = None,
     num_experts: int | None = None,
     axis_name: str | tuple[str, ...] | None = None,
     token_mask: jax.typing.ArrayLike | None = None,
