@@ -186,9 +186,13 @@ class TopkVariants:
         self.return_indices = return_indices
 
 
+#: TE's QB histogram modes (its ``NVTEQBHistogramMode``): accepted for a drop-in call, the same counts either way
+QB_HISTOGRAM_MODES = ("two_kernel", "fused_atomic")
+
+
 def check_topk_variants(op: str, cfg, logits_shape, *, return_indices, group_score, compact,
                         indices_dtype, expert_bias, forced, qb_histogram, qb_bin_bounds,
-                        token_mask, axis_name, shards: int) -> TopkVariants:
+                        token_mask, axis_name, shards: int, qb_histogram_mode=None) -> TopkVariants:
     """Every variant argument of the router top-k, after ``check_topk_args``."""
     num_experts = logits_shape[-1]
     return_indices = check_flag(op, "return_indices", return_indices)
@@ -208,6 +212,15 @@ def check_topk_variants(op: str, cfg, logits_shape, *, return_indices, group_sco
             grouped=cfg.grouped, num_groups=cfg.num_groups, group_topk=cfg.group_topk,
             has_bias=expert_bias is not None, compute_aux_scores=cfg.compute_aux_scores,
             forced=forced, qb_histogram=qb_histogram, qb_bin_bounds=qb_bin_bounds)
+    if qb_histogram_mode is not None:
+        if not isinstance(qb_histogram_mode, str):
+            raise TypeError(f"{op}: qb_histogram_mode must be None or a str (one of {QB_HISTOGRAM_MODES}), "
+                            f"got {type(qb_histogram_mode).__name__}.")
+        if qb_histogram_mode not in QB_HISTOGRAM_MODES:
+            raise ValueError(f"{op}: qb_histogram_mode must be None or one of {QB_HISTOGRAM_MODES} (TE's "
+                             f"modes; the counts are the same in either), got {qb_histogram_mode!r}.")
+        if not qb:
+            raise ValueError(f"{op}: qb_histogram_mode needs qb_histogram and qb_bin_bounds.")
     if token_mask is not None:
         if not qb:
             raise ValueError(f"{op}: token_mask needs qb_histogram (the router routes every token; "

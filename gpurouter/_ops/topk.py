@@ -47,6 +47,7 @@ def fused_topk_with_score_function(
     indices_dtype="int32",
     qb_histogram: jax.typing.ArrayLike | None = None,
     qb_bin_bounds: jax.typing.ArrayLike | None = None,
+    qb_histogram_mode: str | None = None,
     token_mask: jax.typing.ArrayLike | None = None,
     axis_name: str | tuple[str, ...] | None = None,
     backend: str = "auto",
@@ -111,7 +112,8 @@ def fused_topk_with_score_function(
         TOPK_OP, cfg, jnp.shape(logits), return_indices=return_indices, group_score=group_score,
         compact=compact, indices_dtype=indices_dtype, expert_bias=expert_bias, forced=forced,
         qb_histogram=qb_histogram, qb_bin_bounds=qb_bin_bounds, token_mask=token_mask,
-        axis_name=axis_name, shards=axis_size(TOPK_OP, axis_name) if qb_histogram is not None else 1)
+        axis_name=axis_name, qb_histogram_mode=qb_histogram_mode,
+        shards=axis_size(TOPK_OP, axis_name) if qb_histogram is not None else 1)
     # the compact result is gathered at the indices: the route writes them
     return_indices = var.return_indices or var.compact
     check_transport(TOPK_OP, transport)  # validated whatever the backend

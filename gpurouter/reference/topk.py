@@ -120,6 +120,7 @@ def fused_topk_with_score_function(
     indices_dtype="int32",
     qb_histogram: jax.typing.ArrayLike | None = None,
     qb_bin_bounds: jax.typing.ArrayLike | None = None,
+    qb_histogram_mode: str | None = None,
     token_mask: jax.typing.ArrayLike | None = None,
     axis_name: str | tuple[str, ...] | None = None,
 ) -> tuple[jax.Array, ...]:
@@ -167,6 +168,10 @@ def fused_topk_with_score_function(
         an extra last result. Needs sigmoid (or sqrtsoftplus), an
         ``expert_bias`` and ``topk < E``.
       qb_bin_bounds: float ``[2]``, ``[lower, upper]`` of the histogram's bins.
+      qb_histogram_mode: ``None``, ``"two_kernel"`` or ``"fused_atomic"``: TE's
+        choice of histogram kernels, accepted (with QB only) so that a TE call
+        runs unchanged; the counts are integers, the same in either mode, and
+        gpurouter chooses its own passes.
       token_mask: with QB: bool, the tokens' shape (or flat ``[T]``); masked
         tokens are routed as usual but add no counts.
       axis_name: with QB, inside ``shard_map`` over data shards: this call's
@@ -224,7 +229,7 @@ def fused_topk_with_score_function(
         op, cfg, jnp.shape(logits), return_indices=return_indices, group_score=group_score,
         compact=compact, indices_dtype=indices_dtype, expert_bias=expert_bias,
         forced=forced_indices is not None, qb_histogram=qb_histogram, qb_bin_bounds=qb_bin_bounds,
-        token_mask=token_mask, axis_name=axis_name,
+        token_mask=token_mask, axis_name=axis_name, qb_histogram_mode=qb_histogram_mode,
         shards=axis_size(op, axis_name) if qb_histogram is not None else 1)
     logits = jnp.asarray(logits)
     shape = logits.shape

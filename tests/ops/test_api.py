@@ -31,8 +31,8 @@ def test_topk_signature_is_tes_plus_keyword_backend():
     te = ["logits", "topk", "use_pre_softmax", "num_groups", "group_topk", "scaling_factor",
           "score_function", "expert_bias", "compute_aux_scores", "routing_map_format"]
     params = _params(gr.fused_topk_with_score_function)
-    variants = ["group_score", "compact", "indices_dtype", "qb_histogram", "qb_bin_bounds", "token_mask",
-                "axis_name"]  # docs/contract.md sections 9-12
+    variants = ["group_score", "compact", "indices_dtype", "qb_histogram", "qb_bin_bounds", "qb_histogram_mode",
+                "token_mask", "axis_name"]  # docs/contract.md sections 9-12
     assert [p[0] for p in params] == te + ["return_indices", "forced_indices", *variants, "backend", "transport"]
     defaults = {p[0]: p[1] for p in params}
     assert defaults["use_pre_softmax"] is False

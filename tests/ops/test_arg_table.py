@@ -124,6 +124,8 @@ TABLE = [
          "indices_dtype": [("float", jnp.float32, TypeError), ("without indices", jnp.int16, ValueError)],
          "qb_histogram": [("without a bias", jnp.zeros((8, 5), jnp.int32), ValueError)],
          "qb_bin_bounds": [("without a histogram", jnp.asarray([-1.0, 1.0]), ValueError)],
+         "qb_histogram_mode": [("unknown", "atomic", ValueError), ("int", 1, TypeError),
+                               ("without QB", "two_kernel", ValueError)],
          "token_mask": [("without QB", jnp.ones((4,), bool), ValueError)],
          "axis_name": [("without QB", "nope", ValueError)],
          "backend": bad_choice(),

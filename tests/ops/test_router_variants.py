@@ -186,6 +186,23 @@ def test_qb_cutoff_tie_drops_the_higher_expert():
     assert np.asarray(hist).tolist() == [[0, 0, 1, 0], [0, 0, 1, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
 
 
+def test_qb_histogram_mode_is_accepted_and_changes_nothing():
+    """TE's ``qb_histogram_mode`` (a TE call runs unchanged): either mode gives the
+    results of no mode, bit for bit; a bad value, or the mode without QB, names it."""
+    x, b = _logits(6, 8, seed=3, scale=1.0), _bias(8)
+    hist0, bounds = np.zeros((8, 5), np.int32), np.array([-0.5, 0.5], np.float32)
+    want = _qb(x, b, 2, hist0, bounds)
+    for mode in ("two_kernel", "fused_atomic"):
+        got = _qb(x, b, 2, hist0, bounds, qb_histogram_mode=mode)
+        for g, w in zip(got, want, strict=True):
+            assert np.asarray(g).tobytes() == np.asarray(w).tobytes()
+    with pytest.raises(ValueError, match="qb_histogram_mode must be None or one of"):
+        _qb(x, b, 2, hist0, bounds, qb_histogram_mode="atomic")
+    with pytest.raises(ValueError, match="qb_histogram_mode needs qb_histogram"):
+        gr.fused_topk_with_score_function(x, 2, score_function="sigmoid", expert_bias=b,
+                                          qb_histogram_mode="two_kernel", backend="jax")
+
+
 def test_qb_bins_clamp_into_the_end_bins_and_nan_goes_to_bin_0():
     x = np.array([[10.0, -10.0, 0.0, np.nan]], np.float32)
     b = np.array([0.0, 0.0, 0.0, 0.0], np.float32)
