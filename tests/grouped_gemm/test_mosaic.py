@@ -42,8 +42,11 @@ def test_values_and_grads_off_the_kernels(dtype, tol):
     rhs = jnp.asarray(rng.normal(size=(G, K, M)) / np.sqrt(K), dtype)
     dy = jnp.asarray(rng.normal(size=(N, M)), dtype)
     sizes = jnp.asarray(SIZES, jnp.int32)
-    out, vjp = jax.vjp(lambda a, b: mosaic_ragged_dot(a, b, sizes), lhs, rhs)
-    got = (out, *vjp(dy))
+    # fp32 against a 1e-5 bound needs fp32 products: on a GPU XLA's default precision multiplies
+    # fp32 in TF32 (10-bit mantissas), so the fallback's dots run at "highest" here
+    with jax.default_matmul_precision("highest" if dtype == jnp.float32 else "default"):
+        out, vjp = jax.vjp(lambda a, b: mosaic_ragged_dot(a, b, sizes), lhs, rhs)
+        got = (out, *vjp(dy))
     for what, a, b in zip(("out", "d_lhs", "d_rhs"), got, _oracle(lhs, rhs, SIZES, dy), strict=True):
         assert a.dtype == dtype, what
         a = np.asarray(a, np.float64)
