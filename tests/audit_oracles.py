@@ -1,8 +1,13 @@
-"""The oracles of the #37 audit tests (``tests/ops/test_audit_*.py``): NumPy
-float64 (exact integers for the QB counts), written from the sources' semantics
-(TE #3395, the Kimi K3 report with Megatron #6637, DeepSeek-V3/V2, Megatron
-#3096, TE #3129), independent of :mod:`gpurouter.reference` and of
-``tests/variant_oracles.py``; and the backends the audit runs on."""
+"""The oracles of the #37 audit tests (``tests/ops/test_audit_*.py``), and the
+backends they run on.
+
+The tests are written from the semantics as TE #3395 (QB), the Kimi K3 report
+section 2.3.3 with Megatron #6637 (the bias update), DeepSeek-V3/V2 (the
+group-score rules), Megatron #3096 (padding masks) and TE #3129 (dense
+indices) state them, against these oracles: NumPy float64 (exact integers
+for the counts), independent of :mod:`gpurouter.reference` and of
+``tests/variant_oracles.py``. Where the contract settles something those
+sources leave open, the test follows the contract and says so."""
 
 from __future__ import annotations
 

@@ -27,16 +27,21 @@ def check_flag(op: str, name: str, value) -> bool:
     return bool(value)
 
 
+def check_str_choice(op: str, name: str, value, choices: tuple[str, ...]) -> str:
+    """``value``: one of the strings ``choices`` (TypeError for a non-str, ValueError for another str)."""
+    listed = ", ".join(map(repr, choices))
+    if not isinstance(value, str):
+        raise TypeError(f"{op}: {name} ({value!r}) must be a str ({listed}), got {type(value).__name__}.")
+    if value not in choices:
+        raise ValueError(f"{op}: {name} ({value!r}) must be one of {listed}.")
+    return value
+
+
 def check_group_score(op: str, group_score, grouped: bool, compute_aux_scores: bool,
                       num_experts: int, num_groups: int) -> str:
     """``group_score``: one of :data:`GROUP_SCORES`; a rule other than the
     default needs grouping on and the top-k mode (it would do nothing else)."""
-    if not isinstance(group_score, str):
-        raise TypeError(f"{op}: group_score ({group_score!r}) must be a str "
-                        f"({', '.join(map(repr, GROUP_SCORES))}), got {type(group_score).__name__}.")
-    if group_score not in GROUP_SCORES:
-        raise ValueError(f"{op}: group_score ({group_score!r}) must be one of "
-                         f"{', '.join(map(repr, GROUP_SCORES))}.")
+    check_str_choice(op, "group_score", group_score, GROUP_SCORES)
     if group_score == "sum_topk":
         return group_score
     if compute_aux_scores:
@@ -212,13 +217,8 @@ def check_topk_variants(op: str, cfg, logits_shape, *, return_indices, group_sco
             grouped=cfg.grouped, num_groups=cfg.num_groups, group_topk=cfg.group_topk,
             has_bias=expert_bias is not None, compute_aux_scores=cfg.compute_aux_scores,
             forced=forced, qb_histogram=qb_histogram, qb_bin_bounds=qb_bin_bounds)
-    if qb_histogram_mode is not None:
-        if not isinstance(qb_histogram_mode, str):
-            raise TypeError(f"{op}: qb_histogram_mode must be None or a str (one of {QB_HISTOGRAM_MODES}), "
-                            f"got {type(qb_histogram_mode).__name__}.")
-        if qb_histogram_mode not in QB_HISTOGRAM_MODES:
-            raise ValueError(f"{op}: qb_histogram_mode must be None or one of {QB_HISTOGRAM_MODES} (TE's "
-                             f"modes; the counts are the same in either), got {qb_histogram_mode!r}.")
+    if qb_histogram_mode is not None:  # (None, the default, or TE's modes: the same counts in either)
+        check_str_choice(op, "qb_histogram_mode", qb_histogram_mode, QB_HISTOGRAM_MODES)
         if not qb:
             raise ValueError(f"{op}: qb_histogram_mode needs qb_histogram and qb_bin_bounds.")
     if token_mask is not None:

@@ -2,13 +2,7 @@
 traced ``total_num_tokens`` (docs/contract.md section 10) through the
 public API, on ``backend="jax"`` and ``"numba"`` (the CUDA simulator in CI).
 
-Written from the semantics as TE #3395 (QB), the Kimi K3 report section
-2.3.3 with Megatron #6637 (the bias update), DeepSeek-V3/V2 (the group-score
-rules), Megatron #3096 (padding masks) and TE #3129 (dense indices) state
-them, against the oracles of ``tests/audit_oracles.py``: NumPy float64 (exact
-integers for the counts). Nothing here reuses the repo's oracles or tests.
-Where the contract settles something those sources leave open, the test
-follows the contract and says so.
+The sources, and where the tests follow the contract instead: ``tests/audit_oracles.py``.
 """
 
 from __future__ import annotations
