@@ -384,7 +384,11 @@ def moe_aux_loss_bwd_plan(tokens_per_expert: Spec, grad_loss: Spec, num_rows: in
     if num_cols % 4 == 0:  # a quad of columns per store
         grid, threads, cl = fill_tiling(num_rows, num_cols // 4, tiling)
         words = array_views(kind, (num_rows, num_cols))[0]
-        shared = staged_flag_bytes(num_rows, grid, threads // cl) if has_mask else 0  # the rows' staged flags
+        shared = 0
+        if has_mask:  # the rows' staged flags, at most mask_stage_bytes a block: more blocks where T needs it
+            while staged_flag_bytes(num_rows, grid, threads // cl) > max(tiling.mask_stage_bytes, threads // cl):
+                grid *= 2
+            shared = staged_flag_bytes(num_rows, grid, threads // cl)
         step = Step(aux_loss_bwd_quad_kernel(tokens_per_expert.kind, kind, *flag), grid, threads, shared,
                       (In(0, spec_of((1,), F32)), In(1), In(2, spec_of((1,), kind)),
                        Out(0, words), num_rows, num_cols, *mask, cl))

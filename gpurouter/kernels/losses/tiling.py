@@ -25,7 +25,9 @@ class AuxLossTiling:
     - ``mask_stage_bytes``: the masked forward stages a block's mask slice as bits in this many
       bytes of shared memory at most (``column_sums.staged_mask_bytes``: about rows / 8; 16384 bytes:
       blocks of up to ~131,000 rows, T up to ~33 million at 256 blocks); a larger block reads a
-      global mask byte per element instead (slower, the same bits)."""
+      global mask byte per element instead (slower, the same bits). The masked backward's fill
+      stages a byte a row it writes (``aux_loss_bwd.staged_flag_bytes``): where that is over this
+      many bytes (T over ~8.6 million at 528 blocks) its grid doubles until it is not."""
 
     column_threads: int = 512
     column_blocks: int = 256

@@ -74,5 +74,11 @@ def test_bwd_masked_rows_get_zero(C):
     assert plan.steps[0].kernel is factory(tpe_spec.kind, g_spec.kind, True)
     if C % 4 == 0:  # 4 row lanes of 32 quad lanes, 2 blocks: 5 staged flags a lane
         assert plan.steps[0].block == 128 and plan.steps[0].shared == B.staged_flag_bytes(37, 2, 4) == 20
+        # a block's flags over mask_stage_bytes: more blocks (8 here: 2 flags a lane), the same values
+        small = K.AuxLossTiling(fill_blocks=2, mask_stage_bytes=8)
+        step = K.moe_aux_loss_bwd_plan(tpe_spec, g_spec, 37, small, True).steps[0]
+        assert (step.grid, step.shared) == (8, B.staged_flag_bytes(37, 8, 4)) and step.shared <= 8
+        gp8 = K.moe_aux_loss_bwd(np.float32(0.25), tpe, np.float32(2.0), 37, token_mask=mask, tiling=small)
+        np.testing.assert_array_equal(gp8, gp)
     assert K.moe_aux_loss_bwd_plan(tpe_spec, g_spec, 37, tiling).steps[0].kernel is factory(tpe_spec.kind,
                                                                                             g_spec.kind)
