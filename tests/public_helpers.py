@@ -1,6 +1,6 @@
 """The backends, configs and inputs the public-op tests share (tests/ops/:
 test_public.py, test_losses.py, test_topk_indices.py, test_routing_map_format.py,
-test_edges.py): one home,
+test_edges.py, the token-mask tests): one home,
 so that no test file imports another."""
 
 from __future__ import annotations
@@ -62,3 +62,26 @@ def call(fn, x, cfg, **kw):
     if cfg.pop("bias", False):
         bias = jnp.linspace(0.3, -0.3, x.shape[-1], dtype=jnp.float32)
     return fn(x, topk, expert_bias=bias, **cfg, **kw)
+
+
+def masked_losses_under_axis_name(mesh, probs, tpe_local, logits, mask, **kw):
+    """``(aux loss, z-loss)`` of ``fused_moe_aux_loss`` / ``router_z_loss`` with
+    ``token_mask`` and ``axis_name="data"`` in a ``shard_map`` over ``mesh``: the
+    rows and the mask sharded, shard i taking ``tpe_local[i]``, each loss
+    psummed; ``kw`` (``backend=``, ...) goes to both ops."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import gpurouter as gr
+
+    def shard(q, c, z, m):
+        aux = gr.fused_moe_aux_loss(q, c[0], 2, 0.1, axis_name="data", token_mask=m, **kw)
+        zl = gr.router_z_loss(z, 0.01, axis_name="data", token_mask=m, **kw)
+        return jax.lax.psum(aux, "data"), jax.lax.psum(zl, "data")
+
+    rows = P("data", None)
+    sm = jax.shard_map(shard, mesh=mesh, in_specs=(rows, rows, rows, P("data")), out_specs=(P(), P()))
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(a, NamedSharding(mesh, s))
+                for a, s in ((probs, rows), (tpe_local, rows), (logits, rows), (mask, P("data")))]
+        return jax.jit(sm)(*args)

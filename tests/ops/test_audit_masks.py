@@ -16,8 +16,7 @@ from audit_oracles import (
     _order,
     _sig,
 )
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from public_helpers import masked_losses_under_axis_name
 
 import gpurouter as gr
 
@@ -173,17 +172,7 @@ def test_loss_masks_under_axis_name_use_the_global_valid_count():
     n_local = np.asarray(np.random.default_rng(8).integers(0, 5, (2, C)), np.int32)
     x = np.asarray(np.random.default_rng(9).normal(size=(R, C)), np.float32)
 
-    def shard(q, c, z, mk):
-        aux = gr.fused_moe_aux_loss(q, c[0], 2, 0.1, axis_name="data", token_mask=mk, backend="jax")
-        zl = gr.router_z_loss(z, 0.01, axis_name="data", token_mask=mk, backend="jax")
-        return jax.lax.psum(aux, "data"), jax.lax.psum(zl, "data")
-
-    sm = jax.shard_map(shard, mesh=mesh, in_specs=(P("data", None), P("data", None), P("data", None), P("data")),
-                       out_specs=(P(), P()))
-    with jax.set_mesh(mesh):
-        args = [jax.device_put(a, NamedSharding(mesh, sp)) for a, sp in (
-            (p, P("data", None)), (n_local, P("data", None)), (x, P("data", None)), (MASK, P("data")))]
-        aux, zl = jax.jit(sm)(*args)
+    aux, zl = masked_losses_under_axis_name(mesh, p, n_local, x, MASK, backend="jax")
     tv = MASK.sum()
     n = n_local.sum(0)
     np.testing.assert_allclose(float(aux), C * 0.1 / (2 * tv * tv) * (p[MASK].astype(np.float64).sum(0) * n).sum(),

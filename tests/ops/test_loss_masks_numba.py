@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from public_helpers import masked_losses_under_axis_name
 
 import gpurouter as gr
 from gpurouter import _backend
@@ -153,19 +154,11 @@ def test_mask_under_axis_name_and_sharding_uses_the_global_valid_count():
     p, x = (np.array(a) for a in _inputs(jnp.float32, seed=3))
     tpe_local = np.asarray(np.random.default_rng(3).integers(0, 5, (4, 8)), np.int32)
 
-    def shard(q, c, z, m):
-        aux = gr.fused_moe_aux_loss(q, c[0], 2, 0.1, axis_name="data", token_mask=m, backend="numba")
-        zl = gr.router_z_loss(z, 0.01, axis_name="data", token_mask=m, backend="numba")
-        return jax.lax.psum(aux, "data"), jax.lax.psum(zl, "data")
-
-    sm = jax.shard_map(shard, mesh=mesh, in_specs=(P("data", None), P("data", None), P("data", None), P("data")),
-                       out_specs=(P(), P()))
-    with jax.set_mesh(mesh):
-        args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in (
-            (p, P("data", None)), (tpe_local, P("data", None)), (x, P("data", None)), (MASK, P("data")))]
-        aux, zl = jax.jit(sm)(*args)
-        # explicit token sharding (no axis_name): the mask is sharded with the rows
-        sharded = jax.jit(lambda z, m: gr.router_z_loss(z, 0.01, token_mask=m, backend="numba"))(args[2], args[3])
+    aux, zl = masked_losses_under_axis_name(mesh, p, tpe_local, x, MASK, backend="numba")
+    with jax.set_mesh(mesh):  # explicit token sharding (no axis_name): the mask is sharded with the rows
+        xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+        ms = jax.device_put(MASK, NamedSharding(mesh, P("data")))
+        sharded = jax.jit(lambda z, m: gr.router_z_loss(z, 0.01, token_mask=m, backend="numba"))(xs, ms)
     want_aux, _ = oracles.aux_loss_fwd(p[MASK], tpe_local.sum(axis=0), 2, 0.1, total_num_tokens=int(MASK.sum()))
     np.testing.assert_allclose(float(aux), want_aux, rtol=1e-5)
     np.testing.assert_allclose(float(zl), oracles.z_loss(x[MASK], 0.01), rtol=1e-5)

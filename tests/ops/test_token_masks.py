@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from public_helpers import masked_losses_under_axis_name
 
 import gpurouter as gr
 from gpurouter import reference as ref
@@ -72,17 +71,7 @@ def test_mask_under_axis_name_uses_the_global_valid_count():
     tpe_local = np.asarray(np.random.default_rng(3).integers(0, 5, (4, 6)), np.int32)
     x = np.asarray(np.random.default_rng(4).normal(size=(8, 6)), np.float32)
 
-    def shard(q, c, z, m):
-        aux = gr.fused_moe_aux_loss(q, c[0], 2, 0.1, axis_name="data", token_mask=m)
-        zl = gr.router_z_loss(z, 0.01, axis_name="data", token_mask=m)
-        return jax.lax.psum(aux, "data"), jax.lax.psum(zl, "data")
-
-    sm = jax.shard_map(shard, mesh=mesh, in_specs=(P("data", None), P("data", None), P("data", None), P("data")),
-                       out_specs=(P(), P()))
-    with jax.set_mesh(mesh):
-        args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in (
-            (p, P("data", None)), (tpe_local, P("data", None)), (x, P("data", None)), (MASK, P("data")))]
-        aux, zl = jax.jit(sm)(*args)
+    aux, zl = masked_losses_under_axis_name(mesh, p, tpe_local, x, MASK)
     want_aux, _ = oracles.aux_loss_fwd(p[MASK], tpe_local.sum(axis=0), 2, 0.1, total_num_tokens=int(MASK.sum()))
     np.testing.assert_allclose(float(aux), want_aux, rtol=1e-5)
     np.testing.assert_allclose(float(zl), oracles.z_loss(x[MASK], 0.01), rtol=1e-5)
