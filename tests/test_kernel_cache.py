@@ -3,7 +3,9 @@ kernel_cache.py; docs/cache.md).
 
 CPU: the cache's logic with the compile step faked (the simulator compiles
 nothing): keys, bad entries, two real processes on one key, read-only and
-unusable folders, the size bound, GPUROUTER_CACHE=0, the CLI. GPU (marked
+unusable folders, the size bound, GPUROUTER_CACHE=0, the CLI, and one
+compile for concurrent processes (the key's lock: two real processes, gone,
+stale and live owners). GPU (marked
 ``gpu``): a fresh process with a warm cache loads every kernel from disk,
 compiles none, and gives the bits of a fresh compile.
 """
@@ -16,6 +18,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -204,6 +207,112 @@ def test_two_processes_write_one_key(tmp_path):
     final = disk_cache.DiskCache(tmp_path).load(key)
     assert final in (b"a" * 300_000, b"b" * 300_000)
     assert not list((tmp_path / disk_cache.SUBDIR).glob("*.tmp"))
+
+
+COMPILER = textwrap.dedent("""
+    import importlib.util, os, sys, time
+    spec = importlib.util.spec_from_file_location("dc", sys.argv[1])
+    dc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dc)
+    root, key, log, start = sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
+
+    def compile_fn():  # a slow compile, logged
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        time.sleep(1.0)
+        return b"cubin" * 1000
+
+    while time.time() < start:
+        pass
+    print(dc.DiskCache(root).get_or_compile(key, compile_fn) == b"cubin" * 1000)
+""")
+
+
+def test_two_processes_compile_a_missing_kernel_once(tmp_path):
+    """Two real processes miss one key at the same moment: one compiles (a
+    1 s fake compile), the other waits for its entry; both get it, and no
+    lock is left behind."""
+    key, log = key_of("once"), tmp_path / "compiles.log"
+    start = time.time() + 1.5
+    procs = [subprocess.Popen([sys.executable, "-c", COMPILER, str(DISK_CACHE_PY), str(tmp_path / "c"), key,
+                               str(log), str(start)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0 and out.strip() == "True", err
+    assert len(log.read_text().split()) == 1
+    assert not list((tmp_path / "c" / disk_cache.SUBDIR).glob("*.lock"))
+
+
+def write_lock(cache, key, pid, host, age=0.0):
+    lock = cache.lock_of(key)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.write_text(f"{pid} {host}")
+    if age:
+        then = time.time() - age
+        os.utime(lock, (then, then))
+    return lock
+
+
+def test_a_lock_of_a_gone_process_or_past_the_bound_is_taken_over(tmp_path, fresh_warnings):
+    cache, host = disk_cache.DiskCache(tmp_path), disk_cache.socket.gethostname()
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    cases = {"gone": (int(done.stdout), host, 0.0), "mine": (os.getpid(), host, 0.0),
+             "old, other host": (12345, "another-host", 100.0), "half-written": ("", "", 5.0)}
+    for name, (pid, where, age) in cases.items():
+        key = key_of(name)
+        write_lock(cache, key, pid, where, age)
+        t0 = time.monotonic()
+        assert cache.claim(key, wait=30.0) is True, name
+        assert time.monotonic() - t0 < 5.0, name
+        assert cache.lock_of(key).read_text().split()[0] == str(os.getpid())
+        cache.release(key)
+        assert not cache.lock_of(key).exists()
+
+
+def test_a_live_lock_is_waited_for_up_to_the_bound(tmp_path, fresh_warnings, monkeypatch):
+    """A lock of a live process on this host: the claim waits, then gives up
+    with one warning; the caller compiles, and the lock is left to its owner.
+    A fresh lock from another host (no pid to ask) is waited for as long, then
+    taken over (older than the bound: stale)."""
+    cache = disk_cache.DiskCache(tmp_path)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        monkeypatch.setenv("GPUROUTER_CACHE_WAIT_S", "0.3")
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            for name, owner, kept in (("live", (sleeper.pid, disk_cache.socket.gethostname()), True),
+                                      ("fresh, other host", (12345, "another-host"), False)):
+                key = key_of(name)
+                lock = write_lock(cache, key, *owner)
+                t0 = time.monotonic()
+                assert cache.get_or_compile(key, lambda: b"here") == b"here"
+                assert 0.3 <= time.monotonic() - t0 < 5.0
+                assert lock.exists() is kept, name
+        assert len(bad_warnings(record)) == 1 and "GPUROUTER_CACHE_WAIT_S" in str(record[0].message)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_the_wait_ends_when_the_entry_appears(tmp_path):
+    cache, key = disk_cache.DiskCache(tmp_path), key_of("appears")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        write_lock(cache, key, sleeper.pid, disk_cache.socket.gethostname())
+        cache.store(key, b"theirs")  # the other process's store; its lock not yet released
+        assert cache.claim(key, wait=30.0) is False
+        assert cache.get_or_compile(key, lambda: b"mine") == b"theirs"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_wait_bound_reads_the_environment(monkeypatch):
+    for text, want in (("", disk_cache.DEFAULT_WAIT_S), ("12.5", 12.5), ("0", 0.0), ("-1", disk_cache.DEFAULT_WAIT_S),
+                       ("soon", disk_cache.DEFAULT_WAIT_S)):
+        monkeypatch.setenv("GPUROUTER_CACHE_WAIT_S", text)
+        assert disk_cache.wait_bound() == want
 
 
 # ----------------------------------------------------------------------------
@@ -406,6 +515,26 @@ def test_resolve_compiles_once_then_loads(tmp_path, fresh_warnings):
         assert resolve(factory(5, True), disk_cache.DiskCache(tmp_path), gpu) == 1004
     assert len(bad_warnings(record)) == 1
     assert disk_cache.DiskCache(tmp_path).info()["entries"] == 2
+
+
+def test_resolve_waits_for_another_processes_compile(tmp_path):
+    """A live process holds the key's lock (it is compiling): resolve waits,
+    then loads that process's entry and compiles nothing."""
+    gpu, k, cache = FakeGpu(), factory(4, True), disk_cache.DiskCache(tmp_path)
+    key = kernel_cache.kernel_key(k, ARGS, (9, 0), 12080)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock = write_lock(cache, key, sleeper.pid, disk_cache.socket.gethostname())
+        other = threading.Timer(0.5, lambda: (cache.store(key, kernel_cache.pack_payload(
+            "_Z6kernelPf", b"CUBIN:theirs")), lock.unlink()))
+        other.start()
+        t0 = time.monotonic()
+        assert resolve(k, cache, gpu) == 2001
+        assert time.monotonic() - t0 >= 0.4 and (gpu.compiles, gpu.loads) == (0, 1)
+        other.join()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_resolve_with_the_cache_off_writes_nothing(tmp_path, monkeypatch):

@@ -24,7 +24,15 @@ Safety:
 - a folder that cannot be created or written (read-only) still works, with no
   caching of new entries (one warning a process at most); a readable one is
   still read;
-- eviction and ``clear`` ignore files that another process removed first.
+- eviction and ``clear`` ignore files that another process removed first;
+- one compile for concurrent processes: a process about to compile a
+  missing key first creates ``<key>.lock`` (``O_EXCL``, holding its pid and
+  host); another process that misses the same key meanwhile waits for the
+  entry instead of compiling it too (:meth:`DiskCache.claim`). A lock whose
+  process is gone (same host), one older than the wait bound, or one the
+  folder will not let us create is no reason to wait: the waiter compiles for
+  itself, as without the lock. ``GPUROUTER_CACHE_WAIT_S`` bounds a wait
+  (default :data:`DEFAULT_WAIT_S`; past it, one warning a process).
 
 The compile step is the caller's (``get_or_compile(key, compile_fn)``), so
 the logic runs (and is tested) without a GPU.
@@ -34,9 +42,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import struct
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -44,6 +54,12 @@ MAGIC = b"GPRKC\x00\x01\x00"
 #: the folder of the entries in the cache dir (a new layout gets a new folder)
 SUBDIR = "kernels-v1"
 SUFFIX = ".bin"
+#: a compile in progress (:meth:`DiskCache.claim`)
+LOCK_SUFFIX = ".lock"
+#: default bound (seconds) of a wait for another process's compile of one kernel
+DEFAULT_WAIT_S = 300.0
+#: how often a waiter looks for the entry (seconds)
+POLL_S = 0.05
 KEY_LEN = 64
 HEADER = struct.Struct(f"<8s{KEY_LEN}sQ32s")
 #: default size bound, MB (a compiled router kernel is 10-200 KB)
@@ -85,6 +101,25 @@ def max_bytes() -> int:
     except ValueError:
         mb = DEFAULT_MAX_MB
     return max(0, int(mb * 1024 * 1024))
+
+
+def wait_bound() -> float:
+    """``GPUROUTER_CACHE_WAIT_S`` (a bad or negative value: the default)."""
+    try:
+        wait = float(os.environ.get("GPUROUTER_CACHE_WAIT_S", "") or DEFAULT_WAIT_S)
+    except ValueError:
+        return DEFAULT_WAIT_S
+    return wait if wait >= 0 else DEFAULT_WAIT_S
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: alive
+    return True
 
 
 def pack(key: str, payload: bytes) -> bytes:
@@ -176,12 +211,91 @@ class DiskCache:
         self.evict()
         return True
 
+    def lock_of(self, key: str) -> Path:
+        return self.path_of(key).with_suffix(LOCK_SUFFIX)
+
+    def _stale(self, lock: Path, wait: float) -> bool:
+        """Whether ``lock`` is no compile in progress: its process is this one or
+        gone (same host), or it is older than ``wait`` (an unreadable or
+        half-written one too, after a second)."""
+        try:
+            text, age = lock.read_text(), time.time() - lock.stat().st_mtime
+        except OSError:
+            return False  # just released (the entry is there) or just taken
+        pid, _, host = text.partition(" ")
+        if pid.isdigit() and host.strip() == socket.gethostname():
+            return int(pid) == os.getpid() or not _alive(int(pid))
+        return age > (wait if pid.isdigit() else 1.0)
+
+    def claim(self, key: str, wait: float | None = None) -> bool:
+        """Before compiling a missing ``key``: True when this process now holds its
+        lock and the entry is still missing (compile, :meth:`store`, then
+        :meth:`release`); False when another
+        process held it and its entry is there now, or it held it longer than
+        ``wait`` seconds (default :func:`wait_bound`; warned once), or no lock
+        can be made here (read-only folder). On False, look the entry up again
+        and compile without the lock when it is still missing."""
+        wait = wait_bound() if wait is None else wait
+        lock, entry = self.lock_of(key), self.path_of(key)
+        deadline = time.monotonic() + wait
+        try:
+            if not self.writable:
+                return False
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return False  # no lock here (an unusable folder): compile as without one
+        while True:
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                if entry.exists():
+                    return False
+                if self._stale(lock, wait):
+                    try:
+                        lock.unlink()
+                    except OSError:
+                        pass
+                    continue
+                if time.monotonic() > deadline:
+                    warn_once("wait", f"waited {wait:.0f} s for another process's compile of "
+                              f"{key[:16]}... (its lock {lock}); compiling here instead "
+                              "(GPUROUTER_CACHE_WAIT_S sets the bound).")
+                    return False
+                time.sleep(POLL_S)
+                continue
+            except OSError:
+                return False  # no lock here (read-only): compile as without one
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{os.getpid()} {socket.gethostname()}")
+            if entry.exists():  # stored by a process that released its lock just now
+                self.release(key)
+                return False
+            return True
+
+    def release(self, key: str) -> None:
+        """Removes this process's lock of ``key`` (:meth:`claim`), if still its own."""
+        lock = self.lock_of(key)
+        try:
+            if lock.read_text().partition(" ")[0] == str(os.getpid()):
+                lock.unlink()
+        except OSError:
+            pass
+
     def get_or_compile(self, key: str, compile_fn) -> bytes:
-        """The payload for ``key``: from disk, else ``compile_fn()`` (bytes), stored."""
+        """The payload for ``key``: from disk, else ``compile_fn()`` (bytes),
+        stored; concurrent processes compile it once (:meth:`claim`)."""
         payload = self.load(key)
-        if payload is None:
-            payload = compile_fn()
-            self.store(key, payload)
+        if payload is not None:
+            return payload
+        held = self.claim(key)
+        try:
+            payload = None if held else self.load(key)
+            if payload is None:
+                payload = compile_fn()
+                self.store(key, payload)
+        finally:
+            if held:
+                self.release(key)
         return payload
 
     def entries(self) -> list[tuple[Path, int, float]]:
@@ -238,7 +352,7 @@ class DiskCache:
         except OSError:
             return 0
         for name in names:
-            if not (name.endswith(SUFFIX) or name.endswith(".tmp")):
+            if not name.endswith((SUFFIX, ".tmp", LOCK_SUFFIX)):
                 continue
             try:
                 os.unlink(self.folder / name)

@@ -357,16 +357,36 @@ def resolve(kernel, argtypes, ordinal: int, cache, *, compile_fn=None, load_fn=N
     wait = INFLIGHT.get(key)
     if wait is not None:  # a worker is compiling it (parallel.prefetch): its entry, then the load
         wait.wait()
-    payload = cache.load(key)
-    if payload is not None:
-        parsed = unpack_payload(payload)
-        handle = load_fn(*parsed, ordinal) if parsed is not None else 0
-        if handle:
-            STATS["loaded"] += 1
-            return handle
-        STATS["load_failed"] += 1
-        disk_cache.warn_once("bad", f"the entry {key[:16]}... did not load on GPU {ordinal}; "
-                             "compiling again and overwriting it.")
-    handle, entry, cubin = compile_fn(kernel, argtypes, ordinal)
-    cache.store(key, pack_payload(entry, cubin))
+    handle = _load_entry(cache, key, load_fn, ordinal)
+    if handle:
+        return handle
+    # a miss, or an entry the driver refused: compile, once for concurrent processes
+    held = handle is None and cache.claim(key)
+    try:
+        if handle is None and not held:  # another process held it: its entry now, or a compile here
+            handle = _load_entry(cache, key, load_fn, ordinal)
+            if handle:
+                return handle
+        handle, entry, cubin = compile_fn(kernel, argtypes, ordinal)
+        cache.store(key, pack_payload(entry, cubin))
+    finally:
+        if held:
+            cache.release(key)
     return handle
+
+
+def _load_entry(cache, key: str, load_fn, ordinal: int):
+    """The handle of ``key``'s disk entry; None when there is none (or a bad
+    one), 0 when the driver refused it (warned once)."""
+    payload = cache.load(key)
+    if payload is None:
+        return None
+    parsed = unpack_payload(payload)
+    handle = load_fn(*parsed, ordinal) if parsed is not None else 0
+    if handle:
+        STATS["loaded"] += 1
+        return handle
+    STATS["load_failed"] += 1
+    disk_cache.warn_once("bad", f"the entry {key[:16]}... did not load on GPU {ordinal}; "
+                         "compiling again and overwriting it.")
+    return 0

@@ -125,8 +125,16 @@ def _worker(rec, argtypes, ordinal, root, key, cc, driver, compile_fn):
     kernel = rebuild(rec)
     if kernel_cache.kernel_key(kernel, argtypes, cc, driver) != key:
         return False  # another kernel than the parent's: left to the parent
-    _, entry, cubin = (compile_fn or kernel_cache._compile)(kernel, argtypes, ordinal)
-    return disk_cache.DiskCache(root).store(key, kernel_cache.pack_payload(entry, cubin))
+    cache = disk_cache.DiskCache(root)
+    held = cache.claim(key)  # another process compiling it: its entry instead
+    try:
+        if not held and cache.path_of(key).exists():
+            return True
+        _, entry, cubin = (compile_fn or kernel_cache._compile)(kernel, argtypes, ordinal)
+        return cache.store(key, kernel_cache.pack_payload(entry, cubin))
+    finally:
+        if held:
+            cache.release(key)
 
 
 #: a worker's bootstrap: a lower CPU priority (``os.nice``: the process that
