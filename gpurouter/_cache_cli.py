@@ -43,4 +43,7 @@ def main(argv: list[str]) -> int:
           f"  dir      {info['dir']}\n"
           f"  entries  {info['entries']}\n"
           f"  size     {_human(info['bytes'])} of at most {_human(info['max_bytes'])}")
+    if info["compiling"]:
+        print(f"  locks    {info['compiling']} (compiles in progress, or left by a process that "
+              "ended; a waiting process takes over a lock whose process is gone)")
     return 0

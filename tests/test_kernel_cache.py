@@ -165,6 +165,8 @@ def test_clear_and_keys_are_checked(tmp_path):
     for i in range(3):
         cache.store(key_of(str(i)), b"x")
     (cache.folder / ".leftover.tmp").write_bytes(b"half")
+    cache.lock_of(key_of("4")).write_text("1 elsewhere")
+    assert cache.info()["compiling"] == 1
     assert cache.clear() == 3
     assert cache.info()["entries"] == 0 and not list(cache.folder.iterdir())
     with pytest.raises(ValueError, match="64 lowercase hex"):
@@ -569,7 +571,11 @@ def test_cli_info_and_clear(tmp_path, monkeypatch, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["entries"] == 2 and info["dir"] == str(tmp_path / disk_cache.SUBDIR)
     assert main(["cache", "info"]) == 0
-    assert "entries  2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "entries  2" in out and "locks" not in out
+    cache.lock_of(key_of("2")).write_text("1 elsewhere")
+    assert main(["cache", "info"]) == 0
+    assert "locks    1" in capsys.readouterr().out
     assert main(["cache", "clear"]) == 0
     assert "deleted 2 entries" in capsys.readouterr().out
     assert cache.info()["entries"] == 0

@@ -339,13 +339,18 @@ class DiskCache:
         return gone
 
     def info(self) -> dict:
-        """The folder, the entry count and bytes, the bound, and whether it is on."""
+        """The folder, the entry count and bytes, the bound, whether it is on, and
+        the compiles in progress (``compiling``: lock files, :meth:`claim`)."""
         items = self.entries()
+        try:
+            locks = sum(name.endswith(LOCK_SUFFIX) for name in os.listdir(self.folder))
+        except OSError:
+            locks = 0
         return {"dir": str(self.folder), "enabled": enabled(), "entries": len(items),
-                "bytes": sum(size for _, size, _ in items), "max_bytes": self.limit}
+                "bytes": sum(size for _, size, _ in items), "max_bytes": self.limit, "compiling": locks}
 
     def clear(self) -> int:
-        """Deletes every entry and leftover temporary file; returns the entries deleted."""
+        """Deletes every entry, leftover temporary file and lock; returns the entries deleted."""
         gone = 0
         try:
             names = os.listdir(self.folder)
