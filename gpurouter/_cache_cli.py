@@ -22,7 +22,8 @@ def main(argv: list[str]) -> int:
         prog="python -m gpurouter cache", usage=USAGE,
         description="The compiled kernels gpurouter keeps on disk: GPUROUTER_CACHE_DIR, else "
                     "$XDG_CACHE_HOME/gpurouter, else ~/.cache/gpurouter (GPUROUTER_CACHE=0: off; "
-                    "GPUROUTER_CACHE_MAX_MB: the size bound).")
+                    "GPUROUTER_CACHE_MAX_MB: the size bound; GPUROUTER_CACHE_WAIT_S: the longest wait for "
+                    "another process's compile of a kernel).")
     parser.add_argument("action", choices=["info", "clear"],
                         help="info: where the cache is, its entries and size; clear: delete every entry")
     parser.add_argument("--json", action="store_true", help="print info as one JSON object")
