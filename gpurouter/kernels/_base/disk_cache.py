@@ -230,11 +230,11 @@ class DiskCache:
     def claim(self, key: str, wait: float | None = None) -> bool:
         """Before compiling a missing ``key``: True when this process now holds its
         lock and the entry is still missing (compile, :meth:`store`, then
-        :meth:`release`); False when another
-        process held it and its entry is there now, or it held it longer than
-        ``wait`` seconds (default :func:`wait_bound`; warned once), or no lock
-        can be made here (read-only folder). On False, look the entry up again
-        and compile without the lock when it is still missing."""
+        :meth:`release`). False when another process held it and its entry is
+        there now, or it held it longer than ``wait`` seconds (default
+        :func:`wait_bound`; warned once), or no lock can be made here (a
+        read-only folder). On False, look the entry up again and compile
+        without the lock when it is still missing."""
         wait = wait_bound() if wait is None else wait
         lock, entry = self.lock_of(key), self.path_of(key)
         deadline = time.monotonic() + wait
