@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite on a GPU (kernels for real, NUMBA_ENABLE_CUDASIM=0),
-# in parallel groups of test files (16 groups at f480be6, when all
+# in parallel groups of test files (every file in one: tests/tools/test_gpu_suite.py; 16 groups at f480be6, when all
 # ran at once on one H200 in 410 s, the longest group 381 s: docs/testing.md): one GPU is
 # shared, and most of a group's time is compiling and tracing on the CPU
 # (nine larger groups timed out on one GPU). One log per group, then each
@@ -41,7 +41,7 @@ groups=(  # (a -k expression without spaces: a group is split on them)
   "tests/sharding/test_sharding.py tests/transport/test_partition.py tests/sharding/test_multi_gpu.py tests/test_parallel_compile.py tests/transport/test_ffi_cache.py"
   "tests/reference tests/ops/test_api.py tests/test_cli.py tests/test_docs.py tests/test_layering.py"
   "$k/losses/test_last_block.py tests/ops/test_edges.py $k/_base/test_device.py tests/ops/test_audit_groups_compact.py"
-  "tests/ops/test_arg_table.py tests/tools/test_probes.py tests/testing/test_package.py tests/testing/test_false_alarms.py tests/testing/test_token_ops_checks.py tests/ops/test_audit_masks.py"
+  "tests/ops/test_arg_table.py tests/tools/test_probes.py tests/tools/test_gpu_suite.py tests/testing/test_package.py tests/testing/test_false_alarms.py tests/testing/test_token_ops_checks.py tests/ops/test_audit_masks.py"
   "tests/ops/test_router_variants.py tests/ops/test_token_masks.py"
   "tests/ops/test_router_variants_numba.py tests/test_grouped_matmul_gpu.py tests/grouped_gemm/test_pallas.py tests/grouped_gemm/test_pallas_gpu.py"
   "tests/testing/test_dogfood.py tests/testing/test_mutants.py -m not(slow)"
