@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import time
 
 from .._cli import positive_int
 
@@ -37,6 +38,27 @@ def _resolve(parser: argparse.ArgumentParser, target: str):
     if not callable(obj):
         parser.error(f"target {target!r} is a {type(obj).__name__}, not a callable")
     return obj
+
+
+def _progress_line(examples: int, out=None):
+    """A listener (``checks.listening``) drawing ``property i/n 'name' example
+    j/examples elapsed`` on stderr: one line redrawn on a terminal, else one
+    line per property and every 10th example."""
+    out = sys.stderr if out is None else out
+    tty = bool(getattr(out, "isatty", lambda: False)())
+    start = time.perf_counter()
+
+    def draw(op, index, total, name, done):
+        line = (f"{op}: property {index + 1}/{total} {name!r}, example {done}/{examples}, "
+                f"{time.perf_counter() - start:.0f} s")
+        if tty:
+            out.write("\r" + line[:110].ljust(110))
+            if index + 1 == total and done >= examples:
+                out.write("\n")
+        elif done == 0 or done % 10 == 0:
+            out.write(line + "\n")
+        out.flush()
+    return draw
 
 
 def main(argv: list[str]) -> int:
@@ -84,7 +106,8 @@ def main(argv: list[str]) -> int:
              "token-dispatch": checks.check_token_dispatch, "token-combine": checks.check_token_combine}[args.op]
     print(f"checking {args.target} (--op {args.op}), {examples} examples per property", flush=True)
     try:
-        report = check(fn, *extra, **kw)
+        with checks.listening(_progress_line(examples)):
+            report = check(fn, *extra, **kw)
     except checks.CheckFailure as failure:
         print(failure.report.table())
         print()

@@ -46,6 +46,24 @@ def test_cli_checks_the_reference_and_prints_the_table():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "value and dtype" in r.stdout and "total" in r.stdout and "passed" in r.stdout
+    # the progress on stderr (not a terminal here: one line a property start and every 10th example)
+    assert "check_router_z_loss: property 1/" in r.stderr and "example 0/2" in r.stderr
+
+
+def test_listening_hears_every_property_and_example():
+    from gpurouter import reference
+    from gpurouter.testing import checks
+
+    events = []
+    with checks.listening(lambda *e: events.append(e)):
+        report = checks.check_router_z_loss(reference.router_z_loss, max_examples=3, seed=0)
+    ran = [p for p in report.properties if p.status == "passed"]
+    starts = [e for e in events if e[4] == 0]
+    assert [e[3] for e in starts] == [p.name for p in report.properties]
+    assert {e[2] for e in events} == {len(report.properties)}
+    for p in ran:  # each example heard, counting up to what the report says ran
+        assert [e[4] for e in events if e[3] == p.name and e[4]] == list(range(1, p.examples + 1))
+    assert not checks._report._LISTENERS  # the block took its listener away
 
 
 def test_cli_token_combine_needs_its_dispatch():
@@ -61,3 +79,21 @@ def test_cli_checks_the_reference_token_combine():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "check_token_combine" in r.stdout and "passed" in r.stdout
+
+
+def test_progress_line_redraws_one_line_on_a_terminal():
+    import io
+
+    from gpurouter.testing._cli import _progress_line
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Tty()
+    draw = _progress_line(2, out)
+    for event in (("op", 0, 2, "a", 0), ("op", 0, 2, "a", 1), ("op", 1, 2, "b", 0), ("op", 1, 2, "b", 2)):
+        draw(*event)
+    text = out.getvalue()
+    assert text.count("\r") == 4 and text.endswith("\n") and text.count("\n") == 1
+    assert "property 2/2 'b', example 2/2" in text

@@ -17,12 +17,15 @@ tolerances (:mod:`gpurouter.testing.tolerances`):
 reproducible; without it the hypothesis settings of the current profile decide
 (derandomised under the ``ci`` profile of :mod:`gpurouter.testing.profiles`).
 ``properties`` (keyword-only, optional) runs only the named properties.
+``with listening(fn):`` calls ``fn(op, index, total, property, examples)`` as
+each property starts and after each example (a long run's progress).
 """
 
 
 from ._report import CheckFailure as CheckFailure
 from ._report import CheckReport as CheckReport
 from ._report import PropertyResult as PropertyResult
+from ._report import listening as listening
 from .aux_loss import check_aux_loss as check_aux_loss
 from .aux_scores import check_aux_scores as check_aux_scores
 from .token_ops import check_token_combine as check_token_combine
@@ -40,4 +43,5 @@ __all__ = [
     "check_token_combine",
     "check_token_dispatch",
     "check_topk",
+    "listening",
 ]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import hypothesis
@@ -87,10 +88,34 @@ def _settings(max_examples: int, seed, shrink: bool = True) -> settings:
     return settings(settings.default, **kw)
 
 
-def _counted(body, count):
+#: who hears each property's progress (:func:`listening`)
+_LISTENERS: list = []
+
+
+@contextlib.contextmanager
+def listening(fn: Callable[[str, int, int, str, int], None]) -> Iterator[None]:
+    """Within the block, every check calls ``fn(op, index, total, property,
+    examples)`` when a property starts (``examples`` 0) and after each of its
+    examples (hypothesis's shrinking included): what ``python -m gpurouter
+    check`` draws as its progress line."""
+    _LISTENERS.append(fn)
+    try:
+        yield
+    finally:
+        _LISTENERS.remove(fn)
+
+
+def _tell(*event) -> None:
+    for fn in tuple(_LISTENERS):
+        fn(*event)
+
+
+def _counted(body, count, where=None):
     def prop(data):
         body(data)
         count[0] += 1
+        if where is not None:
+            _tell(*where, count[0])
     return prop
 
 
@@ -104,16 +129,19 @@ def _run(op: str, props: list[tuple[str, Callable]], only, max_examples: int, se
     if not isinstance(max_examples, int) or isinstance(max_examples, bool) or max_examples < 1:
         raise ValueError(f"{op}: max_examples ({max_examples!r}) must be an int >= 1")
     report = CheckReport(op)
+    chosen = [n for n in names if only is None or n in only]
     for name, make in props:
         if only is not None and name not in only:
             continue
+        where = (op, chosen.index(name), len(chosen), name)
+        _tell(*where, 0)
         try:
             body = make()
         except _Skip as why:
             report.properties.append(PropertyResult(name, "skipped", detail=str(why)))
             continue
         count = [0]
-        test = _settings(max_examples, seed, shrink)(given(st.data())(_counted(body, count)))
+        test = _settings(max_examples, seed, shrink)(given(st.data())(_counted(body, count, where)))
         if seed is not None:
             test = hypothesis.seed(seed)(test)
         result = PropertyResult(name, "passed")
