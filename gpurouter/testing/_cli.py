@@ -69,7 +69,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("target", help="MODULE:FUNCTION, the function to check (importable from here)")
     parser.add_argument("--op", required=True, choices=OPS,
                         help="which contract fn keeps: topk (fused_topk_with_score_function), aux-scores "
-                             "(compute_aux_scores=True), aux-loss (fused_moe_aux_loss), z-loss (router_z_loss), "
+                             "(fn(logits, topk, score_function), or TE's op itself, called with "
+                             "compute_aux_scores=True), aux-loss (fused_moe_aux_loss), z-loss (router_z_loss), "
                              "token-dispatch / token-combine (TE's permutation.token_dispatch / token_combine)")
     parser.add_argument("--dispatch", default=None,
                         help="MODULE:FUNCTION, the dispatch whose row_id_map the combine reads (token-combine only)")

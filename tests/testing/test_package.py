@@ -97,3 +97,19 @@ def test_progress_line_redraws_one_line_on_a_terminal():
     text = out.getvalue()
     assert text.count("\r") == 4 and text.endswith("\n") and text.count("\n") == 1
     assert "property 2/2 'b', example 2/2" in text
+
+
+def test_check_aux_scores_takes_te_s_router_op_as_it_is():
+    """A function with a ``compute_aux_scores`` keyword (TE's op, gpurouter's)
+    is called as the aux scores; before, its third positional argument
+    (``use_pre_softmax``) got the score function, a TypeError at once."""
+    import gpurouter
+    from gpurouter.testing import checks
+
+    report = checks.check_aux_scores(gpurouter.fused_topk_with_score_function, max_examples=2, seed=0,
+                                     dtypes=("float32",), properties=("values (tie-free)",))
+    assert report.passed and report.examples == 2
+    r = subprocess.run([sys.executable, "-m", "gpurouter", "check", "gpurouter:fused_topk_with_score_function",
+                        "--op", "aux-scores", "--examples", "1", "--seed", "0", "--dtypes", "float32",
+                        "--no-grads"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 
 import jax
@@ -65,6 +67,25 @@ def _aux_forward_check(fn, cfg, x) -> None:
         raise _Violation(f"{ctx}\n{msg}")
 
 
+def _as_aux_scores(fn):
+    """``fn`` as ``fn(logits, topk, score_function)``: TE's router op (a
+    function with a ``compute_aux_scores`` keyword, such as
+    ``transformer_engine.jax.router.fused_topk_with_score_function`` or
+    gpurouter's) called with ``score_function=`` and ``compute_aux_scores=True``;
+    any other function as it is."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): as it is
+        return fn
+    if "compute_aux_scores" not in params:
+        return fn
+
+    @functools.wraps(fn)
+    def aux_scores(logits, topk, score_function):
+        return fn(logits, topk, score_function=score_function, compute_aux_scores=True)
+    return aux_scores
+
+
 def check_aux_scores(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
                      score_functions: Sequence[str] = SCORE_FUNCTIONS, grads: bool = True, seed=None,
                      properties: Sequence[str] | None = None) -> CheckReport:
@@ -73,12 +94,15 @@ def check_aux_scores(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTY
     ``fn(logits, topk, score_function)`` must return ``(scores, routing_map)``:
     float32 scores over all E (softmax, or sigmoid/sqrtsoftplus normalised over
     all E with ``+1e-20``; no bias, groups or scaling) and the bool top-K map of
-    the scores, both of the shape of ``logits``.
+    the scores, both of the shape of ``logits``. TE's router op itself (a
+    function with a ``compute_aux_scores`` keyword) is called as
+    ``fn(logits, topk, score_function=..., compute_aux_scores=True)``.
 
     Properties (``max_examples`` each): values and maps on tie-free inputs; the
     tie rule; ``-inf``/NaN masking; gradients against the oracle (``grads``);
     ``jit``, ``vmap``, ``grad`` under ``jit``, leading dims and T = 0.
     """
+    fn = _as_aux_scores(fn)
     dtypes, sfs = tuple(dtypes), tuple(score_functions)
     if any(d not in DTYPES for d in dtypes) or any(s not in SCORE_FUNCTIONS for s in sfs) or not dtypes or not sfs:
         raise ValueError(f"check_aux_scores: dtypes must be among {DTYPES} and score_functions among "
