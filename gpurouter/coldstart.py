@@ -6,9 +6,12 @@ scores and the aux loss; bf16 logits, ``--tokens`` tokens), then again:
 
 - ``jax``: ``backend="jax"``, the baseline;
 - ``numba cold``: ``backend="numba"`` with an empty kernel cache (a new
-  temporary ``GPUROUTER_CACHE_DIR``): every kernel compiled;
+  temporary ``GPUROUTER_CACHE_DIR``): every kernel linked from the package's
+  seed (``seeded``: ``kernels/_base/seeds.py``) or compiled;
 - ``numba warm``: the same again in a new process over the cache the cold
-  run filled: every kernel loaded from disk.
+  run filled: every kernel loaded from disk;
+- ``numba bare``: an empty cache without the seeds (``GPUROUTER_SEEDS=0``):
+  every kernel compiled, as on a GPU or toolchain no seed was made for.
 
 Each numba row also gives the first call for a new token count in the same
 process (``--tokens // 2 + 8``: a new shape of a family already used), and
@@ -41,8 +44,11 @@ from ._cli import comma_list, positive_int
 USAGE = "python -m gpurouter coldstart [--presets P,...|all] [--tokens N] [--backends jax,numba] [--json F]"
 
 
-def _child(preset: str, backend: str, tokens: int) -> dict:
-    """The measurement inside the fresh process."""
+def router_step(preset: str, backend: str, dtype="bfloat16"):
+    """``(step, logits)``: the measured step of ``preset`` (a ``jax.jit`` of
+    ``value_and_grad`` over the top-k forward with the preset's bias, the aux
+    scores and the aux loss) and ``logits(t)``, its input for ``t`` tokens
+    in ``dtype``. ``cache make-seeds`` runs the same step."""
     import jax
     import jax.numpy as jnp
 
@@ -61,11 +67,17 @@ def _child(preset: str, backend: str, tokens: int) -> dict:
         aux = gr.fused_moe_aux_loss(scores, counts, p.topk, p.aux_loss_coeff, backend=backend)
         return jnp.sum(probs.astype(jnp.float32)) + aux
 
-    step = jax.jit(jax.value_and_grad(loss))
-
     def logits(t):
-        return jax.random.normal(jax.random.PRNGKey(0), (t, p.num_experts), jnp.float32).astype(jnp.bfloat16)
+        return jax.random.normal(jax.random.PRNGKey(0), (t, p.num_experts), jnp.float32).astype(dtype)
 
+    return jax.jit(jax.value_and_grad(loss)), logits
+
+
+def _child(preset: str, backend: str, tokens: int) -> dict:
+    """The measurement inside the fresh process."""
+    import jax
+
+    step, logits = router_step(preset, backend)
     x = jax.block_until_ready(logits(tokens))
     out = {"preset": preset, "backend": backend, "tokens": tokens}
     stats = None
@@ -81,6 +93,7 @@ def _child(preset: str, backend: str, tokens: int) -> dict:
     out["second_ms"] = (time.perf_counter() - t0) * 1e3
     if stats is not None:
         out["compiled"], out["loaded"], out["uncacheable"] = stats["compiled"], stats["loaded"], stats["uncacheable"]
+        out["seeded"] = stats["seeded"]
         from gpurouter._transport import ffi_cache
         from gpurouter.kernels._base import parallel
 
@@ -98,8 +111,11 @@ def _child(preset: str, backend: str, tokens: int) -> dict:
     return out
 
 
-def _run_child(preset: str, backend: str, tokens: int, cache_dir: str | None, timeout: float) -> dict:
+def _run_child(preset: str, backend: str, tokens: int, cache_dir: str | None, timeout: float,
+               seeds: bool = True) -> dict:
     env = dict(os.environ)
+    if not seeds:
+        env["GPUROUTER_SEEDS"] = "0"
     if cache_dir is not None:
         env["GPUROUTER_CACHE_DIR"] = cache_dir
         env.pop("GPUROUTER_CACHE", None)
@@ -161,13 +177,13 @@ def main(argv: list[str]) -> int:
             if "jax" in args.backends:
                 rows.append({**_run_child(preset, "jax", args.tokens, None, args.timeout), "cache": "-"})
             if "numba" in args.backends:
-                folder = os.path.join(tmp, preset)
-                for cache in ("cold", "warm"):
-                    row = _run_child(preset, "numba", args.tokens, folder, args.timeout)
+                for cache in ("cold", "warm", "bare"):
+                    folder = os.path.join(tmp, preset + ("-bare" if cache == "bare" else ""))
+                    row = _run_child(preset, "numba", args.tokens, folder, args.timeout, seeds=cache != "bare")
                     rows.append({**row, "cache": cache})
                     print(_line(rows[-1]), file=sys.stderr, flush=True)
     header = (f"{'preset':<18}{'backend':<8}{'cache':<6}{'first s':>9}{'handler':>8}{'second ms':>11}"
-              f"{'compiled':>9}{'loaded':>7}{'workers':>8}{'by wk':>6}{'bg':>4}"
+              f"{'compiled':>9}{'seeded':>7}{'loaded':>7}{'workers':>8}{'by wk':>6}{'bg':>4}"
               f"{'new T s':>9}{'new T compiled':>15}{'process s':>10}")
     print(f"coldstart: {args.tokens} tokens, bf16 logits, jit(value_and_grad) of topk + aux scores + aux loss")
     print(header)
@@ -186,7 +202,8 @@ def _line(r: dict) -> str:
 
     return (f"{r['preset']:<18}{r['backend']:<8}{r.get('cache', '-'):<6}{r['first_s']:>9.2f}"
             f"{r.get('handler', '-'):>8}{r['second_ms']:>11.3f}{opt('compiled', 'd'):>9}"
-            f"{opt('loaded', 'd'):>7}{opt('workers', 'd'):>8}{opt('by_workers', 'd'):>6}{opt('prefetched', 'd'):>4}"
+            f"{opt('seeded', 'd'):>7}{opt('loaded', 'd'):>7}{opt('workers', 'd'):>8}{opt('by_workers', 'd'):>6}"
+            f"{opt('prefetched', 'd'):>4}"
             f"{opt('new_shape_s', '.3f'):>9}{opt('new_shape_compiled', 'd'):>15}"
             f"{r['process_s']:>10.1f}")
 

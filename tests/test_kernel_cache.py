@@ -27,7 +27,7 @@ import pytest
 
 pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from gpurouter.kernels._base import disk_cache, kernel_cache  # noqa: E402
+from gpurouter.kernels._base import disk_cache, kernel_cache, keys  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DISK_CACHE_PY = ROOT / "gpurouter" / "kernels" / "_base" / "disk_cache.py"
@@ -361,10 +361,10 @@ def test_key_is_stable_and_changes_with_every_component(monkeypatch):
         "compute capability": key(cc=(8, 0)),
         "driver": key(driver=12090),
     }
-    monkeypatch.setattr(kernel_cache, "source_digest", lambda: "0" * 64)
+    monkeypatch.setattr(keys, "source_digest", lambda: "0" * 64)
     variants["kernel sources"] = key()
     monkeypatch.undo()
-    monkeypatch.setattr(kernel_cache, "toolchain", lambda: "numba=9.9")
+    monkeypatch.setattr(keys, "toolchain", lambda: "numba=9.9")
     variants["numba / numba-cuda / gpurouter versions"] = key()
     monkeypatch.undo()
     assert key() == base
@@ -631,9 +631,13 @@ GPU_CHILD = textwrap.dedent("""
 
 
 def run_gpu_child(tmp_path, **env_extra):
+    """The child in a fresh process over the cache folder ``tmp_path``; the
+    package's seeds off unless ``GPUROUTER_SEEDS`` is given (its kernels are
+    DeepSeek-V3's, which have seeds: with them an empty cache compiles less)."""
     env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_ENABLE_CUDASIM", "GPUROUTER_CACHE")}
     env.update(PYTHONPATH=str(ROOT), GPUROUTER_CACHE_DIR=str(tmp_path), XLA_PYTHON_CLIENT_PREALLOCATE="false",
-               **env_extra)
+               GPUROUTER_SEEDS="0")
+    env.update(env_extra)
     proc = subprocess.run([sys.executable, "-c", GPU_CHILD], env=env, capture_output=True, text=True,
                           timeout=540, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -651,6 +655,27 @@ def test_warm_cache_loads_from_disk_with_the_bits_of_a_fresh_compile(tmp_path):
     off = run_gpu_child(tmp_path, GPUROUTER_CACHE="0")
     assert off["stats"]["loaded"] == 0 and off["stats"]["compiled"] > 0, off
     assert cold["digest"] == warm["digest"] == off["digest"]
+
+
+@pytest.mark.gpu
+def test_an_empty_cache_links_the_shipped_seeds_with_the_bits_of_a_compile(tmp_path):
+    """The child's top-k kernels are DeepSeek-V3's, whose PTX the package ships
+    (kernels/_base/seeds.py): with an empty cache they are linked from their
+    seeds, not compiled, and give the same bits as numba's compile; the next
+    process loads them from disk."""
+    from gpurouter.kernels._base import seeds
+
+    why = seeds.status()["unusable"]
+    if why:
+        pytest.skip(f"the package's seeds are not usable here: {why}")
+    one = {"GPUROUTER_COMPILE_WORKERS": "0"}  # every compile counted in the child
+    bare = run_gpu_child(tmp_path / "bare", **one)
+    seeded = run_gpu_child(tmp_path / "seeded", GPUROUTER_SEEDS="1", **one)
+    assert seeded["stats"]["seeded"] > 0, seeded
+    assert seeded["stats"]["compiled"] + seeded["stats"]["seeded"] == bare["stats"]["compiled"], (seeded, bare)
+    assert seeded["digest"] == bare["digest"]
+    warm = run_gpu_child(tmp_path / "seeded", GPUROUTER_SEEDS="1", **one)
+    assert warm["stats"]["compiled"] == warm["stats"]["seeded"] == 0 and warm["digest"] == bare["digest"], warm
 
 
 # ----------------------------------------------------------------------------

@@ -44,7 +44,7 @@ import subprocess
 import sys
 import threading
 
-from . import disk_cache, kernel_cache
+from . import disk_cache, kernel_cache, seeds
 
 #: what :func:`precompile` did in this process: kernels ``submitted`` to
 #: workers, ``stored`` by them, ``failed``; ``workers``: the last pool's size
@@ -191,7 +191,8 @@ def _serve() -> None:
 def pending(requests, ordinal, cache, *, cc=None, driver=None) -> list:
     """``(recipe, argtypes, key)`` of every request ``(kernel, argtypes)`` that a
     worker could compile: not in the process's memo, with a recipe and a key,
-    not on disk and not being compiled by a background worker (each key once)."""
+    not on disk, without a shipped seed (``seeds``) and not being compiled by a
+    background worker (each key once)."""
     out, seen = [], set()
     for kernel, argtypes in requests:
         argtypes = tuple(argtypes)
@@ -206,6 +207,8 @@ def pending(requests, ordinal, cache, *, cc=None, driver=None) -> list:
             driver = kernel_cache.driver_version()
         key = kernel_cache.kernel_key(kernel, argtypes, cc, driver)
         if key is None or key in seen or key in kernel_cache.INFLIGHT or cache.path_of(key).exists():
+            continue
+        if seeds.has(kernel, argtypes, cc):  # linked from its seed in the process: no compile to spread
             continue
         seen.add(key)
         out.append((rec, argtypes, key))

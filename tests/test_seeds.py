@@ -1,0 +1,242 @@
+"""The package's seeds (gpurouter/kernels/_base/seeds.py): the presets' kernels
+as PTX, linked by the driver on a miss of an empty cache. On the CPU: the
+seed key, the seed file, the lookup with the GPU steps faked, the workers
+skipping seeded kernels, and the shipped seeds being those of today's kernel
+sources. The real link runs on the GPU
+(tests/test_kernel_cache.py::test_an_empty_cache_links_the_shipped_seeds_with_the_bits_of_a_compile)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+from test_kernel_cache import ARGS, factory  # noqa: E402
+
+from gpurouter.kernels._base import disk_cache, kernel_cache, keys, parallel, seeds  # noqa: E402
+
+PTX = ".version 8.5\n.target sm_90\n.address_size 64\n// a kernel\n"
+
+
+def seed_key(kernel=None, args=ARGS, cc=(9, 0)):
+    return keys.seed_key(kernel or factory(4, True), args, cc)
+
+
+def test_seed_key_holds_the_kernel_and_numba_but_not_the_driver_or_cuda_packages(monkeypatch):
+    base = seed_key()
+    assert base == seed_key() and len(base) == 64
+    assert base != keys.kernel_key(factory(4, True), ARGS, (9, 0), 12080)
+    variants = {"factory int": seed_key(factory(5, True)), "argument types": seed_key(args=("int32",)),
+                "ptx target": seed_key(cc=(10, 0))}
+    monkeypatch.setattr(keys, "source_digest", lambda: "0" * 64)
+    variants["kernel sources"] = seed_key()
+    monkeypatch.undo()
+    monkeypatch.setattr(keys, "seed_toolchain", lambda: "numba=9.9")
+    variants["numba's version"] = seed_key()
+    monkeypatch.undo()
+    assert len(set(variants.values())) == len(variants) and base not in variants.values(), variants
+    monkeypatch.setattr(keys, "toolchain", lambda: "nvidia-nvvm=99")  # NVVM, the runtime, paths: not in it
+    assert seed_key() == base
+    assert "numba=" in keys.seed_toolchain() and "nvvm" not in keys.seed_toolchain()
+
+
+def test_the_cache_modules_are_out_of_the_source_digest(tmp_path):
+    """An edit of the cache's own lookup code keeps every key (and the seeds)."""
+    root = keys.Path(keys.__file__).resolve().parents[1]
+    for name in keys.CACHE_MODULES:
+        assert (root / name).is_file(), name
+    assert "_base/plan.py" not in keys.CACHE_MODULES  # launch code stays in: coarse, never stale
+
+
+def test_seed_file_round_trips_and_rejects_garbage():
+    data = seeds.pack("_Z6kernel", PTX, 64)
+    assert seeds.unpack(data) == ("_Z6kernel", PTX.encode(), 64)
+    assert seeds.unpack(seeds.pack("e", PTX, None))[2] is None
+    for bad in (b"", b"GRS1", data[:20], b"XXXX" + data[4:], data[:-5], seeds._MAGIC + b"\x02\x00\x00\x00{}"):
+        assert seeds.unpack(bad) is None, bad
+
+
+@pytest.fixture
+def seed_dir(tmp_path, monkeypatch):
+    """A folder with the seed of ``factory(4, True)`` for cc 9.0; seeds on."""
+    folder = tmp_path / "seeds"
+    folder.mkdir()
+    (folder / f"{seed_key()}.seed").write_bytes(seeds.pack("entry_k", PTX, None))
+    monkeypatch.delenv("GPUROUTER_SEEDS", raising=False)
+    seeds.index.cache_clear()
+    yield folder
+    seeds.index.cache_clear()
+
+
+def test_cubin_of_links_a_seed_and_none_without_one(seed_dir, monkeypatch):
+    linked = []
+
+    def link(ptx, regs, ordinal):
+        linked.append((ptx, regs, ordinal))
+        return b"CUBIN"
+
+    before = dict(seeds.STATS)
+    got = seeds.cubin_of(factory(4, True), ARGS, (9, 0), 1, folder=seed_dir, link_fn=link)
+    assert got == ("entry_k", b"CUBIN") and linked == [(PTX.encode(), None, 1)]
+    assert seeds.STATS["linked"] == before["linked"] + 1
+    assert seeds.cubin_of(factory(5, True), ARGS, (9, 0), 0, folder=seed_dir, link_fn=link) is None
+    assert seeds.cubin_of(factory(4, True), ARGS, (8, 0), 0, folder=seed_dir, link_fn=link) is None
+    assert seeds.cubin_of(factory(4, True), ARGS, (9, 0), 0, folder=seed_dir, link_fn=lambda *a: None) is None
+    assert seeds.STATS["refused"] == before["refused"] + 1
+    assert seeds.has(factory(4, True), ARGS, (9, 0), seed_dir)
+    monkeypatch.setenv("GPUROUTER_SEEDS", "0")
+    assert seeds.cubin_of(factory(4, True), ARGS, (9, 0), 0, folder=seed_dir, link_fn=link) is None
+    assert not seeds.has(factory(4, True), ARGS, (9, 0), seed_dir)
+
+
+def test_a_corrupt_seed_is_refused_and_compiled(seed_dir):
+    (seed_dir / f"{seed_key()}.seed").write_bytes(b"GRS1 not a seed")
+    assert seeds.cubin_of(factory(4, True), ARGS, (9, 0), 0, folder=seed_dir, link_fn=lambda *a: b"C") is None
+
+
+def fake_compile(kernel, argtypes, ordinal):
+    fake_compile.calls += 1
+    return 7, "entry_c", b"COMPILED"
+
+
+def test_resolve_links_the_seed_stores_it_and_loads_it_next_time(tmp_path):
+    cache = disk_cache.DiskCache(tmp_path / "cache")
+    fake_compile.calls = 0
+    loads = []
+
+    def load(entry, cubin, ordinal):
+        loads.append((entry, cubin))
+        return 11
+
+    def seed_fn(kernel, argtypes, cc, ordinal):
+        assert cc == (9, 0)
+        return "entry_s", b"SEEDED"
+
+    k = factory(4, True)
+    before = kernel_cache.STATS["seeded"]
+    kw = dict(compile_fn=fake_compile, load_fn=load, cc=(9, 0), driver=12080)
+    assert kernel_cache.resolve(k, ARGS, 0, cache, seed_fn=seed_fn, **kw) == 11
+    assert fake_compile.calls == 0 and loads == [("entry_s", b"SEEDED")]
+    assert kernel_cache.STATS["seeded"] == before + 1
+    key = kernel_cache.kernel_key(k, ARGS, (9, 0), 12080)
+    assert kernel_cache.unpack_payload(cache.load(key)) == ("entry_s", b"SEEDED")
+    # the next lookup loads the stored cubin: no seed asked for
+    assert kernel_cache.resolve(k, ARGS, 0, cache, seed_fn=lambda *a: pytest.fail("seed again"), **kw) == 11
+
+
+def test_resolve_compiles_when_there_is_no_seed_or_the_driver_refuses_it(tmp_path):
+    fake_compile.calls = 0
+    kw = dict(compile_fn=fake_compile, cc=(9, 0), driver=12080)
+    cache = disk_cache.DiskCache(tmp_path / "a")
+    assert kernel_cache.resolve(factory(4, True), ARGS, 0, cache, load_fn=lambda *a: 11,
+                                seed_fn=lambda *a: None, **kw) == 7
+    cache = disk_cache.DiskCache(tmp_path / "b")
+    refused = kernel_cache.resolve(factory(4, True), ARGS, 0, cache, load_fn=lambda e, c, o: 0 if c == b"S" else 11,
+                                   seed_fn=lambda *a: ("e", b"S"), **kw)
+    assert refused == 7 and fake_compile.calls == 2
+    key = kernel_cache.kernel_key(factory(4, True), ARGS, (9, 0), 12080)
+    assert kernel_cache.unpack_payload(cache.load(key)) == ("entry_c", b"COMPILED")
+
+
+def test_workers_skip_kernels_with_a_seed(tmp_path, seed_dir, monkeypatch):
+    monkeypatch.setattr(seeds, "SEED_DIR", seed_dir)
+    seeded, plain = factory(4, True), factory(5, True)
+    for k in (seeded, plain):
+        setattr(k, parallel.RECIPE_ATTR, ("tests.test_kernel_cache", "factory", (4, True), ()))
+    cache = disk_cache.DiskCache(tmp_path / "cache")
+    jobs = parallel.pending([(seeded, ARGS), (plain, ARGS)], 0, cache, cc=(9, 0), driver=12080)
+    assert [j[2] for j in jobs] == [kernel_cache.kernel_key(plain, ARGS, (9, 0), 12080)]
+    monkeypatch.setenv("GPUROUTER_SEEDS", "0")
+    assert len(parallel.pending([(seeded, ARGS), (plain, ARGS)], 0, cache, cc=(9, 0), driver=12080)) == 2
+
+
+def test_status_says_why_seeds_are_not_used(seed_dir, monkeypatch):
+    manifest = {"source_digest": keys.source_digest(), "seed_toolchain": keys.seed_toolchain(),
+                "made": {"date": "2026-11-28", "gpu": "H200"}, "seeds": {seed_key(): {"ptx": "compute_90"}}}
+    (seed_dir / "MANIFEST.json").write_text(json.dumps(manifest))
+    st = seeds.status(seed_dir)
+    assert st["count"] == 1 and st["targets"] == ["compute_90"] and st["unusable"] == ""
+    (seed_dir / "MANIFEST.json").write_text(json.dumps({**manifest, "source_digest": "0" * 64}))
+    assert seeds.status(seed_dir)["unusable"].startswith("stale")
+    (seed_dir / "MANIFEST.json").write_text(json.dumps({**manifest, "seed_toolchain": "numba=0.1"}))
+    assert "numba=0.1" in seeds.status(seed_dir)["unusable"]
+    monkeypatch.setenv("GPUROUTER_SEEDS", "off")
+    assert seeds.status(seed_dir)["unusable"] == "GPUROUTER_SEEDS=0"
+    assert seeds.status(seed_dir / "none")["unusable"] in ("GPUROUTER_SEEDS=0",)
+    monkeypatch.delenv("GPUROUTER_SEEDS")
+    assert seeds.status(seed_dir / "none")["unusable"] == "the package has no seeds"
+
+
+def test_the_shipped_seeds_are_those_of_todays_kernels():
+    """``gpurouter/seeds`` holds the seeds that ``python -m gpurouter cache
+    make-seeds`` wrote for the kernel sources of this commit: after an edit of
+    ``gpurouter/kernels`` they are stale (never used, so an empty cache
+    compiles again) until they are made again on a GPU."""
+    manifest = json.loads((seeds.SEED_DIR / "MANIFEST.json").read_text())
+    assert manifest["source_digest"] == keys.source_digest(), (
+        "gpurouter/seeds is stale: run `python -m gpurouter cache make-seeds` on a GPU and commit gpurouter/seeds")
+    files = {p.stem for p in seeds.SEED_DIR.glob("*.seed")}
+    assert files == set(manifest["seeds"]) and files, "MANIFEST.json and the .seed files differ"
+    for key in sorted(files)[:5]:
+        entry, ptx, _ = seeds.unpack((seeds.SEED_DIR / f"{key}.seed").read_bytes())
+        assert entry and b".entry" in ptx and b".target sm_" in ptx
+
+
+class FakeLibrary:
+    def __init__(self, ptxes=("PTX",), files=(), lto=False, cudadevrt=False):
+        self._ptxes, self._linking_files, self._lto, self.needs_cudadevrt = list(ptxes), set(files), lto, cudadevrt
+        self._entry_name, self._max_registers = "entry_f", None
+
+    def get_asm_strs(self, cc=None):
+        if isinstance(self._ptxes[0], Exception):
+            raise self._ptxes[0]
+        return self._ptxes
+
+    def get_lto_ptx(self, cc=None):
+        return "LTO PTX"
+
+
+def test_record_keeps_one_ptx_and_says_why_not_otherwise(monkeypatch):
+    monkeypatch.setattr(seeds, "RECORDING", [])
+    cases = [FakeLibrary(), FakeLibrary(lto=True), FakeLibrary(ptxes=("a", "b")), FakeLibrary(files=("x.a",)),
+             FakeLibrary(cudadevrt=True), FakeLibrary(ptxes=(RuntimeError("nvvm said no"),))]
+    for lib in cases:
+        seeds.record(factory(4, True), ARGS, (9, 0), lib)
+    got = [(r["ptx"], r["skipped"]) for r in seeds.RECORDING]
+    assert got[0] == ("PTX", "") and got[1] == ("LTO PTX", "")
+    assert got[2] == (None, "2 PTX modules") and "x.a" in got[3][1] and "cudadevrt=True" in got[4][1]
+    assert got[5] == (None, "RuntimeError: nvvm said no")
+    monkeypatch.setattr(seeds, "RECORDING", None)
+    seeds.record(factory(4, True), ARGS, (9, 0), FakeLibrary())  # not recording: nothing, no error
+
+
+def test_make_writes_the_seeds_and_manifest_and_replaces_old_ones(tmp_path, monkeypatch):
+    from gpurouter import _make_seeds
+
+    def fake_run(presets, dtypes, tokens, configs, say):
+        for n in (4, 5):
+            seeds.record(factory(n, True), ARGS, (9, 0), FakeLibrary())
+        seeds.record(factory(6, True), ARGS, (9, 0), FakeLibrary(files=("x.a",)))
+        configs.append({"preset": presets[0], "dtype": dtypes[0], "kernels": 3})
+
+    monkeypatch.setattr(_make_seeds, "_run", fake_run)
+    monkeypatch.setattr(_make_seeds, "_record_numba_compiles", lambda s: (lambda: None))
+    monkeypatch.setenv("GPUROUTER_CACHE", "1")
+    (tmp_path / "stale.seed").write_bytes(b"old")
+    said = []
+    manifest = _make_seeds.make(["deepseek-v3"], ["bfloat16"], tmp_path, say=said.append)
+    monkeypatch.setenv("GPUROUTER_CACHE", "1")  # make() turned the cache off for its compiles
+    keys_made = {seed_key(factory(4, True)), seed_key(factory(5, True))}
+    assert set(manifest["seeds"]) == keys_made == {p.stem for p in tmp_path.glob("*.seed")}
+    assert manifest["source_digest"] == keys.source_digest() and manifest["configs"][0]["kernels"] == 3
+    assert json.loads((tmp_path / "MANIFEST.json").read_text()) == manifest
+    assert seeds.unpack((tmp_path / f"{seed_key()}.seed").read_bytes()) == ("entry_f", b"PTX", None)
+    assert any("x.a" in m for m in said) and seeds.RECORDING is None
+
+    monkeypatch.setattr(_make_seeds, "_run", lambda *a: seeds.record(factory(4, True), ARGS, (9, 0),
+                                                                     FakeLibrary(files=("y",))))
+    assert _make_seeds.make(["qwen3"], ["float32"], tmp_path, say=said.append) == {}
+    assert {p.stem for p in tmp_path.glob("*.seed")} == keys_made  # nothing to ship: the folder kept
