@@ -207,6 +207,8 @@ def status(folder: Path | None = None) -> dict:
         elif manifest.get("source_digest") != digest:
             why = "stale: made for other kernel sources (python -m gpurouter cache make-seeds, on a GPU)"
         elif manifest.get("seed_toolchain") != toolchain:
-            why = f"made with {manifest.get('seed_toolchain')}; this process has {toolchain}"
+            theirs, ours = str(manifest.get("seed_toolchain")).split(";"), toolchain.split(";")
+            why = (f"made with {';'.join(t for t in theirs if t not in ours) or '?'}; this process has "
+                   f"{';'.join(t for t in ours if t not in theirs)}")
     targets = sorted({s.get("ptx", "?") for s in manifest.get("seeds", {}).values()})
     return {"count": count, "targets": targets, "made": manifest.get("made"), "unusable": why}
