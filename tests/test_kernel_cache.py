@@ -349,6 +349,16 @@ def key(kernel=None, args=ARGS, cc=(9, 0), driver=12080):
     return kernel_cache.kernel_key(kernel or factory(4, True), args, cc, driver)
 
 
+def source_and_toolchain_variants(monkeypatch, key_fn, toolchain: str) -> dict:
+    """``key_fn()`` with the kernel sources' digest, then ``keys.<toolchain>()``, replaced."""
+    out = {}
+    for name, attr, value in (("kernel sources", "source_digest", "0" * 64), ("toolchain", toolchain, "numba=9.9")):
+        monkeypatch.setattr(keys, attr, lambda value=value: value)
+        out[name] = key_fn()
+        monkeypatch.undo()
+    return out
+
+
 def test_key_is_stable_and_changes_with_every_component(monkeypatch):
     base = key()
     assert base == key() and len(base) == 64
@@ -361,12 +371,7 @@ def test_key_is_stable_and_changes_with_every_component(monkeypatch):
         "compute capability": key(cc=(8, 0)),
         "driver": key(driver=12090),
     }
-    monkeypatch.setattr(keys, "source_digest", lambda: "0" * 64)
-    variants["kernel sources"] = key()
-    monkeypatch.undo()
-    monkeypatch.setattr(keys, "toolchain", lambda: "numba=9.9")
-    variants["numba / numba-cuda / gpurouter versions"] = key()
-    monkeypatch.undo()
+    variants.update(source_and_toolchain_variants(monkeypatch, key, "toolchain"))
     assert key() == base
     assert len(set(variants.values())) == len(variants) and base not in variants.values(), variants
 

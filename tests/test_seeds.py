@@ -14,7 +14,7 @@ import pytest
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
-from test_kernel_cache import ARGS, factory  # noqa: E402
+from test_kernel_cache import ARGS, factory, source_and_toolchain_variants  # noqa: E402
 
 from gpurouter.kernels._base import disk_cache, kernel_cache, keys, parallel, seeds  # noqa: E402
 
@@ -31,12 +31,7 @@ def test_seed_key_holds_the_kernel_and_numba_but_not_the_driver_or_cuda_packages
     assert base != keys.kernel_key(factory(4, True), ARGS, (9, 0), 12080)
     variants = {"factory int": seed_key(factory(5, True)), "argument types": seed_key(args=("int32",)),
                 "ptx target": seed_key(cc=(10, 0))}
-    monkeypatch.setattr(keys, "source_digest", lambda: "0" * 64)
-    variants["kernel sources"] = seed_key()
-    monkeypatch.undo()
-    monkeypatch.setattr(keys, "seed_toolchain", lambda: "numba=9.9")
-    variants["numba's version"] = seed_key()
-    monkeypatch.undo()
+    variants.update(source_and_toolchain_variants(monkeypatch, seed_key, "seed_toolchain"))
     assert len(set(variants.values())) == len(variants) and base not in variants.values(), variants
     monkeypatch.setattr(keys, "toolchain", lambda: "nvidia-nvvm=99")  # NVVM, the runtime, paths: not in it
     assert seed_key() == base
