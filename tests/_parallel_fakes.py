@@ -6,7 +6,7 @@ import functools
 import hashlib
 import os
 
-from gpurouter.kernels._base import kernel_cache
+from gpurouter.kernels._base.keys import kernel_text
 from gpurouter.kernels._base.parallel import recipe
 
 
@@ -37,7 +37,7 @@ def no_recipe(n):
 
 def cubin_of(kernel) -> bytes:
     """The fake cubin of a kernel: a digest of its own text (equal in every process)."""
-    return hashlib.sha256(kernel_cache.kernel_text(kernel).encode()).digest()
+    return hashlib.sha256(kernel_text(kernel).encode()).digest()
 
 
 def compile_ok(kernel, argtypes, ordinal):

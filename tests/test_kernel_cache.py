@@ -346,7 +346,7 @@ ARGS = ("array(float32, 2d, C)", "int64")
 
 
 def key(kernel=None, args=ARGS, cc=(9, 0), driver=12080):
-    return kernel_cache.kernel_key(kernel or factory(4, True), args, cc, driver)
+    return keys.kernel_key(kernel or factory(4, True), args, cc, driver)
 
 
 def source_and_toolchain_variants(monkeypatch, key_fn, toolchain: str) -> dict:
@@ -386,7 +386,7 @@ def test_key_of_a_value_with_an_address_is_none():
 
 
 def test_toolchain_names_the_versions():
-    text = kernel_cache.toolchain()
+    text = keys.toolchain()
     for name in ("gpurouter=", "numba=", "numba-cuda=", "llvmlite="):
         assert name in text
 
@@ -528,7 +528,7 @@ def test_resolve_waits_for_another_processes_compile(tmp_path):
     """A live process holds the key's lock (it is compiling): resolve waits,
     then loads that process's entry and compiles nothing."""
     gpu, k, cache = FakeGpu(), factory(4, True), disk_cache.DiskCache(tmp_path)
-    key = kernel_cache.kernel_key(k, ARGS, (9, 0), 12080)
+    key = keys.kernel_key(k, ARGS, (9, 0), 12080)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         lock = write_lock(cache, key, sleeper.pid, disk_cache.socket.gethostname())

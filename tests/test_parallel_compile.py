@@ -17,6 +17,7 @@ import _parallel_fakes as fakes
 import pytest
 
 from gpurouter.kernels._base import disk_cache, kernel_cache, parallel
+from gpurouter.kernels._base.keys import kernel_key
 
 ARGS = ("array(float32, 2d, C)", "int64")
 CC, DRIVER = (9, 0), 12080
@@ -31,7 +32,7 @@ def fresh(monkeypatch):
 
 
 def key(kernel):
-    return kernel_cache.kernel_key(kernel, ARGS, CC, DRIVER)
+    return kernel_key(kernel, ARGS, CC, DRIVER)
 
 
 def requests(*ns):

@@ -116,7 +116,7 @@ def test_resolve_links_the_seed_stores_it_and_loads_it_next_time(tmp_path):
     assert kernel_cache.resolve(k, ARGS, 0, cache, seed_fn=seed_fn, **kw) == 11
     assert fake_compile.calls == 0 and loads == [("entry_s", b"SEEDED")]
     assert kernel_cache.STATS["seeded"] == before + 1
-    key = kernel_cache.kernel_key(k, ARGS, (9, 0), 12080)
+    key = keys.kernel_key(k, ARGS, (9, 0), 12080)
     assert kernel_cache.unpack_payload(cache.load(key)) == ("entry_s", b"SEEDED")
     # the next lookup loads the stored cubin: no seed asked for
     assert kernel_cache.resolve(k, ARGS, 0, cache, seed_fn=lambda *a: pytest.fail("seed again"), **kw) == 11
@@ -132,7 +132,7 @@ def test_resolve_compiles_when_there_is_no_seed_or_the_driver_refuses_it(tmp_pat
     refused = kernel_cache.resolve(factory(4, True), ARGS, 0, cache, load_fn=lambda e, c, o: 0 if c == b"S" else 11,
                                    seed_fn=lambda *a: ("e", b"S"), **kw)
     assert refused == 7 and fake_compile.calls == 2
-    key = kernel_cache.kernel_key(factory(4, True), ARGS, (9, 0), 12080)
+    key = keys.kernel_key(factory(4, True), ARGS, (9, 0), 12080)
     assert kernel_cache.unpack_payload(cache.load(key)) == ("entry_c", b"COMPILED")
 
 
@@ -143,7 +143,7 @@ def test_workers_skip_kernels_with_a_seed(tmp_path, seed_dir, monkeypatch):
         setattr(k, parallel.RECIPE_ATTR, ("tests.test_kernel_cache", "factory", (4, True), ()))
     cache = disk_cache.DiskCache(tmp_path / "cache")
     jobs = parallel.pending([(seeded, ARGS), (plain, ARGS)], 0, cache, cc=(9, 0), driver=12080)
-    assert [j[2] for j in jobs] == [kernel_cache.kernel_key(plain, ARGS, (9, 0), 12080)]
+    assert [j[2] for j in jobs] == [keys.kernel_key(plain, ARGS, (9, 0), 12080)]
     monkeypatch.setenv("GPUROUTER_SEEDS", "0")
     assert len(parallel.pending([(seeded, ARGS), (plain, ARGS)], 0, cache, cc=(9, 0), driver=12080)) == 2
 

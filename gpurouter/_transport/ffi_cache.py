@@ -13,7 +13,7 @@ the same in two processes.
 
 The key: the source of the three modules that make the handler (``ffi.py``,
 ``ffi_abi.py``, ``ffi_record.py``: the ABI offsets and the record layout are
-constants in them), the toolchain's versions (``kernel_cache.toolchain``)
+constants in them), the toolchain's versions (``keys.toolchain``)
 and numba's CPU codegen (target triple, CPU name and features). The
 handler's code holds no address of the process that compiled it (its
 static messages are built on its stack), and a library with numba dynamic
@@ -35,7 +35,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ..kernels._base import disk_cache, kernel_cache
+from ..kernels._base import disk_cache, keys
 
 #: what this process did with the handler: compiled, loaded from disk, and
 #: ``worker``: 1 once a worker was started to compile it
@@ -70,7 +70,7 @@ def handler_key(codegen) -> str:
     here = Path(__file__).resolve().parent
     for name in _SOURCES:
         h.update(name.encode() + b"\0" + (here / name).read_bytes() + b"\0")
-    h.update(kernel_cache.toolchain().encode() + b"\0")
+    h.update(keys.toolchain().encode() + b"\0")
     h.update(repr(codegen.magic_tuple()).encode())
     return h.hexdigest()
 

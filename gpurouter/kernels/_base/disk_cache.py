@@ -8,7 +8,7 @@ for itself, as before). ``GPUROUTER_CACHE_MAX_MB`` bounds its size (default
 modification time: a hit touches its entry) are deleted.
 
 An entry is one file, ``<key>.bin`` (the key: 64 hex digits, a SHA-256 of
-everything that changes the machine code: ``kernel_cache.kernel_key``)::
+everything that changes the machine code: ``keys.kernel_key``)::
 
     MAGIC (8 bytes) | key (64 ASCII bytes) | payload length (8, little-endian)
     | SHA-256 of the payload (32) | payload

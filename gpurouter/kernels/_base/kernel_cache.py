@@ -43,7 +43,7 @@ import os
 import threading
 
 from . import disk_cache, seeds
-from .keys import Uncacheable, kernel_key, kernel_text, source_digest, toolchain  # noqa: F401  (this module's API)
+from .keys import kernel_key
 
 #: what this process did: ``compiled`` by numba, ``loaded`` from disk, ``seeded``:
 #: linked from a shipped seed, ``uncacheable`` kernels compiled without the disk cache

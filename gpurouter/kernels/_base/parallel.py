@@ -44,7 +44,7 @@ import subprocess
 import sys
 import threading
 
-from . import disk_cache, kernel_cache, seeds
+from . import disk_cache, kernel_cache, keys, seeds
 
 #: what :func:`precompile` did in this process: kernels ``submitted`` to
 #: workers, ``stored`` by them, ``failed``; ``workers``: the last pool's size
@@ -123,7 +123,7 @@ def _writable(cache) -> bool:
 def _worker(rec, argtypes, ordinal, root, key, cc, driver, compile_fn):
     """In a worker: the recipe's kernel compiled and stored under ``key``; True when stored."""
     kernel = rebuild(rec)
-    if kernel_cache.kernel_key(kernel, argtypes, cc, driver) != key:
+    if keys.kernel_key(kernel, argtypes, cc, driver) != key:
         return False  # another kernel than the parent's: left to the parent
     cache = disk_cache.DiskCache(root)
     held = cache.claim(key)  # another process compiling it: its entry instead
@@ -205,7 +205,7 @@ def pending(requests, ordinal, cache, *, cc=None, driver=None) -> list:
             cc = kernel_cache.compute_capability(ordinal)
         if driver is None:
             driver = kernel_cache.driver_version()
-        key = kernel_cache.kernel_key(kernel, argtypes, cc, driver)
+        key = keys.kernel_key(kernel, argtypes, cc, driver)
         if key is None or key in seen or key in kernel_cache.INFLIGHT or cache.path_of(key).exists():
             continue
         if seeds.has(kernel, argtypes, cc):  # linked from its seed in the process: no compile to spread
