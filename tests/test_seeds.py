@@ -221,6 +221,14 @@ def test_make_writes_the_seeds_and_manifest_and_replaces_old_ones(tmp_path, monk
 
     monkeypatch.setattr(_make_seeds, "_run", fake_run)
     monkeypatch.setattr(_make_seeds, "_record_numba_compiles", lambda s: (lambda: None))
+    from gpurouter._transport import ffi_cache
+
+    def fake_handler_seed(folder):  # the real one: tests/transport/test_ffi_abi.py, test_kernel_cache.py
+        path = folder / "handler-0.hseed"
+        path.write_bytes(ffi_cache.pack_seed("lib", "entry", b"BC"))
+        return path
+
+    monkeypatch.setattr(ffi_cache, "make_seed", fake_handler_seed)
     monkeypatch.setenv("GPUROUTER_CACHE", "1")
     (tmp_path / "stale.seed").write_bytes(b"old")
     said = []
@@ -232,6 +240,7 @@ def test_make_writes_the_seeds_and_manifest_and_replaces_old_ones(tmp_path, monk
     assert json.loads((tmp_path / "MANIFEST.json").read_text()) == manifest
     assert seeds.unpack((tmp_path / f"{seed_key()}.seed").read_bytes()) == ("entry_f", b"PTX", None)
     assert any("x.a" in m for m in said) and seeds.RECORDING is None
+    assert manifest["handler"]["file"] == "handler-0.hseed" and manifest["handler"]["sources_digest"]
 
     monkeypatch.setattr(_make_seeds, "_run", lambda *a: seeds.record(factory(4, True), ARGS, (9, 0),
                                                                      FakeLibrary(files=("y",))))
