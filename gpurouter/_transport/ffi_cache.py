@@ -265,14 +265,12 @@ def compile_in_worker(command, cache=None) -> bool:
     return True
 
 
-def write_seed(folder) -> Path:
-    """Compiles the handler in this process and writes its seed (numba's
-    bitcode) into ``folder``, replacing older handler seeds; the path. Run it
-    in a process with ``NUMBA_CPU_NAME=generic`` (:func:`make_seed`), so that
-    the bitcode is not optimised for this machine's CPU."""
-    from . import ffi
-
-    handler = ffi._compile_handler()
+def write_seed(folder, compile_fn) -> Path:
+    """Compiles the handler in this process (``compile_fn``: ``ffi._compile_handler``)
+    and writes its seed (numba's bitcode) into ``folder``, replacing older
+    handler seeds; the path. Run it in a process with ``NUMBA_CPU_NAME=generic``
+    (:func:`make_seed`), so that the bitcode is not optimised for this machine's CPU."""
+    handler = compile_fn()
     library = handler._library
     if library.has_dynamic_globals:
         raise RuntimeError("gpurouter: the FFI handler holds dynamic globals; it cannot be seeded")
@@ -292,7 +290,8 @@ def make_seed(folder) -> Path:
     env = dict(os.environ, NUMBA_CPU_NAME="generic", GPUROUTER_CACHE="0",
                PYTHONPATH=os.pathsep.join([str(package), *(p for p in sys.path if p)]))
     env.pop("NUMBA_CPU_FEATURES", None)  # numba's default for "generic": none
-    code = "import sys; from gpurouter._transport import ffi_cache; print(ffi_cache.write_seed(sys.argv[1]))"
+    code = ("import sys; from gpurouter._transport import ffi, ffi_cache; "
+            "print(ffi_cache.write_seed(sys.argv[1], ffi._compile_handler))")
     proc = subprocess.run([sys.executable, "-c", code, str(folder)], env=env, capture_output=True, text=True,
                           timeout=600, check=False)
     if proc.returncode != 0:
