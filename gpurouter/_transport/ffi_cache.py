@@ -71,9 +71,6 @@ def _sources_into(h) -> None:
     here = Path(__file__).resolve().parent
     for name in _SOURCES:
         h.update(name.encode() + b"\0" + (here / name).read_bytes() + b"\0")
-<<<<<<< HEAD
-    h.update(keys.toolchain().encode() + b"\0")
-=======
 
 
 def handler_key(codegen) -> str:
@@ -81,7 +78,6 @@ def handler_key(codegen) -> str:
     h = hashlib.sha256(b"gpurouter ffi handler v1\0")
     _sources_into(h)
     h.update(keys.toolchain().encode() + b"\0")
->>>>>>> a16abfb (The FFI handler's seed (branch, not yet run on a GPU): numba's bitcode of the handler for a generic CPU in gpurouter/seeds; an empty cache has LLVM make this host's code of it (1.04 s against 6.76 s compiled on the CPU machine) and starts no worker. make-seeds writes it; CPU tests: XLA:CPU runs the seeded handler up to the stream query, it answers the probe frames as the compiled one)
     h.update(repr(codegen.magic_tuple()).encode())
     return h.hexdigest()
 
