@@ -4,8 +4,9 @@ Runs each preset's first router step (``coldstart.router_step``: the top-k
 forward and backward with the preset's bias, the aux scores and the aux
 loss) for each logits dtype in this process, with the disk cache off so that
 numba compiles every kernel, and writes the PTX of each kernel compiled
-(``kernels/_base/seeds.py``) to ``gpurouter/seeds/``: ``<key>.seed`` files
-and ``MANIFEST.json`` (the source digest and toolchain they were made with,
+(``kernels/_base/seeds.py``) to ``gpurouter/seeds/``: ``<key>.seed`` files,
+the FFI handler's bitcode for a generic CPU (``handler-<key>.hseed``,
+``_transport/ffi_cache.py``) and ``MANIFEST.json`` (the source digest and toolchain they were made with,
 the GPU, and what each seed is). The folder's old seeds are replaced.
 
 Run it again after any edit of ``gpurouter/kernels`` (the seeds' key holds
@@ -63,6 +64,9 @@ def make(presets, dtypes, folder: Path, tokens: int = TOKENS, say=print) -> dict
     for old in folder.glob("*.seed"):
         if old.stem not in made:
             old.unlink()
+    from ._transport import ffi_cache
+
+    handler = ffi_cache.make_seed(folder)
     manifest = {
         "source_digest": keys.source_digest(),
         "seed_toolchain": keys.seed_toolchain(),
@@ -70,11 +74,13 @@ def make(presets, dtypes, folder: Path, tokens: int = TOKENS, say=print) -> dict
                  "seconds": round(time.perf_counter() - t_all, 1)},
         "configs": configs,
         "seeds": dict(sorted(made.items())),
+        "handler": {"file": handler.name, "bytes": handler.stat().st_size,
+                    "sources_digest": ffi_cache.sources_digest()},
     }
     (folder / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
     seeds.index.cache_clear()
     say(f"{len(made)} seeds, {sum(m['bytes'] for m in made.values()) / 1e6:.2f} MB, in {folder}; "
-        f"{len(skipped)} kernels without one")
+        f"{len(skipped)} kernels without one; the FFI handler's: {handler.name}")
     return manifest
 
 

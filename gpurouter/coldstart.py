@@ -24,7 +24,8 @@ was traced (``parallel.prefetch``). The FFI handler (``transport="ffi"``, one
 ``numba.cfunc`` a process, cached too: ``_transport/ffi_cache.py``) is part of
 the first call, as in a user's process; ``handler`` says where it came from:
 ``disk`` (the cache), ``worker`` (compiled by a worker process while this one
-compiled the first kernels) or ``here`` (compiled in the process).
+compiled the first kernels), ``seed`` (made from the package's seed of it) or
+``here`` (compiled in the process).
 
 Needs a CUDA GPU for the numba rows (``--backends jax`` runs anywhere).
 """
@@ -101,7 +102,7 @@ def _child(preset: str, backend: str, tokens: int) -> dict:
         out["prefetched"] = parallel.STATS["prefetched"]
         h = ffi_cache.STATS
         out["handler"] = "disk" if h["loaded"] and not h["worker"] else "worker" if h["loaded"] else (
-            "here" if h["compiled"] else "-")
+            "seed" if h["seeded"] else "here" if h["compiled"] else "-")
         before = stats["compiled"]
         x2 = jax.block_until_ready(logits(tokens // 2 + 8))
         t0 = time.perf_counter()

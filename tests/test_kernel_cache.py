@@ -879,8 +879,34 @@ def test_the_ffi_handler_loads_from_the_cache_in_a_fresh_process(tmp_path):
                           timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     kind, stats, got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert (kind, stats) == ("LoadedCFunc", {"compiled": 0, "loaded": 1, "worker": 0})
+    assert (kind, stats) == ("LoadedCFunc", {"compiled": 0, "loaded": 1, "seeded": 0, "worker": 0})
     assert got == want
+
+
+def test_the_ffi_handler_from_its_seed_answers_as_the_compiled_one(tmp_path, monkeypatch):
+    """The handler's seed (numba's bitcode for a generic CPU, made by a fresh
+    process) gives, with an empty cache, a handler that LLVM makes for this
+    host without numba's compile; it answers the probe frames as the compiled
+    one does, and its machine code is stored, so a fresh process loads it."""
+    pytest.importorskip("jax")
+    from gpurouter._transport import ffi, ffi_cache
+    from gpurouter.kernels._base import seeds
+
+    want = probe_handler(ffi_cache.cached_cfunc(ffi._compile_handler, cache=disk_cache.DiskCache(tmp_path / "a"))
+                         .address)
+    folder = tmp_path / "seeds"
+    folder.mkdir()
+    ffi_cache.make_seed(folder)
+    monkeypatch.setattr(seeds, "SEED_DIR", folder)
+    monkeypatch.setattr(ffi_cache, "STATS", dict.fromkeys(ffi_cache.STATS, 0))
+    monkeypatch.delenv("GPUROUTER_SEEDS", raising=False)
+    cache = disk_cache.DiskCache(tmp_path / "b")
+    handler = ffi_cache.cached_cfunc(lambda: pytest.fail("compiled, not made from the seed"), cache=cache)
+    assert type(handler).__name__ == "LoadedCFunc" and ffi_cache.STATS["seeded"] == 1
+    assert probe_handler(handler.address) == want
+    assert cache.load(ffi_cache.handler_key(ffi_cache._codegen())) is not None  # stored for the next process
+    assert not ffi_cache.compile_in_worker([sys.executable, "-c", "raise SystemExit(1)"],
+                                           disk_cache.DiskCache(tmp_path / "c"))  # a seed: no worker
 
 
 def test_cubin_bytes_reads_every_form_numba_returns(tmp_path):

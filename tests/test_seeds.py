@@ -221,6 +221,14 @@ def test_make_writes_the_seeds_and_manifest_and_replaces_old_ones(tmp_path, monk
 
     monkeypatch.setattr(_make_seeds, "_run", fake_run)
     monkeypatch.setattr(_make_seeds, "_record_numba_compiles", lambda s: (lambda: None))
+    from gpurouter._transport import ffi_cache
+
+    def fake_handler_seed(folder):  # the real one: tests/transport/test_ffi_abi.py, test_kernel_cache.py
+        path = folder / "handler-0.hseed"
+        path.write_bytes(ffi_cache.pack_seed("lib", "entry", b"BC"))
+        return path
+
+    monkeypatch.setattr(ffi_cache, "make_seed", fake_handler_seed)
     monkeypatch.setenv("GPUROUTER_CACHE", "1")
     (tmp_path / "stale.seed").write_bytes(b"old")
     said = []
@@ -232,8 +240,38 @@ def test_make_writes_the_seeds_and_manifest_and_replaces_old_ones(tmp_path, monk
     assert json.loads((tmp_path / "MANIFEST.json").read_text()) == manifest
     assert seeds.unpack((tmp_path / f"{seed_key()}.seed").read_bytes()) == ("entry_f", b"PTX", None)
     assert any("x.a" in m for m in said) and seeds.RECORDING is None
+    assert manifest["handler"]["file"] == "handler-0.hseed" and manifest["handler"]["sources_digest"]
 
     monkeypatch.setattr(_make_seeds, "_run", lambda *a: seeds.record(factory(4, True), ARGS, (9, 0),
                                                                      FakeLibrary(files=("y",))))
     assert _make_seeds.make(["qwen3"], ["float32"], tmp_path, say=said.append) == {}
     assert {p.stem for p in tmp_path.glob("*.seed")} == keys_made  # nothing to ship: the folder kept
+
+
+def test_the_shipped_handler_seed_is_that_of_todays_handler():
+    """The FFI handler's seed (``_transport/ffi_cache.py``) was made from
+    today's handler sources; with the seeds' toolchain it is the one this
+    process would look for, and LLVM makes a handler of it."""
+    from gpurouter._transport import ffi_cache
+
+    h = json.loads((seeds.SEED_DIR / "MANIFEST.json").read_text())["handler"]
+    assert h["sources_digest"] == ffi_cache.sources_digest(), (
+        "the FFI handler's seed is stale: run `python -m gpurouter cache make-seeds` and commit gpurouter/seeds")
+    data = (seeds.SEED_DIR / h["file"]).read_bytes()
+    assert ffi_cache.unpack_seed(data) is not None and len(data) == h["bytes"]
+    assert [p.name for p in seeds.SEED_DIR.glob("handler-*.hseed")] == [h["file"]]
+    if seeds.status()["unusable"]:
+        pytest.skip(f"the seeds are not for this process ({seeds.status()['unusable']}): key and load not checked")
+    codegen = ffi_cache._codegen()
+    assert ffi_cache.seed_path(codegen).name == h["file"]
+    assert ffi_cache._from_seed(codegen) is not None
+
+
+def test_handler_seed_file_rejects_garbage():
+    from gpurouter._transport import ffi_cache
+
+    good = ffi_cache.pack_seed("lib", "entry", b"BC")
+    assert ffi_cache.unpack_seed(good) == ("lib", "entry", b"BC")
+    for bad in (b"", good[:10], b"GRF1" + good[4:], ffi_cache._SEED_MAGIC + b"not xz",
+                ffi_cache._SEED_MAGIC + __import__("lzma").compress(ffi_cache.pack("lib", "entry", b"object", b"BC"))):
+        assert ffi_cache.unpack_seed(bad) is None, bad

@@ -29,20 +29,23 @@ then loads the entry (or compiles, if the worker stored nothing).
 from __future__ import annotations
 
 import hashlib
+import lzma
 import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
-from ..kernels._base import disk_cache, keys
+from ..kernels._base import disk_cache, keys, seeds
 
-#: what this process did with the handler: compiled, loaded from disk, and
-#: ``worker``: 1 once a worker was started to compile it
-STATS = {"compiled": 0, "loaded": 0, "worker": 0}
+#: what this process did with the handler: compiled, loaded from disk,
+#: ``seeded``: made from the package's seed, and ``worker``: 1 once a worker
+#: was started to compile it
+STATS = {"compiled": 0, "loaded": 0, "seeded": 0, "worker": 0}
 #: the worker's end (``compile_in_worker``): set when it exits
 _WORKER_DONE: list = []
 _MAGIC = b"GRF1"
+_SEED_MAGIC = b"GRH1"
 _SOURCES = ("ffi.py", "ffi_abi.py", "ffi_record.py")
 
 
@@ -64,15 +67,90 @@ def _codegen():
     return cpu_target.target_context.codegen()
 
 
-def handler_key(codegen) -> str:
-    """The cache key of the handler for numba's CPU ``codegen``."""
-    h = hashlib.sha256(b"gpurouter ffi handler v1\0")
+def _sources_into(h) -> None:
     here = Path(__file__).resolve().parent
     for name in _SOURCES:
         h.update(name.encode() + b"\0" + (here / name).read_bytes() + b"\0")
+
+
+def handler_key(codegen) -> str:
+    """The cache key of the handler for numba's CPU ``codegen``."""
+    h = hashlib.sha256(b"gpurouter ffi handler v1\0")
+    _sources_into(h)
     h.update(keys.toolchain().encode() + b"\0")
     h.update(repr(codegen.magic_tuple()).encode())
     return h.hexdigest()
+
+
+def sources_digest() -> str:
+    """SHA-256 of the handler's three source files (the seed's manifest keeps it)."""
+    h = hashlib.sha256()
+    _sources_into(h)
+    return h.hexdigest()
+
+
+def seed_key(codegen) -> str:
+    """The key of the handler's seed: its sources, ``keys.seed_toolchain`` and
+    the target triple (not the CPU: the seed is bitcode for a generic one)."""
+    h = hashlib.sha256(b"gpurouter ffi handler seed v1\0")
+    _sources_into(h)
+    h.update(keys.seed_toolchain().encode() + b"\0")
+    h.update(str(codegen.magic_tuple()[0]).encode())
+    return h.hexdigest()
+
+
+def seed_path(codegen, folder: Path | None = None) -> Path:
+    """Where the handler's seed for ``codegen`` is (or would be) in the package."""
+    return (folder or seeds.SEED_DIR) / f"handler-{seed_key(codegen)}.hseed"
+
+
+def pack_seed(library_name: str, entry: str, bitcode: bytes) -> bytes:
+    return _SEED_MAGIC + lzma.compress(pack(library_name, entry, b"bitcode", bitcode))
+
+
+def unpack_seed(data: bytes) -> tuple[str, str, bytes] | None:
+    if data[:4] != _SEED_MAGIC:
+        return None
+    try:
+        parsed = unpack(lzma.decompress(data[4:]))
+    except lzma.LZMAError:
+        return None
+    return None if parsed is None or parsed[2] != b"bitcode" else (parsed[0], parsed[1], parsed[3])
+
+
+def _from_seed(codegen, folder: Path | None = None):
+    """``(library, entry, address)`` of the handler made from the package's
+    seed by LLVM for this host (object caching on, so that the result can be
+    stored); None without a usable seed."""
+    if not seeds.enabled():
+        return None
+    try:
+        parsed = unpack_seed(seed_path(codegen, folder).read_bytes())
+    except OSError:
+        return None
+    if parsed is None:
+        return None
+    library_name, entry, bitcode = parsed
+    try:
+        import llvmlite.binding as ll
+
+        library = codegen.create_library(library_name)
+        library.enable_object_caching()
+        library._final_module = ll.parse_bitcode(bitcode)  # what numba's unserialize of "bitcode" does
+        library._finalize_final_module()
+        address = library.get_pointer_to_function(entry)
+    except Exception:  # noqa: BLE001 - LLVM refused it: compile instead
+        return None
+    return (library, entry, address) if address else None
+
+
+def _store(cache, key: str, library, entry: str) -> None:
+    """The handler's machine code stored under ``key`` (a library with numba
+    dynamic globals is never stored: module docstring)."""
+    if not library.has_dynamic_globals:
+        name, kind, (object_code, bitcode) = library.serialize_using_object_code()
+        if kind == "object":
+            cache.store(key, pack(name, entry, object_code, bitcode))
 
 
 def _field(data: bytes, at: int) -> tuple[bytes, int]:
@@ -132,13 +210,16 @@ def cached_cfunc(compile_fn, cache=None):
     if payload is not None:
         disk_cache.warn_once("bad", f"the FFI handler's entry {key[:16]}... did not load; "
                              "compiling again and overwriting it.")
+    seeded = _from_seed(codegen)
+    if seeded is not None:
+        library, entry, address = seeded
+        STATS["seeded"] += 1
+        _store(cache, key, library, entry)
+        return LoadedCFunc(address, library)
     handler = compile_fn()
     STATS["compiled"] += 1
-    library = handler._library
-    if not library.has_dynamic_globals:
-        name, kind, (object_code, bitcode) = library.serialize_using_object_code()
-        if kind == "object":
-            cache.store(key, pack(name, handler._wrapper_name, object_code, bitcode))
+    if not handler._library.has_dynamic_globals:
+        _store(cache, key, handler._library, handler._wrapper_name)
     return handler
 
 
@@ -154,7 +235,10 @@ def compile_in_worker(command, cache=None) -> bool:
     if cache is None or not cache.writable:
         return False
     try:
-        if cache.path_of(handler_key(_codegen())).exists():
+        codegen = _codegen()
+        if cache.path_of(handler_key(codegen)).exists():
+            return False
+        if seeds.enabled() and seed_path(codegen).exists():  # made from it in the process, in 0.1 s
             return False
         cache.folder.mkdir(parents=True, exist_ok=True)
     except OSError:
@@ -175,3 +259,38 @@ def compile_in_worker(command, cache=None) -> bool:
 
     threading.Thread(target=run, name="gpurouter-ffi-handler", daemon=True).start()
     return True
+
+
+def write_seed(folder, compile_fn) -> Path:
+    """Compiles the handler in this process (``compile_fn``: ``ffi._compile_handler``)
+    and writes its seed (numba's bitcode) into ``folder``, replacing older
+    handler seeds; the path. Run it in a process with ``NUMBA_CPU_NAME=generic``
+    (:func:`make_seed`), so that the bitcode is not optimised for this machine's CPU."""
+    handler = compile_fn()
+    library = handler._library
+    if library.has_dynamic_globals:
+        raise RuntimeError("gpurouter: the FFI handler holds dynamic globals; it cannot be seeded")
+    name, _, bitcode = library.serialize_using_bitcode()
+    folder = Path(folder)
+    path = seed_path(_codegen(), folder)
+    for old in folder.glob("handler-*.hseed"):
+        if old != path:
+            old.unlink()
+    path.write_bytes(pack_seed(name, handler._wrapper_name, bitcode))
+    return path
+
+
+def make_seed(folder) -> Path:
+    """:func:`write_seed` in a fresh process for a generic CPU (``cache make-seeds``)."""
+    package = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", GPUROUTER_CACHE="0",
+               PYTHONPATH=os.pathsep.join([str(package), *(p for p in sys.path if p)]))
+    env.pop("NUMBA_CPU_FEATURES", None)  # numba's default for "generic": none
+    code = ("import sys; from gpurouter._transport import ffi, ffi_cache; "
+            "print(ffi_cache.write_seed(sys.argv[1], ffi._compile_handler))")
+    proc = subprocess.run([sys.executable, "-c", code, str(folder)], env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError("gpurouter: the FFI handler's seed was not made: "
+                           + (proc.stderr.strip().splitlines() or ["?"])[-1])
+    return Path(proc.stdout.strip().splitlines()[-1])

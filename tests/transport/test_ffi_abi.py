@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpurouter._transport import ffi, ffi_abi, ffi_record
+from gpurouter._transport import ffi, ffi_abi, ffi_cache, ffi_record
 
 numba = pytest.importorskip("numba")
 
@@ -115,14 +115,26 @@ def test_limits_of_a_record_are_errors_naming_the_op():
         ffi_record.build_record(_plan(), [64], {64: []}, {64: 0}, (0, 0, 0, 0))
 
 
-@pytest.fixture(scope="module")
-def cpu_target():
-    """The handler registered for XLA:CPU under a test name."""
+@pytest.fixture(scope="module", params=["compiled", "seed"])
+def cpu_target(request, tmp_path_factory):
+    """The handler registered for XLA:CPU under a test name: the process's
+    (compiled or from the cache), and the one LLVM makes of its seed (numba's
+    bitcode for a generic CPU, written by a fresh process: ``ffi_cache.make_seed``)."""
     if "cpu" not in {d.platform for d in jax.devices()}:
         pytest.skip("needs XLA:CPU")
-    jax.ffi.register_ffi_target("gpurouter_plan_cpu_test", jax.ffi.pycapsule(ffi._handler().address),
-                                platform="cpu")
-    return "gpurouter_plan_cpu_test"
+    if request.param == "compiled":
+        address = ffi._handler().address
+    else:
+        folder = tmp_path_factory.mktemp("seeds")
+        path = ffi_cache.make_seed(folder)
+        assert path.parent == folder and ffi_cache.unpack_seed(path.read_bytes()) is not None
+        seeded = ffi_cache._from_seed(ffi_cache._codegen(), folder)
+        assert seeded is not None, "the handler's seed did not load"
+        request.node.library = seeded[0]  # its code lives as long as the library
+        address = seeded[2]
+    name = f"gpurouter_plan_cpu_test_{request.param}"
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(address), platform="cpu")
+    return name
 
 
 def _run(target, x, **attrs):

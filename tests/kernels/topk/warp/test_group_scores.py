@@ -14,7 +14,7 @@ K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed
 import jax.numpy as jnp  # noqa: E402
 
 import gpurouter  # noqa: E402
-from gpurouter.kernels._base.kernel_cache import kernel_text  # noqa: E402
+from gpurouter.kernels._base.keys import kernel_text  # noqa: E402
 from gpurouter.kernels._base.launch import BF16, SIGMOID  # noqa: E402
 from gpurouter.kernels.topk.warp.fwd import warp_topk_fwd_kernel  # noqa: E402
 
