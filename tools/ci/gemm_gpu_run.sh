@@ -8,10 +8,10 @@
 #   GEMM_TESTS_TIMEOUT=60 GEMM_PROBE_TIMEOUT=100 GEMM_BENCH_TIMEOUT=60   (seconds)
 #
 # 1. tests/test_grouped_matmul_gpu.py: tiled_ragged_dot == batched_ragged_dot
-#    at both full shapes (bf16, balanced and skewed), skewed <= 1.5x balanced;
+#    at both full shapes (bf16, balanced and skewed);
 # 2. tools/probes/grouped_gemm_probe.py, both full shapes: the breakdown of
 #    batched_ragged_dot, the dense ceiling, tiled, ragged_dot's time or error
-#    (probe.json, hlo/);
+#    (probe.json, hlo/), and the skewed / balanced fwd+bwd ratios ("no cliff": <= 1.5);
 # 3. moe-bench at scale 1, both shapes, --grouped-matmul batched (before) and
 #    tiled (after), each printing the dense-GEMM ceiling beside its GEMM rows.
 set -u

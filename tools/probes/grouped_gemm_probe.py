@@ -41,7 +41,9 @@ same with the largest expert at 4x the mean load (``skewed``: the issue's
   the forward at (every expert's weights must come from memory; the dense
   GEMM reads one expert's);
 - ``ragged_dot fwd``: ``jax.lax.ragged_dot``, or the error it raised (the
-  message kept in the JSON: docs/moe.md's repro).
+  message kept in the JSON: docs/moe.md's repro);
+- ``skewed / balanced``: each ``fwd+bwd`` row's skewed time over its balanced
+  one (``ratio``; the issue's "no cliff" target is at most 1.5).
 
 ``--hlo-dir`` writes the optimized HLO of ``batched_ragged_dot``'s forward
 and forward + backward per shape (the layouts XLA picked: the GEMM
@@ -197,6 +199,11 @@ def probe_shape(name, shape, repeats: int, hlo_dir, save=lambda rows: None, only
         tiles_only = jax.jit(lambda a, b, s: gm.tiled_ragged_dot(a, b, s, capacity=0))
         row(routing, "tiles only fwd", median_ms(tiles_only, (lhs, rhs, sizes), repeats), dense["fwd"])
 
+    # the issue's "no cliff" target (at most 1.5): each forward + backward, skewed over balanced
+    both = {(r["routing"], r["what"]): r["ms"] for r in rows if r["what"].endswith("fwd+bwd")}
+    for (routing, what), ms in both.items():
+        if routing == "skewed" and both.get(("balanced", what)):
+            row("skewed / balanced", what, None, gemm=False, ratio=ms / both["balanced", what])
     if only == "pallas":
         return rows
     # XLA's own grouped GEMM: the time, or the error it raises
