@@ -218,8 +218,7 @@ def cached_cfunc(compile_fn, cache=None):
         return LoadedCFunc(address, library)
     handler = compile_fn()
     STATS["compiled"] += 1
-    if not handler._library.has_dynamic_globals:
-        _store(cache, key, handler._library, handler._wrapper_name)
+    _store(cache, key, handler._library, handler._wrapper_name)
     return handler
 
 

@@ -17,8 +17,9 @@ class _Library:
     has_dynamic_globals = True  # never stored: the test's handler is not real code
 
 
-class _Handler:
+class _Handler:  # the two attributes of a numba cfunc that the cache reads
     _library = _Library()
+    _wrapper_name = "test_handler"
 
 
 @pytest.fixture
