@@ -24,12 +24,16 @@ outputs: nothing is allocated in the handler. Records are filled for every
 GPU JAX sees (per-device tables for several GPUs in one process).
 
 Not serialisable: a record's address is only valid in the process that
-traced the call (``jax.export`` of these ops is not supported).
+traced the call (``jax.export`` of these ops is not supported). So that JAX's
+persistent compilation cache (``jax_compilation_cache_dir``) can never hand
+one process a program compiled in another, each call also carries the
+attribute ``process``, a number drawn once per process; the handler ignores it.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import jax
@@ -63,6 +67,10 @@ from .ffi_record import (
 )
 
 TARGET = "gpurouter_plan"
+#: The ``process`` attribute: a random 63-bit number of this process. Two processes'
+#: programs differ in it, so a persistent compile cache never reuses one of them in
+#: another process, where its ``plan`` address would point at something else.
+PROCESS_SALT = np.int64(int.from_bytes(os.urandom(8), "little") >> 1)
 #: XLA_FFI_Handler_Traits the handler declares: none. COMMAND_BUFFER_COMPATIBLE
 #: (1) would let XLA capture its launches in a CUDA graph, where two independent
 #: calls can run at once; the z-loss forward's counter (kernels/_plan.Counter,
@@ -287,7 +295,7 @@ def _launch(planner, out_specs, args):
     record = _record(plan)
     _register()
     call = jax.ffi.ffi_call(TARGET, results, vmap_method="sequential")
-    return call(*args, plan=np.int64(record))[: len(out_specs)]
+    return call(*args, plan=np.int64(record), process=PROCESS_SALT)[: len(out_specs)]
 
 
 def _batched(planner, out_specs, n_token: int):

@@ -141,6 +141,17 @@ def test_zero_tokens():
     assert probs.shape == (0, 64) and routing_map.shape == (0, 64)
 
 
+def test_every_call_carries_this_process_number():
+    """The ``process`` attribute beside ``plan``: the lowered program holds this
+    process's number, so a persistent compile cache cannot reuse it elsewhere."""
+    from gpurouter._transport import ffi
+
+    x = _logits((16, 64), jnp.float32)
+    text = jax.jit(_route("ffi", ROUTERS["sqrtsoftplus"])).lower(x).as_text()
+    numbers = {int(n) for n in re.findall(r"process = (-?\d+) : i64", text)}
+    assert numbers == {int(ffi.PROCESS_SALT)}
+
+
 def test_a_failed_launch_is_an_error_naming_the_op_and_the_process_lives_on():
     """A record whose kernel handle is 0: cuLaunchKernel refuses it, the handler
     returns XLA's error with the CUresult, and the next call works."""

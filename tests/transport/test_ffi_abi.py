@@ -5,6 +5,8 @@ where it asks for a CUDA stream (every check before the launch runs)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -158,9 +160,18 @@ def test_the_handler_checks_everything_before_the_stream(cpu_target):
     for attrs in (dict(other=np.int64(rec.ctypes.data)), dict(plan=np.int64(0))):
         with pytest.raises(Exception, match="gpurouter ffi: the call has no int64 'plan' attribute"):
             _run(cpu_target, x, **attrs)
-    # and the handler still works after its errors
+    # and the handler still works after its errors, with the process number beside the plan (ignored)
     with pytest.raises(Exception, match="GPU context is not available"):
-        _run(cpu_target, x, plan=np.int64(rec.ctypes.data))
+        _run(cpu_target, x, plan=np.int64(rec.ctypes.data), process=ffi.PROCESS_SALT)
+
+
+def test_the_process_number_differs_between_processes():
+    """What keeps a persistent compile cache from reusing a program (and its
+    ``plan`` address) in another process: ffi.PROCESS_SALT is drawn per process."""
+    code = "from gpurouter._transport import ffi; print(int(ffi.PROCESS_SALT))"
+    numbers = [int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                  timeout=120).stdout.split()[-1]) for _ in range(2)]
+    assert numbers[0] != numbers[1] and min(numbers) >= 0
 
 
 def test_the_handler_refuses_a_call_with_other_arguments(cpu_target):

@@ -8,6 +8,7 @@
 #
 #   bash tools/ci/gpu_suite.sh [LOG_DIR]        (default: gpu-logs)
 #   GPU_SUITE_TIMEOUT=570 PYTHON=python3     (seconds per group; interpreter)
+#   GPU_SUITE_XLA_CACHE=DIR                  (JAX's compilation cache; empty: none)
 set -u
 cd "$(dirname "$0")/../.."
 out=${1:-gpu-logs}
@@ -19,6 +20,14 @@ export NUMBA_ENABLE_CUDASIM=0 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PW
 export XLA_PYTHON_CLIENT_ALLOCATOR=${XLA_PYTHON_CLIENT_ALLOCATOR-platform}
 # The groups share one kernel cache, so a kernel one group compiled is loaded by the others.
 export GPUROUTER_COMPILE_WORKERS=${GPUROUTER_COMPILE_WORKERS-0}
+# And one JAX persistent compilation cache, kept between runs like the kernel cache: a jitted
+# program one group or an earlier run compiled is read back instead of compiled again (every
+# program, however quick its compile). Programs with the "ffi" transport's calls never match
+# another process's (their `process` attribute: docs/transports.md). GPU_SUITE_XLA_CACHE= (empty) turns it off.
+xla_cache=${GPU_SUITE_XLA_CACHE-${XDG_CACHE_HOME:-$HOME/.cache}/gpurouter-suite-xla}
+if [ -n "$xla_cache" ]; then
+  export JAX_COMPILATION_CACHE_DIR=$xla_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+fi
 py=${PYTHON:-python3}
 limit=${GPU_SUITE_TIMEOUT:-570}
 k=tests/kernels
