@@ -27,7 +27,7 @@ import pytest
 
 pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
 
-from gpurouter.kernels._base import disk_cache, kernel_cache, keys  # noqa: E402
+from gpurouter.kernels._base import disk_cache, kernel_cache, keys, seeds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DISK_CACHE_PY = ROOT / "gpurouter" / "kernels" / "_base" / "disk_cache.py"
@@ -668,7 +668,6 @@ def test_an_empty_cache_links_the_shipped_seeds_with_the_bits_of_a_compile(tmp_p
     (kernels/_base/seeds.py): with an empty cache they are linked from their
     seeds, not compiled, and give the same bits as numba's compile; the next
     process loads them from disk."""
-    from gpurouter.kernels._base import seeds
 
     why = seeds.status()["unusable"]
     if why:
@@ -681,6 +680,45 @@ def test_an_empty_cache_links_the_shipped_seeds_with_the_bits_of_a_compile(tmp_p
     assert seeded["digest"] == bare["digest"]
     warm = run_gpu_child(tmp_path / "seeded", GPUROUTER_SEEDS="1", **one)
     assert warm["stats"]["compiled"] == warm["stats"]["seeded"] == 0 and warm["digest"] == bare["digest"], warm
+
+
+@pytest.mark.gpu
+def test_a_linked_seed_is_the_cubin_of_numbas_compile():
+    """DeepSeek-V3's top-k forward and backward kernels: the seed's PTX linked
+    (``seeds.link``) is numba's own cubin of the kernel, byte for byte. The
+    driver's link of a seed (``cuLinkAddData``, until 9e2fb1b) made other machine
+    code: that forward ran 7% slower (docs/cache.md, "Seeds")."""
+    import numpy as np
+
+    from gpurouter._checks import score_function_of
+    from gpurouter.kernels._base.launch import BF16
+    from gpurouter.kernels._base.plan import spec_of
+    from gpurouter.kernels._base.pointer import _numba_type
+    from gpurouter.kernels.topk.plans import topk_with_score_function_bwd_plan, topk_with_score_function_fwd_plan
+    from gpurouter.presets import PRESETS
+
+    why = seeds.status()["unusable"]
+    if why:
+        pytest.skip(f"the package's seeds are not usable here: {why}")
+    p = PRESETS["deepseek-v3"]
+    cc = kernel_cache.compute_capability(0)
+    sf, logits = int(score_function_of("test", p.score_function)), spec_of((4096, p.num_experts), BF16)
+    plans = [topk_with_score_function_fwd_plan(logits, p.expert_bias, p.topk, p.use_pre_softmax, p.num_groups,
+                                               p.group_topk, np.float32(p.scaling_factor), sf),
+             topk_with_score_function_bwd_plan(logits, p.topk, p.use_pre_softmax, np.float32(p.scaling_factor), sf)]
+    checked = 0
+    for plan in plans:
+        specs = {"in": plan.ins, "out": plan.outs, "tmp": plan.tmps}
+        for st in plan.steps:
+            argtypes = tuple(_numba_type(a, specs) for a in st.args)
+            if not seeds.has(st.kernel, argtypes, cc):
+                continue
+            entry, cubin = seeds.cubin_of(st.kernel, argtypes, cc, 0)
+            _, compiled_entry, compiled = kernel_cache._compile(st.kernel, argtypes, 0)
+            assert entry == compiled_entry and cubin == compiled, (entry, len(cubin), len(compiled))
+            checked += 1
+    if not checked:
+        pytest.skip(f"the package has no seed of these kernels for compute capability {cc}")
 
 
 # ----------------------------------------------------------------------------
@@ -890,7 +928,6 @@ def test_the_ffi_handler_from_its_seed_answers_as_the_compiled_one(tmp_path, mon
     one does, and its machine code is stored, so a fresh process loads it."""
     pytest.importorskip("jax")
     from gpurouter._transport import ffi, ffi_cache
-    from gpurouter.kernels._base import seeds
 
     want = probe_handler(ffi_cache.cached_cfunc(ffi._compile_handler, cache=disk_cache.DiskCache(tmp_path / "a"))
                          .address)
@@ -913,16 +950,16 @@ def test_cubin_bytes_reads_every_form_numba_returns(tmp_path):
     """numba-cuda 0.30 on a GPU returns a ``cuda.core`` ``ObjectCode`` from ``get_cubin``
     (found on an H200: ``bytes()`` of it raised TypeError); older ones return bytes."""
     blob = b"\x7fELF-not-really-a-cubin"
-    assert kernel_cache.cubin_bytes(blob) == blob
-    assert kernel_cache.cubin_bytes(bytearray(blob)) == blob
+    assert seeds.cubin_bytes(blob) == blob
+    assert seeds.cubin_bytes(bytearray(blob)) == blob
     path = tmp_path / "k.cubin"
     path.write_bytes(blob)
 
     class FromFile:  # ObjectCode's ``code`` may be a path
         code = str(path)
 
-    assert kernel_cache.cubin_bytes(FromFile()) == blob
+    assert seeds.cubin_bytes(FromFile()) == blob
     core = pytest.importorskip("cuda.core", reason="cuda.core (numba-cuda's ObjectCode) is not installed")
-    assert kernel_cache.cubin_bytes(core.ObjectCode.from_cubin(blob)) == blob
+    assert seeds.cubin_bytes(core.ObjectCode.from_cubin(blob)) == blob
     with pytest.raises(TypeError, match="cannot read a cubin"):
-        kernel_cache.cubin_bytes(object())
+        seeds.cubin_bytes(object())

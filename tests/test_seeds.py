@@ -69,13 +69,13 @@ def seed_dir(tmp_path, monkeypatch):
 def test_cubin_of_links_a_seed_and_none_without_one(seed_dir, monkeypatch):
     linked = []
 
-    def link(ptx, regs, ordinal):
-        linked.append((ptx, regs, ordinal))
+    def link(ptx, regs, ordinal, cc):
+        linked.append((ptx, regs, ordinal, cc))
         return b"CUBIN"
 
     before = dict(seeds.STATS)
     got = seeds.cubin_of(factory(4, True), ARGS, (9, 0), 1, folder=seed_dir, link_fn=link)
-    assert got == ("entry_k", b"CUBIN") and linked == [(PTX.encode(), None, 1)]
+    assert got == ("entry_k", b"CUBIN") and linked == [(PTX.encode(), None, 1, (9, 0))]
     assert seeds.STATS["linked"] == before["linked"] + 1
     assert seeds.cubin_of(factory(5, True), ARGS, (9, 0), 0, folder=seed_dir, link_fn=link) is None
     assert seeds.cubin_of(factory(4, True), ARGS, (8, 0), 0, folder=seed_dir, link_fn=link) is None

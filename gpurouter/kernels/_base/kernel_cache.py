@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import threading
 
 from . import disk_cache, seeds
@@ -129,20 +128,6 @@ def _load(entry: str, cubin: bytes, ordinal: int) -> int:
     return int(func.value or 0)
 
 
-def cubin_bytes(cubin) -> bytes:
-    """The bytes of what numba's ``get_cubin`` returns: ``bytes`` in older numba-cuda, a
-    ``cuda.core`` ``ObjectCode`` (its ``.code``: bytes, or a file's path) in 0.30 on a GPU."""
-    if isinstance(cubin, (bytes, bytearray, memoryview)):
-        return bytes(cubin)
-    code = getattr(cubin, "code", None)
-    if isinstance(code, (bytes, bytearray, memoryview)):
-        return bytes(code)
-    if isinstance(code, (str, os.PathLike)):
-        with open(code, "rb") as f:
-            return f.read()
-    raise TypeError(f"gpurouter: cannot read a cubin from numba's {type(cubin).__name__}")
-
-
 def _compile(kernel, argtypes, ordinal: int) -> tuple[int, str, bytes]:
     """numba's compile for GPU ``ordinal``: ``(CUfunction, entry name, cubin)``."""
     from .context import function_of, on_gpu
@@ -150,7 +135,7 @@ def _compile(kernel, argtypes, ordinal: int) -> tuple[int, str, bytes]:
     with on_gpu(ordinal):  # numba compiles and loads; it may leave another GPU current
         compiled = kernel.compile(tuple(argtypes))
         lib = compiled._codelibrary
-        cubin = cubin_bytes(lib.get_cubin())
+        cubin = seeds.cubin_bytes(lib.get_cubin())
         raw = int(lib.get_cufunc().handle)
     with on_gpu(ordinal):  # resolved in this GPU's context, nothing else run
         handle = function_of(raw, ordinal)

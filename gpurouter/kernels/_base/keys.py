@@ -22,6 +22,13 @@ CACHE_MODULES = frozenset({"_base/disk_cache.py", "_base/kernel_cache.py", "_bas
                            "_base/parallel.py", "_base/seeds.py"})
 
 
+#: in every kernel key: changed when the cubin stored under a key changes while
+#: the key's other parts do not. "entries=2": a seed is linked by numba's own
+#: linker (``seeds.link``); entries of before held the driver's link of a seed,
+#: slower code (docs/cache.md), and are never read again.
+ENTRIES = "entries=2"
+
+
 class Uncacheable(Exception):
     """A kernel whose key cannot be computed (it is compiled without the cache)."""
 
@@ -188,7 +195,7 @@ def kernel_text(kernel) -> str:
 def kernel_key(kernel, argtypes, cc, driver: int) -> str | None:
     """The disk cache key of ``kernel`` for ``argtypes`` on compute capability
     ``cc`` under CUDA driver version ``driver``; None: uncacheable."""
-    return _digest(kernel, argtypes, (toolchain(), f"cc={tuple(cc)}", f"driver={driver}"))
+    return _digest(kernel, argtypes, (toolchain(), f"cc={tuple(cc)}", f"driver={driver}", ENTRIES))
 
 
 def seed_key(kernel, argtypes, cc) -> str | None:

@@ -9,8 +9,9 @@ the PTX target: not on the driver or the GPU's serial. The package ships, in
 step launches (``python -m gpurouter cache make-seeds``, run on a GPU).
 
 On a miss of the disk cache, ``kernel_cache.resolve`` looks for the kernel's
-seed before it compiles: the driver's linker (``cuLinkAddData``) turns the
-PTX into a cubin in a fraction of a second, and that cubin is stored under
+seed before it compiles: numba's own linker (``link``: nvJitLink, the step
+numba's compile ends with) turns the PTX into the cubin a compile makes, in a
+fraction of a second, and that cubin is stored under
 the kernel's own key and loaded like any entry. A later process loads the
 cubin.
 
@@ -18,8 +19,8 @@ The seed's key (``keys.seed_key``) is the kernel's key without the CUDA
 packages (NVVM, nvJitLink, the runtime) and the driver, and with the PTX
 target ``compute_<major><minor>`` of the GPU in place of its compute
 capability. So a seed that another NVVM made is used: its PTX compiles the
-same IR, and this driver links it. No seed, an unreadable one or one that
-the driver refuses (a PTX ISA newer than the driver knows) means numba's
+same IR, and this process's linker makes the cubin. No seed, an unreadable one or one that
+the linker refuses (a PTX ISA newer than it knows) means numba's
 compile, as before. ``GPUROUTER_SEEDS=0`` turns seeds off;
 ``GPUROUTER_CACHE=0`` does too (every kernel compiled in the process).
 
@@ -30,7 +31,6 @@ others' cubins are not what one PTX makes.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import lzma
@@ -86,7 +86,7 @@ def unpack(data: bytes) -> tuple[str, bytes, int | None] | None:
 
 def cubin_of(kernel, argtypes, cc, ordinal: int, *, folder: Path | None = None, link_fn=None):
     """``(entry, cubin)`` of the kernel's seed linked for GPU ``ordinal``; None
-    when there is no seed, it is unreadable or the driver refuses it.
+    when there is no seed, it is unreadable or the linker refuses it.
     ``folder``: the seeds' (default :data:`SEED_DIR`)."""
     if not enabled():
         return None
@@ -98,7 +98,7 @@ def cubin_of(kernel, argtypes, cc, ordinal: int, *, folder: Path | None = None, 
         parsed = unpack((folder / f"{key}.seed").read_bytes())
     except OSError:
         parsed = None
-    cubin = (link_fn or link)(parsed[1], parsed[2], ordinal) if parsed is not None else None
+    cubin = (link_fn or link)(parsed[1], parsed[2], ordinal, cc) if parsed is not None else None
     if not cubin:
         STATS["refused"] += 1
         return None
@@ -114,42 +114,46 @@ def has(kernel, argtypes, cc, folder: Path | None = None) -> bool:
     return key is not None and key in index(folder or SEED_DIR)
 
 
-@functools.cache
-def _linker():
-    from .context import libcuda
-
-    lib = libcuda()
-    vp, ui, sz = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t
-    for name, args in (("cuLinkCreate_v2", [ui, vp, vp, ctypes.POINTER(vp)]),
-                       ("cuLinkAddData_v2", [vp, ctypes.c_int, ctypes.c_char_p, sz, ctypes.c_char_p, ui, vp, vp]),
-                       ("cuLinkComplete", [vp, ctypes.POINTER(vp), ctypes.POINTER(sz)]),
-                       ("cuLinkDestroy", [vp])):
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, ctypes.c_int
-    return lib
+def numba_target(cc) -> tuple:
+    """The target numba compiles and links for compute capability ``cc``: ``(major,
+    minor, "a")`` from 9.0 on (sm_90a), else ``(major, minor, "")``: numba-cuda's
+    ``CUDACodeLibrary._ensure_cc`` rule."""
+    return (int(cc[0]), int(cc[1]), "a" if tuple(cc[:2]) >= (9, 0) else "")
 
 
-def link(ptx: bytes, max_registers: int | None, ordinal: int) -> bytes | None:
-    """The cubin the driver's linker makes of ``ptx`` for GPU ``ordinal`` (with
-    numba's register bound, as numba links it); None when it refuses."""
+def link(ptx: bytes, max_registers: int | None, ordinal: int, cc) -> bytes | None:
+    """The cubin of ``ptx`` for GPU ``ordinal`` (compute capability ``cc``), made
+    the way numba makes its own: numba-cuda's linker (``cuda.core``'s, on
+    nvJitLink where it is found), numba's target and register bound. So a
+    seeded kernel is the machine code of a compiled one. The driver's own
+    ``cuLinkAddData`` (until 9e2fb1b) runs another PTX compiler and made
+    DeepSeek-V3's top-k forward 7% slower (docs/cache.md). None when it refuses."""
+    from numba.cuda.cudadrv import driver as numba_driver
+
     from .context import on_gpu
 
-    lib = _linker()
-    opts = (ctypes.c_int * 1)(0)  # CU_JIT_MAX_REGISTERS
-    vals = (ctypes.c_void_p * 1)(max_registers or 0)
-    state, out, size = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_size_t(0)
-    text = bytes(ptx) + b"\0"
-    with on_gpu(ordinal):
-        if lib.cuLinkCreate_v2(1 if max_registers else 0, opts, vals, ctypes.byref(state)) != 0:
-            return None
-        try:
-            if lib.cuLinkAddData_v2(state, 1, text, len(text), b"seed.ptx", 0, None, None) != 0:  # ..._INPUT_PTX
-                return None
-            if lib.cuLinkComplete(state, ctypes.byref(out), ctypes.byref(size)) != 0 or not out.value:
-                return None
-            return ctypes.string_at(out.value, size.value)  # copied before the state (which owns it) goes
-        finally:
-            lib.cuLinkDestroy(state)
+    try:
+        with on_gpu(ordinal):
+            linker = numba_driver._Linker(max_registers=max_registers, cc=numba_target(cc))
+            linker.add_ptx(bytes(ptx))
+            return cubin_bytes(linker.complete()) or None
+    except Exception:  # noqa: BLE001  (any refusal: numba compiles the kernel instead)
+        return None
+
+
+def cubin_bytes(cubin) -> bytes:
+    """The bytes of what numba's ``get_cubin`` returns: ``bytes`` in older numba-cuda, a
+    ``cuda.core`` ``ObjectCode`` (its ``.code``: bytes, or a file's path) in 0.30 on a GPU."""
+    if isinstance(cubin, (bytes, bytearray, memoryview)):
+        return bytes(cubin)
+    code = getattr(cubin, "code", None)
+    if isinstance(code, (bytes, bytearray, memoryview)):
+        return bytes(code)
+    if isinstance(code, (str, os.PathLike)):
+        with open(code, "rb") as f:
+            return f.read()
+    raise TypeError(f"gpurouter: cannot read a cubin from numba's {type(cubin).__name__}")
+
 
 
 def record(kernel, argtypes, cc, library) -> None:
