@@ -48,7 +48,7 @@ def make(presets, dtypes, folder: Path, tokens: int = TOKENS, say=print) -> dict
     for r in skipped[:5]:
         say(f"no seed for {_name(r['kernel'])}: {r['skipped']}")
     if not recorded or len(skipped) == len(recorded):
-        say(f"no seed made: {len(recorded)} kernels recorded, {len(skipped)} without PTX to ship; "
+        say(f"no seed made: {len(recorded)} kernels recorded, {len(skipped)} without code to ship; "
             f"{folder} left as it was")
         return {}
     folder.mkdir(parents=True, exist_ok=True)
@@ -57,10 +57,10 @@ def make(presets, dtypes, folder: Path, tokens: int = TOKENS, say=print) -> dict
         key = None if r["skipped"] else keys.seed_key(r["kernel"], r["argtypes"], r["cc"])
         if key is None or key in made:
             continue
-        data = seeds.pack(r["entry"], r["ptx"], r["max_registers"])
+        data = seeds.pack(r["entry"], r["code"], r["max_registers"], r["kind"])
         (folder / f"{key}.seed").write_bytes(data)
         made[key] = {"kernel": _name(r["kernel"]), "args": [str(t) for t in r["argtypes"]],
-                     "ptx": f"compute_{r['cc'][0]}{r['cc'][1]}", "bytes": len(data)}
+                     "target": f"compute_{r['cc'][0]}{r['cc'][1]}", "kind": r["kind"], "bytes": len(data)}
     for old in folder.glob("*.seed"):
         if old.stem not in made:
             old.unlink()

@@ -1,9 +1,10 @@
 """The package's seeds (gpurouter/kernels/_base/seeds.py): the presets' kernels
-as PTX, linked by the driver on a miss of an empty cache. On the CPU: the
+as numba's LTO-IR (or PTX), linked by numba's linker on a miss of an empty cache. On the CPU: the
 seed key, the seed file, the lookup with the GPU steps faked, the workers
 skipping seeded kernels, and the shipped seeds being those of today's kernel
 sources. The real link runs on the GPU
-(tests/test_kernel_cache.py::test_an_empty_cache_links_the_shipped_seeds_with_the_bits_of_a_compile)."""
+(tests/test_kernel_cache.py::test_an_empty_cache_links_the_shipped_seeds_with_the_bits_of_a_compile,
+test_a_linked_seed_is_the_cubin_of_numbas_compile)."""
 
 from __future__ import annotations
 
@@ -48,8 +49,13 @@ def test_the_cache_modules_are_out_of_the_source_digest(tmp_path):
 
 def test_seed_file_round_trips_and_rejects_garbage():
     data = seeds.pack("_Z6kernel", PTX, 64)
-    assert seeds.unpack(data) == ("_Z6kernel", PTX.encode(), 64)
+    assert seeds.unpack(data) == ("_Z6kernel", PTX.encode(), 64, "ptx")
     assert seeds.unpack(seeds.pack("e", PTX, None))[2] is None
+    assert seeds.unpack(seeds.pack("e", b"\x00LTO", None, "ltoir")) == ("e", b"\x00LTO", None, "ltoir")
+    with pytest.raises(ValueError, match="kind"):
+        seeds.pack("e", PTX, None, "cubin")
+    head = b'{"entry": "e", "kind": "cubin"}'  # a kind this version does not know: not a seed
+    assert seeds.unpack(seeds._MAGIC + len(head).to_bytes(4, "little") + head + seeds.lzma.compress(b"x")) is None
     for bad in (b"", b"GRS1", data[:20], b"XXXX" + data[4:], data[:-5], seeds._MAGIC + b"\x02\x00\x00\x00{}"):
         assert seeds.unpack(bad) is None, bad
 
@@ -69,13 +75,13 @@ def seed_dir(tmp_path, monkeypatch):
 def test_cubin_of_links_a_seed_and_none_without_one(seed_dir, monkeypatch):
     linked = []
 
-    def link(ptx, regs, ordinal, cc):
-        linked.append((ptx, regs, ordinal, cc))
+    def link(code, regs, ordinal, cc, kind):
+        linked.append((code, regs, ordinal, cc, kind))
         return b"CUBIN"
 
     before = dict(seeds.STATS)
     got = seeds.cubin_of(factory(4, True), ARGS, (9, 0), 1, folder=seed_dir, link_fn=link)
-    assert got == ("entry_k", b"CUBIN") and linked == [(PTX.encode(), None, 1, (9, 0))]
+    assert got == ("entry_k", b"CUBIN") and linked == [(PTX.encode(), None, 1, (9, 0), "ptx")]
     assert seeds.STATS["linked"] == before["linked"] + 1
     assert seeds.cubin_of(factory(5, True), ARGS, (9, 0), 0, folder=seed_dir, link_fn=link) is None
     assert seeds.cubin_of(factory(4, True), ARGS, (8, 0), 0, folder=seed_dir, link_fn=link) is None
@@ -150,7 +156,8 @@ def test_workers_skip_kernels_with_a_seed(tmp_path, seed_dir, monkeypatch):
 
 def test_status_says_why_seeds_are_not_used(seed_dir, monkeypatch):
     manifest = {"source_digest": keys.source_digest(), "seed_toolchain": keys.seed_toolchain(),
-                "made": {"date": "2026-11-28", "gpu": "H200"}, "seeds": {seed_key(): {"ptx": "compute_90"}}}
+                "made": {"date": "2026-11-28", "gpu": "H200"},
+                "seeds": {seed_key(): {"target": "compute_90", "kind": "ltoir"}}}
     (seed_dir / "MANIFEST.json").write_text(json.dumps(manifest))
     st = seeds.status(seed_dir)
     assert st["count"] == 1 and st["targets"] == ["compute_90"] and st["unusable"] == ""
@@ -178,8 +185,9 @@ def test_the_shipped_seeds_are_those_of_todays_kernels():
     files = {p.stem for p in seeds.SEED_DIR.glob("*.seed")}
     assert files == set(manifest["seeds"]) and files, "MANIFEST.json and the .seed files differ"
     for key in sorted(files)[:5]:
-        entry, ptx, _ = seeds.unpack((seeds.SEED_DIR / f"{key}.seed").read_bytes())
-        assert entry and b".entry" in ptx and b".target sm_" in ptx
+        entry, code, _, kind = seeds.unpack((seeds.SEED_DIR / f"{key}.seed").read_bytes())
+        assert entry and kind == manifest["seeds"][key]["kind"]
+        assert (b".entry" in code and b".target sm_" in code) if kind == "ptx" else len(code) > 1000
 
 
 class FakeLibrary:
@@ -192,18 +200,19 @@ class FakeLibrary:
             raise self._ptxes[0]
         return self._ptxes
 
-    def get_lto_ptx(self, cc=None):
-        return "LTO PTX"
+    def get_ltoir(self, cc=None):
+        return b"LTOIR"
 
 
-def test_record_keeps_one_ptx_and_says_why_not_otherwise(monkeypatch):
+def test_record_keeps_the_ltoir_or_one_ptx_and_says_why_not_otherwise(monkeypatch):
     monkeypatch.setattr(seeds, "RECORDING", [])
     cases = [FakeLibrary(), FakeLibrary(lto=True), FakeLibrary(ptxes=("a", "b")), FakeLibrary(files=("x.a",)),
              FakeLibrary(cudadevrt=True), FakeLibrary(ptxes=(RuntimeError("nvvm said no"),))]
     for lib in cases:
         seeds.record(factory(4, True), ARGS, (9, 0), lib)
-    got = [(r["ptx"], r["skipped"]) for r in seeds.RECORDING]
-    assert got[0] == ("PTX", "") and got[1] == ("LTO PTX", "")
+    got = [(r["code"], r["skipped"]) for r in seeds.RECORDING]
+    assert got[0] == (b"PTX", "") and got[1] == (b"LTOIR", "")
+    assert [r["kind"] for r in seeds.RECORDING[:2]] == ["ptx", "ltoir"]
     assert got[2] == (None, "2 PTX modules") and "x.a" in got[3][1] and "cudadevrt=True" in got[4][1]
     assert got[5] == (None, "RuntimeError: nvvm said no")
     monkeypatch.setattr(seeds, "RECORDING", None)
@@ -238,7 +247,7 @@ def test_make_writes_the_seeds_and_manifest_and_replaces_old_ones(tmp_path, monk
     assert set(manifest["seeds"]) == keys_made == {p.stem for p in tmp_path.glob("*.seed")}
     assert manifest["source_digest"] == keys.source_digest() and manifest["configs"][0]["kernels"] == 3
     assert json.loads((tmp_path / "MANIFEST.json").read_text()) == manifest
-    assert seeds.unpack((tmp_path / f"{seed_key()}.seed").read_bytes()) == ("entry_f", b"PTX", None)
+    assert seeds.unpack((tmp_path / f"{seed_key()}.seed").read_bytes()) == ("entry_f", b"PTX", None, "ptx")
     assert any("x.a" in m for m in said) and seeds.RECORDING is None
     assert manifest["handler"]["file"] == "handler-0.hseed" and manifest["handler"]["sources_digest"]
 

@@ -1,32 +1,32 @@
-"""Seeds: the presets' kernels shipped as PTX, so that an empty cache's first step compiles nothing.
+"""Seeds: the presets' kernels shipped as numba's compiler output, so that an empty cache's first step compiles nothing.
 
 With an empty cache, a first router step pays numba's compile of each kernel
 it launches: 5.5 s for the largest, mostly numba's typing and lowering in
-Python (docs/cache.md). What that part makes is PTX, and PTX depends on the
-kernel, its argument types, numba's, numba-cuda's and llvmlite's versions and
-the PTX target: not on the driver or the GPU's serial. The package ships, in
-``gpurouter/seeds/``, the PTX of the kernels that each preset's first router
-step launches (``python -m gpurouter cache make-seeds``, run on a GPU).
+Python (docs/cache.md). What that part makes is NVVM's output: LTO-IR, which
+numba-cuda links with link-time optimisation (nvJitLink) into the cubin, or
+PTX where it links without. It depends on the kernel, its argument types,
+numba's, numba-cuda's and llvmlite's versions and the GPU architecture: not
+on the driver or the GPU's serial. The package ships, in ``gpurouter/seeds/``,
+that code of the kernels that each preset's first router step launches
+(``python -m gpurouter cache make-seeds``, run on a GPU).
 
 On a miss of the disk cache, ``kernel_cache.resolve`` looks for the kernel's
-seed before it compiles: numba's own linker (``link``: nvJitLink, the step
-numba's compile ends with) turns the PTX into the cubin a compile makes, in a
-fraction of a second, and that cubin is stored under
-the kernel's own key and loaded like any entry. A later process loads the
-cubin.
+seed before it compiles: numba's own linker (``link``: the step numba's
+compile ends with) turns it into the cubin a compile makes, byte for byte, in
+a fraction of a second, and that cubin is stored under the kernel's own key
+and loaded like any entry. A later process loads the cubin.
 
 The seed's key (``keys.seed_key``) is the kernel's key without the CUDA
-packages (NVVM, nvJitLink, the runtime) and the driver, and with the PTX
-target ``compute_<major><minor>`` of the GPU in place of its compute
-capability. So a seed that another NVVM made is used: its PTX compiles the
-same IR, and this process's linker makes the cubin. No seed, an unreadable one or one that
-the linker refuses (a PTX ISA newer than it knows) means numba's
-compile, as before. ``GPUROUTER_SEEDS=0`` turns seeds off;
+packages (NVVM, nvJitLink, the runtime) and the driver, and with the target
+``compute_<major><minor>`` of the GPU in place of its compute capability. A
+seed that another NVVM made is tried: a linker that refuses its code (an
+LTO-IR or PTX version newer than it knows) means numba's compile, as does
+no seed or an unreadable one. ``GPUROUTER_SEEDS=0`` turns seeds off;
 ``GPUROUTER_CACHE=0`` does too (every kernel compiled in the process).
 
-Only a kernel whose cubin numba links from one PTX module (after link-time
-optimisation where numba uses it) and no other file gets a seed: the
-others' cubins are not what one PTX makes.
+Only a kernel whose cubin numba links from one module (its LTO-IR, or one PTX
+module) and no other file gets a seed: the others' cubins are not what one
+module makes.
 """
 
 from __future__ import annotations
@@ -62,26 +62,34 @@ def index(folder: Path) -> frozenset:
         return frozenset()
 
 
-def pack(entry: str, ptx: str, max_registers: int | None) -> bytes:
-    """A seed file: magic, a JSON header (entry name, register bound), the xz-compressed PTX."""
-    head = json.dumps({"entry": entry, "max_registers": max_registers}).encode()
-    return _MAGIC + len(head).to_bytes(4, "little") + head + lzma.compress(ptx.encode())
+#: what a seed's code is: numba's LTO-IR (``ltoir``: numba-cuda links its kernels
+#: with link-time optimisation where nvJitLink is found) or PTX (``ptx``: without it)
+KINDS = ("ltoir", "ptx")
 
 
-def unpack(data: bytes) -> tuple[str, bytes, int | None] | None:
-    """``(entry, ptx, max_registers)`` of a seed file; None when it is not one."""
+def pack(entry: str, code: bytes | str, max_registers: int | None, kind: str = "ptx") -> bytes:
+    """A seed file: magic, a JSON header (entry name, register bound, kind), the xz-compressed code."""
+    if kind not in KINDS:
+        raise ValueError(f"gpurouter: a seed's kind is one of {KINDS}, not {kind!r}")
+    head = json.dumps({"entry": entry, "max_registers": max_registers, "kind": kind}).encode()
+    data = code.encode() if isinstance(code, str) else bytes(code)
+    return _MAGIC + len(head).to_bytes(4, "little") + head + lzma.compress(data)
+
+
+def unpack(data: bytes) -> tuple[str, bytes, int | None, str] | None:
+    """``(entry, code, max_registers, kind)`` of a seed file; None when it is not one."""
     try:
         if data[:4] != _MAGIC:
             return None
         n = int.from_bytes(data[4:8], "little")
         head = json.loads(data[8:8 + n])
-        ptx = lzma.decompress(data[8 + n:])
-        entry, regs = head["entry"], head.get("max_registers")
+        code = lzma.decompress(data[8 + n:])
+        entry, regs, kind = head["entry"], head.get("max_registers"), head.get("kind", "ptx")
     except (ValueError, KeyError, TypeError, lzma.LZMAError):
         return None
-    if not isinstance(entry, str) or not entry or not (regs is None or isinstance(regs, int)):
+    if not isinstance(entry, str) or not entry or not (regs is None or isinstance(regs, int)) or kind not in KINDS:
         return None
-    return entry, ptx, regs
+    return entry, code, regs, kind
 
 
 def cubin_of(kernel, argtypes, cc, ordinal: int, *, folder: Path | None = None, link_fn=None):
@@ -98,7 +106,7 @@ def cubin_of(kernel, argtypes, cc, ordinal: int, *, folder: Path | None = None, 
         parsed = unpack((folder / f"{key}.seed").read_bytes())
     except OSError:
         parsed = None
-    cubin = (link_fn or link)(parsed[1], parsed[2], ordinal, cc) if parsed is not None else None
+    cubin = (link_fn or link)(parsed[1], parsed[2], ordinal, cc, parsed[3]) if parsed is not None else None
     if not cubin:
         STATS["refused"] += 1
         return None
@@ -121,21 +129,25 @@ def numba_target(cc) -> tuple:
     return (int(cc[0]), int(cc[1]), "a" if tuple(cc[:2]) >= (9, 0) else "")
 
 
-def link(ptx: bytes, max_registers: int | None, ordinal: int, cc) -> bytes | None:
-    """The cubin of ``ptx`` for GPU ``ordinal`` (compute capability ``cc``), made
-    the way numba makes its own: numba-cuda's linker (``cuda.core``'s, on
-    nvJitLink where it is found), numba's target and register bound. So a
-    seeded kernel is the machine code of a compiled one. The driver's own
-    ``cuLinkAddData`` (until 9e2fb1b) runs another PTX compiler and made
-    DeepSeek-V3's top-k forward 7% slower (docs/cache.md). None when it refuses."""
+def link(code: bytes, max_registers: int | None, ordinal: int, cc, kind: str = "ptx") -> bytes | None:
+    """The cubin of a seed's ``code`` (``kind``: ``KINDS``) for GPU ``ordinal``
+    (compute capability ``cc``), made as numba makes its own: numba-cuda's
+    linker (``cuda.core``'s, on nvJitLink), numba's target and register bound,
+    and link-time optimisation of LTO-IR. So a seeded kernel is the machine code
+    of a compiled one. Until 648ed78 the seeds were PTX (after LTO) linked by the
+    driver: other code, DeepSeek-V3's top-k forward 7% slower (docs/cache.md).
+    None when the linker refuses (numba compiles the kernel then)."""
     from numba.cuda.cudadrv import driver as numba_driver
 
     from .context import on_gpu
 
     try:
         with on_gpu(ordinal):
-            linker = numba_driver._Linker(max_registers=max_registers, cc=numba_target(cc))
-            linker.add_ptx(bytes(ptx))
+            linker = numba_driver._Linker(max_registers=max_registers, cc=numba_target(cc), lto=kind == "ltoir")
+            if kind == "ltoir":
+                linker.add_ltoir(bytes(code))
+            else:
+                linker.add_ptx(bytes(code))
             return cubin_bytes(linker.complete()) or None
     except Exception:  # noqa: BLE001  (any refusal: numba compiles the kernel instead)
         return None
@@ -159,35 +171,36 @@ def cubin_bytes(cubin) -> bytes:
 def record(kernel, argtypes, cc, library) -> None:
     """Called by ``make-seeds`` after numba compiled ``kernel``: while
     :data:`RECORDING` is a list, a dict of the kernel, its argument types,
-    ``cc``, entry name, register bound and PTX is appended to it; ``skipped``
-    says why a kernel has no PTX to ship (module docstring), "" when it has.
+    ``cc``, entry name, register bound, code and its kind is appended to it;
+    ``skipped`` says why a kernel has no code to ship (module docstring), "" when it has.
     Never raises: a compile does not fail for its record."""
     if RECORDING is None:
         return
     try:
-        ptx, why = _ptx_of(library)
+        code, kind, why = _code_of(library)
     except Exception as e:  # noqa: BLE001  (reported by make-seeds)
-        ptx, why = None, f"{type(e).__name__}: {e}"
+        code, kind, why = None, "", f"{type(e).__name__}: {e}"
     RECORDING.append({"kernel": kernel, "argtypes": tuple(argtypes), "cc": tuple(cc),
-                      "entry": str(getattr(library, "_entry_name", "")), "ptx": ptx,
+                      "entry": str(getattr(library, "_entry_name", "")), "code": code, "kind": kind,
                       "max_registers": getattr(library, "_max_registers", None), "skipped": why})
 
 
-def _ptx_of(library) -> tuple[str | None, str]:
-    """The one PTX module that makes ``library``'s cubin, and "" ; or None and why not."""
+def _code_of(library) -> tuple[bytes | None, str, str]:
+    """``(code, kind, "")``: what numba makes ``library``'s cubin of (its LTO-IR, or
+    its one PTX module without LTO); or ``(None, "", why not)``."""
     files = getattr(library, "_linking_files", None)
     if files or getattr(library, "needs_cudadevrt", False):
-        return None, f"links files ({sorted(map(str, files or ()))}, cudadevrt={library.needs_cudadevrt})"
+        return None, "", f"links files ({sorted(map(str, files or ()))}, cudadevrt={library.needs_cudadevrt})"
     if getattr(library, "_lto", False):
-        return library.get_lto_ptx(), ""  # the PTX after link-time optimisation: what the cubin is made of
-    ptxes = library.get_asm_strs()  # numba's own target (compute_90a on 9.0): the PTX it linked
+        return bytes(library.get_ltoir()), "ltoir", ""  # numba's target (sm_90a on 9.0), as get_cubin links it
+    ptxes = library.get_asm_strs()
     if len(ptxes) != 1:
-        return None, f"{len(ptxes)} PTX modules"
-    return ptxes[0], ""
+        return None, "", f"{len(ptxes)} PTX modules"
+    return ptxes[0].encode(), "ptx", ""
 
 
 def status(folder: Path | None = None) -> dict:
-    """The package's seeds: ``count``, PTX ``targets``, when and where they were
+    """The package's seeds: ``count``, their ``targets``, when and where they were
     ``made``, and ``unusable``: why this process cannot use them ("" when it can;
     the GPU's compute capability aside)."""
     folder = folder or SEED_DIR
@@ -214,5 +227,5 @@ def status(folder: Path | None = None) -> dict:
             theirs, ours = str(manifest.get("seed_toolchain")).split(";"), toolchain.split(";")
             why = (f"made with {';'.join(t for t in theirs if t not in ours) or '?'}; this process has "
                    f"{';'.join(t for t in ours if t not in theirs)}")
-    targets = sorted({s.get("ptx", "?") for s in manifest.get("seeds", {}).values()})
+    targets = sorted({s.get("target", s.get("ptx", "?")) for s in manifest.get("seeds", {}).values()})
     return {"count": count, "targets": targets, "made": manifest.get("made"), "unusable": why}
