@@ -682,12 +682,33 @@ def test_an_empty_cache_links_the_shipped_seeds_with_the_bits_of_a_compile(tmp_p
     assert warm["stats"]["compiled"] == warm["stats"]["seeded"] == 0 and warm["digest"] == bare["digest"], warm
 
 
+def _code_sections(cubin: bytes) -> list[bytes]:
+    """The machine code of an ELF cubin: its ``.text.<entry>`` sections' bytes, in order."""
+    import struct
+
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def section(i):  # (name offset, file offset, size) of section i
+        name, _, _, _, off, size = struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize)
+        return name, off, size
+
+    names = section(shstrndx)[1]
+    out = []
+    for i in range(shnum):
+        name, off, size = section(i)
+        if cubin[names + name:cubin.index(b"\0", names + name)].startswith(b".text."):
+            out.append(cubin[off:off + size])
+    return out
+
+
 @pytest.mark.gpu
 def test_a_linked_seed_is_the_cubin_of_numbas_compile():
-    """DeepSeek-V3's top-k forward and backward kernels: the seed's PTX linked
-    (``seeds.link``) is numba's own cubin of the kernel, byte for byte. The
-    driver's link of a seed (``cuLinkAddData``, until 9e2fb1b) made other machine
-    code: that forward ran 7% slower (docs/cache.md, "Seeds")."""
+    """DeepSeek-V3's top-k forward and backward kernels: the seed linked
+    (``seeds.link``) is the machine code of numba's own compile, byte for byte
+    (the entry names aside: numba's mangled names hold a per-process counter).
+    The driver's link of a seed's PTX (until 648ed78) made other machine code:
+    that forward ran 7% slower (docs/cache.md, "Seeds")."""
     import numpy as np
 
     from gpurouter._checks import score_function_of
@@ -713,9 +734,9 @@ def test_a_linked_seed_is_the_cubin_of_numbas_compile():
             argtypes = tuple(_numba_type(a, specs) for a in st.args)
             if not seeds.has(st.kernel, argtypes, cc):
                 continue
-            entry, cubin = seeds.cubin_of(st.kernel, argtypes, cc, 0)
-            _, compiled_entry, compiled = kernel_cache._compile(st.kernel, argtypes, 0)
-            assert entry == compiled_entry and cubin == compiled, (entry, len(cubin), len(compiled))
+            _, cubin = seeds.cubin_of(st.kernel, argtypes, cc, 0)
+            _, _, compiled = kernel_cache._compile(st.kernel, argtypes, 0)
+            assert _code_sections(cubin) == _code_sections(compiled) != [], (len(cubin), len(compiled))
             checked += 1
     if not checked:
         pytest.skip(f"the package has no seed of these kernels for compute capability {cc}")
