@@ -156,6 +156,15 @@ def test_moe_bench_tiny_runs_and_writes_json(capsys, tmp_path):
     assert "block jax / numba=" in capsys.readouterr().out
 
 
+def test_bench_header_names_the_numba_versions():
+    """The results' header says which numba ran them (it said "unavailable: No
+    module named 'gpurouter.bench.kernels'" after the bench became a package)."""
+    import numba
+
+    info = bench._gpu_info()
+    assert info["numba"] == numba.__version__ and info["numba_cuda"] and info["numpy"] == np.__version__
+
+
 def test_bench_commit_is_this_checkouts_or_unknown(tmp_path):
     """The commit a bench records: this checkout's HEAD, or "unknown" for a
     copy of the package inside another git work tree (a lent GPU's copy of

@@ -108,7 +108,7 @@ def _gpu_info() -> dict:
     try:
         import numba
 
-        from .kernels._base import compat as _compat  # noqa: F401
+        from ..kernels._base import compat as _compat  # noqa: F401
 
         info["numba"] = numba.__version__
         from importlib.metadata import version
