@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
                     "another process's compile of a kernel).")
     parser.add_argument("action", choices=["info", "clear", "make-seeds"],
                         help="info: where the cache is, its entries and size; clear: delete every entry; "
-                             "make-seeds (on a GPU): the package's seeds, the presets' kernels as PTX "
+                             "make-seeds (on a GPU): the package's seeds, the presets' kernels as numba's LTO-IR "
                              "(docs/cache.md, \"Seeds\")")
     parser.add_argument("--json", action="store_true", help="print info as one JSON object")
     parser.add_argument("--presets", type=comma_list([*PRESETS, "all"], "preset"), default=["all"],

@@ -3,7 +3,7 @@
 Runs each preset's first router step (``coldstart.router_step``: the top-k
 forward and backward with the preset's bias, the aux scores and the aux
 loss) for each logits dtype in this process, with the disk cache off so that
-numba compiles every kernel, and writes the PTX of each kernel compiled
+numba compiles every kernel, and writes what numba links of each kernel (its LTO-IR, or PTX)
 (``kernels/_base/seeds.py``) to ``gpurouter/seeds/``: ``<key>.seed`` files,
 the FFI handler's bitcode for a generic CPU (``handler-<key>.hseed``,
 ``_transport/ffi_cache.py``) and ``MANIFEST.json`` (the source digest and toolchain they were made with,

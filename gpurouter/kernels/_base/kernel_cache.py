@@ -5,7 +5,7 @@ for argument types and a GPU. Its first call in a process for a
 (kernel, types, GPU) computes the kernel's key (:func:`kernel_key`) and looks
 it up in the disk cache (``disk_cache``): a hit loads the stored cubin with
 ``cuModuleLoadData`` and takes its entry with ``cuModuleGetFunction``; on
-a miss, the kernel's shipped seed (``seeds``: its PTX, linked by the driver)
+a miss, the kernel's shipped seed (``seeds``: linked as numba links)
 or else numba's compile (``dispatcher.compile``) gives the cubin, which is
 stored with its entry name. Later calls are a dict lookup.
 
