@@ -707,8 +707,8 @@ def test_a_linked_seed_is_the_cubin_of_numbas_compile():
     """DeepSeek-V3's top-k forward and backward kernels: the seed linked
     (``seeds.link``) is the machine code of numba's own compile, byte for byte
     (the entry names aside: numba's mangled names hold a per-process counter).
-    The driver's link of a seed's PTX (until 648ed78) made other machine code:
-    that forward ran 7% slower (docs/cache.md, "Seeds")."""
+    The seeds of before, the PTX after LTO linked again, made other machine
+    code: that forward ran 7% slower (docs/cache.md, "Seeds")."""
     import numpy as np
 
     from gpurouter._checks import score_function_of

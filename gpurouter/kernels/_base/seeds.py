@@ -134,8 +134,10 @@ def link(code: bytes, max_registers: int | None, ordinal: int, cc, kind: str = "
     (compute capability ``cc``), made as numba makes its own: numba-cuda's
     linker (``cuda.core``'s, on nvJitLink), numba's target and register bound,
     and link-time optimisation of LTO-IR. So a seeded kernel is the machine code
-    of a compiled one. Until 648ed78 the seeds were PTX (after LTO) linked by the
-    driver: other code, DeepSeek-V3's top-k forward 7% slower (docs/cache.md).
+    of a compiled one. Until 5a31770 the seeds were the PTX after LTO, linked by
+    the driver until 648ed78: other code, DeepSeek-V3's top-k forward 7% slower
+    (docs/cache.md, "Seeds"). numba-cuda's ``_Linker`` is not public API: the
+    seeds are only used with the numba-cuda they were made with (their key).
     None when the linker refuses (numba compiles the kernel then)."""
     from numba.cuda.cudadrv import driver as numba_driver
 
