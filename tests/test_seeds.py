@@ -190,6 +190,21 @@ def test_the_shipped_seeds_are_those_of_todays_kernels():
         assert (b".entry" in code and b".target sm_" in code) if kind == "ptx" else len(code) > 1000
 
 
+def test_the_extras_pin_the_versions_the_seeds_were_made_with():
+    """pip's ``[cuda12]``, ``[cuda13]`` and ``[sim]`` extras install the numba, llvmlite
+    and numba-cuda of the shipped seeds: another version never uses them (their key)."""
+    import re
+
+    made = dict(part.split("=", 1) for part in json.loads(
+        (seeds.SEED_DIR / "MANIFEST.json").read_text())["seed_toolchain"].split(";") if "=" in part)
+    text = (keys.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    for extra in ("cuda12", "cuda13", "sim"):
+        line = re.search(rf"^{extra} = \[(.*?)\]\n(?=\S|#)", text, re.M | re.S).group(1)
+        for name in ("numba", "llvmlite", "numba-cuda"):
+            pin = re.search(rf'"{re.escape(name)}(\[\w+\])?==([^"]+)"', line)
+            assert pin and pin.group(2) == made[name], (extra, name, made[name])
+
+
 class FakeLibrary:
     def __init__(self, ptxes=("PTX",), files=(), lto=False, cudadevrt=False):
         self._ptxes, self._linking_files, self._lto, self.needs_cudadevrt = list(ptxes), set(files), lto, cudadevrt
@@ -282,5 +297,5 @@ def test_handler_seed_file_rejects_garbage():
     good = ffi_cache.pack_seed("lib", "entry", b"BC")
     assert ffi_cache.unpack_seed(good) == ("lib", "entry", b"BC")
     for bad in (b"", good[:10], b"GRF1" + good[4:], ffi_cache._SEED_MAGIC + b"not xz",
-                ffi_cache._SEED_MAGIC + __import__("lzma").compress(ffi_cache.pack("lib", "entry", b"object", b"BC"))):
+                ffi_cache._SEED_MAGIC + seeds.lzma.compress(ffi_cache.pack("lib", "entry", b"object", b"BC"))):
         assert ffi_cache.unpack_seed(bad) is None, bad
