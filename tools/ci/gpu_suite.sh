@@ -27,6 +27,10 @@ export GPUROUTER_COMPILE_WORKERS=${GPUROUTER_COMPILE_WORKERS-0}
 xla_cache=${GPU_SUITE_XLA_CACHE-${XDG_CACHE_HOME:-$HOME/.cache}/gpurouter-suite-xla}
 if [ -n "$xla_cache" ]; then
   export JAX_COMPILATION_CACHE_DIR=$xla_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+  # Each run adds the "ffi" programs it compiled (about 25 MB at 9e2fb1b), which no later process
+  # reads: entries written over a week ago go, so the folder stays bounded (a pruned program is
+  # compiled and written again by the next run that needs it).
+  find "$xla_cache" -type f -mtime +7 -delete 2>/dev/null
 fi
 py=${PYTHON:-python3}
 limit=${GPU_SUITE_TIMEOUT:-570}
