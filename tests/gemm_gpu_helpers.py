@@ -1,13 +1,12 @@
-"""Operands and timing shared by the grouped-GEMM GPU tests
-(tests/test_grouped_matmul_gpu.py, tests/grouped_gemm/test_pallas_gpu.py):
-the MoE issue's full shapes, balanced or skewed group sizes, one jitted
-forward + backward per function, median wall milliseconds."""
+"""Operands shared by the grouped-GEMM GPU tests (tests/test_grouped_matmul_gpu.py,
+tests/grouped_gemm/test_pallas_gpu.py, test_mosaic_gpu.py): the MoE issue's full
+shapes, balanced or skewed group sizes, one jitted forward + backward per
+function. The tests check values; tools/probes (grouped_gemm_probe.py,
+pallas_gemm_sweep.py, mosaic_gemm_sweep.py) time them."""
 
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,7 @@ import numpy as np
 
 from gpurouter.bench.moe import SHAPES
 
-__all__ = ["SHAPES", "assert_matches", "fwd_bwd", "max_rel_error", "median_ms", "operands", "sizes"]
+__all__ = ["SHAPES", "assert_matches", "fwd_bwd", "max_rel_error", "operands", "sizes"]
 
 
 def sizes(t, e, k, skewed: bool, seed=0):
@@ -54,16 +53,6 @@ def fwd_bwd(fn):
         out, vjp = jax.vjp(lambda x, y: fn(x, y, s), a, b)
         return (out, *vjp(d))
     return jax.jit(f)
-
-
-def median_ms(f, args, repeats=5):
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 #: elements of one slab of :func:`max_rel_error` (1 GB in float32)

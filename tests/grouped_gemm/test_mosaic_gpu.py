@@ -2,21 +2,19 @@
 values and both gradients of a float64 oracle at the edges (an empty group,
 rows past the groups, N off 128, groups over several tiles), of
 ``batched_ragged_dot`` at the MoE issue's two full shapes (balanced and
-skewed routing); the forward + backward times of both printed (``-s``).
+skewed routing). tools/probes/mosaic_gemm_sweep.py times them.
 (No MoE-block test here: a jitted block with nine of these kernels hung in
 XLA's compile on the H200, docs/moe.md "Mosaic GPU"; the block's wiring is
 tested off the GPU, tests/grouped_gemm/test_mosaic.py.)"""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from gemm_gpu_helpers import SHAPES
 from gemm_gpu_helpers import assert_matches as _assert_matches
 from gemm_gpu_helpers import fwd_bwd as _fwd_bwd
-from gemm_gpu_helpers import median_ms as _median_ms
 from gemm_gpu_helpers import operands as _operands
 from gemm_gpu_helpers import sizes as _sizes
 
@@ -70,6 +68,3 @@ def test_mosaic_equals_batched_at_the_full_shapes(name, routing):
     got = _fwd_bwd(mosaic_ragged_dot)(*args)
     want = _fwd_bwd(batched_ragged_dot)(*args)
     _assert_matches(got, want, f"{name} {routing}")
-    ms = {label: _median_ms(_fwd_bwd(fn), args) for label, fn in (("mosaic", mosaic_ragged_dot),
-                                                                  ("batched", batched_ragged_dot))}
-    print(f"{name} {routing} fwd+bwd ms: {ms} ({jax.devices()[0].device_kind})")

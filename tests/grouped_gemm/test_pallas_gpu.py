@@ -1,8 +1,8 @@
 """``pallas_ragged_dot`` compiled by Triton on a GPU at the MoE issue's two
 full shapes (issue #38): the values and both gradients of
 ``batched_ragged_dot`` in bf16, balanced and skewed routing (the largest
-expert at 4x the mean load), and the forward + backward times of both printed
-(``-s``); tools/probes/pallas_gemm_sweep.py times the kernels alone."""
+expert at 4x the mean load). tools/probes/pallas_gemm_sweep.py and
+grouped_gemm_probe.py time them (a test checks values)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import pytest
 from gemm_gpu_helpers import SHAPES
 from gemm_gpu_helpers import assert_matches as _assert_matches
 from gemm_gpu_helpers import fwd_bwd as _fwd_bwd
-from gemm_gpu_helpers import median_ms as _median_ms
 from gemm_gpu_helpers import operands as _operands
 from gemm_gpu_helpers import sizes as _sizes
 
@@ -36,9 +35,6 @@ def test_pallas_equals_batched_at_the_full_shapes(name, routing):
     got = _fwd_bwd(pallas_ragged_dot)(*args)
     want = _fwd_bwd(batched_ragged_dot)(*args)
     _assert_matches(got, want, f"{name} {routing}")
-    ms = {label: _median_ms(_fwd_bwd(fn), args) for label, fn in (("pallas", pallas_ragged_dot),
-                                                                  ("batched", batched_ragged_dot))}
-    print(f"{name} {routing} fwd+bwd ms: {ms} ({jax.devices()[0].device_kind})")
 
 
 @pytest.mark.parametrize("tiles", [dict(block_m=16, block_n=16, block_k=16), {}], ids=["16-tiles", "default-tiles"])
