@@ -180,7 +180,12 @@ def warp_sorts():
         a0, a1 = stage64(a0, a1, red, tid, 64, 1)
         return a0, a1
 
-    @inline_device
+    # Not inline_device: compiled once per constant (k, j) (15 compiles), its
+    # lane tests folded into each stage. Compiled once for every constant,
+    # NVVM computed the four lane bits (lane >> b) & 1 once, before the
+    # candidate sort, and Kimi-K2's warp forward ran 1.8-2.0% slower on an
+    # H200 (docs/cache.md, "Constants at the call, one compile").
+    @cuda.jit(device=True)
     def stage32(v, e, red, redi, tid, k, j):
         lane = tid & 31
         ov = xor(v, j, red, tid)
