@@ -56,10 +56,7 @@ def libcuda():
                        ("cuCtxPushCurrent_v2", [_VP]),
                        ("cuCtxPopCurrent_v2", [pvp]),
                        ("cuCtxGetDevice", [ctypes.POINTER(i)]),
-                       ("cuStreamGetCtx", [_VP, pvp]),
-                       ("cuFuncSetAttribute", [_VP, i, i]),
-                       ("cuDeviceGetCount", [ctypes.POINTER(i)]),
-                       ("cuDeviceGetAttribute", [ctypes.POINTER(i), i, i])):
+                       ("cuStreamGetCtx", [_VP, pvp])):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, ctypes.c_int
     if hasattr(lib, "cuKernelGetFunction"):  # CUDA 12.0+ drivers
@@ -195,41 +192,3 @@ def function_of(kernel: int, ordinal: int) -> int:
     if lib.cuKernelGetFunction(ctypes.byref(out), _VP(kernel)) != 0 or not out.value:
         return kernel
     return int(out.value)
-
-
-#: ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` and
-#: ``CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`` (cuda.h)
-_FUNC_MAX_DYNAMIC_SHARED = 8
-_DEVICE_SHARED_OPTIN = 97
-
-
-@functools.cache
-def optin_shared_bytes() -> int:
-    """The dynamic shared memory one block may opt in to, the least over the
-    process's GPUs (232,448 bytes on an H100 or H200); 0 without a driver or
-    a GPU. Above 48 KiB a kernel's launches need :func:`allow_dynamic_shared`."""
-    try:
-        lib = libcuda()
-    except OSError:
-        return 0
-    n = ctypes.c_int(0)
-    if lib.cuDeviceGetCount(ctypes.byref(n)) != 0 or n.value < 1:
-        return 0
-    least = None
-    for ordinal in range(n.value):
-        v = ctypes.c_int(0)
-        if lib.cuDeviceGetAttribute(ctypes.byref(v), _DEVICE_SHARED_OPTIN, ordinal) != 0:
-            return 0
-        least = v.value if least is None else min(least, v.value)
-    return int(least)
-
-
-def allow_dynamic_shared(handle: int, nbytes: int) -> None:
-    """Lets ``CUfunction`` ``handle`` launch with ``nbytes`` of dynamic shared
-    memory, over the 48 KiB a launch gets without opting in (the attribute
-    stays with the function: one call per loaded kernel)."""
-    rc = libcuda().cuFuncSetAttribute(_VP(handle), _FUNC_MAX_DYNAMIC_SHARED, int(nbytes))
-    if rc:
-        raise RuntimeError(f"gpurouter: the GPU refused {nbytes} bytes of dynamic shared memory for a kernel "
-                           f"(cuFuncSetAttribute: CUresult {rc}; this process's GPUs allow at most "
-                           f"{optin_shared_bytes()} bytes a block).")

@@ -127,27 +127,7 @@ def launch(kernel, grid: int, block: int, stream, shared_bytes: int, *args) -> N
             "ignore", message=r".*Grid size \d+ will likely result in GPU under-utilization")
         if simulator_enabled():
             warnings.simplefilter("ignore", RuntimeWarning)
-        elif shared_bytes > 48 * 1024:
-            _allow_dynamic_shared(kernel, args, shared_bytes)
         kernel[grid, block, stream, shared_bytes](*args)
-
-
-_OPTED_IN: set = set()
-
-
-def _allow_dynamic_shared(kernel, args, shared_bytes: int) -> None:
-    """numba's own kernel for ``args`` (compiled here if it is not yet) opts in
-    to ``shared_bytes`` of dynamic shared memory, over the 48 KiB a launch gets
-    without it (``pointer.compile_steps`` does the same for its handles)."""
-    from numba.cuda.cudadrv.driver import binding, driver
-
-    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
-    fn = compiled._codelibrary.get_cufunc()
-    memo = (id(compiled), fn.device.id, int(shared_bytes))
-    if memo not in _OPTED_IN:
-        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        driver.cuKernelSetAttribute(attr, int(shared_bytes), fn.handle, fn.device.id)
-        _OPTED_IN.add(memo)
 
 
 def simulator_enabled() -> bool:

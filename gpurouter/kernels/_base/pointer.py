@@ -15,9 +15,8 @@ import numpy as np
 
 from . import parallel
 from . import plan as _plan
-from .context import allow_dynamic_shared, libcuda, on_gpu, primary_context
+from .context import libcuda, primary_context
 from .kernel_cache import function_handle
-from .limits import SMEM_BUDGET
 from .plan import Counter, Plan, Ref, counter_array, counter_key, plan_counters
 
 
@@ -119,9 +118,6 @@ def compile_steps(plan: Plan, ordinal: int, counters: dict | None = None) -> lis
     handles = [function_handle(kernel, argtypes, ordinal) for kernel, argtypes in requests]
     steps = []
     for st, handle in zip(plan.steps, handles, strict=True):
-        if st.shared > SMEM_BUDGET:  # over 48 KiB: the function opts in (its own attribute, set once a load)
-            with on_gpu(ordinal):
-                allow_dynamic_shared(handle, st.shared)
         params, holes = [], []
         for a in st.args:
             slots, arg_holes = _slots(a, specs, slot_of, counters)

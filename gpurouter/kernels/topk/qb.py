@@ -74,9 +74,8 @@ from .._base.launch import BF16, F32, any_on_device, device_input, is_device_arr
 from .._base.parallel import recipe
 from .._base.plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_of
 from .qb_cutoff import qb_cutoff_kernel, qb_cutoff_lanes_kernel
-from .qb_lanes import LANES, qb_hist_lanes_kernel, qb_reduce_lanes_kernel
 from .qb_math import default_exp_mode, qb_bin, qb_sigmoid_fn
-from .qb_tiling import OP, QB_TILING, QbTiling, check_qb_config, hist_tiling, lanes_tiling
+from .qb_tiling import OP, QB_TILING, QbTiling, check_qb_config, hist_tiling
 
 INT32_MAX = 2**31 - 1
 
@@ -238,18 +237,14 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
     outs = (Spec((num_experts, num_bins), np.int32),)
     n = num_experts * num_bins
     counts = Out(0, Spec((n,), np.int32))
-    by_lane = lanes_tiling(num_tokens, num_experts, num_bins, tiling)
     grid, threads, shared, chunk, chunks, slab = hist_tiling(num_tokens, num_experts, num_bins, tiling)
     slabs = grid // chunks
-    if by_lane is not None:  # qb_lanes.py: a lane an expert, bins in opted-in shared memory, always partials
-        grid, threads, shared, chunks, slab, slabs = by_lane
-        chunk = LANES
     # with shared counts every bin is stored by one block of each slab (no zeroing):
     # into the scratch partial [slabs, E, B] that qb_reduce sums, or, one slab, into
     # the counts; without (a row of B bins over the budget) and with no tokens, the
     # counts are zeroed and the histogram adds with global atomics
     stored = bool(num_tokens) and shared > 0
-    partials = stored and (slabs > 1 or by_lane is not None)
+    partials = stored and slabs > 1
     # scratch: alpha (not with the route's), then the partials
     tmps = [] if cutoff_given else [spec_of((max(num_tokens, 1),), F32)]
     if partials:
@@ -271,21 +266,12 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
                                     -(-num_tokens // (ct // lanes)), 4 * ct * (topk + 1))
         if not cutoff_given:
             steps.append(Step(kern, cgrid, ct, cshared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
-        if by_lane is not None:
-            steps.append(Step(qb_hist_lanes_kernel(logits.kind, masked, exp_mode, tiling.hist_unroll, scores_given),
-                              grid, threads, shared,
-                              (In(0), alpha, valid, In(2), part, num_tokens, num_experts, num_bins, chunks, slab)))
-        else:
-            steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode, tiling.hist_unroll,
-                                             scores_given), grid,
-                              threads, shared,
-                              (In(0), alpha, valid, In(2), part if partials else counts, num_tokens, num_experts,
-                               num_bins, chunk, chunks, slab)))
-    if by_lane is not None and num_tokens:
-        tiles_e = -(-num_experts // LANES)
-        steps.append(Step(qb_reduce_lanes_kernel, -(-num_bins // LANES) * tiles_e, tiling.lanes_reduce_threads, 0,
-                          (part, counts, num_experts, num_bins, slabs, tiles_e)))
-    elif partials:
+        steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode, tiling.hist_unroll,
+                                         scores_given), grid,
+                          threads, shared,
+                          (In(0), alpha, valid, In(2), part if partials else counts, num_tokens, num_experts,
+                           num_bins, chunk, chunks, slab)))
+    if partials:
         steps.append(Step(qb_reduce_kernel, max(1, min(tiling.reduce_blocks, -(-n // tiling.reduce_threads))),
                           tiling.reduce_threads, 0, (part, counts, n, slabs)))
     return Plan(OP, ins, outs, tmps, steps)

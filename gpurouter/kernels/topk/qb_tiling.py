@@ -33,14 +33,7 @@ class QbTiling:
     - ``target_blocks``: histogram blocks at most (chunks x slabs, one wave: 264 = two on each of 132 SMs;
       fewer slabs, less partial scratch: slabs * E * B * 4 bytes written and summed by the reduce);
     - ``reduce_threads``, ``reduce_blocks``: the grid of the kernel that sums the slabs' partial counts;
-    - ``zero_threads``, ``zero_blocks``: the zeroing kernel's grid (only without shared counts, or ``T = 0``);
-    - ``lanes_smem_bytes``: the shared memory the lane-an-expert histogram (``qb_lanes.py``: 32 experts'
-      bins a block, ``128 B`` bytes, no bank conflicts) may opt in to; it runs where ``E >= 32`` and the bins
-      fit (None: the GPU's opt-in limit, 227 KiB on an H100 or H200, up to B = 1816; off on the simulator;
-      0: off);
-    - ``lanes_threads``, ``lanes_target_blocks``: its block (a warp a token row) and its blocks at most
-      (132: one a streaming multiprocessor of an H100 or H200 at B = 1000, one wave);
-    - ``lanes_reduce_threads``: the block of its reduce (a 32 x 32 tile, transposed).
+    - ``zero_threads``, ``zero_blocks``: the zeroing kernel's grid (only without shared counts, or ``T = 0``).
 
     Under the CUDA simulator the defaults are small blocks (Python threads)."""
 
@@ -56,20 +49,12 @@ class QbTiling:
     reduce_blocks: int = 4 if simulator_enabled() else 528
     zero_threads: int = 32 if simulator_enabled() else 256
     zero_blocks: int = 4 if simulator_enabled() else 528
-    lanes_smem_bytes: int | None = 0 if simulator_enabled() else None
-    lanes_threads: int = 32 if simulator_enabled() else 1024
-    lanes_target_blocks: int = 132
-    lanes_reduce_threads: int = 32 if simulator_enabled() else 256
 
     def __post_init__(self):
         for name in ("cutoff_threads", "hist_threads", "reduce_threads", "zero_threads"):
             v = getattr(self, name)
             if not 1 <= v <= 1024:
                 raise ValueError(f"QbTiling: {name} must be in [1, 1024], got {v}.")
-        if self.lanes_threads % 32 or self.lanes_reduce_threads % 32 or self.lanes_target_blocks < 1:
-            raise ValueError(f"QbTiling: lanes_threads ({self.lanes_threads}) and lanes_reduce_threads "
-                             f"({self.lanes_reduce_threads}) must be multiples of 32 and lanes_target_blocks "
-                             f">= 1, got {self.lanes_target_blocks}.")
         if not 1 <= self.hist_unroll <= 16:
             raise ValueError(f"QbTiling: hist_unroll must be in [1, 16], got {self.hist_unroll}.")
         if self.cutoff_lanes < 1 or self.cutoff_threads % self.cutoff_lanes:
@@ -117,25 +102,6 @@ def check_qb_config(topk: int, num_experts: int, num_bins: int, num_groups: int,
     return num_groups, group_topk
 
 
-def lanes_tiling(num_tokens: int, num_experts: int, num_bins: int, tiling: QbTiling = QB_TILING):
-    """``(grid, threads, shared_bytes, chunks, slab, slabs)`` of the lane-an-expert
-    histogram (``qb_lanes.py``), or None where it does not run: ``E < 32``, no
-    tokens, or its bins (``128 B`` bytes) over ``lanes_smem_bytes``."""
-    budget = tiling.lanes_smem_bytes
-    if budget is None:
-        from .._base.context import optin_shared_bytes
-
-        budget = optin_shared_bytes()
-    shared = 4 * 32 * num_bins
-    if num_experts < 32 or num_tokens < 1 or shared > budget:
-        return None
-    chunks = -(-num_experts // 32)
-    slabs = max(1, min(-(-num_tokens // tiling.slab_tokens), tiling.lanes_target_blocks // chunks))
-    slab = -(-num_tokens // slabs)
-    slabs = -(-num_tokens // slab)
-    return chunks * slabs, tiling.lanes_threads, shared, chunks, slab, slabs
-
-
 def hist_tiling(num_tokens: int, num_experts: int, num_bins: int, tiling: QbTiling = QB_TILING):
     """``(grid, threads, shared_bytes, chunk, chunks, slab)`` of the histogram kernel."""
     fit = tiling.smem_bytes // (4 * num_bins)
@@ -150,4 +116,4 @@ def hist_tiling(num_tokens: int, num_experts: int, num_bins: int, tiling: QbTili
     return chunks * slabs, threads, (4 * chunk * num_bins if shared else 0), chunk, chunks, slab
 
 
-__all__ = ["GROUP_SCORES", "QB_TILING", "QbTiling", "check_qb_config", "hist_tiling", "lanes_tiling"]
+__all__ = ["GROUP_SCORES", "QB_TILING", "QbTiling", "check_qb_config", "hist_tiling"]

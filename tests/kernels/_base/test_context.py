@@ -83,25 +83,6 @@ class FakeDriver:
         self._out(fn, kernel.value + self.stack[-1])  # a function per (kernel, context)
         return 0
 
-    optin = {0: 232448, 1: 101376}  # GPU -> its opt-in shared bytes a block (an H200, an L4)
-    attributes: dict = {}
-
-    def cuDeviceGetCount(self, n):
-        self._out(n, len(PRIMARY))
-        return 0
-
-    def cuDeviceGetAttribute(self, value, attr, ordinal):
-        if attr != 97:  # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
-            return 1
-        self._out(value, self.optin[ordinal])
-        return 0
-
-    def cuFuncSetAttribute(self, fn, attr, value):
-        if attr != 8 or value > min(self.optin.values()):  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            return 1  # CUDA_ERROR_INVALID_VALUE
-        self.attributes[self._handle(fn)] = value
-        return 0
-
 
 @pytest.fixture
 def driver(monkeypatch):
@@ -235,34 +216,3 @@ def test_frees_held_at_exit_stay_held_after_a_collection(monkeypatch):
             assert pending.freed == [] and pending.queued == ["library 0x1"]
             assert pending._disable_count == 1
     assert len(_context._HELD) == 4
-
-
-def test_optin_shared_bytes_is_the_least_over_the_gpus(driver):
-    _context.optin_shared_bytes.cache_clear()
-    try:
-        assert _context.optin_shared_bytes() == 101376
-    finally:
-        _context.optin_shared_bytes.cache_clear()
-
-
-def test_allow_dynamic_shared_sets_the_functions_attribute_or_says_why_not(driver):
-    _context.optin_shared_bytes.cache_clear()
-    try:
-        _context.allow_dynamic_shared(0x55, 64 * 1024)
-        assert driver.attributes[0x55] == 64 * 1024
-        with pytest.raises(RuntimeError, match=r"refused 128000 bytes .* at most 101376 bytes"):
-            _context.allow_dynamic_shared(0x56, 128000)
-    finally:
-        _context.optin_shared_bytes.cache_clear()
-
-
-def test_optin_shared_bytes_is_zero_without_a_driver(monkeypatch):
-    def no_driver():
-        raise OSError("libcuda.so.1: cannot open shared object file")
-
-    monkeypatch.setattr(_context, "libcuda", no_driver)
-    _context.optin_shared_bytes.cache_clear()
-    try:
-        assert _context.optin_shared_bytes() == 0
-    finally:
-        _context.optin_shared_bytes.cache_clear()

@@ -311,8 +311,7 @@ def test_kimi_shape_on_gpu():
 @pytest.mark.gpu
 def test_slab_reduce_and_fallback_on_gpu():
     """On a GPU (real shared and global atomics, 16-bit loads): T = 3001, E = 384,
-    B = 1000, bf16, every 7th token masked, the lane-an-expert histogram off
-    (``test_qb_lanes.py`` tests it): the default tiling (several slabs:
+    B = 1000, bf16, every 7th token masked: the default tiling (several slabs:
     partial + qb_reduce; the cutoff's 8-byte quad loads), one slab (the cutoff one
     expert a load), and B = 13000 (a row over the 48 KiB budget: qb_zero + global
     atomics) count the reference's bits, over garbage outputs."""
@@ -323,9 +322,8 @@ def test_slab_reduce_and_fallback_on_gpu():
     bias = rng.standard_normal(384) * 0.05
     bounds = [-1.1, 1.05]
     mask = np.arange(3001) % 7 != 3
-    for bins, tiling, kind in ((1000, kqb.QbTiling(lanes_smem_bytes=0), "slabs"),
-                               (1000, kqb.QbTiling(slab_tokens=4096, cutoff_quads=False, lanes_smem_bytes=0),
-                                "one slab"),
+    for bins, tiling, kind in ((1000, kqb.QB_TILING, "slabs"),
+                               (1000, kqb.QbTiling(slab_tokens=4096, cutoff_quads=False), "one slab"),
                                (13000, kqb.QB_TILING, "no shared budget")):
         plan, got = _plan_counts_poisoned(x, bias, bounds, bins, 8, mask, tiling, mode)
         kernels = [st.kernel for st in plan.steps]

@@ -114,7 +114,7 @@ def test_counts_with_the_given_cutoff():
     """``qb_counts_plan(cutoff_given=True)`` on the route's alpha (and with
     ``scores_given=True`` on its saved scores): the counts of the plan that
     computes its own cutoff (masked and not; one slab, several slabs and
-    their reduce, global atomics, the lane-an-expert histogram)."""
+    their reduce, global atomics)."""
     rng = np.random.default_rng(2)
     T, E, k, B = 5, 128, 4, 7
     x = (rng.standard_normal((T, E)) * 2).astype(ml_dtypes.bfloat16)
@@ -126,8 +126,7 @@ def test_counts_with_the_given_cutoff():
     mask = np.array([True, False, True, True, False])
     slabs = kqb.QbTiling(slab_tokens=2, target_blocks=64, smem_bytes=4 * 7 * 40)  # partials and their reduce
     zeroed = kqb.QbTiling(smem_bytes=0)  # no shared budget: zeroed counts, global atomics
-    lanes = kqb.QbTiling(lanes_smem_bytes=1 << 20, slab_tokens=2)  # qb_lanes.py: a lane an expert
-    for m, tiling in ((None, None), (mask, None), (mask, slabs), (None, zeroed), (mask, lanes)):
+    for m, tiling in ((None, None), (mask, None), (mask, slabs), (None, zeroed)):
         spec = spec_for(x.shape, x.dtype)
         own = kqb.qb_counts_plan(spec, m is not None, k, B, tiling=tiling)
         given = kqb.qb_counts_plan(spec, m is not None, k, B, tiling=tiling, cutoff_given=True)
