@@ -289,3 +289,29 @@ def test_moe_bench_tiny_without_numba_runs_the_jax_rows(capsys, tmp_path, monkey
     (row,) = json.loads(out.read_text())
     assert row["block jax ms"] > 0 and "block numba ms" not in row
     assert "numba rows skipped" in capsys.readouterr().out
+
+
+def test_moe_bench_keeps_the_rows_done_when_a_run_stops(capsys, tmp_path, monkeypatch):
+    """Each row is printed and written to --json when it is done: a run stopped
+    in its second row (a timeout, ^C) keeps the first."""
+    import json
+
+    from gpurouter.bench import moe as bench_moe
+
+    calls = []
+
+    def one_row(name, shape, repeats, gmm, numba, numba_repeats):
+        calls.append(gmm)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return {"shape": name, "grouped_matmul": gmm, "block jax ms": 1.5}
+
+    monkeypatch.setattr(bench_moe, "run_shape", one_row)
+    monkeypatch.setattr(_backend, "numba_usable", lambda: False)
+    out = tmp_path / "moe.json"
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["moe-bench", "--tiny", "--repeats", "1", "--no-progress", "--grouped-matmul", "batched,tiled",
+                  "--json", str(out)])
+    assert calls == ["batched", "tiled"]
+    assert json.loads(out.read_text()) == [{"shape": "tiny", "grouped_matmul": "batched", "block jax ms": 1.5}]
+    assert "shape=tiny, grouped_matmul=batched, block jax ms=1.5" in capsys.readouterr().out

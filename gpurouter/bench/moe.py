@@ -241,12 +241,14 @@ def main(argv: list[str]) -> int:
         shapes[n] = (max(e, int(t * args.scale)), h, e, k, max(8, int(m * args.scale)), router)
     runs = [(n, s, g) for n, s in shapes.items() for g in gmms]
     run_list = progress(runs, len(runs), "moe-bench", not args.no_progress, describe=lambda i: f"{i[0]} {i[2]}")
-    rows = [run_shape(n, s, args.repeats, g, numba, numba_repeats) for n, s, g in run_list]
-    for r in rows:
-        print(", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    rows = []
+    for n, s, g in run_list:  # each row printed and saved when it is done: a stopped run keeps the rows it had
+        rows.append(run_shape(n, s, args.repeats, g, numba, numba_repeats))
+        print(", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
+              flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
     return 0
 
 
