@@ -315,3 +315,24 @@ def test_moe_bench_keeps_the_rows_done_when_a_run_stops(capsys, tmp_path, monkey
     assert calls == ["batched", "tiled"]
     assert json.loads(out.read_text()) == [{"shape": "tiny", "grouped_matmul": "batched", "block jax ms": 1.5}]
     assert "shape=tiny, grouped_matmul=batched, block jax ms=1.5" in capsys.readouterr().out
+
+
+def test_bench_keeps_the_rows_done_when_a_run_stops(capsys, tmp_path, monkeypatch):
+    """``bench`` prints each preset's rows, and rewrites --json, when that preset
+    is done: a run stopped in its second preset (a timeout, ^C) keeps the first."""
+    import json
+
+    def one_preset(name, tokens, paths, repeats, peak, loop_steps):
+        if name == "qwen3":
+            raise KeyboardInterrupt
+        return [bench.Row(name, "topk", "jax", "fwd", tokens, 256, 8, 12.5, 1000)]
+
+    monkeypatch.setattr(bench, "bench_preset", one_preset)
+    out = tmp_path / "bench.json"
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["bench", "--paths", "jax", "--presets", "deepseek-v3,qwen3", "--tokens", "64", "--no-progress",
+                  "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["preset"], r["us"]) for r in rows] == [("deepseek-v3", 12.5)]
+    printed = capsys.readouterr().out
+    assert "preset" in printed and "deepseek-v3" in printed and "12.5" in printed

@@ -392,19 +392,23 @@ def _kernel_rows(name, p, xs, bias, repeats, peak, want_p, want_m) -> list[Row]:
     return out
 
 
-def _table(rows: list[Row]) -> str:
+def _table_head() -> str:
     head = (f"{'preset':<17}{'op':<12}{'path':<17}{'phase':<10}{'T':>9}{'E':>6}{'K':>4}"
             f"{'us':>12}{'GB/s':>8}{'x floor':>10}{'jax/this':>10}{'host us':>9}")
-    lines = [head, "-" * len(head)]
+    return head + "\n" + "-" * len(head)
 
+
+def _table_lines(rows: list[Row]) -> str:
     def cell(v, fmt):
         return "" if v is None else format(v, fmt)
 
-    for r in rows:
-        lines.append(f"{r.preset:<17}{r.op:<12}{r.path:<17}{r.phase:<10}{r.tokens:>9}{r.experts:>6}"
+    return "\n".join(f"{r.preset:<17}{r.op:<12}{r.path:<17}{r.phase:<10}{r.tokens:>9}{r.experts:>6}"
                      f"{r.topk:>4}{r.us:>12.1f}{cell(r.gbps, '.0f'):>8}{cell(r.x_floor, '.2f'):>10}"
-                     f"{cell(r.x_jax, '.2f'):>10}{cell(r.host_us, '.1f'):>9}")
-    return "\n".join(lines)
+                     f"{cell(r.x_jax, '.2f'):>10}{cell(r.host_us, '.1f'):>9}" for r in rows)
+
+
+def _table(rows: list[Row]) -> str:
+    return "\n".join([_table_head()] + ([_table_lines(rows)] if rows else []))
 
 
 def _plot(rows: list[Row], path: str, title: str = "gpurouter router timings") -> None:
@@ -517,13 +521,17 @@ def main(argv: list[str]) -> int:
     peak = args.peak_tbs if _on_gpu() else None
     if peak is None:
         print("no GPU: the GB/s and x-floor columns (against a GPU's peak bandwidth) are left empty")
+    print(_table_head(), flush=True)
     for name in progress(args.presets, len(args.presets), "bench", enabled=not args.no_progress):
-        rows.extend(bench_preset(name, args.tokens, paths, args.repeats, peak, args.loop_steps))
-    print(_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "args": vars(args), "rows": [dataclasses.asdict(r) for r in rows]},
-                      f, indent=1)
+        # each preset's rows printed and saved when done: a stopped run keeps what it measured
+        done = bench_preset(name, args.tokens, paths, args.repeats, peak, args.loop_steps)
+        rows.extend(done)
+        if done:
+            print(_table_lines(done), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"info": info, "args": vars(args), "rows": [dataclasses.asdict(r) for r in rows]},
+                          f, indent=1)
     if args.plot:
         _plot(rows, args.plot, f"gpurouter on {info.get('gpu')} ({info.get('date')}, commit {info.get('commit')})")
     return 0
