@@ -61,7 +61,7 @@ def moe(
     apply_topk_weights_early: bool = False,
     ep_axis: str | None = None,
     align_size: int = 0,
-    grouped_matmul: Callable = jax.lax.ragged_dot,
+    grouped_matmul: Callable | str = jax.lax.ragged_dot,
     backend: str = "auto",
     transport: str = "auto",
 ) -> tuple[jax.Array, jax.Array | None]:
@@ -83,7 +83,13 @@ def moe(
     faster than ``ragged_dot``, which XLA rewrites into dense masked dots:
     docs/moe.md), :func:`tiled_ragged_dot` (the same batched GEMM with its
     slots capped at 1.5x the mean group and the rest in per-expert tiles: no
-    cliff under skewed routing), or e.g. a tuned Pallas grouped GEMM.
+    cliff under skewed routing), or e.g. a tuned Pallas grouped GEMM; or
+    ``"slots"``: the whole expert FFN (the three GEMMs, the activation, the
+    routing weight) on batched GEMMs in capacity slots, the rows gathered
+    into the slots once and read back once, forward and backward, instead
+    of around every GEMM; the rows on :func:`tiled_ragged_dot` when the
+    largest expert holds more than 1.5x the mean rows
+    (:mod:`gpurouter.reference.slot_experts`, docs/moe.md).
 
     Returns:
       ``(output [..., H] in x's dtype, aux_loss float32 scalar or None)``.

@@ -23,8 +23,10 @@ blocks and of the GEMM stage is ``--grouped-matmul``: ``ragged_dot``
 (``jax.lax.ragged_dot``, the block's default), ``batched``
 (:func:`gpurouter.moe.batched_ragged_dot`), ``tiled``
 (:func:`gpurouter.moe.tiled_ragged_dot`), ``pallas``
-(:func:`gpurouter.moe.pallas_ragged_dot`) or ``mosaic``
-(:func:`gpurouter.moe.mosaic_ragged_dot`); several, comma-separated, give a
+(:func:`gpurouter.moe.pallas_ragged_dot`), ``mosaic``
+(:func:`gpurouter.moe.mosaic_ragged_dot`) or ``slots`` (``moe(...,
+grouped_matmul="slots")``: the whole expert FFN in capacity slots, which
+the GEMM stage then times); several, comma-separated, give a
 row each per shape, timed in the same run (``--grouped-matmul
 batched,mosaic``).
 
@@ -52,12 +54,16 @@ SHAPES = {
                                                         scaling_factor=2.5)),
 }
 TINY = (64, 32, 8, 2, 16, dict(score_function="softmax"))
-GROUPED_MATMULS = ("ragged_dot", "batched", "tiled", "pallas", "mosaic")
+GROUPED_MATMULS = ("ragged_dot", "batched", "tiled", "pallas", "mosaic", "slots")
 
 
 def grouped_matmul_of(name: str):
-    """The grouped GEMM named by ``--grouped-matmul``."""
+    """The grouped GEMM named by ``--grouped-matmul`` (``"slots"``: the
+    block's whole expert FFN in capacity slots, passed on as the name)."""
     import jax
+
+    if name == "slots":
+        return name
 
     from ..grouped_gemm import mosaic_ragged_dot, pallas_ragged_dot
     from ..reference.grouped_matmul import batched_ragged_dot, tiled_ragged_dot
@@ -129,6 +135,12 @@ def _stage_steps(e, k, router, gmm):
         return jnp.sum(token_combine(xs, rid, probs, backend="numba").astype(jnp.float32) ** 2)
 
     def gemms(xs, sizes, w0, w1, wo):
+        if gmm == "slots":  # the three GEMMs and the activation in slots, as the block runs them
+            from ..reference.slot_experts import slots_expert_ffn
+            z = slots_expert_ffn(xs, None, sizes, jnp.ones(xs.shape[:1], jnp.float32), wi_0=w0, wi_1=w1, wo=wo,
+                                 wi_0_bias=None, wi_1_bias=None, wo_bias=None, activation=jax.nn.silu, early=False,
+                                 dtype=xs.dtype)
+            return jnp.sum(z ** 2)
         hid = jax.nn.silu(gmm(xs, w0, sizes)) * gmm(xs, w1, sizes)
         return jnp.sum(gmm(hid, wo, sizes).astype(jnp.float32) ** 2)
 

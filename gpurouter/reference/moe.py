@@ -21,6 +21,7 @@ from .._checks import MOE_OP, check_moe_args, check_moe_inputs
 from .._sharding import axis_size
 from .aux_loss import fused_moe_aux_loss
 from .routing_map import tokens_per_expert
+from .slot_experts import slots_expert_ffn
 from .topk import fused_topk_with_score_function
 
 # the names _checks.MOE_ACTIVATIONS accepts (tests/ops/test_moe.py holds them equal)
@@ -55,7 +56,7 @@ def moe(
     apply_topk_weights_early: bool = False,
     ep_axis: str | None = None,
     align_size: int = 0,
-    grouped_matmul: Callable = jax.lax.ragged_dot,
+    grouped_matmul: Callable | str = jax.lax.ragged_dot,
     router: Callable | None = None,
     aux_loss: Callable | None = None,
     permute: tuple[Callable, Callable] | None = None,
@@ -90,7 +91,11 @@ def moe(
         ``T*K + E*(align_size - 1)`` rows); 0: no padding. The output does
         not depend on it.
       grouped_matmul: the grouped GEMM, ``f(lhs [N, K], rhs [G, K, N'],
-        group_sizes [G]) -> [N, N']`` (``jax.lax.ragged_dot``'s signature).
+        group_sizes [G]) -> [N, N']`` (``jax.lax.ragged_dot``'s signature),
+        or ``"slots"``: the whole expert FFN on batched GEMMs in capacity
+        slots, the rows gathered once and read back once, forward and
+        backward (:func:`gpurouter.reference.slot_experts.slots_expert_ffn`;
+        ``align_size`` then changes nothing).
       router, aux_loss: the router op and aux-loss op to call (the public
         block passes gpurouter's with its backend); default: the references.
       permute: ``(dispatch, combine)``, the token dispatch and combine to use
@@ -183,9 +188,13 @@ def experts_and_combine(
     shape, dtype, logits, shards = routed.shape, routed.dtype, routed.logits, routed.shards
     k, e = num_experts_per_tok, num_experts
     weights_ = dict(wi_0=wi_0, wi_1=wi_1, wo=wo, wi_0_bias=wi_0_bias, wi_1_bias=wi_1_bias, wo_bias=wo_bias)
-    ffn = functools.partial(_expert_ffn, **weights_, activation=ACTIVATIONS[activation_type],
-                            early=apply_topk_weights_early, align_size=align_size,
-                            grouped_matmul=grouped_matmul, dtype=dtype)
+    if grouped_matmul == "slots":  # the whole FFN in capacity slots (gpurouter/reference/slot_experts.py)
+        ffn = functools.partial(slots_expert_ffn, **weights_, activation=ACTIVATIONS[activation_type],
+                                early=apply_topk_weights_early, dtype=dtype)
+    else:
+        ffn = functools.partial(_expert_ffn, **weights_, activation=ACTIVATIONS[activation_type],
+                                early=apply_topk_weights_early, align_size=align_size,
+                                grouped_matmul=grouped_matmul, dtype=dtype)
     if ep_axis is None:
         z = ffn(xs, rows_e, group_sizes, w_rows)
     else:  # rows to their experts' devices and back (gpurouter/_ep.py)

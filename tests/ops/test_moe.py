@@ -94,13 +94,15 @@ def test_block_matches_the_dense_oracle(name):
 # k1-linear-early
 @pytest.mark.parametrize("name,gmm", [pytest.param("softmax-late", "batched", marks=pytest.mark.slow),
                                       ("pre-softmax-aligned", "batched"),
-                                      ("k1-linear-early", "batched"), ("softmax-early", "tiled")])
+                                      ("k1-linear-early", "batched"), ("softmax-early", "tiled"),
+                                      ("softmax-late", "slots"), ("sigmoid-scaled-gelu", "slots"),
+                                      ("pre-softmax-aligned", "slots")])
 def test_block_on_batched_ragged_dot_matches_the_dense_oracle(name, gmm):
     """``grouped_matmul=batched_ragged_dot`` (or ``tiled_ragged_dot``, with
-    2-row tiles so that its slots and tiles both run): the same block, values
-    and every gradient."""
-    fn = (gmoe.batched_ragged_dot if gmm == "batched"
-          else functools.partial(gmoe.tiled_ragged_dot, tile=2, chunk=2))
+    2-row tiles so that its slots and tiles both run, or ``"slots"``, the
+    whole FFN in slots): the same block, values and every gradient."""
+    fn = {"batched": gmoe.batched_ragged_dot, "slots": "slots",
+          "tiled": functools.partial(gmoe.tiled_ragged_dot, tile=2, chunk=2)}[gmm]
     kw = dict(CASES[name], grouped_matmul=fn)
     with jax.enable_x64(True):
         p = _params(seed=5, dtype=jnp.float64)
@@ -208,7 +210,8 @@ def test_numba_block_in_bf16_is_the_jax_blocks():
                                               pytest.param(2, True, "ragged_dot", marks=pytest.mark.slow),
                                               pytest.param(4, False, "ragged_dot", marks=pytest.mark.slow),
                                               (4, True, "ragged_dot"),
-                                              (4, False, "batched")])  # batched: a buffer 4x its rows
+                                              (4, False, "batched"),  # batched: a buffer 4x its rows
+                                              (2, True, "slots")])
 @jax.default_matmul_precision("float32")  # on GPUs: no TF32 in either block
 def test_expert_parallel_equals_one_device(shards, early, gmm):
     if len(jax.devices()) < shards:
@@ -216,7 +219,7 @@ def test_expert_parallel_equals_one_device(shards, early, gmm):
     P = jax.sharding.PartitionSpec
     p = _params(seed=5)
     kw = dict(KW, aux_loss_coeff=1e-2, apply_topk_weights_early=early,
-              grouped_matmul=gmoe.batched_ragged_dot if gmm == "batched" else jax.lax.ragged_dot)
+              grouped_matmul={"batched": gmoe.batched_ragged_dot, "slots": "slots"}.get(gmm, jax.lax.ragged_dot))
     want, want_loss = _call(gmoe.moe, p, kw)
     mesh = jax.make_mesh((shards,), ("ep",), devices=jax.devices()[:shards])
     sharded = ("x", "wi_0", "wi_1", "wo", "wi_0_bias", "wi_1_bias", "wo_bias")
@@ -292,6 +295,13 @@ def test_block_errors(change, exc, msg):
 def test_block_config_errors(kw, msg):
     with pytest.raises(ValueError, match="^" + re.escape(msg)):
         _call(gmoe.moe, _params(seed=7), kw)
+
+
+def test_grouped_matmul_names_the_one_string_it_takes():
+    with pytest.raises(TypeError, match=re.escape("moe: grouped_matmul ('slot') must be a function with "
+                                                  "jax.lax.ragged_dot's signature")) as e:
+        _call(gmoe.moe, _params(seed=7), dict(KW, grouped_matmul="slot"))
+    assert '"slots"' in str(e.value)
 
 
 def test_activation_names_are_the_checks():
