@@ -87,9 +87,9 @@ def moe(
     ``"slots"``: the whole expert FFN (the three GEMMs, the activation, the
     routing weight) on batched GEMMs in capacity slots, the rows gathered
     into the slots once and read back once, forward and backward, instead
-    of around every GEMM; the rows on :func:`tiled_ragged_dot` when the
-    largest expert holds more than 1.5x the mean rows
-    (:mod:`gpurouter.reference.slot_experts`, docs/moe.md).
+    of around every GEMM; past 1.5x the mean rows of an expert, its further
+    rows in per-expert tiles (no cliff; :mod:`gpurouter.reference.slot_experts`,
+    docs/moe.md).
 
     Returns:
       ``(output [..., H] in x's dtype, aux_loss float32 scalar or None)``.

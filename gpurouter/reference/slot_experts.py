@@ -17,19 +17,23 @@ the slots, and the output is read back once:
 
 ``C`` is the smallest of :func:`~gpurouter.reference.grouped_matmul._capacities`
 (rounded up to 8) up to ``SLOTS_MAX_FACTOR`` times the mean group size that
-holds the largest group (a ``lax.switch``: one branch runs). When no such
-capacity holds it (a skewed routing), the rows stay where they are and the
-three GEMMs are :func:`~gpurouter.reference.grouped_matmul.tiled_ragged_dot`
-(slots capped, the rest in tiles): no cliff, bounded memory.
+holds the largest group (a ``lax.switch``: one branch runs). When none holds
+it (a skewed routing), every group's first ``C`` rows (the largest ``C``) go
+to the slots and the rows past them to ``TILE``-row tiles of one expert
+each, the whole FFN per tile, ``CHUNK`` tiles at a time in a loop over the
+chunks that have rows (each tile gathers its expert's weights): no cliff,
+bounded memory, as :func:`~gpurouter.reference.grouped_matmul.tiled_ragged_dot`.
 
 The backward is its own (a custom VJP: differentiating through the switch
 would keep every branch's slots alive): the forward keeps the two projections
 ``a`` and ``b`` read back as rows ``[N, M]``; the backward gathers the output
 cotangent into the same slots, once, and differentiates the slot FFN from
 ``a`` and ``b`` (the forward GEMMs are not recomputed), reading ``d xs`` back
-once. The values are those of the row-by-row FFN
+once; the tiles' FFN is differentiated tile by tile (its forward recomputed,
+a few tiles). The values are those of the row-by-row FFN
 (:func:`gpurouter.reference.moe._expert_ffn`) on any grouped GEMM, up to the
-GEMMs' summation order.
+GEMMs' summation order (and the tiles' weight gradients added into the
+slots' in the weights' dtype).
 """
 
 from __future__ import annotations
@@ -41,11 +45,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .grouped_matmul import _capacities, _read_back, _round_rows, _take_rows, tiled_ragged_dot
+from .grouped_matmul import _capacities, _read_back, _round_rows, _take_rows, _tile_plan
 
-#: the largest slot capacity, as a multiple of the mean group size; a routing
-#: whose largest group is past it runs the row-by-row FFN on tiled GEMMs
+#: the largest slot capacity, as a multiple of the mean group size; the rows
+#: of a group past it go to tiles
 SLOTS_MAX_FACTOR = 1.5
+#: rows of a tile (one expert's), and tiles per step of the tiles' loop
+TILE, CHUNK = 128, 8
 
 
 def slot_capacities(num_rows: int, num_groups: int) -> tuple[int, ...]:
@@ -79,13 +85,14 @@ def slots_expert_ffn(xs, rows_e, group_sizes, w_rows, *, wi_0, wi_1, wo, wi_0_bi
     return _slot_ffn(jnp.asarray(xs), jnp.asarray(w_rows).astype(acc), params, sizes, (activation, bool(early)))
 
 
-# --- the layouts: slots of one capacity, or the rows themselves on tiled GEMMs --------------------
+# --- the slots of one capacity, and the rows (for the biases on rows) -----------------------------
 
 class _Slots:
-    """Rows <-> slots ``[G, C, .]`` of capacity ``C`` (every group fits)."""
+    """Rows <-> slots ``[G, C, .]``: every group's first ``C`` rows (all of
+    them unless ``capped``)."""
 
-    def __init__(self, sizes, width: int, num_rows: int):
-        self.sizes, self.width, self.num_rows = sizes, width, num_rows
+    def __init__(self, sizes, width: int, num_rows: int, capped: bool = False):
+        self.sizes, self.width, self.num_rows, self.capped = sizes, width, num_rows, capped
         self.rows = _round_rows(sizes, 0, width, num_rows)  # [G, C], num_rows on empty slots
         self.valid = (self.rows < num_rows)[..., None]
 
@@ -94,9 +101,10 @@ class _Slots:
         return _take_rows(v, self.rows)
 
     def read_back(self, v):
-        """Slots ``[G, C, D]`` back to rows ``[N, D]`` (0 past the groups);
-        differentiable, its transpose being :meth:`gather`."""
-        return _read_back_op(v, self.sizes, self.width, self.num_rows)
+        """Slots ``[G, C, D]`` back to rows ``[N, D]`` (0 past the groups, and
+        past the slots when ``capped``); differentiable, its transpose being
+        :meth:`gather`."""
+        return _read_back_op(v, self.sizes, self.width, self.num_rows, self.capped)
 
     def gmm(self, v, w):
         return jnp.einsum("gcd,gdm->gcm", v, w, preferred_element_type=v.dtype)
@@ -106,38 +114,28 @@ class _Slots:
 
 
 class _Rows:
-    """The rows as they are, the GEMMs :func:`tiled_ragged_dot`."""
+    """Each row's group and whether it is in one (``valid [N, 1]``)."""
 
     def __init__(self, sizes, num_rows: int):
-        self.sizes = sizes
         ends = jnp.cumsum(sizes)
         i = jnp.arange(num_rows, dtype=jnp.int32)
         self.group = jnp.minimum(jnp.searchsorted(ends, i, side="right"), sizes.shape[0] - 1).astype(jnp.int32)
         self.valid = (i < ends[-1])[:, None]
 
-    def gather(self, v):
-        return v
-
-    def read_back(self, v):
-        return v
-
-    def gmm(self, v, w):
-        return tiled_ragged_dot(v, w, self.sizes)
-
     def bias(self, b):
         return b[self.group]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _read_back_op(v, sizes, width, num_rows):
-    return _read_back(v.reshape(-1, v.shape[-1]), sizes, width, num_rows)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _read_back_op(v, sizes, width, num_rows, capped):
+    return _read_back(v.reshape(-1, v.shape[-1]), sizes, width, num_rows, capped)
 
 
-def _read_back_fwd(v, sizes, width, num_rows):
-    return _read_back_op(v, sizes, width, num_rows), sizes
+def _read_back_fwd(v, sizes, width, num_rows, capped):
+    return _read_back_op(v, sizes, width, num_rows, capped), sizes
 
 
-def _read_back_bwd(width, num_rows, sizes, d):
+def _read_back_bwd(width, num_rows, capped, sizes, d):
     # each filled slot is read by exactly one row, an empty slot by none
     return _take_rows(d, _round_rows(sizes, 0, width, num_rows)), None
 
@@ -159,19 +157,24 @@ def _head(lay, x_l, p):
     return a, b
 
 
-def _tail(lay, rows, a, b, w_l, w_rows, p, cfg):
-    """``z`` rows from the projections in the layout: the activation, the
-    mask, the weight (``early``), ``wo``; ``bo`` added on the rows (``p``:
-    ``wo``, ``bo``; ``rows``: :class:`_Rows` of the same buffer)."""
+def _hidden(valid, a, b, w_l, cfg):
+    """``act(a) * b``, 0 on empty slots, times the weight when ``early``."""
     activation, early = cfg
-    acc = w_rows.dtype
-    h = jnp.where(lay.valid, activation(a) * b, 0)
+    h = jnp.where(valid, activation(a) * b, 0)
     if early:
-        h = (h.astype(acc) * jnp.where(lay.valid[..., 0], w_l, 0)[..., None]).astype(h.dtype)
-    z = lay.read_back(lay.gmm(h, p["wo"])).astype(acc)
+        h = (h.astype(w_l.dtype) * jnp.where(valid[..., 0], w_l, 0)[..., None]).astype(h.dtype)
+    return h
+
+
+def _tail(lay, rows, a, b, w_l, w_rows, p, cfg):
+    """``z`` rows from the projections in the slots: the hidden rows, ``wo``;
+    ``bo`` added on the rows, every row of a group (``p``: ``wo``, ``bo``;
+    ``rows``: :class:`_Rows` of the same buffer)."""
+    acc = w_rows.dtype
+    z = lay.read_back(lay.gmm(_hidden(lay.valid, a, b, w_l, cfg), p["wo"])).astype(acc)
     if p["bo"] is not None:
         bo = jnp.where(rows.valid, rows.bias(p["bo"]).astype(acc), 0)
-        z = z + (bo * jnp.where(rows.valid[:, 0], w_rows, 0)[:, None] if early else bo)
+        z = z + (bo * jnp.where(rows.valid[:, 0], w_rows, 0)[:, None] if cfg[1] else bo)
     return z
 
 
@@ -179,28 +182,99 @@ def _split(p):
     return {k: p[k] for k in ("wi_0", "wi_1", "b0", "b1")}, {k: p[k] for k in ("wo", "bo")}
 
 
+# --- the tiles: a group's rows past the largest capacity ------------------------------------------
+
+class _Tiles:
+    """``[B, TILE]`` rows of one group a tile (``num_rows``: no row)."""
+
+    def __init__(self, rows, num_rows: int):
+        self.valid = (rows < num_rows)[..., None]
+
+    def gmm(self, v, w):
+        return jnp.einsum("btd,bdm->btm", v, w, preferred_element_type=v.dtype)
+
+    def bias(self, b):
+        return b[:, None, :]
+
+
+TILE_KEYS = ("wi_0", "wi_1", "wo", "b0", "b1")  # bo is added on the rows, with the slots'
+
+
+def _tile_ffn(tiles, x_t, w_t, pt, cfg):
+    """The FFN of a chunk of tiles, each with its group's weights ``pt``
+    (``[B, ...]``): ``[B, TILE, H]`` in ``w_t``'s dtype, without ``bo``."""
+    a, b = _head(tiles, x_t, pt)
+    return tiles.gmm(_hidden(tiles.valid, a, b, w_t, cfg), pt["wo"]).astype(w_t.dtype)
+
+
+def _tile_steps(xs, w_rows, p, sizes, base: int):
+    """The tiles past the first ``base`` rows of every group: a function of a
+    chunk number giving ``(tiles, rows [B * TILE], x_t, w_t, pt)``, and the
+    number of chunks with tiles."""
+    n = xs.shape[0]
+    chunk_of, num = _tile_plan(sizes, base, TILE, CHUNK, n)
+
+    def step(c):
+        groups, rows = chunk_of(c)
+        pt = {k: None if p[k] is None else jnp.take(p[k], groups, axis=0) for k in TILE_KEYS}
+        return _Tiles(rows, n), rows.reshape(-1), _take_rows(xs, rows), _take_rows(w_rows, rows), pt, groups
+
+    return step, num
+
+
+def _tiles_forward(z, xs, w_rows, p, sizes, base: int, cfg):
+    steps, num = _tile_steps(xs, w_rows, p, sizes, base)
+
+    def body(c, z):
+        tiles, rows, x_t, w_t, pt, _ = steps(c)
+        y = _tile_ffn(tiles, x_t, w_t, pt, cfg)
+        return z.at[rows].add(y.reshape(-1, y.shape[-1]), mode="drop")
+
+    return lax.fori_loop(0, num, body, z)
+
+
+def _tiles_backward(state, xs, w_rows, p, sizes, base: int, dz, cfg):
+    """``(d xs, d w_rows, d params)`` with the tiles' parts: the tiles' rows of
+    ``d xs`` set, their ``d w_rows`` and the groups' weight gradients added."""
+    steps, num = _tile_steps(xs, w_rows, p, sizes, base)
+    keys = [k for k in TILE_KEYS if p[k] is not None]
+
+    def body(c, carry):
+        dxs, dw, dp = carry
+        tiles, rows, x_t, w_t, pt, groups = steps(c)
+        _, vjp = jax.vjp(lambda x_, w_, p_: _tile_ffn(tiles, x_, w_, p_, cfg), x_t, w_t, pt)
+        dx_t, dw_t, dpt = vjp(_take_rows(dz, rows.reshape(groups.shape[0], -1)))
+        dxs = dxs.at[rows].set(dx_t.reshape(-1, dx_t.shape[-1]), mode="drop")
+        dw = dw.at[rows].add(dw_t.reshape(-1), mode="drop")
+        return dxs, dw, {**dp, **{k: dp[k].at[groups].add(dpt[k].astype(dp[k].dtype)) for k in keys}}
+
+    return lax.fori_loop(0, num, body, state)
+
+
+# --- the switch over the capacities, and the custom VJP -------------------------------------------
+
 def _branches(xs, sizes):
-    """One layout maker per ``lax.switch`` branch, the branch index, and the
-    rows' own layout."""
+    """``(width, tiles)`` per ``lax.switch`` branch, the branch index, and the
+    rows' layout: each capacity alone, then the largest with tiles."""
     n, g = xs.shape[0], sizes.shape[0]
     caps = slot_capacities(n, g)
-    rows = _Rows(sizes, n)
-    makers = [functools.partial(_Slots, sizes, c, n) for c in caps] + [lambda: rows]
     branch = jnp.sum(jnp.max(sizes) > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)
-    return makers, branch, rows
+    return [(c, False) for c in caps] + [(caps[-1], True)], branch, _Rows(sizes, n)
 
 
 def _forward(xs, w_rows, p, sizes, cfg):
-    makers, branch, rows = _branches(xs, sizes)
+    plans, branch, rows = _branches(xs, sizes)
     head_p, tail_p = _split(p)
 
-    def run(make):
-        lay = make()
+    def run(width, tiles):
+        lay = _Slots(sizes, width, xs.shape[0], capped=tiles)
         a, b = _head(lay, lay.gather(xs), head_p)
         z = _tail(lay, rows, a, b, lay.gather(w_rows), w_rows, tail_p, cfg)
+        if tiles:
+            z = _tiles_forward(z, xs, w_rows, p, sizes, width, cfg)
         return z, lay.read_back(a), lay.read_back(b)
 
-    return lax.switch(branch, [functools.partial(run, m) for m in makers])
+    return lax.switch(branch, [functools.partial(run, *plan) for plan in plans])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -215,26 +289,24 @@ def _slot_ffn_fwd(xs, w_rows, p, sizes, cfg):
 
 def _slot_ffn_bwd(cfg, res, dz):
     xs, w_rows, p, sizes, a_rows, b_rows = res
-    makers, branch, rows = _branches(xs, sizes)
+    plans, branch, rows = _branches(xs, sizes)
     head_p, tail_p = _split(p)
 
-    def run(make):
-        lay = make()
+    def run(width, tiles):
+        lay = _Slots(sizes, width, xs.shape[0], capped=tiles)
         a, b, w_l = lay.gather(a_rows), lay.gather(b_rows), lay.gather(w_rows)
         _, tail_vjp = jax.vjp(lambda a_, b_, wl_, wr_, p_: _tail(lay, rows, a_, b_, wl_, wr_, p_, cfg),
                               a, b, w_l, w_rows, tail_p)
         da, db, dw_l, dw_rows, d_tail = tail_vjp(dz)
         _, head_vjp = jax.vjp(lambda x_, p_: _head(lay, x_, p_), lay.gather(xs), head_p)
         dx_l, d_head = head_vjp((da, db))
-        if isinstance(lay, _Slots):  # the slots' cotangents back to rows
-            dx_l = lay.read_back(dx_l)
-            dw_l = _read_back(dw_l.reshape(-1, 1), sizes, lay.width, xs.shape[0])[:, 0]
-        return dx_l, dw_l + dw_rows, {**d_head, **d_tail}
+        state = (lay.read_back(dx_l), lay.read_back(dw_l[..., None])[:, 0] + dw_rows, {**d_head, **d_tail})
+        return _tiles_backward(state, xs, w_rows, p, sizes, width, dz, cfg) if tiles else state
 
-    dxs, dw, dp = lax.switch(branch, [functools.partial(run, m) for m in makers])
+    dxs, dw, dp = lax.switch(branch, [functools.partial(run, *plan) for plan in plans])
     return dxs, dw, dp, None
 
 
 _slot_ffn.defvjp(_slot_ffn_fwd, _slot_ffn_bwd)
 
-__all__ = ["SLOTS_MAX_FACTOR", "slot_capacities", "slots_expert_ffn"]
+__all__ = ["CHUNK", "SLOTS_MAX_FACTOR", "TILE", "slot_capacities", "slots_expert_ffn"]

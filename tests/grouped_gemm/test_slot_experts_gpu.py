@@ -1,7 +1,8 @@
 """The expert FFN in capacity slots (``moe(..., grouped_matmul="slots")``) on a
 GPU at the MoE issue's two full shapes: the same values and gradients in bf16
 as the row-by-row FFN on ``batched_ragged_dot``, balanced routing (slots) and
-skewed (the largest expert at 4x the mean: the rows on ``tiled_ragged_dot``).
+skewed (the largest expert at 4x the mean: the largest slots, 1.5x the mean,
+and tiles past them).
 Times: ``moe-bench --grouped-matmul batched,slots``."""
 
 from __future__ import annotations

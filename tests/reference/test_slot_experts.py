@@ -1,8 +1,9 @@
 """The expert FFN in capacity slots (``moe(..., grouped_matmul="slots")``,
 gpurouter/reference/slot_experts.py) against a NumPy float64 oracle, row by
 row: values, every gradient (against the oracle's gradients, written out),
-both layouts (slots when the largest group fits ``SLOTS_MAX_FACTOR`` times
-the mean, else the rows on tiled GEMMs) and the boundary between them, empty
+both plans (slots when the largest group fits ``SLOTS_MAX_FACTOR`` times
+the mean, else the largest slots and tiles past them, with tiles small enough
+here for several tiles and chunks) and the boundary between them, empty
 groups and rows past the groups."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpurouter.reference import slot_experts
 from gpurouter.reference.moe import ACTIVATIONS, _expert_ffn, rows_of_groups
 from gpurouter.reference.slot_experts import SLOTS_MAX_FACTOR, slot_capacities, slots_expert_ffn
 
@@ -89,17 +91,21 @@ def test_capacities_stop_at_the_max_factor():
     ([3, 2, 4], 9, "silu", True, True),          # balanced: slots
     ([3, 2, 4], 12, "relu", False, True),        # rows past the groups
     ([0, 5, 4, 0], 10, "silu", True, False),     # empty groups
-    ([12, 0, 1], 14, "linear", True, True),      # skewed past 1.5x the mean: the rows on tiled GEMMs
+    ([12, 0, 1], 14, "linear", True, True),      # skewed past 1.5x the mean: slots of 8 and tiles
     ([12, 0, 1], 13, "silu", False, False),
+    ([30, 1, 1, 0], 33, "silu", True, True),     # 14 rows past 16 slots: 7 two-row tiles in 4 chunks
 ])
-def test_matches_the_oracle(sizes, n, act, early, biases):
+def test_matches_the_oracle(sizes, n, act, early, biases, monkeypatch):
+    if sum(sizes) > 30:
+        monkeypatch.setattr(slot_experts, "TILE", 2)
+        monkeypatch.setattr(slot_experts, "CHUNK", 2)
     _check(sizes, n, act, early, biases)
 
 
 @pytest.mark.parametrize("largest", [24, 25])
 def test_both_sides_of_the_largest_capacity(largest):
     """Mean 16 over 4 groups: a largest group of 24 rows fits the largest slot
-    capacity (1.5x); 25 does not and runs on the rows."""
+    capacity (1.5x); 25 does not: its last row goes to a tile."""
     sizes = [largest, 64 - largest - 20, 10, 10]
     assert (largest <= slot_capacities(64, 4)[-1]) == (largest == 24)
     _check(sizes, 64, seed=largest)
@@ -108,10 +114,14 @@ def test_both_sides_of_the_largest_capacity(largest):
 @settings(max_examples=6, deadline=None)
 @given(st.lists(st.integers(0, 9), min_size=1, max_size=5), st.integers(0, 4), st.booleans())
 def test_any_group_sizes(sizes, tail, early):
-    """Any sizes (empty, skewed, all in one group) and any rows past them."""
+    """Any sizes (empty, skewed, all in one group) and any rows past them;
+    3-row tiles, 2 a chunk."""
     if sum(sizes) == 0:
         sizes = sizes[:-1] + [1]
-    _check(sizes, sum(sizes) + tail, early=early, biases=early)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(slot_experts, "TILE", 3)
+        mp.setattr(slot_experts, "CHUNK", 2)
+        _check(sizes, sum(sizes) + tail, early=early, biases=early)
 
 
 def test_bf16_is_the_row_ffns_on_batched_ragged_dot():

@@ -8,8 +8,8 @@ beside the row-by-row FFN on ``batched_ragged_dot``.
 One expert FFN of each shape ``(T, H, E, K, M)``: ``xs [N, H]`` (``N = T K``),
 ``wi_0, wi_1 [E, H, M]``, ``wo [E, M, H]``, bf16, no biases, SiLU, early
 weighting; the routing as ``grouped_gemm_probe.py``'s (``skewed``: the
-largest expert at 4x the mean, past the slots' 1.5x, so the FFN runs on the
-rows with ``tiled_ragged_dot``). Rows (median wall ms of ``--repeats`` jitted
+largest expert at 4x the mean, past the slots' 1.5x, so its rows past them
+go to tiles). Rows (median wall ms of ``--repeats`` jitted
 calls after a warm-up; TFLOP/s over the useful ``6 N H M`` FLOPs forward,
 three times that forward + backward):
 
@@ -109,7 +109,7 @@ def probe_shape(name, shape, repeats: int, save) -> list[dict]:
             save(rows)
 
         row("slots fwd", median_ms(_fwd(True), (x, w, w_rows, sizes), repeats), 3,
-            layout="slots" if width else "rows on tiled_ragged_dot", largest=int(sizes.max()))
+            plan="slots" if width else "largest slots and tiles", largest=int(sizes.max()))
         row("slots fwd+bwd", median_ms(_fwd_bwd(True), (x, w, w_rows, sizes, dz), repeats), 9)
         row("batched fwd+bwd", median_ms(_fwd_bwd(False), (x, w, w_rows, sizes, dz), repeats), 9)
         if width:
