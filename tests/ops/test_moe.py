@@ -150,10 +150,26 @@ def test_under_checkpoint_scan_and_bf16():
     assert out.dtype == jnp.bfloat16 and bool(jnp.isfinite(out.astype(jnp.float32)).all())
 
 
-def test_experts_without_tokens_get_zero_weight_gradients():
+def test_slots_under_checkpoint_and_scan():
+    """``grouped_matmul="slots"`` (its own VJP, a switch in each half) under
+    remat and inside a jitted scan: the plain gradient."""
+    p = _params(seed=3)
+    kw = dict(KW, grouped_matmul="slots", apply_topk_weights_early=True)
+
+    def f(x):
+        return jnp.sum(_call(gmoe.moe, dict(p, x=x), kw)[0] ** 2)
+
+    g = jax.grad(f)(p["x"])
+    np.testing.assert_allclose(np.asarray(jax.grad(jax.checkpoint(f))(p["x"])), np.asarray(g), rtol=1e-6, atol=1e-6)
+    _, gs = jax.jit(lambda xs: jax.lax.scan(lambda c, x: (c, jax.grad(f)(x)), 0, xs))(jnp.stack([p["x"]] * 2))
+    np.testing.assert_allclose(np.asarray(gs[1]), np.asarray(g), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gmm", ["ragged_dot", "slots"])
+def test_experts_without_tokens_get_zero_weight_gradients(gmm):
     p = _params(seed=4)
     p["expert_bias"] = jnp.zeros((E,), jnp.float32).at[3].set(-1e3)  # expert 3 is never selected
-    kw = dict(KW, score_function="sigmoid")
+    kw = dict(KW, score_function="sigmoid", **({"grouped_matmul": "slots"} if gmm == "slots" else {}))
     g = jax.grad(lambda w: jnp.sum(_call(gmoe.moe, dict(p, wi_0=w), kw)[0]))(p["wi_0"])
     np.testing.assert_array_equal(np.asarray(g[3]), np.zeros((H, M), np.float32))
     assert bool(jnp.isfinite(g).all())
