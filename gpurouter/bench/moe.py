@@ -136,10 +136,12 @@ def _stage_steps(e, k, router, gmm):
 
     def gemms(xs, sizes, w0, w1, wo):
         if gmm == "slots":  # the three GEMMs and the activation in slots, as the block runs them
+            from ..reference.moe import rows_of_groups
             from ..reference.slot_experts import slots_expert_ffn
-            z = slots_expert_ffn(xs, None, sizes, jnp.ones(xs.shape[:1], jnp.float32), wi_0=w0, wi_1=w1, wo=wo,
-                                 wi_0_bias=None, wi_1_bias=None, wo_bias=None, activation=jax.nn.silu, early=False,
-                                 dtype=xs.dtype)
+            n = xs.shape[0]
+            z = slots_expert_ffn(xs, rows_of_groups(sizes, n), sizes, jnp.ones((n,), jnp.float32), wi_0=w0, wi_1=w1,
+                                 wo=wo, wi_0_bias=None, wi_1_bias=None, wo_bias=None, activation=jax.nn.silu,
+                                 early=False, dtype=xs.dtype)
             return jnp.sum(z ** 2)
         hid = jax.nn.silu(gmm(xs, w0, sizes)) * gmm(xs, w1, sizes)
         return jnp.sum(gmm(hid, wo, sizes).astype(jnp.float32) ** 2)

@@ -81,8 +81,8 @@ def slots_expert_ffn(xs, rows_e, group_sizes, w_rows, *, wi_0, wi_1, wo, wi_0_bi
                   bo=None if wo_bias is None else jnp.asarray(wo_bias))
     acc = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
     sizes = jnp.asarray(group_sizes).astype(jnp.int32)
-    del rows_e  # recomputed from the sizes where needed (the same rows)
-    return _slot_ffn(jnp.asarray(xs), jnp.asarray(w_rows).astype(acc), params, sizes, (activation, bool(early)))
+    return _slot_ffn(jnp.asarray(xs), jnp.asarray(w_rows).astype(acc), params, sizes,
+                     jnp.asarray(rows_e).astype(jnp.int32), (activation, bool(early)))
 
 
 # --- the slots of one capacity, and the rows (for the biases on rows) -----------------------------
@@ -114,13 +114,11 @@ class _Slots:
 
 
 class _Rows:
-    """Each row's group and whether it is in one (``valid [N, 1]``)."""
+    """Each row's group (``rows_e``) and whether it is in one (``valid [N, 1]``)."""
 
-    def __init__(self, sizes, num_rows: int):
-        ends = jnp.cumsum(sizes)
-        i = jnp.arange(num_rows, dtype=jnp.int32)
-        self.group = jnp.minimum(jnp.searchsorted(ends, i, side="right"), sizes.shape[0] - 1).astype(jnp.int32)
-        self.valid = (i < ends[-1])[:, None]
+    def __init__(self, sizes, rows_e):
+        self.group = rows_e
+        self.valid = (jnp.arange(rows_e.shape[0], dtype=jnp.int32) < jnp.sum(sizes, dtype=jnp.int32))[:, None]
 
     def bias(self, b):
         return b[self.group]
@@ -209,7 +207,7 @@ def _tile_ffn(tiles, x_t, w_t, pt, cfg):
 
 def _tile_steps(xs, w_rows, p, sizes, base: int):
     """The tiles past the first ``base`` rows of every group: a function of a
-    chunk number giving ``(tiles, rows [B * TILE], x_t, w_t, pt)``, and the
+    chunk number giving ``(tiles, rows [B, TILE], x_t, w_t, pt, groups)``, and the
     number of chunks with tiles."""
     n = xs.shape[0]
     chunk_of, num = _tile_plan(sizes, base, TILE, CHUNK, n)
@@ -217,7 +215,7 @@ def _tile_steps(xs, w_rows, p, sizes, base: int):
     def step(c):
         groups, rows = chunk_of(c)
         pt = {k: None if p[k] is None else jnp.take(p[k], groups, axis=0) for k in TILE_KEYS}
-        return _Tiles(rows, n), rows.reshape(-1), _take_rows(xs, rows), _take_rows(w_rows, rows), pt, groups
+        return _Tiles(rows, n), rows, _take_rows(xs, rows), _take_rows(w_rows, rows), pt, groups
 
     return step, num
 
@@ -228,7 +226,7 @@ def _tiles_forward(z, xs, w_rows, p, sizes, base: int, cfg):
     def body(c, z):
         tiles, rows, x_t, w_t, pt, _ = steps(c)
         y = _tile_ffn(tiles, x_t, w_t, pt, cfg)
-        return z.at[rows].add(y.reshape(-1, y.shape[-1]), mode="drop")
+        return z.at[rows.reshape(-1)].add(y.reshape(-1, y.shape[-1]), mode="drop")
 
     return lax.fori_loop(0, num, body, z)
 
@@ -243,7 +241,8 @@ def _tiles_backward(state, xs, w_rows, p, sizes, base: int, dz, cfg):
         dxs, dw, dp = carry
         tiles, rows, x_t, w_t, pt, groups = steps(c)
         _, vjp = jax.vjp(lambda x_, w_, p_: _tile_ffn(tiles, x_, w_, p_, cfg), x_t, w_t, pt)
-        dx_t, dw_t, dpt = vjp(_take_rows(dz, rows.reshape(groups.shape[0], -1)))
+        dx_t, dw_t, dpt = vjp(_take_rows(dz, rows))
+        rows = rows.reshape(-1)
         dxs = dxs.at[rows].set(dx_t.reshape(-1, dx_t.shape[-1]), mode="drop")
         dw = dw.at[rows].add(dw_t.reshape(-1), mode="drop")
         return dxs, dw, {**dp, **{k: dp[k].at[groups].add(dpt[k].astype(dp[k].dtype)) for k in keys}}
@@ -253,17 +252,16 @@ def _tiles_backward(state, xs, w_rows, p, sizes, base: int, dz, cfg):
 
 # --- the switch over the capacities, and the custom VJP -------------------------------------------
 
-def _branches(xs, sizes):
+def _branches(xs, sizes, rows_e):
     """``(width, tiles)`` per ``lax.switch`` branch, the branch index, and the
     rows' layout: each capacity alone, then the largest with tiles."""
-    n, g = xs.shape[0], sizes.shape[0]
-    caps = slot_capacities(n, g)
+    caps = slot_capacities(xs.shape[0], sizes.shape[0])
     branch = jnp.sum(jnp.max(sizes) > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)
-    return [(c, False) for c in caps] + [(caps[-1], True)], branch, _Rows(sizes, n)
+    return [(c, False) for c in caps] + [(caps[-1], True)], branch, _Rows(sizes, rows_e)
 
 
-def _forward(xs, w_rows, p, sizes, cfg):
-    plans, branch, rows = _branches(xs, sizes)
+def _forward(xs, w_rows, p, sizes, rows_e, cfg):
+    plans, branch, rows = _branches(xs, sizes, rows_e)
     head_p, tail_p = _split(p)
 
     def run(width, tiles):
@@ -277,19 +275,19 @@ def _forward(xs, w_rows, p, sizes, cfg):
     return lax.switch(branch, [functools.partial(run, *plan) for plan in plans])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _slot_ffn(xs, w_rows, p, sizes, cfg):
-    return _forward(xs, w_rows, p, sizes, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _slot_ffn(xs, w_rows, p, sizes, rows_e, cfg):
+    return _forward(xs, w_rows, p, sizes, rows_e, cfg)[0]
 
 
-def _slot_ffn_fwd(xs, w_rows, p, sizes, cfg):
-    z, a, b = _forward(xs, w_rows, p, sizes, cfg)
-    return z, (xs, w_rows, p, sizes, a, b)
+def _slot_ffn_fwd(xs, w_rows, p, sizes, rows_e, cfg):
+    z, a, b = _forward(xs, w_rows, p, sizes, rows_e, cfg)
+    return z, (xs, w_rows, p, sizes, rows_e, a, b)
 
 
 def _slot_ffn_bwd(cfg, res, dz):
-    xs, w_rows, p, sizes, a_rows, b_rows = res
-    plans, branch, rows = _branches(xs, sizes)
+    xs, w_rows, p, sizes, rows_e, a_rows, b_rows = res
+    plans, branch, rows = _branches(xs, sizes, rows_e)
     head_p, tail_p = _split(p)
 
     def run(width, tiles):
@@ -304,7 +302,7 @@ def _slot_ffn_bwd(cfg, res, dz):
         return _tiles_backward(state, xs, w_rows, p, sizes, width, dz, cfg) if tiles else state
 
     dxs, dw, dp = lax.switch(branch, [functools.partial(run, *plan) for plan in plans])
-    return dxs, dw, dp, None
+    return dxs, dw, dp, None, None
 
 
 _slot_ffn.defvjp(_slot_ffn_fwd, _slot_ffn_bwd)
