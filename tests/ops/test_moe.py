@@ -227,7 +227,8 @@ def test_numba_block_in_bf16_is_the_jax_blocks():
                                               pytest.param(4, False, "ragged_dot", marks=pytest.mark.slow),
                                               (4, True, "ragged_dot"),
                                               (4, False, "batched"),  # batched: a buffer 4x its rows
-                                              (2, True, "slots")])
+                                              (2, True, "slots"),  # slots: its capacities below the mean too
+                                              pytest.param(4, False, "slots", marks=pytest.mark.slow)])
 @jax.default_matmul_precision("float32")  # on GPUs: no TF32 in either block
 def test_expert_parallel_equals_one_device(shards, early, gmm):
     if len(jax.devices()) < shards:
