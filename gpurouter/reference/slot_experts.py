@@ -15,8 +15,8 @@ the slots, and the output is read back once:
     h_s = act(a_s) * b_s   (0 on empty slots; times the weight when early)
     z   = rows(h_s @ wo) + bo                         [N, H]
 
-``C`` is the smallest of :func:`~gpurouter.reference.grouped_matmul._capacities`
-(rounded up to 8) up to ``SLOTS_MAX_FACTOR`` times the mean group size that
+``C`` is the smallest of ``batched_ragged_dot``'s capacities (multiples of 8)
+up to ``SLOTS_MAX_FACTOR`` (1.5) times the mean group size that
 holds the largest group (a ``lax.switch``: one branch runs). When none holds
 it (a skewed routing), every group's first ``C`` rows (the largest ``C``) go
 to the slots and the rows past them to ``TILE``-row tiles of one expert
@@ -39,28 +39,26 @@ slots' in the weights' dtype).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .grouped_matmul import _capacities, _read_back, _round_rows, _take_rows, _tile_plan
+from .grouped_matmul import TILED_MAX_FACTOR, _read_back, _round_rows, _take_rows, _tile_plan, _tiled_capacities
 
-#: the largest slot capacity, as a multiple of the mean group size; the rows
-#: of a group past it go to tiles
-SLOTS_MAX_FACTOR = 1.5
+#: the largest slot capacity, as a multiple of the mean group size (as for
+#: tiled_ragged_dot's slots); the rows of a group past it go to tiles
+SLOTS_MAX_FACTOR = TILED_MAX_FACTOR
 #: rows of a tile (one expert's), and tiles per step of the tiles' loop
 TILE, CHUNK = 128, 8
 
 
 def slot_capacities(num_rows: int, num_groups: int) -> tuple[int, ...]:
     """The slot capacities a ``[num_rows]`` buffer of ``num_groups`` groups
-    may use, smallest first: :func:`_capacities` of the mean group size up to
+    may use, smallest first: ``tiled_ragged_dot``'s, the capacities of
+    ``batched_ragged_dot`` for the mean group size up to
     ``SLOTS_MAX_FACTOR`` times it."""
-    first = max(1, -(-num_rows // num_groups))
-    top = -(-math.ceil(first * SLOTS_MAX_FACTOR) // 8) * 8
-    return tuple(c for c in _capacities(first) if c <= top)
+    return _tiled_capacities(max(1, -(-num_rows // num_groups)))
 
 
 def slots_expert_ffn(xs, rows_e, group_sizes, w_rows, *, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias,
