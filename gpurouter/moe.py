@@ -19,7 +19,6 @@ import functools
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 
 from . import reference
 from ._auto import moe_block_on_kernels
@@ -113,9 +112,8 @@ def moe(
     # (gpurouter/kernels/moe/plans.py) by name and hands it to kernel_call.
     routed = reference.moe.route_tokens(x, gate_kernel, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, expert_bias,
                                         **block, **route, router=router)
-    x = jnp.asarray(x).reshape(-1, jnp.shape(x)[-1])  # the tokens [T, H] (routed.xf)
-    dispatched = block_dispatch(x, routed.probs, routed.routing_map, routed.idx, num_experts, transport)
-    return reference.moe.experts_and_combine(routed, dispatched, functools.partial(block_combine, transport=transport),
+    return reference.moe.experts_and_combine(routed, functools.partial(block_dispatch, transport=transport),
+                                             functools.partial(block_combine, transport=transport),
                                              wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, **block, router=router,
                                              aux_loss=aux_loss)
 

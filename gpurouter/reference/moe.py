@@ -21,7 +21,7 @@ from .._checks import MOE_OP, check_moe_args, check_moe_inputs
 from .._sharding import axis_size
 from .aux_loss import fused_moe_aux_loss
 from .routing_map import tokens_per_expert
-from .slot_experts import slots_expert_ffn
+from .slot_experts import slots_expert_ffn, slots_token_ffn
 from .topk import fused_topk_with_score_function
 
 # the names _checks.MOE_ACTIVATIONS accepts (tests/ops/test_moe.py holds them equal)
@@ -114,9 +114,8 @@ def moe(
         apply_topk_weights_early=apply_topk_weights_early, ep_axis=ep_axis, align_size=align_size,
         grouped_matmul=grouped_matmul, router=router)
     dispatch, combine = permute or (argsort_dispatch, argsort_combine)
-    dispatched = dispatch(routed.xf, routed.probs, routed.routing_map, routed.idx, num_experts)
     return experts_and_combine(
-        routed, dispatched, combine, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias,
+        routed, dispatch, combine, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias,
         num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, activation_type=activation_type,
         score_function=score_function, aux_loss_coeff=aux_loss_coeff,
         apply_topk_weights_early=apply_topk_weights_early, ep_axis=ep_axis, align_size=align_size,
@@ -173,21 +172,29 @@ def route_tokens(
 
 
 def experts_and_combine(
-    routed: Routed, dispatched, combine: Callable, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, *,
+    routed: Routed, dispatch: Callable, combine: Callable, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, *,
     num_experts: int, num_experts_per_tok: int, activation_type: str, score_function: str,
     aux_loss_coeff: float, apply_topk_weights_early: bool, ep_axis: str | None, align_size: int,
     grouped_matmul: Callable, router: Callable | None = None, aux_loss: Callable | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """The block's last steps (:func:`moe`'s arguments): the experts on the
-    ``dispatched`` rows (:func:`argsort_dispatch`'s results; over the
-    ``ep_axis`` devices when set), ``combine`` back to tokens, and the aux
-    loss."""
+    """The block's last steps (:func:`moe`'s arguments): ``dispatch`` the
+    tokens to rows sorted by expert (:func:`argsort_dispatch`'s signature),
+    the experts on them (over the ``ep_axis`` devices when set), ``combine``
+    back to tokens, and the aux loss. ``grouped_matmul="slots"`` without
+    ``ep_axis`` calls neither: its slots are filled from the tokens and summed
+    back into them (:func:`gpurouter.reference.slot_experts.slots_token_ffn`)."""
     router = router or fused_topk_with_score_function
     aux_loss = aux_loss or fused_moe_aux_loss
-    xs, rows_e, group_sizes, w_rows, state = dispatched
-    shape, dtype, logits, shards = routed.shape, routed.dtype, routed.logits, routed.shards
+    shape, dtype, shards = routed.shape, routed.dtype, routed.shards
     k, e = num_experts_per_tok, num_experts
     weights_ = dict(wi_0=wi_0, wi_1=wi_1, wo=wo, wi_0_bias=wi_0_bias, wi_1_bias=wi_1_bias, wo_bias=wo_bias)
+    if grouped_matmul == "slots" and ep_axis is None:  # tokens -> slots -> tokens, no rows
+        weights = jnp.take_along_axis(routed.probs, routed.idx, axis=-1)
+        out = slots_token_ffn(routed.xf, routed.idx, weights, **weights_, activation=ACTIVATIONS[activation_type],
+                              dtype=dtype)
+        return out.astype(dtype).reshape(shape), _aux_loss(routed, router, aux_loss, k, aux_loss_coeff,
+                                                           score_function, ep_axis)
+    xs, rows_e, group_sizes, w_rows, state = dispatch(routed.xf, routed.probs, routed.routing_map, routed.idx, e)
     if grouped_matmul == "slots":  # the whole FFN in capacity slots (gpurouter/reference/slot_experts.py)
         ffn = functools.partial(slots_expert_ffn, **weights_, activation=ACTIVATIONS[activation_type],
                                 early=apply_topk_weights_early, dtype=dtype)
@@ -204,13 +211,16 @@ def experts_and_combine(
         z = _ep.combine(ffn(recv, rows_of_groups(local_sizes, recv.shape[0]), local_sizes, recv_w[:, 0]),
                         ep_state, **ep)
     out = combine(z, state, not apply_topk_weights_early).astype(dtype).reshape(shape)
+    return out, _aux_loss(routed, router, aux_loss, k, aux_loss_coeff, score_function, ep_axis)
 
-    loss = None
-    if aux_loss_coeff > 0:
-        scores, aux_map = router(logits, k, compute_aux_scores=True, score_function=score_function)
-        loss = aux_loss(scores, tokens_per_expert(aux_map), k, aux_loss_coeff,
-                        axis_name=ep_axis).astype(jnp.float32)
-    return out, loss
+
+def _aux_loss(routed: Routed, router, aux_loss, k: int, aux_loss_coeff: float, score_function: str,
+              ep_axis: str | None):
+    """The block's aux loss (None without ``aux_loss_coeff``)."""
+    if aux_loss_coeff <= 0:
+        return None
+    scores, aux_map = router(routed.logits, k, compute_aux_scores=True, score_function=score_function)
+    return aux_loss(scores, tokens_per_expert(aux_map), k, aux_loss_coeff, axis_name=ep_axis).astype(jnp.float32)
 
 
 def argsort_dispatch(xf, probs, routing_map, idx, num_experts: int):

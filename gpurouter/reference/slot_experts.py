@@ -72,37 +72,136 @@ def slots_expert_ffn(xs, rows_e, group_sizes, w_rows, *, wi_0, wi_1, wo, wi_0_bi
     ``act(x wi_0 + b0) * (x wi_1 + b1) @ wo + bo``, the weight multiplied
     into ``h`` (and ``bo``) when ``early``; rows past ``sum(group_sizes)``
     give 0."""
-    params = dict(wi_0=jnp.asarray(wi_0).astype(dtype), wi_1=jnp.asarray(wi_1).astype(dtype),
-                  wo=jnp.asarray(wo).astype(dtype),
-                  b0=None if wi_0_bias is None else jnp.asarray(wi_0_bias).astype(dtype),
-                  b1=None if wi_1_bias is None else jnp.asarray(wi_1_bias).astype(dtype),
-                  bo=None if wo_bias is None else jnp.asarray(wo_bias))
     acc = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
     sizes = jnp.asarray(group_sizes).astype(jnp.int32)
-    return _slot_ffn(jnp.asarray(xs), jnp.asarray(w_rows).astype(acc), params, sizes,
-                     jnp.asarray(rows_e).astype(jnp.int32), (activation, bool(early)))
+    return _slot_ffn(jnp.asarray(xs), jnp.asarray(w_rows).astype(acc), _params(wi_0, wi_1, wo, wi_0_bias, wi_1_bias,
+                                                                               wo_bias, dtype),
+                     sizes, jnp.asarray(rows_e).astype(jnp.int32), None, (activation, bool(early)))
+
+
+def slots_token_ffn(xf, idx, weights, *, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, activation, dtype):
+    """The block's expert FFN and combine from tokens to tokens, in slots:
+    no ``[T K, H]`` rows at all.
+
+    ``xf [T, H]`` tokens, ``idx [T, K]`` their experts (distinct in a row),
+    ``weights [T, K]`` their routing weights -> ``[T, H]`` in fp32 (at
+    least), ``sum_k (w_tk act(x wi_0 + b0) * (x wi_1 + b1)) @ wo_e + w_tk
+    bo_e``: the dispatch and the weighted combine around the FFN, the slots
+    filled straight from the tokens and summed straight back into them
+    (forward and backward). The weight always multiplies ``h`` before ``wo``
+    (``apply_topk_weights_early``; without it the block's value is the same
+    function, rounded once more at bf16). The rows behind the slots are the
+    pairs sorted by expert, stable (the argsort dispatch's order)."""
+    idx = jnp.asarray(idx).astype(jnp.int32)
+    t, k = idx.shape
+    n = t * k
+    acc = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # row -> pair
+    sizes = jnp.bincount(flat, length=jnp.shape(wi_0)[0]).astype(jnp.int32)
+    pair_row = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32)).reshape(t, k)
+    w_rows = jnp.asarray(weights).astype(acc).reshape(-1)[order]
+    return _slot_ffn(jnp.asarray(xf), w_rows, _params(wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, dtype), sizes,
+                     flat[order], (order // k, pair_row), (activation, True))
+
+
+def _params(wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, dtype):
+    return dict(wi_0=jnp.asarray(wi_0).astype(dtype), wi_1=jnp.asarray(wi_1).astype(dtype),
+                wo=jnp.asarray(wo).astype(dtype),
+                b0=None if wi_0_bias is None else jnp.asarray(wi_0_bias).astype(dtype),
+                b1=None if wi_1_bias is None else jnp.asarray(wi_1_bias).astype(dtype),
+                bo=None if wo_bias is None else jnp.asarray(wo_bias))
+
+
+# --- where the [., H] arrays live: the rows, or the tokens ---------------------------------------
+
+class _Frame:
+    """The FFN's ``[., H]`` input and output: the rows themselves (``tokens``
+    None: ``[N, H]``), or the tokens behind them (``tokens = (tok_of_row [N],
+    pair_row [T, K])``: ``[T, H]``, a token's output the sum of its K rows)."""
+
+    def __init__(self, tokens, rows_e, num_rows: int):
+        self.tokens, self.rows_e, self.num_rows = tokens, rows_e, num_rows
+
+    def index(self, rows):
+        """Row indices (``num_rows``: none) -> indices into the input (out of range: none)."""
+        if self.tokens is None:
+            return rows
+        tok_of_row, pair_row = self.tokens
+        return jnp.where(rows < self.num_rows, tok_of_row[jnp.minimum(rows, self.num_rows - 1)], pair_row.shape[0])
+
+    def out(self, v, sizes, width: int, capped: bool, dtype):
+        """Slots ``[G, C, D]`` to the output (rows, or tokens summed in ``dtype``);
+        differentiable, its transpose the gather of the output's cotangent."""
+        if self.tokens is None:
+            return _read_back_op(v, sizes, width, self.num_rows, capped).astype(dtype)
+        _, pair_row = self.tokens
+        starts = jnp.cumsum(sizes) - sizes
+        e = self.rows_e[pair_row]
+        local = pair_row - starts[e]
+        slot = jnp.where(local < width, e * width + local, v.shape[0] * width)
+        return _collect_op(v, slot, self.index(_round_rows(sizes, 0, width, self.num_rows)), jnp.dtype(dtype))
+
+    def out_bias(self, bo, w_rows, rows, early: bool):
+        """``bo`` of every row's expert (times its weight when ``early``), on the output."""
+        acc = w_rows.dtype
+        if self.tokens is None:
+            b = jnp.where(rows.valid, rows.bias(bo).astype(acc), 0)
+            return b * jnp.where(rows.valid[:, 0], w_rows, 0)[:, None] if early else b
+        _, pair_row = self.tokens
+        return jnp.sum(bo.astype(acc)[self.rows_e[pair_row]] * w_rows[pair_row][..., None], axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _collect_op(v, slot, tok_slots, dtype):
+    """``out[t] = sum_k v[slot[t, k]]`` in ``dtype`` (``slot [T, K]``, past the
+    slots: none); each filled slot belongs to one pair, ``tok_slots [G, C]``
+    their tokens (``T``: empty)."""
+    flat = v.reshape(-1, v.shape[-1])
+    return jnp.sum(_take_rows(flat, slot).astype(dtype), axis=1)
+
+
+def _collect_fwd(v, slot, tok_slots, dtype):
+    return _collect_op(v, slot, tok_slots, dtype), (tok_slots, jnp.zeros((0,), v.dtype))
+
+
+def _collect_bwd(dtype, res, d):
+    tok_slots, like = res
+    return _take_rows(d, tok_slots).astype(like.dtype), None, None
+
+
+_collect_op.defvjp(_collect_fwd, _collect_bwd)
 
 
 # --- the slots of one capacity, and the rows (for the biases on rows) -----------------------------
 
 class _Slots:
     """Rows <-> slots ``[G, C, .]``: every group's first ``C`` rows (all of
-    them unless ``capped``)."""
+    them unless ``capped``); ``frame``: where the ``[., H]`` arrays live."""
 
-    def __init__(self, sizes, width: int, num_rows: int, capped: bool = False):
-        self.sizes, self.width, self.num_rows, self.capped = sizes, width, num_rows, capped
-        self.rows = _round_rows(sizes, 0, width, num_rows)  # [G, C], num_rows on empty slots
-        self.valid = (self.rows < num_rows)[..., None]
+    def __init__(self, sizes, width: int, frame: _Frame, capped: bool = False):
+        self.sizes, self.width, self.frame, self.capped = sizes, width, frame, capped
+        self.num_rows = frame.num_rows
+        self.rows = _round_rows(sizes, 0, width, self.num_rows)  # [G, C], num_rows on empty slots
+        self.valid = (self.rows < self.num_rows)[..., None]
 
     def gather(self, v):
         """Rows ``[N, ...]`` into slots ``[G, C, ...]`` (0 on empty slots)."""
         return _take_rows(v, self.rows)
+
+    def gather_in(self, v):
+        """The frame's input (rows or tokens) into slots ``[G, C, D]``."""
+        return _take_rows(v, self.frame.index(self.rows))
 
     def read_back(self, v):
         """Slots ``[G, C, D]`` back to rows ``[N, D]`` (0 past the groups, and
         past the slots when ``capped``); differentiable, its transpose being
         :meth:`gather`."""
         return _read_back_op(v, self.sizes, self.width, self.num_rows, self.capped)
+
+    def out(self, v, dtype):
+        """Slots ``[G, C, D]`` to the frame's output (rows, or tokens summed)."""
+        return self.frame.out(v, self.sizes, self.width, self.capped, dtype)
 
     def gmm(self, v, w):
         return jnp.einsum("gcd,gdm->gcm", v, w, preferred_element_type=v.dtype)
@@ -163,14 +262,12 @@ def _hidden(valid, a, b, w_l, cfg):
 
 
 def _tail(lay, rows, a, b, w_l, w_rows, p, cfg):
-    """``z`` rows from the projections in the slots: the hidden rows, ``wo``;
-    ``bo`` added on the rows, every row of a group (``p``: ``wo``, ``bo``;
-    ``rows``: :class:`_Rows` of the same buffer)."""
-    acc = w_rows.dtype
-    z = lay.read_back(lay.gmm(_hidden(lay.valid, a, b, w_l, cfg), p["wo"])).astype(acc)
+    """The output (rows or tokens: ``lay.frame``) from the projections in the
+    slots: the hidden rows, ``wo``; ``bo`` added on the output (``p``:
+    ``wo``, ``bo``; ``rows``: :class:`_Rows` of the same buffer)."""
+    z = lay.out(lay.gmm(_hidden(lay.valid, a, b, w_l, cfg), p["wo"]), w_rows.dtype)
     if p["bo"] is not None:
-        bo = jnp.where(rows.valid, rows.bias(p["bo"]).astype(acc), 0)
-        z = z + (bo * jnp.where(rows.valid[:, 0], w_rows, 0)[:, None] if cfg[1] else bo)
+        z = z + lay.frame.out_bias(p["bo"], w_rows, rows, cfg[1])
     return z
 
 
@@ -203,106 +300,113 @@ def _tile_ffn(tiles, x_t, w_t, pt, cfg):
     return tiles.gmm(_hidden(tiles.valid, a, b, w_t, cfg), pt["wo"]).astype(w_t.dtype)
 
 
-def _tile_steps(xs, w_rows, p, sizes, base: int):
+def _tile_steps(x, w_rows, p, sizes, base: int, frame: _Frame):
     """The tiles past the first ``base`` rows of every group: a function of a
-    chunk number giving ``(tiles, rows [B, TILE], x_t, w_t, pt, groups)``, and the
+    chunk number giving ``(tiles, at [B * TILE] (the rows' places in the
+    frame's input and output), rows [B, TILE], x_t, w_t, pt, groups)``, and the
     number of chunks with tiles."""
-    n = xs.shape[0]
+    n = frame.num_rows
     chunk_of, num = _tile_plan(sizes, base, TILE, CHUNK, n)
 
     def step(c):
         groups, rows = chunk_of(c)
+        at = frame.index(rows)
         pt = {k: None if p[k] is None else jnp.take(p[k], groups, axis=0) for k in TILE_KEYS}
-        return _Tiles(rows, n), rows, _take_rows(xs, rows), _take_rows(w_rows, rows), pt, groups
+        return _Tiles(rows, n), at.reshape(-1), rows, _take_rows(x, at), _take_rows(w_rows, rows), pt, groups
 
     return step, num
 
 
-def _tiles_forward(z, xs, w_rows, p, sizes, base: int, cfg):
-    steps, num = _tile_steps(xs, w_rows, p, sizes, base)
+def _tiles_forward(z, x, w_rows, p, sizes, base: int, frame: _Frame, cfg):
+    steps, num = _tile_steps(x, w_rows, p, sizes, base, frame)
 
     def body(c, z):
-        tiles, rows, x_t, w_t, pt, _ = steps(c)
+        tiles, at, _, x_t, w_t, pt, _ = steps(c)
         y = _tile_ffn(tiles, x_t, w_t, pt, cfg)
-        return z.at[rows.reshape(-1)].add(y.reshape(-1, y.shape[-1]), mode="drop")
+        return z.at[at].add(y.reshape(-1, y.shape[-1]).astype(z.dtype), mode="drop")
 
     return lax.fori_loop(0, num, body, z)
 
 
-def _tiles_backward(state, xs, w_rows, p, sizes, base: int, dz, cfg):
-    """``(d xs, d w_rows, d params)`` with the tiles' parts: the tiles' rows of
-    ``d xs`` set, their ``d w_rows`` and the groups' weight gradients added."""
-    steps, num = _tile_steps(xs, w_rows, p, sizes, base)
+def _tiles_backward(state, x, w_rows, p, sizes, base: int, frame: _Frame, dz, cfg):
+    """``(d x, d w_rows, d params)`` with the tiles' parts added: their rows'
+    (or tokens') ``d x``, their ``d w_rows`` and the groups' weight gradients."""
+    steps, num = _tile_steps(x, w_rows, p, sizes, base, frame)
     keys = [k for k in TILE_KEYS if p[k] is not None]
 
     def body(c, carry):
-        dxs, dw, dp = carry
-        tiles, rows, x_t, w_t, pt, groups = steps(c)
+        dx, dw, dp = carry
+        tiles, at, rows, x_t, w_t, pt, groups = steps(c)
         _, vjp = jax.vjp(lambda x_, w_, p_: _tile_ffn(tiles, x_, w_, p_, cfg), x_t, w_t, pt)
-        dx_t, dw_t, dpt = vjp(_take_rows(dz, rows))
-        rows = rows.reshape(-1)
-        dxs = dxs.at[rows].set(dx_t.reshape(-1, dx_t.shape[-1]), mode="drop")
-        dw = dw.at[rows].add(dw_t.reshape(-1), mode="drop")
-        return dxs, dw, {**dp, **{k: dp[k].at[groups].add(dpt[k].astype(dp[k].dtype)) for k in keys}}
+        dx_t, dw_t, dpt = vjp(_take_rows(dz, at.reshape(rows.shape)).astype(w_t.dtype))
+        dx = dx.at[at].add(dx_t.reshape(-1, dx_t.shape[-1]).astype(dx.dtype), mode="drop")
+        dw = dw.at[rows.reshape(-1)].add(dw_t.reshape(-1), mode="drop")
+        return dx, dw, {**dp, **{k: dp[k].at[groups].add(dpt[k].astype(dp[k].dtype)) for k in keys}}
 
     return lax.fori_loop(0, num, body, state)
 
 
 # --- the switch over the capacities, and the custom VJP -------------------------------------------
 
-def _branches(xs, sizes, rows_e):
-    """``(width, tiles)`` per ``lax.switch`` branch, the branch index, and the
-    rows' layout: each capacity alone, then the largest with tiles."""
-    caps = slot_capacities(xs.shape[0], sizes.shape[0])
+def _branches(sizes, rows_e, tokens):
+    """``(width, tiles)`` per ``lax.switch`` branch, the branch index, the
+    rows' layout and the frame: each capacity alone, then the largest with
+    tiles."""
+    n = rows_e.shape[0]
+    caps = slot_capacities(n, sizes.shape[0])
     branch = jnp.sum(jnp.max(sizes) > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)
-    return [(c, False) for c in caps] + [(caps[-1], True)], branch, _Rows(sizes, rows_e)
+    return [(c, False) for c in caps] + [(caps[-1], True)], branch, _Rows(sizes, rows_e), _Frame(tokens, rows_e, n)
 
 
-def _forward(xs, w_rows, p, sizes, rows_e, cfg):
-    plans, branch, rows = _branches(xs, sizes, rows_e)
+def _forward(x, w_rows, p, sizes, rows_e, tokens, cfg):
+    plans, branch, rows, frame = _branches(sizes, rows_e, tokens)
     head_p, tail_p = _split(p)
 
     def run(width, tiles):
-        lay = _Slots(sizes, width, xs.shape[0], capped=tiles)
-        a, b = _head(lay, lay.gather(xs), head_p)
+        lay = _Slots(sizes, width, frame, capped=tiles)
+        a, b = _head(lay, lay.gather_in(x), head_p)
         z = _tail(lay, rows, a, b, lay.gather(w_rows), w_rows, tail_p, cfg)
         if tiles:
-            z = _tiles_forward(z, xs, w_rows, p, sizes, width, cfg)
+            z = _tiles_forward(z, x, w_rows, p, sizes, width, frame, cfg)
         return z, lay.read_back(a), lay.read_back(b)
 
     return lax.switch(branch, [functools.partial(run, *plan) for plan in plans])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _slot_ffn(xs, w_rows, p, sizes, rows_e, cfg):
-    return _forward(xs, w_rows, p, sizes, rows_e, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _slot_ffn(x, w_rows, p, sizes, rows_e, tokens, cfg):
+    """The FFN from ``x`` (rows ``[N, H]``, or tokens ``[T, H]`` with
+    ``tokens``) to the output in the same frame, in fp32 (at least)."""
+    return _forward(x, w_rows, p, sizes, rows_e, tokens, cfg)[0]
 
 
-def _slot_ffn_fwd(xs, w_rows, p, sizes, rows_e, cfg):
-    z, a, b = _forward(xs, w_rows, p, sizes, rows_e, cfg)
-    return z, (xs, w_rows, p, sizes, rows_e, a, b)
+def _slot_ffn_fwd(x, w_rows, p, sizes, rows_e, tokens, cfg):
+    z, a, b = _forward(x, w_rows, p, sizes, rows_e, tokens, cfg)
+    return z, (x, w_rows, p, sizes, rows_e, tokens, a, b)
 
 
 def _slot_ffn_bwd(cfg, res, dz):
-    xs, w_rows, p, sizes, rows_e, a_rows, b_rows = res
-    plans, branch, rows = _branches(xs, sizes, rows_e)
+    x, w_rows, p, sizes, rows_e, tokens, a_rows, b_rows = res
+    plans, branch, rows, frame = _branches(sizes, rows_e, tokens)
     head_p, tail_p = _split(p)
+    # rows: d x in x's dtype, as the read-back gives it; tokens: summed in fp32 (at least), then cast
+    dx_dtype = x.dtype if tokens is None else w_rows.dtype
 
     def run(width, tiles):
-        lay = _Slots(sizes, width, xs.shape[0], capped=tiles)
+        lay = _Slots(sizes, width, frame, capped=tiles)
         a, b, w_l = lay.gather(a_rows), lay.gather(b_rows), lay.gather(w_rows)
         _, tail_vjp = jax.vjp(lambda a_, b_, wl_, wr_, p_: _tail(lay, rows, a_, b_, wl_, wr_, p_, cfg),
                               a, b, w_l, w_rows, tail_p)
         da, db, dw_l, dw_rows, d_tail = tail_vjp(dz)
-        _, head_vjp = jax.vjp(lambda x_, p_: _head(lay, x_, p_), lay.gather(xs), head_p)
+        _, head_vjp = jax.vjp(lambda x_, p_: _head(lay, x_, p_), lay.gather_in(x), head_p)
         dx_l, d_head = head_vjp((da, db))
-        state = (lay.read_back(dx_l), lay.read_back(dw_l[..., None])[:, 0] + dw_rows, {**d_head, **d_tail})
-        return _tiles_backward(state, xs, w_rows, p, sizes, width, dz, cfg) if tiles else state
+        state = (lay.out(dx_l, dx_dtype), lay.read_back(dw_l[..., None])[:, 0] + dw_rows, {**d_head, **d_tail})
+        return _tiles_backward(state, x, w_rows, p, sizes, width, frame, dz, cfg) if tiles else state
 
-    dxs, dw, dp = lax.switch(branch, [functools.partial(run, *plan) for plan in plans])
-    return dxs, dw, dp, None, None
+    dx, dw, dp = lax.switch(branch, [functools.partial(run, *plan) for plan in plans])
+    return dx.astype(x.dtype), dw, dp, None, None, None
 
 
 _slot_ffn.defvjp(_slot_ffn_fwd, _slot_ffn_bwd)
 
-__all__ = ["CHUNK", "SLOTS_MAX_FACTOR", "TILE", "slot_capacities", "slots_expert_ffn"]
+__all__ = ["CHUNK", "SLOTS_MAX_FACTOR", "TILE", "slot_capacities", "slots_expert_ffn", "slots_token_ffn"]
