@@ -2,7 +2,9 @@
 GPU at the MoE issue's two full shapes: the same values and gradients in bf16
 as the row-by-row FFN on ``batched_ragged_dot``, balanced routing (slots) and
 skewed (the largest expert at 4x the mean: the largest slots, 1.5x the mean,
-and tiles past them).
+and tiles past them); and the block's path from tokens to tokens
+(``slots_token_ffn``) against the argsort dispatch, that row FFN and the
+combine.
 Times: ``moe-bench --grouped-matmul batched,slots``."""
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from gemm_gpu_helpers import SHAPES, max_rel_error
 from gemm_gpu_helpers import sizes as _sizes
 
 from gpurouter.reference.grouped_matmul import batched_ragged_dot
-from gpurouter.reference.moe import _expert_ffn, rows_of_groups
-from gpurouter.reference.slot_experts import slots_expert_ffn
+from gpurouter.reference.moe import _expert_ffn, argsort_combine, argsort_dispatch, rows_of_groups
+from gpurouter.reference.slot_experts import slots_expert_ffn, slots_token_ffn
 
 pytestmark = pytest.mark.gpu
 
@@ -64,4 +66,53 @@ def test_slots_equal_the_row_ffn_at_the_full_shapes(name, routing):
         assert a.dtype == b.dtype, what
         err, finite = max_rel_error(a, b)
         print(f"{name} {routing} {what}: max error {err:.2e} of the largest value")
+        assert finite and err < 2e-2, (what, err)
+
+
+@functools.cache
+def _token_operands(name, skewed: bool):
+    t, h, e, k, m = SHAPES[name][:5]
+    ks = jax.random.split(jax.random.PRNGKey(2), 4)
+    _, _, w, _, _ = _operands(name)
+    logits = jax.random.normal(ks[0], (t, e))
+    if skewed:  # expert 0 among the picks of 4x its mean share of the tokens
+        logits = logits.at[: 4 * t * k // e, 0].add(100.0)
+    idx = jnp.argsort(-logits, axis=1)[:, :k].astype(jnp.int32)
+    return (jax.random.normal(ks[1], (t, h)).astype(jnp.bfloat16), idx,
+            jax.random.uniform(ks[2], (t, k), jnp.float32), w, jax.random.normal(ks[3], (t, h), jnp.float32))
+
+
+@functools.cache
+def _token_step(slots: bool):
+    kw = dict(wi_0_bias=None, wi_1_bias=None, wo_bias=None, activation=jax.nn.silu, dtype=jnp.bfloat16)
+
+    def block(x, idx, wt, w):
+        if slots:
+            return slots_token_ffn(x, idx, wt, **kw, **w)
+        probs = jnp.zeros((x.shape[0], w["wi_0"].shape[0]), jnp.float32).at[
+            jnp.arange(x.shape[0])[:, None], idx].set(wt)
+        xs, rows_e, sizes, w_rows, state = argsort_dispatch(x, probs, None, idx, w["wi_0"].shape[0])
+        z = _expert_ffn(xs, rows_e, sizes, w_rows, **kw, **w, early=True, align_size=0,
+                        grouped_matmul=batched_ragged_dot)
+        return argsort_combine(z, state, False)
+
+    def f(x, idx, wt, w, dout):
+        out, vjp = jax.vjp(lambda x_, wt_, w_: block(x_, idx, wt_, w_), x, wt, w)
+        dx, dwt, dw = vjp(dout)
+        return out, dx, dwt, dw["wi_0"], dw["wo"]
+    return jax.jit(f)
+
+
+@pytest.mark.parametrize("routing", ["balanced", "skewed"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_token_slots_equal_dispatch_ffn_combine_at_the_full_shapes(name, routing):
+    """The block's slots from tokens to tokens (``slots_token_ffn``) against the
+    argsort dispatch, the row FFN on ``batched_ragged_dot`` and the combine."""
+    x, idx, wt, w, dout = _token_operands(name, routing == "skewed")
+    got = _token_step(True)(x, idx, wt, w, dout)
+    want = _token_step(False)(x, idx, wt, w, dout)
+    for what, a, b in zip(("out", "d x", "d weights", "d wi_0", "d wo"), got, want, strict=True):
+        assert a.dtype == b.dtype, what
+        err, finite = max_rel_error(a, b)
+        print(f"{name} {routing} tokens {what}: max error {err:.2e} of the largest value")
         assert finite and err < 2e-2, (what, err)
