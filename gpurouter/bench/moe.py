@@ -25,8 +25,10 @@ blocks and of the GEMM stage is ``--grouped-matmul``: ``ragged_dot``
 (:func:`gpurouter.moe.tiled_ragged_dot`), ``pallas``
 (:func:`gpurouter.moe.pallas_ragged_dot`), ``mosaic``
 (:func:`gpurouter.moe.mosaic_ragged_dot`) or ``slots`` (``moe(...,
-grouped_matmul="slots")``: the whole expert FFN in capacity slots, which
-the GEMM stage then times); several, comma-separated, give a
+grouped_matmul="slots")``: the whole expert FFN in capacity slots, filled
+from the tokens and summed back into them, which the GEMM stage then times
+from the tokens, so that stage includes what dispatch and combine do for
+the others); several, comma-separated, give a
 row each per shape, timed in the same run (``--grouped-matmul
 batched,mosaic``).
 
@@ -135,13 +137,11 @@ def _stage_steps(e, k, router, gmm):
         return jnp.sum(token_combine(xs, rid, probs, backend="numba").astype(jnp.float32) ** 2)
 
     def gemms(xs, sizes, w0, w1, wo):
-        if gmm == "slots":  # the three GEMMs and the activation in slots, as the block runs them
-            from ..reference.moe import rows_of_groups
-            from ..reference.slot_experts import slots_expert_ffn
-            n = xs.shape[0]
-            z = slots_expert_ffn(xs, rows_of_groups(sizes, n), sizes, jnp.ones((n,), jnp.float32), wi_0=w0, wi_1=w1,
-                                 wo=wo, wi_0_bias=None, wi_1_bias=None, wo_bias=None, activation=jax.nn.silu,
-                                 early=False, dtype=xs.dtype)
+        if gmm == "slots":  # the block's FFN from tokens to tokens (xs: the tokens, sizes: their experts [T, K])
+            from ..reference.slot_experts import slots_token_ffn
+            z = slots_token_ffn(xs, sizes, jnp.full(sizes.shape, 1.0 / k, jnp.float32), wi_0=w0, wi_1=w1, wo=wo,
+                                wi_0_bias=None, wi_1_bias=None, wo_bias=None, activation=jax.nn.silu,
+                                dtype=xs.dtype)
             return jnp.sum(z ** 2)
         hid = jax.nn.silu(gmm(xs, w0, sizes)) * gmm(xs, w1, sizes)
         return jnp.sum(gmm(hid, wo, sizes).astype(jnp.float32) ** 2)
@@ -195,8 +195,10 @@ def run_shape(name, shape, repeats: int, grouped_matmul: str = "ragged_dot", num
     probs = jnp.where(routing_map, 1.0 / k, 0.0).astype(x.dtype)
     if numba:
         row["dispatch+combine numba ms"] = median_ms(permute_numba, (x, routing_map, probs), nrep)
-    row["grouped GEMMs ms"] = median_ms(gemms, (xs, sizes, w0, w1, wo), repeats)
-    row["grouped GEMMs fwd ms"] = median_ms(gemms_fwd, (xs, sizes, w0, w1, wo), repeats)
+    # "slots" has no rows: its stage is the block's FFN from the tokens and their experts to the tokens
+    stage = (x, idx) if grouped_matmul == "slots" else (xs, sizes)
+    row["grouped GEMMs ms"] = median_ms(gemms, (*stage, w0, w1, wo), repeats)
+    row["grouped GEMMs fwd ms"] = median_ms(gemms_fwd, (*stage, w0, w1, wo), repeats)
     flops = 18.0 * t * k * h * m
     row["grouped GEMM TFLOP/s"] = flops / (row["grouped GEMMs ms"] * 1e-3) / 1e12
     row["grouped GEMM fwd TFLOP/s"] = flops / 3 / (row["grouped GEMMs fwd ms"] * 1e-3) / 1e12

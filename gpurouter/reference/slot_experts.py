@@ -24,6 +24,13 @@ each, the whole FFN per tile, ``CHUNK`` tiles at a time in a loop over the
 chunks that have rows (each tile gathers its expert's weights): no cliff,
 bounded memory, as :func:`~gpurouter.reference.grouped_matmul.tiled_ragged_dot`.
 
+The block (:func:`slots_token_ffn`) goes further: it fills the slots straight
+from the tokens ``[T, H]`` and sums the slots straight back into them, so
+neither the ``[T K, H]`` rows nor a dispatch or combine exist, forward or
+backward (gpurouter/reference/slot_frame.py: the rows or the tokens as the
+FFN's input and output). :func:`slots_expert_ffn` keeps the rows (expert
+parallelism, whose rows come from other devices).
+
 The backward is its own (a custom VJP: differentiating through the switch
 would keep every branch's slots alive): the forward keeps the two projections
 ``a`` and ``b`` read back as rows ``[N, M]``; the backward gathers the output
@@ -44,7 +51,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .grouped_matmul import TILED_MAX_FACTOR, _read_back, _round_rows, _take_rows, _tile_plan, _tiled_capacities
+from .grouped_matmul import TILED_MAX_FACTOR, _round_rows, _take_rows, _tile_plan, _tiled_capacities
+from .slot_frame import Frame, read_back_op
 
 #: the largest slot capacity, as a multiple of the mean group size (as for
 #: tiled_ragged_dot's slots); the rows of a group past it go to tiles
@@ -113,73 +121,13 @@ def _params(wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, dtype):
                 bo=None if wo_bias is None else jnp.asarray(wo_bias))
 
 
-# --- where the [., H] arrays live: the rows, or the tokens ---------------------------------------
-
-class _Frame:
-    """The FFN's ``[., H]`` input and output: the rows themselves (``tokens``
-    None: ``[N, H]``), or the tokens behind them (``tokens = (tok_of_row [N],
-    pair_row [T, K])``: ``[T, H]``, a token's output the sum of its K rows)."""
-
-    def __init__(self, tokens, rows_e, num_rows: int):
-        self.tokens, self.rows_e, self.num_rows = tokens, rows_e, num_rows
-
-    def index(self, rows):
-        """Row indices (``num_rows``: none) -> indices into the input (out of range: none)."""
-        if self.tokens is None:
-            return rows
-        tok_of_row, pair_row = self.tokens
-        return jnp.where(rows < self.num_rows, tok_of_row[jnp.minimum(rows, self.num_rows - 1)], pair_row.shape[0])
-
-    def out(self, v, sizes, width: int, capped: bool, dtype):
-        """Slots ``[G, C, D]`` to the output (rows, or tokens summed in ``dtype``);
-        differentiable, its transpose the gather of the output's cotangent."""
-        if self.tokens is None:
-            return _read_back_op(v, sizes, width, self.num_rows, capped).astype(dtype)
-        _, pair_row = self.tokens
-        starts = jnp.cumsum(sizes) - sizes
-        e = self.rows_e[pair_row]
-        local = pair_row - starts[e]
-        slot = jnp.where(local < width, e * width + local, v.shape[0] * width)
-        return _collect_op(v, slot, self.index(_round_rows(sizes, 0, width, self.num_rows)), jnp.dtype(dtype))
-
-    def out_bias(self, bo, w_rows, rows, early: bool):
-        """``bo`` of every row's expert (times its weight when ``early``), on the output."""
-        acc = w_rows.dtype
-        if self.tokens is None:
-            b = jnp.where(rows.valid, rows.bias(bo).astype(acc), 0)
-            return b * jnp.where(rows.valid[:, 0], w_rows, 0)[:, None] if early else b
-        _, pair_row = self.tokens
-        return jnp.sum(bo.astype(acc)[self.rows_e[pair_row]] * w_rows[pair_row][..., None], axis=1)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _collect_op(v, slot, tok_slots, dtype):
-    """``out[t] = sum_k v[slot[t, k]]`` in ``dtype`` (``slot [T, K]``, past the
-    slots: none); each filled slot belongs to one pair, ``tok_slots [G, C]``
-    their tokens (``T``: empty)."""
-    flat = v.reshape(-1, v.shape[-1])
-    return jnp.sum(_take_rows(flat, slot).astype(dtype), axis=1)
-
-
-def _collect_fwd(v, slot, tok_slots, dtype):
-    return _collect_op(v, slot, tok_slots, dtype), (tok_slots, jnp.zeros((0,), v.dtype))
-
-
-def _collect_bwd(dtype, res, d):
-    tok_slots, like = res
-    return _take_rows(d, tok_slots).astype(like.dtype), None, None
-
-
-_collect_op.defvjp(_collect_fwd, _collect_bwd)
-
-
 # --- the slots of one capacity, and the rows (for the biases on rows) -----------------------------
 
 class _Slots:
     """Rows <-> slots ``[G, C, .]``: every group's first ``C`` rows (all of
     them unless ``capped``); ``frame``: where the ``[., H]`` arrays live."""
 
-    def __init__(self, sizes, width: int, frame: _Frame, capped: bool = False):
+    def __init__(self, sizes, width: int, frame: Frame, capped: bool = False):
         self.sizes, self.width, self.frame, self.capped = sizes, width, frame, capped
         self.num_rows = frame.num_rows
         self.rows = _round_rows(sizes, 0, width, self.num_rows)  # [G, C], num_rows on empty slots
@@ -197,7 +145,7 @@ class _Slots:
         """Slots ``[G, C, D]`` back to rows ``[N, D]`` (0 past the groups, and
         past the slots when ``capped``); differentiable, its transpose being
         :meth:`gather`."""
-        return _read_back_op(v, self.sizes, self.width, self.num_rows, self.capped)
+        return read_back_op(v, self.sizes, self.width, self.num_rows, self.capped)
 
     def out(self, v, dtype):
         """Slots ``[G, C, D]`` to the frame's output (rows, or tokens summed)."""
@@ -219,23 +167,6 @@ class _Rows:
 
     def bias(self, b):
         return b[self.group]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _read_back_op(v, sizes, width, num_rows, capped):
-    return _read_back(v.reshape(-1, v.shape[-1]), sizes, width, num_rows, capped)
-
-
-def _read_back_fwd(v, sizes, width, num_rows, capped):
-    return _read_back_op(v, sizes, width, num_rows, capped), sizes
-
-
-def _read_back_bwd(width, num_rows, capped, sizes, d):
-    # each filled slot is read by exactly one row, an empty slot by none
-    return _take_rows(d, _round_rows(sizes, 0, width, num_rows)), None
-
-
-_read_back_op.defvjp(_read_back_fwd, _read_back_bwd)
 
 
 # --- the FFN in a layout, in two halves (the backward differentiates each alone) ------------------
@@ -300,7 +231,7 @@ def _tile_ffn(tiles, x_t, w_t, pt, cfg):
     return tiles.gmm(_hidden(tiles.valid, a, b, w_t, cfg), pt["wo"]).astype(w_t.dtype)
 
 
-def _tile_steps(x, w_rows, p, sizes, base: int, frame: _Frame):
+def _tile_steps(x, w_rows, p, sizes, base: int, frame: Frame):
     """The tiles past the first ``base`` rows of every group: a function of a
     chunk number giving ``(tiles, at [B * TILE] (the rows' places in the
     frame's input and output), rows [B, TILE], x_t, w_t, pt, groups)``, and the
@@ -317,7 +248,7 @@ def _tile_steps(x, w_rows, p, sizes, base: int, frame: _Frame):
     return step, num
 
 
-def _tiles_forward(z, x, w_rows, p, sizes, base: int, frame: _Frame, cfg):
+def _tiles_forward(z, x, w_rows, p, sizes, base: int, frame: Frame, cfg):
     steps, num = _tile_steps(x, w_rows, p, sizes, base, frame)
 
     def body(c, z):
@@ -328,7 +259,7 @@ def _tiles_forward(z, x, w_rows, p, sizes, base: int, frame: _Frame, cfg):
     return lax.fori_loop(0, num, body, z)
 
 
-def _tiles_backward(state, x, w_rows, p, sizes, base: int, frame: _Frame, dz, cfg):
+def _tiles_backward(state, x, w_rows, p, sizes, base: int, frame: Frame, dz, cfg):
     """``(d x, d w_rows, d params)`` with the tiles' parts added: their rows'
     (or tokens') ``d x``, their ``d w_rows`` and the groups' weight gradients."""
     steps, num = _tile_steps(x, w_rows, p, sizes, base, frame)
@@ -355,7 +286,7 @@ def _branches(sizes, rows_e, tokens):
     n = rows_e.shape[0]
     caps = slot_capacities(n, sizes.shape[0])
     branch = jnp.sum(jnp.max(sizes) > jnp.asarray(caps, jnp.int32)).astype(jnp.int32)
-    return [(c, False) for c in caps] + [(caps[-1], True)], branch, _Rows(sizes, rows_e), _Frame(tokens, rows_e, n)
+    return [(c, False) for c in caps] + [(caps[-1], True)], branch, _Rows(sizes, rows_e), Frame(tokens, rows_e, n)
 
 
 def _forward(x, w_rows, p, sizes, rows_e, tokens, cfg):
