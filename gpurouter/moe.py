@@ -84,11 +84,14 @@ def moe(
     slots capped at 1.5x the mean group and the rest in per-expert tiles: no
     cliff under skewed routing), or e.g. a tuned Pallas grouped GEMM; or
     ``"slots"``: the whole expert FFN (the three GEMMs, the activation, the
-    routing weight) on batched GEMMs in capacity slots, the rows gathered
-    into the slots once and read back once, forward and backward, instead
-    of around every GEMM; past 1.5x the mean rows of an expert, its further
-    rows in per-expert tiles (no cliff; :mod:`gpurouter.reference.slot_experts`,
-    docs/moe.md).
+    routing weight) on batched GEMMs in capacity slots; without ``ep_axis``
+    the slots are filled straight from the tokens and summed straight back
+    into them (no dispatch, no combine, no ``[T K, H]`` rows; the weight
+    always multiplies ``h`` before ``wo``), with it the rows are gathered
+    into the slots once and read back once; past 1.5x the mean rows of an
+    expert, its further rows in per-expert tiles (no cliff;
+    :mod:`gpurouter.reference.slot_experts`, docs/moe.md). On an H200 at
+    scale 1 it makes the block 1.50-1.59x faster than ``batched_ragged_dot``.
 
     Returns:
       ``(output [..., H] in x's dtype, aux_loss float32 scalar or None)``.

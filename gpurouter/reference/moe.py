@@ -93,9 +93,12 @@ def moe(
       grouped_matmul: the grouped GEMM, ``f(lhs [N, K], rhs [G, K, N'],
         group_sizes [G]) -> [N, N']`` (``jax.lax.ragged_dot``'s signature),
         or ``"slots"``: the whole expert FFN on batched GEMMs in capacity
-        slots, the rows gathered once and read back once, forward and
-        backward (:func:`gpurouter.reference.slot_experts.slots_expert_ffn`;
-        ``align_size`` then changes nothing).
+        slots; without ``ep_axis`` filled straight from the tokens and summed
+        straight back into them, with no dispatch or combine and the weight
+        always into ``h`` (:func:`gpurouter.reference.slot_experts.slots_token_ffn`),
+        with it the rows gathered once and read back once
+        (:func:`gpurouter.reference.slot_experts.slots_expert_ffn`);
+        ``align_size`` then changes nothing.
       router, aux_loss: the router op and aux-loss op to call (the public
         block passes gpurouter's with its backend); default: the references.
       permute: ``(dispatch, combine)``, the token dispatch and combine to use
