@@ -67,7 +67,8 @@ def _collect_fwd(v, slot, tok_slots, dtype):
 
 def _collect_bwd(dtype, res, d):
     tok_slots, like = res
-    return _take_rows(d, tok_slots).astype(like.dtype), None, None
+    # cast first, gather after: the same values, and the gather moves the slots' dtype, not fp32
+    return _take_rows(d.astype(like.dtype), tok_slots), None, None
 
 
 _collect_op.defvjp(_collect_fwd, _collect_bwd)

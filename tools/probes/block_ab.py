@@ -1,0 +1,59 @@
+"""The MoE block's forward + backward step, several ``grouped_matmul``s at one
+shape, timed in alternating rounds in one process (issue #38): a quicker A/B
+than ``moe-bench`` (no stages, no jax-backend block), fair to drift.
+
+    python tools/probes/block_ab.py --shape deepseek-v3-like --grouped-matmul batched,slots --rounds 5
+    python tools/probes/block_ab.py --tiny     # a toy shape (checks the script)
+
+Each round times every block ``--repeats`` times (median wall ms of jitted
+calls, ``moe-bench``'s ``median_ms``); printed: each round's times, then
+each block's median over the rounds and its speed-up over the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+
+def main(argv) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="deepseek-v3-like")
+    parser.add_argument("--grouped-matmul", default="batched,slots")
+    parser.add_argument("--backend", default="numba")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+
+    from gpurouter.bench.moe import SHAPES, TINY, _block_step, _inputs, grouped_matmul_of, median_ms
+
+    t, h, e, k, m, router = TINY if args.tiny else SHAPES[args.shape]
+    names = args.grouped_matmul.split(",")
+    steps = {n: _block_step(e, k, router, args.backend, grouped_matmul_of(n)) for n in names}
+    operands = _inputs(t, h, e, m, jnp.bfloat16)
+    for n in names:
+        jax.block_until_ready(steps[n](*operands))
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for n in names:
+            times[n].append(median_ms(steps[n], operands, args.repeats))
+        print(json.dumps({"round": r, **{n: round(v[-1], 3) for n, v in times.items()}}), flush=True)
+    med = {n: statistics.median(v) for n, v in times.items()}
+    out = dict(shape="tiny" if args.tiny else args.shape, backend=args.backend, device=jax.devices()[0].device_kind,
+               median_ms={n: round(v, 3) for n, v in med.items()},
+               speedup_over_first={n: round(med[names[0]] / v, 4) for n, v in med.items()}, rounds=times)
+    print(json.dumps({k_: v for k_, v in out.items() if k_ != "rounds"}), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
