@@ -112,6 +112,17 @@ def _block_step(e, k, router, backend, gmm):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
+def block_steps(shape: str | None, backend: str, grouped_matmuls: list[str]):
+    """The block's jitted forward + backward step for each ``--grouped-matmul``
+    name at a shape of :data:`SHAPES` (None: :data:`TINY`), and their bf16
+    operands (the probes' entry: tools/probes/block_ab.py, block_profile.py)."""
+    import jax.numpy as jnp
+
+    t, h, e, k, m, router = TINY if shape is None else SHAPES[shape]
+    steps = {n: _block_step(e, k, router, backend, grouped_matmul_of(n)) for n in grouped_matmuls}
+    return steps, _inputs(t, h, e, m, jnp.bfloat16)
+
+
 def _stage_steps(e, k, router, gmm):
     """(router, dispatch + combine, grouped GEMMs) steps, each forward + backward."""
     import jax

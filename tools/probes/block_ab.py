@@ -29,14 +29,11 @@ def main(argv) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     import jax
-    import jax.numpy as jnp
 
-    from gpurouter.bench.moe import SHAPES, TINY, _block_step, _inputs, grouped_matmul_of, median_ms
+    from gpurouter.bench.moe import block_steps, median_ms
 
-    t, h, e, k, m, router = TINY if args.tiny else SHAPES[args.shape]
     names = args.grouped_matmul.split(",")
-    steps = {n: _block_step(e, k, router, args.backend, grouped_matmul_of(n)) for n in names}
-    operands = _inputs(t, h, e, m, jnp.bfloat16)
+    steps, operands = block_steps(None if args.tiny else args.shape, args.backend, names)
     for n in names:
         jax.block_until_ready(steps[n](*operands))
     times: dict[str, list[float]] = {n: [] for n in names}

@@ -80,13 +80,11 @@ def main(argv) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     import jax
-    import jax.numpy as jnp
 
-    from gpurouter.bench.moe import SHAPES, TINY, _block_step, _inputs, grouped_matmul_of
+    from gpurouter.bench.moe import block_steps
 
-    t, h, e, k, m, router = TINY if args.tiny else SHAPES[args.shape]
-    step = _block_step(e, k, router, args.backend, grouped_matmul_of(args.grouped_matmul))
-    operands = _inputs(t, h, e, m, jnp.bfloat16)
+    steps, operands = block_steps(None if args.tiny else args.shape, args.backend, [args.grouped_matmul])
+    step = steps[args.grouped_matmul]
     jax.block_until_ready(step(*operands))
     jax.block_until_ready(step(*operands))
     with tempfile.TemporaryDirectory() as d:
@@ -103,6 +101,8 @@ def main(argv) -> int:
                 device=jax.devices()[0].device_kind, plane=plane, steps=args.steps,
                 total_ms=round(sum(per_step.values()), 3), lines=getattr(gpu_events, "lines", []))
     print(json.dumps(head))
+    if plane is None:
+        print("block_profile: the trace has no GPU plane (no GPU here): nothing to break down", file=sys.stderr)
     print(json.dumps({"kinds ms/step": {k_: round(v, 3) for k_, v in sorted(kinds.items(), key=lambda kv: -kv[1])}}))
     top = sorted(per_step.items(), key=lambda kv: -kv[1])[: args.top]
     for n, ms in top:
