@@ -291,6 +291,20 @@ def test_moe_bench_tiny_without_numba_runs_the_jax_rows(capsys, tmp_path, monkey
     assert "numba rows skipped" in capsys.readouterr().out
 
 
+def test_moe_bench_tiny_slots_times_its_stage_from_the_tokens(tmp_path, monkeypatch):
+    """``--grouped-matmul slots`` (jax rows, no numba): the block and its FFN
+    stage, which takes the tokens and their experts (it has no rows), run."""
+    import json
+
+    monkeypatch.setattr(_backend, "numba_usable", lambda: False)
+    out = tmp_path / "moe.json"
+    assert cli.main(["moe-bench", "--tiny", "--repeats", "1", "--no-progress", "--grouped-matmul", "slots",
+                     "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["grouped_matmul"] == "slots"
+    assert row["block jax ms"] > 0 and row["grouped GEMMs ms"] > 0 and row["grouped GEMMs fwd ms"] > 0
+
+
 def test_moe_bench_keeps_the_rows_done_when_a_run_stops(capsys, tmp_path, monkeypatch):
     """Each row is printed and written to --json when it is done: a run stopped
     in its second row (a timeout, ^C) keeps the first."""
