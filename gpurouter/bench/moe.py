@@ -112,13 +112,20 @@ def _block_step(e, k, router, backend, gmm):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
 
 
-def block_steps(shape: str | None, backend: str, grouped_matmuls: list[str]):
+def scaled_shape(name: str, scale: float):
+    """:data:`SHAPES`'s ``name`` with T and M times ``scale`` (``--scale``)."""
+    t, h, e, k, m, router = SHAPES[name]
+    return (max(e, int(t * scale)), h, e, k, max(8, int(m * scale)), router)
+
+
+def block_steps(shape: str | None, backend: str, grouped_matmuls: list[str], scale: float = 1.0):
     """The block's jitted forward + backward step for each ``--grouped-matmul``
-    name at a shape of :data:`SHAPES` (None: :data:`TINY`), and their bf16
-    operands (the probes' entry: tools/probes/block_ab.py, block_profile.py)."""
+    name at a shape of :data:`SHAPES` (None: :data:`TINY`) scaled as
+    ``--scale``, and their bf16 operands (the probes' entry:
+    tools/probes/block_ab.py, block_profile.py)."""
     import jax.numpy as jnp
 
-    t, h, e, k, m, router = TINY if shape is None else SHAPES[shape]
+    t, h, e, k, m, router = TINY if shape is None else scaled_shape(shape, scale)
     steps = {n: _block_step(e, k, router, backend, grouped_matmul_of(n)) for n in grouped_matmuls}
     return steps, _inputs(t, h, e, m, jnp.bfloat16)
 
@@ -264,8 +271,7 @@ def main(argv: list[str]) -> int:
         print("moe-bench: the CUDA simulator: each numba path runs once (its time is the simulator's)")
     shapes = {"tiny": TINY} if args.tiny else {}
     for n in ([] if args.tiny else names):
-        t, h, e, k, m, router = SHAPES[n]
-        shapes[n] = (max(e, int(t * args.scale)), h, e, k, max(8, int(m * args.scale)), router)
+        shapes[n] = scaled_shape(n, args.scale)
     runs = [(n, s, g) for n, s in shapes.items() for g in gmms]
     run_list = progress(runs, len(runs), "moe-bench", not args.no_progress, describe=lambda i: f"{i[0]} {i[2]}")
     rows = []

@@ -3,6 +3,7 @@ shape, timed in alternating rounds in one process (issue #38): a quicker A/B
 than ``moe-bench`` (no stages, no jax-backend block), fair to drift.
 
     python tools/probes/block_ab.py --shape deepseek-v3-like --grouped-matmul batched,slots --rounds 5
+    python tools/probes/block_ab.py --shape qwen3-like --scale 0.25     # T and M scaled, as moe-bench --scale
     python tools/probes/block_ab.py --tiny     # a toy shape (checks the script)
 
 Each round times every block ``--repeats`` times (median wall ms of jitted
@@ -23,17 +24,20 @@ def main(argv) -> int:
     parser.add_argument("--shape", default="deepseek-v3-like")
     parser.add_argument("--grouped-matmul", default="batched,slots")
     parser.add_argument("--backend", default="numba")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies T and M, as moe-bench's (default 1)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if not 0 < args.scale <= 1:
+        parser.error(f"--scale must be in (0, 1], got {args.scale}")
     import jax
 
     from gpurouter.bench.moe import block_steps, median_ms
 
     names = args.grouped_matmul.split(",")
-    steps, operands = block_steps(None if args.tiny else args.shape, args.backend, names)
+    steps, operands = block_steps(None if args.tiny else args.shape, args.backend, names, args.scale)
     for n in names:
         jax.block_until_ready(steps[n](*operands))
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -42,7 +46,8 @@ def main(argv) -> int:
             times[n].append(median_ms(steps[n], operands, args.repeats))
         print(json.dumps({"round": r, **{n: round(v[-1], 3) for n, v in times.items()}}), flush=True)
     med = {n: statistics.median(v) for n, v in times.items()}
-    out = dict(shape="tiny" if args.tiny else args.shape, backend=args.backend, device=jax.devices()[0].device_kind,
+    out = dict(shape="tiny" if args.tiny else args.shape, scale=args.scale, backend=args.backend,
+               device=jax.devices()[0].device_kind,
                median_ms={n: round(v, 3) for n, v in med.items()},
                speedup_over_first={n: round(med[names[0]] / v, 4) for n, v in med.items()}, rounds=times)
     print(json.dumps({k_: v for k_, v in out.items() if k_ != "rounds"}), flush=True)
