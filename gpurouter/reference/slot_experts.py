@@ -132,6 +132,7 @@ class _Slots:
         self.num_rows = frame.num_rows
         self.rows = _round_rows(sizes, 0, width, self.num_rows)  # [G, C], num_rows on empty slots
         self.valid = (self.rows < self.num_rows)[..., None]
+        self.rows_in = frame.index(self.rows)  # each slot's place in the frame's input (rows or tokens)
 
     def gather(self, v):
         """Rows ``[N, ...]`` into slots ``[G, C, ...]`` (0 on empty slots)."""
@@ -139,7 +140,7 @@ class _Slots:
 
     def gather_in(self, v):
         """The frame's input (rows or tokens) into slots ``[G, C, D]``."""
-        return _take_rows(v, self.frame.index(self.rows))
+        return _take_rows(v, self.rows_in)
 
     def read_back(self, v):
         """Slots ``[G, C, D]`` back to rows ``[N, D]`` (0 past the groups, and
@@ -149,7 +150,7 @@ class _Slots:
 
     def out(self, v, dtype):
         """Slots ``[G, C, D]`` to the frame's output (rows, or tokens summed)."""
-        return self.frame.out(v, self.sizes, self.width, self.capped, dtype)
+        return self.frame.out(v, self.rows_in, self.sizes, self.width, self.capped, dtype)
 
     def gmm(self, v, w):
         return jnp.einsum("gcd,gdm->gcm", v, w, preferred_element_type=v.dtype)

@@ -30,9 +30,10 @@ class Frame:
         tok_of_row, pair_row = self.tokens
         return jnp.where(rows < self.num_rows, tok_of_row[jnp.minimum(rows, self.num_rows - 1)], pair_row.shape[0])
 
-    def out(self, v, sizes, width: int, capped: bool, dtype):
+    def out(self, v, slots_in, sizes, width: int, capped: bool, dtype):
         """Slots ``[G, C, D]`` to the output (rows, or tokens summed in ``dtype``);
-        differentiable, its transpose the gather of the output's cotangent."""
+        differentiable, its transpose the gather of the output's cotangent
+        (``slots_in [G, C]``: each slot's place in the input, :meth:`index`)."""
         if self.tokens is None:
             return read_back_op(v, sizes, width, self.num_rows, capped).astype(dtype)
         _, pair_row = self.tokens
@@ -40,7 +41,7 @@ class Frame:
         e = self.rows_e[pair_row]
         local = pair_row - starts[e]
         slot = jnp.where(local < width, e * width + local, v.shape[0] * width)
-        return _collect_op(v, slot, self.index(_round_rows(sizes, 0, width, self.num_rows)), jnp.dtype(dtype))
+        return _collect_op(v, slot, slots_in, jnp.dtype(dtype))
 
     def out_bias(self, bo, w_rows, rows, early: bool):
         """``bo`` of every row's expert (times its weight when ``early``), on the output."""
