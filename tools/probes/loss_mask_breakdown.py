@@ -24,12 +24,15 @@ The plans' kernels are compiled first, all at once in worker processes
 (``_base.parallel.precompile``; a cold cache pays the slowest compile, not the
 sum). Prints one table (``ratio``: masked / unmasked, issue #37's target <=
 1.05; a launch list per row) and writes it with ``--json``; ``--no-ops``
-leaves out the jitted ops (no XLA compiles).
+leaves out the jitted ops (no XLA compiles). ``--tiling
+column_blocks=528,fill_blocks=1056`` (``AuxLossTiling``'s knobs) times the aux
+loss plans alone at that tiling, for a sweep.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -46,6 +49,7 @@ from gpurouter.kernels._base import parallel
 from gpurouter.kernels._base import plan as _plan
 from gpurouter.kernels._base import pointer as _pointer
 from gpurouter.kernels.losses.aux_loss import aux_loss_partial_coeff
+from gpurouter.kernels.losses.tiling import AUX_LOSS_TILING, AuxLossTiling
 
 TARGET = 1.05
 COEFF = np.float32(1e-2)
@@ -147,26 +151,43 @@ def step_times(plan, sets, repeats):
     return out
 
 
-def kernel_rows(tokens, experts, repeats, rng):
-    """``[(plan name, variant, [us per launch], [kernel names])]`` of the four loss plans."""
+def parse_tiling(text: str) -> AuxLossTiling | None:
+    """``--tiling``'s ``"knob=value,..."`` (``AuxLossTiling``'s fields) as a tiling; "" is None (the library's)."""
+    if not text:
+        return None
+    fields = {f.name for f in dataclasses.fields(AuxLossTiling)}
+    knobs = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key not in fields or not value.isdigit():
+            raise SystemExit(f"loss_mask_breakdown: --tiling {text!r}: want knob=int items of {sorted(fields)}")
+        knobs[key] = int(value)
+    return dataclasses.replace(AUX_LOSS_TILING, **knobs)
+
+
+def kernel_rows(tokens, experts, repeats, rng, tiling=None, aux_only=False):
+    """``[(plan name, variant, [us per launch], [kernel names])]`` of the four loss plans
+    (``tiling``: the aux loss plans' ``AuxLossTiling``; ``aux_only``: those two plans alone)."""
     probs = _plan.spec_of((tokens, experts), L.BF16)
     tpe = _plan.Spec((experts,), np.int32)
     c = aux_loss_coeff(experts, COEFF, TOPK, tokens)
     cp = aux_loss_partial_coeff(experts, COEFF, TOPK)
     plans = [
-        ("aux fwd", "unmasked", K.moe_aux_loss_fwd_plan(probs, tpe, c), ()),
-        ("aux fwd", "masked, T counted", K.moe_aux_loss_fwd_plan(probs, tpe, cp, None, True, True), ()),
-        ("aux fwd", "masked, T given", K.moe_aux_loss_fwd_plan(probs, tpe, cp, None, True), ((3, "n"),)),
-        ("aux bwd", "unmasked", K.moe_aux_loss_bwd_plan(tpe, _plan.spec_of((), L.BF16), tokens), ()),
-        ("aux bwd", "masked", K.moe_aux_loss_bwd_plan(tpe, _plan.spec_of((), L.BF16), tokens, None, True), ()),
+        ("aux fwd", "unmasked", K.moe_aux_loss_fwd_plan(probs, tpe, c, tiling), ()),
+        ("aux fwd", "masked, T counted", K.moe_aux_loss_fwd_plan(probs, tpe, cp, tiling, True, True), ()),
+        ("aux fwd", "masked, T given", K.moe_aux_loss_fwd_plan(probs, tpe, cp, tiling, True), ((3, "n"),)),
+        ("aux bwd", "unmasked", K.moe_aux_loss_bwd_plan(tpe, _plan.spec_of((), L.BF16), tokens, tiling), ()),
+        ("aux bwd", "masked", K.moe_aux_loss_bwd_plan(tpe, _plan.spec_of((), L.BF16), tokens, tiling, True), ()),
         ("z fwd", "unmasked", K.router_z_loss_fwd_plan(probs, COEFF, tokens), ()),
         ("z fwd", "masked, T counted", K.router_z_loss_fwd_plan(probs, COEFF, 1, None, True, True), ()),
         ("z fwd", "masked, T given", K.router_z_loss_fwd_plan(probs, COEFF, 1, None, True), ((2, "n"),)),
         ("z bwd", "unmasked", K.router_z_loss_bwd_plan(probs, COEFF, tokens), ()),
         ("z bwd", "masked", K.router_z_loss_bwd_plan(probs, COEFF, 1, None, True), ((4, "n"),)),
     ]
+    if aux_only:
+        plans = plans[:5]
     precompile([p for _, _, p, _ in plans])
-    zf = {False: plans[5][2], True: plans[7][2]}
+    zf = {} if aux_only else {False: plans[5][2], True: plans[7][2]}
     out = []
     firsts = {}  # the [T, E] bf16 inputs: three sets (more bytes than L2 holds), made once
     for name, variant, plan, hints in plans:
@@ -224,8 +245,11 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--batch", type=int, default=10, help="inputs per timed jitted call (default 10)")
     ap.add_argument("--no-ops", action="store_true", help="the kernels alone (no jax)")
+    ap.add_argument("--tiling", default="",
+                    help="knob=value,... of AuxLossTiling: the aux loss plans alone at that tiling (no ops)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    tiling = parse_tiling(args.tiling)
     if L.simulator_enabled() or not cuda.is_available():
         raise SystemExit("loss_mask_breakdown: needs a GPU (not the CUDA simulator).")
     rng = np.random.default_rng(0)
@@ -234,9 +258,10 @@ def main(argv=None):
               "kernels": [], "ops": [], "ratios": []}
     t0 = time.perf_counter()
     for e in (int(v) for v in args.experts.split(",")):
-        krows = kernel_rows(args.tokens, e, args.repeats, rng)
+        krows = kernel_rows(args.tokens, e, args.repeats, rng, tiling, aux_only=tiling is not None)
         base = {}
-        print(f"# T={args.tokens} E={e} bf16, every 10th token masked: us per launch (median of {args.repeats})")
+        print(f"# T={args.tokens} E={e} bf16, every 10th token masked: us per launch (median of {args.repeats})"
+              + (f", aux loss tiling {tiling}" if tiling else ""))
         for name, variant, us, kernels in krows:
             total = sum(us)
             if variant == "unmasked":
@@ -249,7 +274,7 @@ def main(argv=None):
             if variant != "unmasked":
                 report["ratios"].append(dict(experts=e, what=f"kernels {name} {variant}", ratio=ratio,
                                              ok=bool(ratio <= TARGET)))
-        if not args.no_ops:
+        if not args.no_ops and tiling is None:
             base = {}
             for label, variant, us in op_rows(args.tokens, e, args.repeats, args.batch):
                 if variant == "unmasked":
