@@ -137,6 +137,16 @@ def simulator_enabled() -> bool:
     return bool(config.ENABLE_CUDASIM)
 
 
+def kernel_jit(max_registers: int):
+    """``cuda.jit``, with a register cap where one is asked for on a GPU (the
+    simulator's ``jit`` takes none).  A cap is also a hint: without one, ptxas
+    (CUDA 13.0, sm_90) may hold a kernel to fewer registers than it needs to
+    keep a loop's loads in flight together (``losses/aux_loss.py``)."""
+    if max_registers and not simulator_enabled():
+        return cuda.jit(max_registers=int(max_registers))
+    return cuda.jit
+
+
 def sync(stream) -> None:
     if stream != 0:
         stream.synchronize()

@@ -3,15 +3,12 @@
 ``C = num_experts * coeff / (topk * T * T)`` (fp32, host, in that order) and
 ``loss = C * sum_c (sum_r probs[r, c]) * tokens_per_expert[c]``.
 
-Deterministic by construction (≠TE, which uses float atomics): one kernel;
-each of its blocks (``tiling.column_tiling``) writes one fp32 partial, the
-sum over its fixed row range of ``probs[r, c] * tokens_per_expert[c]`` (its
-threads are row lanes x column lanes, each summing its rows of a column, or
-of an fp32 column quad, with several loads in flight (``_column_sums.py``),
-times the column's count, then a fixed-shape tree over the block), and takes a ticket
-(``_z_loss_finish.ticket``: an increment of a ``_plan.Counter`` that wraps to
-zero at the last block); the block with the last ticket adds every partial
-in a fixed order and a tree, times C.  No float atomics; every order fixed.
+Deterministic by construction (≠TE, which uses float atomics): one kernel; each block
+(``tiling.column_tiling``) writes one fp32 partial, the sum over its rows of ``probs[r, c] *
+tokens_per_expert[c]`` (row lanes x column lanes, each summing its rows of a column or column
+quad with several loads in flight, ``column_sums.py``, times the column's count; a fixed tree
+over the block), and takes a ticket (``last_block.ticket``: a ``_plan.Counter`` increment that
+wraps to zero at the last block); the last block adds every partial in a fixed order, times C.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from numba import uint8 as nb_u8
 from ..._host import aux_loss_coeff
 from .._base.access import array_views, loader_1d, storer_1d
 from .._base.device import ZERO
-from .._base.launch import BF16, F16, F32, any_on_device, device_input, resolve_stream, scalar_input
+from .._base.launch import BF16, F16, F32, any_on_device, device_input, kernel_jit, resolve_stream, scalar_input
 from .._base.plan import Counter, In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
 from .aux_loss_bwd import aux_loss_bwd_kernel, aux_loss_bwd_quad_kernel, staged_flag_bytes
 from .column_sums import block_tree_sum, block_tree_sum2, lane_column_sum, lane_quad_sum
@@ -50,6 +47,9 @@ _RED_WORDS = AUX_LOSS_TILING.column_threads
 #: the probs' kinds whose forward sums column quads when C % 4 == 0 (a load a quad: fp32 16 bytes,
 #: bf16 8; bf16 since 2026-11-28, an element a load before); fp16 sums elements
 QUAD_KINDS = (F32, BF16)
+#: the bf16 forward's register cap (``kernel_jit``): without one, ptxas kept one load in flight where
+#: four were written (docs/kernels.md, "The aux loss forward's register cap"); fp32, fp16: none
+FWD_MAX_REGISTERS = {BF16: 64}
 
 
 @recipe  # rebuilt by a compile worker (_base/parallel.py)
@@ -181,7 +181,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
 
     if has_mask:
 
-        @cuda.jit
+        @kernel_jit(FWD_MAX_REGISTERS.get(kind, 0))
         def aux_loss_fwd_masked(
             probs,  # [T, C] kind (``quads``: flat [T*C] fp32)
             num_rows,
@@ -207,7 +207,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
 
         return aux_loss_fwd_masked
 
-    @cuda.jit
+    @kernel_jit(FWD_MAX_REGISTERS.get(kind, 0))
     def aux_loss_fwd(
         probs,  # [T, C] kind (``quads``: flat [T*C] fp32)
         num_rows,

@@ -102,7 +102,8 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
     four loads a thread in flight a trip, one barrier; the stores then read shared bytes
     (a thread's next 8 rows' global flags before their 8 stores, as until 2026-11-28,
     waited a load's latency every 8 rows: the masked fill 1.14-1.29x the unmasked
-    one on an H200)."""
+    one on an H200); a thread's first quad's values are loaded before the staging,
+    so that their loads and the flags' share one trip to memory."""
     from .._base.vec import quad_store_once_f32
 
     load_tpe = loader_1d(tpe_kind)
@@ -112,6 +113,12 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
     @cuda.jit(device=True)
     def value(c0, tokens_per_expert, c, g):
         return np.float32(np.float32(c0 * load_tpe(tokens_per_expert, c)) * g)
+
+    @cuda.jit(device=True)
+    def quad_values(c0, tokens_per_expert, cq, g):
+        c = u64(4 * cq)
+        return (value(c0, tokens_per_expert, c, g), value(c0, tokens_per_expert, c + u64(1), g),
+                value(c0, tokens_per_expert, c + u64(2), g), value(c0, tokens_per_expert, c + u64(3), g))
 
     if out_kind == BF16:  # the quad's uint64 of bf16 words packed once, the select on it (not 4 roundings a row)
 
@@ -189,6 +196,10 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
         step = np.int32(cuda.gridDim.x * nrl)
         c0 = coeff[0]
         g = load_grad(grad_loss, 0)
+        cq = cl
+        # the first quad's values before the staging: their loads in flight with the flags' (one round
+        # trip to memory before the first store, as unmasked, not two)
+        v0, v1, v2, v3 = quad_values(c0, tokens_per_expert, min(cq, eq - 1), g)
         per = np.int32(0)  # (has_mask) rows a row lane writes at most
         if has_mask:
             per = np.int32((np.int32(num_rows) + step - 1) // step)
@@ -197,13 +208,7 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
             # Barrier: every staged flag is written before any thread reads one.
             cuda.syncthreads()
         base = rl * per  # row lane rl's flags
-        cq = cl
         while cq < eq:
-            c = u64(4 * cq)
-            v0 = value(c0, tokens_per_expert, c, g)
-            v1 = value(c0, tokens_per_expert, c + u64(1), g)
-            v2 = value(c0, tokens_per_expert, c + u64(2), g)
-            v3 = value(c0, tokens_per_expert, c + u64(3), g)
             r = first
             if has_mask:
                 q = pack(v0, v1, v2, v3)
@@ -237,6 +242,8 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
                     store4(grad_probs, np.int64(r) * eq + cq, v0, v1, v2, v3)
                     r = np.int32(r + step)
             cq = np.int32(cq + col_lanes)
+            if cq < eq:
+                v0, v1, v2, v3 = quad_values(c0, tokens_per_expert, cq, g)
 
     if has_mask:
 

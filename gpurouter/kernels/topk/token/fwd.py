@@ -54,7 +54,7 @@ from numba import uint32 as nb_u32
 
 from ..._base.access import bf16_quad, flat_io
 from ..._base.device import B0, B1, B2, B3, EPS, N0, N1, N2, N3, NEG_INF, ONE, SOFTMAX, ZERO, exp_f32, u32, u64
-from ..._base.launch import BF16, simulator_enabled
+from ..._base.launch import BF16, kernel_jit
 from ..._base.vec import pair_u64, quad_f32
 from .chunk_lanes import lane_selector
 from .rows import (
@@ -68,14 +68,6 @@ from .rows import (
     token_stager,
 )
 from .select import token_group_lists, token_selector
-
-
-def kernel_jit(max_registers: int):
-    """``cuda.jit``, with a register cap where one is asked for on a GPU (the
-    simulator's ``jit`` takes none)."""
-    if max_registers and not simulator_enabled():
-        return cuda.jit(max_registers=int(max_registers))
-    return cuda.jit
 
 
 @recipe  # rebuilt by a compile worker (_base/parallel.py)
