@@ -126,6 +126,12 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
             # Barrier: the sums read bits that other threads staged.
             cuda.syncthreads()
         total = ZERO
+        if count_valid and not staged:  # the block's valid rows, its loads before the sums' (in flight with them)
+            r = r0 + tid
+            while r < r1:
+                if mask[r]:
+                    k += np.float32(1)
+                r += nthreads
         if quads:
             eq = num_cols // 4
             cq = cl
@@ -145,12 +151,6 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
                 c += col_lanes
         red[tid] = total
         if count_valid:  # the block's valid rows too: exact integers in fp32, the same tree
-            if not staged:
-                r = r0 + tid
-                while r < r1:
-                    if mask[r]:
-                        k += np.float32(1)
-                    r += nthreads
             red2[tid] = k
             block_tree_sum2(red, red2, tid, nthreads)
         else:
