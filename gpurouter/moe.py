@@ -60,7 +60,7 @@ def moe(
     apply_topk_weights_early: bool = False,
     ep_axis: str | None = None,
     align_size: int = 0,
-    grouped_matmul: Callable | str = jax.lax.ragged_dot,
+    grouped_matmul: Callable | str = "auto",
     backend: str = "auto",
     transport: str = "auto",
 ) -> tuple[jax.Array, jax.Array | None]:
@@ -92,7 +92,11 @@ def moe(
     expert, its further rows in per-expert tiles (no cliff;
     :mod:`gpurouter.reference.slot_experts`, docs/moe.md). On an H200 at
     scale 1 it makes the block about 1.5x (DeepSeek-V3-like) to 1.6x (Qwen3-like)
-    faster than ``batched_ragged_dot``.
+    faster than ``batched_ragged_dot``. The default, ``"auto"``, is the
+    measured choice: ``"slots"`` on an NVIDIA GPU without ``ep_axis``, else
+    :func:`batched_ragged_dot` (``jax.lax.ragged_dot`` was 26-44x slower on a
+    CPU, and ran out of memory at DeepSeek-V3-like shapes on both;
+    :func:`gpurouter.reference.moe.auto_grouped_matmul`, docs/moe.md).
 
     Returns:
       ``(output [..., H] in x's dtype, aux_loss float32 scalar or None)``.

@@ -60,7 +60,7 @@ def check_moe_inputs(x, gate_kernel, weights: dict, expert_bias, num_groups, gro
                      grouped_matmul, num_experts=None, router: dict | None = None, op: str = MOE_OP) -> None:
     """The MoE block's arguments in its own terms, before any op it calls
     sees them: arrays (not lists) of float dtypes, a finite non-negative
-    ``aux_loss_coeff``, a callable ``grouped_matmul`` (or ``"slots"``), and the group pair
+    ``aux_loss_coeff``, a callable ``grouped_matmul`` (or ``"slots"``, ``"auto"``), and the group pair
     (``num_groups`` given when ``group_topk`` is)."""
     for name, a in (("x", x), ("gate_kernel", gate_kernel), *weights.items(), ("expert_bias", expert_bias)):
         if a is None and name in ("x", "gate_kernel", "wi_0", "wi_1", "wo"):
@@ -70,10 +70,10 @@ def check_moe_inputs(x, gate_kernel, weights: dict, expert_bias, num_groups, gro
     coeff = _as_finite_float(op, "aux_loss_coeff", aux_loss_coeff)
     if coeff < 0:
         raise ValueError(f"{op}: aux_loss_coeff ({coeff!r}) must be >= 0 (0: no aux loss).")
-    if not callable(grouped_matmul) and not (isinstance(grouped_matmul, str) and grouped_matmul == "slots"):
+    if not callable(grouped_matmul) and not (isinstance(grouped_matmul, str) and grouped_matmul in ("slots", "auto")):
         raise TypeError(f"{op}: grouped_matmul ({grouped_matmul!r}) must be a function with "
-                        "jax.lax.ragged_dot's signature (e.g. jax.lax.ragged_dot or gpurouter.moe.batched_ragged_dot) "
-                        "or \"slots\" (the whole expert FFN in capacity slots).")
+                        "jax.lax.ragged_dot's signature (e.g. jax.lax.ragged_dot or gpurouter.moe.batched_ragged_dot), "
+                        "\"slots\" (the whole expert FFN in capacity slots) or \"auto\" (the measured choice).")
     for name, value in (router or {}).items():  # the router's and the block's flags and scalars, in moe's terms
         if name in ("use_pre_softmax", "apply_topk_weights_early"):
             _as_bool(op, name, value)

@@ -19,8 +19,9 @@ same FLOPs (``[N, H] @ [H, M]`` and so on, one expert's weights), its time
 (``dense GEMMs ms``, ``dense GEMMs fwd ms``), TFLOP/s and the ratio
 (``grouped / dense``: 1.0 is the dense rate). The stage times are measured
 apart, so they need not add up to the block's. The grouped GEMM of both
-blocks and of the GEMM stage is ``--grouped-matmul``: ``ragged_dot``
-(``jax.lax.ragged_dot``, the block's default), ``batched``
+blocks and of the GEMM stage is ``--grouped-matmul``: ``auto`` (the block's
+default: ``slots`` on an NVIDIA GPU, else ``batched``), ``ragged_dot``
+(``jax.lax.ragged_dot``), ``batched``
 (:func:`gpurouter.moe.batched_ragged_dot`), ``tiled``
 (:func:`gpurouter.moe.tiled_ragged_dot`), ``pallas``
 (:func:`gpurouter.moe.pallas_ragged_dot`), ``mosaic``
@@ -56,7 +57,7 @@ SHAPES = {
                                                         scaling_factor=2.5)),
 }
 TINY = (64, 32, 8, 2, 16, dict(score_function="softmax"))
-GROUPED_MATMULS = ("ragged_dot", "batched", "tiled", "pallas", "mosaic", "slots")
+GROUPED_MATMULS = ("auto", "ragged_dot", "batched", "tiled", "pallas", "mosaic", "slots")
 
 
 def grouped_matmul_of(name: str):
@@ -66,6 +67,10 @@ def grouped_matmul_of(name: str):
 
     if name == "slots":
         return name
+    if name == "auto":  # the block's default, resolved here as the block does ("slots" or batched_ragged_dot)
+        from ..reference.moe import auto_grouped_matmul
+
+        return auto_grouped_matmul(None)
 
     from ..grouped_gemm import mosaic_ragged_dot, pallas_ragged_dot
     from ..reference.grouped_matmul import batched_ragged_dot, tiled_ragged_dot
@@ -182,7 +187,7 @@ def _dense_steps():
     return jax.jit(jax.value_and_grad(gemms, argnums=(0, 1, 2, 3))), jax.jit(gemms)
 
 
-def run_shape(name, shape, repeats: int, grouped_matmul: str = "ragged_dot", numba: bool = True,
+def run_shape(name, shape, repeats: int, grouped_matmul: str = "auto", numba: bool = True,
               numba_repeats: int | None = None) -> dict:
     """One shape's row. ``numba=False``: the jax block and the jnp stages only
     (no numba-cuda here); ``numba_repeats``: the numba paths' repeats (1 on
@@ -214,7 +219,7 @@ def run_shape(name, shape, repeats: int, grouped_matmul: str = "ragged_dot", num
     if numba:
         row["dispatch+combine numba ms"] = median_ms(permute_numba, (x, routing_map, probs), nrep)
     # "slots" has no rows: its stage is the block's FFN from the tokens and their experts to the tokens
-    stage = (x, idx) if grouped_matmul == "slots" else (xs, sizes)
+    stage = (x, idx) if isinstance(gmm, str) and gmm == "slots" else (xs, sizes)
     row["grouped GEMMs ms"] = median_ms(gemms, (*stage, w0, w1, wo), repeats)
     row["grouped GEMMs fwd ms"] = median_ms(gemms_fwd, (*stage, w0, w1, wo), repeats)
     flops = 18.0 * t * k * h * m
@@ -237,9 +242,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpurouter moe-bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated (default: {','.join(SHAPES)})")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies T and M (default 1)")
-    parser.add_argument("--grouped-matmul", default="ragged_dot",
+    parser.add_argument("--grouped-matmul", default="auto",
                         help=f"the grouped GEMM of the blocks and the GEMM stage, one or several comma-separated "
-                             f"of {', '.join(GROUPED_MATMULS)} (default ragged_dot)")
+                             f"of {', '.join(GROUPED_MATMULS)} (default auto, the block's)")
     parser.add_argument("--tiny", action="store_true",
                         help="a toy shape instead (any machine: jax rows alone without numba-cuda; for tests)")
     parser.add_argument("--repeats", type=positive_int, default=10, help="timed repeats, median (default 10)")

@@ -116,3 +116,31 @@ def test_token_slots_equal_dispatch_ffn_combine_at_the_full_shapes(name, routing
         err, finite = max_rel_error(a, b)
         print(f"{name} {routing} tokens {what}: max error {err:.2e} of the largest value")
         assert finite and err < 2e-2, (what, err)
+
+
+def test_auto_picks_the_slots_on_an_nvidia_gpu():
+    """``grouped_matmul="auto"`` (the block's default) on an NVIDIA GPU is
+    ``"slots"``: the default block's output and gradients are the slots
+    block's, bit for bit (a small bf16 block, numba router)."""
+    from gpurouter import moe as gmoe
+    from gpurouter.reference.moe import auto_grouped_matmul
+
+    assert jax.devices()[0].device_kind.upper().startswith("NVIDIA")
+    assert auto_grouped_matmul(None) == "slots" and auto_grouped_matmul("ep") is batched_ragged_dot
+    t, h, e, k, m = 256, 128, 16, 4, 64
+    ks = jax.random.split(jax.random.PRNGKey(3), 5)
+    x = jax.random.normal(ks[0], (t, h)).astype(jnp.bfloat16)
+    g = (jax.random.normal(ks[1], (h, e)) / np.sqrt(h)).astype(jnp.bfloat16)
+    w0, w1 = ((jax.random.normal(kk, (e, h, m)) / np.sqrt(h)).astype(jnp.bfloat16) for kk in ks[2:4])
+    wo = (jax.random.normal(ks[4], (e, m, h)) / np.sqrt(m)).astype(jnp.bfloat16)
+
+    def step(**extra):
+        def loss(x_, w_):
+            out, _ = gmoe.moe(x_, g, w_, w1, wo, num_experts=e, num_experts_per_tok=k, backend="numba", **extra)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w0)
+
+    (v, (dx, dw)), (v_s, (dx_s, dw_s)) = step(), step(grouped_matmul="slots")
+    assert float(v) == float(v_s)
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx_s, np.float32))
+    np.testing.assert_array_equal(np.asarray(dw, np.float32), np.asarray(dw_s, np.float32))

@@ -314,11 +314,46 @@ def test_block_config_errors(kw, msg):
         _call(gmoe.moe, _params(seed=7), kw)
 
 
-def test_grouped_matmul_names_the_one_string_it_takes():
+def test_grouped_matmul_names_the_strings_it_takes():
     with pytest.raises(TypeError, match=re.escape("moe: grouped_matmul ('slot') must be a function with "
                                                   "jax.lax.ragged_dot's signature")) as e:
         _call(gmoe.moe, _params(seed=7), dict(KW, grouped_matmul="slot"))
-    assert '"slots"' in str(e.value)
+    assert '"slots"' in str(e.value) and '"auto"' in str(e.value)
+
+
+class _Device:
+    def __init__(self, kind):
+        self.device_kind = kind
+
+
+@pytest.mark.parametrize("platform,kind,ep_axis,want", [
+    ("gpu", "NVIDIA H200", None, "slots"),  # measured faster on an H200 at every shape tried
+    ("gpu", "NVIDIA H200", "ep", "batched"),  # the slots' rows path was not measured under EP
+    ("gpu", "AMD Instinct MI300X", None, "batched"),  # no measurement on other GPUs
+    ("cpu", "cpu", None, "batched"),  # jax.lax.ragged_dot 26-44x slower on a CPU, out of memory at DeepSeek-V3
+])
+def test_auto_grouped_matmul_is_the_measured_choice(monkeypatch, platform, kind, ep_axis, want):
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    monkeypatch.setattr(jax, "devices", lambda *a: [_Device(kind)])
+    got = ref.moe.auto_grouped_matmul(ep_axis)
+    assert got == ("slots" if want == "slots" else gmoe.batched_ragged_dot)
+
+
+def test_the_default_block_is_the_auto_choice():
+    """``moe``'s default grouped GEMM is ``"auto"``: here (no GPU) the block on
+    ``batched_ragged_dot``, the same values and gradients bit for bit."""
+    assert ref.moe.auto_grouped_matmul(None) is gmoe.batched_ragged_dot
+    p = _params(seed=5)
+
+    def loss(w, **extra):
+        out, _ = _call(gmoe.moe, dict(p, wi_0=w), dict(KW), **extra)
+        return jnp.sum(out ** 2), out
+
+    (_, out), g = jax.value_and_grad(loss, has_aux=True)(p["wi_0"])
+    (_, out_b), g_b = jax.value_and_grad(functools.partial(loss, grouped_matmul=gmoe.batched_ragged_dot),
+                                         has_aux=True)(p["wi_0"])
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out_b))
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(g_b))
 
 
 def test_activation_names_are_the_checks():

@@ -23,7 +23,6 @@ import functools
 import numpy as np
 from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
-from numba import uint8 as nb_u8
 
 from ..._host import aux_loss_coeff
 from .._base.access import array_views, loader_1d, storer_1d
@@ -33,7 +32,6 @@ from .._base.plan import Counter, In, Out, Plan, Spec, Step, Tmp, execute, spec_
 from .aux_loss_bwd import aux_loss_bwd_kernel, aux_loss_bwd_quad_kernel, staged_flag_bytes
 from .column_sums import block_tree_sum, block_tree_sum2, lane_column_sum, lane_quad_sum
 from .last_block import finish_pieces, load_l2
-from .mask_bits import lane_column_sum_staged, lane_quad_sum_staged, stage_mask_bits, staged_mask_bytes
 from .masks import mask_input, mask_spec
 from .tiling import AUX_LOSS_TILING, AuxLossTiling, column_tiling, fill_tiling
 
@@ -55,48 +53,23 @@ FWD_MAX_REGISTERS = {BF16: 64}
 @recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
 def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = False, has_mask: bool = False,
-                        count_valid: bool = False, staged: bool = False):
+                        count_valid: bool = False):
     """The forward; ``quads``: fp32 or bf16 probs with C % 4 == 0, seen flat (bf16 as
     uint64 words), a column quad per column lane (``lane_quad_sum``), else an element
     per column lane.
     ``has_mask`` (compile-time): the kernel takes ``mask`` (bool ``[T]``, the
     valid rows) and ``n`` (fp32 ``[1]``, the device count T) after
-    ``tokens_per_expert``; the masked rows add nothing and ``coeff`` is the
-    partial ``f32(E coeff) / K``, divided by T twice in the last block (C
-    in ``aux_loss_coeff``'s order); without it the kernel is the unmasked one,
-    its C a constant.  ``count_valid`` (with ``has_mask``): T is ``max(valid
-    rows, 1)``, counted here (``n`` is not read): each block's count is added
-    to word 1 of the ``Counter`` (integer atomics: any order gives the same
-    count) before its ticket, and the last block takes it and leaves it 0.
-    ``staged`` (with ``has_mask``): the block first copies its mask slice into
-    dynamic shared memory as bits (``mask_bits.stage_mask_bits``, the
-    launch's ``staged_mask_bytes``; the valid rows counted on the way), and
-    the sums read a shared byte per 8 (quads: 4) rows instead of a global mask
-    byte per element: the same sums, the same bits."""
-    if staged:
-        staged_sum = lane_column_sum_staged(kind)
-        staged_quads = lane_quad_sum_staged(kind)
-
-        @cuda.jit(device=True)
-        def column_sum(src, r0, r1, c, rl, nrl, mask, bits, base):
-            return staged_sum(src, r0, r1, c, rl, nrl, bits, base)
-
-        @cuda.jit(device=True)
-        def quad_sum(src, r0, r1, cq, eq, rl, nrl, mask, bits, base):
-            return staged_quads(src, r0, r1, cq, eq, rl, nrl, bits, base)
-
-    else:
-        plain_sum = lane_column_sum(kind, has_mask)
-        plain_quads = lane_quad_sum(has_mask, kind)
-
-        @cuda.jit(device=True)
-        def column_sum(src, r0, r1, c, rl, nrl, mask, bits, base):
-            return plain_sum(src, r0, r1, c, rl, nrl, mask)
-
-        @cuda.jit(device=True)
-        def quad_sum(src, r0, r1, cq, eq, rl, nrl, mask, bits, base):
-            return plain_quads(src, r0, r1, cq, eq, rl, nrl, mask)
-
+    ``tokens_per_expert``; the masked rows add nothing (each row's mask byte
+    loaded with the row's values, a bitwise select: ``column_sums``) and
+    ``coeff`` is the partial ``f32(E coeff) / K``, divided by T twice in the
+    last block (C in ``aux_loss_coeff``'s order); without it the kernel is the
+    unmasked one, its C a constant.  ``count_valid`` (with ``has_mask``): T is
+    ``max(valid rows, 1)``, counted here (``n`` is not read): each block's
+    count is added to word 1 of the ``Counter`` (integer atomics: any order
+    gives the same count) before its ticket, and the last block takes it and
+    leaves it 0."""
+    column_sum = lane_column_sum(kind, has_mask)
+    quad_sum = lane_quad_sum(has_mask, kind)
     load_tpe = loader_1d(tpe_kind)
     store = storer_1d(out_kind)
     ticket = finish_pieces("acq_rel", False)[0]  # one acquire-release atom.inc (not the z-loss probe's knob)
@@ -105,7 +78,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
 
     @cuda.jit(device=True)
     def run(probs, num_rows, num_cols, tokens_per_expert, mask, partial, count, coeff, loss, saved_coeff,
-            rows_per_block, col_lanes, red, last, t, red2, bits):
+            rows_per_block, col_lanes, red, last, t, red2):
         # Thread (rl, cl): its row lane's sum of each of its columns, times
         # that column's count, added over its columns; the block's tree; the
         # partial and a ticket; the last block adds every partial in a fixed order.
@@ -117,16 +90,9 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
         b = cuda.blockIdx.x
         r0 = b * rows_per_block
         r1 = min(num_rows, r0 + rows_per_block)
-        k = ZERO  # staged: the thread's valid rows (count_valid)
-        base = 0
-        if staged:  # the block's mask bits in shared memory, once (row lane rl's at base)
-            nb = (-(-rows_per_block // nrl) + 7) // 8
-            k = stage_mask_bits(mask, bits, r0, r1, nrl, nb, tid, nthreads)
-            base = rl * nb
-            # Barrier: the sums read bits that other threads staged.
-            cuda.syncthreads()
         total = ZERO
-        if count_valid and not staged:  # the block's valid rows, its loads before the sums' (in flight with them)
+        k = ZERO  # (count_valid) the thread's valid rows
+        if count_valid:  # the block's valid rows, their loads before the sums' (in flight with them)
             r = r0 + tid
             while r < r1:
                 if mask[r]:
@@ -136,7 +102,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
             eq = num_cols // 4
             cq = cl
             while cq < eq:
-                s0, s1, s2, s3 = quad_sum(probs, r0, r1, cq, eq, rl, nrl, mask, bits, base)
+                s0, s1, s2, s3 = quad_sum(probs, r0, r1, cq, eq, rl, nrl, mask)
                 c = 4 * cq
                 total += np.float32(s0 * load_tpe(tokens_per_expert, c))
                 total += np.float32(s1 * load_tpe(tokens_per_expert, c + 1))
@@ -146,7 +112,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
         else:
             c = cl
             while c < num_cols:
-                total += np.float32(column_sum(probs, r0, r1, c, rl, nrl, mask, bits, base)
+                total += np.float32(column_sum(probs, r0, r1, c, rl, nrl, mask)
                                     * load_tpe(tokens_per_expert, c))
                 c += col_lanes
         red[tid] = total
@@ -200,10 +166,9 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
             red = cuda.shared.array(_RED_WORDS, nb_f32)
             last = cuda.shared.array(1, nb_f32)
             red2 = cuda.shared.array(count_words, nb_f32)  # the counts' tree
-            bits = cuda.shared.array(0, nb_u8)  # staged: the block's mask bits (dynamic: the launch's bytes)
             t = np.float32(1) if count_valid else np.float32(n[0])  # count_valid: n is never read
             run(probs, num_rows, num_cols, tokens_per_expert, mask, partial, count, coeff, loss, saved_coeff,
-                rows_per_block, col_lanes, red, last, t, red2, bits)
+                rows_per_block, col_lanes, red, last, t, red2)
 
         return aux_loss_fwd_masked
 
@@ -223,9 +188,9 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
     ):
         red = cuda.shared.array(_RED_WORDS, nb_f32)
         last = cuda.shared.array(1, nb_f32)
-        # ``mask``, ``bits``: never read without has_mask (tokens_per_expert, red stand in for them)
+        # ``mask``: never read without has_mask (tokens_per_expert stands in for it)
         run(probs, num_rows, num_cols, tokens_per_expert, tokens_per_expert, partial, count, coeff, loss,
-            saved_coeff, rows_per_block, col_lanes, red, last, coeff, red, red)
+            saved_coeff, rows_per_block, col_lanes, red, last, coeff, red)
 
     return aux_loss_fwd
 
@@ -313,18 +278,14 @@ def moe_aux_loss_fwd_plan(probs: Spec, tokens_per_expert: Spec, c: np.float32,
     ins = (probs, tokens_per_expert)
     masked = ()
     flag = ()  # the unmasked kernel's cache key as before
-    shared = 0
     if count_valid and not has_mask:
         raise ValueError(f"{OP}_fwd_plan: count_valid needs has_mask.")
     if has_mask:
         ins += (mask_spec(num_rows),) + (() if count_valid else (spec_of((), F32),))
         masked = (In(2), Tmp(0) if count_valid else In(3, spec_of((1,), F32)))  # count_valid: n never read
-        shared = staged_mask_bytes(rows, threads // cl)
-        staged = shared <= tiling.mask_stage_bytes  # else a global mask byte per element (huge blocks)
-        shared = shared if staged else 0
-        flag = (True, count_valid, staged)
+        flag = (True, count_valid)
     kern = aux_loss_fwd_kernel(probs.kind, tokens_per_expert.kind, probs.kind, quads, *flag)
-    steps = (Step(kern, grid, threads, shared,
+    steps = (Step(kern, grid, threads, 0,
                   (src, num_rows, num_cols, In(1), *masked, Tmp(0), Counter(2 if has_mask else 1), np.float32(c),
                    Out(0, spec_of((1,), probs.kind)), Out(1, spec_of((1,), F32)), rows, cl)),)
     return Plan(OP + "_fwd", ins, outs, tmps, steps)

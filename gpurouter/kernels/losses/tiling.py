@@ -22,12 +22,10 @@ class AuxLossTiling:
       blocks at most, rows per block at least;
     - ``fill_threads``, ``fill_blocks``: the backward's fill: threads per block, blocks at
       most (528: 4 blocks on each of 132 SMs; better than other grids and the driver's memset);
-    - ``mask_stage_bytes``: the masked forward stages a block's mask slice as bits in this many
-      bytes of shared memory at most (``column_sums.staged_mask_bytes``: about rows / 8; 16384 bytes:
-      blocks of up to ~131,000 rows, T up to ~33 million at 256 blocks); a larger block reads a
-      global mask byte per element instead (slower, the same bits). The masked backward's fill
-      stages a byte a row it writes (``aux_loss_bwd.staged_flag_bytes``): where that is over this
-      many bytes (T over ~8.6 million at 528 blocks) its grid doubles until it is not."""
+    - ``mask_stage_bytes``: the masked backward's fill first stages a byte for each row it writes in
+      shared memory (``aux_loss_bwd.staged_flag_bytes``): where that is over this many bytes (T over
+      ~8.6 million at 528 blocks) its grid doubles until it is not (a block a row lane's row at the
+      least).  The masked forward stages nothing: each row's mask byte is loaded with its values."""
 
     column_threads: int = 512
     column_blocks: int = 256
@@ -41,7 +39,7 @@ class AuxLossTiling:
             raise ValueError(f"AuxLossTiling: column_threads must be in [32, {AuxLossTiling.column_threads}], "
                              f"got {self.column_threads}.")
         if self.mask_stage_bytes < 0:
-            raise ValueError(f"AuxLossTiling: mask_stage_bytes must be >= 0 (0: never staged), "
+            raise ValueError(f"AuxLossTiling: mask_stage_bytes must be >= 0, "
                              f"got {self.mask_stage_bytes}.")
 
 

@@ -59,18 +59,16 @@ def test_aux_loss_masked(dtype, T, C, E):
 
 @pytest.mark.parametrize("dtype,C", [(np.float32, 36), (ml_dtypes.bfloat16, 20), (ml_dtypes.bfloat16, 22)])
 # column quads (fp32, bf16: C % 4 == 0), elements (bf16, C = 22)
-def test_aux_loss_staged_mask_bits(dtype, C):
-    """The masked forward's mask staged as shared bits (``stage_mask_bits``: 12
-    rows a row lane, so an unrolled step's byte and a tail's, quads a nibble
-    each) and the fallback that reads a global byte per element
-    (``mask_stage_bytes=0``): both the unmasked kernel's bits on the zeroed
-    rows, T counted or given; the plans say which they launch."""
+def test_aux_loss_masked_rows_add_nothing(dtype, C):
+    """The masked forward (each row's mask byte loaded with its values: 12 rows
+    a row lane, so an unrolled trip and a tail) gives the unmasked kernel's bits
+    on the zeroed rows, NaN and inf in the masked rows included, T counted or
+    given; the plan launches the masked kernel with no shared bytes."""
     from gpurouter.kernels._base.plan import spec_for
     from gpurouter.kernels.losses import aux_loss as A
-    from gpurouter.kernels.losses.mask_bits import staged_mask_bytes
 
     T = 70  # 3 blocks of 24 rows (the last 22), 2 row lanes of 32 column lanes
-    base = dict(column_threads=64, column_min_rows=32)
+    tiling = K.AuxLossTiling(column_threads=64, column_min_rows=32)
     probs, tpe = _probs(T, C, dtype, seed=3)
     mask = _mask(T, seed=4)
     junk = probs.copy()
@@ -78,19 +76,17 @@ def test_aux_loss_staged_mask_bits(dtype, C):
     junk[~mask, 2] = np.asarray(np.inf, dtype)
     n = int(mask.sum())
     want = K.moe_aux_loss_fwd(np.where(mask[:, None], probs, np.zeros((), dtype)), tpe, 2, 0.01, n,
-                              tiling=K.AuxLossTiling(**base))[0]
+                              tiling=tiling)[0]
     spec_p, spec_t = spec_for(probs.shape, probs.dtype), spec_for(tpe.shape, tpe.dtype)
-    for stage_bytes, staged in ((16384, True), (0, False)):
-        tiling = K.AuxLossTiling(**base, mask_stage_bytes=stage_bytes)
-        step = A.moe_aux_loss_fwd_plan(spec_p, spec_t, np.float32(1), tiling, True, True).steps[0]
-        quads = C % 4 == 0
-        grid, threads, cl, rows = A.column_tiling(T, C // 4 if quads else C, tiling)
-        assert (grid, threads, rows) == (3, 64, 24)
-        assert step.kernel is A.aux_loss_fwd_kernel(spec_p.kind, spec_t.kind, spec_p.kind, quads, True, True, staged)
-        assert step.shared == (staged_mask_bytes(rows, threads // cl) if staged else 0) and (step.shared == 4) == staged
-        counted = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, token_mask=mask, tiling=tiling)[0]
-        given = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, n, token_mask=mask, tiling=tiling)[0]
-        assert counted.tobytes() == want.tobytes() and given.tobytes() == want.tobytes(), stage_bytes
+    step = A.moe_aux_loss_fwd_plan(spec_p, spec_t, np.float32(1), tiling, True, True).steps[0]
+    quads = C % 4 == 0
+    grid, threads, cl, rows = A.column_tiling(T, C // 4 if quads else C, tiling)
+    assert (grid, threads, rows) == (3, 64, 24)
+    assert step.kernel is A.aux_loss_fwd_kernel(spec_p.kind, spec_t.kind, spec_p.kind, quads, True, True)
+    assert step.shared == 0
+    counted = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, token_mask=mask, tiling=tiling)[0]
+    given = K.moe_aux_loss_fwd(junk, tpe, 2, 0.01, n, token_mask=mask, tiling=tiling)[0]
+    assert counted.tobytes() == want.tobytes() and given.tobytes() == want.tobytes()
 
 
 def test_aux_loss_all_masked():
@@ -284,34 +280,26 @@ def test_masked_kernels_other_paths_on_the_gpu():
 
 
 @pytest.mark.gpu
-def test_masked_aux_loss_staged_bits_and_fallback_on_the_gpu():
-    """DeepSeek-V3's E = 256, bf16, T = 65536, every 10th token masked: the
-    forward's staged mask bits (256 blocks, 2 row lanes, 128 rows a lane: 16
-    bytes of dynamic shared memory each) and its per-element fallback
-    (``mask_stage_bytes=0``), T counted and given, against the unmasked
-    kernel on the zeroed rows, bit for bit; the masked quad fill's 8-row
-    trips (bf16, 62-63 rows a lane) against the unmasked fill. GPU only:
-    too big for the simulator, and the dynamic shared memory beside the
-    static arrays is a GPU launch's."""
-    from gpurouter.kernels.losses.mask_bits import staged_mask_bytes
-    from gpurouter.kernels.losses.tiling import column_tiling
-
-    T, E = 65536, 256
+@pytest.mark.parametrize("E", [256, 384])
+def test_masked_aux_loss_at_scale_on_the_gpu(E):
+    """DeepSeek-V3's E = 256 and Kimi-K2's 384, bf16, T = 65536, every 10th token
+    masked (a NaN in the masked rows): the forward (its bf16 kernels under
+    their register cap, 4 rows' loads in flight a trip), T counted and given,
+    against the unmasked kernel on the zeroed rows, bit for bit; the masked
+    quad fill's 8-row trips against the unmasked fill. GPU only: too big for
+    the simulator."""
+    T = 65536
     rng = np.random.default_rng(13)
     p = rng.random((T, E)).astype(ml_dtypes.bfloat16)
     p[9::10, 3] = np.asarray(np.nan, ml_dtypes.bfloat16)  # masked rows: never added
     tpe = rng.integers(0, 4096, E).astype(np.int32)
     mask = np.arange(T) % 10 != 9
     n = int(mask.sum())
-    grid, threads, cl, rows = column_tiling(T, E)
-    assert staged_mask_bytes(rows, threads // cl) <= K.AuxLossTiling().mask_stage_bytes
     want, c = K.moe_aux_loss_fwd(np.where(mask[:, None], p, np.zeros((), ml_dtypes.bfloat16)), tpe, 8, 1e-2, n)
-    for tiling in (None, K.AuxLossTiling(mask_stage_bytes=0)):
-        for total in (None, n):
-            got, got_c = K.moe_aux_loss_fwd(p, tpe, 8, 1e-2, total, token_mask=mask, tiling=tiling)
-            assert got.tobytes() == want.tobytes() and got_c == c, (tiling, total)
+    for total in (None, n):
+        got, got_c = K.moe_aux_loss_fwd(p, tpe, 8, 1e-2, total, token_mask=mask)
+        assert got.tobytes() == want.tobytes() and got_c == c, total
     g = np.asarray(1.0, ml_dtypes.bfloat16)
     gp = K.moe_aux_loss_bwd(c, tpe, g, T, token_mask=mask)
     np.testing.assert_array_equal(gp[mask].view(np.uint16), K.moe_aux_loss_bwd(c, tpe, g, T)[mask].view(np.uint16))
     assert not gp[~mask].view(np.uint16).any()
-    print("masked aux loss, staged bits and fallback, T=65536 E=256: PASS")
