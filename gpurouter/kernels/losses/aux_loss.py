@@ -45,9 +45,9 @@ _RED_WORDS = AUX_LOSS_TILING.column_threads
 #: the probs' kinds whose forward sums column quads when C % 4 == 0 (a load a quad: fp32 16 bytes,
 #: bf16 8; bf16 since 2026-11-28, an element a load before); fp16 sums elements
 QUAD_KINDS = (F32, BF16)
-#: the bf16 forward's register cap (``kernel_jit``): without one, ptxas kept one load in flight where
-#: four were written (docs/kernels.md, "The aux loss forward's register cap"); fp32, fp16: none
-FWD_MAX_REGISTERS = {BF16: 64}
+#: the register cap (``kernel_jit``) of the bf16 and the masked forwards: without one, ptxas kept one
+#: load in flight where four were written (docs/kernels.md, "The aux loss forward's register cap")
+FWD_MAX_REGISTERS = 64
 
 
 @recipe  # rebuilt by a compile worker (_base/parallel.py)
@@ -70,6 +70,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
     leaves it 0."""
     column_sum = lane_column_sum(kind, has_mask)
     quad_sum = lane_quad_sum(has_mask, kind)
+    regs = FWD_MAX_REGISTERS if kind == BF16 or has_mask else 0  # fp32, fp16 unmasked: the same SASS uncapped
     load_tpe = loader_1d(tpe_kind)
     store = storer_1d(out_kind)
     ticket = finish_pieces("acq_rel", False)[0]  # one acquire-release atom.inc (not the z-loss probe's knob)
@@ -147,7 +148,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
 
     if has_mask:
 
-        @kernel_jit(FWD_MAX_REGISTERS.get(kind, 0))
+        @kernel_jit(regs)
         def aux_loss_fwd_masked(
             probs,  # [T, C] kind (``quads``: flat [T*C] fp32)
             num_rows,
@@ -172,7 +173,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
 
         return aux_loss_fwd_masked
 
-    @kernel_jit(FWD_MAX_REGISTERS.get(kind, 0))
+    @kernel_jit(regs)
     def aux_loss_fwd(
         probs,  # [T, C] kind (``quads``: flat [T*C] fp32)
         num_rows,
