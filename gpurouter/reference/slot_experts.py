@@ -81,6 +81,8 @@ def slots_expert_ffn(xs, rows_e, group_sizes, w_rows, *, wi_0, wi_1, wo, wi_0_bi
     into ``h`` (and ``bo``) when ``early``; rows past ``sum(group_sizes)``
     give 0."""
     acc = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+    if jnp.shape(xs)[0] == 0:  # no rows: no slots to fill (the slots' gathers need a row)
+        return jnp.zeros(jnp.shape(xs), acc)
     sizes = jnp.asarray(group_sizes).astype(jnp.int32)
     return _slot_ffn(jnp.asarray(xs), jnp.asarray(w_rows).astype(acc), _params(wi_0, wi_1, wo, wi_0_bias, wi_1_bias,
                                                                                wo_bias, dtype),
@@ -104,6 +106,8 @@ def slots_token_ffn(xf, idx, weights, *, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, w
     t, k = idx.shape
     n = t * k
     acc = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+    if n == 0:  # no tokens: nothing to route (the slots' gathers need a row)
+        return jnp.zeros(jnp.shape(xf), acc)
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # row -> pair
     sizes = jnp.bincount(flat, length=jnp.shape(wi_0)[0]).astype(jnp.int32)

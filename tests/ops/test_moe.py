@@ -339,6 +339,22 @@ def test_auto_grouped_matmul_is_the_measured_choice(monkeypatch, platform, kind,
     assert got == ("slots" if want == "slots" else gmoe.batched_ragged_dot)
 
 
+@pytest.mark.parametrize("gmm", ["auto", "slots", "batched", "ragged_dot"])
+def test_a_block_of_no_tokens(gmm):
+    """``x`` with no tokens (``[0, H]``, and ``[2, 0, H]``): an empty output in x's
+    dtype, an aux loss of 0 and zero gradients, on every grouped GEMM (the
+    slots had none to gather, and "auto" picks them on a GPU)."""
+    fn = {"batched": gmoe.batched_ragged_dot, "ragged_dot": jax.lax.ragged_dot}.get(gmm, gmm)
+    p = _params(seed=6, dtype=jnp.bfloat16)
+    for shape in ((0, H), (2, 0, H)):
+        q = dict(p, x=jnp.zeros(shape, jnp.bfloat16))
+        out, aux = _call(gmoe.moe, q, dict(KW, aux_loss_coeff=1e-2), grouped_matmul=fn)
+        assert out.shape == shape and out.dtype == jnp.bfloat16 and float(aux) == 0.0
+        g = jax.grad(lambda w, q=q: jnp.sum(_call(gmoe.moe, dict(q, wi_0=w), dict(KW), grouped_matmul=fn)[0]
+                                            .astype(jnp.float32)))(p["wi_0"])
+        assert g.shape == p["wi_0"].shape and not np.asarray(g, np.float32).any()
+
+
 def test_the_default_block_is_the_auto_choice():
     """``moe``'s default grouped GEMM is ``"auto"``: the block on its choice here
     (``batched_ragged_dot`` on a CPU, ``"slots"`` on an NVIDIA GPU), the same
