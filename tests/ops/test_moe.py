@@ -321,59 +321,6 @@ def test_grouped_matmul_names_the_strings_it_takes():
     assert '"slots"' in str(e.value) and '"auto"' in str(e.value)
 
 
-class _Device:
-    def __init__(self, kind):
-        self.device_kind = kind
-
-
-@pytest.mark.parametrize("platform,kind,ep_axis,want", [
-    ("gpu", "NVIDIA H200", None, "slots"),  # measured faster on an H200 at every shape tried
-    ("gpu", "NVIDIA H200", "ep", "batched"),  # the slots' rows path was not measured under EP
-    ("gpu", "AMD Instinct MI300X", None, "batched"),  # no measurement on other GPUs
-    ("cpu", "cpu", None, "batched"),  # jax.lax.ragged_dot 26-44x slower on a CPU, out of memory at DeepSeek-V3
-])
-def test_auto_grouped_matmul_is_the_measured_choice(monkeypatch, platform, kind, ep_axis, want):
-    monkeypatch.setattr(jax, "default_backend", lambda: platform)
-    monkeypatch.setattr(jax, "devices", lambda *a: [_Device(kind)])
-    got = ref.moe.auto_grouped_matmul(ep_axis)
-    assert got == ("slots" if want == "slots" else gmoe.batched_ragged_dot)
-
-
-@pytest.mark.parametrize("gmm", ["auto", "slots", "batched", "ragged_dot"])
-def test_a_block_of_no_tokens(gmm):
-    """``x`` with no tokens (``[0, H]``, and ``[2, 0, H]``): an empty output in x's
-    dtype, an aux loss of 0 and zero gradients, on every grouped GEMM (the
-    slots had none to gather, and "auto" picks them on a GPU)."""
-    fn = {"batched": gmoe.batched_ragged_dot, "ragged_dot": jax.lax.ragged_dot}.get(gmm, gmm)
-    p = _params(seed=6, dtype=jnp.bfloat16)
-    for shape in ((0, H), (2, 0, H)):
-        q = dict(p, x=jnp.zeros(shape, jnp.bfloat16))
-        out, aux = _call(gmoe.moe, q, dict(KW, aux_loss_coeff=1e-2), grouped_matmul=fn)
-        assert out.shape == shape and out.dtype == jnp.bfloat16 and float(aux) == 0.0
-        g = jax.grad(lambda w, q=q: jnp.sum(_call(gmoe.moe, dict(q, wi_0=w), dict(KW), grouped_matmul=fn)[0]
-                                            .astype(jnp.float32)))(p["wi_0"])
-        assert g.shape == p["wi_0"].shape and not np.asarray(g, np.float32).any()
-
-
-def test_the_default_block_is_the_auto_choice():
-    """``moe``'s default grouped GEMM is ``"auto"``: the block on its choice here
-    (``batched_ragged_dot`` on a CPU, ``"slots"`` on an NVIDIA GPU), the same
-    values and gradients bit for bit."""
-    choice = ref.moe.auto_grouped_matmul(None)
-    nvidia = jax.default_backend() == "gpu" and jax.devices()[0].device_kind.upper().startswith("NVIDIA")
-    assert choice == ("slots" if nvidia else gmoe.batched_ragged_dot)
-    p = _params(seed=5)
-
-    def loss(w, **extra):
-        out, _ = _call(gmoe.moe, dict(p, wi_0=w), dict(KW), **extra)
-        return jnp.sum(out ** 2), out
-
-    (_, out), g = jax.value_and_grad(loss, has_aux=True)(p["wi_0"])
-    (_, out_b), g_b = jax.value_and_grad(functools.partial(loss, grouped_matmul=choice), has_aux=True)(p["wi_0"])
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(out_b))
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(g_b))
-
-
 def test_activation_names_are_the_checks():
     from gpurouter._checks import MOE_ACTIVATIONS
     from gpurouter.reference.moe import ACTIVATIONS

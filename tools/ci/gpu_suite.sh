@@ -50,7 +50,7 @@ groups=(  # (a -k expression without spaces: a group is split on them)
   "tests/ops/test_public.py"
   "tests/ops/test_topk_indices.py tests/ops/test_routing_map_format.py"
   "tests/transport/test_ffi.py tests/ops/test_losses.py tests/transport/test_buffer.py tests/ops/test_errors.py tests/transport/test_ffi_abi.py tests/kernels/_base/test_context.py tests/test_kernel_cache.py tests/test_seeds.py"
-  "tests/ops/test_moe_ops.py tests/ops/test_moe.py"
+  "tests/ops/test_moe_ops.py tests/ops/test_moe.py tests/ops/test_moe_auto.py"
   "tests/sharding/test_sharding.py tests/transport/test_partition.py tests/sharding/test_multi_gpu.py tests/test_parallel_compile.py tests/transport/test_ffi_cache.py"
   "tests/reference tests/ops/test_api.py tests/test_cli.py tests/test_docs.py tests/test_layering.py"
   "$k/losses/test_last_block.py tests/ops/test_edges.py $k/_base/test_device.py tests/ops/test_audit_groups_compact.py"
