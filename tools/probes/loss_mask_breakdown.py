@@ -3,7 +3,7 @@
 ``python tools/probes/loss_mask_breakdown.py [--tokens 65536] [--experts 256,384]
 [--repeats 20] [--json out.json]``
 
-For each E (bf16 ``[T, E]``, every 10th token masked, as
+For each E (``[T, E]`` of ``--dtype``, bf16 by default, every 10th token masked, as
 ``tools/probes/variants_probe.py``):
 
 - the aux loss plans (``moe_aux_loss_fwd_plan``, ``moe_aux_loss_bwd_plan``)
@@ -52,6 +52,8 @@ from gpurouter.kernels.losses.aux_loss import aux_loss_partial_coeff
 from gpurouter.kernels.losses.tiling import AUX_LOSS_TILING, AuxLossTiling
 
 TARGET = 1.05
+#: ``--dtype``: the kernels' kind and the jitted ops' dtype
+DTYPES = {"bf16": (L.BF16, "bfloat16"), "f32": (L.F32, "float32"), "f16": (L.F16, "float16")}
 COEFF = np.float32(1e-2)
 TOPK = 8
 
@@ -165,10 +167,11 @@ def parse_tiling(text: str) -> AuxLossTiling | None:
     return dataclasses.replace(AUX_LOSS_TILING, **knobs)
 
 
-def kernel_rows(tokens, experts, repeats, rng, tiling=None, aux_only=False):
+def kernel_rows(tokens, experts, repeats, rng, tiling=None, aux_only=False, kind=L.BF16):
     """``[(plan name, variant, [us per launch], [kernel names])]`` of the four loss plans
-    (``tiling``: the aux loss plans' ``AuxLossTiling``; ``aux_only``: those two plans alone)."""
-    probs = _plan.spec_of((tokens, experts), L.BF16)
+    (``tiling``: the aux loss plans' ``AuxLossTiling``; ``aux_only``: those two plans alone; ``kind``:
+    the probs' and the gradients' dtype kind)."""
+    probs = _plan.spec_of((tokens, experts), kind)
     tpe = _plan.Spec((experts,), np.int32)
     c = aux_loss_coeff(experts, COEFF, TOPK, tokens)
     cp = aux_loss_partial_coeff(experts, COEFF, TOPK)
@@ -176,8 +179,8 @@ def kernel_rows(tokens, experts, repeats, rng, tiling=None, aux_only=False):
         ("aux fwd", "unmasked", K.moe_aux_loss_fwd_plan(probs, tpe, c, tiling), ()),
         ("aux fwd", "masked, T counted", K.moe_aux_loss_fwd_plan(probs, tpe, cp, tiling, True, True), ()),
         ("aux fwd", "masked, T given", K.moe_aux_loss_fwd_plan(probs, tpe, cp, tiling, True), ((3, "n"),)),
-        ("aux bwd", "unmasked", K.moe_aux_loss_bwd_plan(tpe, _plan.spec_of((), L.BF16), tokens, tiling), ()),
-        ("aux bwd", "masked", K.moe_aux_loss_bwd_plan(tpe, _plan.spec_of((), L.BF16), tokens, tiling, True), ()),
+        ("aux bwd", "unmasked", K.moe_aux_loss_bwd_plan(tpe, _plan.spec_of((), kind), tokens, tiling), ()),
+        ("aux bwd", "masked", K.moe_aux_loss_bwd_plan(tpe, _plan.spec_of((), kind), tokens, tiling, True), ()),
         ("z fwd", "unmasked", K.router_z_loss_fwd_plan(probs, COEFF, tokens), ()),
         ("z fwd", "masked, T counted", K.router_z_loss_fwd_plan(probs, COEFF, 1, None, True, True), ()),
         ("z fwd", "masked, T given", K.router_z_loss_fwd_plan(probs, COEFF, 1, None, True), ((2, "n"),)),
@@ -189,7 +192,7 @@ def kernel_rows(tokens, experts, repeats, rng, tiling=None, aux_only=False):
     precompile([p for _, _, p, _ in plans])
     zf = {} if aux_only else {False: plans[5][2], True: plans[7][2]}
     out = []
-    firsts = {}  # the [T, E] bf16 inputs: three sets (more bytes than L2 holds), made once
+    firsts = {}  # the [T, E] inputs: three sets (more bytes than L2 holds), made once
     for name, variant, plan, hints in plans:
         sets = _arrays(plan, rng, tokens, hints, firsts)
         if name == "z bwd":
@@ -200,7 +203,7 @@ def kernel_rows(tokens, experts, repeats, rng, tiling=None, aux_only=False):
     return out
 
 
-def op_rows(tokens, experts, repeats, batch):
+def op_rows(tokens, experts, repeats, batch, dtype="bfloat16"):
     """``[(op, variant, us per op)]``: the jitted ops, forward and value_and_grad, masked or not."""
     import jax
     import jax.numpy as jnp
@@ -214,7 +217,7 @@ def op_rows(tokens, experts, repeats, batch):
         "z-loss": lambda x, m: gr.router_z_loss(x, 1e-3, token_mask=m, backend="numba"),
     }
     key = jax.random.PRNGKey(experts)
-    xs = [jax.random.normal(jax.random.fold_in(key, i), (tokens, experts), jnp.bfloat16) for i in range(batch)]
+    xs = [jax.random.normal(jax.random.fold_in(key, i), (tokens, experts), jnp.dtype(dtype)) for i in range(batch)]
     out = []
     for op, fn in fns.items():
         for grad in (False, True):
@@ -247,20 +250,23 @@ def main(argv=None):
     ap.add_argument("--no-ops", action="store_true", help="the kernels alone (no jax)")
     ap.add_argument("--tiling", default="",
                     help="knob=value,... of AuxLossTiling: the aux loss plans alone at that tiling (no ops)")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
+                    help="the probs' (and the gradients') dtype (default bf16)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    kind, jnp_dtype = DTYPES[args.dtype]
     tiling = parse_tiling(args.tiling)
     if L.simulator_enabled() or not cuda.is_available():
         raise SystemExit("loss_mask_breakdown: needs a GPU (not the CUDA simulator).")
     rng = np.random.default_rng(0)
     name = cuda.get_current_device().name
-    report = {"tokens": args.tokens, "device": name.decode() if isinstance(name, bytes) else str(name),
-              "kernels": [], "ops": [], "ratios": []}
+    report = {"tokens": args.tokens, "dtype": args.dtype,
+              "device": name.decode() if isinstance(name, bytes) else str(name), "kernels": [], "ops": [], "ratios": []}
     t0 = time.perf_counter()
     for e in (int(v) for v in args.experts.split(",")):
-        krows = kernel_rows(args.tokens, e, args.repeats, rng, tiling, aux_only=tiling is not None)
+        krows = kernel_rows(args.tokens, e, args.repeats, rng, tiling, aux_only=tiling is not None, kind=kind)
         base = {}
-        print(f"# T={args.tokens} E={e} bf16, every 10th token masked: us per launch (median of {args.repeats})"
+        print(f"# T={args.tokens} E={e} {args.dtype}, every 10th token masked: us per launch (median of {args.repeats})"
               + (f", aux loss tiling {tiling}" if tiling else ""))
         for name, variant, us, kernels in krows:
             total = sum(us)
@@ -276,7 +282,7 @@ def main(argv=None):
                                              ok=bool(ratio <= TARGET)))
         if not args.no_ops and tiling is None:
             base = {}
-            for label, variant, us in op_rows(args.tokens, e, args.repeats, args.batch):
+            for label, variant, us in op_rows(args.tokens, e, args.repeats, args.batch, jnp_dtype):
                 if variant == "unmasked":
                     base[label] = us
                 ratio = us / base[label]
