@@ -81,12 +81,10 @@ def slots_expert_ffn(xs, rows_e, group_sizes, w_rows, *, wi_0, wi_1, wo, wi_0_bi
     into ``h`` (and ``bo``) when ``early``; rows past ``sum(group_sizes)``
     give 0."""
     acc = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
-    if jnp.shape(xs)[0] == 0:  # no rows: no slots to fill (the slots' gathers need a row)
-        return jnp.zeros(jnp.shape(xs), acc)
     sizes = jnp.asarray(group_sizes).astype(jnp.int32)
-    return _slot_ffn(jnp.asarray(xs), jnp.asarray(w_rows).astype(acc), _params(wi_0, wi_1, wo, wi_0_bias, wi_1_bias,
-                                                                               wo_bias, dtype),
-                     sizes, jnp.asarray(rows_e).astype(jnp.int32), None, (activation, bool(early)))
+    p = _params(wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, dtype)
+    return _slots_or_none(jnp.asarray(xs), jnp.asarray(w_rows).astype(acc), p, sizes,
+                          jnp.asarray(rows_e).astype(jnp.int32), None, (activation, bool(early)))
 
 
 def slots_token_ffn(xf, idx, weights, *, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, activation, dtype):
@@ -106,15 +104,21 @@ def slots_token_ffn(xf, idx, weights, *, wi_0, wi_1, wo, wi_0_bias, wi_1_bias, w
     t, k = idx.shape
     n = t * k
     acc = jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
-    if n == 0:  # no tokens: nothing to route (the slots' gathers need a row)
-        return jnp.zeros(jnp.shape(xf), acc)
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # row -> pair
     sizes = jnp.bincount(flat, length=jnp.shape(wi_0)[0]).astype(jnp.int32)
     pair_row = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32)).reshape(t, k)
     w_rows = jnp.asarray(weights).astype(acc).reshape(-1)[order]
-    return _slot_ffn(jnp.asarray(xf), w_rows, _params(wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, dtype), sizes,
-                     flat[order], (order // k, pair_row), (activation, True))
+    p = _params(wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, dtype)
+    return _slots_or_none(jnp.asarray(xf), w_rows, p, sizes, flat[order], (order // k, pair_row), (activation, True))
+
+
+def _slots_or_none(x, w_rows, p, sizes, rows_e, tokens, cfg):
+    """:func:`_slot_ffn`, or its zero output (``x``'s shape, ``w_rows``' dtype) when there
+    are no rows at all (no tokens): no slot to fill, and the slots' gathers need a row."""
+    if rows_e.shape[0] == 0:
+        return jnp.zeros(x.shape, w_rows.dtype)
+    return _slot_ffn(x, w_rows, p, sizes, rows_e, tokens, cfg)
 
 
 def _params(wi_0, wi_1, wo, wi_0_bias, wi_1_bias, wo_bias, dtype):

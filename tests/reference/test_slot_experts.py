@@ -151,3 +151,23 @@ def test_bf16_is_the_row_ffns_on_batched_ragged_dot():
             assert g[k].dtype == v.dtype, k
             np.testing.assert_allclose(np.asarray(g[k], np.float32), np.asarray(v, np.float32),
                                        rtol=3e-2, atol=3e-2, err_msg=k)
+
+
+def test_no_rows_give_an_empty_output_and_zero_gradients():
+    """``slots_expert_ffn`` on ``[0, H]`` rows (an expert-parallel device, or a
+    block, with none): ``[0, H]`` in fp32 and zero weight gradients (the slots'
+    gathers need a row, so there are no slots at all)."""
+    h, e, m = 8, 4, 6
+    ks = jax.random.split(jax.random.PRNGKey(2), 3)
+    w = dict(wi_0=jax.random.normal(ks[0], (e, h, m)), wi_1=jax.random.normal(ks[1], (e, h, m)),
+             wo=jax.random.normal(ks[2], (e, m, h)))
+
+    def f(w_):
+        return slots_expert_ffn(jnp.zeros((0, h), jnp.bfloat16), jnp.zeros((0,), jnp.int32),
+                                jnp.zeros((e,), jnp.int32), jnp.zeros((0,)), **w_, wi_0_bias=None, wi_1_bias=None,
+                                wo_bias=None, activation=jax.nn.silu, early=False, dtype=jnp.bfloat16)
+
+    z = f(w)
+    assert z.shape == (0, h) and z.dtype == jnp.float32
+    g = jax.grad(lambda w_: jnp.sum(f(w_)))(w)
+    assert all(not np.asarray(v).any() for v in g.values())
