@@ -29,7 +29,7 @@ from .._base.access import array_views, loader_1d, storer_1d
 from .._base.device import ZERO
 from .._base.launch import BF16, F16, F32, any_on_device, device_input, kernel_jit, resolve_stream, scalar_input
 from .._base.plan import Counter, In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
-from .aux_loss_bwd import aux_loss_bwd_kernel, aux_loss_bwd_quad_kernel, staged_flag_bytes
+from .aux_loss_bwd import aux_loss_bwd_kernel, aux_loss_bwd_quad_kernel
 from .column_sums import block_tree_sum, block_tree_sum2, lane_column_sum, lane_quad_sum
 from .last_block import finish_pieces, load_l2
 from .masks import mask_input, mask_spec
@@ -346,12 +346,7 @@ def moe_aux_loss_bwd_plan(tokens_per_expert: Spec, grad_loss: Spec, num_rows: in
     if num_cols % 4 == 0:  # a quad of columns per store
         grid, threads, cl = fill_tiling(num_rows, num_cols // 4, tiling)
         words = array_views(kind, (num_rows, num_cols))[0]
-        shared = 0
-        if has_mask:  # the rows' staged flags, at most mask_stage_bytes a block: more blocks where T needs it
-            while staged_flag_bytes(num_rows, grid, threads // cl) > max(tiling.mask_stage_bytes, threads // cl):
-                grid *= 2
-            shared = staged_flag_bytes(num_rows, grid, threads // cl)
-        step = Step(aux_loss_bwd_quad_kernel(tokens_per_expert.kind, kind, *flag), grid, threads, shared,
+        step = Step(aux_loss_bwd_quad_kernel(tokens_per_expert.kind, kind, *flag), grid, threads, 0,
                       (In(0, spec_of((1,), F32)), In(1), In(2, spec_of((1,), kind)),
                        Out(0, words), num_rows, num_cols, *mask, cl))
         return Plan(OP + "_bwd", ins, outs, (), (step,))
