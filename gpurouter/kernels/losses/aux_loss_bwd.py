@@ -17,7 +17,7 @@ from numba import cuda
 from .._base.access import bf16_quad, flat_io, loader_1d, storer_2d
 from .._base.device import ZERO, u64
 from .._base.launch import BF16, F32
-from .mask_bits import all_ones_if, keep_if
+from .mask_bits import all_ones_if, keep_if, opaque_byte_loader
 
 #: a 0 / 0xFFFFFFFF mask times this: 0 / all 64 bits (a bf16 quad's select)
 _LOW_AND_HIGH = np.uint64(0x100000001)
@@ -100,6 +100,7 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
 
     load_tpe = loader_1d(tpe_kind)
     load_grad = loader_1d(out_kind)
+    load_byte = opaque_byte_loader()  # the flags' loads stay where they are written (ahead of their use)
     store4 = quad_store_once_f32() if out_kind == F32 else flat_io(out_kind)[1]
 
     @cuda.jit(device=True)
@@ -138,60 +139,54 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
     def flag(mask, r, last):
         """Row ``r``'s mask as 0 / 0xFFFFFFFF (``all_ones_if``), the load clamped to ``last`` (no branch
         before a load; the flag of a row past the last is loaded but never used)."""
-        return all_ones_if(np.uint32(mask[min(r, last)] != 0))
+        return all_ones_if(np.uint32(load_byte(mask, min(r, last)) != 0))
+
+    @cuda.jit(device=True)
+    def flags8(mask, r, st, last):
+        """The flags of rows ``r + k st``, k < 8 (one trip's)."""
+        return (flag(mask, r, last), flag(mask, r + st, last), flag(mask, r + 2 * st, last),
+                flag(mask, r + 3 * st, last), flag(mask, r + 4 * st, last), flag(mask, r + 5 * st, last),
+                flag(mask, r + 6 * st, last), flag(mask, r + 7 * st, last))
+
+    @cuda.jit(device=True)
+    def store8(grad_probs, r, st, n, eq, cq, q, v0, v1, v2, v3, m):
+        """Rows ``r + k st`` for k < ``n`` (at most 8), row k kept where ``m[k]``."""
+        store_kept(grad_probs, r, eq, cq, q, v0, v1, v2, v3, m[0])
+        if n > 1:
+            store_kept(grad_probs, r + st, eq, cq, q, v0, v1, v2, v3, m[1])
+        if n > 2:
+            store_kept(grad_probs, r + 2 * st, eq, cq, q, v0, v1, v2, v3, m[2])
+        if n > 3:
+            store_kept(grad_probs, r + 3 * st, eq, cq, q, v0, v1, v2, v3, m[3])
+        if n > 4:
+            store_kept(grad_probs, r + 4 * st, eq, cq, q, v0, v1, v2, v3, m[4])
+        if n > 5:
+            store_kept(grad_probs, r + 5 * st, eq, cq, q, v0, v1, v2, v3, m[5])
+        if n > 6:
+            store_kept(grad_probs, r + 6 * st, eq, cq, q, v0, v1, v2, v3, m[6])
+        if n > 7:
+            store_kept(grad_probs, r + 7 * st, eq, cq, q, v0, v1, v2, v3, m[7])
 
     @cuda.jit(device=True)
     def masked_rows(grad_probs, mask, num_rows, first, step, eq, cq, q, v0, v1, v2, v3):
-        """Quad ``cq``'s values (or 0) down rows ``first + k step``, 8 rows a trip: the next trip's 8
-        flags are loaded before this trip's 8 stores, so that their loads are in flight while the
-        stores issue (software pipelining; the first trip's flags share one trip to memory with
-        the quad's values).  Every lane of a warp reads the same flag (a broadcast)."""
+        """Quad ``cq``'s values (or 0) down rows ``first + k step``, 8 rows a trip, each trip's
+        flags loaded three trips ahead of its stores (24 rows: software pipelining, so that a
+        flag's load is in flight while the three trips before it store; the first three trips'
+        flags share one trip to memory with the quad's values).  Every lane of a warp reads the
+        same flag (a broadcast)."""
         last = np.int64(num_rows) - 1
         st = np.int64(step)
         r = np.int64(first)
-        m0 = flag(mask, r, last)
-        m1 = flag(mask, r + st, last)
-        m2 = flag(mask, r + 2 * st, last)
-        m3 = flag(mask, r + 3 * st, last)
-        m4 = flag(mask, r + 4 * st, last)
-        m5 = flag(mask, r + 5 * st, last)
-        m6 = flag(mask, r + 6 * st, last)
-        m7 = flag(mask, r + 7 * st, last)
+        a = flags8(mask, r, st, last)
+        b = flags8(mask, r + 8 * st, st, last)
+        c = flags8(mask, r + 16 * st, st, last)
         while r + 7 * st < num_rows:
-            n = r + 8 * st
-            n0 = flag(mask, n, last)
-            n1 = flag(mask, n + st, last)
-            n2 = flag(mask, n + 2 * st, last)
-            n3 = flag(mask, n + 3 * st, last)
-            n4 = flag(mask, n + 4 * st, last)
-            n5 = flag(mask, n + 5 * st, last)
-            n6 = flag(mask, n + 6 * st, last)
-            n7 = flag(mask, n + 7 * st, last)
-            store_kept(grad_probs, r, eq, cq, q, v0, v1, v2, v3, m0)
-            store_kept(grad_probs, r + st, eq, cq, q, v0, v1, v2, v3, m1)
-            store_kept(grad_probs, r + 2 * st, eq, cq, q, v0, v1, v2, v3, m2)
-            store_kept(grad_probs, r + 3 * st, eq, cq, q, v0, v1, v2, v3, m3)
-            store_kept(grad_probs, r + 4 * st, eq, cq, q, v0, v1, v2, v3, m4)
-            store_kept(grad_probs, r + 5 * st, eq, cq, q, v0, v1, v2, v3, m5)
-            store_kept(grad_probs, r + 6 * st, eq, cq, q, v0, v1, v2, v3, m6)
-            store_kept(grad_probs, r + 7 * st, eq, cq, q, v0, v1, v2, v3, m7)
-            m0, m1, m2, m3, m4, m5, m6, m7 = n0, n1, n2, n3, n4, n5, n6, n7
-            r = n
-        # the last trip's rows (fewer than 8), their flags loaded
-        if r < num_rows:
-            store_kept(grad_probs, r, eq, cq, q, v0, v1, v2, v3, m0)
-        if r + st < num_rows:
-            store_kept(grad_probs, r + st, eq, cq, q, v0, v1, v2, v3, m1)
-        if r + 2 * st < num_rows:
-            store_kept(grad_probs, r + 2 * st, eq, cq, q, v0, v1, v2, v3, m2)
-        if r + 3 * st < num_rows:
-            store_kept(grad_probs, r + 3 * st, eq, cq, q, v0, v1, v2, v3, m3)
-        if r + 4 * st < num_rows:
-            store_kept(grad_probs, r + 4 * st, eq, cq, q, v0, v1, v2, v3, m4)
-        if r + 5 * st < num_rows:
-            store_kept(grad_probs, r + 5 * st, eq, cq, q, v0, v1, v2, v3, m5)
-        if r + 6 * st < num_rows:
-            store_kept(grad_probs, r + 6 * st, eq, cq, q, v0, v1, v2, v3, m6)
+            d = flags8(mask, r + 24 * st, st, last)
+            store8(grad_probs, r, st, 8, eq, cq, q, v0, v1, v2, v3, a)
+            a, b, c = b, c, d
+            r += 8 * st
+        if r < num_rows:  # the last trip's rows (fewer than 8), their flags loaded
+            store8(grad_probs, r, st, (num_rows - 1 - r) // st + 1, eq, cq, q, v0, v1, v2, v3, a)
 
     @cuda.jit(device=True)
     def run(coeff, tokens_per_expert, grad_loss, grad_probs, num_rows, num_cols, mask, col_lanes):
