@@ -112,7 +112,7 @@ def test_default_tilings_are_the_library_figures():
     assert token.lanes_min_blocks == (SIM_LANES_MIN_BLOCKS if L.simulator_enabled() else GPU_LANES_MIN_BLOCKS)
     assert K.RowTiling() == K.RowTiling(threads=128, experts_per_lane=32, lanes=0)
     assert K.BwdTiling() == K.BwdTiling(8, 16, 8192, 16, 128, 4, 4, 256, 2112)
-    assert K.AuxLossTiling() == K.AuxLossTiling(512, 256, 64, 128, 528)
+    assert K.AuxLossTiling() == K.AuxLossTiling(512, 256, 64, 128, 528, 16384)
     assert K.ZLossTiling() == K.ZLossTiling(128, 16, 128, 8, 32, 1024, (256, 4, 1056, False, True),
                                             (128, 2, 1024, True, True), 8)
     assert K.CombineTiling() == K.CombineTiling(256, 2, 8, 4, 0, 256, 1024, 64)
@@ -126,5 +126,7 @@ def test_default_tilings_are_the_library_figures():
     assert again is not plan and launches(again) == launches(plan)  # kernel, grid, block, memory, arguments
     with pytest.raises(ValueError, match="column_threads"):
         K.AuxLossTiling(column_threads=1024)  # past the kernel's compiled shared array
+    with pytest.raises(ValueError, match="mask_stage_bytes"):
+        K.AuxLossTiling(mask_stage_bytes=-1)
     with pytest.raises(ValueError, match="final_threads"):
         K.ZLossTiling(final_threads=2048)

@@ -46,7 +46,7 @@ groups=(  # (a -k expression without spaces: a group is split on them)
   "$k/topk/token/test_fwd.py -k test_shapes_fwd_bwd"
   "$k/topk/token/test_fwd.py -k not(test_shapes_fwd_bwd)"
   "$k/topk/warp/test_group_scores.py $k/topk/warp/test_compact.py $k/topk/test_qb_cutoff.py $k/topk/test_qb_math.py $k/topk/test_qb.py $k/topk/test_qb_tiling.py $k/topk/warp/test_qb_cutoff.py"
-  "$k/_base/test_vec.py $k/topk/warp/test_bwd.py $k/topk/warp/test_fwd.py $k/losses/test_z_loss.py $k/losses/test_z_loss_vec.py"
+  "$k/_base/test_vec.py $k/_base/test_f16_words.py $k/topk/warp/test_bwd.py $k/topk/warp/test_fwd.py $k/losses/test_z_loss.py $k/losses/test_z_loss_vec.py"
   "tests/ops/test_public.py"
   "tests/ops/test_topk_indices.py tests/ops/test_routing_map_format.py"
   "tests/transport/test_ffi.py tests/ops/test_losses.py tests/transport/test_buffer.py tests/ops/test_errors.py tests/transport/test_ffi_abi.py tests/kernels/_base/test_context.py tests/test_kernel_cache.py tests/test_seeds.py"

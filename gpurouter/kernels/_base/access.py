@@ -17,7 +17,7 @@ import numpy as np
 from numba import cuda
 
 from .device import ZERO, u64
-from .launch import BF16, DEVICE_DTYPE, F16, F32
+from .launch import BF16, DEVICE_DTYPE, F16, F32, simulator_enabled
 from .plan import Spec
 
 
@@ -133,6 +133,75 @@ def bf16_quad(v0, v1, v2, v3):
     return np.uint64(lo) | np.uint64(np.uint64(hi) << np.uint64(32))
 
 
+#: fp16 -> fp32 (``f16_bits_to_f32``): the exponent field once moved into an fp32 word, the
+#: rebias (127 - 15) << 23, the field of inf / NaN, and 2^-14 (the renormalising subtrahend)
+_F16_EXP = np.uint32(0x0F800000)
+_F16_REBIAS = np.uint32(112 << 23)
+_F16_MAGIC = np.uint32(113 << 23)
+
+
+@cuda.jit(device=True)
+def f16_bits_to_f32(h):
+    """The fp16 word ``h`` (a uint32 < 2^16) as fp32, exactly: zeros, subnormals,
+    inf and NaN too (NaN payloads kept).  Integer operations and, for a
+    subnormal only, one fp32 subtraction of two normal numbers, so the result
+    is the same with or without flush-to-zero.  ``f16_quad_loader``'s simulator
+    path (a GPU converts with ``cvt.f32.f16``: fewer instructions)."""
+    u = np.uint32(np.uint32(h & np.uint32(0x7FFF)) << np.uint32(13))  # exponent and mantissa, fp32-placed
+    e = np.uint32(u & _F16_EXP)
+    u = np.uint32(u + _F16_REBIAS)
+    u = np.uint32(u + (_F16_REBIAS if e == _F16_EXP else np.uint32(0)))  # inf / NaN: fp32's all-ones exponent
+    sub = np.uint32(u + np.uint32(1 << 23))  # zero / subnormal: 2^-14 (1 + m / 1024), less 2^-14
+    sub = np.float32(sub.view(np.float32) - _F16_MAGIC.view(np.float32)).view(np.uint32)
+    u = sub if e == np.uint32(0) else u
+    return np.uint32(u | np.uint32(np.uint32(h & np.uint32(0x8000)) << np.uint32(16))).view(np.float32)
+
+
+@cuda.jit(device=True)
+def _f16_quad_load4_bits(a, w):
+    x = a[u64(w)]
+    lo = np.uint32(x)
+    hi = np.uint32(x >> np.uint64(32))
+    return (f16_bits_to_f32(lo & np.uint32(0xFFFF)), f16_bits_to_f32(lo >> np.uint32(16)),
+            f16_bits_to_f32(hi & np.uint32(0xFFFF)), f16_bits_to_f32(hi >> np.uint32(16)))
+
+
+@functools.cache
+def f16_quad_loader():
+    """``load4(a, w) -> 4 x fp32``: quad ``w`` of a flat fp16 array seen as uint64 words
+    (``quad_words``), one 8-byte load, the lowest half first.  On a GPU each half is
+    converted by PTX's ``cvt.f32.f16`` (exact; numba cannot reinterpret a uint16 as
+    fp16 itself), inline; on the simulator by ``f16_bits_to_f32``."""
+    if simulator_enabled():
+        return _f16_quad_load4_bits
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def halves(typingctx, word):
+        """The two fp16 halves of a uint32 as fp32 (low half first)."""
+        sig = types.UniTuple(types.float32, 2)(word)
+
+        def codegen(context, builder, sig, args):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([f32, f32]), [i32])
+            text = "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }"
+            res = builder.call(ir.InlineAsm(fnty, text, "=f,=f,r"), [args[0]])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(2)])
+
+        return sig, codegen
+
+    @cuda.jit(device=True)
+    def load4(a, w):
+        x = a[u64(w)]
+        f0, f1 = halves(np.uint32(x))
+        f2, f3 = halves(np.uint32(x >> np.uint64(32)))
+        return f0, f1, f2, f3
+
+    return load4
+
+
 @functools.cache
 def flat_io(kind: str):
     """Device functions on a row-major ``[T, E]`` array of ``kind`` seen flat
@@ -203,6 +272,14 @@ def array_views(kind: str, shape):
     n = t * e
     words = Spec((n // 4,), np.uint64) if kind == BF16 else Spec((n,), DEVICE_DTYPE[kind])
     return words, Spec((n // 4,), np.uint32), Spec((n,), np.float32)
+
+
+def quad_words(kind: str, shape) -> Spec:
+    """The flat Spec of a ``[T, E]`` array of kind (E a multiple of 4) that a quad
+    loader reads: fp32 as elements (``_vec.quad_f32``), bf16 and fp16 as uint64
+    quads (``flat_io``'s bf16 ``load4``, ``f16_quad_loader``)."""
+    t, e = shape
+    return Spec((t * e,), np.float32) if kind == F32 else Spec((t * e // 4,), np.uint64)
 
 
 def map_view(spec: Spec, quads: Spec) -> Spec:

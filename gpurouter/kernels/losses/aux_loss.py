@@ -25,11 +25,11 @@ from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
 
 from ..._host import aux_loss_coeff
-from .._base.access import array_views, loader_1d, storer_1d
+from .._base.access import array_views, loader_1d, quad_words, storer_1d
 from .._base.device import ZERO
 from .._base.launch import BF16, F16, F32, any_on_device, device_input, kernel_jit, resolve_stream, scalar_input
 from .._base.plan import Counter, In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
-from .aux_loss_bwd import aux_loss_bwd_kernel, aux_loss_bwd_quad_kernel
+from .aux_loss_bwd import aux_loss_bwd_kernel, aux_loss_bwd_quad_kernel, staged_fill, staged_flag_bytes
 from .column_sums import block_tree_sum, block_tree_sum2, lane_column_sum, lane_quad_sum
 from .last_block import finish_pieces, load_l2
 from .masks import mask_input, mask_spec
@@ -43,10 +43,11 @@ OP = "moe_aux_loss"
 # simulator accepts anything).
 _RED_WORDS = AUX_LOSS_TILING.column_threads
 #: the probs' kinds whose forward sums column quads when C % 4 == 0 (a load a quad: fp32 16 bytes,
-#: bf16 8; bf16 since 2026-11-28, an element a load before); fp16 sums elements
-QUAD_KINDS = (F32, BF16)
-#: the register cap (``kernel_jit``) of the bf16 and the masked forwards: without one, ptxas kept one
-#: load in flight where four were written (docs/kernels.md, "The aux loss forward's register cap")
+#: bf16 and fp16 8, as uint64 words; bf16 since 2026-11-28, fp16 since 2026-11-29, an element a
+#: load before)
+QUAD_KINDS = (F32, BF16, F16)
+#: the register cap (``kernel_jit``) of the bf16, fp16 and masked forwards: without one, ptxas kept
+#: one load in flight where four were written (docs/kernels.md, "The aux loss forward's register cap")
 FWD_MAX_REGISTERS = 64
 
 
@@ -54,7 +55,7 @@ FWD_MAX_REGISTERS = 64
 @functools.cache
 def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = False, has_mask: bool = False,
                         count_valid: bool = False):
-    """The forward; ``quads``: fp32 or bf16 probs with C % 4 == 0, seen flat (bf16 as
+    """The forward; ``quads``: probs with C % 4 == 0, seen flat (bf16 and fp16 as
     uint64 words), a column quad per column lane (``lane_quad_sum``), else an element
     per column lane.
     ``has_mask`` (compile-time): the kernel takes ``mask`` (bool ``[T]``, the
@@ -70,7 +71,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
     leaves it 0."""
     column_sum = lane_column_sum(kind, has_mask)
     quad_sum = lane_quad_sum(has_mask, kind)
-    regs = FWD_MAX_REGISTERS if kind == BF16 or has_mask else 0  # fp32, fp16 unmasked: the same SASS uncapped
+    regs = FWD_MAX_REGISTERS if kind != F32 or has_mask else 0  # fp32 unmasked: the same SASS uncapped
     load_tpe = loader_1d(tpe_kind)
     store = storer_1d(out_kind)
     ticket = finish_pieces("acq_rel", False)[0]  # one acquire-release atom.inc (not the z-loss probe's knob)
@@ -275,7 +276,7 @@ def moe_aux_loss_fwd_plan(probs: Spec, tokens_per_expert: Spec, c: np.float32,
     quads = probs.kind in QUAD_KINDS and num_cols % 4 == 0
     grid, threads, cl, rows = column_tiling(num_rows, num_cols // 4 if quads else num_cols, tiling)
     tmps = (spec_of((grid,), F32),)
-    src = In(0, array_views(probs.kind, (num_rows, num_cols))[0]) if quads else In(0)
+    src = In(0, quad_words(probs.kind, (num_rows, num_cols))) if quads else In(0)
     ins = (probs, tokens_per_expert)
     masked = ()
     flag = ()  # the unmasked kernel's cache key as before
@@ -346,7 +347,13 @@ def moe_aux_loss_bwd_plan(tokens_per_expert: Spec, grad_loss: Spec, num_rows: in
     if num_cols % 4 == 0:  # a quad of columns per store
         grid, threads, cl = fill_tiling(num_rows, num_cols // 4, tiling)
         words = array_views(kind, (num_rows, num_cols))[0]
-        step = Step(aux_loss_bwd_quad_kernel(tokens_per_expert.kind, kind, *flag), grid, threads, 0,
+        shared = 0
+        if has_mask and staged_fill(kind):  # the rows' staged flags, at most mask_stage_bytes a block:
+            # more blocks where T needs it
+            while staged_flag_bytes(num_rows, grid, threads // cl) > max(tiling.mask_stage_bytes, threads // cl):
+                grid *= 2
+            shared = staged_flag_bytes(num_rows, grid, threads // cl)
+        step = Step(aux_loss_bwd_quad_kernel(tokens_per_expert.kind, kind, *flag), grid, threads, shared,
                       (In(0, spec_of((1,), F32)), In(1), In(2, spec_of((1,), kind)),
                        Out(0, words), num_rows, num_cols, *mask, cl))
         return Plan(OP + "_bwd", ins, outs, (), (step,))

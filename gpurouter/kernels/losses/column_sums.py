@@ -34,9 +34,9 @@ import functools
 import numpy as np
 from numba import cuda
 
-from .._base.access import flat_io, loader_2d
+from .._base.access import f16_quad_loader, flat_io, loader_2d
 from .._base.device import ZERO
-from .._base.launch import BF16, F32
+from .._base.launch import BF16, F16, F32
 from .._base.vec import quad_f32
 from .mask_bits import all_ones_if, keep_if
 
@@ -130,9 +130,9 @@ def lane_quad_sum(has_mask: bool = False, kind: str = F32):
     sums of quad ``cq`` of ``src`` (flat, ``eq`` quads a row: fp32 elements, or bf16 as
     uint64 words, ``access.array_views``) over ``r0 <= r < r1`` with ``r = r0 + rl (mod
     nrl)`` (and, ``has_mask``, ``mask[r]``): a load a quad (fp32: 16 bytes, ``_vec.quad_f32``;
-    bf16: 8), 4 rows in flight, then a pairwise tree of the 4 row accumulators, in a
+    bf16 and fp16: 8, ``access.quad_words``), 4 rows in flight, then a pairwise tree of the 4 row accumulators, in a
     fixed order."""
-    raw4 = flat_io(kind)[0] if kind == BF16 else quad_f32()[0]
+    raw4 = flat_io(kind)[0] if kind == BF16 else f16_quad_loader() if kind == F16 else quad_f32()[0]
 
     if has_mask:
 

@@ -21,21 +21,28 @@ class AuxLossTiling:
       kernel: threads per block (at most the kernel's compiled ``aux_loss._RED_WORDS``),
       blocks at most, rows per block at least;
     - ``fill_threads``, ``fill_blocks``: the backward's fill: threads per block, blocks at
-      most (528: 4 blocks on each of 132 SMs; better than other grids and the driver's memset).
-
-    The masked kernels stage no mask: the forward loads each row's mask byte with its values, the
-    backward's fill each row's flag 8 rows ahead of its store."""
+      most (528: 4 blocks on each of 132 SMs; better than other grids and the driver's memset);
+    - ``mask_stage_bytes``: the masked backward's bf16 and fp32 fill first stages a byte for each
+      row it writes in shared memory (``aux_loss_bwd.staged_flag_bytes``): where that is over this
+      many bytes (T over ~8.6 million at 528 blocks) its grid doubles until it is not (a block a row
+      lane's row at the least).  The fp16 fill loads each row's flag three trips of 8 rows ahead of
+      its store (``aux_loss_bwd.staged_fill``); the masked forward stages nothing: each row's mask
+      byte is loaded with its values."""
 
     column_threads: int = 512
     column_blocks: int = 256
     column_min_rows: int = 64
     fill_threads: int = 128
     fill_blocks: int = 528
+    mask_stage_bytes: int = 16384
 
     def __post_init__(self):
         if not 32 <= self.column_threads <= AuxLossTiling.column_threads:  # the kernel's compiled shared array
             raise ValueError(f"AuxLossTiling: column_threads must be in [32, {AuxLossTiling.column_threads}], "
                              f"got {self.column_threads}.")
+        if self.mask_stage_bytes < 0:
+            raise ValueError(f"AuxLossTiling: mask_stage_bytes must be >= 0, "
+                             f"got {self.mask_stage_bytes}.")
 
 
 #: the library's aux-loss tiling

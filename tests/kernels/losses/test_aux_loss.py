@@ -128,3 +128,21 @@ def test_empty_rows():
     loss, _ = K.moe_aux_loss_fwd(probs, tpe, 1, 1.0, total_num_tokens=5)
     assert loss == 0.0
     assert K.moe_aux_loss_bwd(np.float32(0.5), tpe, 1.0, 0).shape == (0, 4)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_fwd_fp16_quads_subnormal_probs(masked):
+    """fp16 probs with C % 4 == 0 are summed as uint64 quad words
+    (``access.f16_quad_load4``): subnormal probs (2^-24 .. 2^-15) count at their
+    value, not as zero, against a float64 oracle; masked, the mask's rows alone."""
+    rng = np.random.default_rng(3)
+    T, C, topk = 6, 8, 2
+    probs = (rng.integers(1, 1024, (T, C)) * 2.0 ** -24).astype(np.float16)
+    assert np.all(np.abs(probs) < np.finfo(np.float16).smallest_normal)
+    tpe = rng.integers(500, 1000, C).astype(np.int32)
+    mask = np.array([True, False, True, True, False, True]) if masked else np.ones(T, bool)
+    n = int(mask.sum())
+    loss, _ = K.moe_aux_loss_fwd(probs, tpe, topk, 1.0, token_mask=mask if masked else None)
+    want = C * 1.0 / topk / n / n * (probs[mask].astype(np.float64) * tpe).sum()
+    assert loss.dtype == np.float16 and want > 1e-3
+    np.testing.assert_allclose(np.float64(loss), want, rtol=1e-3)

@@ -25,22 +25,31 @@ def test_bwd_grid_strided_rows():
     np.testing.assert_array_equal(gp, want)
 
 
-@pytest.mark.parametrize("dtype,R", [(np.float32, 37), ("bfloat16", 37), ("bfloat16", 299), ("bfloat16", 32),
-                                     (np.float16, 30), ("bfloat16", 5)])
+@pytest.mark.parametrize("dtype,R", [(np.float32, 37), ("bfloat16", 37), ("bfloat16", 299), (np.float16, 37),
+                                     (np.float16, 299), (np.float16, 32), (np.float16, 30), (np.float16, 5)])
 def test_bwd_masked_quads_eight_rows_a_trip(dtype, R):
-    """The masked quad fill: each thread writes 8 rows a trip, the next trip's 8
-    flags loaded before this trip's stores, then the last trip's rows (fewer than
-    8). One row lane of one warp a block, 2 blocks, so a lane writes rows 2 apart:
-    R = 37: 18-19 rows (2 trips, a tail of 2-3); 299: 149-150 (18 trips, 5-6);
-    32: 16 (2 trips, no tail); 30: 15 (1 trip, a tail of 7); 5: 2-3 (a tail only).
-    The valid rows the unmasked kernel's bits, the masked ones +0.0 (all bits zero)."""
+    """The masked quad fill, 8 rows a trip. One row lane of one warp a block, 2 blocks,
+    so a lane writes rows 2 apart: R = 37: 18-19 rows (2 trips, a tail of 2-3); 299:
+    149-150 (18 trips, 5-6); 32: 16 (2 trips, no tail); 30: 15 (1 trip, a tail of 7); 5:
+    2-3 (a tail only). bf16 and fp32 stage the block's flags in shared memory first
+    (trips of four loads a thread, the last trip partial; R = 299: 150 bytes a lane,
+    staged in two trips, 128 + 22), then read 8 shared flags a trip; fp16 loads each
+    trip's 8 flags three trips ahead of its stores (``staged_fill``). The valid rows the
+    unmasked kernel's bits, the masked ones +0.0 (all bits zero)."""
     import ml_dtypes
 
     dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    from gpurouter.kernels._base.plan import spec_for
+    from gpurouter.kernels.losses.aux_loss_bwd import staged_fill, staged_flag_bytes
     from gpurouter.kernels.losses.tiling import fill_tiling
 
     tiling = K.AuxLossTiling(fill_blocks=2, fill_threads=32)
     assert fill_tiling(R, 3, tiling) == (2, 32, 32)
+    assert staged_flag_bytes(R, 2, 1) == -(-R // 2)
+    g_spec = spec_for((), dtype)
+    assert staged_fill(g_spec.kind) == (np.dtype(dtype) != np.float16)
+    step = K.moe_aux_loss_bwd_plan(spec_for((12,), np.int32), g_spec, R, tiling, True).steps[0]
+    assert step.shared == (-(-R // 2) if staged_fill(g_spec.kind) else 0)
     tpe = np.arange(12, dtype=np.int32) + 1
     mask = np.random.default_rng(5).random(R) >= 0.4
     g = np.asarray(2.0, dtype)
@@ -56,7 +65,7 @@ def test_bwd_masked_quads_eight_rows_a_trip(dtype, R):
 def test_bwd_masked_rows_get_zero(C):
     """``has_mask`` builds: the valid rows the unmasked kernel's values, bit for
     bit, the masked rows 0; several blocks (and rows a lane) either way; the
-    quads with 4 row lanes a block (each lane its own rows' flags)."""
+    quads with 4 row lanes a block (each lane's flags staged at its own offset)."""
     from gpurouter.kernels._base.plan import spec_for
     from gpurouter.kernels.losses import aux_loss_bwd as B
 
@@ -71,7 +80,13 @@ def test_bwd_masked_rows_get_zero(C):
     plan = K.moe_aux_loss_bwd_plan(tpe_spec, g_spec, 37, tiling, True)
     factory = B.aux_loss_bwd_quad_kernel if C % 4 == 0 else B.aux_loss_bwd_kernel
     assert plan.steps[0].kernel is factory(tpe_spec.kind, g_spec.kind, True)
-    if C % 4 == 0:  # 4 row lanes of 32 quad lanes, 2 blocks, no shared memory (no staged flags)
-        assert (plan.steps[0].grid, plan.steps[0].block, plan.steps[0].shared) == (2, 128, 0)
+    if C % 4 == 0:  # 4 row lanes of 32 quad lanes, 2 blocks: 5 staged flags a lane
+        assert plan.steps[0].block == 128 and plan.steps[0].shared == B.staged_flag_bytes(37, 2, 4) == 20
+        # a block's flags over mask_stage_bytes: more blocks (8 here: 2 flags a lane), the same values
+        small = K.AuxLossTiling(fill_blocks=2, mask_stage_bytes=8)
+        step = K.moe_aux_loss_bwd_plan(tpe_spec, g_spec, 37, small, True).steps[0]
+        assert (step.grid, step.shared) == (8, B.staged_flag_bytes(37, 8, 4)) and step.shared <= 8
+        gp8 = K.moe_aux_loss_bwd(np.float32(0.25), tpe, np.float32(2.0), 37, token_mask=mask, tiling=small)
+        np.testing.assert_array_equal(gp8, gp)
     assert K.moe_aux_loss_bwd_plan(tpe_spec, g_spec, 37, tiling).steps[0].kernel is factory(tpe_spec.kind,
                                                                                             g_spec.kind)
