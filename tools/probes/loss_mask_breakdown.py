@@ -17,8 +17,10 @@ For each E (``[T, E]`` of ``--dtype``, bf16 by default, every 10th token masked,
   not what is timed, the median of ``--repeats`` after a warm-up, the big
   input rotated over three sets (more bytes than L2 holds);
 - the jitted ops (``backend="numba"``), forward and ``value_and_grad``,
-  without and with the mask: the median microseconds per op of one jitted
-  call over ``--batch`` inputs (the dispatch paid once for all of them).
+  without and with the mask: the median wall microseconds per op of one jitted
+  call over ``--batch`` inputs (the dispatch paid once for all of them), and
+  the GPU microseconds per op, its kernels summed on a ``jax.profiler`` trace
+  (``op_rows``: the wall figure's ratio is noise-bound, the GPU time's is not).
 
 The plans' kernels are compiled first, all at once in worker processes
 (``_base.parallel.precompile``; a cold cache pays the slowest compile, not the
@@ -203,8 +205,29 @@ def kernel_rows(tokens, experts, repeats, rng, tiling=None, aux_only=False, kind
     return out
 
 
+def gpu_us(f, xs, repeats):
+    """The GPU time of ``repeats`` calls ``f(xs)``: every kernel's duration on the trace's
+    GPU plane (``jax.profiler``; ``block_profile.gpu_events``) summed, per call."""
+    import tempfile
+
+    import jax
+    from block_profile import gpu_events  # tools/probes/, this script's folder
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(repeats):
+                out = f(xs)
+            jax.block_until_ready(out)
+        totals, _ = gpu_events(d)
+    return sum(totals.values()) / 1e3 / repeats
+
+
 def op_rows(tokens, experts, repeats, batch, dtype="bfloat16"):
-    """``[(op, variant, us per op)]``: the jitted ops, forward and value_and_grad, masked or not."""
+    """``[(op, variant, wall us per op, GPU us per op)]``: the jitted ops, forward and
+    value_and_grad, masked or not.  Wall: the median of ``repeats`` jitted calls over
+    ``batch`` inputs, host dispatch included (noisy: 0.83-1.40 masked / unmasked between
+    runs of one commit on an H200, 2026-11-29); GPU: their kernels' time on the profiler's
+    trace (``gpu_us``), what the op costs the device."""
     import jax
     import jax.numpy as jnp
 
@@ -237,7 +260,8 @@ def op_rows(tokens, experts, repeats, batch, dtype="bfloat16"):
                     jax.block_until_ready(f(xs))
                     times.append(time.perf_counter() - t0)
                 label = f"{op} {'value_and_grad' if grad else 'fwd'}"
-                out.append((label, "masked" if masked else "unmasked", statistics.median(times) / batch * 1e6))
+                out.append((label, "masked" if masked else "unmasked", statistics.median(times) / batch * 1e6,
+                             gpu_us(f, xs, repeats) / batch))
     return out
 
 
@@ -282,15 +306,17 @@ def main(argv=None):
                                              ok=bool(ratio <= TARGET)))
         if not args.no_ops and tiling is None:
             base = {}
-            for label, variant, us in op_rows(args.tokens, e, args.repeats, args.batch, jnp_dtype):
+            for label, variant, us, gus in op_rows(args.tokens, e, args.repeats, args.batch, jnp_dtype):
                 if variant == "unmasked":
-                    base[label] = us
-                ratio = us / base[label]
-                print(f"op {label:22s} {variant:9s} {us:9.2f} us/op  ratio {ratio:5.2f}", flush=True)
-                report["ops"].append(dict(experts=e, op=label, variant=variant, us=us, ratio=ratio))
-                if variant != "unmasked":
-                    report["ratios"].append(dict(experts=e, what=f"op {label}", ratio=ratio,
-                                                 ok=bool(ratio <= TARGET)))
+                    base[label] = (us, gus)
+                ratio, gratio = us / base[label][0], gus / base[label][1]
+                print(f"op {label:22s} {variant:9s} wall {us:9.2f} us/op  ratio {ratio:5.2f}   "
+                      f"GPU {gus:8.2f} us/op  ratio {gratio:5.2f}", flush=True)
+                report["ops"].append(dict(experts=e, op=label, variant=variant, us=us, ratio=ratio, gpu_us=gus,
+                                          gpu_ratio=gratio))
+                if variant != "unmasked":  # the target is judged on the GPU time (the wall's noise: op_rows)
+                    report["ratios"].append(dict(experts=e, what=f"op {label} (GPU time)", ratio=gratio,
+                                                 ok=bool(gratio <= TARGET)))
     bad = [r for r in report["ratios"] if not r["ok"]]
     print(f"# {len(report['ratios']) - len(bad)} of {len(report['ratios'])} masked/unmasked ratios <= {TARGET} "
           f"({time.perf_counter() - t0:.1f} s)")

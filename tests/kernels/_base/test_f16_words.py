@@ -57,22 +57,23 @@ def test_quad_load_order_and_specials():
     L.launch(_load_quads, 1, 32, 0, 0, cuda.to_device(x.reshape(-1).view(np.uint64)), out)
     got = out.copy_to_host().view(np.uint32)
     want = x.reshape(-1).astype(np.float32).view(np.uint32)
-    nan = np.isnan(x.reshape(-1))  # a NaN of the same sign (the GPU's cvt need not keep its payload)
+    nan = np.isnan(x.reshape(-1))  # a NaN (the GPU's cvt gives its canonical NaN)
     np.testing.assert_array_equal(got[~nan], want[~nan])
-    assert np.isnan(got[nan].view(np.float32)).all() and (got[nan] >> 31 == want[nan] >> 31).all()
+    assert np.isnan(got[nan].view(np.float32)).all()
 
 
 @pytest.mark.skipif(L.simulator_enabled(), reason="16,384 threads take minutes on the CUDA simulator; "
                     "test_every_word_in_python checks its conversion there")
 def test_every_word_through_the_quad_loader_on_the_gpu():
     """The GPU's loader (``cvt.f32.f16``) on every fp16 word, bit for bit but for
-    NaN payloads (a NaN stays a NaN of the same sign)."""
+    the NaNs, which stay NaNs (the H200 gives its canonical NaN, sign and payload
+    dropped)."""
     d_out = cuda.to_device(np.zeros(WORDS.size, np.float32))
     L.launch(_load_quads, WORDS.size // 4 // 128, 128, 0, 0, cuda.to_device(WORDS.astype(np.uint16).view(np.uint64)),
              d_out)
     out = d_out.copy_to_host()
     got = out.view(np.uint32)
     nan = np.isnan(WANT.view(np.float32))
-    assert np.isnan(out[nan]).all() and (got[nan] >> 31 == WANT[nan] >> 31).all()
+    assert np.isnan(out[nan]).all()
     bad = np.nonzero((got != WANT) & ~nan)[0]
     assert bad.size == 0, f"words {bad[:8]}: {got[bad[:8]]} != {WANT[bad[:8]]}"
