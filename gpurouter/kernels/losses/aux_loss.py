@@ -26,7 +26,7 @@ from numba import float32 as nb_f32  # array declarations take numba types
 
 from ..._host import aux_loss_coeff
 from .._base.access import array_views, loader_1d, quad_words, storer_1d
-from .._base.device import ZERO, u64
+from .._base.device import ZERO
 from .._base.launch import BF16, F16, F32, any_on_device, device_input, kernel_jit, resolve_stream, scalar_input
 from .._base.plan import Counter, In, Out, Plan, Spec, Step, Tmp, execute, spec_for, spec_of
 from .aux_loss_bwd import aux_loss_bwd_kernel, aux_loss_bwd_quad_kernel, staged_fill, staged_flag_bytes
@@ -97,7 +97,7 @@ def aux_loss_fwd_kernel(kind: str, tpe_kind: str, out_kind: str, quads: bool = F
         if count_valid:  # the block's valid rows, their loads before the sums' (in flight with them)
             r = r0 + tid
             while r < r1:
-                if mask[u64(r)]:  # unsigned: numba wraps a signed index
+                if mask[r]:
                     k += np.float32(1)
                 r += nthreads
         if quads:

@@ -35,7 +35,7 @@ import numpy as np
 from numba import cuda
 
 from .._base.access import f16_quad_loader, flat_io, loader_2d
-from .._base.device import ZERO, u64
+from .._base.device import ZERO
 from .._base.launch import BF16, F16, F32
 from .._base.vec import quad_f32
 from .mask_bits import all_ones_if, keep_if
@@ -54,7 +54,7 @@ def lane_column_sum(kind: str, has_mask: bool = False):
         @cuda.jit(device=True)
         def load(src, r, c, mask):
             # a select on the value's bits, no branch: the load is issued whatever the mask
-            return keep_if(raw(src, r, c), all_ones_if(np.uint32(mask[u64(r)] != 0)))
+            return keep_if(raw(src, r, c), all_ones_if(np.uint32(mask[r] != 0)))
 
     else:
 
@@ -139,7 +139,7 @@ def lane_quad_sum(has_mask: bool = False, kind: str = F32):
         @cuda.jit(device=True)
         def load4(src, r, eq, cq, mask):
             x0, x1, x2, x3 = raw4(src, np.int64(r) * eq + cq)
-            m = all_ones_if(np.uint32(mask[u64(r)] != 0))  # unsigned: numba wraps a signed index
+            m = all_ones_if(np.uint32(mask[r] != 0))
             return keep_if(x0, m), keep_if(x1, m), keep_if(x2, m), keep_if(x3, m)
 
     else:
