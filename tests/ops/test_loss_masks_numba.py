@@ -40,7 +40,7 @@ def _jaxpr_text(fn, *args):
     return str(jax.make_jaxpr(fn)(*args))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_masked_losses_match_the_jax_backend(dtype):
     p, x = _inputs(dtype)
     mask = jnp.asarray(MASK)
@@ -166,13 +166,14 @@ def test_mask_under_axis_name_and_sharding_uses_the_global_valid_count():
 
 
 @pytest.mark.gpu
-def test_masked_losses_at_the_issue_shape_on_the_gpu():
-    """T = 65536, E = 384, bf16, every 10th token masked (the probe's mask): the
-    numba kernels against the jax backend, forward and gradient (GPU only)."""
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_masked_losses_at_the_issue_shape_on_the_gpu(dtype):
+    """T = 65536, E = 384, bf16 and fp16, every 10th token masked (the probe's
+    mask): the numba kernels against the jax backend, forward and gradient (GPU only)."""
     rng = np.random.default_rng(7)
     T, E = 65536, 384
-    p = jnp.asarray(rng.random((T, E)).astype(np.float32), jnp.bfloat16)
-    x = jnp.asarray((rng.normal(size=(T, E)) * 3).astype(np.float32), jnp.bfloat16)
+    p = jnp.asarray(rng.random((T, E)).astype(np.float32), dtype)
+    x = jnp.asarray((rng.normal(size=(T, E)) * 3).astype(np.float32), dtype)
     tpe = jnp.asarray(rng.integers(0, 2048, E), jnp.int32)
     mask = jnp.asarray(np.arange(T) % 10 != 0)
 
@@ -195,4 +196,4 @@ def test_masked_losses_at_the_issue_shape_on_the_gpu():
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         assert not g[~m].any()
         np.testing.assert_allclose(g[m], w[m], rtol=2e-2, atol=1e-6)
-    print("masked losses at T=65536 E=384: numba == jax (PASS)")
+    print(f"masked losses at T=65536 E=384 {jnp.dtype(dtype).name}: numba == jax (PASS)")

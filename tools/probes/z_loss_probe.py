@@ -116,7 +116,7 @@ def run(tokens, experts, dtype, repeats, peak, label="", data=None, tiling=Z.Z_L
     fbytes = tokens * experts * size + tokens * 8  # the saved (m, log2 s) pairs
     bbytes = 2 * tokens * experts * size + tokens * 8
     ffloor, bfloor = fbytes / (peak * 1e12) * 1e6, bbytes / (peak * 1e12) * 1e6
-    vec = None if kind == L.F16 else Z.z_loss_vec_tiling(tokens, experts, size, False, tiling)
+    vec = Z.z_loss_vec_tiling(tokens, experts, size, False, tiling)
     knobs = dict(vec_fwd=tiling.vec_fwd, vec_bwd=tiling.vec_bwd, vec=bool(vec), final_threads=tiling.final_threads) \
         if vec else dict(hold=tiling.hold, threads=tiling.threads, bwd_hold=tiling.bwd_hold,
                          bwd_threads=tiling.bwd_threads)

@@ -145,7 +145,7 @@ def f16_bits_to_f32(h):
     """The fp16 word ``h`` (a uint32 < 2^16) as fp32, exactly: zeros, subnormals,
     inf and NaN too (NaN payloads kept).  Integer operations and, for a
     subnormal only, one fp32 subtraction of two normal numbers, so the result
-    is the same with or without flush-to-zero.  ``f16_quad_loader``'s simulator
+    is the same with or without flush-to-zero.  ``f16_pair_ops``' simulator
     path (a GPU converts with ``cvt.f32.f16``: fewer instructions)."""
     u = np.uint32(np.uint32(h & np.uint32(0x7FFF)) << np.uint32(13))  # exponent and mantissa, fp32-placed
     e = np.uint32(u & _F16_EXP)
@@ -158,39 +158,63 @@ def f16_bits_to_f32(h):
 
 
 @cuda.jit(device=True)
-def _f16_quad_load4_bits(a, w):
-    x = a[u64(w)]
-    lo = np.uint32(x)
-    hi = np.uint32(x >> np.uint64(32))
-    return (f16_bits_to_f32(lo & np.uint32(0xFFFF)), f16_bits_to_f32(lo >> np.uint32(16)),
-            f16_bits_to_f32(hi & np.uint32(0xFFFF)), f16_bits_to_f32(hi >> np.uint32(16)))
+def _f16_halves_bits(w):
+    return f16_bits_to_f32(w & np.uint32(0xFFFF)), f16_bits_to_f32(w >> np.uint32(16))
+
+
+@cuda.jit(device=True)
+def _f16_pair_bits(lo, hi):
+    return np.uint32(np.uint32(np.float16(lo).view(np.uint16))
+                     | np.uint32(np.uint32(np.float16(hi).view(np.uint16)) << np.uint32(16)))
+
+
+@functools.cache
+def f16_pair_ops():
+    """``(halves(w) -> 2 x fp32, pack(lo, hi) -> uint32)`` on a uint32 word of two
+    fp16 (the low half first): ``halves`` exact, ``pack`` rounding to nearest
+    even.  On a GPU inline PTX, ``cvt.f32.f16`` on each half and one
+    ``cvt.rn.f16x2.f32`` (numba cannot reinterpret a uint16 as fp16 itself; a
+    NaN comes out as the hardware's canonical NaN); on the simulator
+    ``f16_bits_to_f32`` and NumPy's conversion."""
+    if simulator_enabled():
+        return _f16_halves_bits, _f16_pair_bits
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    f32, i32 = ir.FloatType(), ir.IntType(32)
+
+    @intrinsic
+    def halves(typingctx, word):
+        sig = types.UniTuple(types.float32, 2)(word)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.LiteralStructType([f32, f32]), [i32])
+            text = "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }"
+            w = context.cast(builder, args[0], sig.args[0], types.uint32)
+            res = builder.call(ir.InlineAsm(fnty, text, "=f,=f,r"), [w])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(2)])
+
+        return sig, codegen
+
+    @intrinsic
+    def pack(typingctx, lo, hi):
+        def codegen(context, builder, sig, args):
+            x, y = (context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args, strict=True))
+            fnty = ir.FunctionType(i32, [f32, f32])  # cvt.rn.f16x2.f32 d, a, b puts a in d's upper half
+            return builder.call(ir.InlineAsm(fnty, "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f"), [y, x])
+
+        return types.uint32(lo, hi), codegen
+
+    return halves, pack
 
 
 @functools.cache
 def f16_quad_loader():
     """``load4(a, w) -> 4 x fp32``: quad ``w`` of a flat fp16 array seen as uint64 words
-    (``quad_words``), one 8-byte load, the lowest half first.  On a GPU each half is
-    converted by PTX's ``cvt.f32.f16`` (exact; numba cannot reinterpret a uint16 as
-    fp16 itself), inline; on the simulator by ``f16_bits_to_f32``."""
-    if simulator_enabled():
-        return _f16_quad_load4_bits
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def halves(typingctx, word):
-        """The two fp16 halves of a uint32 as fp32 (low half first)."""
-        sig = types.UniTuple(types.float32, 2)(word)
-
-        def codegen(context, builder, sig, args):
-            f32, i32 = ir.FloatType(), ir.IntType(32)
-            fnty = ir.FunctionType(ir.LiteralStructType([f32, f32]), [i32])
-            text = "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }"
-            res = builder.call(ir.InlineAsm(fnty, text, "=f,=f,r"), [args[0]])
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(2)])
-
-        return sig, codegen
+    (``quad_words``), one 8-byte load, the lowest half first, each word's halves
+    converted by ``f16_pair_ops``' ``halves``."""
+    halves = f16_pair_ops()[0]
 
     @cuda.jit(device=True)
     def load4(a, w):

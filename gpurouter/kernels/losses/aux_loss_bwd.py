@@ -233,7 +233,7 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
         flags loaded three trips ahead of its stores (24 rows: software pipelining, so that a
         flag's load is in flight while the three trips before it store; the first three trips'
         flags share one trip to memory with the quad's values).  Every lane of a warp reads the
-        same flag (a broadcast).  The fp16 fill's (``staged`` False)."""
+        same flag (a broadcast).  The fp16 fill's (``staged_fill`` False)."""
         last = np.int64(num_rows) - 1
         st = np.int64(step)
         r = np.int64(first)

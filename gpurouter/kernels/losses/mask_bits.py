@@ -48,13 +48,14 @@ def keep_if(v, m):
 @functools.cache
 def opaque_byte_loader():
     """``load(mask, i) -> uint8``: byte ``i`` of a 1-d bool / uint8 device array,
-    loaded by inline PTX (``ld.global.u8``), which LLVM sees as an opaque call.
+    loaded by volatile inline PTX (``ld.global.u8``), which LLVM sees as an opaque call.
 
     Why: a loop that loads the next trip's flags before this trip's stores
     carries the loaded values in a phi, and LLVM's InstCombine folds a phi of
     loads into one load of a phi of addresses, placed where the values are
     used: the prefetch is undone and every trip waits on its loads (seen in
-    the masked aux backward's PTX, 2026-11-29).  A call is not folded.  The
+    the masked aux backward's PTX, 2026-11-29).  A volatile asm call is neither
+    folded nor moved (a pure one was moved to its use the same way).  The
     simulator (no PTX): the plain read."""
     if simulator_enabled():
 

@@ -6,18 +6,20 @@ denormal handling around ``ex2``):
 
 - ``exp2_ftz(a)``: ``ex2.approx.ftz.f32``, one MUFU.EX2 (libdevice's exp2f adds
   a compare and two multiplies to keep results below 2^-126; a sum of terms
-  whose largest is 1, or a gradient later rounded to bf16, loses nothing
+  whose largest is 1, or a gradient later rounded to bf16 or fp16, loses nothing
   that matters: such terms flush to 0);
-- ``max_bf16x2(a, b)``: the max of two pairs of bf16 (fmaxf's NaN rule: a NaN
-  loses to a number), a row's max in half the instructions, no unpacking;
-- ``pack_bf16x2(lo, hi)``: two fp32 to a word of two bf16, round to nearest
-  even (``cvt.rn.bf16x2.f32``; a NaN stays a NaN, its payload the hardware's).
+- ``max2(a, b)``: the max of two pairs of bf16 or fp16 (``max.bf16x2`` /
+  ``max.f16x2``, fmaxf's NaN rule: a NaN loses to a number), a row's max in
+  half the instructions, no unpacking;
+- ``pack2(lo, hi)``: two fp32 to a word of two bf16 or fp16, round to nearest
+  even (``cvt.rn.bf16x2.f32`` / ``cvt.rn.f16x2.f32``; a NaN stays a NaN, its
+  payload the hardware's);
 - ``log2_approx(a)``: ``lg2.approx.ftz.f32``, one MUFU.LG2 (libdevice's log2f
   is about 30 instructions, once a row group; a row's sum of terms is >= 1
   or NaN here, where the approximation is within 2^-22 of log2).
 
-On the simulator each is Python (``exp2_f32``; ``max_bf16x2`` is not used
-there; ``bf16_bits``), the vector accesses four word accesses.
+On the simulator each is Python (``exp2_f32``; ``max2`` is not used there;
+``bf16_bits``, ``access.f16_pair_ops``), the vector accesses four word accesses.
 
 ``keep_loader(has_mask)``: ``load_keep(keep, r)``, row r's mask byte as a bool
 (``has_mask``; the kernels load it with the row's data, not after the row's
@@ -46,9 +48,9 @@ import numpy as np
 from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
 
-from .._base.access import bf16_bits
+from .._base.access import bf16_bits, f16_pair_ops
 from .._base.device import fmax_f32, u64
-from .._base.launch import simulator_enabled
+from .._base.launch import BF16, F16, simulator_enabled
 from .logsumexp import exp2_f32
 
 
@@ -159,16 +161,19 @@ def _pack_bf16x2_words(lo, hi):
 
 
 @functools.cache
-def single_ops():
-    """``(exp2_ftz(a) -> f32, max_bf16x2(a, b) -> u32, pack_bf16x2(lo, hi) -> u32)``
-    (see the module docstring); on the simulator ``(exp2_f32, None, bf16_bits pair)``."""
+def single_ops(kind: str = BF16):
+    """``(exp2_ftz(a) -> f32, max2(a, b) -> u32, pack2(lo, hi) -> u32)`` (see the
+    module docstring), ``max2`` and ``pack2`` on words of two ``kind`` (bf16 or
+    fp16: ``max.bf16x2`` / ``max.f16x2``, ``cvt.rn.bf16x2.f32`` /
+    ``cvt.rn.f16x2.f32``); on the simulator ``(exp2_f32, None, the pair's bits)``."""
     if simulator_enabled():
-        return exp2_f32, None, _pack_bf16x2_words
+        return exp2_f32, None, (f16_pair_ops()[1] if kind == F16 else _pack_bf16x2_words)
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
 
     f32, i32 = ir.FloatType(), ir.IntType(32)
+    half2 = "f16x2" if kind == F16 else "bf16x2"
 
     def call(builder, text, constraints, ret, vals):
         fnty = ir.FunctionType(ret, [v.type for v in vals])
@@ -183,23 +188,23 @@ def single_ops():
         return types.float32(a), codegen
 
     @intrinsic
-    def max_bf16x2(typingctx, a, b):
+    def max2(typingctx, a, b):
         def codegen(context, builder, sig, args):
             x, y = (context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args, strict=True))
-            return call(builder, "max.bf16x2 $0, $1, $2;", "=r,r,r", i32, [x, y])
+            return call(builder, f"max.{half2} $0, $1, $2;", "=r,r,r", i32, [x, y])
 
         return types.uint32(a, b), codegen
 
     @intrinsic
-    def pack_bf16x2(typingctx, lo, hi):
+    def pack2(typingctx, lo, hi):
         def codegen(context, builder, sig, args):
             x, y = (context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args, strict=True))
-            # cvt.rn.bf16x2.f32 d, a, b puts a in d's upper half
-            return call(builder, "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", i32, [y, x])
+            # cvt.rn.{b}f16x2.f32 d, a, b puts a in d's upper half
+            return call(builder, f"cvt.rn.{half2}.f32 $0, $1, $2;", "=r,f,f", i32, [y, x])
 
         return types.uint32(lo, hi), codegen
 
-    return exp2_ftz, max_bf16x2, pack_bf16x2
+    return exp2_ftz, max2, pack2
 
 
 @functools.cache

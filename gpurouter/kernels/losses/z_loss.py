@@ -6,7 +6,7 @@ nothing and gets no gradient; NaN for a row with a NaN) and
 token count under sharding; default T).  The reference is
 ``gpurouter.reference.router_z_loss``.
 
-Rows of whole 16-byte vectors (bf16 ``E % 8 == 0``, fp32 ``E % 4 == 0``, up to
+Rows of whole 16-byte vectors (bf16 and fp16 ``E % 8 == 0``, fp32 ``E % 4 == 0``, up to
 ``ZLossTiling.vec_max_hold`` vectors a lane) take the kernels of ``z_loss_vec.py``;
 the others these *unit* kernels (``tiling.z_loss_tiling``): a row's experts
 cut into units of four (a quad seen flat through ``_access.array_views`` when
@@ -44,7 +44,7 @@ import numpy as np
 from numba import cuda
 
 from .._base.access import array_views
-from .._base.launch import F16, F32, any_on_device, device_input, resolve_stream, scalar_input
+from .._base.launch import F32, any_on_device, device_input, resolve_stream, scalar_input
 from .._base.plan import Counter, In, Out, Plan, Ref, Spec, Step, Tmp, execute, spec_of
 from . import last_block as _z_loss_finish
 from .last_block import z_loss_final_counted_kernel, z_loss_final_kernel, z_loss_final_masked_kernel
@@ -161,7 +161,7 @@ def router_z_loss_fwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: in
         flag = (True, count_valid)
     n = Out(2, spec_of((1,), F32)) if count_valid else In(2, spec_of((1,), F32))
     counts = 0 if not count_valid else 1  # dynamic shared words: TB more with count_valid
-    vec = logits.kind != F16 and z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize, False, tiling)
+    vec = z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize, False, tiling)
     grid, threads, lanes, units, quads = z_loss_tiling(num_tokens, num_experts, tiling=tiling)
     steps = []
     if vec:  # one launch: the grid's last block sums the partials (a Counter tells it it is last)
@@ -258,7 +258,7 @@ def router_z_loss_bwd_plan(logits: Spec, coeff: np.float32, total_num_tokens: in
     # kernel takes coeff and does the same on the device
     scale = np.float32(coeff) if has_mask else np.float32(
         np.float32(np.float32(coeff) / np.float32(total_num_tokens)) * np.float32(2))
-    vec = logits.kind != F16 and z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize, True, tiling)
+    vec = z_loss_vec_tiling(num_tokens, num_experts, logits.dtype.itemsize, True, tiling)
     if vec:
         grid, threads, lanes, vecs, hold, iters = vec
         kern = z_loss_vec_bwd_kernel(logits.kind, hold, lanes, *tiling.vec_bwd[3:], *flag)

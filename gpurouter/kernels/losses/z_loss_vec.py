@@ -1,16 +1,16 @@
 """Router z-loss row kernels on 16-byte vectors: the forward's rows and the
-backward when a row is a whole number of 16-byte vectors (bf16 with
+backward when a row is a whole number of 16-byte vectors (bf16 and fp16 with
 ``E % 8 == 0``, fp32 with ``E % 4 == 0``; ``tiling.z_loss_vec_tiling``).
 ``z_loss.py`` picks these or its unit kernels, and holds the plans.
 
-Layout: the logits seen flat as uint32 words (bf16: two experts a word, fp32:
-one), a row as ``V`` vectors of four words.  W lanes (a compile-time
-constant) own a row, lane ``l`` holding vectors ``l, l + W, ...`` (``hold`` of
-them, all of the row: one step), so a warp's load is W * 16 contiguous bytes
-of each of its rows.  A block's TB = threads / W row slots walk ``iters``
-consecutive groups of TB rows; with ``prefetch`` the next group's loads are
-issued before the current one is used (the forward walks two groups a trip,
-its two buffers in turn).  The forward is compiled for rows of exactly
+Layout: the logits seen flat as uint32 words (bf16, fp16: two experts a word,
+fp32: one; fp16's halves converted by ``access.f16_pair_ops``), a row as ``V``
+vectors of four words.  W lanes (a compile-time constant) own a row, lane ``l``
+holding vectors ``l, l + W, ...`` (``hold`` of them, all of the row: one step),
+so a warp's load is W * 16 contiguous bytes of each of its rows.  A block's
+TB = threads / W row slots walk ``iters`` consecutive groups of TB rows; with
+``prefetch`` the next group's loads are issued before the current one is used
+(the forward walks two groups a trip, its two buffers in turn).  The forward is compiled for rows of exactly
 ``W * hold`` vectors and for blocks of whole warps where the tiling gives
 them.  An element costs about five instructions (``z_io.py``; the unit
 kernels about 18: docs/kernels.md).
@@ -46,8 +46,9 @@ from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
 from numba import uint32 as nb_u32
 
+from .._base.access import f16_pair_ops
 from .._base.device import NEG_INF, ZERO, fmax_f32, u64
-from .._base.launch import BF16
+from .._base.launch import BF16, F16
 from .._base.plan import Spec
 from .last_block import finish_pieces
 from .logsumexp import LOG2E, backward_row, lse_of_saved, saved_pair, shift_of
@@ -69,12 +70,19 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool, exact: bool = Fal
     row is exactly ``W * hold`` vectors (``vecs`` is that constant: no clamp,
     no mask, the row's offset a shift)."""
     aligned, load_v, store_v = vector_io(hints)
-    exp2, max2, pack2 = single_ops()
-    pair = kind == BF16
+    exp2, max2, pack2 = single_ops(kind)
+    pair = kind in (BF16, F16)
     words = 4 * hold
     row_vecs = lanes * hold
     hi_mask = np.uint32(0xFFFF0000)
     shift = np.uint32(16)
+    if kind == F16:
+        split = f16_pair_ops()[0]
+    else:
+
+        @cuda.jit(device=True)
+        def split(w):  # bf16: the low half's expert is the top half of an fp32
+            return np.uint32(w << shift).view(np.float32), np.uint32(w & hi_mask).view(np.float32)
 
     @cuda.jit(device=True)
     def fetch(held, a, fast, row, lane, vecs):
@@ -97,14 +105,6 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool, exact: bool = Fal
             held[4 * h + 3] = w3
 
     @cuda.jit(device=True)
-    def lo(w):  # bf16: the low word's expert is the top half of an fp32
-        return np.uint32(w << shift).view(np.float32)
-
-    @cuda.jit(device=True)
-    def hi(w):
-        return np.uint32(w & hi_mask).view(np.float32)
-
-    @cuda.jit(device=True)
     def term(x, sh):  # exp(x - m) = 2^((x - m) log2 e) (the forward: sh = m, l2 = 0)
         return exp2(np.float32(np.float32(x - sh) * LOG2E))
 
@@ -119,7 +119,8 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool, exact: bool = Fal
             m2 = max2(max2(held[0], held[1]), max2(held[2], held[3]))
             for h in range(1, hold):
                 m2 = max2(m2, max2(max2(held[4 * h], held[4 * h + 1]), max2(held[4 * h + 2], held[4 * h + 3])))
-            return fmax_f32(lo(m2), hi(m2))
+            m_lo, m_hi = split(m2)
+            return fmax_f32(m_lo, m_hi)
 
     elif pair:
 
@@ -127,7 +128,8 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool, exact: bool = Fal
         def row_max(held):
             m = NEG_INF
             for i in range(words):
-                m = fmax_f32(fmax_f32(m, lo(held[i])), hi(held[i]))
+                v_lo, v_hi = split(held[i])
+                m = fmax_f32(fmax_f32(m, v_lo), v_hi)
             return m
 
     else:
@@ -143,11 +145,13 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool, exact: bool = Fal
 
         @cuda.jit(device=True)
         def word_sum(w, sh2):
-            return np.float32(term(lo(w), sh2) + term(hi(w), sh2))
+            v_lo, v_hi = split(w)
+            return np.float32(term(v_lo, sh2) + term(v_hi, sh2))
 
         @cuda.jit(device=True)
         def grad_word(w, a, sh, l2):
-            return pack2(np.float32(a * bterm(lo(w), sh, l2)), np.float32(a * bterm(hi(w), sh, l2)))
+            v_lo, v_hi = split(w)
+            return pack2(np.float32(a * bterm(v_lo, sh, l2)), np.float32(a * bterm(v_hi, sh, l2)))
 
     else:
 

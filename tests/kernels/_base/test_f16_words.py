@@ -1,7 +1,8 @@
 """fp16 as uint64 quad words (``_base/access.py``): ``f16_bits_to_f32`` on every
 one of the 65,536 fp16 words against NumPy's conversion, bit for bit, and the
 quad load the aux loss forward sums fp16 probs with (``f16_quad_loader``: on a GPU
-PTX's ``cvt.f32.f16``, on the simulator ``f16_bits_to_f32``)."""
+PTX's ``cvt.f32.f16``, on the simulator ``f16_bits_to_f32``), and the pair packing
+of the z-loss's fp16 gradient (``f16_pair_ops``: ``cvt.rn.f16x2.f32``)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,60 @@ def test_every_word_through_the_quad_loader_on_the_gpu():
     assert np.isnan(out[nan]).all()
     bad = np.nonzero((got != WANT) & ~nan)[0]
     assert bad.size == 0, f"words {bad[:8]}: {got[bad[:8]]} != {WANT[bad[:8]]}"
+
+
+_HALVES, _PACK = A.f16_pair_ops()
+
+
+@cuda.jit
+def _pack_pairs(vals, words, back):
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < words.shape[0]:
+        w = _PACK(vals[2 * i], vals[2 * i + 1])
+        words[i] = w
+        lo, hi = _HALVES(w)
+        back[2 * i] = lo
+        back[2 * i + 1] = hi
+
+
+def _check_pack(vals):
+    """``f16_pair_ops``: each pair of fp32 packed into a word (the first value in
+    the low half) equals NumPy's round-to-nearest-even fp16 bits (any NaN a NaN),
+    and ``halves`` gives the fp16 values back as fp32."""
+    vals = np.asarray(vals, np.float32)
+    n = vals.size // 2
+    d_words, d_back = cuda.to_device(np.zeros(n, np.uint32)), cuda.to_device(np.zeros(2 * n, np.float32))
+    L.launch(_pack_pairs, -(-n // 128), min(n, 128), 0, 0, cuda.to_device(vals), d_words, d_back)
+    got = d_words.copy_to_host().view(np.uint16)  # little-endian: each word's low half first
+    with np.errstate(over="ignore"):
+        want = vals.astype(np.float16)
+    nan = np.isnan(want)
+    assert np.isnan(got.view(np.float16)[nan]).all()
+    bad = np.nonzero((got != want.view(np.uint16)) & ~nan)[0]
+    assert bad.size == 0, f"values {vals[bad[:8]]}: {got[bad[:8]]} != {want.view(np.uint16)[bad[:8]]}"
+    back = d_back.copy_to_host()
+    np.testing.assert_array_equal(back[~nan], want[~nan].astype(np.float32))
+    assert np.isnan(back[nan]).all()
+
+
+def test_pair_pack_rounds_to_nearest_even():
+    """Ties both ways (1 + 2^-11 rounds down to 1, 1 + 3 * 2^-11 up), the
+    overflow edge (65519.99 stays 65504, 65520 is inf), subnormals and their
+    ties, +-0, +-inf and NaN; the first of a pair in the low half."""
+    ulp = 2.0 ** -10
+    vals = [1.0 + ulp / 2, 1.0 + 3 * ulp / 2, -(1.0 + ulp / 2), 65519.99, 65520.0, -65520.0,
+            2.0 ** -25, 3 * 2.0 ** -25, 2.0 ** -26, 1.5 * 2.0 ** -24, 0.0, -0.0, np.inf, -np.inf, np.nan, 0.1,
+            -7.3e-6, 1e-9, 3.14159, -2.5]
+    _check_pack(vals)
+
+
+@pytest.mark.skipif(L.simulator_enabled(), reason="2^20 values take minutes on the CUDA simulator; "
+                    "test_pair_pack_rounds_to_nearest_even checks the edges there")
+def test_pair_pack_on_random_bits_on_the_gpu():
+    """``cvt.rn.f16x2.f32`` against NumPy on 2^20 fp32 bit patterns whose exponents
+    span fp16's range and beyond (subnormal results, overflow to inf)."""
+    rng = np.random.default_rng(16)
+    exp = rng.integers(127 - 28, 127 + 17, 1 << 20, dtype=np.uint32) << np.uint32(23)
+    sign = rng.integers(0, 2, 1 << 20, dtype=np.uint32) << np.uint32(31)
+    bits = exp | rng.integers(0, 1 << 23, 1 << 20, dtype=np.uint32) | sign
+    _check_pack(bits.view(np.float32))

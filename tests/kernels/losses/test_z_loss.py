@@ -37,6 +37,7 @@ BF16 = ml_dtypes.bfloat16
     (np.float32, 0, 12, None),
     (BF16, 0, 3, 4),
     (BF16, 70, 24, 90),  # the vector kernels: 3 vectors a row
+    (np.float16, 9, 24, 11),  # fp16 on the vector kernels (since 2026-11-29)
 ])
 def test_fwd_bwd(dtype, T, E, total):
     _check(_logits(T, E, dtype, seed=T + E), total)
@@ -49,7 +50,7 @@ def test_empty_tokens():
     assert K.router_z_loss_bwd(x, lse, 1.0, 1.0).shape == (0, 12)
 
 
-@pytest.mark.parametrize("dtype,E", [(np.float32, 8), (BF16, 3), (np.float16, 12), (BF16, 16)])
+@pytest.mark.parametrize("dtype,E", [(np.float32, 8), (BF16, 3), (np.float16, 12), (BF16, 16), (np.float16, 16)])
 def test_special_rows(dtype, E):
     """An all -inf row (lse 0, no contribution, zero gradient), rows with some
     -inf, a single finite entry, and a NaN row (NaN lse, loss and gradient row)."""
@@ -125,7 +126,7 @@ def test_plans():
     assert fwd.outs == (_plan.Spec((), np.float32, L.F32), _plan.Spec((140,), np.float32, L.F32))  # (m, log2 s) pairs
     grid = z_loss_vec_tiling(70, 256, 2)[0]  # bf16 E = 256: the vector kernels
     assert fwd.tmps == (_plan.Spec((grid,), np.float32, L.F32),) and len(fwd.steps) == 1  # the finish inside
-    unit = K.router_z_loss_fwd_plan(_plan.spec_of((70, 256), L.F16), np.float32(COEFF), 100)
+    unit = K.router_z_loss_fwd_plan(_plan.spec_of((70, 260), L.F16), np.float32(COEFF), 100)  # 520 bytes a row
     assert len(unit.steps) == 2 and not _plan.plan_counters(unit)  # unit kernels: rows, then the final block
     bwd = K.router_z_loss_bwd_plan(spec, np.float32(COEFF), 100)
     assert bwd.ins == (spec, _plan.spec_of((140,), L.F32), _plan.spec_of((), L.F32))
@@ -179,7 +180,7 @@ def test_bad_input():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,T,E", [(BF16, 7168, 256), (np.float32, 2048, 128),
-                                       (np.float16, 1031, 130), (BF16, 333, 8192)])
+                                       (np.float16, 1031, 130), (BF16, 333, 8192), (np.float16, 7168, 256)])
 def test_gpu_pointer_launch(dtype, T, E):
     """The plans through ``_launch.PointerLaunch`` (the zero-copy transport's
     executor) at model shapes, against the reference and the numba executor;
@@ -248,6 +249,20 @@ def test_large_logits(dtype, E, scale):
     _check_large(_large_logits(5, E, dtype, scale, seed=E))
 
 
+@pytest.mark.parametrize("dtype,E", [(np.float16, 16), (np.float16, 12)])
+@pytest.mark.parametrize("scale", [1e3, 6e4])
+def test_large_fp16_logits(dtype, E, scale):
+    """W1 for fp16 (its largest finite logit is 65504), vector (E = 16) and unit
+    kernels, and fp16 subnormal logits: exp(x - lse) of a value near 0."""
+    _check_large(_large_logits(5, E, dtype, scale, seed=E))
+    x = np.zeros((3, E), np.float32)
+    x[0, 0] = 2.0 ** -24  # the smallest subnormal
+    x[1, : E // 2] = 1023 * 2.0 ** -24  # the largest
+    x[2, :] = -(2.0 ** -20)
+    loss, grad = _check_large(x.astype(dtype))
+    assert np.isfinite(loss) and np.isfinite(grad).all()
+
+
 @pytest.mark.parametrize("dtype,E", [(BF16, 16), (BF16, 12), (np.float32, 16)])
 def test_max_logits_give_inf_loss_and_finite_gradient(dtype, E):
     """Issue 40's W2: every logit the dtype's max (bf16 3.39e38): lse^2
@@ -269,6 +284,15 @@ def test_max_logits_give_inf_loss_and_finite_gradient(dtype, E):
 def test_gpu_large_logits(dtype, T, E, scale):
     """W1 at model shapes on the GPU (the vector kernels and the unit kernels)."""
     _check_large(_large_logits(T, E, dtype, scale, seed=T))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,E", [(4096, 256), (1031, 384), (1031, 130)])
+@pytest.mark.parametrize("scale", [1e2, 1e4, 6e4])
+def test_gpu_large_fp16_logits(T, E, scale):
+    """W1 for fp16 at model shapes (vector kernels at E = 256, 384; unit at 130),
+    up to near its largest finite logit, 65504."""
+    _check_large(_large_logits(T, E, np.float16, scale, seed=T))
 
 
 @pytest.mark.gpu

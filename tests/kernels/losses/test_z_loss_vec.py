@@ -52,7 +52,8 @@ def test_vec_tiling():
 
 def test_vec_plans_pick_the_vector_kernels():
     c = np.float32(0.01)
-    for kind, E, vector in ((L.BF16, 256, True), (L.F32, 12, True), (L.BF16, 12, False), (L.F16, 256, False)):
+    for kind, E, vector in ((L.BF16, 256, True), (L.F32, 12, True), (L.BF16, 12, False), (L.F16, 256, True),
+                           (L.F16, 12, False)):
         spec = _plan.spec_of((9, E), kind)
         fwd, bwd = K.router_z_loss_fwd_plan(spec, c, 9), K.router_z_loss_bwd_plan(spec, c, 9)
         names = (fwd.steps[0].kernel.py_func.__name__, bwd.steps[0].kernel.py_func.__name__)
@@ -85,6 +86,10 @@ def test_vec_plans_pick_the_vector_kernels():
     pytest.param(BF16, 45, 64, (32, 2, 2, False, True), (2, 32, 4, 8, 2, 3), marks=pytest.mark.gpu),
     # fp32 E=32: 8 vectors, exactly W=8 lanes of 1, two warps a block, 2 groups a block (even)
     (np.float32, 30, 32, (64, 1, 2, True), (2, 64, 8, 8, 1, 2)),
+    # fp16 as bf16's E=40 and E=64 cases: two halves a word (access.f16_pair_ops), the exact
+    # kernel with a full warp, a partial last group
+    (np.float16, 5, 40, (8, 2, 8, True), (3, 8, 4, 5, 2, 1)),
+    (np.float16, 45, 64, (32, 2, 2, False), (2, 32, 4, 8, 2, 3)),
 ])
 def test_vec_groups(dtype, T, E, knobs, want):
     tiling = vec_knobs(*knobs)
@@ -169,6 +174,7 @@ def test_vec_single_kernel_finish(T, E, knobs):
 
 def test_word_view():
     assert V.word_view(_plan.spec_of((3, 16), L.BF16)) == _plan.Spec((24,), np.uint32)
+    assert V.word_view(_plan.spec_of((3, 16), L.F16)) == _plan.Spec((24,), np.uint32)
     assert V.word_view(_plan.spec_of((3, 12), L.F32)) == _plan.Spec((36,), np.uint32)
 
 
