@@ -9,7 +9,7 @@
   defines a ``@cuda.jit`` kernel (not a device function) is tested by
   ``tests/kernels/test_<module>.py``.
 - The kernel layer (HOUSE_STYLE): no jax, no host<->device copies outside
-  ``_launch.py``, no warp intrinsics (``WARP_INTRINSICS`` lists the
+  ``_base/launch.py``, no warp intrinsics (``WARP_INTRINSICS`` lists the
   exceptions: GPU-only branches with a shared-memory twin on the simulator,
   each with the GPU test that runs them), ``_compat`` imported before
   numba.cuda.

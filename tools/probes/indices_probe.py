@@ -9,7 +9,7 @@ of the thread-per-token kernel (``TokenTiling.indices_way``; variants
 Cases (bf16 logits, BYTEMAP): DeepSeek-V3 (E=256, K=8, 8 groups / 4,
 sigmoid + fp32 bias, scaling 2.5), Qwen3 (E=128, K=8, softmax), Mixtral
 (E=8, K=2, softmax).  Each plan runs the way the zero-copy transport runs it
-(``_launch.PointerLaunch`` on raw pointers), inputs rotated over three sets;
+(``_base/pointer.PointerLaunch`` on raw pointers), inputs rotated over three sets;
 time: CUDA events around each launch, the launches queued behind a sleeping
 kernel, the median of ``--repeats``; the variants alternate, twice each.
 Checks: the plain call's outputs are the indices call's; the replay of the

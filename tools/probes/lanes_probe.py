@@ -31,7 +31,7 @@ CASES = preset_cases(("deepseek-v3", "qwen3", "kimi-k2"))  # name: (E, K, G, Kg,
 
 
 def cut_selector(cut: str):
-    """``_token_lanes.lane_selector`` with phases taken out (a timing probe: the
+    """``topk/token/chunk_lanes.lane_selector`` with phases taken out (a timing probe: the
     outputs are wrong): ``lists`` (only its barrier kept), ``merge``, ``masks``, ``token``
     (``keys`` and ``finish``: nothing selected), or ``all`` of them."""
     from gpurouter.kernels.topk.token import chunk_lanes as TL

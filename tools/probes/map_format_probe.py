@@ -7,7 +7,7 @@ Cases: DeepSeek-V3 (E=256, K=8, 8 groups / 4, sigmoid + fp32 bias, scaling
 2.5, bf16 logits: the thread-per-token forward and the quad backward) and
 Nemotron-like (E=512, K=22, sigmoid + bias, scaling 5, bf16: the W-lane
 forward).  Each plan runs the way the zero-copy transport runs it
-(``_launch.PointerLaunch`` on raw pointers of numba device arrays), inputs
+(``_base/pointer.PointerLaunch`` on raw pointers of numba device arrays), inputs
 rotated over three sets (more bytes than L2 holds).  Time: CUDA events around
 each launch, the launches queued behind a sleeping kernel (so the host's
 launch rate is not what is timed), the median of ``--repeats``.  The formats

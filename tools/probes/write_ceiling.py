@@ -3,7 +3,7 @@
 The aux-loss backward only writes (67 MB at DeepSeek-V3's T = 65536, E =
 256, fp32), so its floor is the write rate, not the copy rate.  Times, for
 the same 67 MB: the driver's ``cuMemsetD32Async``; grid-strided numba fill
-kernels with 16-byte stores (``kernels._vec``), plain and L2 evict-first,
+kernels with 16-byte stores (``kernels/_base/vec``), plain and L2 evict-first,
 over several grid and block sizes.  (gpurouter's aux-loss backward itself:
 ``python -m gpurouter bench --paths kernel --presets deepseek-v3``.)
 

@@ -4,7 +4,7 @@ their byte floors, checked against float64 NumPy at full size.
 ``python tools/probes/z_loss_probe.py [--tokens 65536] [--experts 256] [--dtype bf16]
 [--repeats 100] [--peak 4.0] [--sweep] [--json out.json]``
 
-Each plan runs the way the zero-copy transport runs it (``_launch.PointerLaunch``
+Each plan runs the way the zero-copy transport runs it (``_base/pointer.PointerLaunch``
 on raw pointers of numba device arrays), inputs rotated over three sets (more
 bytes than L2 holds).  Time: CUDA events around each launch, the launches
 queued behind a sleeping kernel (so the host's launch rate is not what is

@@ -133,6 +133,12 @@ def bf16_quad(v0, v1, v2, v3):
     return np.uint64(lo) | np.uint64(np.uint64(hi) << np.uint64(32))
 
 
+@cuda.jit(device=True)
+def bf16_halves(w):
+    """The two bf16 halves of a uint32 as fp32 (the low half first): each is the top half of its fp32."""
+    return np.uint32(w << BF16_SHIFT).view(np.float32), np.uint32(w & BF16_HIGH).view(np.float32)
+
+
 #: fp16 -> fp32 (``f16_bits_to_f32``): the exponent field once moved into an fp32 word, the
 #: rebias (127 - 15) << 23, the field of inf / NaN, and 2^-14 (the renormalising subtrahend)
 _F16_EXP = np.uint32(0x0F800000)
@@ -235,7 +241,7 @@ def flat_io(kind: str):
     ``load4(a, w) -> 4 x fp32``,
     ``store4(a, w, v0, v1, v2, v3)`` (fp32 values) and ``zero4(a, w)``.
     bf16: ``a`` is the array's uint64 words, a quad per load or store; fp32:
-    one 16-byte access per quad (``_vec.quad_f32``); fp16: the elements.
+    one 16-byte access per quad (``_base/vec.quad_f32``); fp16: the elements.
     """
     if kind == BF16:
 
@@ -300,7 +306,7 @@ def array_views(kind: str, shape):
 
 def quad_words(kind: str, shape) -> Spec:
     """The flat Spec of a ``[T, E]`` array of kind (E a multiple of 4) that a quad
-    loader reads: fp32 as elements (``_vec.quad_f32``), bf16 and fp16 as uint64
+    loader reads: fp32 as elements (``_base/vec.quad_f32``), bf16 and fp16 as uint64
     quads (``flat_io``'s bf16 ``load4``, ``f16_quad_loader``)."""
     t, e = shape
     return Spec((t * e,), np.float32) if kind == F32 else Spec((t * e // 4,), np.uint64)

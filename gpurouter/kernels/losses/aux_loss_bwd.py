@@ -102,7 +102,7 @@ def aux_loss_bwd_kernel(tpe_kind: str, out_kind: str, has_mask: bool = False):
 def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = False):
     """The backward for C a multiple of 4, a quad of columns per store, grad_probs
     seen flat (``array_views``): fp32 as 16-byte stores that L2 evicts first
-    (``_vec.quad_store_once_f32``: the output is larger than L2 and the
+    (``_base/vec.quad_store_once_f32``: the output is larger than L2 and the
     kernel never reads it), bf16 as one uint64 per quad, fp16 as elements.
     ``has_mask`` (compile-time): a bool ``mask [R]`` after ``num_cols``; its
     False rows get 0 (+0.0: a bitwise select, ``mask_bits.keep_if``).  fp16

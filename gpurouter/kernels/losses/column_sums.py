@@ -9,7 +9,7 @@ thread (the sums are bandwidth-bound only if enough bytes are in flight,
 fixed: deterministic.
 
 - ``lane_column_sum(kind, has_mask)``: one column, elements of ``kind``;
-- ``lane_quad_sum(has_mask, kind)``: one column quad, fp32 (``_vec.quad_f32``) or bf16
+- ``lane_quad_sum(has_mask, kind)``: one column quad, fp32 (``_base/vec.quad_f32``) or bf16
   (a uint64 word, ``access.flat_io``);
 
 ``has_mask`` (a compile-time flag): the sums take a bool ``mask [T]`` too and
@@ -129,7 +129,7 @@ def lane_quad_sum(has_mask: bool = False, kind: str = F32):
     """Device function ``sum4(src, r0, r1, cq, eq, rl, nrl, mask) -> 4 x fp32``: the column
     sums of quad ``cq`` of ``src`` (flat, ``eq`` quads a row: fp32 elements, bf16 and fp16
     as uint64 words, ``access.quad_words``) over ``r0 <= r < r1`` with ``r = r0 + rl (mod
-    nrl)`` (and, ``has_mask``, ``mask[r]``): a load a quad (fp32: 16 bytes, ``_vec.quad_f32``;
+    nrl)`` (and, ``has_mask``, ``mask[r]``): a load a quad (fp32: 16 bytes, ``_base/vec.quad_f32``;
     bf16 and fp16: 8, ``flat_io`` / ``f16_quad_loader``), 4 rows in flight, then a pairwise
     tree of the 4 row accumulators, in a fixed order."""
     raw4 = flat_io(kind)[0] if kind == BF16 else f16_quad_loader() if kind == F16 else quad_f32()[0]

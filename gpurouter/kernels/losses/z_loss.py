@@ -9,7 +9,7 @@ token count under sharding; default T).  The reference is
 Rows of whole 16-byte vectors (bf16 and fp16 ``E % 8 == 0``, fp32 ``E % 4 == 0``, up to
 ``ZLossTiling.vec_max_hold`` vectors a lane) take the kernels of ``z_loss_vec.py``;
 the others these *unit* kernels (``tiling.z_loss_tiling``): a row's experts
-cut into units of four (a quad seen flat through ``_access.array_views`` when
+cut into units of four (a quad seen flat through ``_base/access.array_views`` when
 ``E % 4 == 0``, else four masked element loads), W lanes a row, lane ``l``
 taking units ``l, l + W, ...``, ``ZLossTiling.hold`` of them a step, all loads issued
 before any use (indices clamped into the row, values past it ignored).

@@ -46,7 +46,7 @@ from numba import cuda
 from numba import float32 as nb_f32  # array declarations take numba types
 from numba import uint32 as nb_u32
 
-from .._base.access import f16_pair_ops
+from .._base.access import bf16_halves, f16_pair_ops
 from .._base.device import NEG_INF, ZERO, fmax_f32, u64
 from .._base.launch import BF16, F16
 from .._base.plan import Spec
@@ -74,15 +74,7 @@ def _row_pieces(kind: str, hold: int, lanes: int, hints: bool, exact: bool = Fal
     pair = kind in (BF16, F16)
     words = 4 * hold
     row_vecs = lanes * hold
-    hi_mask = np.uint32(0xFFFF0000)
-    shift = np.uint32(16)
-    if kind == F16:
-        split = f16_pair_ops()[0]
-    else:
-
-        @cuda.jit(device=True)
-        def split(w):  # bf16: the low half's expert is the top half of an fp32
-            return np.uint32(w << shift).view(np.float32), np.uint32(w & hi_mask).view(np.float32)
+    split = f16_pair_ops()[0] if kind == F16 else bf16_halves  # a word's two halves as fp32
 
     @cuda.jit(device=True)
     def fetch(held, a, fast, row, lane, vecs):

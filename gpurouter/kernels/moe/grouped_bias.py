@@ -11,7 +11,7 @@ Rows no group owns are never loaded (NaN there reaches nothing).
 
 Tiling (``dbias_tiling``; the knobs: ``DbiasTiling`` below): the
 rows are cut into chunks of ``chunk_rows``, the columns into row units
-(``_moe_rows``: 16 bytes, eight bf16 columns, where H % 8 == 0; else four
+(``moe/rows``: 16 bytes, eight bf16 columns, where H % 8 == 0; else four
 columns); block ``(c, cb)`` owns chunk ``c`` and column block ``cb``, lane
 ``l`` of its ``W`` lanes the units ``cb W Q + l + k W`` (``k < Q = quads``:
 consecutive lanes read consecutive units, every warp load is coalesced).
@@ -34,7 +34,7 @@ Without scales (no dots, no barriers) the kernel has its own batch, chunk and
 register cap (``rows_knobs``): more threads with fewer loads each ran faster.
 
 ``dscales``: each lane's partial dot over its units (fixed order), then per
-held row a fixed tree over the lanes (``_moe_rows.lane_tree_sums``: a warp
+held row a fixed tree over the lanes (``moe/rows.lane_tree_sums``: a warp
 butterfly of shuffles, then the warps in order; one barrier per
 ``hold_rows`` rows; it replaced a two-barrier shared-memory sum,
 lab/journal/benchmarks.md).  With one column block that is ``dscales``; with several

@@ -5,7 +5,7 @@ of four columns: unit ``u`` of row ``i`` is columns ``4u .. 4u + 3``.
 
 - ``quads`` (``H % 4 == 0``): the array is seen flat (``flat_view``): bf16 as
   ``uint64`` words (one 8-byte access per unit), fp32 as elements with one
-  16-byte access per unit on a GPU (``_vec.quad_f32``), fp16 as elements;
+  16-byte access per unit on a GPU (``_base/vec.quad_f32``), fp16 as elements;
 - otherwise the 2-D array, four element accesses, the columns ``>= H`` read
   as 0 and never written.
 

@@ -10,7 +10,7 @@ merging_probs [T, E]`` (all ones without)::
     d_w[t, e]      = sum_h z[row(t, e), h] dy[t, h]  if routed, else 0
 
 Tiling (``combine_tiling``): one block per token, its W lanes over the
-row units (16 bytes: eight bf16 columns where H % 8 == 0, ``_moe_rows``) of
+row units (16 bytes: eight bf16 columns where H % 8 == 0, ``moe/rows``) of
 the hidden row, lane ``l`` units ``l, l + W, ...`` (``CombineTiling.lane_units`` or
 more each: fewer lanes per token, more tokens per SM).  First the token's routed experts are listed in
 ascending order in shared memory (``_lister``: a flag per expert, the flags
@@ -22,7 +22,7 @@ three barriers, no scan), with their rows and weights; then
 - backward: per ``CombineTiling.bwd_hold`` listed rows, each lane loads ``dy[t]``'s unit and
   the rows' units, stores ``w dy`` into their ``d_z`` rows and keeps a partial
   dot per row; the lanes' partials are summed in a fixed tree
-  (``_moe_rows.lane_tree_sums``: warp shuffles, then the warps in order; the
+  (``moe/rows.lane_tree_sums``: warp shuffles, then the warps in order; the
   same tree in shared memory on the simulator), written as ``d_w``.  The
   experts the token is not routed to get ``d_w = 0`` while listing: ``d_z``
   and ``d_w`` come out of one pass over ``dy`` and the routed rows of ``z``.

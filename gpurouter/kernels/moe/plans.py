@@ -5,7 +5,7 @@ A plan is a pure function of the arrays' Specs (cached): the kernels, their
 grids and blocks (the tiling functions of the kernel modules, with the
 plan's ``tiling`` argument: a ``permute.CombineTiling`` or a
 ``grouped_bias.DbiasTiling``, None for the library's), the scratch arrays; a launcher checks its arrays, moves
-host ones to the device (``_launch.device_input``) and executes the plan.
+host ones to the device (``_base/launch.device_input``) and executes the plan.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def grouped_dbias_dscales_plan(dy: Spec, scales: Spec | None, bias: Spec | None,
     tmps = (spec_of((2 * max(nchunks, 1), h), L.F32),
             spec_of(((ncb * n) if has_scales and not final_ds and n else 1,), L.F32))
 
-    def arr(ref, spec, kind):  # the row view of a [., H] array (_moe_rows.row_view)
+    def arr(ref, spec, kind):  # the row view of a [., H] array (moe/rows.row_view)
         view = row_view(kind, spec.shape, mode)
         return ref if view is None else type(ref)(ref.role, ref.index, view)
 
@@ -172,7 +172,7 @@ def grouped_dbias(dy, offsets, dbias=None, *, tiling=None, out=None, stream=0):
 
 
 def _rows(ref_fn, i, spec: Spec, mode: str):
-    """``ref_fn(i)`` seen as rows of ``mode`` units (``_moe_rows.row_view``)."""
+    """``ref_fn(i)`` seen as rows of ``mode`` units (``moe/rows.row_view``)."""
     view = row_view(spec.kind, spec.shape, mode)
     return ref_fn(i) if view is None else ref_fn(i, view)
 

@@ -182,7 +182,7 @@ def test_bad_input():
 @pytest.mark.parametrize("dtype,T,E", [(BF16, 7168, 256), (np.float32, 2048, 128),
                                        (np.float16, 1031, 130), (BF16, 333, 8192), (np.float16, 7168, 256)])
 def test_gpu_pointer_launch(dtype, T, E):
-    """The plans through ``_launch.PointerLaunch`` (the zero-copy transport's
+    """The plans through ``_base/pointer.PointerLaunch`` (the zero-copy transport's
     executor) at model shapes, against the reference and the numba executor;
     the forward bit-identical over runs."""
     from numba import cuda

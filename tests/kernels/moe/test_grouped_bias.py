@@ -112,7 +112,7 @@ def test_row_units_batches_and_column_blocks(rows, lanes, batch, n, h, offsets):
 
 
 def _tree_order(part):
-    """NumPy float32 emulation of ``_moe_rows.lane_tree_sums``' order: per warp
+    """NumPy float32 emulation of ``moe/rows.lane_tree_sums``' order: per warp
     (``min(W, 32)`` lanes) a butterfly, lanes paired by their highest bit first,
     then the warps in order.  ``part [W, hold]`` -> ``[hold]``."""
     lanes, hold = part.shape

@@ -2,7 +2,7 @@
 ``TokenTiling.max_topk`` or E not a multiple of 4 (the other shapes take
 ``token_aux_scores_fwd.py``); launched by
 ``aux_scores.score_for_aux_loss_fwd_plan``.  The tiling and the row phases of
-``lane_topk_fwd.py`` (``_lane_rows``, ``_lane_lists``): a block owns TB
+``lane_topk_fwd.py`` (``topk/lane/rows``, ``topk/lane/lists``): a block owns TB
 tokens of W lanes each, a padded fp32 tile of them in shared memory; W lanes
 per token for the row statistics and the selection, all threads for the
 coalesced loads and stores.
@@ -31,7 +31,7 @@ from .rows import flat_next, flat_walk, lane_stager, normalise_rows, pack_flags,
 @functools.cache
 def lane_aux_scores_fwd_kernel(kind: str, list_cap: int, bitmap: bool = False, indices: bool = False):
     """The W-lane aux-score forward; ``bitmap`` (compile-time): the routing map
-    is BITMAP_U8 (``_lane_rows.pack_flags``), else the bool map; ``indices``
+    is BITMAP_U8 (``topk/lane/rows.pack_flags``), else the bool map; ``indices``
     (compile-time): lane-0's list (the selection order) into ``xarr``
     (``[T, K]`` int32; never read otherwise)."""
     stage = lane_stager(kind)

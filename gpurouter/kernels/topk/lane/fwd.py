@@ -10,7 +10,7 @@ their scores ``[TB, P]`` plus a top-K list per lane (``tiling.RowLayout``).
    to fp32, apply the score function, write ``saved_scores``; clear the flags.
 2. W lanes per token: group scores and ranks, a lane-strided scan into each
    lane's sorted top-K list, a tree merge across the lanes (log2 W barriers)
-   (``_lane_lists.lane_select``); the weights, lane q taking the token's
+   (``topk/lane/lists.lane_select``); the weights, lane q taking the token's
    entries q, q + W, ...
 3. All threads, coalesced: write ``probs`` and ``routing_map`` rows.
 

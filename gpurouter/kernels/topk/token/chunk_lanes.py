@@ -24,7 +24,7 @@ Phases, every thread of the block calling each, barriers between:
 3. ``keys`` (the token's thread): the merged list, or the kept chunks' lists
    pushed into one register list: the K + 1 largest kept scores, the values a scan of the
    kept experts keeps (so thr, need and the list sums are the row scan's);
-   thr -inf: the bit way right here (``_token_scans``'s ``mark``, ascending).
+   thr -inf: the bit way right here (``topk/token/scans``'s ``mark``, ascending).
 4. ``masks``: lane c of a kept chunk of a threshold-way token: its > thr and
    == thr masks.
 5. ``finish`` (the token's thread): ``cut``, the need-th expert scoring thr
@@ -318,7 +318,7 @@ def lane_selector(topk: int, group_cap: int, has_bias: bool, post: bool, indices
 
     @cuda.jit(device=True)
     def hit(sel, rv, n, j, r):
-        # a selected expert, in ascending order, onto the hit list (``_token_scans``'s ``hit_push``)
+        # a selected expert, in ascending order, onto the hit list (``topk/token/scans``'s ``hit_push``)
         if n < topk:  # (exactly K hits: a guard on the local arrays only)
             if packed:
                 sel[0] = np.int64(np.int64(sel[0] << np.int64(8)) | np.int64(j))

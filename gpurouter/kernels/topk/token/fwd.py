@@ -15,15 +15,15 @@ shared memory holds the fp32 tile of the tokens' scores (row stride
 ``P = E | 1``: odd, so the per-thread row scans hit 32 distinct banks), a
 selection bit per expert (written by the bit way only), the group scores,
 per-row statistics and thresholds, and the expert bias (``tiling.TokenLayout``).
-Global arrays are seen flat (``_access.array_views``); fp32 rows are read and
-written a quad (16 bytes) at a time (``_vec``).
+Global arrays are seen flat (``_base/access.array_views``); fp32 rows are read and
+written a quad (16 bytes) at a time (``_base/vec``).
 
 1. All threads, coalesced, four experts (a quad) per step, four quads in
    flight (bf16 logits as one 8-byte load per quad): the score function,
-   ``saved``, the tile; the bias (``_token_rows.token_stager``).
+   ``saved``, the tile; the bias (``topk/token/rows.token_stager``).
 2. Thread t (t < TB), tile row t: (group scores, group ranks,) the K + 1
    largest scores; the K-th is the threshold.  Then one of two ways to say
-   which experts are selected (``_token_select``: the threshold way or the
+   which experts are selected (``topk/token/select``: the threshold way or the
    bit way); the weights' statistics into shared memory.
 3. All threads, coalesced, a quad per step: the quad's four selection flags
    are its ``routing_map`` word (one 4-byte store); the weights, ``probs``
@@ -82,7 +82,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
     ``indices``: the selected experts in selection order into ``xarr``
     (``[T*K]`` int32), written by each token's thread as it selects, from a
     hit list in local memory (1) or packed in a register (2: E <= 256, K <=
-    8; ``_token_scans.token_scans``);
+    8; ``topk/token/scans.token_scans``);
     ``forced`` (the routing replay, no bias, no groups): ``xarr`` holds the
     experts, and ``asc`` says that the replayed call had a bias (its weights'
     sum runs in ascending expert order: ``token_selector``).  Without them
@@ -91,7 +91,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
     values do not cost resident blocks.  ``group_lanes`` (not ``forced``;
     ``tiling.token_lanes``): the chunk lanes select, a lane per group (or
     chunk of experts) of a token, its thread merging their lists (1) or the
-    lanes merging them in a tree (2) (``_token_lanes.py``)."""
+    lanes merging them in a tree (2) (``topk/token/chunk_lanes.py``)."""
     stage = token_stager(kind, score_fn, has_bias, int(group_lanes) >= 2)
     _, store4, zero4 = flat_io(kind)
     store_f32 = quad_f32()[1]
@@ -295,7 +295,7 @@ def token_topk_fwd_kernel(kind: str, topk: int, group_cap: int, score_fn: int, h
                 stats(smem, row, valid, num_experts, o_red + tid, o_red + tile_tokens + tid)
             normalise(smem, o_red, tile_tokens, saved, saved, False, wb, nt, eq, stride, tid, nthreads)
 
-        if chunk_lanes:  # 2, the chunk lanes (``_token_lanes.py``): barriers between the phases
+        if chunk_lanes:  # 2, the chunk lanes (``topk/token/chunk_lanes.py``): barriers between the phases
             lists(smem, tid, nthreads, nt, tile_tokens, stride, o_bias, num_experts, num_groups, group_topk, o_gs,
                   o_lists)
             cuda.syncthreads()

@@ -49,7 +49,7 @@ def register_pusher(cap: int):
 
 @cuda.jit(device=True)
 def flat_walk_i32(tid, nthreads, n):
-    """``_lane_rows.flat_walk`` in int32: start ``(t, q)`` and step ``(dt, dq)`` of a flat
+    """``topk/lane/rows.flat_walk`` in int32: start ``(t, q)`` and step ``(dt, dq)`` of a flat
     loop over ``[rows, n]`` items, thread ``tid`` taking ``tid, tid + nthreads, ...``."""
     t = np.int32(tid // n)
     dt = np.int32(nthreads // n)

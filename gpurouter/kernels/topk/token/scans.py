@@ -1,4 +1,4 @@
-"""The row scans of the thread-per-token selection (``_token_select.py``):
+"""The row scans of the thread-per-token selection (``topk/token/select.py``):
 one thread walks its tile row ``smem[row:row+E]`` in ascending expert order,
 int32 counters, no data-dependent branch (a warp's 32 threads scan 32
 independent rows).
@@ -22,7 +22,7 @@ from .rows import register_pusher
 
 @functools.cache
 def token_scans(topk: int, has_bias: bool, scaled: bool, indices: int):
-    """The scans of ``_token_select.token_selector(topk, ..., has_bias, ...,
+    """The scans of ``topk/token/select.token_selector(topk, ..., has_bias, ...,
     scaled, indices)``, its compile-time constants baked in: ``(score_at,
     scan, scan_sum, selected_sum, collect, place, tie_cut, drop, mark)``.
 

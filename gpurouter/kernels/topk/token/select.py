@@ -115,7 +115,7 @@ def token_selector(topk: int, group_cap: int, has_bias: bool, post: bool, scaled
     bits (the bit way), and the weights' statistics are those the normal
     call that selected them computes, in its order (``replay``).
     ``indices`` 1 lists the hits in local arrays, 2 (E <= 256, K <= 8) packs
-    their indices in one register (``_token_scans.token_scans``;
+    their indices in one register (``topk/token/scans.token_scans``;
     ``place_packed``).
     """
     indices = int(indices)  # the hit lists (1: local arrays, 2: packed) and ``place``

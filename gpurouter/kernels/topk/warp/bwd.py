@@ -3,7 +3,7 @@ quads ``l, l + 32, ...`` (the forward's layout, ``warp_topk_fwd.py``).
 
 Where it runs (``warp_bwd_path``): a routing map, softmax after the top-k,
 sigmoid or sqrtsoftplus, E a multiple of 128 up to 512; ``path="auto"`` on a
-GPU (``_warp_lanes.warp_auto``), never on the CUDA simulator, where its
+GPU (``topk/warp/lanes.warp_auto``), never on the CUDA simulator, where its
 exchanges are block barriers (its own tests force ``path="warp"``).  Softmax before the
 top-k (every expert's gradient needs every p) and the aux scores (no map)
 stay on the quad kernel.

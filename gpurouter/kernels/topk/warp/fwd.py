@@ -4,14 +4,14 @@ path").
 
 Where it runs (``topk.use_warp_path``): sigmoid, sqrtsoftplus or softmax
 after the top-k, E a multiple of 128 up to 512, K <= 31, no groups or groups
-``_warp_groups.warp_groups`` takes (DeepSeek-V3's); ``path="auto"``: every
-such shape on a GPU (``_warp_lanes.warp_auto``); not the routing replay (which runs the
+``topk/warp/groups.warp_groups`` takes (DeepSeek-V3's); ``path="auto"``: every
+such shape on a GPU (``topk/warp/lanes.warp_auto``); not the routing replay (which runs the
 thread-per-token kernel: both sum a token's weights in the same order, so a
 replay is the call bit for bit).  Lane ``l`` of the token's warp holds the
 quads ``l, l + 32, ...`` of its row: each load the warp makes is one
 contiguous span, and all of a token's loads go out before any store.
 
-0. Groups (``_warp_groups.py``): a dropped group's experts get the ranking
+0. Groups (``topk/warp/groups.py``): a dropped group's experts get the ranking
    score ``r = -inf`` and a key after every kept expert's.
 1. Each lane keeps its two largest ranking scores ``r = s + bias`` (NaN as
    -inf; ``s`` the activation, or the logit for softmax after the top-k).  The (K+1)-th largest of those 64
@@ -94,7 +94,7 @@ def warp_path(num_experts: int, topk: int, num_groups: int, score_fn: int, pre_s
 
 
 def warp_launch(num_tokens: int) -> tuple[int, int]:
-    """``(grid, threads)``: ``_warp_lanes.warp_grid`` with this kernel's sizes."""
+    """``(grid, threads)``: ``topk/warp/lanes.warp_grid`` with this kernel's sizes."""
     return warp_grid(num_tokens, WARP_TOKENS, WARP_MAX_BLOCKS)
 
 

@@ -1,5 +1,5 @@
 """The warp-per-token top-k forward (``gpurouter/kernels/topk/warp/fwd.py``) and its
-exchanges and sorts (``_warp_lanes.py``): the dispatch to it, the same bits as the
+exchanges and sorts (``topk/warp/lanes.py``): the dispatch to it, the same bits as the
 thread-per-token kernel (which test_token_topk_fwd.py checks against the reference) in
 every dtype, map format, K and score function it takes (softmax after the top-k
 included), ties, specials, the arg-max
