@@ -237,7 +237,10 @@ def _check_large(x, coeff=1e-3):
     grad = np.asarray(K.router_z_loss_bwd(x, saved, 1.0, coeff), np.float64)
     want = oracles.z_loss_grad(x32, coeff)
     rtol = 1e-4 if x.dtype == np.float32 else 1e-2
-    np.testing.assert_allclose(grad, want, rtol=rtol, atol=1e-5 * np.sqrt(x.shape[1]) * np.abs(want).max())
+    atol = 1e-5 * np.sqrt(x.shape[1]) * np.abs(want).max()
+    if x.dtype == np.float16:  # gradients below 2^-14 are fp16 subnormals, 2^-24 apart: a step of rounding
+        atol = max(atol, 2.0 ** -24)
+    np.testing.assert_allclose(grad, want, rtol=rtol, atol=atol)
     return loss, grad
 
 
