@@ -25,7 +25,8 @@ For each E (``[T, E]`` of ``--dtype``, bf16 by default, every 10th token masked,
 The plans' kernels are compiled first, all at once in worker processes
 (``_base.parallel.precompile``; a cold cache pays the slowest compile, not the
 sum). Prints one table (``ratio``: masked / unmasked, issue #37's target <=
-1.05; a launch list per row) and writes it with ``--json``; ``--no-ops``
+1.05; a launch list per row; ``--op-kernels``: each op row's kernels and their GPU
+time, named as on the trace) and writes it with ``--json``; ``--no-ops``
 leaves out the jitted ops (no XLA compiles). ``--tiling
 column_blocks=528,fill_blocks=1056`` (``AuxLossTiling``'s knobs) times the aux
 loss plans alone at that tiling, for a sweep.
@@ -207,7 +208,8 @@ def kernel_rows(tokens, experts, repeats, rng, tiling=None, aux_only=False, kind
 
 def gpu_us(f, xs, repeats):
     """The GPU time of ``repeats`` calls ``f(xs)``: every kernel's duration on the trace's
-    GPU plane (``jax.profiler``; ``block_profile.gpu_events``) summed, per call."""
+    GPU plane (``jax.profiler``; ``block_profile.gpu_events``) summed, per call; and
+    ``{kernel name: us per call}``."""
     import tempfile
 
     import jax
@@ -219,11 +221,11 @@ def gpu_us(f, xs, repeats):
                 out = f(xs)
             jax.block_until_ready(out)
         totals, _ = gpu_events(d)
-    return sum(totals.values()) / 1e3 / repeats
+    return sum(totals.values()) / 1e3 / repeats, {k: v / 1e3 / repeats for k, v in totals.items()}
 
 
 def op_rows(tokens, experts, repeats, batch, dtype="bfloat16"):
-    """``[(op, variant, wall us per op, GPU us per op)]``: the jitted ops, forward and
+    """``[(op, variant, wall us per op, GPU us per op, {kernel: GPU us per op})]``: the jitted ops, forward and
     value_and_grad, masked or not.  Wall: the median of ``repeats`` jitted calls over
     ``batch`` inputs, host dispatch included (noisy: 0.83-1.40 masked / unmasked between
     runs of one commit on an H200, 2026-11-29); GPU: their kernels' time on the profiler's
@@ -260,8 +262,9 @@ def op_rows(tokens, experts, repeats, batch, dtype="bfloat16"):
                     jax.block_until_ready(f(xs))
                     times.append(time.perf_counter() - t0)
                 label = f"{op} {'value_and_grad' if grad else 'fwd'}"
+                gus, per_kernel = gpu_us(f, xs, repeats)
                 out.append((label, "masked" if masked else "unmasked", statistics.median(times) / batch * 1e6,
-                             gpu_us(f, xs, repeats) / batch))
+                            gus / batch, {k: v / batch for k, v in per_kernel.items()}))
     return out
 
 
@@ -276,6 +279,8 @@ def main(argv=None):
                     help="knob=value,... of AuxLossTiling: the aux loss plans alone at that tiling (no ops)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
                     help="the probs' (and the gradients') dtype (default bf16)")
+    ap.add_argument("--op-kernels", action="store_true",
+                    help="under each op row, its kernels' GPU time per op (names from the profiler trace)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     kind, jnp_dtype = DTYPES[args.dtype]
@@ -306,14 +311,17 @@ def main(argv=None):
                                              ok=bool(ratio <= TARGET)))
         if not args.no_ops and tiling is None:
             base = {}
-            for label, variant, us, gus in op_rows(args.tokens, e, args.repeats, args.batch, jnp_dtype):
+            for label, variant, us, gus, per_kernel in op_rows(args.tokens, e, args.repeats, args.batch, jnp_dtype):
                 if variant == "unmasked":
                     base[label] = (us, gus)
                 ratio, gratio = us / base[label][0], gus / base[label][1]
                 print(f"op {label:22s} {variant:9s} wall {us:9.2f} us/op  ratio {ratio:5.2f}   "
                       f"GPU {gus:8.2f} us/op  ratio {gratio:5.2f}", flush=True)
+                if args.op_kernels:
+                    for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
+                        print(f"     {v:8.2f} us/op  {k[:110]}")
                 report["ops"].append(dict(experts=e, op=label, variant=variant, us=us, ratio=ratio, gpu_us=gus,
-                                          gpu_ratio=gratio))
+                                          gpu_ratio=gratio, gpu_kernels=per_kernel))
                 if variant != "unmasked":  # the target is judged on the GPU time (the wall's noise: op_rows)
                     report["ratios"].append(dict(experts=e, what=f"op {label} (GPU time)", ratio=gratio,
                                                  ok=bool(gratio <= TARGET)))
