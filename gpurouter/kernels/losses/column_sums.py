@@ -1,23 +1,23 @@
 """The aux loss forward's column sums (``aux_loss.py``; device functions only).
 
 A block is RL row lanes x CL column lanes (``tiling.column_tiling``).
-Thread (rl, cl) owns columns (or, fp32 / bf16 with C % 4 == 0, column quads) cl,
+Thread (rl, cl) owns columns (or, with C % 4 == 0, column quads) cl,
 cl + CL, ... and, of its block's rows, those congruent to rl mod RL, summed
 with independent accumulators so that several loads are in flight per
 thread (the sums are bandwidth-bound only if enough bytes are in flight,
-~4 MB on an H200): 8 element loads, or 4 quad loads (16 bytes fp32, 8 bf16).  Every order is
-fixed: deterministic.
+~4 MB on an H200): 8 element loads, or 4 quad loads (16 bytes fp32, 8 bf16
+and fp16).  Every order is fixed: deterministic.
 
 - ``lane_column_sum(kind, has_mask)``: one column, elements of ``kind``;
-- ``lane_quad_sum(has_mask, kind)``: one column quad, fp32 (``_base/vec.quad_f32``) or bf16
-  (a uint64 word, ``access.flat_io``);
+- ``lane_quad_sum(has_mask, kind)``: one column quad, fp32 (``_base/vec.quad_f32``),
+  bf16 or fp16 (a uint64 word, ``access.flat_io`` / ``access.f16_quad_loader``);
 
 ``has_mask`` (a compile-time flag): the sums take a bool ``mask [T]`` too and
 leave out the rows where it is False (a bitwise select, ``mask_bits.keep_if``,
 not a product: a masked NaN or inf adds +0.0, exactly what a zeroed row
-adds); without it the ``mask`` argument is never read.  These read the mask
-byte once per element: the fallback for blocks whose staged bits would not
-fit (``mask_bits.py`` has the sums on a block's mask staged once as bits).
+adds); without it the ``mask`` argument is never read.  A row's mask byte is
+loaded with its values, in the same trip (docs/kernels.md, "Token masks in
+the loss kernels", has what else was measured).
 - ``block_tree_sum``: a block's values summed by a fixed-shape tree
   (``block_tree_sum2``: two arrays in one tree, the masked aux loss's sums
   and valid-row counts).

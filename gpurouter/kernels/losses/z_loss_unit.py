@@ -1,7 +1,7 @@
 """The router z-loss's *unit* kernels (the rows kernel of the forward and the
 backward; ``z_loss.py`` has their design in its docstring, the launchers and
-the plans): rows that are no whole number of 16-byte vectors (fp16, or E
-that does not fit ``z_loss_vec.py``)."""
+the plans): rows that are no whole number of 16-byte vectors, or too long
+for ``z_loss_vec.py`` (``tiling.z_loss_vec_tiling``)."""
 
 from __future__ import annotations
 
