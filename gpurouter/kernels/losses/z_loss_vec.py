@@ -10,9 +10,9 @@ holding vectors ``l, l + W, ...`` (``hold`` of them, all of the row: one step),
 so a warp's load is W * 16 contiguous bytes of each of its rows.  A block's
 TB = threads / W row slots walk ``iters`` consecutive groups of TB rows; with
 ``prefetch`` the next group's loads are issued before the current one is used
-(the forward walks two groups a trip, its two buffers in turn).  The forward is compiled for rows of exactly
-``W * hold`` vectors and for blocks of whole warps where the tiling gives
-them.  An element costs about five instructions (``z_io.py``; the unit
+(the forward walks two groups a trip, its two buffers in turn).  The forward
+is compiled for rows of exactly ``W * hold`` vectors and for blocks of whole
+warps where the tiling gives them.  An element costs about five instructions (``z_io.py``; the unit
 kernels about 18: docs/kernels.md).
 
 Forward: a lane takes the max of its vectors (fmaxf drops NaN; the sum keeps
