@@ -12,8 +12,8 @@ TB = threads / W row slots walk ``iters`` consecutive groups of TB rows; with
 ``prefetch`` the next group's loads are issued before the current one is used
 (the forward walks two groups a trip, its two buffers in turn).  The forward
 is compiled for rows of exactly ``W * hold`` vectors and for blocks of whole
-warps where the tiling gives them.  An element costs about five instructions (``z_io.py``; the unit
-kernels about 18: docs/kernels.md).
+warps where the tiling gives them.  An element costs about five instructions
+(``z_io.py``; the unit kernels about 18: docs/kernels.md).
 
 Forward: a lane takes the max of its vectors (fmaxf drops NaN; the sum keeps
 it), the W lanes' maxima give the row's ``M`` (``z_io.lane_reducers``), then
