@@ -135,7 +135,8 @@ def auto_grouped_matmul(ep_axis: str | None):
     ``jax.lax.ragged_dot`` at every shape tried, 8 to 512 rows an expert);
     :func:`batched_ragged_dot` elsewhere (a CPU measured it 26-44x faster than
     ``jax.lax.ragged_dot``, which ran out of memory at DeepSeek-V3-like shapes on
-    both; with ``ep_axis`` the slots were not measured)."""
+    both; with ``ep_axis`` the slots' rows path was within 2.5% of it on 2 x H200,
+    the exchange 63-66% of the step)."""
     if ep_axis is None and jax.default_backend() == "gpu" and jax.devices()[0].device_kind.upper().startswith("NVIDIA"):
         return "slots"
     return batched_ragged_dot
