@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from .common import ScoreFunction, _as_int, _dtype_name, _is_traced, array_meta
+from .common import ScoreFunction, _as_int, _dtype_name, _is_traced, array_meta, check_float_dtype
 
 QB_UPDATE_OP = "qb_update_expert_bias"
 GROUP_SCORES = ("sum_topk", "top2_sum", "max")
@@ -161,7 +161,8 @@ def check_bin_bounds(op: str, bounds, name: str) -> None:
         raise ValueError(f"{op}: {name} ({[lower, upper]}) must be finite with lower < upper.")
 
 
-def check_qb_update_args(histogram, bin_bounds, topk, op: str = QB_UPDATE_OP) -> tuple[int, int, int]:
+def check_qb_update_args(histogram, bin_bounds, topk, op: str = QB_UPDATE_OP,
+                         expert_bias=None) -> tuple[int, int, int]:
     """``qb_update_expert_bias``'s arguments; returns ``(topk, E, B)``."""
     hshape, hdtype = array_meta(op, "histogram", histogram)
     if _dtype_name(hdtype) != "int32":
@@ -173,6 +174,11 @@ def check_qb_update_args(histogram, bin_bounds, topk, op: str = QB_UPDATE_OP) ->
     topk = _as_int(op, "topk", topk)
     if not 1 <= topk < hshape[0]:
         raise ValueError(f"{op}: topk ({topk}) must be in [1, num_experts) = [1, {hshape[0]}).")
+    if expert_bias is not None:
+        bshape, bdtype = array_meta(op, "expert_bias", expert_bias)
+        check_float_dtype(op, "expert_bias", bdtype)
+        if tuple(bshape) != (hshape[0],):
+            raise ValueError(f"{op}: expert_bias shape {tuple(bshape)} must be (num_experts,) = ({hshape[0]},).")
     return topk, hshape[0], hshape[1]
 
 

@@ -100,6 +100,7 @@ def qb_update_expert_bias(
     histogram: jax.typing.ArrayLike,
     bin_bounds: jax.typing.ArrayLike,
     topk: int,
+    expert_bias: jax.typing.ArrayLike | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Quantile Balancing's bias step: the next ``expert_bias`` and bin bounds.
 
@@ -117,10 +118,17 @@ def qb_update_expert_bias(
       bin_bounds: float ``[2]``, the ``[lower, upper]`` the counts were
         binned with.
       topk: the router's ``topk``, ``1 <= topk < E``.
+      expert_bias: optional, the current float ``[E]`` bias. It only matters
+        when the histogram holds no count at all: then nothing is learned and
+        the bias and the bounds come back as they are (Megatron #6637's
+        rule); otherwise the new bias replaces it.
 
     Returns:
       ``(expert_bias float32 [E], bin_bounds float32 [2])``. An empty
-      histogram gives a zero bias and bounds ``[-1, 1]``.
+      histogram gives ``expert_bias`` and ``bin_bounds`` unchanged when
+      ``expert_bias`` is given, else a zero bias and bounds ``[-1, 1]``. A
+      row without counts (hand-made: every routed token adds one to every
+      row) takes the lower bound as its quantile.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -131,7 +139,7 @@ def qb_update_expert_bias(
       ([-1.0, 1.0], [-2.0, 2.0])
     """
     array_meta(QB_UPDATE_OP, "histogram", histogram)
-    topk, num_experts, num_bins = check_qb_update_args(histogram, bin_bounds, topk)
+    topk, num_experts, num_bins = check_qb_update_args(histogram, bin_bounds, topk, expert_bias=expert_bias)
     h = jnp.asarray(histogram).astype(jnp.float32)
     cum = jnp.cumsum(h, axis=1)
     total = cum[:, -1]
@@ -146,7 +154,11 @@ def qb_update_expert_bias(
     x = bounds[0] + (i.astype(jnp.float32) + frac) * width
     bias = x - jnp.mean(x)
     new_bounds = jnp.stack([jnp.min(bias) - 1, jnp.max(bias) + 1])
-    return bias, new_bounds
+    if expert_bias is None:
+        return bias, new_bounds
+    empty = jnp.all(jnp.asarray(histogram) == 0)  # nothing counted: keep what the caller has
+    return (jnp.where(empty, jnp.asarray(expert_bias).astype(jnp.float32), bias),
+            jnp.where(empty, bounds, new_bounds))
 
 
 __all__ = ["qb_update_expert_bias"]

@@ -193,6 +193,7 @@ TABLE = [
                         ("inverted", jnp.asarray([1.0, -1.0]), ValueError),
                         ("nan", jnp.asarray([NAN, 1.0]), ValueError)],
          "topk": bad_int(low=0),
+         "expert_bias": bad_float_array(jnp.zeros((8,)), empty=jnp.zeros((0,))),
      }),
 ]
 

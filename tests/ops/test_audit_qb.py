@@ -420,10 +420,28 @@ def test_qb_update_bias_is_the_quantile_of_the_needed_bias():
 
 
 def test_qb_update_empty_histogram():
-    """An empty histogram: a zero bias and bounds [-1, 1] (contract section 12)."""
+    """An empty histogram and no current bias: a zero bias and bounds [-1, 1] (contract section 12)."""
     bias, bounds = _qb_update_jit(jnp.zeros((5, 7), jnp.int32), jnp.array([-3.0, 2.0]), 2)
     np.testing.assert_array_equal(np.asarray(bias), np.zeros(5))
     np.testing.assert_array_equal(np.asarray(bounds), [-1.0, 1.0])
+
+
+def test_qb_update_empty_histogram_keeps_the_given_bias_and_bounds():
+    """Megatron's test_qb_empty_histogram_preserves_bias_and_bounds: with the current bias
+    given, an empty histogram changes nothing (eager and under jit); a non-empty one
+    replaces the bias whatever it was."""
+    bias0 = jnp.array([0.25, -0.25], jnp.float32)
+    bounds0 = jnp.array([-2.0, 3.0], jnp.float32)
+    for fn in (gr.qb_update_expert_bias, _qb_update_jit):
+        bias, bounds = fn(jnp.zeros((2, 4), jnp.int32), bounds0, 1, bias0)
+        np.testing.assert_array_equal(np.asarray(bias), np.asarray(bias0))
+        np.testing.assert_array_equal(np.asarray(bounds), np.asarray(bounds0))
+        assert bias.dtype == np.float32 and bounds.dtype == np.float32
+        hist = jnp.array([[0, 2, 2, 0], [2, 2, 0, 0]], jnp.int32)
+        got = fn(hist, jnp.array([-1.0, 1.0]), 1, jnp.array([5.0, -7.0], jnp.bfloat16))
+        want = fn(hist, jnp.array([-1.0, 1.0]), 1)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_qb_update_errors_name_the_argument():
@@ -434,6 +452,10 @@ def test_qb_update_errors_name_the_argument():
         gr.qb_update_expert_bias(h, jnp.array([-1.0, 1.0]), 0)
     with pytest.raises(TypeError, match="histogram"):
         gr.qb_update_expert_bias(h.astype(jnp.float32), jnp.array([-1.0, 1.0]), 1)
+    with pytest.raises(ValueError, match="expert_bias"):
+        gr.qb_update_expert_bias(h, jnp.array([-1.0, 1.0]), 1, jnp.zeros(5))
+    with pytest.raises(TypeError, match="expert_bias"):
+        gr.qb_update_expert_bias(h, jnp.array([-1.0, 1.0]), 1, jnp.zeros(4, jnp.int32))
 
 
 # --------------------------------------------------------------------------- QB: errors
