@@ -55,7 +55,7 @@ groups=(  # (a -k expression without spaces: a group is split on them)
   "tests/reference tests/ops/test_api.py tests/test_cli.py tests/test_docs.py tests/test_layering.py"
   "$k/losses/test_last_block.py tests/ops/test_edges.py $k/_base/test_device.py tests/ops/test_audit_groups_compact.py"
   "tests/ops/test_arg_table.py tests/tools/test_probes.py tests/tools/test_gpu_suite.py tests/testing/test_package.py tests/testing/test_token_ops_checks.py tests/ops/test_audit_masks.py"
-  "tests/ops/test_router_variants.py tests/ops/test_token_masks.py"
+  "tests/ops/test_router_variants.py tests/ops/test_token_masks.py tests/ops/test_qb_te_oracle.py"
   "tests/ops/test_router_variants_numba.py tests/test_grouped_matmul_gpu.py tests/grouped_gemm/test_slot_experts_gpu.py tests/grouped_gemm/test_pallas.py tests/grouped_gemm/test_gemm_helpers.py tests/grouped_gemm/test_pallas_gpu.py"
   # the checkers' slow runs (many hypothesis examples of jnp routers: nothing of the GPU's) run by hand
   # (make test-slow); at 3c3a03d the false-alarm ones held their group at the 450 s limit, cold and warm
