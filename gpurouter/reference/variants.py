@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._checks import INT32_MAX, QB_UPDATE_OP, array_meta, check_qb_update_args
+from .._checks import INT32_MAX, check_qb_update_args
 from ._select import sum_topk_values
 
 
@@ -138,7 +138,6 @@ def qb_update_expert_bias(
       >>> bias.tolist(), bounds.tolist()
       ([-1.0, 1.0], [-2.0, 2.0])
     """
-    array_meta(QB_UPDATE_OP, "histogram", histogram)
     topk, num_experts, num_bins = check_qb_update_args(histogram, bin_bounds, topk, expert_bias=expert_bias)
     h = jnp.asarray(histogram).astype(jnp.float32)
     cum = jnp.cumsum(h, axis=1)
