@@ -447,7 +447,8 @@ KEYS_CHILD = textwrap.dedent("""
     from gpurouter.kernels._base.plan import Spec, spec_of
     from gpurouter.kernels._base.pointer import _numba_type
     from gpurouter.kernels.losses.z_loss import router_z_loss_bwd_plan, router_z_loss_fwd_plan
-    from gpurouter.kernels.topk.plans import topk_with_score_function_bwd_plan, topk_with_score_function_fwd_plan
+    from gpurouter.kernels.topk.bwd_plans import topk_with_score_function_bwd_plan
+    from gpurouter.kernels.topk.plans import topk_with_score_function_fwd_plan
     sf, scale, x = int(score_function_of("t", "sigmoid")), np.float32(2.5), spec_of((300, 256), BF16)
     plans = {"topk_fwd": topk_with_score_function_fwd_plan(x, True, 8, False, 8, 4, scale, sf),
              "topk_bwd": topk_with_score_function_bwd_plan(x, 8, False, scale, sf),
@@ -715,7 +716,8 @@ def test_a_linked_seed_is_the_cubin_of_numbas_compile():
     from gpurouter.kernels._base.launch import BF16
     from gpurouter.kernels._base.plan import spec_of
     from gpurouter.kernels._base.pointer import _numba_type
-    from gpurouter.kernels.topk.plans import topk_with_score_function_bwd_plan, topk_with_score_function_fwd_plan
+    from gpurouter.kernels.topk.bwd_plans import topk_with_score_function_bwd_plan
+    from gpurouter.kernels.topk.plans import topk_with_score_function_fwd_plan
     from gpurouter.presets import PRESETS
 
     why = seeds.status()["unusable"]
@@ -757,7 +759,8 @@ def preset_kernels(preset, tokens: int) -> set:
     from gpurouter.kernels._base.pointer import _numba_type
     from gpurouter.kernels.losses.aux_loss import moe_aux_loss_bwd_plan, moe_aux_loss_fwd_plan
     from gpurouter.kernels.topk.aux_plans import score_for_aux_loss_bwd_plan, score_for_aux_loss_fwd_plan
-    from gpurouter.kernels.topk.plans import topk_with_score_function_bwd_plan, topk_with_score_function_fwd_plan
+    from gpurouter.kernels.topk.bwd_plans import topk_with_score_function_bwd_plan
+    from gpurouter.kernels.topk.plans import topk_with_score_function_fwd_plan
 
     p, t = preset, tokens
     sf = int(score_function_of("test", p.score_function))

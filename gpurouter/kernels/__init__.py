@@ -43,10 +43,10 @@ from .topk.aux_plans import score_for_aux_loss_bwd as score_for_aux_loss_bwd
 from .topk.aux_plans import score_for_aux_loss_bwd_plan as score_for_aux_loss_bwd_plan
 from .topk.aux_plans import score_for_aux_loss_fwd as score_for_aux_loss_fwd
 from .topk.aux_plans import score_for_aux_loss_fwd_plan as score_for_aux_loss_fwd_plan
+from .topk.bwd_plans import topk_with_score_function_bwd as topk_with_score_function_bwd
+from .topk.bwd_plans import topk_with_score_function_bwd_plan as topk_with_score_function_bwd_plan
 from .topk.bwd_tiling import BwdTiling as BwdTiling
 from .topk.lane.tiling import RowTiling as RowTiling
-from .topk.plans import topk_with_score_function_bwd as topk_with_score_function_bwd
-from .topk.plans import topk_with_score_function_bwd_plan as topk_with_score_function_bwd_plan
 from .topk.plans import topk_with_score_function_fwd as topk_with_score_function_fwd
 from .topk.plans import topk_with_score_function_fwd_plan as topk_with_score_function_fwd_plan
 from .topk.qb import QbTiling as QbTiling

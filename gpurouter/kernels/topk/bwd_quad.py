@@ -1,6 +1,6 @@
 """The quad backward kernel of the top-k and aux-score ops: E a multiple of 4
 (the other shapes take ``stream_bwd.py``); launched by
-``topk.topk_with_score_function_bwd_plan`` (with the routing map) and
+``topk.bwd_plans.topk_with_score_function_bwd_plan`` (with the routing map) and
 ``aux_scores.score_for_aux_loss_bwd_plan`` (no map: every expert selected,
 scale 1, the K > 1 normalisation; a lane's first quads held in registers).
 The VJP: ``stream_bwd.py``'s docstring.

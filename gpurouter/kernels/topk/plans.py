@@ -1,17 +1,13 @@
-"""Router top-k with a score function: the launchers and plans
-(docs/contract.md sections 2 and 3).
+"""Router top-k with a score function: the forward's launcher and plan
+(docs/contract.md section 2; the backward's are in ``bwd_plans.py``).
 
 The forward plan picks the kernel: the warp-per-token kernel
-(``warp_topk_fwd.py``) when ``use_warp_path`` takes the shape (sigmoid,
+(``warp/fwd.py``) when ``use_warp_path`` takes the shape (sigmoid,
 sqrtsoftplus or softmax after the top-k, E a multiple of 128 up to 512, K <= 31, no groups or
 ``warp_groups``'s; under "auto" on a GPU: ``warp_auto``),
-else the thread-per-token kernel (``token_topk_fwd.py``) when
+else the thread-per-token kernel (``token/fwd.py``) when
 ``token.tiling.token_path`` takes it (K <= 64, E a multiple of 4), else the
-W-lane kernel (``lane_topk_fwd.py``).  The backward plan picks the
-warp-per-token kernel (``warp_topk_bwd.py``) when ``use_warp_bwd`` takes the
-shape (a map outside softmax-pre, E a multiple of 128 up to 512; under
-"auto" on a GPU), else the quad kernel (``quad_bwd.py``, E a multiple of 4),
-else the streaming one (``stream_bwd.py``).
+W-lane kernel (``lane/fwd.py``).
 """
 
 from __future__ import annotations
@@ -31,30 +27,23 @@ from .._base.launch import (
     F32,
     SIGMOID,
     SOFTMAX,
-    SQRTSOFTPLUS,
     any_on_device,
     device_input,
     index_input,
     map_format_code,
-    map_input,
     resolve_stream,
     score_function_code,
 )
 from .._base.limits import check_limits, pow2_at_least
-from .._base.plan import In, Out, Plan, Spec, Step, execute, map_spec, spec_of
-from .bwd_quad import quad_bwd_kernel
-from .bwd_stream import stream_bwd_kernel
-from .bwd_tiling import quad_tiling, stream_tiling
+from .._base.plan import In, Out, Plan, Spec, Step, Tmp, execute, map_spec, spec_of
 from .lane.fwd import lane_topk_fwd_kernel
 from .lane.lists import topk_capacity
 from .lane.tiling import select_layout
 from .tiling import TOPK_TILING, TopkTiling
 from .token.fwd import token_topk_fwd_kernel
 from .token.tiling import token_lanes, token_layout, use_token_path
-from .warp.bwd import warp_bwd_launch, warp_topk_bwd_kernel
-from .warp.fwd import warp_launch, warp_topk_fwd_kernel
 from .warp.groups import WARP_GROUP_SCORES
-from .warp_paths import compact_plan, use_warp_bwd, use_warp_path
+from .warp_paths import compact_plan, use_warp_path, warp_fwd_step
 
 OP = "topk_with_score_function"
 
@@ -190,7 +179,8 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
                                       map_format: int = 0, return_indices: bool = False,
                                       forced: bool = False, path: str = "auto",
                                       tiling: TopkTiling | None = None, group_score: str = "sum_topk",
-                                      compact: bool = False, qb_cutoff: str = "") -> Plan:
+                                      compact: bool = False, qb_cutoff: str = "", save: bool = True,
+                                      qb_bins: int = 0) -> Plan:
     """The launches of the forward (inputs: logits, bias; outputs: probs, map, saved).
 
     Arguments are validated (by the launcher or, under JAX, at trace time);
@@ -206,6 +196,11 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     only the warp kernel computes it (``use_warp_path``; else a ValueError).
     ``qb_cutoff`` (a QB ``exp_mode``; "" none): a last output ``alpha [T]`` f32, the QB
     cutoff (``warp/fwd.py``); sigmoid on the warp kernel only, no replay or compact.
+    ``qb_bins`` (with ``qb_cutoff``; ``B`` <= 65536, 0 none): a last input ``bin_bounds
+    [2]`` f32 and a last output, the QB bins ``[T, E]`` uint16 (the histogram's bin of
+    each expert, ``qb.py``'s ``bins_given``).  ``save`` False: no saved output (a
+    forward without a gradient; the warp kernel then skips those stores, the others
+    write them to scratch).
     """
     if compact and not qb_cutoff:
         return compact_plan(logits, has_bias, topk, pre_softmax, num_groups, group_topk, scale, score_fn,
@@ -219,23 +214,38 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     grouped = group_topk is not None and group_topk > 0
     shape = (num_tokens, num_experts)
     idx_spec = Spec((num_tokens, int(topk)), np.int32)
-    outs = (spec_of(shape, logits.kind), map_spec(num_tokens, num_experts, fmt),
-            spec_of(shape, F32)) + ((idx_spec,) if indices else ())
+    saved_spec = spec_of(shape, F32)
+    outs = ((spec_of(shape, logits.kind), map_spec(num_tokens, num_experts, fmt)) + ((saved_spec,) if save else ())
+            + ((idx_spec,) if indices else ()))
     if qb_cutoff:
         outs += (spec_of((num_tokens,), F32),)
+    if qb_bins:
+        if not qb_cutoff or not 1 <= qb_bins <= 65536:
+            raise ValueError(f"{OP}_fwd_plan: qb_bins needs qb_cutoff and 1 <= qb_bins <= 65536 (uint16 bins), got "
+                             f"qb_cutoff={qb_cutoff!r}, qb_bins={qb_bins}.")
+        outs += (Spec(shape, np.uint16),)
     bias_spec = spec_of((num_experts,), F32)
     if forced:
         ins = (logits, idx_spec)
     else:
         ins = (logits, bias_spec) if has_bias else (logits,)
+    if qb_bins:
+        ins += (spec_of((2,), F32),)
     if num_tokens == 0:
         return Plan(OP + "_fwd", ins, outs)
+    # the token and lane kernels always write saved: without save, into scratch
+    tmps = () if save else (saved_spec,)
+
+    def sv(view=None):  # the saved scores: output 2, or scratch 0
+        return Out(2, view) if save else Tmp(0, view)
+
     # without a bias the kernel gets any [E] fp32 array (never read): saved's first row
-    bias = In(1) if has_bias and not forced else Out(2, bias_spec)
+    bias = In(1) if has_bias and not forced else sv(bias_spec)
     G = int(num_groups) if grouped else 1
     flat_idx = Spec((num_tokens * int(topk),), np.int32)
     # indices out, forced in, or (never read) any int32 array: saved's first words
-    xarr = In(1, flat_idx) if forced else Out(3, flat_idx) if indices else Out(2, Spec((1,), np.int32))
+    xarr = (In(1, flat_idx) if forced else Out(2 + bool(save), flat_idx) if indices
+            else sv(Spec((1,), np.int32)))
     if group_score not in WARP_GROUP_SCORES:
         raise ValueError(f"{OP}_fwd_plan: group_score must be one of {WARP_GROUP_SCORES}, got {group_score!r}.")
     rule = group_score if grouped and not forced else "sum_topk"  # (no groups: every rule selects alike)
@@ -250,15 +260,10 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
                          f"replay or the compact mode (E={num_experts}, K={topk}, score_fn={score_fn}, "
                          f"forced={forced}, compact={compact}, path={path!r}).")
     if warp:
-        cut = (False, qb_cutoff) if qb_cutoff else ()  # (compact, cutoff); without: the cache key as before
-        kern = warp_topk_fwd_kernel(logits.kind, num_experts, int(topk), int(score_fn), bool(has_bias), bitmap,
-                                    indices, G if grouped else 0, int(group_topk) if grouped else 0, rule, *cut)
-        words, quads, flat = array_views(logits.kind, shape)
-        alpha = Out(len(outs) - 1) if qb_cutoff else Out(2, Spec((1,), np.float32))  # else never written
-        step = Step(kern, *warp_launch(num_tokens), 0,
-                    (In(0, words), bias, Out(0, words), Out(1, map_view(outs[1], quads)), Out(2, flat), xarr,
-                     num_tokens, np.float32(scale), 0, alpha))
-        return Plan(OP + "_fwd", ins, outs, (), (step,))
+        step = warp_fwd_step(logits, outs, bool(has_bias), bitmap, indices, int(topk), int(score_fn),
+                             G if grouped else 0, int(group_topk) if grouped else 0, rule, scale, save, qb_cutoff,
+                             int(qb_bins))
+        return Plan(OP + "_fwd", ins, outs, (), (step,))  # (no scratch: the warp kernel skips unsaved stores)
     # (the replay takes the kernel path of the call it replays: the same sums)
     token_path = use_token_path("token" if path == "warp" else path, OP + "_fwd_plan", num_experts,
                                 int(topk), G if grouped else 0, bool(has_bias), tok)
@@ -285,11 +290,11 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
         words, quads, flat = array_views(logits.kind, shape)
         step = Step(kern, lay.grid, lay.threads, lay.shared,
                       (In(0, words), bias, Out(0, words), Out(1, map_view(outs[1], quads)),
-                       Out(2, flat),
+                       sv(flat),
                        num_tokens, num_experts, G, Kg,
                        np.float32(scale), lay.tb, lay.stride, lay.o_flag, lay.o_gs, lay.o_red,
                        lay.o_thr, lay.o_bias, xarr, lay.o_lists))
-        return Plan(OP + "_fwd", ins, outs, (), (step,))
+        return Plan(OP + "_fwd", ins, outs, tmps, (step,))
     if forced:
         lay = select_layout(num_tokens, num_experts, int(topk), tiling=tiling.row)
         kern = lane_topk_fwd_kernel(logits.kind, topk_capacity(topk), bitmap, False, True)
@@ -298,103 +303,10 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
         lay = select_layout(num_tokens, num_experts, int(topk), G if grouped else 0, tiling.row)
         kern = lane_topk_fwd_kernel(logits.kind, topk_capacity(topk), bitmap, *((True,) if indices else ()))
         Kg = int(group_topk) if grouped else -1
-    xarr2 = In(1) if forced else Out(3) if indices else Out(2, Spec((1, 1), np.int32))
+    xarr2 = In(1) if forced else Out(2 + bool(save)) if indices else sv(Spec((1, 1), np.int32))
     step = Step(kern, lay.grid, lay.threads, lay.shared,
-                  (In(0), bias, Out(0), Out(1), Out(2), int(topk), int(score_fn), bool(pre_softmax),
+                  (In(0), bias, Out(0), Out(1), sv(), int(topk), int(score_fn), bool(pre_softmax),
                    bool(has_bias), G, Kg, np.float32(scale),
                    lay.tb, lay.lanes, lay.stride, lay.list_stride, lay.group_lanes, lay.o_list,
                    lay.o_idx, lay.o_cnt, lay.o_grp, lay.o_keep, lay.o_flag, xarr2))
-    return Plan(OP + "_fwd", ins, outs, (), (step,))
-
-
-def topk_with_score_function_bwd(
-    routing_map,
-    saved_scores,
-    grad_probs,
-    topk,
-    use_pre_softmax=False,
-    scaling_factor=1.0,
-    score_function="softmax",
-    *,
-    path="auto",
-    tiling=None,
-    out=None,
-    stream=0,
-):
-    """Router backward: ``grad_probs`` -> ``grad_logits`` (docs/contract.md section 3).
-
-    Args:
-      routing_map: from the forward, either format (told by its dtype): (T, E)
-        bool (BYTEMAP) or (T, ceil(E/8)) uint8 (BITMAP_U8; padding bits ignored).
-      saved_scores: (T, E) float32, from the forward.
-      grad_probs: (T, E) float32 | bfloat16 | float16.
-      topk, use_pre_softmax, scaling_factor, score_function: as in the forward.
-      path: the kernel: ``"auto"``, ``"warp"`` (a warp a token: a map
-        outside softmax-pre, E a multiple of 128 up to 512; else a
-        ValueError) or ``"quad"`` (the quad kernel; the streaming one where
-        E % 4 != 0).  Every path gives the contract's gradients; the bits of
-        the token's sums may differ between paths in the last place.
-      tiling: a ``TopkTiling`` (None: the library's; its ``bwd`` is read).
-      out: optional device array for grad_logits.
-      stream: numba stream or int CUDA stream handle.
-
-    Returns:
-      grad_logits (T, E), dtype of grad_probs.
-    """
-    op = OP + "_bwd"
-    score_fn = score_function_code(score_function, op)
-    s = resolve_stream(stream)
-    d_saved, skind = device_input(saved_scores, "saved_scores", op, s, ndim=2)
-    if skind != F32:
-        raise TypeError(f"{op}: saved_scores must be float32, got {d_saved.dtype}.")
-    d_grad, kind = device_input(grad_probs, "grad_probs", op, s, ndim=2)
-    shape = tuple(int(v) for v in d_saved.shape)
-    to_host = not any_on_device(routing_map, saved_scores, grad_probs) and out is None
-    if tuple(d_grad.shape) != shape:
-        raise ValueError(f"{op}: grad_probs shape {tuple(d_grad.shape)} != saved_scores {shape}.")
-    d_map, fmt = map_input(routing_map, "routing_map", op, s, shape)
-    plan = topk_with_score_function_bwd_plan(spec_of(shape, kind), int(topk), bool(use_pre_softmax),
-                                             np.float32(scaling_factor), score_fn, fmt, path, tiling)
-    return execute(plan, [d_map, d_saved, d_grad], out, s, to_host)[0]
-
-
-
-@functools.cache
-def topk_with_score_function_bwd_plan(grad_probs: Spec, topk: int, pre_softmax: bool, scale: np.float32,
-                                      score_fn: int, map_format: int = 0, path: str = "auto",
-                                      tiling: TopkTiling | None = None) -> Plan:
-    """The launches of the backward (inputs: map, saved, grad_probs; output:
-    grad_logits).  The map's Spec: ``bool [T, E]`` (``map_format`` 0) or
-    ``uint8 [T, ceil(E/8)]`` (1, BITMAP_U8).  ``path``, ``tiling``: the launcher's."""
-    bwd = (tiling or TOPK_TILING).bwd
-    fmt = map_format_code(map_format, OP + "_bwd_plan", "map_format")
-    bitmap = fmt == BITMAP_U8
-    shape = grad_probs.shape
-    ins = (map_spec(shape[0], shape[1], fmt), spec_of(shape, F32), grad_probs)
-    outs = (grad_probs,)
-    warp = use_warp_bwd(path, OP + "_bwd", shape[1], int(score_fn), bool(pre_softmax))
-    if shape[0] == 0:
-        return Plan(OP + "_bwd", ins, outs)
-    if warp:
-        words, quads, flat = array_views(grad_probs.kind, shape)
-        step = Step(warp_topk_bwd_kernel(grad_probs.kind, shape[1], int(score_fn), bitmap),
-                    *warp_bwd_launch(shape[0], bwd), 0,
-                    (In(0, map_view(ins[0], quads)), In(1, flat), In(2, words), Out(0, words),
-                     shape[0], int(topk), np.float32(scale)))
-        return Plan(OP + "_bwd", ins, outs, (), (step,))
-    if shape[1] % 4 == 0:
-        dense = bool(pre_softmax) and score_fn == SOFTMAX
-        grid, threads, lanes = quad_tiling(shape[0], shape[1], dense, bwd)
-        words, quads, flat = array_views(grad_probs.kind, shape)
-        listed = bwd.quad_list if score_fn == SQRTSOFTPLUS else 0  # quad_bwd_kernel's docstring
-        step = Step(quad_bwd_kernel(grad_probs.kind, grad_probs.kind, True, int(score_fn), dense, 0, bitmap,
-                                    listed),
-                      grid, threads, (8 + 8 * listed) * threads,
-                      (In(0, map_view(ins[0], quads)), In(1, flat), In(2, words), Out(0, words),
-                       shape[0], shape[1], int(topk), np.float32(scale), lanes))
-        return Plan(OP + "_bwd", ins, outs, (), (step,))
-    grid, threads, lanes = stream_tiling(shape[0], shape[1], bwd)
-    step = Step(stream_bwd_kernel(grad_probs.kind, grad_probs.kind, True, bitmap), grid, threads, 8 * threads,
-                  (In(0), In(1), In(2), Out(0), int(topk), int(score_fn), bool(pre_softmax),
-                   np.float32(scale), lanes))
-    return Plan(OP + "_bwd", ins, outs, (), (step,))
+    return Plan(OP + "_fwd", ins, outs, tmps, (step,))

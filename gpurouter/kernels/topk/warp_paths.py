@@ -1,6 +1,7 @@
 """Whether a top-k forward or backward takes the warp-per-token kernels
-(``use_warp_path``, ``use_warp_bwd``), and the compact forward's plan
-(``compact_plan``: the warp forward's compact mode, docs/ops/topk.md)."""
+(``use_warp_path``, ``use_warp_bwd``), the dense forward's warp step
+(``warp_fwd_step``) and the compact forward's plan (``compact_plan``: the warp
+forward's compact mode, docs/ops/topk.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from .._base import compat as _compat  # noqa: F401  (first: patches NumPy befor
 
 import numpy as np
 
-from .._base.access import array_views
+from .._base.access import array_views, map_view
 from .._base.launch import F32
 from .._base.plan import In, Out, Plan, Spec, Step, spec_of
 from .warp.bwd import WARP_BWD_MAX_EXPERTS, warp_bwd_path
@@ -52,6 +53,31 @@ def use_warp_bwd(path: str, op: str, num_experts: int, score_fn: int, pre_softma
     return fits and (path == "warp" or (path == "auto" and warp_auto()))
 
 
+def warp_fwd_step(logits: Spec, outs: tuple, bias_in: bool, bitmap: bool, indices: bool, topk: int,
+                  score_fn: int, groups: int, group_topk: int, rule: str, scale: np.float32, save: bool,
+                  qb_cutoff: str, qb_bins: int) -> Step:
+    """The dense forward's launch of the warp kernel (``plans.topk_with_score_function_fwd_plan``'s
+    ``outs``: probs, map, [saved with ``save``], [indices], [alpha with ``qb_cutoff``], [QB bins
+    ``[T, E]`` uint16 with ``qb_bins``, the bin count]; inputs: logits, [bias with ``bias_in``],
+    [bin bounds ``[2]`` f32 with ``qb_bins``]).  Arrays the kernel is given but never reads or
+    writes (no bias, no saved scores, ...) are one-word views of the probs."""
+    num_tokens, num_experts = logits.shape
+    qb_key = (False, qb_cutoff) + ((True,) if qb_bins else ()) if qb_cutoff else ()  # (compact, cutoff[, qbins])
+    kern = warp_topk_fwd_kernel(logits.kind, num_experts, int(topk), int(score_fn), bias_in, bitmap, indices,
+                                groups, group_topk, rule, *qb_key)
+    words, quads, flat = array_views(logits.kind, (num_tokens, num_experts))
+    unused = Out(0, Spec((1,), np.float32))
+    pos = 2 + bool(save) + bool(indices)  # the QB outputs' first
+    saved = Out(2, flat) if save else unused
+    xarr = Out(2 + bool(save), Spec((num_tokens * int(topk),), np.int32)) if indices else Out(0, Spec((1,), np.int32))
+    alpha = Out(pos) if qb_cutoff else unused
+    bins = Out(pos + 1, Spec((num_tokens * num_experts // 4,), np.uint64)) if qb_bins else Out(0, Spec((1,), np.uint64))
+    return Step(kern, *warp_launch(num_tokens), 0,
+                (In(0, words), In(1) if bias_in else unused, Out(0, words), Out(1, map_view(outs[1], quads)),
+                 saved, xarr, num_tokens, np.float32(scale), 0, alpha, int(bool(save)),
+                 In(1 + bias_in) if qb_bins else unused, bins, int(qb_bins)))
+
+
 def compact_plan(logits: Spec, has_bias: bool, topk: int, pre_softmax: bool, num_groups, group_topk,
                   scale: np.float32, score_fn: int, forced: bool, path: str, group_score: str) -> Plan:
     """The compact forward (inputs: logits, bias; outputs: weights ``[T, K]`` of
@@ -74,7 +100,7 @@ def compact_plan(logits: Spec, has_bias: bool, topk: int, pre_softmax: bool, num
     ins = (logits, spec_of((num_experts,), F32)) if has_bias else (logits,)
     if num_tokens == 0:
         return Plan(OP + "_fwd", ins, outs)
-    # the map and saved arguments are never written: views of the indices' first word
+    # the map, saved and QB arguments are never written: views of the indices' first word
     bias = In(1) if has_bias else Out(1, Spec((1,), np.float32))
     kern = warp_topk_fwd_kernel(logits.kind, num_experts, k, int(score_fn), bool(has_bias), False, True, G, Kg,
                                 group_score if grouped else "sum_topk", True)
@@ -83,5 +109,5 @@ def compact_plan(logits: Spec, has_bias: bool, topk: int, pre_softmax: bool, num
     step = Step(kern, *warp_launch(num_tokens), 0,
                 (In(0, words), bias, Out(0, flat_w), Out(1, Spec((1,), np.uint32)), Out(1, Spec((1,), np.float32)),
                  Out(1, Spec((num_tokens * k,), np.int32)), num_tokens, np.float32(scale), 0,
-                 Out(1, Spec((1,), np.float32))))
+                 Out(1, Spec((1,), np.float32)), 0, Out(1, Spec((1,), np.float32)), Out(1, Spec((1,), np.uint64)), 0))
     return Plan(OP + "_fwd", ins, outs, (), (step,))

@@ -34,7 +34,9 @@ Then ``thr``, ``cut`` = lane K-1's pair: expert ``j`` is selected when
 thread-per-token kernel's order: ascending experts with a bias or when
 ``thr`` is -inf (lane k < K puts its score at its expert's rank among the
 K), else the selection order; then K adds in shared memory.  Every lane
-then writes its quads: ``saved`` (sigmoid: ``s``; sqrtsoftplus: the logit),
+then writes its quads: ``saved`` (sigmoid: ``s``; sqrtsoftplus: the logit;
+only with the launch's ``save`` flag: the backward's input, not written for a
+forward without a gradient),
 the probs ``scale * s / (sum + 1e-20)`` (K > 1) and the map.  Softmax after
 the top-k: the sum is of ``exp(r - m)`` over the K in the selection order
 (``m`` the largest; NaN where a selected logit is), the probs ``scale *
@@ -45,7 +47,11 @@ own is 64-bit (64-bit compares, two shuffles for one).
 The QB cutoff (``cutoff``, the QB ``exp_mode``): ``alpha[t]``, bit for bit
 ``qb_cutoff.py``'s value: the scores are the QB sigmoid's (``jax.nn.sigmoid``'s
 bits) and the cutoff is lane K's value after step 2 (step 3: K + 1 rounds);
-docs/kernels.md, "The QB cutoff"; every token's alpha is written.
+docs/kernels.md, "The QB cutoff"; every token's alpha is written.  With
+``qbins`` the kernel also writes each expert's QB bin (``qb_math.qb_bin`` of
+``alpha - s``, the histogram's bin, ``bounds`` and ``num_bins`` the launch's)
+as uint16, a quad's four in one 8-byte word: the histogram then counts bins
+and computes nothing (``qb.py``, ``bins_given``).
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ from ..._base.access import flat_io, storer_1d
 from ..._base.device import EPS, NAN, NEG_INF, ONE, SIGMOID, ZERO, activation, exp_f32, nan_as_neg_inf, u64
 from ..._base.launch import SOFTMAX, simulator_enabled
 from ..._base.vec import quad_f32
-from ..qb_math import EXP_MODES, qb_sigmoid_fn
+from ..qb_math import EXP_MODES, qb_bin, qb_sigmoid_fn
 from .groups import DROPPED, group_dropper, warp_groups
 from .lanes import NO_EXPERT, ahead, exchanges, warp_grid, warp_ranks, warp_scans, warp_sorts
 
@@ -102,7 +108,8 @@ def warp_launch(num_tokens: int) -> tuple[int, int]:
 @functools.cache
 def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, has_bias: bool,
                          bitmap: bool = False, indices: bool = False, num_groups: int = 0, group_topk: int = 0,
-                         group_score: str = "sum_topk", compact: bool = False, cutoff: str = ""):
+                         group_score: str = "sum_topk", compact: bool = False, cutoff: str = "",
+                         qbins: bool = False):
     """The kernel for logits of ``kind``; everything but the token count is a
     compile-time constant (``num_groups`` 0: no groups; ``group_score``: the
     group-score rule, ``groups.WARP_GROUP_SCORES``).  ``compact``: the forward
@@ -113,7 +120,10 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
 
     ``cutoff`` (sigmoid, not compact; "" none): the QB ``exp_mode``; the kernel
     scores by that mode's sigmoid and also writes ``alpha [T]`` f32, its argument
-    after ``fallback_only`` (unread without)."""
+    after ``fallback_only`` (unread without); ``qbins`` (with ``cutoff``): also the
+    QB bins ``[T, E]`` uint16 into ``qbins`` (uint64 quads) by ``bounds [2]`` f32
+    and ``num_bins`` (unread without).  ``save`` (the launch's, 0 or 1): whether
+    ``saved`` is written."""
     Q = num_experts // 128  # quads a lane
     N = 4 * Q
     QROW = num_experts // 4  # quads a row
@@ -145,6 +155,9 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         raise ValueError(f"warp_topk_fwd_kernel: cutoff needs sigmoid scores, no compact mode and an exp_mode of "
                          f"{EXP_MODES}, got score_fn={score_fn}, compact={compact}, cutoff={cutoff!r}.")
     qsig = qb_sigmoid_fn(cutoff if CUT else EXP_MODES[0])  # never called without the cutoff
+    QBINS = bool(qbins)
+    if QBINS and not CUT:
+        raise ValueError("warp_topk_fwd_kernel: qbins needs the QB cutoff.")
 
     @cuda.jit(device=True)
     def score(x, b, s, r, n):
@@ -185,7 +198,8 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         return (r[n] > thr) | ((r[n] == thr) & (e <= cut))
 
     @cuda.jit
-    def warp_topk_fwd(logits, bias, probs, rmap, saved, xarr, num_tokens, scale, fallback_only, alpha):
+    def warp_topk_fwd(logits, bias, probs, rmap, saved, xarr, num_tokens, scale, fallback_only, alpha, save,
+                      bounds, qbins, num_bins):
         cand_v = cuda.shared.array(SLOTS, nb_f32)
         cand_e = cuda.shared.array(SLOTS, nb_i32)
         cand_s = cuda.shared.array(SLOTS, nb_f32)
@@ -208,6 +222,11 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         xs = cuda.local.array(N, nb_f32)
         for n in range(N):
             b[n] = bias[expert_of(lane, n)] if has_bias else ZERO
+        lower, bscale, top_f = ZERO, ZERO, ZERO  # the QB bins' (qb.py's histogram computes them alike)
+        if QBINS:
+            lower = bounds[0]
+            bscale = np.float32(np.float32(num_bins) / np.float32(bounds[1] - lower))
+            top_f = np.float32(np.int32(num_bins) - np.int32(1))
         tok = np.int64(cuda.blockIdx.x) * WARPS
         while tok < num_tokens:  # the block's warps take the same trips (the twins' barriers)
             t = tok + (tid >> 5)
@@ -222,7 +241,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                 w = row + u64(lane + 32 * q)
                 for i in range(4):
                     score(xs[4 * q + i], b, s, r, 4 * q + i)
-                if live and not post and not compact:  # (after the top-k: saved is the weights, stored with them)
+                if live and save != 0 and not post and not compact:  # (after the top-k: stored with the weights)
                     if score_fn == SIGMOID:
                         store_f32(saved, w, s[4 * q], s[4 * q + 1], s[4 * q + 2], s[4 * q + 3])
                     else:
@@ -281,6 +300,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                     if need and lane == k:
                         cv = bv
                         ce = be
+            cq = ZERO
             if CUT:  # the QB cutoff: the (K+1)-th largest r, in lane K
                 cq = idx(cv, KB, red, tid)
                 if live and lane == 0:
@@ -336,7 +356,13 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                 w1 = weight(s[n + 1], m, inv, on1)
                 w2 = weight(s[n + 2], m, inv, on2)
                 w3 = weight(s[n + 3], m, inv, on3)
-                if post and live:
+                if QBINS and live:  # the four QB bins of the quad: one 8-byte word
+                    k0 = u64(qb_bin(np.float32(cq - s[n]), lower, bscale, top_f))
+                    k1 = u64(qb_bin(np.float32(cq - s[n + 1]), lower, bscale, top_f))
+                    k2 = u64(qb_bin(np.float32(cq - s[n + 2]), lower, bscale, top_f))
+                    k3 = u64(qb_bin(np.float32(cq - s[n + 3]), lower, bscale, top_f))
+                    qbins[w] = k0 | (k1 << u64(16)) | (k2 << u64(32)) | (k3 << u64(48))
+                if post and live and save != 0:
                     store_f32(saved, w, w0 if on0 else NEG_INF, w1 if on1 else NEG_INF, w2 if on2 else NEG_INF,
                               w3 if on3 else NEG_INF)
                 if bitmap:  # a byte holds two quads: the even lane writes its odd neighbour's too

@@ -15,7 +15,7 @@ K = pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed
 
 from gpurouter.kernels._base import launch as L  # noqa: E402
 from gpurouter.kernels._base import plan as _plan  # noqa: E402
-from gpurouter.kernels.topk import plans as topk  # noqa: E402
+from gpurouter.kernels.topk import bwd_plans  # noqa: E402
 from gpurouter.kernels.topk.warp import bwd as warp_topk_bwd  # noqa: E402
 from gpurouter.kernels.topk.warp.lanes import warp_auto  # noqa: E402
 from gpurouter.testing.strategies import np_dtype  # noqa: E402
@@ -64,7 +64,7 @@ def test_dispatch():
     streaming kernels; a bad ``path`` names the op and the argument."""
 
     def plan(E, fn=L.SIGMOID, pre=False, path="auto", T=5):
-        return topk.topk_with_score_function_bwd_plan(_plan.spec_of((T, E), L.BF16), 8, pre, np.float32(1), fn,
+        return bwd_plans.topk_with_score_function_bwd_plan(_plan.spec_of((T, E), L.BF16), 8, pre, np.float32(1), fn,
                                                       0, path)
 
     auto = "bwd_quad" if L.simulator_enabled() else "warp.bwd"  # (never on the simulator)
@@ -170,7 +170,7 @@ def test_grid_strided_tokens():
     x = rng.standard_normal((T, 256)).astype(np.float32)
     _, m, s = K.topk_with_score_function_fwd(x, 6, score_function="sqrtsoftplus")
     g = rng.standard_normal(x.shape).astype(np.float32)
-    assert topk.topk_with_score_function_bwd_plan(_plan.spec_of(x.shape, L.F32), 6, False, np.float32(1),
+    assert bwd_plans.topk_with_score_function_bwd_plan(_plan.spec_of(x.shape, L.F32), 6, False, np.float32(1),
                                                   L.SQRTSOFTPLUS, 0, "warp", tiling).steps[0].grid == 2
     dx = _bwd(m, s, g, 6, "sqrtsoftplus", tiling=tiling)
     assert_close(dx, _oracle(m, s, g, 6, "sqrtsoftplus", 1.0), "grads", np.float32, E=256,

@@ -194,7 +194,8 @@ def test_arg_max_rounds_alone(fmt):
             cuda.device_array(T * E, np.float32), cuda.device_array(T * k, np.int32)]
     grid, threads = warp_topk_fwd.warp_launch(T)
     L.launch(kern, grid, threads, 0, 0, cuda.to_device(x.reshape(-1)), cuda.to_device(bias), *outs, T,
-             np.float32(1.0), 1, cuda.device_array(1, np.float32))
+             np.float32(1.0), 1, cuda.device_array(1, np.float32), 1, cuda.device_array(1, np.float32),
+             cuda.device_array(1, np.uint64), 0)
     got = [o.copy_to_host() for o in outs]
     assert got[0].tobytes() == want[0].tobytes()
     assert got[1].tobytes() == want[1].tobytes()
