@@ -35,10 +35,6 @@ from .._transport import kernel_call
 from ..reference._route import qb_call_counts
 from ..reference.variants import saturating_add
 
-#: the most bins the routing kernel writes as uint16 for the QB counts (more: its
-#: saved scores f32, from which the counts compute the bins)
-QB_MAX_ROUTE_BINS = 1 << 16
-
 #: probe values of the one-time sigmoid check: a dense grid over the range
 #: where sigmoid is neither 0 nor 1 in fp32, random normals, and the edges
 _PROBE_GRID = 1 << 16
@@ -80,12 +76,10 @@ def _kernel_counts(x, bias, bounds, valid, cfg: TopkConfig, group_score: str, nu
                    exp_mode: str, cutoff=None, scores=None):
     """This call's counts ``[E, B]`` int32 by the QB kernels (one shard's rows);
     ``cutoff``: the route's ``alpha [T]`` (the QB plan then skips its cutoff pass);
-    ``scores`` (with it): the route's saved scores ``[T, E]`` f32 or its bins ``[T, E]``
-    uint16 (told by the dtype), read instead of ``x``."""
+    ``scores`` (with it): the route's saved scores ``[T, E]`` f32, read instead of ``x``."""
     groups = cfg.num_groups if cfg.grouped else 0
     kg = cfg.group_topk if cfg.grouped else 0
-    source = "logits" if scores is None else "bins" if scores.dtype == jnp.uint16 else "scores"
-    static = (cfg.topk, num_bins, groups, kg, group_score, exp_mode, cutoff is not None, source)
+    static = (cfg.topk, num_bins, groups, kg, group_score, exp_mode, cutoff is not None, scores is not None)
     rows = x if scores is None else scores
     # counts have no gradient: the kernel call must not be differentiated
     args = [lax.stop_gradient(a) for a in (rows, bias.astype(jnp.float32), bounds.astype(jnp.float32))]
@@ -101,11 +95,11 @@ def _kernel_counts(x, bias, bounds, valid, cfg: TopkConfig, group_score: str, nu
 def _plan(static, x, bias, bounds, *rest):
     from ..kernels.topk.qb import qb_counts_plan
 
-    topk, num_bins, groups, kg, rule, mode, given, source = static
+    topk, num_bins, groups, kg, rule, mode, given, scored = static
     masked = len(rest) > int(given)  # rest: [valid], then [alpha]
     kw = {"cutoff_given": True} if given else {}
-    if source != "logits":  # x: the route's scores or bins
-        kw[f"{source}_given"] = True
+    if scored:  # x: the route's scores
+        kw["scores_given"] = True
     return qb_counts_plan(x, masked, topk, num_bins, groups, kg, rule, mode, **kw)
 
 
@@ -127,8 +121,7 @@ def histogram_after(x, expert_bias, cfg: TopkConfig, group_score: str, histogram
     forward's QB cutoff; rows not token-sharded, the kernels counting:
     ``_ops/topk.py: _qb_cutoff_mode``), given to the QB plan, which then skips
     its cutoff pass; ``scores``: with it, the route's saved scores ``[T, E]`` f32
-    (the QB sigmoid) or its QB bins ``[T, E]`` uint16, which the histogram reads
-    instead of ``x``."""
+    (the QB sigmoid), which the histogram reads instead of ``x``."""
     histogram = jnp.asarray(histogram)
     num_bins = histogram.shape[1]
     bias, bounds = jnp.asarray(expert_bias), jnp.asarray(bin_bounds)

@@ -24,7 +24,7 @@ from .._checks import (
 from .._sharding import axis_size, per_token_shard, token_axes
 from .._transport import resolve_transport
 from ..reference import _route as _ref_route
-from .qb import QB_MAX_ROUTE_BINS, histogram_after, use_kernels
+from .qb import histogram_after, use_kernels
 from .topk_kernels import _aux_scores, _compact, _KernelCall, _map_spec, _topk, _warp_rule
 
 
@@ -152,7 +152,6 @@ def fused_topk_with_score_function(
     compact_kernel = (backend != "jax" and var.compact and not forced and not cfg.compute_aux_scores
                       and _warp_rule(cfg, num_experts))
     qb_cut = ""  # the QB cutoff from the route (_qb_cutoff_mode; "": the QB plan's own pass)
-    qb_bins = 0
     if backend == "jax":
         def route(x, *rest):
             b = rest[0] if bias is not None else None
@@ -173,8 +172,6 @@ def fused_topk_with_score_function(
             bias = bias.astype(jnp.float32)
 
         qb_cut = _qb_cutoff_mode(cfg, var, logits, forced, compact_kernel, transport)
-        # the route writes the QB bins themselves (uint16), the counts only count them
-        qb_bins = var.num_bins if qb_cut and var.num_bins <= QB_MAX_ROUTE_BINS else 0
 
         def route(logits, *rest):  # the rows [T, E] of one token shard
             if compact_kernel:
@@ -182,9 +179,6 @@ def fused_topk_with_score_function(
                                 _KernelCall(transport, False, True, False, var.group_score))
             if cfg.compute_aux_scores:
                 return _aux_scores(logits, cfg, logits.dtype, transport, write_indices)
-            if qb_bins:  # (rest: the bias and the bin bounds)
-                return _topk(logits, tuple(rest), cfg,
-                             _KernelCall(transport, False, write_indices, False, var.group_score, qb_cut, qb_bins))
             if var.group_score != "sum_topk" and not forced and cfg.grouped and _warp_rule(cfg, num_experts):
                 # the warp kernel scores the groups by the rule itself
                 return _topk(logits, rest[0] if rest else None, cfg,
@@ -221,11 +215,8 @@ def fused_topk_with_score_function(
         tokens.append(jnp.asarray(forced_indices).reshape(-1, cfg.topk).astype(jnp.int32))
     # Token-sharded logits: each device routes its own tokens (_sharding.py).
     n_out = (3 if write_indices and not compact_kernel else 2) + 2 * bool(qb_cut)
-    per_call = [] if bias is None else [bias]
-    if qb_bins:
-        per_call.append(jnp.asarray(qb_bin_bounds).astype(jnp.float32))
-    out = per_token_shard(route, tokens, per_call, n_out)
-    if qb_cut:  # the QB counts on the route's cutoff and its scores or bins (its last two outputs)
+    out = per_token_shard(route, tokens, [] if bias is None else [bias], n_out)
+    if qb_cut:  # the QB counts on the route's cutoff and scores (its last two outputs)
         qb = (histogram_after(x, jnp.asarray(expert_bias), cfg, var.group_score, qb_histogram, qb_bin_bounds,
                               valid, axis_name, transport, cutoff=out[-2], scores=out[-1]),)
         out = out[:-2]

@@ -50,12 +50,9 @@ class _KernelCall(NamedTuple):
     replay_bias: bool = False
     group_score: str = "sum_topk"  # the group-score rule (the warp kernel's, _warp_rule)
     # the QB exp mode: the warp forward also writes the QB cutoff alpha [T] f32, the
-    # last output but one, and the last is what the QB counts read: its bins [T, E]
-    # uint16 with qb_bins (the bin count; the bounds [2] f32 are then the last
-    # per-call input), else its saved scores [T, E] f32 ("" none; _ops/topk.py's
-    # _qb_cutoff_mode decides)
+    # last output but one, and its saved scores [T, E] f32 are the last ("" none;
+    # _ops/topk.py's _qb_cutoff_mode decides)
     qb_cutoff: str = ""
-    qb_bins: int = 0
 
 
 def _warp_rule(cfg: TopkConfig, num_experts: int) -> bool:
@@ -79,8 +76,6 @@ def _indices_kw(call: _KernelCall) -> dict:
         kw["group_score"] = call.group_score
     if call.qb_cutoff:
         kw["qb_cutoff"] = call.qb_cutoff
-    if call.qb_bins:
-        kw["qb_bins"] = call.qb_bins
     return kw
 
 
@@ -104,9 +99,9 @@ def _topk_plan(cfg: TopkConfig, call: _KernelCall, save: bool, logits, *extra):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _topk(x, extra, cfg: TopkConfig, call: _KernelCall):
-    """``extra``: the fp32 bias, the forced indices (``call.forced``), ``(bias,
-    bin_bounds)`` (``call.qb_bins``) or None.  Without a gradient the saved scores
-    are not an output (the warp kernel skips their stores)."""
+    """``extra``: the fp32 bias, the forced indices (``call.forced``) or None.
+    Without a gradient the saved scores are not an output (nor allocated: the
+    warp kernel skips their stores), except where the QB counts read them."""
     return _topk_fwd(x, extra, cfg, call, save=False)[0]
 
 
@@ -120,12 +115,10 @@ def _topk_vjp_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
 
 def _topk_fwd(x, extra, cfg: TopkConfig, call: _KernelCall, save: bool = True):
     tokens, per_call = [x], []
-    if call.qb_bins:
-        per_call += list(extra)  # (bias, bin_bounds)
-    elif extra is not None:
+    if extra is not None:
         (tokens if call.forced else per_call).append(extra)
-    # with the QB cutoff and no bins, the QB counts read the saved scores (the QB sigmoid's bits)
-    save = save or (bool(call.qb_cutoff) and not call.qb_bins)
+    # with the QB cutoff the QB counts read the saved scores (the QB sigmoid's bits)
+    save = save or bool(call.qb_cutoff)
     # The plan of this call's shapes, built at trace time (and cached): a plan's
     # error raises here, never inside a host callback, and its kernels compile
     # before the first launch on every transport.
@@ -133,16 +126,14 @@ def _topk_fwd(x, extra, cfg: TopkConfig, call: _KernelCall, save: bool = True):
     specs = list(_specs(x, x.dtype, cfg, call.write_indices))
     if not save:
         del specs[2]
-    if call.qb_cutoff:  # (no gradient: their cotangents are never read)
+    if call.qb_cutoff:  # (no gradient: its cotangent is never read)
         specs.append(jax.ShapeDtypeStruct((x.shape[0],), jnp.float32))
-    if call.qb_bins:
-        specs.append(jax.ShapeDtypeStruct(x.shape, jnp.uint16))
     out = kernel_call(functools.partial(_topk_plan, cfg, call, save), specs, tokens, per_call, call.transport)
     probs, routing_map = out[:2]
     saved = out[2] if save else None
     rest = out[2 + save:]
-    # the QB outputs last: alpha, then the bins, or the saved scores
-    qb = () if call.qb_bins or not call.qb_cutoff else (saved,)
+    # with the QB cutoff the saved scores are an output too (last, after alpha): the QB counts read them
+    qb = (saved,) if call.qb_cutoff else ()
     return (probs, routing_map, *rest, *qb), (routing_map, saved)
 
 

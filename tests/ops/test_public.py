@@ -229,3 +229,35 @@ def test_presets_on_the_gpu(preset, transport):
     got = jax.jit(lambda x: jax.lax.fori_loop(0, 5, body, x))(x)
     want = jax.jit(lambda x: jax.lax.fori_loop(0, 5, body_ref, x))(x)
     _close(got, want, "bfloat16", "grad")
+
+
+def test_forward_without_a_gradient_saves_no_scores():
+    """A forward without a gradient (the custom_vjp's primal) gives no ``[T, E]`` f32
+    saved scores to the kernels' call (one output fewer: not allocated), and its
+    probs and map are those of the forward under ``jax.vjp``, bit for bit."""
+    pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+    x = jax.random.normal(jax.random.PRNGKey(3), (4, 128), jnp.bfloat16)
+    bias = jnp.linspace(-0.1, 0.1, 128, dtype=jnp.float32)
+
+    def route(v):
+        return gr.fused_topk_with_score_function(v, 4, score_function="sigmoid", expert_bias=bias, backend="numba")
+
+    def f32_rows(jaxpr) -> int:
+        """The ``[T, E]`` f32 values the equations make, nested jaxprs included."""
+        n = 0
+        for eq in jaxpr.eqns:
+            n += sum(1 for v in eq.outvars if getattr(v.aval, "shape", None) == x.shape
+                     and v.aval.dtype == jnp.float32)
+            for p in eq.params.values():
+                for sub in p if isinstance(p, (list, tuple)) else (p,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        n += f32_rows(inner)
+        return n
+
+    plain = route(x)
+    primal, _ = jax.vjp(route, x)
+    for a, b in zip(plain, primal, strict=True):
+        assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert f32_rows(jax.make_jaxpr(route)(x).jaxpr) == 0
+    assert f32_rows(jax.make_jaxpr(lambda v: jax.vjp(route, v)[0])(x).jaxpr) >= 1

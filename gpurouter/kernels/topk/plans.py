@@ -179,8 +179,7 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
                                       map_format: int = 0, return_indices: bool = False,
                                       forced: bool = False, path: str = "auto",
                                       tiling: TopkTiling | None = None, group_score: str = "sum_topk",
-                                      compact: bool = False, qb_cutoff: str = "", save: bool = True,
-                                      qb_bins: int = 0) -> Plan:
+                                      compact: bool = False, qb_cutoff: str = "", save: bool = True) -> Plan:
     """The launches of the forward (inputs: logits, bias; outputs: probs, map, saved).
 
     Arguments are validated (by the launcher or, under JAX, at trace time);
@@ -196,11 +195,9 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     only the warp kernel computes it (``use_warp_path``; else a ValueError).
     ``qb_cutoff`` (a QB ``exp_mode``; "" none): a last output ``alpha [T]`` f32, the QB
     cutoff (``warp/fwd.py``); sigmoid on the warp kernel only, no replay or compact.
-    ``qb_bins`` (with ``qb_cutoff``; ``B`` <= 65536, 0 none): a last input ``bin_bounds
-    [2]`` f32 and a last output, the QB bins ``[T, E]`` uint16 (the histogram's bin of
-    each expert, ``qb.py``'s ``bins_given``).  ``save`` False: no saved output (a
-    forward without a gradient; the warp kernel then skips those stores, the others
-    write them to scratch).
+    ``save`` False: no saved output (a forward without a gradient: its [T, E] f32 is
+    not allocated; the warp kernel skips those stores, the others write them to
+    scratch).
     """
     if compact and not qb_cutoff:
         return compact_plan(logits, has_bias, topk, pre_softmax, num_groups, group_topk, scale, score_fn,
@@ -219,18 +216,11 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
             + ((idx_spec,) if indices else ()))
     if qb_cutoff:
         outs += (spec_of((num_tokens,), F32),)
-    if qb_bins:
-        if not qb_cutoff or not 1 <= qb_bins <= 65536:
-            raise ValueError(f"{OP}_fwd_plan: qb_bins needs qb_cutoff and 1 <= qb_bins <= 65536 (uint16 bins), got "
-                             f"qb_cutoff={qb_cutoff!r}, qb_bins={qb_bins}.")
-        outs += (Spec(shape, np.uint16),)
     bias_spec = spec_of((num_experts,), F32)
     if forced:
         ins = (logits, idx_spec)
     else:
         ins = (logits, bias_spec) if has_bias else (logits,)
-    if qb_bins:
-        ins += (spec_of((2,), F32),)
     if num_tokens == 0:
         return Plan(OP + "_fwd", ins, outs)
     # the token and lane kernels always write saved: without save, into scratch
@@ -261,8 +251,7 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
                          f"forced={forced}, compact={compact}, path={path!r}).")
     if warp:
         step = warp_fwd_step(logits, outs, bool(has_bias), bitmap, indices, int(topk), int(score_fn),
-                             G if grouped else 0, int(group_topk) if grouped else 0, rule, scale, save, qb_cutoff,
-                             int(qb_bins))
+                             G if grouped else 0, int(group_topk) if grouped else 0, rule, scale, save, qb_cutoff)
         return Plan(OP + "_fwd", ins, outs, (), (step,))  # (no scratch: the warp kernel skips unsaved stores)
     # (the replay takes the kernel path of the call it replays: the same sums)
     token_path = use_token_path("token" if path == "warp" else path, OP + "_fwd_plan", num_experts,

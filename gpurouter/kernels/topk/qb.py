@@ -36,9 +36,7 @@ The route's cutoff (``qb_counts_plan(..., cutoff_given=True)``): ``alpha
 are the route's saved scores ``s`` (f32, the same sigmoid bits) instead of the
 logits, and step 2 computes no sigmoid (an H200 at T = 65536, E = 384: the
 histogram pass issue-bound, 48 warp instructions a count, the sigmoid's the
-largest part); with ``bins_given=True`` the rows are the route's QB bins (uint16,
-``qb_bin`` of ``alpha - s`` computed by the routing kernel) and step 2 only counts
-them. The public op gives it where the
+largest part). The public op gives it where the
 route runs on the warp forward (``kernels/topk/warp/fwd.py``, "The QB
 cutoff": with the kernel's ``cutoff`` option it scores by this module's
 sigmoid, and its sort's (K+1)-th value is the cutoff, the same bits as step
@@ -71,7 +69,7 @@ from numba import float32 as nb_f32
 from numba import int32 as nb_i32
 
 from .._base.access import loader_2d
-from .._base.device import ZERO, u32, u64
+from .._base.device import u32, u64
 from .._base.launch import BF16, F32, any_on_device, device_input, is_device_array, map_input, resolve_stream
 from .._base.parallel import recipe
 from .._base.plan import In, Out, Plan, Spec, Step, Tmp, execute, spec_of
@@ -99,8 +97,7 @@ def qb_zero_kernel(counts, n):
 
 @recipe  # rebuilt by a compile worker (_base/parallel.py)
 @functools.cache
-def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str, unroll: int = 4, scores: bool = False,
-                   bins: bool = False):
+def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str, unroll: int = 4, scores: bool = False):
     """The counts of the experts ``[c EC, (c + 1) EC)`` over the tokens of slab ``s``
     (block ``b = s * chunks + c``): a thread a (token row, expert) pair, ``rows``
     token rows a block, ``unroll`` token rows a step (their loads issued together,
@@ -111,18 +108,13 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str, unroll:
     ``partial [slabs, E, B]``, at ``[s, c EC : c EC + EC, :]``; ``qb_reduce`` sums
     the slabs. Else ``dest`` is ``counts [E, B]`` (zeroed before) and each count a
     global ``atomicAdd``.  ``scores``: the rows are the unbiased QB sigmoid itself
-    (f32, the routing kernel's saved scores), not logits: no sigmoid here.
-    ``bins``: the rows are the bins themselves (uint16, the routing kernel's): only
-    the counting (``cutoff`` and ``bounds`` unread)."""
+    (f32, the routing kernel's saved scores), not logits: no sigmoid here."""
     load = loader_2d(kind)
     sigmoid = qb_sigmoid_fn(exp_mode)
 
     @cuda.jit(device=True)
     def add(hist, dest, el, e, nb, x, c, lower, scale, top_f):
-        if bins:
-            k = np.int32(x)
-        else:
-            k = qb_bin(np.float32(c - (x if scores else sigmoid(x))), lower, scale, top_f)
+        k = qb_bin(np.float32(c - (x if scores else sigmoid(x))), lower, scale, top_f)
         # unsigned indices: no negative-index wraparound code (numba's, for signed ones)
         if shared:
             cuda.atomic.add(hist, u32(el * nb + k), np.int32(1))
@@ -151,13 +143,13 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str, unroll:
                 i += nth
             # Barrier: the counts are zero before any thread adds.
             cuda.syncthreads()
-        lower = ZERO if bins else bounds[0]
-        scale = ZERO if bins else np.float32(np.float32(nb) / np.float32(bounds[1] - lower))
+        lower = bounds[0]
+        scale = np.float32(np.float32(nb) / np.float32(bounds[1] - lower))
         top_f = np.float32(nb - np.int32(1))
         rows = nth // ec
         row = tid // ec
         el = tid - row * ec
-        xs = cuda.local.array(unroll, nb_i32 if bins else nb_f32)  # registers: the loops over it unroll
+        xs = cuda.local.array(unroll, nb_f32)  # registers: the loops over it unroll
         cs = cuda.local.array(unroll, nb_f32)
         vs = cuda.local.array(unroll, nb_i32)  # (masked) the rows' valid flags, loaded with the rows
         if row < rows:
@@ -168,8 +160,8 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str, unroll:
             while t + (unroll - 1) * step < t1:
                 for u in range(unroll):
                     tu = t + u * step
-                    xs[u] = np.int32(logits[u64(tu), u64(e)]) if bins else load(logits, u64(tu), u64(e))
-                    cs[u] = ZERO if bins else cutoff[u64(tu)]
+                    xs[u] = load(logits, u64(tu), u64(e))
+                    cs[u] = cutoff[u64(tu)]
                     if masked:  # in flight with the rows' loads (read at each add, the loads waited one by one)
                         vs[u] = np.int32(valid[u64(tu)] != 0)
                 for u in range(unroll):
@@ -178,10 +170,7 @@ def qb_hist_kernel(kind: str, masked: bool, shared: bool, exp_mode: str, unroll:
                 t += unroll * step
             while t < t1:
                 if not masked or valid[u64(t)]:
-                    if bins:
-                        add(hist, dest, el, e, nb, np.int32(logits[u64(t), u64(e)]), ZERO, lower, scale, top_f)
-                    else:
-                        add(hist, dest, el, e, nb, load(logits, u64(t), u64(e)), cutoff[u64(t)], lower, scale, top_f)
+                    add(hist, dest, el, e, nb, load(logits, u64(t), u64(e)), cutoff[u64(t)], lower, scale, top_f)
                 t += step
         if shared:
             # Barrier: every add of the block is in before the stores read.
@@ -219,8 +208,7 @@ def qb_reduce_kernel(partial, counts, n, slabs):
 @functools.cache
 def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_groups: int = 0,
                    group_topk: int = 0, group_score: str = "sum_topk", exp_mode: str | None = None,
-                   tiling: QbTiling | None = None, cutoff_given: bool = False, scores_given: bool = False,
-                   bins_given: bool = False) -> Plan:
+                   tiling: QbTiling | None = None, cutoff_given: bool = False, scores_given: bool = False) -> Plan:
     """The launches of :func:`qb_counts`: inputs ``logits [T, E]`` (f32/bf16/f16),
     ``expert_bias [E] f32``, ``bin_bounds [2] f32`` and, with ``masked``, ``valid [T]``
     bool; output ``counts [E, B] int32``; scratch ``alpha [T] f32`` and, with shared
@@ -232,15 +220,10 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
     is its only reader).  ``scores_given`` (with ``cutoff_given``): the first input
     is not the logits but ``s [T, E] f32``, their QB sigmoid (the routing kernel's
     saved scores, written with that alpha): the histogram reads it and computes
-    no sigmoid.  ``bins_given`` (with ``cutoff_given``): the first input is the
-    routing kernel's QB bins ``[T, E]`` uint16 (``warp/fwd.py``'s ``qbins``, made
-    with alpha and these bounds): the histogram only counts them."""
+    no sigmoid."""
     if scores_given and (not cutoff_given or logits.kind != F32):
         raise ValueError(f"{OP}: scores_given needs cutoff_given and f32 scores, got cutoff_given={cutoff_given}, "
                          f"{logits.kind} rows.")
-    if bins_given and (not cutoff_given or scores_given or logits.dtype != np.uint16):
-        raise ValueError(f"{OP}: bins_given needs cutoff_given, not scores_given, and uint16 bins, got "
-                         f"cutoff_given={cutoff_given}, scores_given={scores_given}, {logits.dtype} rows.")
     tiling = tiling or QB_TILING
     exp_mode = exp_mode or default_exp_mode()
     num_tokens, num_experts = logits.shape
@@ -284,7 +267,7 @@ def qb_counts_plan(logits: Spec, masked: bool, topk: int, num_bins: int, num_gro
         if not cutoff_given:
             steps.append(Step(kern, cgrid, ct, cshared, (In(0), In(1), valid, Tmp(0), num_tokens, num_experts)))
         steps.append(Step(qb_hist_kernel(logits.kind, masked, shared > 0, exp_mode, tiling.hist_unroll,
-                                         scores_given, *((True,) if bins_given else ())), grid,
+                                         scores_given), grid,
                           threads, shared,
                           (In(0), alpha, valid, In(2), part if partials else counts, num_tokens, num_experts,
                            num_bins, chunk, chunks, slab)))

@@ -55,27 +55,23 @@ def use_warp_bwd(path: str, op: str, num_experts: int, score_fn: int, pre_softma
 
 def warp_fwd_step(logits: Spec, outs: tuple, bias_in: bool, bitmap: bool, indices: bool, topk: int,
                   score_fn: int, groups: int, group_topk: int, rule: str, scale: np.float32, save: bool,
-                  qb_cutoff: str, qb_bins: int) -> Step:
+                  qb_cutoff: str) -> Step:
     """The dense forward's launch of the warp kernel (``plans.topk_with_score_function_fwd_plan``'s
-    ``outs``: probs, map, [saved with ``save``], [indices], [alpha with ``qb_cutoff``], [QB bins
-    ``[T, E]`` uint16 with ``qb_bins``, the bin count]; inputs: logits, [bias with ``bias_in``],
-    [bin bounds ``[2]`` f32 with ``qb_bins``]).  Arrays the kernel is given but never reads or
-    writes (no bias, no saved scores, ...) are one-word views of the probs."""
+    ``outs``: probs, map, [saved with ``save``], [indices], [alpha with ``qb_cutoff``]; inputs:
+    logits, [bias with ``bias_in``]).  Arrays the kernel is given but never reads or writes (no
+    bias, no saved scores, ...) are one-word views of the probs."""
     num_tokens, num_experts = logits.shape
-    qb_key = (False, qb_cutoff) + ((True,) if qb_bins else ()) if qb_cutoff else ()  # (compact, cutoff[, qbins])
+    cut = (False, qb_cutoff) if qb_cutoff else ()  # (compact, cutoff); without: the cache key as before
     kern = warp_topk_fwd_kernel(logits.kind, num_experts, int(topk), int(score_fn), bias_in, bitmap, indices,
-                                groups, group_topk, rule, *qb_key)
+                                groups, group_topk, rule, *cut)
     words, quads, flat = array_views(logits.kind, (num_tokens, num_experts))
     unused = Out(0, Spec((1,), np.float32))
-    pos = 2 + bool(save) + bool(indices)  # the QB outputs' first
     saved = Out(2, flat) if save else unused
     xarr = Out(2 + bool(save), Spec((num_tokens * int(topk),), np.int32)) if indices else Out(0, Spec((1,), np.int32))
-    alpha = Out(pos) if qb_cutoff else unused
-    bins = Out(pos + 1, Spec((num_tokens * num_experts // 4,), np.uint64)) if qb_bins else Out(0, Spec((1,), np.uint64))
+    alpha = Out(len(outs) - 1) if qb_cutoff else unused
     return Step(kern, *warp_launch(num_tokens), 0,
                 (In(0, words), In(1) if bias_in else unused, Out(0, words), Out(1, map_view(outs[1], quads)),
-                 saved, xarr, num_tokens, np.float32(scale), 0, alpha, int(bool(save)),
-                 In(1 + bias_in) if qb_bins else unused, bins, int(qb_bins)))
+                 saved, xarr, num_tokens, np.float32(scale), 0, alpha, int(bool(save))))
 
 
 def compact_plan(logits: Spec, has_bias: bool, topk: int, pre_softmax: bool, num_groups, group_topk,
@@ -100,7 +96,7 @@ def compact_plan(logits: Spec, has_bias: bool, topk: int, pre_softmax: bool, num
     ins = (logits, spec_of((num_experts,), F32)) if has_bias else (logits,)
     if num_tokens == 0:
         return Plan(OP + "_fwd", ins, outs)
-    # the map, saved and QB arguments are never written: views of the indices' first word
+    # the map and saved arguments are never written: views of the indices' first word
     bias = In(1) if has_bias else Out(1, Spec((1,), np.float32))
     kern = warp_topk_fwd_kernel(logits.kind, num_experts, k, int(score_fn), bool(has_bias), False, True, G, Kg,
                                 group_score if grouped else "sum_topk", True)
@@ -109,5 +105,5 @@ def compact_plan(logits: Spec, has_bias: bool, topk: int, pre_softmax: bool, num
     step = Step(kern, *warp_launch(num_tokens), 0,
                 (In(0, words), bias, Out(0, flat_w), Out(1, Spec((1,), np.uint32)), Out(1, Spec((1,), np.float32)),
                  Out(1, Spec((num_tokens * k,), np.int32)), num_tokens, np.float32(scale), 0,
-                 Out(1, Spec((1,), np.float32)), 0, Out(1, Spec((1,), np.float32)), Out(1, Spec((1,), np.uint64)), 0))
+                 Out(1, Spec((1,), np.float32)), 0))
     return Plan(OP + "_fwd", ins, outs, (), (step,))

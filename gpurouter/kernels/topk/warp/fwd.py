@@ -47,11 +47,7 @@ own is 64-bit (64-bit compares, two shuffles for one).
 The QB cutoff (``cutoff``, the QB ``exp_mode``): ``alpha[t]``, bit for bit
 ``qb_cutoff.py``'s value: the scores are the QB sigmoid's (``jax.nn.sigmoid``'s
 bits) and the cutoff is lane K's value after step 2 (step 3: K + 1 rounds);
-docs/kernels.md, "The QB cutoff"; every token's alpha is written.  With
-``qbins`` the kernel also writes each expert's QB bin (``qb_math.qb_bin`` of
-``alpha - s``, the histogram's bin, ``bounds`` and ``num_bins`` the launch's)
-as uint16, a quad's four in one 8-byte word: the histogram then counts bins
-and computes nothing (``qb.py``, ``bins_given``).
+docs/kernels.md, "The QB cutoff"; every token's alpha is written.
 """
 
 from __future__ import annotations
@@ -72,7 +68,7 @@ from ..._base.access import flat_io, storer_1d
 from ..._base.device import EPS, NAN, NEG_INF, ONE, SIGMOID, ZERO, activation, exp_f32, nan_as_neg_inf, u64
 from ..._base.launch import SOFTMAX, simulator_enabled
 from ..._base.vec import quad_f32
-from ..qb_math import EXP_MODES, qb_bin, qb_sigmoid_fn
+from ..qb_math import EXP_MODES, qb_sigmoid_fn
 from .groups import DROPPED, group_dropper, warp_groups
 from .lanes import NO_EXPERT, ahead, exchanges, warp_grid, warp_ranks, warp_scans, warp_sorts
 
@@ -108,8 +104,7 @@ def warp_launch(num_tokens: int) -> tuple[int, int]:
 @functools.cache
 def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, has_bias: bool,
                          bitmap: bool = False, indices: bool = False, num_groups: int = 0, group_topk: int = 0,
-                         group_score: str = "sum_topk", compact: bool = False, cutoff: str = "",
-                         qbins: bool = False):
+                         group_score: str = "sum_topk", compact: bool = False, cutoff: str = ""):
     """The kernel for logits of ``kind``; everything but the token count is a
     compile-time constant (``num_groups`` 0: no groups; ``group_score``: the
     group-score rule, ``groups.WARP_GROUP_SCORES``).  ``compact``: the forward
@@ -120,10 +115,8 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
 
     ``cutoff`` (sigmoid, not compact; "" none): the QB ``exp_mode``; the kernel
     scores by that mode's sigmoid and also writes ``alpha [T]`` f32, its argument
-    after ``fallback_only`` (unread without); ``qbins`` (with ``cutoff``): also the
-    QB bins ``[T, E]`` uint16 into ``qbins`` (uint64 quads) by ``bounds [2]`` f32
-    and ``num_bins`` (unread without).  ``save`` (the launch's, 0 or 1): whether
-    ``saved`` is written."""
+    after ``fallback_only`` (unread without).  ``save`` (the launch's, 0 or 1):
+    whether ``saved`` is written."""
     Q = num_experts // 128  # quads a lane
     N = 4 * Q
     QROW = num_experts // 4  # quads a row
@@ -155,9 +148,6 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         raise ValueError(f"warp_topk_fwd_kernel: cutoff needs sigmoid scores, no compact mode and an exp_mode of "
                          f"{EXP_MODES}, got score_fn={score_fn}, compact={compact}, cutoff={cutoff!r}.")
     qsig = qb_sigmoid_fn(cutoff if CUT else EXP_MODES[0])  # never called without the cutoff
-    QBINS = bool(qbins)
-    if QBINS and not CUT:
-        raise ValueError("warp_topk_fwd_kernel: qbins needs the QB cutoff.")
 
     @cuda.jit(device=True)
     def score(x, b, s, r, n):
@@ -198,8 +188,7 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         return (r[n] > thr) | ((r[n] == thr) & (e <= cut))
 
     @cuda.jit
-    def warp_topk_fwd(logits, bias, probs, rmap, saved, xarr, num_tokens, scale, fallback_only, alpha, save,
-                      bounds, qbins, num_bins):
+    def warp_topk_fwd(logits, bias, probs, rmap, saved, xarr, num_tokens, scale, fallback_only, alpha, save):
         cand_v = cuda.shared.array(SLOTS, nb_f32)
         cand_e = cuda.shared.array(SLOTS, nb_i32)
         cand_s = cuda.shared.array(SLOTS, nb_f32)
@@ -222,11 +211,6 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
         xs = cuda.local.array(N, nb_f32)
         for n in range(N):
             b[n] = bias[expert_of(lane, n)] if has_bias else ZERO
-        lower, bscale, top_f = ZERO, ZERO, ZERO  # the QB bins' (qb.py's histogram computes them alike)
-        if QBINS:
-            lower = bounds[0]
-            bscale = np.float32(np.float32(num_bins) / np.float32(bounds[1] - lower))
-            top_f = np.float32(np.int32(num_bins) - np.int32(1))
         tok = np.int64(cuda.blockIdx.x) * WARPS
         while tok < num_tokens:  # the block's warps take the same trips (the twins' barriers)
             t = tok + (tid >> 5)
@@ -300,7 +284,6 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                     if need and lane == k:
                         cv = bv
                         ce = be
-            cq = ZERO
             if CUT:  # the QB cutoff: the (K+1)-th largest r, in lane K
                 cq = idx(cv, KB, red, tid)
                 if live and lane == 0:
@@ -356,12 +339,6 @@ def warp_topk_fwd_kernel(kind: str, num_experts: int, topk: int, score_fn: int, 
                 w1 = weight(s[n + 1], m, inv, on1)
                 w2 = weight(s[n + 2], m, inv, on2)
                 w3 = weight(s[n + 3], m, inv, on3)
-                if QBINS and live:  # the four QB bins of the quad: one 8-byte word
-                    k0 = u64(qb_bin(np.float32(cq - s[n]), lower, bscale, top_f))
-                    k1 = u64(qb_bin(np.float32(cq - s[n + 1]), lower, bscale, top_f))
-                    k2 = u64(qb_bin(np.float32(cq - s[n + 2]), lower, bscale, top_f))
-                    k3 = u64(qb_bin(np.float32(cq - s[n + 3]), lower, bscale, top_f))
-                    qbins[w] = k0 | (k1 << u64(16)) | (k2 << u64(32)) | (k3 << u64(48))
                 if post and live and save != 0:
                     store_f32(saved, w, w0 if on0 else NEG_INF, w1 if on1 else NEG_INF, w2 if on2 else NEG_INF,
                               w3 if on3 else NEG_INF)

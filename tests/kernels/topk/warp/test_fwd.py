@@ -194,8 +194,7 @@ def test_arg_max_rounds_alone(fmt):
             cuda.device_array(T * E, np.float32), cuda.device_array(T * k, np.int32)]
     grid, threads = warp_topk_fwd.warp_launch(T)
     L.launch(kern, grid, threads, 0, 0, cuda.to_device(x.reshape(-1)), cuda.to_device(bias), *outs, T,
-             np.float32(1.0), 1, cuda.device_array(1, np.float32), 1, cuda.device_array(1, np.float32),
-             cuda.device_array(1, np.uint64), 0)
+             np.float32(1.0), 1, cuda.device_array(1, np.float32), 1)
     got = [o.copy_to_host() for o in outs]
     assert got[0].tobytes() == want[0].tobytes()
     assert got[1].tobytes() == want[1].tobytes()
@@ -290,3 +289,29 @@ def test_warp_sorts_and_scans():
     order = sorted(range(32), key=lambda i: (-v[i], e[i]))
     assert (got_v == v[order]).all() and (got_e == e[order]).all()
     assert (got_c == np.cumsum(c)).all() and (got_m == e[order[0]]).all()
+
+
+def test_forward_without_saved_scores():
+    """``save=False`` (a forward without a gradient) on every kernel family: no saved
+    output (the warp kernel skips those stores, the token and lane kernels write them
+    to scratch), every other output the same bits, indices and the QB cutoff too."""
+    from gpurouter.kernels.topk.qb_math import default_exp_mode
+
+    rng = np.random.default_rng(22)
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    bias = (rng.standard_normal(128) * 0.1).astype(np.float32)
+    for path in ("warp", "token", "lane"):
+        args = (_plan.spec_for(x.shape, x.dtype), True, 4, False, -1, -1, np.float32(1.0), L.SIGMOID, 0, True,
+                False, path)
+        full = _plan.execute_host(topk.topk_with_score_function_fwd_plan(*args), [x, bias])
+        part = _plan.execute_host(topk.topk_with_score_function_fwd_plan(*args, save=False), [x, bias])
+        assert len(part) == len(full) - 1 == 3
+        for g, w in zip(part, full[:2] + full[3:], strict=True):
+            assert g.dtype == w.dtype and g.tobytes() == w.tobytes(), path
+    # with the QB cutoff (alpha last)
+    args = (_plan.spec_for(x.shape, x.dtype), True, 4, False, -1, -1, np.float32(1.0), L.SIGMOID, 0, False, False,
+            "warp", None, "sum_topk", False, default_exp_mode())
+    full = _plan.execute_host(topk.topk_with_score_function_fwd_plan(*args), [x, bias])
+    part = _plan.execute_host(topk.topk_with_score_function_fwd_plan(*args, save=False), [x, bias])
+    for g, w in zip(part, full[:2] + full[3:], strict=True):
+        assert g.dtype == w.dtype and g.tobytes() == w.tobytes()

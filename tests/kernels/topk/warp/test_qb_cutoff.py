@@ -3,11 +3,9 @@
 the QB cutoff kernel's (``qb.qb_cutoff_kernel``), with and without groups, ties,
 NaN / +-inf logits, both bounds (K <= 12 and above) and the arg-max rounds; the
 route's map unchanged by the option, its weights within fp32 rounding; ``qb_counts_plan(cutoff_given=True)`` fed
-that alpha (and, ``scores_given``, the route's saved scores instead of the logits;
-``bins_given``, the route's own QB bins, ``qb_bins=``) gives the counts of the plan
-that computes its own; the route without its saved scores (``save=False``) the
-same in everything else; the public op's QB histogram on that path (the route's
-cutoff and bins, or its scores past ``QB_MAX_ROUTE_BINS``) equal to jax's.  Tiny shapes on the
+that alpha (and, ``scores_given``, the route's saved scores instead of the logits)
+gives the counts of the plan that computes its own; the public op's QB
+histogram on that path (the route's cutoff) equal to jax's.  Tiny shapes on the
 simulator (a block of one warp there); a ``gpu`` test at T = 4096, E = 384.
 """
 
@@ -34,14 +32,12 @@ from gpurouter.kernels.topk.warp import fwd as warp_fwd  # noqa: E402
 pytestmark = pytest.mark.cuda
 
 
-def _route(x, bias, k, G=-1, Kg=-1, rule="sum_topk", cutoff="", indices=False, bounds=None, num_bins=0,
-           save=True):
-    """The warp forward's outputs (alpha last with ``cutoff``; then the QB bins with ``num_bins``)."""
+def _route(x, bias, k, G=-1, Kg=-1, rule="sum_topk", cutoff="", indices=False):
+    """The warp forward's outputs (alpha last with ``cutoff``)."""
     plan = topk.topk_with_score_function_fwd_plan(spec_for(x.shape, x.dtype), bias is not None, k, False, G, Kg,
                                                   np.float32(1.0), L.SIGMOID, 0, indices, False, "warp",
-                                                  None, rule, False, cutoff, save, num_bins)
-    ins = [x] if bias is None else [x, bias]
-    return execute_host(plan, ins + ([bounds] if num_bins else []))
+                                                  None, rule, False, cutoff)
+    return execute_host(plan, [x] if bias is None else [x, bias])
 
 
 def _alpha_ref(x, bias, k, G=0, Kg=0, rule="sum_topk"):
@@ -146,67 +142,8 @@ def test_counts_with_the_given_cutoff():
         np.testing.assert_array_equal(execute_host(scored, [scores] + ins[1:] + [alpha])[0], want)
     with pytest.raises(ValueError, match="scores_given"):
         kqb.qb_counts_plan(spec_for(scores.shape, scores.dtype), False, k, B, scores_given=True)
-    with pytest.raises(ValueError, match="bins_given"):
-        kqb.qb_counts_plan(spec_for(scores.shape, scores.dtype), False, k, B, cutoff_given=True, bins_given=True)
     with pytest.raises(ValueError, match="scores_given"):
         kqb.qb_counts_plan(spec_for(x.shape, x.dtype), False, k, B, cutoff_given=True, scores_given=True)
-
-
-def test_route_writes_the_qb_bins():
-    """``qb_bins=B`` (with the cutoff): the route's bins are the reference's ``qb_bins``
-    of ``alpha - s`` (the saved scores), bit for bit, specials and both clamps
-    included; everything else is the route's without them; without ``save`` the
-    saved scores alone are missing; ``qb_counts_plan(bins_given=True)`` counts them
-    into the counts of the plan that computes its own (masked and not, slabs)."""
-    from gpurouter.reference.variants import qb_bins
-
-    rng = np.random.default_rng(21)
-    T, E, k, B = 4, 128, 4, 9
-    x = (rng.standard_normal((T, E)) * 3).astype(ml_dtypes.bfloat16)
-    x[1, :4] = [np.nan, np.inf, -np.inf, 0.0]
-    bias = (rng.standard_normal(E) * 0.1).astype(np.float32)
-    bounds = np.array([-0.6, 0.4], np.float32)  # narrow: both end bins clamp
-    mode = default_exp_mode()
-    plain = _route(x, bias, k, cutoff=mode)
-    got = _route(x, bias, k, cutoff=mode, bounds=bounds, num_bins=B)
-    assert len(got) == len(plain) + 1
-    for g, w in zip(got[:-1], plain, strict=True):
-        assert g.dtype == w.dtype and g.tobytes() == w.tobytes()
-    bins, alpha, scores = got[-1], got[-2], got[2]
-    assert bins.dtype == np.uint16 and bins.shape == (T, E)
-    want = np.asarray(qb_bins(jnp.asarray(alpha)[:, None] - jnp.asarray(scores), jnp.asarray(bounds), B))
-    np.testing.assert_array_equal(bins.astype(np.int32), want)
-    assert {0, B - 1} <= set(np.unique(bins).tolist())
-    unsaved = _route(x, bias, k, cutoff=mode, bounds=bounds, num_bins=B, save=False)
-    assert len(unsaved) == len(got) - 1
-    for g, w in zip(unsaved, got[:2] + got[3:], strict=True):
-        assert g.dtype == w.dtype and g.tobytes() == w.tobytes()
-    mask = np.array([True, False, True, True])
-    slabs = kqb.QbTiling(slab_tokens=2, target_blocks=64, smem_bytes=4 * B * 40)
-    for m, tiling in ((None, None), (mask, slabs)):
-        own = kqb.qb_counts_plan(spec_for(x.shape, x.dtype), m is not None, k, B, tiling=tiling)
-        ins = [x, bias, bounds] + ([] if m is None else [m])
-        counted = kqb.qb_counts_plan(spec_for(bins.shape, bins.dtype), m is not None, k, B, tiling=tiling,
-                                     cutoff_given=True, bins_given=True)
-        np.testing.assert_array_equal(execute_host(counted, [bins] + ins[1:] + [alpha])[0],
-                                      execute_host(own, ins)[0])
-    with pytest.raises(ValueError, match="qb_bins"):
-        _route(x, bias, k, bounds=bounds, num_bins=B)  # bins without the cutoff
-
-
-def test_route_without_saved_scores():
-    """``save=False`` on every kernel family (the warp kernel skips the stores, the
-    token and lane kernels write them to scratch): the other outputs unchanged."""
-    rng = np.random.default_rng(22)
-    x = rng.standard_normal((3, 128)).astype(np.float32)
-    bias = (rng.standard_normal(128) * 0.1).astype(np.float32)
-    for path in ("warp", "token", "lane"):
-        args = (spec_for(x.shape, x.dtype), True, 4, False, -1, -1, np.float32(1.0), L.SIGMOID, 0, True, False, path)
-        full = execute_host(topk.topk_with_score_function_fwd_plan(*args), [x, bias])
-        part = execute_host(topk.topk_with_score_function_fwd_plan(*args, save=False), [x, bias])
-        assert len(part) == len(full) - 1
-        for g, w in zip(part, full[:2] + full[3:], strict=True):
-            assert g.dtype == w.dtype and g.tobytes() == w.tobytes(), path
 
 
 def test_option_checked():
@@ -228,17 +165,14 @@ def test_option_checked():
 def _op_histograms(x, k, monkeypatch, jit=True, **kw):
     """The QB histogram of the public op on jax and on numba (the route on the warp
     kernel, as on a GPU: ``warp_auto`` forced on the simulator), and the QB plans
-    numba built (``cutoff_given`` of each; what the route gave with it, its bins or
-    its scores, in ``sources``)."""
-    given, sources = [], []
+    numba built (``cutoff_given`` of each, which ``scores_given`` follows)."""
+    given = []
     plan_fn = kqb.qb_counts_plan
 
     def spy(*a, **k2):
-        # the route's cutoff comes with its bins or its scores: a plan takes both or neither
-        source = "bins" if k2.get("bins_given") else "scores" if k2.get("scores_given") else ""
-        assert bool(k2.get("cutoff_given", False)) == bool(source)
+        # the route's cutoff comes with its scores: a plan takes both or neither
+        assert bool(k2.get("cutoff_given", False)) == bool(k2.get("scores_given", False))
         given.append(bool(k2.get("cutoff_given", False)))
-        sources.append(source)
         return plan_fn(*a, **k2)
 
     monkeypatch.setattr(kqb, "qb_counts_plan", spy)
@@ -254,33 +188,25 @@ def _op_histograms(x, k, monkeypatch, jit=True, **kw):
         return gpurouter.fused_topk_with_score_function(v, k, backend="numba", **args)
 
     got = (jax.jit(numba) if jit else numba)(x)
-    return got, want, given, sources
+    return got, want, given
 
 
 @pytest.mark.parametrize("kw", [
     {},
     {"token_mask": "mask", "return_indices": True},
     {"num_groups": 8, "group_topk": 2, "group_score": "max"},
-    {"route_bins": 4},  # 10 bins past the route's uint16 limit (lowered to 4): its saved scores
 ])
 def test_op_histogram_with_the_routes_cutoff(kw, monkeypatch):
     """``fused_topk_with_score_function(..., qb_histogram=, backend="numba")`` with the
-    route on the warp kernel: the QB plan takes the route's cutoff (no cutoff pass)
-    and its bins (its scores past ``QB_MAX_ROUTE_BINS``), and the histogram, probs
-    and map are jax's bit for bit."""
-    from gpurouter._ops import topk as ops_topk
-
-    kw = dict(kw)
-    limit = kw.pop("route_bins", None)
-    if limit is not None:
-        monkeypatch.setattr(ops_topk, "QB_MAX_ROUTE_BINS", limit)
+    route on the warp kernel: the QB plan takes the route's cutoff (no cutoff pass),
+    and the histogram, probs and map are jax's bit for bit."""
     rng = np.random.default_rng(8)
     x = jnp.asarray(rng.standard_normal((2, 2, 128)) * 2, jnp.bfloat16)  # ((2, 3, 128) until 2026-11-28)
+    kw = dict(kw)
     if kw.get("token_mask") == "mask":
         kw["token_mask"] = jnp.asarray([[True, False], [False, True]])
-    got, want, given, sources = _op_histograms(x, 4, monkeypatch, **kw)
+    got, want, given = _op_histograms(x, 4, monkeypatch, **kw)
     assert given and all(given), "the QB plan took the route's cutoff"
-    assert set(sources) == {"scores" if limit is not None else "bins"}
     assert len(got) == len(want)
     np.testing.assert_array_equal(np.asarray(got[-1]), np.asarray(want[-1]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -313,7 +239,7 @@ def test_op_fallbacks_keep_the_cutoff_pass(monkeypatch):
     rng = np.random.default_rng(6)
     for x, kw in ((jnp.asarray(rng.standard_normal((4, 128)), jnp.float32), {"compact": True}),
                   (jnp.asarray(rng.standard_normal((4, 96)), jnp.float32), {})):
-        got, want, given, sources = _op_histograms(x, 4, monkeypatch, jit=False, **kw)
+        got, want, given = _op_histograms(x, 4, monkeypatch, jit=False, **kw)
         assert given and not any(given)
         np.testing.assert_array_equal(np.asarray(got[-1]), np.asarray(want[-1]))
 
@@ -343,6 +269,6 @@ def test_op_on_gpu_t4096_e384(monkeypatch):
     rng = np.random.default_rng(38)
     x = jnp.asarray(rng.standard_normal((4096, 384)) * 2, jnp.bfloat16)
     mask = jnp.asarray(rng.random(4096) > 0.1)
-    got, want, given, sources = _op_histograms(x, 8, monkeypatch, token_mask=mask)
-    assert given and all(given) and set(sources) == {"bins"}, "the QB plan took the route's cutoff and bins"
+    got, want, given = _op_histograms(x, 8, monkeypatch, token_mask=mask)
+    assert given and all(given), "the QB plan took the route's cutoff"
     np.testing.assert_array_equal(np.asarray(got[-1]), np.asarray(want[-1]))
