@@ -100,9 +100,9 @@ def _topk_plan(cfg: TopkConfig, call: _KernelCall, save: bool, logits, *extra):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _topk(x, extra, cfg: TopkConfig, call: _KernelCall):
     """``extra``: the fp32 bias, the forced indices (``call.forced``) or None.
-    Without a gradient the saved scores are not an output (nor allocated: the
-    warp kernel skips their stores), except where the QB counts read them."""
-    return _topk_fwd(x, extra, cfg, call, save=False)[0]
+    Without a gradient the warp kernel's saved scores are not an output (nor
+    allocated: it skips their stores), except where the QB counts read them."""
+    return _topk_fwd(x, extra, cfg, call, save=call.forced or not _warp_rule(cfg, x.shape[-1]))[0]
 
 
 def _topk_vjp_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):

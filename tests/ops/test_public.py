@@ -231,11 +231,15 @@ def test_presets_on_the_gpu(preset, transport):
     _close(got, want, "bfloat16", "grad")
 
 
-def test_forward_without_a_gradient_saves_no_scores():
-    """A forward without a gradient (the custom_vjp's primal) gives no ``[T, E]`` f32
-    saved scores to the kernels' call (one output fewer: not allocated), and its
-    probs and map are those of the forward under ``jax.vjp``, bit for bit."""
+def test_forward_without_a_gradient_saves_no_scores(monkeypatch):
+    """A forward without a gradient (the custom_vjp's primal) on the warp kernel gives
+    no ``[T, E]`` f32 saved scores to the kernels' call (one output fewer: not
+    allocated), and its probs and map are those of the forward under ``jax.vjp``,
+    bit for bit (the warp kernel as on a GPU: ``warp_auto`` forced on the simulator)."""
     pytest.importorskip("gpurouter.kernels", reason="numba-cuda is not installed")
+    from gpurouter.kernels.topk import warp_paths
+
+    monkeypatch.setattr(warp_paths, "warp_auto", lambda simulator=None: True)
     x = jax.random.normal(jax.random.PRNGKey(3), (4, 128), jnp.bfloat16)
     bias = jnp.linspace(-0.1, 0.1, 128, dtype=jnp.float32)
 

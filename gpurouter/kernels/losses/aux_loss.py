@@ -350,8 +350,7 @@ def moe_aux_loss_bwd_plan(tokens_per_expert: Spec, grad_loss: Spec, num_rows: in
         shared = 0
         if has_mask and staged_fill(kind):  # the rows' staged flags, at most mask_stage_bytes a block:
             # more blocks where T needs it
-            # (at least 8 bytes a row lane: a trip's word)
-            while staged_flag_bytes(num_rows, grid, threads // cl) > max(tiling.mask_stage_bytes, 8 * (threads // cl)):
+            while staged_flag_bytes(num_rows, grid, threads // cl) > max(tiling.mask_stage_bytes, threads // cl):
                 grid *= 2
             shared = staged_flag_bytes(num_rows, grid, threads // cl)
         step = Step(aux_loss_bwd_quad_kernel(tokens_per_expert.kind, kind, *flag), grid, threads, shared,

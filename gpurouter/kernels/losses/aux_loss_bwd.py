@@ -14,7 +14,6 @@ import functools
 import numpy as np
 from numba import cuda
 from numba import uint8 as nb_u8
-from numba import uint64 as nb_u64
 
 from .._base.access import bf16_quad, flat_io, loader_1d, storer_2d
 from .._base.device import ZERO, u64
@@ -23,8 +22,6 @@ from .mask_bits import all_ones_if, keep_if, opaque_byte_loader
 
 #: a 0 / 0xFFFFFFFF mask times this: 0 / all 64 bits (a bf16 quad's select)
 _LOW_AND_HIGH = np.uint64(0x100000001)
-#: a trip's 8 staged flags read as one word when all 8 rows are valid
-_EIGHT_VALID = np.uint64(0x0101010101010101)
 
 
 def staged_fill(out_kind: str) -> bool:
@@ -36,17 +33,11 @@ def staged_fill(out_kind: str) -> bool:
     return out_kind != F16
 
 
-def staged_rows(num_rows: int, step: int) -> int:
-    """The staged flags of a row lane (rows it writes, ``ceil(num_rows / step)``, rounded
-    up to a multiple of 8: a trip's 8 flags are one aligned 8-byte word)."""
-    return (-(-num_rows // step) + 7) // 8 * 8
-
-
 def staged_flag_bytes(num_rows: int, grid: int, row_lanes: int) -> int:
     """Host: the dynamic shared bytes of ``aux_loss_bwd_quad_kernel(..., has_mask=True)``
     on ``grid`` blocks of ``row_lanes`` row lanes: a byte for each row a row lane
-    writes, ``row_lanes * staged_rows(num_rows, grid * row_lanes)``."""
-    return row_lanes * staged_rows(num_rows, grid * row_lanes)
+    writes, ``row_lanes * ceil(num_rows / (grid * row_lanes))``."""
+    return row_lanes * -(-num_rows // (grid * row_lanes))
 
 # ----------------------------------------------------------------------------
 # Backward: grad_probs[r, c] = C * f32(tpe[c]) * f32(grad_loss), every row alike.
@@ -118,15 +109,12 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
     (``staged_fill``): each thread loads its rows' flags three trips of 8 rows
     ahead of their stores (``masked_rows``).  bf16 and fp32: the block
     first copies the flags of every row it writes into dynamic shared memory
-    (``staged_flag_bytes``: a byte a row, row lane ``rl``'s k-th row at ``rl * per + k``,
-    ``per`` a multiple of 8), four loads a thread in flight a trip, one barrier; the stores
-    then read a trip's 8 flags as one 8-byte shared word: all 8 rows valid (a branch the
-    warp takes together: its lanes share a row lane), 8 plain stores, as unmasked; else
-    each row's flag from the word's bytes and 8 selected stores.  (A thread's next 8 rows'
-    global flags before their 8 stores, as until 2026-11-28, waited a load's latency every
-    8 rows: the masked fill 1.14-1.29x the unmasked one on an H200.)  A thread's first
-    quad's values are loaded before the staging, so that their loads and the flags'
-    share one trip to memory."""
+    (``staged_flag_bytes``: a byte a row, row lane ``rl``'s k-th row at ``rl * per + k``),
+    four loads a thread in flight a trip, one barrier; the stores then read shared bytes
+    (a thread's next 8 rows' global flags before their 8 stores, as until 2026-11-28,
+    waited a load's latency every 8 rows: the masked fill 1.14-1.29x the unmasked
+    one on an H200); a thread's first quad's values are loaded before the staging,
+    so that their loads and the flags' share one trip to memory."""
     from .._base.vec import quad_store_once_f32
 
     load_tpe = loader_1d(tpe_kind)
@@ -155,10 +143,6 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
         def store_kept(grad_probs, r, eq, cq, q, v0, v1, v2, v3, m):
             grad_probs[u64(np.int64(r) * eq + cq)] = np.uint64(q & np.uint64(np.uint64(m) * _LOW_AND_HIGH))
 
-        @cuda.jit(device=True)
-        def store_plain(grad_probs, r, eq, cq, q, v0, v1, v2, v3):
-            grad_probs[u64(np.int64(r) * eq + cq)] = q
-
     else:
 
         @cuda.jit(device=True)
@@ -170,10 +154,6 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
             # the quad, or +0.0 (0 in every kind) where m is 0: a select on the bits, no branch
             store4(grad_probs, np.int64(r) * eq + cq, keep_if(v0, m), keep_if(v1, m), keep_if(v2, m),
                    keep_if(v3, m))
-
-        @cuda.jit(device=True)
-        def store_plain(grad_probs, r, eq, cq, q, v0, v1, v2, v3):
-            store4(grad_probs, np.int64(r) * eq + cq, v0, v1, v2, v3)
 
     @cuda.jit(device=True)
     def flag(mask, r, last):
@@ -214,11 +194,6 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
     @cuda.jit(device=True)
     def kept(staged, j):
         return all_ones_if(np.uint32(staged[j]))
-
-    @cuda.jit(device=True)
-    def byte_kept(w, k):
-        """Row ``k``'s flag of a trip's word (byte ``k``) as 0 / 0xFFFFFFFF."""
-        return all_ones_if(np.uint32((w >> np.uint64(8 * k)) & np.uint64(1)))
 
     @cuda.jit(device=True)
     def row_flag(mask, r, last):
@@ -274,8 +249,7 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
             store8(grad_probs, r, st, (num_rows - 1 - r) // st + 1, eq, cq, q, v0, v1, v2, v3, a)
 
     @cuda.jit(device=True)
-    def run(coeff, tokens_per_expert, grad_loss, grad_probs, num_rows, num_cols, mask, staged, staged64,
-            col_lanes):
+    def run(coeff, tokens_per_expert, grad_loss, grad_probs, num_rows, num_cols, mask, staged, col_lanes):
         # Thread (rl, cl) computes its column quads' values once and writes
         # them down its rows, grid-strided (tiling.fill_tiling; int32
         # counters, unsigned indices: _device.u64).
@@ -292,9 +266,9 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
         # the first quad's values before the staging: their loads in flight with the flags' (one round
         # trip to memory before the first store, as unmasked, not two)
         v0, v1, v2, v3 = quad_values(c0, tokens_per_expert, min(cq, eq - 1), g)
-        per = np.int32(0)  # (has_mask and stages) rows a row lane writes at most, rounded up to 8 (staged_rows)
+        per = np.int32(0)  # (has_mask and stages) rows a row lane writes at most
         if has_mask and stages:
-            per = np.int32(((np.int32(num_rows) + step - 1) // step + 7) // 8 * 8)
+            per = np.int32((np.int32(num_rows) + step - 1) // step)
             stage(mask, staged, np.int32(num_rows), np.int32(cuda.blockIdx.x * nrl), nrl, step, per, tid,
                   np.int32(cuda.blockDim.x))
             # Barrier: every staged flag is written before any thread reads one.
@@ -306,16 +280,25 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
                 masked_rows(grad_probs, mask, num_rows, first, step, eq, cq, pack(v0, v1, v2, v3), v0, v1, v2, v3)
             elif has_mask:
                 q = pack(v0, v1, v2, v3)
-                j = base  # the staged flag of row r (a multiple of 8 at each trip)
-                # 8 rows a trip: their 8 shared flags read as one word, then 8 stores (plain where all are valid)
+                j = base  # the staged flag of row r
+                # 8 rows a trip: their 8 shared flags read first, then 8 stores of the kept values
                 while np.int64(r) + 7 * np.int64(step) < num_rows:
-                    w = staged64[np.uint32(j >> 3)]
-                    if w == _EIGHT_VALID:
-                        for k in range(8):
-                            store_plain(grad_probs, r + k * step, eq, cq, q, v0, v1, v2, v3)
-                    else:
-                        for k in range(8):
-                            store_kept(grad_probs, r + k * step, eq, cq, q, v0, v1, v2, v3, byte_kept(w, k))
+                    m0 = kept(staged, j)
+                    m1 = kept(staged, j + 1)
+                    m2 = kept(staged, j + 2)
+                    m3 = kept(staged, j + 3)
+                    m4 = kept(staged, j + 4)
+                    m5 = kept(staged, j + 5)
+                    m6 = kept(staged, j + 6)
+                    m7 = kept(staged, j + 7)
+                    store_kept(grad_probs, r, eq, cq, q, v0, v1, v2, v3, m0)
+                    store_kept(grad_probs, r + step, eq, cq, q, v0, v1, v2, v3, m1)
+                    store_kept(grad_probs, r + 2 * step, eq, cq, q, v0, v1, v2, v3, m2)
+                    store_kept(grad_probs, r + 3 * step, eq, cq, q, v0, v1, v2, v3, m3)
+                    store_kept(grad_probs, r + 4 * step, eq, cq, q, v0, v1, v2, v3, m4)
+                    store_kept(grad_probs, r + 5 * step, eq, cq, q, v0, v1, v2, v3, m5)
+                    store_kept(grad_probs, r + 6 * step, eq, cq, q, v0, v1, v2, v3, m6)
+                    store_kept(grad_probs, r + 7 * step, eq, cq, q, v0, v1, v2, v3, m7)
                     r = np.int32(r + 8 * step)
                     j += 8
                 while r < num_rows:
@@ -336,9 +319,7 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
         def aux_loss_bwd_quad_masked(coeff, tokens_per_expert, grad_loss, grad_probs, num_rows, num_cols, mask,
                                      col_lanes):
             staged = cuda.shared.array(0, nb_u8)  # the block's rows' flags (the launch's staged_flag_bytes)
-            staged64 = cuda.shared.array(0, nb_u64)  # the same bytes, 8 a word (dynamic shared arrays alias)
-            run(coeff, tokens_per_expert, grad_loss, grad_probs, num_rows, num_cols, mask, staged, staged64,
-                col_lanes)
+            run(coeff, tokens_per_expert, grad_loss, grad_probs, num_rows, num_cols, mask, staged, col_lanes)
 
         return aux_loss_bwd_quad_masked
 
@@ -352,7 +333,6 @@ def aux_loss_bwd_quad_kernel(tpe_kind: str, out_kind: str, has_mask: bool = Fals
         num_cols,
         col_lanes,  # CL; blockDim.x == RL * CL
     ):
-        run(coeff, tokens_per_expert, grad_loss, grad_probs, num_rows, num_cols, coeff, coeff, coeff,
-            col_lanes)  # no mask
+        run(coeff, tokens_per_expert, grad_loss, grad_probs, num_rows, num_cols, coeff, coeff, col_lanes)  # no mask
 
     return aux_loss_bwd_quad

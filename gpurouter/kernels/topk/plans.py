@@ -35,7 +35,7 @@ from .._base.launch import (
     score_function_code,
 )
 from .._base.limits import check_limits, pow2_at_least
-from .._base.plan import In, Out, Plan, Spec, Step, Tmp, execute, map_spec, spec_of
+from .._base.plan import In, Out, Plan, Spec, Step, execute, map_spec, spec_of
 from .lane.fwd import lane_topk_fwd_kernel
 from .lane.lists import topk_capacity
 from .lane.tiling import select_layout
@@ -195,9 +195,8 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
     only the warp kernel computes it (``use_warp_path``; else a ValueError).
     ``qb_cutoff`` (a QB ``exp_mode``; "" none): a last output ``alpha [T]`` f32, the QB
     cutoff (``warp/fwd.py``); sigmoid on the warp kernel only, no replay or compact.
-    ``save`` False: no saved output (a forward without a gradient: its [T, E] f32 is
-    not allocated; the warp kernel skips those stores, the others write them to
-    scratch).
+    ``save`` False (the warp kernel only, else a ValueError): no saved output (a
+    forward without a gradient: its [T, E] f32 is not allocated, the stores skipped).
     """
     if compact and not qb_cutoff:
         return compact_plan(logits, has_bias, topk, pre_softmax, num_groups, group_topk, scale, score_fn,
@@ -223,19 +222,12 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
         ins = (logits, bias_spec) if has_bias else (logits,)
     if num_tokens == 0:
         return Plan(OP + "_fwd", ins, outs)
-    # the token and lane kernels always write saved: without save, into scratch
-    tmps = () if save else (saved_spec,)
-
-    def sv(view=None):  # the saved scores: output 2, or scratch 0
-        return Out(2, view) if save else Tmp(0, view)
-
     # without a bias the kernel gets any [E] fp32 array (never read): saved's first row
-    bias = In(1) if has_bias and not forced else sv(bias_spec)
+    bias = In(1) if has_bias and not forced else Out(2, bias_spec)
     G = int(num_groups) if grouped else 1
     flat_idx = Spec((num_tokens * int(topk),), np.int32)
     # indices out, forced in, or (never read) any int32 array: saved's first words
-    xarr = (In(1, flat_idx) if forced else Out(2 + bool(save), flat_idx) if indices
-            else sv(Spec((1,), np.int32)))
+    xarr = In(1, flat_idx) if forced else Out(3, flat_idx) if indices else Out(2, Spec((1,), np.int32))
     if group_score not in WARP_GROUP_SCORES:
         raise ValueError(f"{OP}_fwd_plan: group_score must be one of {WARP_GROUP_SCORES}, got {group_score!r}.")
     rule = group_score if grouped and not forced else "sum_topk"  # (no groups: every rule selects alike)
@@ -249,10 +241,13 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
         raise ValueError(f"{OP}_fwd_plan: qb_cutoff runs on the warp kernel only, with sigmoid scores, not in a "
                          f"replay or the compact mode (E={num_experts}, K={topk}, score_fn={score_fn}, "
                          f"forced={forced}, compact={compact}, path={path!r}).")
+    if not save and not warp:
+        raise ValueError(f"{OP}_fwd_plan: save=False runs on the warp kernel only (E={num_experts}, K={topk}, "
+                         f"path={path!r}, forced={forced}).")
     if warp:
         step = warp_fwd_step(logits, outs, bool(has_bias), bitmap, indices, int(topk), int(score_fn),
                              G if grouped else 0, int(group_topk) if grouped else 0, rule, scale, save, qb_cutoff)
-        return Plan(OP + "_fwd", ins, outs, (), (step,))  # (no scratch: the warp kernel skips unsaved stores)
+        return Plan(OP + "_fwd", ins, outs, (), (step,))
     # (the replay takes the kernel path of the call it replays: the same sums)
     token_path = use_token_path("token" if path == "warp" else path, OP + "_fwd_plan", num_experts,
                                 int(topk), G if grouped else 0, bool(has_bias), tok)
@@ -279,11 +274,11 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
         words, quads, flat = array_views(logits.kind, shape)
         step = Step(kern, lay.grid, lay.threads, lay.shared,
                       (In(0, words), bias, Out(0, words), Out(1, map_view(outs[1], quads)),
-                       sv(flat),
+                       Out(2, flat),
                        num_tokens, num_experts, G, Kg,
                        np.float32(scale), lay.tb, lay.stride, lay.o_flag, lay.o_gs, lay.o_red,
                        lay.o_thr, lay.o_bias, xarr, lay.o_lists))
-        return Plan(OP + "_fwd", ins, outs, tmps, (step,))
+        return Plan(OP + "_fwd", ins, outs, (), (step,))
     if forced:
         lay = select_layout(num_tokens, num_experts, int(topk), tiling=tiling.row)
         kern = lane_topk_fwd_kernel(logits.kind, topk_capacity(topk), bitmap, False, True)
@@ -292,10 +287,10 @@ def topk_with_score_function_fwd_plan(logits: Spec, has_bias: bool, topk: int, p
         lay = select_layout(num_tokens, num_experts, int(topk), G if grouped else 0, tiling.row)
         kern = lane_topk_fwd_kernel(logits.kind, topk_capacity(topk), bitmap, *((True,) if indices else ()))
         Kg = int(group_topk) if grouped else -1
-    xarr2 = In(1) if forced else Out(2 + bool(save)) if indices else sv(Spec((1, 1), np.int32))
+    xarr2 = In(1) if forced else Out(3) if indices else Out(2, Spec((1, 1), np.int32))
     step = Step(kern, lay.grid, lay.threads, lay.shared,
-                  (In(0), bias, Out(0), Out(1), sv(), int(topk), int(score_fn), bool(pre_softmax),
+                  (In(0), bias, Out(0), Out(1), Out(2), int(topk), int(score_fn), bool(pre_softmax),
                    bool(has_bias), G, Kg, np.float32(scale),
                    lay.tb, lay.lanes, lay.stride, lay.list_stride, lay.group_lanes, lay.o_list,
                    lay.o_idx, lay.o_cnt, lay.o_grp, lay.o_keep, lay.o_flag, xarr2))
-    return Plan(OP + "_fwd", ins, outs, tmps, (step,))
+    return Plan(OP + "_fwd", ins, outs, (), (step,))

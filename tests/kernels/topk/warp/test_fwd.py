@@ -292,26 +292,23 @@ def test_warp_sorts_and_scans():
 
 
 def test_forward_without_saved_scores():
-    """``save=False`` (a forward without a gradient) on every kernel family: no saved
-    output (the warp kernel skips those stores, the token and lane kernels write them
-    to scratch), every other output the same bits, indices and the QB cutoff too."""
+    """``save=False`` (a forward without a gradient) on the warp kernel: no saved
+    output (its stores skipped), every other output the same bits, indices and the
+    QB cutoff too; the token and lane kernels refuse it (a ValueError naming it)."""
     from gpurouter.kernels.topk.qb_math import default_exp_mode
 
     rng = np.random.default_rng(22)
     x = rng.standard_normal((3, 128)).astype(np.float32)
     bias = (rng.standard_normal(128) * 0.1).astype(np.float32)
-    for path in ("warp", "token", "lane"):
-        args = (_plan.spec_for(x.shape, x.dtype), True, 4, False, -1, -1, np.float32(1.0), L.SIGMOID, 0, True,
-                False, path)
+    for cut in ("", default_exp_mode()):
+        args = (_plan.spec_for(x.shape, x.dtype), True, 4, False, -1, -1, np.float32(1.0), L.SIGMOID, 0, not cut,
+                False, "warp", None, "sum_topk", False, cut)
         full = _plan.execute_host(topk.topk_with_score_function_fwd_plan(*args), [x, bias])
         part = _plan.execute_host(topk.topk_with_score_function_fwd_plan(*args, save=False), [x, bias])
         assert len(part) == len(full) - 1 == 3
         for g, w in zip(part, full[:2] + full[3:], strict=True):
-            assert g.dtype == w.dtype and g.tobytes() == w.tobytes(), path
-    # with the QB cutoff (alpha last)
-    args = (_plan.spec_for(x.shape, x.dtype), True, 4, False, -1, -1, np.float32(1.0), L.SIGMOID, 0, False, False,
-            "warp", None, "sum_topk", False, default_exp_mode())
-    full = _plan.execute_host(topk.topk_with_score_function_fwd_plan(*args), [x, bias])
-    part = _plan.execute_host(topk.topk_with_score_function_fwd_plan(*args, save=False), [x, bias])
-    for g, w in zip(part, full[:2] + full[3:], strict=True):
-        assert g.dtype == w.dtype and g.tobytes() == w.tobytes()
+            assert g.dtype == w.dtype and g.tobytes() == w.tobytes()
+    for path in ("token", "lane"):
+        with pytest.raises(ValueError, match="save=False runs on the warp kernel only"):
+            topk.topk_with_score_function_fwd_plan(_plan.spec_for(x.shape, x.dtype), True, 4, False, -1, -1,
+                                                   np.float32(1.0), L.SIGMOID, 0, False, False, path, save=False)
