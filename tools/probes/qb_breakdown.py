@@ -19,11 +19,10 @@ Rows (median microseconds of ``--repeats`` after a warm-up):
   kernel's plan (``path="warp"``, bf16, a bias) without and with the QB
   cutoff option (``qb_cutoff=``: it also writes ``alpha [T]``), event-timed
   as the steps; ``, no saved``: the same without the saved scores (``save=False``,
-  the op's forward without a gradient); ``+ QB bins``: also writing the QB
-  bins (``qb_bins=``); ``plan, cutoff given``: the QB plan on that alpha
-  (``cutoff_given=True``: no cutoff pass), then on the route's saved scores and
-  on its bins (each step and the plan), their counts checked equal to the
-  plan's own bit for bit;
+  the op's forward without a gradient on the warp kernel); ``plan, cutoff
+  given``: the QB plan on that alpha (``cutoff_given=True``: no cutoff pass),
+  then on the route's saved scores (each step and the plan), their counts
+  checked equal to the plan's own bit for bit;
 - ``op sigmoid`` and ``op qb``: ``jit(fused_topk_with_score_function)`` on
   ``backend="numba"`` without and with ``qb_histogram`` (bf16 logits, an
   expert bias), wall clock per op over ``--batch`` inputs in one call, as
@@ -162,21 +161,16 @@ def route_rows(tokens: int, experts: int, topk: int, bins: int, tiling, repeats:
     plan on the route's alpha; ``same``: its counts equal the plan's own, bit for bit."""
     x_words, bias, bounds = _inputs(tokens, experts)
     spec = _plan.spec_of((tokens, experts), L.BF16)
-    rows, alpha, scores, qbins = [], None, None, None
-    mode = default_exp_mode()
-    for name, cut, save, nb in (("route: warp fwd", "", True, 0), ("route: warp fwd, no saved", "", False, 0),
-                                ("route: warp fwd + QB cutoff", mode, True, 0),
-                                ("route: + QB cutoff + QB bins", mode, True, bins),
-                                ("route: + QB cutoff + bins, no saved", mode, False, bins)):
+    rows, alpha, scores = [], None, None
+    for name, cut, save in (("route: warp fwd", "", True), ("route: warp fwd, no saved", "", False),
+                            ("route: warp fwd + QB cutoff", default_exp_mode(), True)):
         plan = kplans.topk_with_score_function_fwd_plan(spec, True, topk, False, -1, -1, np.float32(1.0),
                                                         L.SIGMOID, 0, False, False, "warp", None, "sum_topk",
-                                                        False, cut, save, nb)
-        us, arrays = _plan_us(plan, [x_words, bias] + ([bounds] if nb else []), repeats)
+                                                        False, cut, save)
+        us, arrays = _plan_us(plan, [x_words, bias], repeats)
         rows.append((name, us, f"{plan.steps[0].grid} x {plan.steps[0].block}"))
-        if cut and save and not nb:  # its cutoff, and its saved scores (the QB sigmoid)
+        if cut:  # its cutoff, and its saved scores (the QB sigmoid)
             alpha, scores = arrays["out"][-1], arrays["out"][2]
-        if nb and not save:  # its bins (alpha is the same bits)
-            qbins = arrays["out"][-1]
     own = kqb.qb_counts_plan(spec, False, topk, bins, tiling=tiling)
     _, own_arrays = _plan_us(own, [x_words, bias, bounds], 1)
     want = own_arrays["out"][0].copy_to_host()
@@ -187,12 +181,7 @@ def route_rows(tokens: int, experts: int, topk: int, bins: int, tiling, repeats:
     scored = kqb.qb_counts_plan(_plan.spec_of((tokens, experts), L.F32), False, topk, bins, tiling=tiling,
                                 cutoff_given=True, scores_given=True)
     arrays = _arrays(scored, scores, bias, bounds, alpha)
-    rows += _step_rows(scored, arrays, repeats, "cutoff and scores given: ")
-    same = same and bool(np.array_equal(arrays["out"][0].copy_to_host(), want))
-    counted = kqb.qb_counts_plan(_plan.Spec((tokens, experts), np.uint16, L.BF16), False, topk, bins, tiling=tiling,
-                                 cutoff_given=True, bins_given=True)
-    arrays = _arrays(counted, qbins, bias, bounds, alpha)
-    rows += _step_rows(counted, arrays, repeats, "cutoff and bins given (the op's path): ")
+    rows += _step_rows(scored, arrays, repeats, "cutoff and scores given (the op's path): ")
     same = same and bool(np.array_equal(arrays["out"][0].copy_to_host(), want))
     return rows, same
 
@@ -248,7 +237,7 @@ def main(argv=None):
         kw = {k.strip(): int(v) for k, v in (pair.split("=") for pair in item.split(","))}
         t = dataclasses.replace(tiling, **kw)
         srows, sinfo = plan_rows(args.tokens, args.experts, args.topk, args.bins, t, args.repeats)
-        srows += route_rows(args.tokens, args.experts, args.topk, args.bins, t, args.repeats)[0][5:]
+        srows += route_rows(args.tokens, args.experts, args.topk, args.bins, t, args.repeats)[0][3:]
         sweeps.append({"overrides": kw, **sinfo, "rows": [{"name": n, "us": u, "detail": d} for n, u, d in srows]})
         info["rows_sum_to_T"] = info["rows_sum_to_T"] and sinfo["rows_sum_to_T"]
     rrows, info["cutoff_given_same_counts"] = route_rows(args.tokens, args.experts, args.topk, args.bins, tiling,
