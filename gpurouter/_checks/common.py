@@ -66,6 +66,11 @@ def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
+def is_float_dtype(dtype) -> bool:
+    """Any float dtype, bfloat16 included (NumPy does not count ml_dtypes' bfloat16 as floating)."""
+    return np.issubdtype(np.dtype(dtype), np.floating) or _dtype_name(dtype) == "bfloat16"
+
+
 def _is_traced(value) -> bool:
     # A jax Tracer (jit/grad/vmap argument) without importing jax here.
     return any(c.__name__ == "Tracer" and c.__module__.startswith("jax") for c in type(value).__mro__)

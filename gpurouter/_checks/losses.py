@@ -14,6 +14,7 @@ from .common import (
     _dtype_name,
     _is_traced,
     check_float_dtype,
+    is_float_dtype,
 )
 from .variants import check_traced_token_count
 
@@ -37,7 +38,7 @@ def _float_scalar(value) -> bool:
     scalar such as TE's graph-safe aux loss takes (contract section 10)."""
     dtype = getattr(value, "dtype", None)
     return (not isinstance(value, (bool, int, float)) and dtype is not None
-            and getattr(value, "shape", None) == () and np.issubdtype(np.dtype(dtype), np.floating))
+            and getattr(value, "shape", None) == () and is_float_dtype(dtype))
 
 
 def _total_tokens(op: str, total_num_tokens, rows: int) -> int | np.float32:

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from .common import ScoreFunction, _as_int, _dtype_name, _is_traced, array_meta, check_float_dtype
+from .common import ScoreFunction, _as_int, _dtype_name, _is_traced, array_meta, check_float_dtype, is_float_dtype
 
 QB_UPDATE_OP = "qb_update_expert_bias"
 GROUP_SCORES = ("sum_topk", "top2_sum", "max")
@@ -104,7 +104,7 @@ def check_traced_token_count(op: str, value):
     if shape != ():
         raise ValueError(f"{op}: total_num_tokens shape {shape} must be () (a scalar).")
     name = _dtype_name(value.dtype)
-    if not (np.issubdtype(np.dtype(value.dtype), np.integer) or np.issubdtype(np.dtype(value.dtype), np.floating)):
+    if not (np.issubdtype(np.dtype(value.dtype), np.integer) or is_float_dtype(value.dtype)):
         raise TypeError(f"{op}: total_num_tokens must be an int or float scalar, got {name}.")
     return value
 
@@ -150,7 +150,7 @@ def check_qb_args(op: str, *, score_function: ScoreFunction, topk: int, num_expe
 def check_bin_bounds(op: str, bounds, name: str) -> None:
     """``[lower, upper]`` float bounds; concrete ones finite with ``lower < upper``."""
     bshape, bdtype = array_meta(op, name, bounds)
-    if not np.issubdtype(bdtype, np.floating):
+    if not is_float_dtype(bdtype):
         raise TypeError(f"{op}: {name} must be float (float32 [lower, upper]), got {_dtype_name(bdtype)}.")
     if tuple(bshape) != (2,):
         raise ValueError(f"{op}: {name} shape {tuple(bshape)} must be (2,) ([lower, upper]).")

@@ -143,7 +143,10 @@ def qb_update_expert_bias(
     cum = jnp.cumsum(h, axis=1)
     total = cum[:, -1]
     target = (total * jnp.float32(topk)) / jnp.float32(num_experts)  # q N_e
-    i = jnp.argmax(cum >= target[:, None], axis=1)  # the first bin reaching it
+    # the first bin reaching it: c_i >= q N_e compared as c_i E >= N_e topk, products of integers (exact
+    # below 2**24, rounded alike when equal); not against target, which XLA computes as a product with
+    # fp32(1 / E): 21 / 7 gave 3.0000002, and a bin ending exactly at 3 was passed over
+    i = jnp.argmax(cum * jnp.float32(num_experts) >= (total * jnp.float32(topk))[:, None], axis=1)
     before = jnp.concatenate([jnp.zeros((num_experts, 1), jnp.float32), cum[:, :-1]], axis=1)
     c_prev = jnp.take_along_axis(before, i[:, None], axis=1)[:, 0]
     h_i = jnp.take_along_axis(h, i[:, None], axis=1)[:, 0]

@@ -6,6 +6,8 @@ tests/ops/test_router_variants_numba.py."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -293,6 +295,45 @@ def test_qb_update_expert_bias_matches_the_oracle():
         np.testing.assert_allclose(np.asarray(bias), want_bias, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(np.asarray(new_bounds), want_bounds, rtol=1e-5, atol=1e-6)
         assert abs(float(jnp.mean(bias))) < 1e-6
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_qb_update_when_the_quantile_ends_a_bin_exactly(jit):
+    """``q N_e`` a whole number that a row's cumulative count reaches exactly, empty
+    bins after it: ``i`` is that bin (contract section 12: the first bin with
+    ``c_i >= q N_e``), not the next non-empty one. Until 2026-11-29 the target was
+    ``N_e topk / E`` in float32, which XLA computes with fp32(1 / E): 21 / 7 gave
+    3.0000002, and E = 7, K = 1, N = 21 put expert 0's quantile at 5.0, not 1.0.
+    Every E from 3 to 17 and every K < E, with the smallest whole target and a
+    larger one."""
+    update = jax.jit(gr.qb_update_expert_bias, static_argnums=2) if jit else gr.qb_update_expert_bias
+    bounds = np.array([0.0, 10.0], np.float32)
+    for e in range(3, 18):
+        for k in range(1, e):
+            for mult in (1, 7):
+                n = e // math.gcd(e, k) * mult
+                target = k * n // e  # whole: q N_e
+                hist = np.zeros((e, 10), np.int32)
+                hist[0, 0], hist[0, 5] = target, n - target  # expert 0: c_0 = q N_e, then 4 empty bins
+                hist[1:, 9] = n
+                bias, _ = update(hist, bounds, k)
+                want, _ = vo.qb_update(hist, bounds, k)
+                np.testing.assert_allclose(np.asarray(bias), want, rtol=1e-5, atol=1e-5, err_msg=f"E={e} K={k}")
+
+
+def test_qb_bounds_of_any_float_dtype():
+    """``qb_bin_bounds`` / ``bin_bounds``: float ``[2]`` of any float dtype, bfloat16
+    too (computed in float32): the same histogram and update as float32 bounds."""
+    x, b = _logits(6, 8, seed=21, scale=1.0), _bias(8)
+    hist0 = np.zeros((8, 4), np.int32)
+    want = _qb(x, b, 2, hist0, np.array([-1.0, 1.0], np.float32))[2]
+    for dtype in (jnp.float16, jnp.bfloat16):
+        bounds = jnp.array([-1.0, 1.0], dtype)
+        np.testing.assert_array_equal(np.asarray(_qb(x, b, 2, hist0, bounds)[2]), np.asarray(want))
+        got = gr.qb_update_expert_bias(want, bounds, 2)
+        ref32 = gr.qb_update_expert_bias(want, np.array([-1.0, 1.0], np.float32), 2)
+        for g, r in zip(got, ref32, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
 
 
 def test_qb_update_of_an_empty_histogram_is_zero():
