@@ -20,7 +20,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 USAGE = ("python -m gpurouter check MODULE:FUNCTION --op topk|aux-scores|aux-loss|z-loss|token-dispatch|"
          "token-combine [--dispatch MODULE:FUNCTION] [--examples N] [--profile ci|dev|fuzz] [--dtypes ...] "
-         "[--score-functions ...] [--no-grads] [--seed S]")
+         "[--score-functions ...] [--no-groups] [--properties NAME,...] [--no-grads] [--seed S]")
 
 
 def _resolve(parser: argparse.ArgumentParser, target: str):
@@ -82,6 +82,10 @@ def main(argv: list[str]) -> int:
                         help="comma-separated logits/probs dtypes (default all three)")
     parser.add_argument("--score-functions", type=comma_list(SCORE_FUNCTIONS, "score function"),
                         default=list(SCORE_FUNCTIONS), help="comma-separated (topk and aux-scores only)")
+    parser.add_argument("--no-groups", action="store_true",
+                        help="a router without group-limited routing: no grouped config drawn (topk only)")
+    parser.add_argument("--properties", type=lambda v: [p.strip() for p in v.split(",") if p.strip()],
+                        default=None, help="comma-separated property names, as the report prints them")
     parser.add_argument("--no-grads", action="store_true", help="skip the gradient properties")
     parser.add_argument("--seed", type=int, default=None, help="hypothesis seed (reproducible runs)")
     args = parser.parse_args(argv)
@@ -93,6 +97,10 @@ def main(argv: list[str]) -> int:
     if (args.op == "token-combine") != (args.dispatch is not None):
         parser.error("--dispatch MODULE:FUNCTION goes with --op token-combine, and only with it")
     extra = () if args.dispatch is None else (_resolve(parser, args.dispatch),)
+    if args.op not in ("topk", "aux-scores") and args.score_functions != list(SCORE_FUNCTIONS):
+        parser.error(f"--score-functions goes with --op topk or aux-scores, not {args.op}")
+    if args.no_groups and args.op != "topk":
+        parser.error(f"--no-groups goes with --op topk, not {args.op}")
     examples = args.examples
     if args.profile is not None:
         profiles.load(args.profile)
@@ -102,6 +110,10 @@ def main(argv: list[str]) -> int:
     kw = dict(max_examples=examples, dtypes=tuple(args.dtypes), grads=not args.no_grads, seed=args.seed)
     if args.op in ("topk", "aux-scores"):
         kw["score_functions"] = tuple(args.score_functions)
+    if args.no_groups:
+        kw["groups"] = False
+    if args.properties is not None:
+        kw["properties"] = args.properties
     check = {"topk": checks.check_topk, "aux-scores": checks.check_aux_scores,
              "aux-loss": checks.check_aux_loss, "z-loss": checks.check_router_z_loss,
              "token-dispatch": checks.check_token_dispatch, "token-combine": checks.check_token_combine}[args.op]
@@ -109,6 +121,8 @@ def main(argv: list[str]) -> int:
     try:
         with checks.listening(_progress_line(examples)):
             report = check(fn, *extra, **kw)
+    except ValueError as e:  # the check's own arguments (fn's errors are violations, CheckFailure)
+        parser.error(str(e))
     except checks.CheckFailure as failure:
         print(failure.report.table())
         print()

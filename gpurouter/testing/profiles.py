@@ -10,7 +10,8 @@ seconds), prints the reproduction blob and allows slow examples.
 :func:`register` registers them with hypothesis (under ``prefix + name``);
 ``settings.load_profile("ci")`` then selects one, or pytest's
 ``--hypothesis-profile=ci``. The conformance checks start from the loaded
-profile's settings (``max_examples`` and ``seed`` given to a check win).
+profile's settings (``max_examples`` and ``seed`` given to a check win; with
+no profile loaded they are derandomised, as ``ci``).
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def tie_free_rows_np(seed: int, cfg: RouterConfig, bias=None, *, tries: int = 20
 
 #: Values of :func:`tied_logits` and :func:`masked_logits`: multiples of 1/2 in [-2, 2],
 #: exact in float32, bfloat16 and float16, and far apart after any score function.
-TIE_VALUES = (-2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0)
+TIE_VALUES = (-2.0, -1.5, -1.0, -0.5, -0.0, 0.0, 0.5, 1.0, 1.5, 2.0)  # -0.0 ties +0.0 (contract section 2)
 
 
 def tie_configs(**kwargs):
@@ -261,7 +261,8 @@ def tied_logits(draw, cfg: RouterConfig) -> np.ndarray:
     """
     rows = []
     for _ in range(cfg.num_tokens):
-        levels = draw(st.lists(st.sampled_from(TIE_VALUES), min_size=1, max_size=3, unique=True))
+        # unique by repr: -0.0 and 0.0 are two levels (equal as numbers: a tie)
+        levels = draw(st.lists(st.sampled_from(TIE_VALUES), min_size=1, max_size=3, unique_by=repr))
         idx = draw(hnp.arrays(np.int8, (cfg.num_experts,), elements=st.integers(0, len(levels) - 1)))
         rows.append(np.asarray(levels, np.float32)[idx])
     return np.stack(rows).astype(np.float32)

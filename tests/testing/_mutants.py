@@ -43,7 +43,7 @@ def bias_in_weights(x, k, pre, g, gk, s, sf, b):
     p, m = ref(x, k, pre, g, gk, s, sf, b)
     if b is None:
         return p, m
-    return jnp.where(m, p + (s * b).astype(p.dtype), 0).astype(p.dtype), m
+    return jnp.where(m, p + jnp.broadcast_to(s * b, p.shape).astype(p.dtype), 0).astype(p.dtype), m
 
 
 def scaling_twice(x, k, pre, g, gk, s, sf, b):

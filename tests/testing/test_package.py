@@ -113,3 +113,66 @@ def test_check_aux_scores_takes_te_s_router_op_as_it_is():
                         "--op", "aux-scores", "--examples", "1", "--seed", "0", "--dtypes", "float32",
                         "--no-grads"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_checks_are_derandomised_without_a_profile():
+    """No hypothesis profile loaded (hypothesis's own default) and no seed: the checks
+    draw the same examples on every run (as the ci profile); a seed gives seeded
+    random draws; a loaded profile keeps its own randomness."""
+    from hypothesis import settings
+
+    from gpurouter.testing.checks._report import _settings
+
+    loaded = settings.default
+    try:
+        settings.load_profile("default")
+        assert _settings(5, None).derandomize is True
+        assert _settings(5, 3).derandomize is False
+        settings.register_profile("gpurouter-test-random", settings(derandomize=False))
+        settings.load_profile("gpurouter-test-random")
+        assert _settings(5, None).derandomize is False
+    finally:
+        settings.register_profile("gpurouter-test-restore", loaded)
+        settings.load_profile("gpurouter-test-restore")
+
+
+def test_check_topk_without_groups_and_one_property_by_name():
+    """``groups=False``: a router that knows nothing of groups passes (no grouped config
+    is drawn, the group properties are skipped); ``properties`` takes one name as a str."""
+    import jax
+    import jax.numpy as jnp
+
+    from gpurouter.testing import check_topk
+
+    def softmax_topk(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor, score_function,
+                     expert_bias):
+        assert not (group_topk is not None and group_topk > 0), "no groups here"
+        x = logits.astype(jnp.float32)
+        x = jnp.where(jnp.isnan(x), -jnp.inf, x)
+        _, idx = jax.lax.top_k(x, topk)
+        rmap = jnp.any(jax.nn.one_hot(idx, x.shape[-1], dtype=bool), axis=-2)
+        xf = logits.astype(jnp.float32)
+        w = jax.nn.softmax(xf if use_pre_softmax else jnp.where(rmap, xf, -jnp.inf), axis=-1)
+        return jnp.where(rmap, scaling_factor * w, 0.0).astype(logits.dtype), rmap
+
+    report = check_topk(softmax_topk, score_functions=("softmax",), dtypes=("float32",), groups=False,
+                        max_examples=5, grads=False, properties=["values (tie-free)", "group-limited selection"])
+    assert [(p.name, p.status) for p in report.properties] == [
+        ("values (tie-free)", "passed"), ("group-limited selection", "skipped")]
+    one = check_topk(softmax_topk, score_functions=("softmax",), dtypes=("float32",), groups=False,
+                     max_examples=3, grads=False, properties="values (tie-free)")
+    assert [p.name for p in one.properties] == ["values (tie-free)"]
+
+
+def test_cli_options_that_do_not_apply_are_usage_errors():
+    """``--score-functions`` off topk / aux-scores, ``--no-groups`` off topk and an unknown
+    ``--properties`` name: exit 2 with a message, not a silent run or a traceback."""
+    base = [sys.executable, "-m", "gpurouter", "check"]
+    for args, says in ((["gpurouter.reference:router_z_loss", "--op", "z-loss", "--score-functions", "softmax"],
+                        "--score-functions goes with --op topk or aux-scores"),
+                       (["gpurouter.reference:router_z_loss", "--op", "z-loss", "--no-groups"],
+                        "--no-groups goes with --op topk"),
+                       (["gpurouter.reference:router_z_loss", "--op", "z-loss", "--properties", "nope",
+                         "--examples", "1"], "unknown properties ['nope']")):
+        r = subprocess.run(base + args, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and says in r.stderr, r.stderr[-2000:]

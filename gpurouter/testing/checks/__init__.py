@@ -13,10 +13,12 @@ tolerances (:mod:`gpurouter.testing.tolerances`):
   violation too, and the message says what ``fn`` returned.
 
 ``max_examples`` counts per property (properties whose configs are excluded by
-``dtypes``/``score_functions`` are reported as skipped). ``seed`` makes a run
-reproducible; without it the hypothesis settings of the current profile decide
-(derandomised under the ``ci`` profile of :mod:`gpurouter.testing.profiles`).
-``properties`` (keyword-only, optional) runs only the named properties.
+``dtypes``/``score_functions`` are reported as skipped). ``seed`` draws seeded
+random examples; without it a run is derandomised (the same examples on every
+run) unless a hypothesis profile is loaded, whose randomness then decides
+(``fuzz`` of :mod:`gpurouter.testing.profiles`: random). ``properties``
+(keyword-only, optional) runs only the named properties (a name, or a list of
+names, exactly as the report prints them).
 ``with listening(fn):`` calls ``fn(op, index, total, property, examples)`` as
 each property starts and after each example (a long run's progress).
 """

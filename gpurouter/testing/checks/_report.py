@@ -85,6 +85,10 @@ def _settings(max_examples: int, seed, shrink: bool = True) -> settings:
         kw["phases"] = (Phase.explicit, Phase.reuse, Phase.generate)
     if seed is not None:
         kw["derandomize"] = False
+    elif settings.default is settings.get_profile("default"):
+        # no profile loaded (hypothesis's own default): the same examples on every run, as
+        # the ci profile; a loaded profile's randomness decides otherwise (fuzz: random)
+        kw["derandomize"] = True
     return settings(settings.default, **kw)
 
 
@@ -122,6 +126,8 @@ def _counted(body, count, where=None):
 def _run(op: str, props: list[tuple[str, Callable]], only, max_examples: int, seed,
          shrink: bool = True) -> CheckReport:
     names = [n for n, _ in props]
+    if isinstance(only, str):  # one property by its name
+        only = [only]
     if only is not None:
         unknown = [n for n in only if n not in names]
         if unknown:

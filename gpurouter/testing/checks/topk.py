@@ -97,14 +97,17 @@ def _topk_forward_check(fn, cfg: RouterConfig, x, bias, *, nan_rows_values: bool
 
 def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
                score_functions: Sequence[str] = SCORE_FUNCTIONS, grads: bool = True, seed=None,
-               properties: Sequence[str] | None = None) -> CheckReport:
+               properties: Sequence[str] | str | None = None, groups: bool = True) -> CheckReport:
     """Checks a router top-k against docs/contract.md sections 2-3.
 
     ``fn(logits, topk, use_pre_softmax, num_groups, group_topk, scaling_factor,
     score_function, expert_bias)`` (TE's positional order; ``score_function`` a
-    str, ``num_groups``/``group_topk`` -1 when off, ``expert_bias`` None or
+    str; grouping is on iff ``group_topk > 0``: off, the pair is ``(-1, -1)``,
+    ``(0, 0)`` or ``(1, -1)``, as TE's callers pass it; ``expert_bias`` None or
     float32 ``[E]``) must return ``(probs, routing_map)``: probs of the dtype of
     ``logits``, a bool map, both of the shape of ``logits`` (any leading dims).
+    ``groups=False``: a router without group-limited routing; no grouped config
+    is drawn, and the two group properties are skipped.
 
     Properties (``max_examples`` each): values and maps on tie-free inputs;
     the same on logits in the thousands (softmax and sqrtsoftplus: no overflow);
@@ -120,11 +123,12 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
         raise ValueError(f"check_topk: dtypes must be among {DTYPES} and score_functions among "
                          f"{SCORE_FUNCTIONS}; got {dtypes}, {sfs}")
     biased = tuple(s for s in sfs if s != "softmax")
+    plain = {} if groups else {"grouped": False}  # the draws of every property but the group ones
     unsaturated = tuple(s for s in sfs if s != "sigmoid")
 
     def values():
         def body(data):
-            _topk_forward_check(fn, *draw_tie_free(data, dtypes, sfs))
+            _topk_forward_check(fn, *draw_tie_free(data, dtypes, sfs, **plain))
         return body
 
     def large():
@@ -132,12 +136,15 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
             raise _Skip("no softmax/sqrtsoftplus in score_functions")
 
         def body(data):  # exp and softplus of logits in the thousands: no overflow to inf or NaN
-            cfg = draw_config(data, dtypes, unsaturated)
+            cfg = draw_config(data, dtypes, unsaturated, **plain)
             bias = data.draw(biases(cfg), label="expert_bias")
             _topk_forward_check(fn, cfg, data.draw(large_logits(cfg, bias), label="logits"), bias)
         return body
 
-    def groups():
+    def grouped():
+        if not groups:
+            raise _Skip("groups=False")
+
         def body(data):
             # some group is always excluded
             _topk_forward_check(fn, *draw_tie_free(data, dtypes, sfs, grouped=True, exclude_a_group=True))
@@ -148,18 +155,21 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
             raise _Skip("no sigmoid/sqrtsoftplus in score_functions")
 
         def body(data):
-            _topk_forward_check(fn, *draw_tie_free(data, dtypes, biased, bias=True))
+            _topk_forward_check(fn, *draw_tie_free(data, dtypes, biased, bias=True, **plain))
         return body
 
     def ties():
         def body(data):
-            cfg, bias = draw_tie_config(data, dtypes, sfs)
+            cfg, bias = draw_tie_config(data, dtypes, sfs, **plain)
             x = data.draw(tied_logits(cfg), label="logits")
             assume_robust(cfg, x, bias)
             _topk_forward_check(fn, cfg, x, bias)
         return body
 
     def group_ties():
+        if not groups:
+            raise _Skip("groups=False")
+
         def body(data):
             cfg, _ = draw_tie_config(data, dtypes, sfs, grouped=True, bias=False, exclude_a_group=True)
             x = data.draw(group_tied_logits(cfg), label="logits")
@@ -169,7 +179,7 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
 
     def masking():
         def body(data):
-            cfg, bias = draw_tie_config(data, dtypes, sfs)
+            cfg, bias = draw_tie_config(data, dtypes, sfs, **plain)
             x = data.draw(masked_logits(cfg), label="logits")
             assume_robust(cfg, x, bias)
             _topk_forward_check(fn, cfg, x, bias)
@@ -203,7 +213,7 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
             raise _Skip("grads=False")
 
         def body(data):
-            cfg, x, bias = draw_tie_free(data, dtypes, sfs)
+            cfg, x, bias = draw_tie_free(data, dtypes, sfs, **plain)
             _grad_check(data, cfg, x, bias)
         return body
 
@@ -212,7 +222,7 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
             raise _Skip("grads=False")
 
         def body(data):
-            cfg, bias = draw_tie_config(data, dtypes, sfs)
+            cfg, bias = draw_tie_config(data, dtypes, sfs, **plain)
             x = data.draw(masked_logits(cfg, allow_nan=False,
                                         all_masked_rows=cfg.score_function != "softmax"), label="logits")
             if cfg.score_function == "softmax":  # an all -inf row is NaN for softmax (contract section 2)
@@ -223,7 +233,7 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
 
     def transforms():
         def body(data):
-            cfg, x, bias = draw_tie_free(data, dtypes, sfs)
+            cfg, x, bias = draw_tie_free(data, dtypes, sfs, **plain)
             args = _topk_args(cfg, x, bias)
             statics, bj, dt = args[1:7], args[7], np_dtype(cfg.dtype)
             T, E = cfg.shape
@@ -273,7 +283,7 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
                     raise _Violation(f"{_case(cfg, x, bias, '  under jax.jit(jax.grad(sum(probs * g)))')}\n{msg}")
         return body
 
-    props = [("values (tie-free)", values), ("large logits", large), ("group-limited selection", groups),
+    props = [("values (tie-free)", values), ("large logits", large), ("group-limited selection", grouped),
              ("bias chooses, never weighs", bias_only_chooses), ("tie rule", ties),
              ("ties of groups", group_ties), ("-inf and NaN masking", masking),
              ("gradients", gradients), ("gradients with -inf", masked_gradients),
