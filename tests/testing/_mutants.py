@@ -138,6 +138,16 @@ def grad_without_scaling(x, k, pre, g, gk, s, sf, b):
     return (jax.lax.stop_gradient(p) + (q - jax.lax.stop_gradient(q))).astype(p.dtype), m
 
 
+def bias_gets_a_gradient(x, k, pre, g, gk, s, sf, b):
+    """The forward right, but the probs' cotangent leaks into ``expert_bias`` (a custom
+    VJP that returns one for the bias: contract section 3 gives it none)."""
+    p, m = ref(x, k, pre, g, gk, s, sf, b)
+    if b is None:
+        return p, m
+    leak = jnp.sum(jnp.where(m, b, 0.0), axis=-1, keepdims=True)
+    return (p + (leak - jax.lax.stop_gradient(leak)).astype(p.dtype)).astype(p.dtype), m
+
+
 def softmax_pre_grad_wrong(x, k, pre, g, gk, s, sf, b):
     p, m = ref(x, k, pre, g, gk, s, sf, b)
     if sf != "softmax" or not pre:
@@ -291,6 +301,7 @@ TOPK_MUTANTS = [
     (sigmoid_unnormalised, "values (tie-free)"),
     (grad_without_scaling, "gradients"),
     (softmax_pre_grad_wrong, "gradients"),
+    (bias_gets_a_gradient, "gradients"),
     (crashes_on_empty, "jit, vmap, grad, leading dims, T=0"),
     (flattens_leading_dims, "jit, vmap, grad, leading dims, T=0"),
     (normalised_over_all_experts, "values (tie-free)"),

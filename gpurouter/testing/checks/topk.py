@@ -114,8 +114,8 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
     group-limited selection; the bias chooses but never weighs; the tie rule;
     ties of groups; ``-inf``/NaN masking; gradients against the oracle's
     backward with random cotangents, on tie-free and on ``-inf``-masked rows
-    (``grads=True``); ``jit``, ``vmap``, ``grad`` under ``jit``, leading dims and
-    T = 0. Returns a :class:`CheckReport`; raises :class:`CheckFailure`.
+    (``grads=True``; with a bias, its gradient must be 0); ``jit``, ``vmap``,
+    ``grad`` under ``jit``, leading dims and T = 0. Returns a :class:`CheckReport`; raises :class:`CheckFailure`.
     """
     dtypes, sfs = tuple(dtypes), tuple(score_functions)
     bad = [d for d in dtypes if d not in DTYPES] + [s for s in sfs if s not in SCORE_FUNCTIONS]
@@ -207,6 +207,21 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
         msg = _close(dx, e_dx, "grads", cfg.dtype, E=cfg.num_experts, what="grad_logits")
         if msg:
             raise _Violation(f"{ctx}\n{msg}")
+        if bias is not None:  # contract section 3: gradients flow to the logits only
+
+            def fb(b):
+                return _pair(fn(args[0], *args[1:7], b), cfg.shape, np_dtype(cfg.dtype), cfg.shape, ctx0)[0]
+
+            try:
+                db = jax.jit(lambda b, c: jax.vjp(fb, b)[1](c)[0])(args[7], as_jnp(g, cfg.dtype))
+            except _Violation:
+                raise
+            except Exception as e:  # noqa: BLE001
+                raise _Violation(f"{ctx}\njax.vjp of fn with respect to expert_bias raised "
+                                 f"{type(e).__name__}: {e}") from None
+            if np.asarray(db, np.float32).any():
+                raise _Violation(f"{ctx}\nexpert_bias got a gradient (contract section 3: gradients flow to the "
+                                 f"logits only; the bias only selects): {_arr(np.asarray(db, np.float32))}")
 
     def gradients():
         if not grads:
