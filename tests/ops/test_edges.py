@@ -160,3 +160,30 @@ def test_subnormal_logits_order_by_value_in_the_kernels():
     _, rmap, _, idx = topk_with_score_function_fwd(x, 3, return_indices=True)
     np.testing.assert_array_equal(np.asarray(idx), [[2, 1, 0]])
     np.testing.assert_array_equal(np.asarray(rmap), oracles.topk_fwd(x, 3)[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_experts", [6, 8])  # the streaming backward (E % 4 != 0), the quad one
+@pytest.mark.parametrize("compute_aux_scores", [False, True])
+def test_all_zero_scores_get_a_zero_gradient(backend, num_experts, compute_aux_scores, request):
+    """Contract section 3: where every selected sigmoid score is 0 (a row of -inf, or of
+    logits whose sigmoid underflows), the derivative is 0 on every backend, not 0 / 0.
+
+    Known failure (found 2026-11-29, not yet mended: a kernel change needs a seeds
+    remake on the GPU): the streaming backward (``kernels/topk/bwd_stream.py``) divides
+    by ``(S + eps)**2``, which the simulator's arithmetic (XLA:CPU's callback thread,
+    FTZ) flushes to 0, so numba gives NaN at E = 6 there."""
+    if backend == "numba" and num_experts % 4 and os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        # strict: once the kernel is mended this passes, and the marker must go
+        request.applymarker(pytest.mark.xfail(strict=True, reason="bwd_stream's (S + eps)**2 flushes to 0 on "
+                                              "the simulator: NaN (docstring)"))
+    for value in (-np.inf, -200.0):
+        x = jnp.full((1, num_experts), value, jnp.float32)
+
+        def probs(v):
+            return gr.fused_topk_with_score_function(v, 2, score_function="sigmoid",
+                                                     compute_aux_scores=compute_aux_scores,
+                                                     **_backend_kw(backend))[0]
+
+        dx = jax.vjp(probs, x)[1](jnp.zeros((1, num_experts), jnp.float32))[0]
+        np.testing.assert_array_equal(np.asarray(dx), np.zeros((1, num_experts), np.float32))
