@@ -148,6 +148,18 @@ def bias_gets_a_gradient(x, k, pre, g, gk, s, sf, b):
     return (p + (leak - jax.lax.stop_gradient(leak)).astype(p.dtype)).astype(p.dtype), m
 
 
+def nan_gradient_off_the_map(x, k, pre, g, gk, s, sf, b):
+    """The forward right, but a NaN logit off the map gets a NaN gradient: the sigmoid's
+    derivative at NaN times a zero cotangent (a ``where`` hides a NaN forward, not
+    backward; contract section 2, "NaN at unselected experts")."""
+    p, m = ref(x, k, pre, g, gk, s, sf, b)
+    if sf != "sigmoid":
+        return p, m
+    z = jax.nn.sigmoid(x.astype(jnp.float32))
+    leak = jnp.where(jnp.isnan(z), 0.0, 0.0 * (z - jax.lax.stop_gradient(z)))
+    return (p + leak.astype(p.dtype)).astype(p.dtype), m
+
+
 def softmax_pre_grad_wrong(x, k, pre, g, gk, s, sf, b):
     p, m = ref(x, k, pre, g, gk, s, sf, b)
     if sf != "softmax" or not pre:
@@ -302,6 +314,7 @@ TOPK_MUTANTS = [
     (grad_without_scaling, "gradients"),
     (softmax_pre_grad_wrong, "gradients"),
     (bias_gets_a_gradient, "gradients"),
+    (nan_gradient_off_the_map, "gradients with -inf"),
     (crashes_on_empty, "jit, vmap, grad, leading dims, T=0"),
     (flattens_leading_dims, "jit, vmap, grad, leading dims, T=0"),
     (normalised_over_all_experts, "values (tie-free)"),

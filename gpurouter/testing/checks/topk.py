@@ -113,7 +113,8 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
     the same on logits in the thousands (softmax and sqrtsoftplus: no overflow);
     group-limited selection; the bias chooses but never weighs; the tie rule;
     ties of groups; ``-inf``/NaN masking; gradients against the oracle's
-    backward with random cotangents, on tie-free and on ``-inf``-masked rows
+    backward with random cotangents, on tie-free and on ``-inf``/NaN-masked rows
+    (an expert off the map gets exactly 0, NaN logit or not)
     (``grads=True``; with a bias, its gradient must be 0); ``jit``, ``vmap``,
     ``grad`` under ``jit``, leading dims and T = 0. Returns a :class:`CheckReport`; raises :class:`CheckFailure`.
     """
@@ -238,7 +239,8 @@ def check_topk(fn, *, max_examples: int = 100, dtypes: Sequence[str] = DTYPES,
 
         def body(data):
             cfg, bias = draw_tie_config(data, dtypes, sfs, **plain)
-            x = data.draw(masked_logits(cfg, allow_nan=False,
+            # NaN too, except for softmax pre (one NaN makes the whole row NaN: contract section 2)
+            x = data.draw(masked_logits(cfg, allow_nan=not cfg.use_pre_softmax,
                                         all_masked_rows=cfg.score_function != "softmax"), label="logits")
             if cfg.score_function == "softmax":  # an all -inf row is NaN for softmax (contract section 2)
                 x[np.isinf(x).all(-1), 0] = 0.0
