@@ -257,12 +257,15 @@ def tied_logits(draw, cfg: RouterConfig) -> np.ndarray:
 
     Invariants: every value is in :data:`TIE_VALUES` (exact in every dtype of
     :data:`DTYPES`); each row draws from at most 3 of them, so most rows tie
-    at the top-K boundary; all finite.
+    at the top-K boundary; about a row in four is ``+0.0`` and ``-0.0`` only
+    (equal: a row of ties that a sort on the raw bits would order); all finite.
     """
     rows = []
     for _ in range(cfg.num_tokens):
-        # unique by repr: -0.0 and 0.0 are two levels (equal as numbers: a tie)
-        levels = draw(st.lists(st.sampled_from(TIE_VALUES), min_size=1, max_size=3, unique_by=repr))
+        if draw(st.integers(0, 3), label="signed zeros") == 0:
+            levels = [0.0, -0.0]
+        else:  # unique by repr: -0.0 and 0.0 are two levels (equal as numbers: a tie)
+            levels = draw(st.lists(st.sampled_from(TIE_VALUES), min_size=1, max_size=3, unique_by=repr))
         idx = draw(hnp.arrays(np.int8, (cfg.num_experts,), elements=st.integers(0, len(levels) - 1)))
         rows.append(np.asarray(levels, np.float32)[idx])
     return np.stack(rows).astype(np.float32)

@@ -39,6 +39,13 @@ def higher_index_wins(x, k, pre, g, gk, s, sf, b):
     return flip(p), flip(m)
 
 
+def negative_zero_below_zero(x, k, pre, g, gk, s, sf, b):
+    """Ranks a ``-0.0`` logit below ``+0.0`` (as a sort on the raw bits does): the
+    contract ties them, the lower index first."""
+    tiny = jnp.asarray(jnp.finfo(x.dtype).smallest_subnormal, x.dtype)
+    return ref(jnp.where((x == 0) & jnp.signbit(x), -tiny, x), k, pre, g, gk, s, sf, b)
+
+
 def bias_in_weights(x, k, pre, g, gk, s, sf, b):
     p, m = ref(x, k, pre, g, gk, s, sf, b)
     if b is None:
@@ -301,6 +308,7 @@ def pre_softmax_unmasked(x, k, pre, g, gk, s, sf, b):
 TOPK_MUTANTS = [
     (higher_index_wins, "tie rule"),
     (higher_index_wins, "ties of groups"),
+    (negative_zero_below_zero, "tie rule"),
     (bias_in_weights, "bias chooses, never weighs"),
     (scaling_twice, "values (tie-free)"),
     (scaling_never, "values (tie-free)"),
