@@ -101,8 +101,11 @@ def _topk_plan(cfg: TopkConfig, call: _KernelCall, save: bool, logits, *extra):
 def _topk(x, extra, cfg: TopkConfig, call: _KernelCall):
     """``extra``: the fp32 bias, the forced indices (``call.forced``) or None.
     Without a gradient the warp kernel's saved scores are not an output (nor
-    allocated: it skips their stores), except where the QB counts read them."""
-    return _topk_fwd(x, extra, cfg, call, save=call.forced or not _warp_rule(cfg, x.shape[-1]))[0]
+    allocated: it skips their stores), except where the QB counts read them
+    (the QB cutoff); the other kernels always write them (the one place that
+    decides)."""
+    save = call.forced or bool(call.qb_cutoff) or not _warp_rule(cfg, x.shape[-1])
+    return _topk_fwd(x, extra, cfg, call, save=save)[0]
 
 
 def _topk_vjp_fwd(x, extra, cfg: TopkConfig, call: _KernelCall):
@@ -117,8 +120,6 @@ def _topk_fwd(x, extra, cfg: TopkConfig, call: _KernelCall, save: bool = True):
     tokens, per_call = [x], []
     if extra is not None:
         (tokens if call.forced else per_call).append(extra)
-    # with the QB cutoff the QB counts read the saved scores (the QB sigmoid's bits)
-    save = save or bool(call.qb_cutoff)
     # The plan of this call's shapes, built at trace time (and cached): a plan's
     # error raises here, never inside a host callback, and its kernels compile
     # before the first launch on every transport.
